@@ -1,0 +1,76 @@
+"""certckpt: certified, pickle-free PyTorch checkpoints.
+
+Public names only. Torch-dependent names (``save``, ``load``, ``fingerprint``...) are imported on
+first use, so ``certckpt verify`` and ``certckpt inspect`` never pay torch's import time.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from .errors import (
+    CertckptError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    MissingDependencyError,
+    NotACheckpointError,
+    StorageError,
+    UnsupportedObjectError,
+)
+from .verify import CheckpointInfo, Problem, VerifyReport, inspect, verify
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "save": "writer",
+    "SaveResult": "writer",
+    "load": "reader",
+    "fingerprint": "fingerprint",
+    "fingerprint_many": "fingerprint",
+    "fingerprint_hex": "fingerprint",
+    "enable_compile": "fingerprint",
+}
+
+__all__ = [
+    "__version__",
+    "save",
+    "load",
+    "verify",
+    "inspect",
+    "fingerprint",
+    "fingerprint_many",
+    "fingerprint_hex",
+    "enable_compile",
+    "SaveResult",
+    "VerifyReport",
+    "Problem",
+    "CheckpointInfo",
+    "CertckptError",
+    "CorruptCheckpointError",
+    "NotACheckpointError",
+    "UnsupportedObjectError",
+    "CheckpointExistsError",
+    "CheckpointNotFoundError",
+    "StorageError",
+    "MissingDependencyError",
+]
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .fingerprint import enable_compile, fingerprint, fingerprint_hex, fingerprint_many
+    from .reader import load
+    from .writer import SaveResult, save
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'certckpt' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,271 @@
+"""The safetensors header: parse and validate untrusted bytes, and serialize canonically.
+
+Nothing here imports torch: ``certckpt verify`` and ``certckpt inspect`` run on this module alone.
+Every check runs before a value from the file is used to size an allocation or a loop, so a hostile
+header can cost at most ``MAX_HEADER_BYTES`` of reading and one JSON parse.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+
+from .errors import CorruptCheckpointError, NotACheckpointError
+
+__all__ = [
+    "DTYPE_SIZES",
+    "MAX_HEADER_BYTES",
+    "TensorEntry",
+    "Header",
+    "canonical_json",
+    "read_header_length",
+    "parse_header",
+    "encode_header",
+    "padded_json",
+    "is_canonical",
+    "sniff_foreign_format",
+]
+
+# Bytes per element of every dtype safetensors 0.8 stores (its `Dtype` enum).
+DTYPE_SIZES: dict[str, int] = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E5M2": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2FNUZ": 1,
+    "F8_E4M3FNUZ": 1,
+    "F8_E8M0": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "C64": 8,
+    "F64": 8,
+    "I64": 8,
+    "U64": 8,
+}
+
+# The Rust reader allows 100,000,000 bytes and huggingface_hub 25 MB; we refuse above the former
+# without allocating, and our writer refuses to produce a header above the latter.
+MAX_HEADER_BYTES = 100_000_000
+MAX_WRITTEN_HEADER_BYTES = 25_000_000
+MAX_DIMS = 64
+METADATA_KEY = "__metadata__"
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    """One row of the tensor table: offsets are relative to the start of the data buffer."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    """A validated header.
+
+    Attributes:
+        length: N, the header's byte length as declared by the first 8 bytes.
+        raw: the N header bytes exactly as read.
+        entries: the tensor table in data order (ascending offsets).
+        metadata: the ``__metadata__`` map (string to string), empty when absent.
+        data_start: byte offset of the data buffer in the file (``8 + N``).
+        data_length: total bytes of the data buffer.
+    """
+
+    length: int
+    raw: bytes
+    entries: tuple[TensorEntry, ...]
+    metadata: dict[str, str]
+    data_start: int
+    data_length: int
+
+    @property
+    def file_length(self) -> int:
+        return self.data_start + self.data_length
+
+
+def canonical_json(obj: object) -> str:
+    """The one serialization certckpt writes: compact separators, ASCII only, insertion order."""
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+
+
+def sniff_foreign_format(prefix: bytes) -> str | None:
+    """Name the format of a file that is clearly not safetensors, from its first bytes."""
+    if prefix.startswith(b"PK\x03\x04"):
+        return "a torch.save zip archive (pickle-based); load it with torch.load(weights_only=True) and re-save with certckpt.save"
+    if len(prefix) >= 2 and prefix[0] == 0x80 and 2 <= prefix[1] <= 5:
+        return "a raw pickle (legacy torch.save); certckpt never unpickles — convert it with torch.load(weights_only=True) and certckpt.save"
+    if prefix.startswith(b"\x1f\x8b"):
+        return "a gzip archive"
+    return None
+
+
+def read_header_length(prefix: bytes, *, file_length: int | None, source: str) -> int:
+    """Decode and bound the 8-byte little-endian header length.
+
+    Raises:
+        NotACheckpointError: the bytes are a known foreign format or not safetensors at all.
+        CorruptCheckpointError: a safetensors-shaped file whose declared length is impossible.
+    """
+    foreign = sniff_foreign_format(prefix)
+    if foreign:
+        raise NotACheckpointError(f"{source}: not a certckpt checkpoint: it is {foreign}")
+    if len(prefix) < 8:
+        raise CorruptCheckpointError(
+            f"{source}: truncated: the file has {len(prefix)} bytes, fewer than the 8-byte header length;"
+            " restore it from a good copy"
+        )
+    (n,) = struct.unpack("<Q", prefix[:8])
+    # A safetensors header is a JSON object: the byte after the length is '{'. When it is not, the
+    # file was never safetensors (a text file, an image), which is "not a checkpoint", not "corrupt".
+    if len(prefix) > 8 and prefix[8:9] != b"{":
+        raise NotACheckpointError(
+            f"{source}: not a certckpt checkpoint: not a safetensors file (no JSON header after the length)"
+        )
+    if n < 2:
+        raise CorruptCheckpointError(f"{source}: malformed header: declared header length {n} bytes is too small")
+    if n > MAX_HEADER_BYTES:
+        raise CorruptCheckpointError(
+            f"{source}: malformed header: declared header length {n} bytes exceeds the {MAX_HEADER_BYTES}-byte limit;"
+            " the length field is damaged or the file is hostile"
+        )
+    if file_length is not None and 8 + n > file_length:
+        raise CorruptCheckpointError(
+            f"{source}: truncated: header declares {n} bytes but the file has only {file_length} bytes"
+        )
+    return n
+
+
+def _as_nonneg_int(value: object, what: str, source: str) -> int:
+    # bool is an int subclass; JSON `true` must not pass as 1.
+    if type(value) is not int or value < 0:
+        raise CorruptCheckpointError(f"{source}: malformed header: {what} must be a non-negative integer, found {value!r:.80}")
+    return value
+
+
+def parse_header(raw: bytes, *, source: str, file_length: int | None) -> Header:
+    """Parse and validate header bytes (without the 8-byte length prefix).
+
+    Checks: UTF-8 JSON object; entries shaped ``{"dtype", "shape", "data_offsets"}``; known dtypes;
+    shape product times element size equals the byte span; offsets contiguous from 0 without holes
+    or overlaps; the file length equals ``8 + N + data length`` when known.
+    """
+    n = len(raw)
+    try:
+        text = raw.decode("utf-8")
+        doc = json.loads(text)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise CorruptCheckpointError(f"{source}: malformed header: not valid UTF-8 JSON ({e.__class__.__name__})") from e
+    if not isinstance(doc, dict):
+        raise CorruptCheckpointError(f"{source}: malformed header: expected a JSON object, found {type(doc).__name__}")
+
+    metadata: dict[str, str] = {}
+    if METADATA_KEY in doc:
+        meta = doc[METADATA_KEY]
+        if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+            raise CorruptCheckpointError(f"{source}: malformed header: __metadata__ must map strings to strings")
+        metadata = meta
+
+    entries: list[TensorEntry] = []
+    for name, spec in doc.items():
+        if name == METADATA_KEY:
+            continue
+        where = f"tensor `{name[:200]}`"
+        if not isinstance(spec, dict) or set(spec) != {"dtype", "shape", "data_offsets"}:
+            raise CorruptCheckpointError(
+                f"{source}: malformed header: {where} must have exactly dtype, shape and data_offsets"
+            )
+        dtype = spec["dtype"]
+        if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
+            raise CorruptCheckpointError(f"{source}: malformed header: {where} has unknown dtype {dtype!r:.40}")
+        shape = spec["shape"]
+        if not isinstance(shape, list) or len(shape) > MAX_DIMS:
+            raise CorruptCheckpointError(f"{source}: malformed header: {where} shape must be a list of at most {MAX_DIMS} sizes")
+        dims = tuple(_as_nonneg_int(d, f"{where} shape entry", source) for d in shape)
+        offsets = spec["data_offsets"]
+        if not isinstance(offsets, list) or len(offsets) != 2:
+            raise CorruptCheckpointError(f"{source}: malformed header: {where} data_offsets must be [begin, end]")
+        begin = _as_nonneg_int(offsets[0], f"{where} begin offset", source)
+        end = _as_nonneg_int(offsets[1], f"{where} end offset", source)
+        if end < begin:
+            raise CorruptCheckpointError(f"{source}: malformed header: {where} ends ({end}) before it begins ({begin})")
+        numel = 1
+        for d in dims:
+            numel *= d  # Python ints: no overflow, and len(dims) <= MAX_DIMS bounds the loop
+        if numel * DTYPE_SIZES[dtype] != end - begin:
+            raise CorruptCheckpointError(
+                f"{source}: malformed header: {where} shape {list(dims)} of {dtype} needs "
+                f"{numel * DTYPE_SIZES[dtype]} bytes but its offsets span {end - begin}"
+            )
+        entries.append(TensorEntry(name, dtype, dims, begin, end))
+
+    entries.sort(key=lambda e: (e.begin, e.end))
+    cursor = 0
+    for e in entries:
+        if e.begin != cursor:
+            kind = "overlaps the previous tensor" if e.begin < cursor else "leaves a hole before it"
+            raise CorruptCheckpointError(
+                f"{source}: malformed header: tensor `{e.name[:200]}` at offset {e.begin} {kind} (expected {cursor})"
+            )
+        cursor = e.end
+    data_start = 8 + n
+    if file_length is not None:
+        if data_start + cursor > file_length:
+            raise CorruptCheckpointError(
+                f"{source}: truncated: the tensors need {data_start + cursor} bytes but the file has {file_length}"
+            )
+        if data_start + cursor < file_length:
+            raise CorruptCheckpointError(
+                f"{source}: {file_length - data_start - cursor} unexpected trailing bytes after the last tensor"
+            )
+    return Header(
+        length=n,
+        raw=bytes(raw),
+        entries=tuple(entries),
+        metadata=metadata,
+        data_start=data_start,
+        data_length=cursor,
+    )
+
+
+def padded_json(doc: dict) -> bytes:
+    """Canonical JSON of a header document, space-padded to a multiple of 8 bytes (no length prefix)."""
+    body = canonical_json(doc).encode("ascii")
+    return body + b" " * (-len(body) % 8)
+
+
+def encode_header(doc: dict) -> bytes:
+    """Serialize a header document canonically, padded with spaces to a multiple of 8 bytes."""
+    body = padded_json(doc)
+    if len(body) > MAX_WRITTEN_HEADER_BYTES:
+        raise ValueError(
+            f"the checkpoint header would be {len(body)} bytes (limit {MAX_WRITTEN_HEADER_BYTES}); "
+            "the object has too many tensors or too large a skeleton — save large parts separately"
+        )
+    return struct.pack("<Q", len(body)) + body
+
+
+def is_canonical(header: Header) -> bool:
+    """True when the raw header bytes are exactly what ``encode_header`` writes for their content.
+
+    JSON tolerates whitespace and escapes, so a flipped padding or separator byte can leave the parsed
+    content unchanged; comparing bytes to the canonical form catches every such change.
+    """
+    try:
+        return padded_json(json.loads(header.raw.decode("utf-8"))) == header.raw
+    except ValueError:  # NaN/Infinity literals parse but cannot be re-serialized canonically
+        return False

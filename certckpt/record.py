@@ -1,0 +1,175 @@
+"""The certckpt record: the versioned JSON document stored under ``__metadata__["certckpt"]``.
+
+The schema is documented in ``docs/format.md``. Every hash in the record has a fixed width, so the
+header's byte length is known before any fingerprint is computed; the writer relies on that to write
+the data first and the header last. No torch import here.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import xxhash
+
+from .errors import CorruptCheckpointError, NotACheckpointError
+from .header import METADATA_KEY, Header, TensorEntry, canonical_json, encode_header, is_canonical, padded_json
+
+__all__ = ["SCHEMA_VERSION", "RECORD_KEY", "CheckpointRecord", "build_header", "parse_record", "check_header", "state_fingerprint"]
+
+SCHEMA_VERSION = 1
+RECORD_KEY = "certckpt"
+FP_HEX = 16  # 64-bit device fingerprint
+DIGEST_HEX = 32  # xxh3-128
+_PLACEHOLDER_DIGEST = "0" * DIGEST_HEX
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointRecord:
+    """Everything certckpt knows about one checkpoint file.
+
+    Attributes:
+        schema: record schema version (``SCHEMA_VERSION`` when written by this certckpt).
+        run: the training run's name, or None.
+        branch: the line of training within the run (set by the auditor), or None.
+        step: optimizer update count the weights correspond to, or None.
+        step_range: ``[first, last]`` updates since the previous checkpoint (filled by the auditor).
+        parent: id of the checkpoint this branch resumed from, or None.
+        lineage: audits run since the previous checkpoint and their outcomes (filled by the auditor).
+        consensus_fp: whole-state fingerprint every replica agreed on at ``step``, or None.
+        state_fp: whole-state fingerprint of this file's tensors (hex, 16 digits).
+        tensors: per stored tensor, ``{"fp": device fingerprint, "xxh3": xxh3-128 of its bytes}``.
+        skeleton: the structure that rebuilds the saved object (see ``skeleton.py``).
+        writer: inventory of the writing process (host, torch version, devices, time).
+        user: the caller's own string metadata.
+        header_digest: xxh3-128 of the canonical header with this field zeroed.
+    """
+
+    schema: int = SCHEMA_VERSION
+    run: str | None = None
+    branch: str | None = None
+    step: int | None = None
+    step_range: list[int] | None = None
+    parent: str | None = None
+    lineage: dict[str, Any] | None = None
+    consensus_fp: str | None = None
+    state_fp: str = "0" * FP_HEX
+    tensors: dict[str, dict[str, str]] = field(default_factory=dict)
+    skeleton: Any = None
+    writer: dict[str, Any] = field(default_factory=dict)
+    user: dict[str, str] = field(default_factory=dict)
+    header_digest: str = _PLACEHOLDER_DIGEST
+
+    def to_json(self) -> str:
+        return canonical_json(asdict(self))
+
+
+def state_fingerprint(named_fps: dict[str, str]) -> str:
+    """Whole-state fingerprint: xxh3-64 (hex) of the sorted ``name=fingerprint`` lines."""
+    lines = sorted(f"{name}={fp}" for name, fp in named_fps.items())
+    return xxhash.xxh3_64_hexdigest("\n".join(lines).encode("utf-8"))
+
+
+def _header_doc(entries: list[TensorEntry], record: CheckpointRecord) -> dict:
+    doc: dict[str, Any] = {METADATA_KEY: {"format": "pt", RECORD_KEY: record.to_json()}}
+    for e in entries:
+        doc[e.name] = {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [e.begin, e.end]}
+    return doc
+
+
+def header_digest(header_bytes_without_digest: bytes) -> str:
+    return xxhash.xxh3_128_hexdigest(header_bytes_without_digest)
+
+
+def build_header(entries: list[TensorEntry], record: CheckpointRecord) -> bytes:
+    """The complete header (8-byte length + padded JSON), with ``record.header_digest`` filled in.
+
+    The length does not depend on hash values: all are fixed-width hex strings.
+    """
+    record.header_digest = _PLACEHOLDER_DIGEST
+    blank = encode_header(_header_doc(entries, record))
+    record.header_digest = header_digest(blank[8:])
+    final = encode_header(_header_doc(entries, record))
+    assert len(final) == len(blank)
+    return final
+
+
+_FIELDS = {f: None for f in CheckpointRecord.__dataclass_fields__}
+
+
+def parse_record(header: Header, *, source: str) -> CheckpointRecord:
+    """Extract and validate the certckpt record from a parsed header.
+
+    Raises:
+        NotACheckpointError: a plain safetensors file, or one written by a newer schema.
+        CorruptCheckpointError: the record is present but damaged.
+    """
+    text = header.metadata.get(RECORD_KEY)
+    if text is None:
+        raise NotACheckpointError(
+            f"{source}: not a certckpt checkpoint: a plain safetensors file without certckpt metadata;"
+            " open it with safetensors.safe_open, or re-save it with certckpt.save to certify it"
+        )
+    try:
+        doc = json.loads(text)
+    except ValueError as e:
+        raise CorruptCheckpointError(f"{source}: malformed header: the certckpt record is not valid JSON") from e
+    if not isinstance(doc, dict) or type(doc.get("schema")) is not int:
+        raise CorruptCheckpointError(f"{source}: malformed header: the certckpt record has no schema version")
+    if doc["schema"] > SCHEMA_VERSION:
+        raise NotACheckpointError(
+            f"{source}: written with certckpt record schema {doc['schema']}; this certckpt reads up to"
+            f" schema {SCHEMA_VERSION} — upgrade certckpt (pip install -U certckpt)"
+        )
+    unknown = set(doc) - set(_FIELDS)
+    missing = set(_FIELDS) - set(doc)
+    if unknown or missing:
+        raise CorruptCheckpointError(
+            f"{source}: malformed header: certckpt record fields differ from schema {doc['schema']}"
+            f" (unknown {sorted(unknown)[:5]}, missing {sorted(missing)[:5]})"
+        )
+    record = CheckpointRecord(**doc)
+    _validate(record, header, source)
+    return record
+
+
+def _is_hex(value: object, width: int) -> bool:
+    if not isinstance(value, str) or len(value) != width:
+        return False
+    try:
+        int(value, 16)
+    except ValueError:
+        return False
+    return True
+
+
+def _validate(record: CheckpointRecord, header: Header, source: str) -> None:
+    names = {e.name for e in header.entries}
+    if not isinstance(record.tensors, dict) or set(record.tensors) != names:
+        raise CorruptCheckpointError(
+            f"{source}: malformed header: the certckpt record's tensor list does not match the tensor table"
+        )
+    for name, d in record.tensors.items():
+        if not isinstance(d, dict) or not _is_hex(d.get("fp"), FP_HEX) or not _is_hex(d.get("xxh3"), DIGEST_HEX):
+            raise CorruptCheckpointError(f"{source}: malformed header: tensor `{name}` has no valid fingerprint and digest")
+    if not _is_hex(record.header_digest, DIGEST_HEX) or not _is_hex(record.state_fp, FP_HEX):
+        raise CorruptCheckpointError(f"{source}: malformed header: the certckpt record's digests are malformed")
+    if record.step is not None and type(record.step) is not int:
+        raise CorruptCheckpointError(f"{source}: malformed header: step must be an integer")
+
+
+def check_header(header: Header, record: CheckpointRecord) -> str | None:
+    """Return a one-line problem when the header bytes differ from what was written, else None."""
+    if not is_canonical(header) or header.metadata.get(RECORD_KEY) != record.to_json():
+        return "header bytes are not in the form certckpt writes (whitespace, order or encoding changed)"
+    blank = CheckpointRecord(**{**asdict(record), "header_digest": _PLACEHOLDER_DIGEST})
+    doc = json.loads(header.raw.decode("utf-8"))
+    doc[METADATA_KEY][RECORD_KEY] = blank.to_json()
+    found = header_digest(padded_json(doc))
+    if found != record.header_digest:
+        return (
+            f"header digest mismatch (expected {record.header_digest}, found {found}):"
+            " the tensor table or metadata changed after writing"
+        )
+    return None

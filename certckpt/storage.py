@@ -1,0 +1,190 @@
+"""Where bytes live: local paths, fsspec URLs and file objects, behind one narrow seam.
+
+Paths stay ``str`` (``pathlib`` would collapse the ``//`` in ``s3://``). fsspec is imported only for
+URLs, so local verification stays fast; s3fs only when an ``s3://`` URL is used, and a missing backend
+fails with the pip command that fixes it. No torch import here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import IO, Any
+
+from .errors import CheckpointExistsError, CheckpointNotFoundError, MissingDependencyError, StorageError
+
+__all__ = ["Target", "resolve", "open_read", "commit_local", "commit_remote", "temp_name", "fsync_dir"]
+
+_BACKEND_PIP = {"s3": "pip install 'certckpt[s3]'  (installs s3fs)", "gs": "pip install gcsfs", "gcs": "pip install gcsfs", "az": "pip install adlfs", "abfs": "pip install adlfs"}
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """A resolved checkpoint location.
+
+    Attributes:
+        display: how to name it in messages (the user's own spelling).
+        local: a local filesystem path, when the location is one.
+        url: the fsspec URL otherwise.
+        fileobj: a caller's open binary file object, when given one.
+    """
+
+    display: str
+    local: str | None = None
+    url: str | None = None
+    fileobj: IO[bytes] | None = None
+
+
+def resolve(f: Any) -> Target:
+    """Classify what the caller passed, as ``torch.save`` / ``torch.load`` accept it."""
+    if hasattr(f, "read") or hasattr(f, "write"):
+        return Target(display=getattr(f, "name", None) if isinstance(getattr(f, "name", None), str) else "<file object>", fileobj=f)
+    if isinstance(f, os.PathLike):
+        f = os.fspath(f)
+    if isinstance(f, bytes):
+        f = os.fsdecode(f)
+    if not isinstance(f, str):
+        raise TypeError(f"expected a path, an fsspec URL or a binary file object, got {type(f).__name__}")
+    if "://" not in f:
+        return Target(display=f, local=f)
+    scheme = f.split("://", 1)[0]
+    if scheme == "file":
+        return Target(display=f, local=f[len("file://") :])
+    return Target(display=f, url=f)
+
+
+def filesystem(url: str):
+    """``(fs, path)`` for an fsspec URL, with a one-line fix when the backend is not installed."""
+    try:
+        import fsspec.core
+    except ImportError as e:  # pragma: no cover - fsspec is a runtime dependency
+        raise MissingDependencyError("fsspec is needed for URLs: pip install fsspec") from e
+    scheme = url.split("://", 1)[0]
+    try:
+        return fsspec.core.url_to_fs(url)
+    except ImportError as e:
+        fix = _BACKEND_PIP.get(scheme, f"install the fsspec backend for {scheme}://")
+        raise MissingDependencyError(f"{url}: the {scheme}:// backend is not installed; {fix}") from e
+    except ValueError as e:
+        raise StorageError(f"{url}: not a usable URL ({e})") from e
+
+
+@contextlib.contextmanager
+def open_read(target: Target) -> Iterator[tuple[IO[bytes], int | None]]:
+    """Open for reading; yields ``(binary file, size in bytes or None)``.
+
+    Raises:
+        CheckpointNotFoundError: nothing at that location.
+        StorageError: it exists but cannot be read.
+    """
+    if target.fileobj is not None:
+        size = None
+        f = target.fileobj
+        with contextlib.suppress(OSError, AttributeError, ValueError):
+            if f.seekable():
+                pos = f.tell()
+                size = f.seek(0, os.SEEK_END) - pos
+                f.seek(pos)
+        yield f, size
+        return
+    try:
+        if target.local is not None:
+            fh = open(target.local, "rb")  # noqa: SIM115 - closed below
+            size = os.fstat(fh.fileno()).st_size
+        else:
+            fs, path = filesystem(target.url)
+            size = fs.size(path)
+            fh = fs.open(path, "rb", block_size=8 << 20, cache_type="none")
+    except FileNotFoundError as e:
+        raise CheckpointNotFoundError(f"{target.display}: no such checkpoint (file not found)") from e
+    except IsADirectoryError as e:
+        raise CheckpointNotFoundError(f"{target.display}: is a directory, not a checkpoint file") from e
+    except PermissionError as e:
+        raise StorageError(f"{target.display}: permission denied; check the file's permissions or credentials") from e
+    except (MissingDependencyError, StorageError):
+        raise
+    except OSError as e:
+        raise StorageError(f"{target.display}: cannot open ({e.strerror or e})") from e
+    with fh:
+        yield fh, size
+
+
+def temp_name(final_path: str) -> str:
+    """A temp-file name in the final file's directory, hidden, unique, recognisably ours."""
+    d, base = os.path.split(final_path)
+    return os.path.join(d, f".{base}.certckpt-tmp-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path or ".", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def commit_local(tmp: str, final: str, *, overwrite: bool, display: str) -> None:
+    """Publish a fully written, fsync'd temp file under its final name, then fsync the directory.
+
+    Without ``overwrite`` the publish is a hard link, which fails when the name exists, so two
+    writers can never replace each other's checkpoint. With it, ``os.replace`` (atomic).
+    """
+    try:
+        if overwrite:
+            os.replace(tmp, final)
+        else:
+            try:
+                os.link(tmp, final)
+            except FileExistsError as e:
+                raise CheckpointExistsError(
+                    f"{display}: a checkpoint already exists under this name; pass overwrite=True to replace it"
+                ) from e
+            except OSError as e:
+                if e.errno not in (1, 38, 95):  # EPERM/ENOSYS/EOPNOTSUPP: no hard links here
+                    raise
+                _exclusive_rename(tmp, final, display)
+        fsync_dir(os.path.dirname(final))
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
+def _exclusive_rename(tmp: str, final: str, display: str) -> None:
+    # For file systems without hard links: renameat2(RENAME_NOREPLACE) is not reachable from the
+    # standard library, so claim the name with O_EXCL and then replace the empty claim atomically.
+    try:
+        fd = os.open(final, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError as e:
+        raise CheckpointExistsError(
+            f"{display}: a checkpoint already exists under this name; pass overwrite=True to replace it"
+        ) from e
+    os.close(fd)
+    os.replace(tmp, final)
+
+
+def commit_remote(tmp: str, url: str, *, overwrite: bool, display: str) -> None:
+    """Upload a finished local temp file to an fsspec URL with a create-only PUT where supported."""
+    fs, path = filesystem(url)
+    try:
+        if overwrite:
+            fs.put_file(tmp, path)
+            return
+        protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+        if protocol in ("s3", "s3a"):
+            fs.put_file(tmp, path, mode="create")  # If-None-Match: * — the server refuses an existing key
+        else:
+            # Backends without a conditional PUT: check, then write. Not race-free; documented.
+            if fs.exists(path):
+                raise FileExistsError(path)
+            fs.put_file(tmp, path)
+    except FileExistsError as e:
+        raise CheckpointExistsError(
+            f"{display}: a checkpoint already exists under this name; pass overwrite=True to replace it"
+        ) from e
+    except PermissionError as e:
+        raise StorageError(f"{display}: permission denied by the store; check credentials and bucket policy") from e
+    except OSError as e:
+        raise StorageError(f"{display}: upload failed ({e}); nothing was published under this name") from e

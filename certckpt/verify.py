@@ -1,0 +1,244 @@
+"""Verify and inspect a checkpoint: header, digests, and (``deep``) device fingerprints.
+
+Without ``deep`` this module never imports torch: it parses the header, then streams the data once,
+hashing each tensor's bytes with xxh3-128. Corruption is reported in a ``VerifyReport`` (one readable
+line per problem); only "could not verify" conditions (missing file, not a checkpoint, store errors)
+raise.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+import xxhash
+
+from .errors import CorruptCheckpointError
+from .header import Header, TensorEntry, parse_header, read_header_length
+from .record import CheckpointRecord, check_header, parse_record, state_fingerprint
+from .storage import open_read, resolve
+
+__all__ = ["verify", "inspect", "VerifyReport", "Problem", "CheckpointInfo", "read_checkpoint_header"]
+
+_CHUNK = 16 << 20  # streaming buffer: bounded memory whatever the file size
+
+Progress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """One thing wrong with a checkpoint.
+
+    Attributes:
+        kind: ``truncated``, ``malformed``, ``header``, ``digest``, ``fingerprint`` or ``state``.
+        message: one readable line naming the item, what was expected and what was found.
+        tensor: the tensor concerned, when there is one.
+    """
+
+    kind: str
+    message: str
+    tensor: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointInfo:
+    """What the header says: the tensor table and the certckpt record."""
+
+    source: str
+    header: Header
+    record: CheckpointRecord
+
+    @property
+    def nbytes(self) -> int:
+        return self.header.file_length
+
+
+@dataclass(slots=True)
+class VerifyReport:
+    """The outcome of ``verify``.
+
+    Attributes:
+        source: the path or URL verified.
+        ok: True when every check passed.
+        deep: whether device fingerprints were recomputed.
+        problems: what failed, one entry per problem.
+        tensors: number of tensors checked.
+        nbytes: bytes read.
+        seconds: wall time.
+        info: the parsed header and record, when the header itself could be parsed.
+    """
+
+    source: str
+    ok: bool = True
+    deep: bool = False
+    problems: list[Problem] = field(default_factory=list)
+    tensors: int = 0
+    nbytes: int = 0
+    seconds: float = 0.0
+    info: CheckpointInfo | None = None
+
+    def fail(self, kind: str, message: str, tensor: str | None = None) -> None:
+        self.ok = False
+        self.problems.append(Problem(kind, message, tensor))
+
+    def to_dict(self) -> dict[str, Any]:
+        rec = self.info.record if self.info else None
+        return {
+            "source": self.source,
+            "ok": self.ok,
+            "deep": self.deep,
+            "tensors": self.tensors,
+            "bytes": self.nbytes,
+            "seconds": round(self.seconds, 6),
+            "run": rec.run if rec else None,
+            "step": rec.step if rec else None,
+            "state_fp": rec.state_fp if rec else None,
+            "problems": [{"kind": p.kind, "tensor": p.tensor, "message": p.message} for p in self.problems],
+        }
+
+
+def _read_exact(fh: IO[bytes], n: int) -> bytes:
+    chunks, left = [], n
+    while left:
+        b = fh.read(min(left, _CHUNK))
+        if not b:
+            break
+        chunks.append(b)
+        left -= len(b)
+    return b"".join(chunks)
+
+
+def read_checkpoint_header(fh: IO[bytes], size: int | None, source: str) -> CheckpointInfo:
+    """Read, bound and validate the header and the certckpt record; the stream is left at the data.
+
+    Raises:
+        CorruptCheckpointError, NotACheckpointError
+    """
+    prefix = _read_exact(fh, 9)
+    n = read_header_length(prefix, file_length=size, source=source)
+    rest = _read_exact(fh, n - 1)
+    if len(rest) != n - 1:
+        raise CorruptCheckpointError(f"{source}: truncated: the header declares {n} bytes but the file ends early")
+    header = parse_header(prefix[8:] + rest, source=source, file_length=size)
+    return CheckpointInfo(source=source, header=header, record=parse_record(header, source=source))
+
+
+def _digest_problem(e: TensorEntry, expected: str, found: str) -> str:
+    return (
+        f"tensor `{e.name}`: xxh3 digest mismatch (expected {expected}, found {found}); "
+        "the bytes changed after writing — restore this checkpoint from a good copy"
+    )
+
+
+def _check_data(fh: IO[bytes], info: CheckpointInfo, report: VerifyReport, progress: Progress | None) -> None:
+    buf = bytearray(min(_CHUNK, max(info.header.data_length, 1)))
+    mv = memoryview(buf)
+    total, done = info.header.data_length, 0
+    for e in info.header.entries:
+        h = xxhash.xxh3_128()
+        left = e.nbytes
+        while left:
+            n = fh.readinto(mv[: min(left, len(buf))])
+            if not n:
+                report.fail("truncated", f"{info.source}: truncated: tensor `{e.name}` ends {left} bytes early", e.name)
+                return
+            h.update(mv[:n])
+            left -= n
+            done += n
+            if progress:
+                progress(done, total)
+        report.tensors += 1
+        expected = info.record.tensors[e.name]["xxh3"]
+        if h.hexdigest() != expected:
+            report.fail("digest", _digest_problem(e, expected, h.hexdigest()), e.name)
+    if fh.read(1):
+        report.fail("truncated", f"{info.source}: unexpected trailing bytes after the last tensor")
+
+
+def _check_deep(fh: IO[bytes], info: CheckpointInfo, report: VerifyReport, progress: Progress | None) -> None:
+    import torch
+
+    from .fingerprint import ST_TO_TORCH, fingerprint_many
+    from .writer import host_bytes
+
+    total, done = info.header.data_length, 0
+    for e in info.header.entries:
+        t = torch.empty(e.shape, dtype=ST_TO_TORCH[e.dtype])
+        view = host_bytes(t)
+        got = 0
+        while got < e.nbytes:
+            n = fh.readinto(view[got:])
+            if not n:
+                report.fail("truncated", f"{info.source}: truncated: tensor `{e.name}` ends {e.nbytes - got} bytes early", e.name)
+                return
+            got += n
+        done += e.nbytes
+        if progress:
+            progress(done, total)
+        report.tensors += 1
+        rec = info.record.tensors[e.name]
+        digest = xxhash.xxh3_128_hexdigest(view)
+        if digest != rec["xxh3"]:
+            report.fail("digest", _digest_problem(e, rec["xxh3"], digest), e.name)
+        fp = f"{fingerprint_many([t])[0]:016x}"
+        if fp != rec["fp"]:
+            report.fail(
+                "fingerprint",
+                f"tensor `{e.name}`: device fingerprint mismatch (expected {rec['fp']}, found {fp});"
+                " the stored values differ from those fingerprinted when saving",
+                e.name,
+            )
+
+
+def verify(f: Any, *, deep: bool = False, progress: Progress | None = None) -> VerifyReport:
+    """Check every byte of a checkpoint against its embedded digests.
+
+    Args:
+        f: path, fsspec URL or readable binary file object.
+        deep: also recompute each tensor's device fingerprint (imports torch; slower).
+        progress: called as ``progress(bytes_done, bytes_total)`` while data is read.
+
+    Returns:
+        A ``VerifyReport``; ``report.ok`` is False for corrupt, truncated or tampered files.
+
+    Raises:
+        CheckpointNotFoundError, NotACheckpointError, StorageError: it could not be verified at all.
+
+    Example:
+        >>> report = certckpt.verify("ckpt/step100.safetensors")
+        >>> report.ok
+        True
+    """
+    t0 = time.perf_counter()
+    target = resolve(f)
+    report = VerifyReport(source=target.display, deep=deep)
+    with open_read(target) as (fh, size):
+        try:
+            info = read_checkpoint_header(fh, size, target.display)
+        except CorruptCheckpointError as e:
+            report.fail("truncated" if "truncated" in str(e) else "malformed", str(e))
+            report.seconds = time.perf_counter() - t0
+            return report
+        report.info = info
+        problem = check_header(info.header, info.record)
+        if problem:
+            report.fail("header", f"{target.display}: {problem}")
+        if state_fingerprint({k: v["fp"] for k, v in info.record.tensors.items()}) != info.record.state_fp:
+            report.fail("state", f"{target.display}: whole-state fingerprint does not match the per-tensor fingerprints")
+        (_check_deep if deep else _check_data)(fh, info, report, progress)
+        report.nbytes = info.header.file_length
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def inspect(f: Any) -> CheckpointInfo:
+    """Read and validate only the header: tensor table and certckpt record (no data is read).
+
+    Raises:
+        CheckpointNotFoundError, NotACheckpointError, CorruptCheckpointError, StorageError
+    """
+    target = resolve(f)
+    with open_read(target) as (fh, size):
+        return read_checkpoint_header(fh, size, target.display)

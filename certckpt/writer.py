@@ -1,0 +1,230 @@
+"""``certckpt.save``: a drop-in for ``torch.save`` that writes a certified safetensors file.
+
+Write path for local files (the common, fast case): the header's length is known before any hash is
+computed (all hashes are fixed-width), so tensor bytes go straight from tensor memory to their final
+offsets in a temp file while a second thread computes the device fingerprints; the header is written
+last, the file fsync'd, then published with a no-replace hard link and the directory fsync'd. A crash
+at any point leaves no file under the final name, or a complete one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import IO, Any
+
+import torch
+import xxhash
+
+from .errors import StorageError, UnsupportedObjectError
+from .fingerprint import fingerprint_many
+from .header import TensorEntry
+from .inventory import writer_inventory
+from .record import CheckpointRecord, build_header, state_fingerprint
+from .skeleton import StoredTensor, flatten
+from .storage import commit_local, commit_remote, resolve, temp_name
+
+__all__ = ["save", "SaveResult", "host_bytes"]
+
+
+@dataclass(frozen=True, slots=True)
+class SaveResult:
+    """What ``save`` wrote.
+
+    Attributes:
+        location: the path or URL written.
+        nbytes: file size in bytes.
+        state_fp: whole-state fingerprint (hex).
+        tensors: number of stored tensors.
+        seconds: wall time of the save.
+    """
+
+    location: str
+    nbytes: int
+    state_fp: str
+    tensors: int
+    seconds: float
+
+
+def host_bytes(t: torch.Tensor) -> memoryview:
+    """A zero-copy byte view of a contiguous CPU tensor's memory (the caller keeps ``t`` alive)."""
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+
+
+def _plan(stored: list[StoredTensor]) -> tuple[list[StoredTensor], list[TensorEntry]]:
+    # safetensors' own order: larger element sizes first, then by name, so every tensor's offset is
+    # a multiple of its element size (the header is padded to 8 bytes).
+    ordered = sorted(stored, key=lambda s: (-s.tensor.element_size(), s.name))
+    entries, offset = [], 0
+    for s in ordered:
+        entries.append(TensorEntry(s.name, s.dtype_code, tuple(s.tensor.shape), offset, offset + s.nbytes))
+        offset += s.nbytes
+    return ordered, entries
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while len(data):
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
+
+
+class _Job:
+    """One save in progress: the plan, the record, and the hashing of each stored tensor."""
+
+    def __init__(self, obj: Any, *, step: int | None, run: str | None, metadata: dict[str, str] | None):
+        if step is not None and (type(step) is not int or step < 0):
+            raise TypeError(f"step must be a non-negative int, got {step!r}")
+        if run is not None and not isinstance(run, str):
+            raise TypeError(f"run must be a str, got {type(run).__name__}")
+        if metadata is not None and not (
+            isinstance(metadata, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
+        ):
+            raise UnsupportedObjectError("metadata must be a dict of str to str (as safetensors metadata is)")
+        flat = flatten(obj)
+        self.stored, self.entries = _plan(flat.stored)
+        self.data_length = self.entries[-1].end if self.entries else 0
+        devices = {str(s.tensor.device) for s in self.stored}
+        self.record = CheckpointRecord(
+            run=run, step=step, skeleton=flat.skeleton, writer=writer_inventory(devices), user=dict(metadata or {})
+        )
+        # Header length is value-independent; build once with placeholders to learn it.
+        self.record.tensors = {s.name: {"fp": "0" * 16, "xxh3": "0" * 32} for s in self.stored}
+        self.header_length = len(build_header(self.entries, self.record))
+
+    def host(self, s: StoredTensor) -> torch.Tensor:
+        return s.tensor if s.tensor.device.type == "cpu" else s.tensor.cpu()
+
+    def finish(self, fps: list[int], digests: list[str]) -> bytes:
+        self.record.tensors = {
+            s.name: {"fp": f"{fp:016x}", "xxh3": d} for s, fp, d in zip(self.stored, fps, digests)
+        }
+        self.record.state_fp = state_fingerprint({k: v["fp"] for k, v in self.record.tensors.items()})
+        header = build_header(self.entries, self.record)
+        if len(header) != self.header_length:  # would silently corrupt the data region
+            raise RuntimeError("certckpt: header length changed between planning and writing")
+        return header
+
+    def write_fd(self, fd: int) -> None:
+        """Data first (fingerprints computed alongside on a worker thread), header last, fsync."""
+        base = self.header_length
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="certckpt-fp") as pool:
+            fps_future = pool.submit(fingerprint_many, [s.tensor for s in self.stored])
+            digests = []
+            for s, e in zip(self.stored, self.entries):
+                h = self.host(s)
+                view = host_bytes(h)
+                digests.append(xxhash.xxh3_128_hexdigest(view))
+                _pwrite_all(fd, view, base + e.begin)
+                del view, h
+            fps = fps_future.result()
+        _pwrite_all(fd, memoryview(self.finish(fps, digests)), 0)
+        os.fsync(fd)
+
+    def write_stream(self, f: IO[bytes]) -> None:
+        """For a caller's file object: hash first, then write front to back (no seeking needed)."""
+        fps = fingerprint_many([s.tensor for s in self.stored])
+        hosts = []
+        digests = []
+        for s in self.stored:
+            h = self.host(s)
+            digests.append(xxhash.xxh3_128_hexdigest(host_bytes(h)))
+            hosts.append(h if h is s.tensor else None)  # keep only zero-copy views alive
+        f.write(self.finish(fps, digests))
+        for s, h in zip(self.stored, hosts):
+            h = h if h is not None else self.host(s)
+            f.write(host_bytes(h))
+        f.flush()
+
+
+def _write_temp(job: _Job, tmp: str, display: str) -> None:
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileNotFoundError as e:
+        raise StorageError(f"{display}: the directory does not exist; create it first") from e
+    except PermissionError as e:
+        raise StorageError(f"{display}: permission denied creating a file in its directory") from e
+    try:
+        try:
+            job.write_fd(fd)
+        finally:
+            os.close(fd)
+    except BaseException as e:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        if isinstance(e, OSError) and not isinstance(e, StorageError):
+            raise StorageError(
+                f"{display}: write failed ({e.strerror or e}); nothing was published, the previous checkpoint is untouched"
+            ) from e
+        raise
+
+
+def save(
+    obj: Any,
+    f: Any,
+    *,
+    step: int | None = None,
+    run: str | None = None,
+    metadata: dict[str, str] | None = None,
+    overwrite: bool = False,
+) -> SaveResult:
+    """Save ``obj`` as a certified safetensors checkpoint; never pickles.
+
+    Args:
+        obj: what ``torch.save`` takes in practice: nested dicts (str/int keys), lists, tuples,
+            tensors, numbers, strings, bools, None, ``torch.dtype``, ``torch.Size``, ``torch.device``.
+        f: a path, ``os.PathLike``, fsspec URL (``file://``, ``memory://``, ``s3://``...) or a
+            writable binary file object.
+        step: the optimizer update count these weights follow.
+        run: the training run's name.
+        metadata: extra string metadata stored in the certckpt record.
+        overwrite: replace an existing checkpoint (refused by default).
+
+    Returns:
+        A ``SaveResult``.
+
+    Raises:
+        UnsupportedObjectError: before anything is written, naming where the value sits.
+        CheckpointExistsError: the name is taken and ``overwrite`` is False.
+        StorageError: the store refused the write; nothing was published.
+
+    Example:
+        >>> certckpt.save({"model": model.state_dict(), "optim": opt.state_dict()}, "ckpt/step100.safetensors", step=100)
+    """
+    t0 = time.perf_counter()
+    target = resolve(f)
+    job = _Job(obj, step=step, run=run, metadata=metadata)
+    if target.fileobj is not None:
+        job.write_stream(target.fileobj)
+    elif target.local is not None:
+        final = os.path.abspath(target.local)
+        tmp = temp_name(final)
+        _write_temp(job, tmp, target.display)
+        commit_local(tmp, final, overwrite=overwrite, display=target.display)
+    else:
+        # Object stores: build the file locally, then one create-only PUT publishes it whole.
+        fd, tmp = tempfile.mkstemp(prefix=".certckpt-upload-")
+        os.close(fd)
+        os.unlink(tmp)
+        try:
+            _write_temp(job, tmp, target.display)
+            commit_remote(tmp, target.url, overwrite=overwrite, display=target.display)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return SaveResult(
+        location=target.display,
+        nbytes=job.header_length + job.data_length,
+        state_fp=job.record.state_fp,
+        tensors=len(job.stored),
+        seconds=time.perf_counter() - t0,
+    )
+
