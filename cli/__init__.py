@@ -1,0 +1,1 @@
+"""The certckpt command-line front end (installed as the ``certckpt_cli`` package)."""

@@ -1,0 +1,173 @@
+"""The ``certckpt`` command line: parse, call one library function, print, map errors to exit codes.
+
+Exit codes (documented in the README):
+    0  verified / done
+    1  verification failed: corrupt bytes, digest or fingerprint mismatch, truncated, malformed header
+    2  could not verify: bad usage, not found, not a certckpt checkpoint, store unreachable
+
+Importing this module, ``--help``, ``verify`` (without ``--deep``) and ``inspect`` never import torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from typing import Any
+
+import click
+
+from certckpt.errors import CertckptError, CorruptCheckpointError
+
+EXIT_OK, EXIT_FAILED, EXIT_UNVERIFIABLE = 0, 1, 2
+
+
+def _fail(message: str, code: int) -> None:
+    click.echo(f"certckpt: {message}", err=True)
+    sys.exit(code)
+
+
+def expected_errors(fn):
+    """Turn certckpt's expected errors into one line on stderr and a documented exit code."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except BrokenPipeError:  # `certckpt inspect ... | head`: the reader left, not an error
+            sys.stderr.close()
+            sys.exit(EXIT_OK)
+        except CorruptCheckpointError as e:
+            _fail(str(e), EXIT_FAILED)
+        except (CertckptError, OSError, ValueError) as e:
+            _fail(str(e), EXIT_UNVERIFIABLE)
+
+    return wrapper
+
+
+def _human_bytes(n: int) -> str:
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return str(n)
+
+
+class _Progress:
+    """A percentage on stderr for large files, only when a person is watching."""
+
+    THRESHOLD = 1 << 30
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.last = -1
+        self.enabled = sys.stderr.isatty()
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled or total < self.THRESHOLD:
+            return
+        pct = done * 100 // max(total, 1)
+        if pct != self.last:
+            self.last = pct
+            click.echo(f"\r{self.label}: {pct:3d}% of {_human_bytes(total)}", err=True, nl=pct == 100)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="certckpt", prog_name="certckpt")
+def main() -> None:
+    """Certified, pickle-free PyTorch checkpoints.
+
+    Exit codes: 0 verified; 1 verification failed (corrupt, truncated, tampered);
+    2 could not verify (usage, not found, not a certckpt checkpoint, store unreachable).
+    """
+
+
+@main.command()
+@click.argument("location")
+@click.option("--deep", is_flag=True, help="Also recompute every tensor's device fingerprint (imports torch).")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON report.")
+@expected_errors
+def verify(location: str, deep: bool, as_json: bool) -> None:
+    """Check every byte of the checkpoint at LOCATION (path or fsspec URL)."""
+    from certckpt.verify import verify as run_verify
+
+    report = run_verify(location, deep=deep, progress=_Progress(f"verifying {location}"))
+    if as_json:
+        click.echo(json.dumps(report.to_dict(), indent=2))
+    elif report.ok:
+        rec = report.info.record
+        what = ", ".join(
+            x for x in (f"run {rec.run}" if rec.run else "", f"step {rec.step}" if rec.step is not None else "") if x
+        )
+        click.echo(
+            f"OK  {location}  {report.tensors} tensors, {_human_bytes(report.nbytes)}"
+            f"{', ' + what if what else ''}, state fp {rec.state_fp}"
+            f"{', fingerprints recomputed' if deep else ''} ({report.seconds:.2f} s)"
+        )
+    else:
+        click.echo(f"FAILED  {location}")
+        for p in report.problems:
+            click.echo(f"  {p.message}")
+    sys.exit(EXIT_OK if report.ok else EXIT_FAILED)
+
+
+@main.command()
+@click.argument("location")
+@click.option("--json", "as_json", is_flag=True, help="Print the header as JSON.")
+@expected_errors
+def inspect(location: str, as_json: bool) -> None:
+    """Show the tensor table and certckpt record of LOCATION without reading the data."""
+    from certckpt.verify import inspect as run_inspect
+
+    info = run_inspect(location)
+    rec = info.record
+    if as_json:
+        doc = {
+            "source": info.source,
+            "bytes": info.nbytes,
+            "schema": rec.schema,
+            "run": rec.run,
+            "branch": rec.branch,
+            "step": rec.step,
+            "step_range": rec.step_range,
+            "parent": rec.parent,
+            "state_fp": rec.state_fp,
+            "consensus_fp": rec.consensus_fp,
+            "writer": rec.writer,
+            "metadata": rec.user,
+            "tensors": [
+                {"name": e.name, "dtype": e.dtype, "shape": list(e.shape), "bytes": e.nbytes, **rec.tensors[e.name]}
+                for e in info.header.entries
+            ],
+        }
+        click.echo(json.dumps(doc, indent=2))
+        return
+    click.echo(f"{info.source}: certckpt schema {rec.schema}, {len(info.header.entries)} tensors, {_human_bytes(info.nbytes)}")
+    for label, value in (
+        ("run", rec.run),
+        ("branch", rec.branch),
+        ("step", rec.step),
+        ("state fp", rec.state_fp),
+        ("written", f"{rec.writer.get('time')} on {rec.writer.get('host')} (torch {rec.writer.get('torch')})"),
+    ):
+        if value is not None:
+            click.echo(f"  {label:<9} {value}")
+    rows = [(e.name, e.dtype, "x".join(map(str, e.shape)) or "scalar", _human_bytes(e.nbytes), rec.tensors[e.name]["fp"]) for e in info.header.entries]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(("tensor", "dtype", "shape", "size", "fingerprint"))]
+    click.echo("  " + "  ".join(h.ljust(w) for h, w in zip(("tensor", "dtype", "shape", "size", "fingerprint"), widths)))
+    for r in rows:
+        click.echo("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)))
+
+
+@main.command()
+@click.option("--dir", "directory", default="certckpt-demo", show_default=True, type=click.Path(file_okay=False), help="Where to leave the demo's files.")
+@expected_errors
+def demo(directory: str) -> None:
+    """Train a small model, save a certified checkpoint, verify it (the first thing to run)."""
+    from .demo import run_demo
+
+    run_demo(directory, echo=click.echo)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

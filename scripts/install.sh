@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Install certckpt from this checkout on a fresh machine (Python >= 3.10 and pip).
+#   bash scripts/install.sh         the library and the `certckpt` command
+#   bash scripts/install.sh test    plus what the test suite needs (pytest, hypothesis, s3fs, moto server)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+pipi() { "$PY" -m pip install --disable-pip-version-check -q "$@"; }
+# An unpinned `torch` would pull a multi-GB CUDA build; take the CPU build first when torch is missing.
+if ! "$PY" -c "import torch" >/dev/null 2>&1; then
+  echo "installing torch==2.13.0 (CPU build)" >&2
+  pipi torch==2.13.0
+fi
+if [ "${1:-}" = "test" ]; then
+  pipi -e ".[test]"
+else
+  pipi -e .
+fi
