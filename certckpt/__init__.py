@@ -14,6 +14,7 @@ from .errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    DeviceUnavailableError,
     MissingDependencyError,
     NotACheckpointError,
     StorageError,
@@ -27,10 +28,10 @@ _LAZY = {
     "save": "writer",
     "SaveResult": "writer",
     "load": "reader",
-    "fingerprint": "fingerprint",
-    "fingerprint_many": "fingerprint",
-    "fingerprint_hex": "fingerprint",
-    "enable_compile": "fingerprint",
+    "fingerprint": "fingerprinting",
+    "fingerprint_many": "fingerprinting",
+    "fingerprint_hex": "fingerprinting",
+    "enable_compile": "fingerprinting",
 }
 
 __all__ = [
@@ -55,10 +56,11 @@ __all__ = [
     "CheckpointNotFoundError",
     "StorageError",
     "MissingDependencyError",
+    "DeviceUnavailableError",
 ]
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .fingerprint import enable_compile, fingerprint, fingerprint_hex, fingerprint_many
+    from .fingerprinting import enable_compile, fingerprint, fingerprint_hex, fingerprint_many
     from .reader import load
     from .writer import SaveResult, save
 

@@ -16,6 +16,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "StorageError",
     "MissingDependencyError",
+    "DeviceUnavailableError",
 ]
 
 
@@ -52,3 +53,7 @@ class StorageError(CertckptError, OSError):
 
 class MissingDependencyError(CertckptError, ImportError):
     """An optional backend is not installed; the message names the pip command that fixes it."""
+
+
+class DeviceUnavailableError(CertckptError, RuntimeError):
+    """A tensor was saved on a device this process does not have; pass ``map_location``."""

@@ -13,9 +13,9 @@ import torch
 import xxhash
 
 from .errors import CorruptCheckpointError
-from .fingerprint import ST_TO_TORCH
+from .fingerprinting import ST_TO_TORCH
 from .record import check_header
-from .skeleton import rebuild
+from .skeleton import check_map_location, rebuild
 from .storage import open_read, resolve
 from .verify import read_checkpoint_header
 from .writer import host_bytes
@@ -48,6 +48,7 @@ def load(f: Any, *, map_location: Any = None, verify: bool = True, weights_only:
         >>> model.load_state_dict(state["model"])
     """
     del weights_only  # always true: there is no pickle path to enable
+    check_map_location(map_location)
     target = resolve(f)
     with open_read(target) as (fh, size):
         info = read_checkpoint_header(fh, size, target.display)

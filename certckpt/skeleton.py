@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from .errors import CorruptCheckpointError, UnsupportedObjectError
-from .fingerprint import ST_TO_TORCH, TORCH_TO_ST
+from .errors import CorruptCheckpointError, DeviceUnavailableError, UnsupportedObjectError
+from .fingerprinting import ST_TO_TORCH, TORCH_TO_ST
 
 __all__ = ["Flattened", "StoredTensor", "flatten", "rebuild"]
 
@@ -239,6 +239,13 @@ def _bad(msg: str) -> CorruptCheckpointError:
     return CorruptCheckpointError(f"malformed skeleton: {msg}")
 
 
+def check_map_location(map_location: Any) -> None:
+    if map_location is not None and not isinstance(map_location, (str, torch.device, dict)):
+        raise TypeError(
+            "map_location must be None, a str, a torch.device or a dict of device strings (callables are not supported)"
+        )
+
+
 def resolve_device(recorded: str, map_location: Any) -> torch.device:
     """Where a tensor saved on ``recorded`` goes, following ``torch.load``'s map_location forms."""
     if map_location is None:
@@ -262,13 +269,23 @@ class _Rebuilder:
         if t is None:
             if entry not in self.tensors:
                 raise _bad(f"refers to missing tensor {entry!r:.80}")
-            t = self._moved[key] = self.tensors[entry].to(device)
+            try:
+                t = self._moved[key] = self.tensors[entry].to(device)
+            except (RuntimeError, AssertionError) as e:  # torch raises AssertionError when CUDA is absent
+                raise DeviceUnavailableError(
+                    f"tensor `{entry}` goes to {device}, which is not available here ({str(e).splitlines()[0][:100]});"
+                    " pass map_location='cpu' (or a dict mapping devices)"
+                ) from e
         return t
 
     def tensor(self, leaf: Any) -> torch.Tensor:
         if not isinstance(leaf, dict) or not isinstance(leaf.get("e"), str):
             raise _bad("tensor leaf without an entry name")
-        device = resolve_device(leaf.get("d", "cpu"), self.map_location)
+        recorded = leaf.get("d", "cpu")
+        try:
+            device = resolve_device(recorded if isinstance(recorded, str) else "?", self.map_location)
+        except RuntimeError as e:
+            raise _bad(f"bad device {recorded!r:.40} for {leaf['e']!r:.80}") from e
         base = self.base(leaf["e"], device)
         view = leaf.get("v")
         if view is None:
@@ -279,7 +296,13 @@ class _Rebuilder:
             dtype = ST_TO_TORCH[view[0]]
             offset, size, stride = view[1], view[2], view[3]
             probe = torch.empty(0, dtype=dtype, device=device)
-            if not (type(offset) is int and isinstance(size, list) and isinstance(stride, list) and len(size) == len(stride)):
+            if not (
+                type(offset) is int
+                and isinstance(size, list)
+                and isinstance(stride, list)
+                and len(size) == len(stride) <= 64
+                and all(type(x) is int for x in size + stride)
+            ):
                 raise _bad(f"bad view of {leaf['e']!r:.80}")
             need = (offset + sum((s - 1) * st for s, st in zip(size, stride)) + 1) * probe.element_size()
             if offset < 0 or min(size + stride + [0]) < 0 or (all(size) and need > base.untyped_storage().nbytes()):
@@ -299,6 +322,8 @@ class _Rebuilder:
         if not isinstance(n, list) or not n or not isinstance(n[0], str) or len(n) != 2:
             raise _bad(f"unknown node {str(n)[:60]}")
         tag, val = n
+        if tag == "T":
+            return self.tensor(val)
         try:
             if tag == "i":
                 if not isinstance(val, str) or len(val) > 1_000_000:
@@ -312,8 +337,6 @@ class _Rebuilder:
                 return torch.Size([int(v) for v in val])
             if tag == "dev":
                 return torch.device(val)
-            if tag == "T":
-                return self.tensor(val)
             if tag in ("l", "t"):
                 items = [self.node(v, depth + 1) for v in val]
                 return items if tag == "l" else tuple(items)

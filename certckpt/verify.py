@@ -160,7 +160,7 @@ def _check_data(fh: IO[bytes], info: CheckpointInfo, report: VerifyReport, progr
 def _check_deep(fh: IO[bytes], info: CheckpointInfo, report: VerifyReport, progress: Progress | None) -> None:
     import torch
 
-    from .fingerprint import ST_TO_TORCH, fingerprint_many
+    from .fingerprinting import ST_TO_TORCH, fingerprint_many
     from .writer import host_bytes
 
     total, done = info.header.data_length, 0

@@ -21,7 +21,7 @@ import torch
 import xxhash
 
 from .errors import StorageError, UnsupportedObjectError
-from .fingerprint import fingerprint_many
+from .fingerprinting import fingerprint_many
 from .header import TensorEntry
 from .inventory import writer_inventory
 from .record import CheckpointRecord, build_header, state_fingerprint
