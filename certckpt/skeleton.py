@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .errors import CorruptCheckpointError, DeviceUnavailableError, UnsupportedObjectError
+from .errors import CertckptError, CorruptCheckpointError, DeviceUnavailableError, UnsupportedObjectError
 from .fingerprinting import ST_TO_TORCH, TORCH_TO_ST
 
 __all__ = ["Flattened", "StoredTensor", "flatten", "rebuild"]
@@ -345,7 +345,7 @@ class _Rebuilder:
                 for k, v in val:
                     out[self.node(k, depth + 1) if isinstance(k, list) else k] = self.node(v, depth + 1)
                 return out
-        except CorruptCheckpointError:
+        except CertckptError:
             raise
         except (TypeError, ValueError, KeyError, RuntimeError, OverflowError) as e:
             raise _bad(f"bad {tag!r} node ({e.__class__.__name__}: {str(e)[:80]})") from e
