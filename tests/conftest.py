@@ -19,3 +19,72 @@ def memroot():
     path = root[len("memory://") :]
     if fs.exists(path):
         fs.rm(path, recursive=True)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A real S3-protocol server (moto's standalone server) on 127.0.0.1, stopped by its pid.
+
+    Yields the endpoint URL; credentials and endpoint are set in the environment for s3fs.
+    """
+    import shutil
+    import signal
+    import subprocess
+    import time
+    import urllib.request
+
+    pytest.importorskip("s3fs")
+    exe = shutil.which("moto_server")
+    if exe is None:
+        pytest.skip("moto[server] is not installed (pip install 'certckpt[test]')")
+    port = _free_port()
+    proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    endpoint = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 30
+    while True:
+        try:
+            urllib.request.urlopen(endpoint + "/moto-api/", timeout=1)
+            break
+        except Exception:
+            if time.time() > deadline or proc.poll() is not None:
+                proc.kill()
+                raise RuntimeError("moto_server did not start")
+            time.sleep(0.1)
+    saved = {k: os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")}
+    os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
+    try:
+        yield endpoint
+    finally:
+        os.kill(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.fixture
+def s3_bucket(s3_server):
+    """A fresh bucket per test; yields its s3:// URL."""
+    import uuid
+
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
+    fs = s3fs.S3FileSystem()
+    name = f"certckpt-{uuid.uuid4().hex[:12]}"
+    fs.mkdir(name)
+    yield f"s3://{name}"
+    s3fs.S3FileSystem.clear_instance_cache()

@@ -1,0 +1,99 @@
+"""Atomic, create-only writes: killed writers, refused overwrites, a full disk."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+import certckpt
+
+WRITER = textwrap.dedent(
+    """
+    import sys, torch, certckpt
+    torch.manual_seed(int(sys.argv[3]))
+    state = {f"t{i}": torch.randn(2_000_000) for i in range(12)}  # ~96 MB
+    print("ready", flush=True)
+    certckpt.save(state, sys.argv[1], step=int(sys.argv[3]), overwrite=sys.argv[2] == "1")
+    print("done", flush=True)
+    """
+)
+
+
+def _start(path, overwrite, seed):
+    p = subprocess.Popen([sys.executable, "-c", WRITER, str(path), "1" if overwrite else "0", str(seed)],
+                         stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "ready"
+    return p
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_killed_writer_leaves_old_or_complete_checkpoint(tmp_path, overwrite):
+    final = tmp_path / "ck.safetensors"
+    certckpt.save({"old": torch.ones(3)}, final, step=0)
+    if not overwrite:
+        final = tmp_path / "new.safetensors"
+    outcomes = set()
+    for i, delay in enumerate([0.0, 0.02, 0.05, 0.1, 0.2, 0.4, 5.0]):
+        p = _start(final, overwrite, seed=i + 1)
+        time.sleep(delay)
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        if final.exists():
+            report = certckpt.verify(final)
+            assert report.ok, report.problems  # never a partial file under the final name
+            step = report.info.record.step
+            outcomes.add("old" if step == 0 else "new")
+            if not overwrite and step != 0:
+                final.unlink()
+        else:
+            outcomes.add("absent")
+        # the previous good checkpoint is untouched in every case
+        old = tmp_path / "ck.safetensors"
+        if not overwrite:
+            assert certckpt.verify(old).ok and torch.equal(certckpt.load(old)["old"], torch.ones(3))
+    # the schedule spans "killed before publishing" and "finished": both outcomes must occur
+    assert len(outcomes) >= 2, outcomes
+
+
+def test_existing_name_is_refused_and_unchanged(tmp_path):
+    p = tmp_path / "ck.safetensors"
+    certckpt.save({"a": torch.ones(2)}, p)
+    before = p.read_bytes()
+    with pytest.raises(certckpt.CheckpointExistsError) as ei:
+        certckpt.save({"a": torch.zeros(2)}, p)
+    assert isinstance(ei.value, FileExistsError) and "overwrite=True" in str(ei.value)
+    assert p.read_bytes() == before
+    assert [f for f in os.listdir(tmp_path)] == ["ck.safetensors"]  # no temp file left behind
+
+
+def test_missing_directory_is_a_clear_error(tmp_path):
+    with pytest.raises(certckpt.StorageError, match="directory does not exist"):
+        certckpt.save({"a": torch.ones(2)}, tmp_path / "nope" / "ck.safetensors")
+
+
+FULL_DISK = textwrap.dedent(
+    """
+    import resource, signal, sys, torch, certckpt
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG, like a full disk
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+    try:
+        certckpt.save({"big": torch.randn(1_000_000)}, sys.argv[1], overwrite=True)
+    except certckpt.StorageError as e:
+        print("StorageError:", e)
+    """
+)
+
+
+def test_full_disk_keeps_previous_checkpoint(tmp_path):
+    p = tmp_path / "ck.safetensors"
+    certckpt.save({"small": torch.ones(3)}, p)
+    out = subprocess.run([sys.executable, "-c", FULL_DISK, str(p)], capture_output=True, text=True, timeout=120)
+    assert "StorageError:" in out.stdout and "write failed" in out.stdout and "previous checkpoint is untouched" in out.stdout, out
+    assert certckpt.verify(p).ok and torch.equal(certckpt.load(p)["small"], torch.ones(3))
+    assert os.listdir(tmp_path) == ["ck.safetensors"]

@@ -1,0 +1,89 @@
+"""The certckpt CLI: exit codes, JSON, no torch import on the fast paths, the demo."""
+
+import json
+import subprocess
+import sys
+
+import torch
+from click.testing import CliRunner
+
+import certckpt
+from certckpt_cli.main import main
+
+
+def _ckpt(tmp_path, name="c.safetensors"):
+    p = tmp_path / name
+    certckpt.save({"w": torch.randn(10, 10), "b": torch.zeros(10)}, p, step=3, run="cli")
+    return p
+
+
+def test_verify_ok_and_json(tmp_path):
+    p = _ckpt(tmp_path)
+    r = CliRunner().invoke(main, ["verify", str(p)])
+    assert r.exit_code == 0 and r.output.startswith("OK") and "step 3" in r.output
+    r = CliRunner().invoke(main, ["verify", str(p), "--json", "--deep"])
+    doc = json.loads(r.output)
+    assert r.exit_code == 0 and doc["ok"] and doc["deep"] and doc["step"] == 3 and doc["tensors"] == 2
+
+
+def test_verify_failure_is_exit_1_with_one_line_per_problem(tmp_path):
+    p = _ckpt(tmp_path)
+    data = bytearray(p.read_bytes())
+    data[-3] ^= 0x10
+    p.write_bytes(bytes(data))
+    r = CliRunner().invoke(main, ["verify", str(p)])
+    assert r.exit_code == 1
+    lines = r.output.strip().splitlines()
+    assert lines[0].startswith("FAILED") and "xxh3 digest mismatch" in lines[1] and "`w`" in lines[1]
+    assert "Traceback" not in r.output
+
+
+def test_unverifiable_is_exit_2(tmp_path):
+    r = CliRunner().invoke(main, ["verify", str(tmp_path / "missing.safetensors")])
+    assert r.exit_code == 2 and "not found" in r.output and "Traceback" not in r.output
+    r = CliRunner().invoke(main, ["verify", "s3x://bucket/key"])
+    assert r.exit_code == 2 and "Traceback" not in r.output
+    r = CliRunner().invoke(main, ["verify"])
+    assert r.exit_code == 2  # click usage error
+
+
+def test_inspect_table_and_json(tmp_path):
+    p = _ckpt(tmp_path)
+    r = CliRunner().invoke(main, ["inspect", str(p)])
+    assert r.exit_code == 0 and "run       cli" in r.output and "F32" in r.output and "10x10" in r.output
+    doc = json.loads(CliRunner().invoke(main, ["inspect", str(p), "--json"]).output)
+    assert doc["step"] == 3 and {t["name"] for t in doc["tensors"]} == {"w", "b"}
+    assert doc["tensors"][0]["fp"] == certckpt.inspect(p).record.tensors[doc["tensors"][0]["name"]]["fp"]
+
+
+NO_TORCH = """
+import sys
+from certckpt_cli.main import main
+try:
+    main([{args}], standalone_mode=True)
+except SystemExit as e:
+    code = e.code
+assert "torch" not in sys.modules, "torch was imported"
+print("exit", code)
+"""
+
+
+def test_fast_paths_do_not_import_torch(tmp_path):
+    p = _ckpt(tmp_path)
+    for args in (f"'verify', {str(p)!r}", f"'inspect', {str(p)!r}", "'--help'"):
+        out = subprocess.run([sys.executable, "-c", NO_TORCH.format(args=args)], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and "exit 0" in out.stdout, out.stderr
+
+
+def test_console_script_runs(tmp_path):
+    p = _ckpt(tmp_path)
+    out = subprocess.run(["certckpt", "verify", str(p)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.startswith("OK")
+
+
+def test_demo_writes_and_verifies(tmp_path):
+    r = CliRunner().invoke(main, ["demo", "--dir", str(tmp_path / "demo")])
+    assert r.exit_code == 0, r.output
+    assert "verify: OK" in r.output and "weights identical: True" in r.output and "FAILED as it should" in r.output
+    assert certckpt.verify(tmp_path / "demo" / "step000030.safetensors", deep=True).ok
+    assert not certckpt.verify(tmp_path / "demo" / "tampered.safetensors").ok
