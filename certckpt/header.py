@@ -24,6 +24,8 @@ __all__ = [
     "encode_header",
     "padded_json",
     "is_canonical",
+    "printable",
+    "strict_json_loads",
     "sniff_foreign_format",
 ]
 
@@ -55,6 +57,7 @@ DTYPE_SIZES: dict[str, int] = {
 MAX_HEADER_BYTES = 100_000_000
 MAX_WRITTEN_HEADER_BYTES = 25_000_000
 MAX_DIMS = 64
+MAX_DIM = 2**63 - 1  # torch sizes and file offsets are int64
 METADATA_KEY = "__metadata__"
 
 
@@ -98,6 +101,21 @@ class Header:
         return self.data_start + self.data_length
 
 
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"non-standard JSON constant {name}")
+
+
+def strict_json_loads(text: str | bytes):
+    """``json.loads`` without NaN/Infinity (which the canonical form cannot write back)."""
+    return json.loads(text, parse_constant=_reject_constant)
+
+
+def printable(name: str, limit: int = 200) -> str:
+    """A tensor name safe to print on one line: control characters escaped, length bounded."""
+    out = "".join(c if c.isprintable() else repr(c)[1:-1] for c in name[:limit])
+    return out + ("..." if len(name) > limit else "")
+
+
 def canonical_json(obj: object) -> str:
     """The one serialization certckpt writes: compact separators, ASCII only, insertion order."""
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
@@ -121,21 +139,21 @@ def read_header_length(prefix: bytes, *, file_length: int | None, source: str) -
         NotACheckpointError: the bytes are a known foreign format or not safetensors at all.
         CorruptCheckpointError: a safetensors-shaped file whose declared length is impossible.
     """
-    foreign = sniff_foreign_format(prefix)
-    if foreign:
-        raise NotACheckpointError(f"{source}: not a certckpt checkpoint: it is {foreign}")
     if len(prefix) < 8:
+        foreign = sniff_foreign_format(prefix)
+        if foreign:
+            raise NotACheckpointError(f"{source}: not a certckpt checkpoint: it is {foreign}")
         raise CorruptCheckpointError(
             f"{source}: truncated: the file has {len(prefix)} bytes, fewer than the 8-byte header length;"
             " restore it from a good copy"
         )
     (n,) = struct.unpack("<Q", prefix[:8])
-    # A safetensors header is a JSON object: the byte after the length is '{'. When it is not, the
-    # file was never safetensors (a text file, an image), which is "not a checkpoint", not "corrupt".
+    # A safetensors header is a JSON object: the byte after the length is '{'. Only when it is not do
+    # we look for foreign formats (a length like 896 begins with the bytes of a pickle opcode), and a
+    # file that is neither was never safetensors: "not a checkpoint", not "corrupt".
     if len(prefix) > 8 and prefix[8:9] != b"{":
-        raise NotACheckpointError(
-            f"{source}: not a certckpt checkpoint: not a safetensors file (no JSON header after the length)"
-        )
+        foreign = sniff_foreign_format(prefix) or "not a safetensors file (no JSON header after the length)"
+        raise NotACheckpointError(f"{source}: not a certckpt checkpoint: it is {foreign}")
     if n < 2:
         raise CorruptCheckpointError(f"{source}: malformed header: declared header length {n} bytes is too small")
     if n > MAX_HEADER_BYTES:
@@ -167,7 +185,7 @@ def parse_header(raw: bytes, *, source: str, file_length: int | None) -> Header:
     n = len(raw)
     try:
         text = raw.decode("utf-8")
-        doc = json.loads(text)
+        doc = strict_json_loads(text)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise CorruptCheckpointError(f"{source}: malformed header: not valid UTF-8 JSON ({e.__class__.__name__})") from e
     if not isinstance(doc, dict):
@@ -184,7 +202,7 @@ def parse_header(raw: bytes, *, source: str, file_length: int | None) -> Header:
     for name, spec in doc.items():
         if name == METADATA_KEY:
             continue
-        where = f"tensor `{name[:200]}`"
+        where = f"tensor `{printable(name)}`"
         if not isinstance(spec, dict) or set(spec) != {"dtype", "shape", "data_offsets"}:
             raise CorruptCheckpointError(
                 f"{source}: malformed header: {where} must have exactly dtype, shape and data_offsets"
@@ -196,6 +214,8 @@ def parse_header(raw: bytes, *, source: str, file_length: int | None) -> Header:
         if not isinstance(shape, list) or len(shape) > MAX_DIMS:
             raise CorruptCheckpointError(f"{source}: malformed header: {where} shape must be a list of at most {MAX_DIMS} sizes")
         dims = tuple(_as_nonneg_int(d, f"{where} shape entry", source) for d in shape)
+        if any(d > MAX_DIM for d in dims):
+            raise CorruptCheckpointError(f"{source}: malformed header: {where} has a dimension above 2**63 - 1")
         offsets = spec["data_offsets"]
         if not isinstance(offsets, list) or len(offsets) != 2:
             raise CorruptCheckpointError(f"{source}: malformed header: {where} data_offsets must be [begin, end]")
@@ -203,9 +223,11 @@ def parse_header(raw: bytes, *, source: str, file_length: int | None) -> Header:
         end = _as_nonneg_int(offsets[1], f"{where} end offset", source)
         if end < begin:
             raise CorruptCheckpointError(f"{source}: malformed header: {where} ends ({end}) before it begins ({begin})")
+        if begin > MAX_DIM or end > MAX_DIM:
+            raise CorruptCheckpointError(f"{source}: malformed header: {where} has an offset above 2**63 - 1")
         numel = 1
         for d in dims:
-            numel *= d  # Python ints: no overflow, and len(dims) <= MAX_DIMS bounds the loop
+            numel *= d  # bounded: at most 64 factors below 2**63, so at most 4032 bits
         if numel * DTYPE_SIZES[dtype] != end - begin:
             raise CorruptCheckpointError(
                 f"{source}: malformed header: {where} shape {list(dims)} of {dtype} needs "
@@ -219,7 +241,7 @@ def parse_header(raw: bytes, *, source: str, file_length: int | None) -> Header:
         if e.begin != cursor:
             kind = "overlaps the previous tensor" if e.begin < cursor else "leaves a hole before it"
             raise CorruptCheckpointError(
-                f"{source}: malformed header: tensor `{e.name[:200]}` at offset {e.begin} {kind} (expected {cursor})"
+                f"{source}: malformed header: tensor `{printable(e.name)}` at offset {e.begin} {kind} (expected {cursor})"
             )
         cursor = e.end
     data_start = 8 + n
@@ -266,6 +288,6 @@ def is_canonical(header: Header) -> bool:
     content unchanged; comparing bytes to the canonical form catches every such change.
     """
     try:
-        return padded_json(json.loads(header.raw.decode("utf-8"))) == header.raw
-    except ValueError:  # NaN/Infinity literals parse but cannot be re-serialized canonically
+        return padded_json(strict_json_loads(header.raw)) == header.raw
+    except (ValueError, RecursionError):  # NaN/Infinity literals parse but cannot be re-serialized canonically
         return False

@@ -13,12 +13,10 @@ import torch
 import xxhash
 
 from .errors import CorruptCheckpointError
-from .fingerprinting import ST_TO_TORCH
 from .record import check_header
 from .skeleton import check_map_location, rebuild
 from .storage import open_read, resolve
-from .verify import read_checkpoint_header
-from .writer import host_bytes
+from .verify import digest_problem, read_checkpoint_header, read_tensor
 
 __all__ = ["load"]
 
@@ -58,24 +56,12 @@ def load(f: Any, *, map_location: Any = None, verify: bool = True, weights_only:
                 raise CorruptCheckpointError(f"{target.display}: {problem}")
         tensors: dict[str, torch.Tensor] = {}
         for e in info.header.entries:
-            t = torch.empty(e.shape, dtype=ST_TO_TORCH[e.dtype])
-            view = host_bytes(t)
-            got = 0
-            while got < e.nbytes:
-                n = fh.readinto(view[got:])
-                if not n:
-                    raise CorruptCheckpointError(
-                        f"{target.display}: truncated: tensor `{e.name}` ends {e.nbytes - got} bytes early"
-                    )
-                got += n
+            t, view = read_tensor(fh, e, target.display)
             if verify:
                 expected = info.record.tensors[e.name]["xxh3"]
                 found = xxhash.xxh3_128_hexdigest(view)
                 if found != expected:
-                    raise CorruptCheckpointError(
-                        f"{target.display}: tensor `{e.name}`: xxh3 digest mismatch (expected {expected},"
-                        f" found {found}); the bytes changed after writing — restore it from a good copy"
-                    )
+                    raise CorruptCheckpointError(f"{target.display}: {digest_problem(e, expected, found)}")
             del view
             tensors[e.name] = t
     try:

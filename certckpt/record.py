@@ -14,7 +14,17 @@ from typing import Any
 import xxhash
 
 from .errors import CorruptCheckpointError, NotACheckpointError
-from .header import METADATA_KEY, Header, TensorEntry, canonical_json, encode_header, is_canonical, padded_json
+from .header import (
+    METADATA_KEY,
+    Header,
+    TensorEntry,
+    canonical_json,
+    encode_header,
+    is_canonical,
+    padded_json,
+    printable,
+    strict_json_loads,
+)
 
 __all__ = ["SCHEMA_VERSION", "RECORD_KEY", "CheckpointRecord", "build_header", "parse_record", "check_header", "state_fingerprint"]
 
@@ -112,8 +122,8 @@ def parse_record(header: Header, *, source: str) -> CheckpointRecord:
             " open it with safetensors.safe_open, or re-save it with certckpt.save to certify it"
         )
     try:
-        doc = json.loads(text)
-    except ValueError as e:
+        doc = strict_json_loads(text)
+    except (ValueError, RecursionError) as e:
         raise CorruptCheckpointError(f"{source}: malformed header: the certckpt record is not valid JSON") from e
     if not isinstance(doc, dict) or type(doc.get("schema")) is not int:
         raise CorruptCheckpointError(f"{source}: malformed header: the certckpt record has no schema version")
@@ -152,11 +162,26 @@ def _validate(record: CheckpointRecord, header: Header, source: str) -> None:
         )
     for name, d in record.tensors.items():
         if not isinstance(d, dict) or not _is_hex(d.get("fp"), FP_HEX) or not _is_hex(d.get("xxh3"), DIGEST_HEX):
-            raise CorruptCheckpointError(f"{source}: malformed header: tensor `{name}` has no valid fingerprint and digest")
+            raise CorruptCheckpointError(
+                f"{source}: malformed header: tensor `{printable(name)}` has no valid fingerprint and digest"
+            )
     if not _is_hex(record.header_digest, DIGEST_HEX) or not _is_hex(record.state_fp, FP_HEX):
         raise CorruptCheckpointError(f"{source}: malformed header: the certckpt record's digests are malformed")
-    if record.step is not None and type(record.step) is not int:
-        raise CorruptCheckpointError(f"{source}: malformed header: step must be an integer")
+    for name, ok in (
+        ("run", record.run is None or isinstance(record.run, str)),
+        ("branch", record.branch is None or isinstance(record.branch, str)),
+        ("step", record.step is None or type(record.step) is int),
+        ("step_range", record.step_range is None or (
+            isinstance(record.step_range, list) and len(record.step_range) == 2
+            and all(type(x) is int for x in record.step_range))),
+        ("parent", record.parent is None or isinstance(record.parent, str)),
+        ("lineage", record.lineage is None or isinstance(record.lineage, dict)),
+        ("consensus_fp", record.consensus_fp is None or _is_hex(record.consensus_fp, FP_HEX)),
+        ("writer", isinstance(record.writer, dict)),
+        ("user", isinstance(record.user, dict) and all(isinstance(v, str) for v in record.user.values())),
+    ):
+        if not ok:
+            raise CorruptCheckpointError(f"{source}: malformed header: the certckpt record's `{name}` has the wrong type")
 
 
 def check_header(header: Header, record: CheckpointRecord) -> str | None:
@@ -164,7 +189,7 @@ def check_header(header: Header, record: CheckpointRecord) -> str | None:
     if not is_canonical(header) or header.metadata.get(RECORD_KEY) != record.to_json():
         return "header bytes are not in the form certckpt writes (whitespace, order or encoding changed)"
     blank = CheckpointRecord(**{**asdict(record), "header_digest": _PLACEHOLDER_DIGEST})
-    doc = json.loads(header.raw.decode("utf-8"))
+    doc = strict_json_loads(header.raw)
     doc[METADATA_KEY][RECORD_KEY] = blank.to_json()
     found = header_digest(padded_json(doc))
     if found != record.header_digest:

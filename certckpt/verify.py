@@ -16,7 +16,7 @@ from typing import IO, Any
 import xxhash
 
 from .errors import CorruptCheckpointError
-from .header import Header, TensorEntry, parse_header, read_header_length
+from .header import Header, TensorEntry, parse_header, printable, read_header_length
 from .record import CheckpointRecord, check_header, parse_record, state_fingerprint
 from .storage import open_read, resolve
 
@@ -125,11 +125,40 @@ def read_checkpoint_header(fh: IO[bytes], size: int | None, source: str) -> Chec
     return CheckpointInfo(source=source, header=header, record=parse_record(header, source=source))
 
 
-def _digest_problem(e: TensorEntry, expected: str, found: str) -> str:
+def digest_problem(e: TensorEntry, expected: str, found: str) -> str:
     return (
-        f"tensor `{e.name}`: xxh3 digest mismatch (expected {expected}, found {found}); "
+        f"tensor `{printable(e.name)}`: xxh3 digest mismatch (expected {expected}, found {found}); "
         "the bytes changed after writing — restore this checkpoint from a good copy"
     )
+
+
+def _truncated(source: str, e: TensorEntry, left: int) -> str:
+    return f"{source}: truncated: tensor `{printable(e.name)}` ends {left} bytes early"
+
+
+def read_tensor(fh: IO[bytes], e: TensorEntry, source: str):
+    """Read one tensor's bytes from the stream into a new CPU tensor (imports torch).
+
+    Returns:
+        ``(tensor, memoryview of its bytes)``; keep the tensor alive while using the view.
+
+    Raises:
+        CorruptCheckpointError: the stream ends before the tensor does.
+    """
+    import torch
+
+    from .fingerprinting import ST_TO_TORCH
+    from .writer import host_bytes
+
+    t = torch.empty(e.shape, dtype=ST_TO_TORCH[e.dtype])
+    view = host_bytes(t)
+    got = 0
+    while got < e.nbytes:
+        n = fh.readinto(view[got:])
+        if not n:
+            raise CorruptCheckpointError(_truncated(source, e, e.nbytes - got))
+        got += n
+    return t, view
 
 
 def _check_data(fh: IO[bytes], info: CheckpointInfo, report: VerifyReport, progress: Progress | None) -> None:
@@ -142,7 +171,7 @@ def _check_data(fh: IO[bytes], info: CheckpointInfo, report: VerifyReport, progr
         while left:
             n = fh.readinto(mv[: min(left, len(buf))])
             if not n:
-                report.fail("truncated", f"{info.source}: truncated: tensor `{e.name}` ends {left} bytes early", e.name)
+                report.fail("truncated", _truncated(info.source, e, left), e.name)
                 return
             h.update(mv[:n])
             left -= n
@@ -152,28 +181,21 @@ def _check_data(fh: IO[bytes], info: CheckpointInfo, report: VerifyReport, progr
         report.tensors += 1
         expected = info.record.tensors[e.name]["xxh3"]
         if h.hexdigest() != expected:
-            report.fail("digest", _digest_problem(e, expected, h.hexdigest()), e.name)
+            report.fail("digest", digest_problem(e, expected, h.hexdigest()), e.name)
     if fh.read(1):
         report.fail("truncated", f"{info.source}: unexpected trailing bytes after the last tensor")
 
 
 def _check_deep(fh: IO[bytes], info: CheckpointInfo, report: VerifyReport, progress: Progress | None) -> None:
-    import torch
-
-    from .fingerprinting import ST_TO_TORCH, fingerprint_many
-    from .writer import host_bytes
+    from .fingerprinting import fingerprint_many
 
     total, done = info.header.data_length, 0
     for e in info.header.entries:
-        t = torch.empty(e.shape, dtype=ST_TO_TORCH[e.dtype])
-        view = host_bytes(t)
-        got = 0
-        while got < e.nbytes:
-            n = fh.readinto(view[got:])
-            if not n:
-                report.fail("truncated", f"{info.source}: truncated: tensor `{e.name}` ends {e.nbytes - got} bytes early", e.name)
-                return
-            got += n
+        try:
+            t, view = read_tensor(fh, e, info.source)
+        except CorruptCheckpointError as err:
+            report.fail("truncated", str(err), e.name)
+            return
         done += e.nbytes
         if progress:
             progress(done, total)
@@ -181,12 +203,12 @@ def _check_deep(fh: IO[bytes], info: CheckpointInfo, report: VerifyReport, progr
         rec = info.record.tensors[e.name]
         digest = xxhash.xxh3_128_hexdigest(view)
         if digest != rec["xxh3"]:
-            report.fail("digest", _digest_problem(e, rec["xxh3"], digest), e.name)
+            report.fail("digest", digest_problem(e, rec["xxh3"], digest), e.name)
         fp = f"{fingerprint_many([t])[0]:016x}"
         if fp != rec["fp"]:
             report.fail(
                 "fingerprint",
-                f"tensor `{e.name}`: device fingerprint mismatch (expected {rec['fp']}, found {fp});"
+                f"tensor `{printable(e.name)}`: device fingerprint mismatch (expected {rec['fp']}, found {fp});"
                 " the stored values differ from those fingerprinted when saving",
                 e.name,
             )
