@@ -27,7 +27,14 @@ from collections.abc import Iterable, Sequence
 import torch
 import xxhash
 
-__all__ = ["fingerprint", "fingerprint_many", "fingerprint_hex", "enable_compile", "FP_CHUNK_WORDS"]
+__all__ = [
+    "fingerprint",
+    "fingerprint_many",
+    "fingerprint_hex",
+    "enable_compile",
+    "StreamingFingerprint",
+    "FP_CHUNK_WORDS",
+]
 
 M64 = (1 << 64) - 1
 SEED_T = 0x6365727463_6B7074  # "certckpt"
@@ -113,17 +120,20 @@ class _Tables:
         self._v: dict[int, torch.Tensor] = {}
 
     def chunk_multipliers(self, first: int, count: int) -> torch.Tensor:
-        key = first
-        v = self._v.get(key)
-        if v is None or v.numel() < count:
-            v = torch.tensor(
-                [_signed(splitmix64(c ^ SEED_V) | 1) for c in range(first, first + max(count, _BLOCK_CHUNKS))],
-                dtype=torch.int64,
-                device=self.device,
-            )
-            if len(self._v) < 4096:  # bounded cache: 4096 blocks cover a 256 GiB tensor
-                self._v[key] = v
+        """``V[first : first + count]`` on the device; aligned blocks are cached (bounded)."""
+        if first % _BLOCK_CHUNKS or count > _BLOCK_CHUNKS:
+            return self._make_v(first, count)
+        block = first // _BLOCK_CHUNKS
+        v = self._v.get(block)
+        if v is None:
+            v = self._make_v(first, _BLOCK_CHUNKS)
+            if len(self._v) < 4096:  # 4096 blocks of 16 chunks cover a 256 GiB tensor
+                self._v[block] = v
         return v[:count]
+
+    def _make_v(self, first: int, count: int) -> torch.Tensor:
+        values = [_signed(splitmix64(c ^ SEED_V) | 1) for c in range(first, first + count)]
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
 
 
 _local = threading.local()
@@ -208,8 +218,12 @@ def _maybe_compiled():
 # --- the sum S ----------------------------------------------------------------------------------
 
 
-def _raw_sum(words: torch.Tensor) -> torch.Tensor:
-    """S as a 0-dim int64 tensor on the words' device (no host synchronisation)."""
+def _raw_sum(words: torch.Tensor, first_chunk: int = 0) -> torch.Tensor:
+    """S as a 0-dim int64 tensor on the words' device (no host synchronisation).
+
+    ``words`` may be a piece of a longer word sequence that starts at chunk ``first_chunk`` (word
+    index ``first_chunk * FP_CHUNK_WORDS``); the pieces' sums add up to the whole sequence's S.
+    """
     tabs = _tables(words.device)
     n = words.numel()
     c_words = FP_CHUNK_WORDS
@@ -220,7 +234,7 @@ def _raw_sum(words: torch.Tensor) -> torch.Tensor:
     while c < full_chunks:
         k = min(_BLOCK_CHUNKS, full_chunks - c)
         blk = words[c * c_words : (c + k) * c_words].view(k, c_words)
-        v = tabs.chunk_multipliers(c, k)
+        v = tabs.chunk_multipliers(first_chunk + c, k)
         if compiled is not None and k == _BLOCK_CHUNKS:
             acc += compiled(blk, tabs.table, v)
         else:
@@ -232,7 +246,7 @@ def _raw_sum(words: torch.Tensor) -> torch.Tensor:
     rest = n - full_chunks * c_words
     if rest:
         tail = words[full_chunks * c_words :].to(torch.int64) * tabs.table[:rest]
-        acc += tail.sum() * tabs.chunk_multipliers(full_chunks, 1)[0]
+        acc += tail.sum() * tabs.chunk_multipliers(first_chunk + full_chunks, 1)[0]
     return acc
 
 
@@ -245,6 +259,45 @@ def _finalize(raw: int, t: torch.Tensor) -> int:
     if code is None:
         raise TypeError(f"cannot fingerprint dtype {t.dtype}: safetensors cannot store it")
     return fmix64((raw & M64) ^ _shape_key(code, tuple(t.shape), t.numel() * t.element_size()))
+
+
+class StreamingFingerprint:
+    """The fingerprint of a tensor fed as consecutive byte pieces, in bounded memory.
+
+    Every piece but the last must be a multiple of ``PIECE_ALIGN`` bytes (one multiplier chunk), so
+    that pieces start on chunk boundaries.
+
+    Example:
+        >>> fp = StreamingFingerprint("F32", (1024, 1024))
+        >>> for piece in pieces:  # uint8 tensors
+        ...     fp.update(piece)
+        >>> fp.hexdigest()
+    """
+
+    PIECE_ALIGN = 4 * FP_CHUNK_WORDS
+
+    def __init__(self, dtype_code: str, shape: Sequence[int]):
+        self.dtype_code = dtype_code
+        self.shape = tuple(shape)
+        self._nbytes = 0
+        self._acc: torch.Tensor | None = None
+        self._ragged = False
+
+    def update(self, piece: torch.Tensor) -> None:
+        if self._ragged:
+            raise ValueError("only the last piece may be shorter than a multiple of PIECE_ALIGN bytes")
+        if piece.numel() % self.PIECE_ALIGN:
+            self._ragged = True
+        s = _raw_sum(_words(piece), self._nbytes // self.PIECE_ALIGN)
+        self._acc = s if self._acc is None else self._acc + s
+        self._nbytes += piece.numel()
+
+    def intdigest(self) -> int:
+        raw = int(self._acc) if self._acc is not None else 0
+        return fmix64((raw & M64) ^ _shape_key(self.dtype_code, self.shape, self._nbytes))
+
+    def hexdigest(self) -> str:
+        return f"{self.intdigest():016x}"
 
 
 def fingerprint_many(tensors: Iterable[torch.Tensor]) -> list[int]:

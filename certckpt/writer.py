@@ -9,8 +9,10 @@ at any point leaves no file under the final name, or a complete one.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
+import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -69,10 +71,54 @@ def _plan(stored: list[StoredTensor]) -> tuple[list[StoredTensor], list[TensorEn
     return ordered, entries
 
 
+_WRITE_PIECE = 64 << 20
+
+
+def _writeback_starter():
+    """``sync_file_range(fd, off, n, SYNC_FILE_RANGE_WRITE)`` where the platform has it, else None.
+
+    Starting writeback of each piece as soon as it is in the page cache overlaps the disk's work with
+    the rest of the write, so the final fsync has little left to do (measured here: a 1 GiB write +
+    fsync went from 0.45-2.8 s to 0.26-0.54 s).
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
+    return fn
+
+
+_sync_file_range = _writeback_starter()
+
+
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
     while len(data):
-        n = os.pwrite(fd, data, offset)
+        n = os.pwrite(fd, data[:_WRITE_PIECE], offset)
+        if _sync_file_range is not None:
+            _sync_file_range(fd, offset, n, 2)  # 2 = SYNC_FILE_RANGE_WRITE: start, don't wait
         data, offset = data[n:], offset + n
+
+
+@contextlib.contextmanager
+def _intraop_threads(limit: int):
+    """Cap torch's intra-op threads while the fingerprint worker runs beside the writing thread.
+
+    On a 2-core machine two fingerprint threads plus the writer oversubscribe the cores: measured
+    here, the fingerprints then took 0.2-0.4 s instead of 0.09 s for 1 GiB (and seconds when the
+    machine was busy), putting them on the critical path. One thread fingerprints at ~7 GB/s, well
+    ahead of any disk. The setting is process-wide, so it is restored right after.
+    """
+    before = torch.get_num_threads()
+    if before > limit:
+        torch.set_num_threads(limit)
+    try:
+        yield
+    finally:
+        if before > limit:
+            torch.set_num_threads(before)
 
 
 class _Job:
@@ -111,19 +157,31 @@ class _Job:
             raise RuntimeError("certckpt: header length changed between planning and writing")
         return header
 
+    def _hash_worker(self) -> tuple[list[int], list[str | None]]:
+        fps = fingerprint_many([s.tensor for s in self.stored])
+        # Digests of CPU tensors here too, off the writing thread; device tensors are digested from
+        # the host copy the writer makes anyway.
+        digests = [
+            xxhash.xxh3_128_hexdigest(host_bytes(s.tensor)) if s.tensor.device.type == "cpu" else None
+            for s in self.stored
+        ]
+        return fps, digests
+
     def write_fd(self, fd: int) -> None:
-        """Data first (fingerprints computed alongside on a worker thread), header last, fsync."""
+        """Data first (hashes computed alongside on a worker thread), header last, fsync."""
         base = self.header_length
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="certckpt-fp") as pool:
-            fps_future = pool.submit(fingerprint_many, [s.tensor for s in self.stored])
-            digests = []
-            for s, e in zip(self.stored, self.entries):
+        host_digests: dict[int, str] = {}
+        with _intraop_threads(1), ThreadPoolExecutor(max_workers=1, thread_name_prefix="certckpt-hash") as pool:
+            hashed = pool.submit(self._hash_worker)
+            for i, (s, e) in enumerate(zip(self.stored, self.entries)):
                 h = self.host(s)
                 view = host_bytes(h)
-                digests.append(xxhash.xxh3_128_hexdigest(view))
+                if h is not s.tensor:
+                    host_digests[i] = xxhash.xxh3_128_hexdigest(view)
                 _pwrite_all(fd, view, base + e.begin)
                 del view, h
-            fps = fps_future.result()
+            fps, digests = hashed.result()
+        digests = [d if d is not None else host_digests[i] for i, d in enumerate(digests)]
         _pwrite_all(fd, memoryview(self.finish(fps, digests)), 0)
         os.fsync(fd)
 

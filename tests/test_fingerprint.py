@@ -156,3 +156,36 @@ def test_cuda_equals_cpu():
         assert certckpt.fingerprint_hex(make().cuda()) == expected
     big = torch.randn(3 * FP_CHUNK_WORDS * 16 + 77)
     assert certckpt.fingerprint(big.cuda()) == certckpt.fingerprint(big)
+
+
+def test_streaming_pieces_equal_the_whole():
+    from certckpt.fingerprinting import StreamingFingerprint
+
+    t = torch.randn(3 * FP_CHUNK_WORDS + 5, 1)
+    raw_bytes = t.reshape(-1).view(torch.uint8)
+    sfp = StreamingFingerprint("F32", tuple(t.shape))
+    step = 2 * StreamingFingerprint.PIECE_ALIGN
+    for lo in range(0, raw_bytes.numel(), step):
+        sfp.update(raw_bytes[lo : lo + step])
+    assert sfp.intdigest() == certckpt.fingerprint(t)
+    with pytest.raises(ValueError, match="last piece"):
+        sfp.update(raw_bytes[:4])  # after a ragged piece nothing may follow
+
+
+def test_deep_verify_catches_a_wrong_fingerprint_with_consistent_digests(tmp_path):
+    from certckpt.record import build_header, state_fingerprint
+
+    p = tmp_path / "c.safetensors"
+    certckpt.save({"w": torch.randn(70_000), "b": torch.ones(3)}, p)
+    info = certckpt.inspect(p)
+    data = p.read_bytes()[info.header.data_start :]
+    record = info.record
+    record.tensors["w"]["fp"] = "0123456789abcdef"  # as if the writer fingerprinted other values
+    record.state_fp = state_fingerprint({k: v["fp"] for k, v in record.tensors.items()})
+    forged = tmp_path / "forged.safetensors"
+    forged.write_bytes(build_header(list(info.header.entries), record) + data)
+    assert certckpt.verify(forged).ok  # bytes match their digests...
+    report = certckpt.verify(forged, deep=True)  # ...but not the fingerprint
+    assert not report.ok
+    assert [(p.kind, p.tensor) for p in report.problems] == [("fingerprint", "w")]
+    assert "expected 0123456789abcdef" in report.problems[0].message
