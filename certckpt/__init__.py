@@ -31,6 +31,7 @@ _LAZY = {
     "fingerprint": "fingerprinting",
     "fingerprint_many": "fingerprinting",
     "fingerprint_hex": "fingerprinting",
+    "fingerprint_state": "fingerprinting",
     "enable_compile": "fingerprinting",
 }
 
@@ -43,6 +44,7 @@ __all__ = [
     "fingerprint",
     "fingerprint_many",
     "fingerprint_hex",
+    "fingerprint_state",
     "enable_compile",
     "SaveResult",
     "VerifyReport",
@@ -60,7 +62,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .fingerprinting import enable_compile, fingerprint, fingerprint_hex, fingerprint_many
+    from .fingerprinting import enable_compile, fingerprint, fingerprint_hex, fingerprint_many, fingerprint_state
     from .reader import load
     from .writer import SaveResult, save
 

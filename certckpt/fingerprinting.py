@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import threading
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 import xxhash
@@ -31,6 +31,7 @@ __all__ = [
     "fingerprint",
     "fingerprint_many",
     "fingerprint_hex",
+    "fingerprint_state",
     "enable_compile",
     "StreamingFingerprint",
     "FP_CHUNK_WORDS",
@@ -326,6 +327,18 @@ def fingerprint(tensor: torch.Tensor) -> int:
         >>> hex(fingerprint(torch.arange(4, dtype=torch.float32)))
     """
     return fingerprint_many([tensor])[0]
+
+
+def fingerprint_state(state: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """Hex fingerprints of every tensor in a flat mapping (e.g. ``model.state_dict()``), one sync.
+
+    Example:
+        >>> fps = fingerprint_state(model.state_dict())
+        >>> fps["0.weight"]
+        '4be8c5feb52ed24e'
+    """
+    names = list(state)
+    return {n: f"{fp:016x}" for n, fp in zip(names, fingerprint_many(state[n] for n in names))}
 
 
 def fingerprint_hex(tensor: torch.Tensor) -> str:

@@ -87,3 +87,19 @@ def test_demo_writes_and_verifies(tmp_path):
     assert "verify: OK" in r.output and "weights identical: True" in r.output and "FAILED as it should" in r.output
     assert certckpt.verify(tmp_path / "demo" / "step000030.safetensors", deep=True).ok
     assert not certckpt.verify(tmp_path / "demo" / "tampered.safetensors").ok
+
+
+def test_progress_reports_large_files_on_a_terminal(monkeypatch, capsys):
+    from certckpt_cli.main import _Progress
+
+    prog = _Progress("verifying x")
+    prog.enabled = True  # as when stderr is a terminal
+    total = 3 << 30
+    for done in (0, total // 2, total):
+        prog(done, total)
+    err = capsys.readouterr().err
+    assert "  0%" in err and " 50%" in err and "100%" in err and "3.2 GB" in err
+    small = _Progress("verifying y")
+    small.enabled = True
+    small(10, 100)  # small files: silent
+    assert capsys.readouterr().err == ""

@@ -189,3 +189,48 @@ def test_deep_verify_catches_a_wrong_fingerprint_with_consistent_digests(tmp_pat
     assert not report.ok
     assert [(p.kind, p.tensor) for p in report.problems] == [("fingerprint", "w")]
     assert "expected 0123456789abcdef" in report.problems[0].message
+
+
+def test_fingerprint_state_matches_the_saved_record(tmp_path):
+    sd = torch.nn.Linear(7, 3).state_dict()
+    fps = certckpt.fingerprint_state(sd)
+    p = tmp_path / "m.safetensors"
+    certckpt.save(sd, p)
+    assert fps == {k: v["fp"] for k, v in certckpt.inspect(p).record.tensors.items()}
+
+
+def test_miscompiled_kernel_falls_back_to_eager(monkeypatch):
+    import certckpt.fingerprinting as fpm
+
+    # Simulate torch 2.13's CPU-inductor miscompile: the "compiled" kernel returns a wrong sum.
+    monkeypatch.setattr(fpm.torch, "compile", lambda fn, **kw: (lambda *a: fn(*a) + 1))
+    monkeypatch.setattr(fpm, "_compiled", None)
+    monkeypatch.setattr(fpm, "_compile_checked", False)
+    t = torch.randn(3 * 16 * FP_CHUNK_WORDS)
+    expected = certckpt.fingerprint(t)
+    with pytest.warns(RuntimeWarning, match="compiled fingerprint disabled"):
+        assert certckpt.enable_compile() is False
+    assert fpm._compiled is None and certckpt.fingerprint(t) == expected
+
+
+def test_a_correct_compiled_kernel_is_used(monkeypatch):
+    import certckpt.fingerprinting as fpm
+
+    calls = []
+
+    def fake_compile(fn, **kw):  # stands in for torch.compile: same arithmetic, counts its calls
+        def run(*a):
+            calls.append(1)
+            return fn(*a)
+
+        return run
+
+    monkeypatch.setattr(fpm.torch, "compile", fake_compile)
+    monkeypatch.setattr(fpm, "_compiled", None)
+    monkeypatch.setattr(fpm, "_compile_checked", False)
+    t = torch.randn(2 * 16 * FP_CHUNK_WORDS + 9)
+    expected = certckpt.fingerprint(t)
+    assert certckpt.enable_compile() is True
+    calls.clear()
+    assert certckpt.fingerprint(t) == expected
+    assert len(calls) == 2  # the two full blocks went through the compiled kernel
