@@ -29,24 +29,37 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def console_script(name: str) -> str:
+    """The console script installed beside this interpreter (not a pyenv shim), else PATH's."""
+    import shutil
+
+    beside = os.path.join(os.path.dirname(sys.executable), name)
+    return beside if os.path.exists(beside) else (shutil.which(name) or name)
+
+
 @pytest.fixture(scope="session")
 def s3_server():
     """A real S3-protocol server (moto's standalone server) on 127.0.0.1, stopped by its pid.
 
     Yields the endpoint URL; credentials and endpoint are set in the environment for s3fs.
     """
-    import shutil
     import signal
     import subprocess
     import time
     import urllib.request
 
     pytest.importorskip("s3fs")
-    exe = shutil.which("moto_server")
-    if exe is None:
+    try:
+        import moto.server  # noqa: F401
+    except ImportError:
         pytest.skip("moto[server] is not installed (pip install 'certckpt[test]')")
     port = _free_port()
-    proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # `python -m moto.server` with this interpreter: no dependence on PATH or pyenv shims.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     endpoint = f"http://127.0.0.1:{port}"
     deadline = time.time() + 30
     while True:

@@ -77,7 +77,9 @@ def test_fast_paths_do_not_import_torch(tmp_path):
 
 def test_console_script_runs(tmp_path):
     p = _ckpt(tmp_path)
-    out = subprocess.run(["certckpt", "verify", str(p)], capture_output=True, text=True, timeout=60)
+    from conftest import console_script
+
+    out = subprocess.run([console_script("certckpt"), "verify", str(p)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.startswith("OK")
 
 
