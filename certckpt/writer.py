@@ -30,7 +30,7 @@ from .record import CheckpointRecord, build_header, state_fingerprint
 from .skeleton import StoredTensor, flatten
 from .storage import commit_local, commit_remote, resolve, temp_name
 
-__all__ = ["save", "SaveResult", "host_bytes"]
+__all__ = ["save", "save_certified", "SaveResult", "host_bytes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +124,16 @@ def _intraop_threads(limit: int):
 class _Job:
     """One save in progress: the plan, the record, and the hashing of each stored tensor."""
 
-    def __init__(self, obj: Any, *, step: int | None, run: str | None, metadata: dict[str, str] | None):
+    def __init__(
+        self,
+        obj: Any,
+        *,
+        step: int | None,
+        run: str | None,
+        metadata: dict[str, str] | None,
+        record_fields: dict[str, Any] | None = None,
+        known_fingerprints: dict[tuple, tuple[str, str]] | None = None,
+    ):
         if step is not None and (type(step) is not int or step < 0):
             raise TypeError(f"step must be a non-negative int, got {step!r}")
         if run is not None and not isinstance(run, str):
@@ -138,8 +147,25 @@ class _Job:
         self.data_length = self.entries[-1].end if self.entries else 0
         devices = {str(s.tensor.device) for s in self.stored}
         self.record = CheckpointRecord(
-            run=run, step=step, skeleton=flat.skeleton, writer=writer_inventory(devices), user=dict(metadata or {})
+            run=run,
+            step=step,
+            skeleton=flat.skeleton,
+            writer=writer_inventory(devices),
+            user=dict(metadata or {}),
+            **(record_fields or {}),
         )
+        # Fingerprints the caller already holds (the auditor's weight consensus at this step):
+        # reused, never computed twice.
+        self.known: dict[int, str] = {}
+        mapping: dict[str, str] = {}
+        for i, s in enumerate(self.stored):
+            t = s.tensor
+            hit = (known_fingerprints or {}).get((t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), str(t.device)))
+            if hit is not None:
+                self.known[i] = hit[1]
+                mapping[hit[0]] = s.name
+        if mapping and isinstance(self.record.lineage, dict) and isinstance(self.record.lineage.get("consensus"), dict):
+            self.record.lineage["consensus"]["tensors"] = mapping
         # Header length is value-independent; build once with placeholders to learn it.
         self.record.tensors = {s.name: {"fp": "0" * 16, "xxh3": "0" * 32} for s in self.stored}
         self.header_length = len(build_header(self.entries, self.record))
@@ -157,8 +183,13 @@ class _Job:
             raise RuntimeError("certckpt: header length changed between planning and writing")
         return header
 
+    def fingerprints(self) -> list[int]:
+        todo = [i for i in range(len(self.stored)) if i not in self.known]
+        computed = dict(zip(todo, fingerprint_many([self.stored[i].tensor for i in todo])))
+        return [int(self.known[i], 16) if i in self.known else computed[i] for i in range(len(self.stored))]
+
     def _hash_worker(self) -> tuple[list[int], list[str | None]]:
-        fps = fingerprint_many([s.tensor for s in self.stored])
+        fps = self.fingerprints()
         # Digests of CPU tensors here too, off the writing thread; device tensors are digested from
         # the host copy the writer makes anyway.
         digests = [
@@ -187,7 +218,7 @@ class _Job:
 
     def write_stream(self, f: IO[bytes]) -> None:
         """For a caller's file object: hash first, then write front to back (no seeking needed)."""
-        fps = fingerprint_many([s.tensor for s in self.stored])
+        fps = self.fingerprints()
         hosts = []
         digests = []
         for s in self.stored:
@@ -257,9 +288,45 @@ def save(
     Example:
         >>> certckpt.save({"model": model.state_dict(), "optim": opt.state_dict()}, "ckpt/step100.safetensors", step=100)
     """
+    return save_certified(obj, f, step=step, run=run, metadata=metadata, overwrite=overwrite)
+
+
+def save_certified(
+    obj: Any,
+    f: Any,
+    *,
+    step: int | None = None,
+    run: str | None = None,
+    metadata: dict[str, str] | None = None,
+    overwrite: bool = False,
+    branch: str | None = None,
+    step_range: list[int] | None = None,
+    parent: str | None = None,
+    lineage: dict[str, Any] | None = None,
+    consensus_fp: str | None = None,
+    known_fingerprints: dict[tuple, tuple[str, str]] | None = None,
+) -> SaveResult:
+    """``save`` plus the audit fields the auditor fills in (see ``docs/format.md``, section 2).
+
+    ``known_fingerprints`` maps a tensor's identity ``(data_ptr, dtype, shape, stride, device)`` to
+    ``(parameter name, fingerprint hex)``; those tensors are not fingerprinted again.
+    """
     t0 = time.perf_counter()
     target = resolve(f)
-    job = _Job(obj, step=step, run=run, metadata=metadata)
+    job = _Job(
+        obj,
+        step=step,
+        run=run,
+        metadata=metadata,
+        record_fields={
+            "branch": branch,
+            "step_range": step_range,
+            "parent": parent,
+            "lineage": lineage,
+            "consensus_fp": consensus_fp,
+        },
+        known_fingerprints=known_fingerprints,
+    )
     if target.fileobj is not None:
         job.write_stream(target.fileobj)
     elif target.local is not None:
@@ -285,4 +352,3 @@ def save(
         tensors=len(job.stored),
         seconds=time.perf_counter() - t0,
     )
-

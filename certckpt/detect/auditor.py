@@ -1,0 +1,546 @@
+"""The auditor: drives the three detection checks from inside a DDP training loop.
+
+Per step, in this order:
+
+1. non-finite check of the local gradients before the all-reduce and of the reduced ones after it,
+   inside a DDP communication hook that performs the (averaging) all-reduce itself; the flags stay on
+   the device until one small read before ``optimizer.step()``;
+2. every ``audit_every`` steps, the ring replay audit: rank r recomputes rank r-1's micro-batch with
+   its own weights and compares gradient signatures with those r-1 computed before the all-reduce;
+3. weight consensus after ``optimizer.step()`` at audit steps, checkpoint steps and every
+   ``consensus_every`` steps: every rank's weight fingerprints, all-gathered and compared.
+
+Usage (every rank)::
+
+    auditor = Auditor(ddp_model, optimizer, loss_fn=lambda model, batch: F.cross_entropy(model(batch[0]), batch[1]),
+                      run="exp1", audit_every=10, sink=JsonlSink("events.jsonl"))
+    for batch in loader:
+        loss = auditor.train_step(batch)        # zero_grad, forward, backward, checks, step
+        if auditor.step % 100 == 0:
+            auditor.save({"model": model.state_dict(), "optim": optimizer.state_dict()}, f"ckpt/{auditor.step}.safetensors")
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from ..errors import CertckptError
+from ..fingerprinting import _finalize, _raw_sum, _words
+from ..record import state_fingerprint
+from .attribution import arbitration_plan, attribute_replay, consensus_verdict, ring_pairs
+from .events import AuditEvent, EventSink, MemorySink, rank_inventory
+from .exchange import check_shippable, recv_payload, ring_shift, send_payload
+from .inject import Injector
+from .signature import Probes, matches, signature
+
+__all__ = ["Auditor", "FaultDetectedError", "AuditSetupError", "StepOutcome"]
+
+
+class FaultDetectedError(CertckptError, RuntimeError):
+    """A check failed and the auditor was told to stop; ``.event`` holds the evidence."""
+
+    def __init__(self, message: str, event: AuditEvent):
+        super().__init__(message)
+        self.event = event
+
+
+class AuditSetupError(CertckptError, ValueError):
+    """The training set-up cannot be audited as configured (found at start, not at step 10,000)."""
+
+
+@dataclass(slots=True)
+class StepOutcome:
+    """What happened at one step (``auditor.last``)."""
+
+    step: int
+    applied: bool = True
+    audited: bool = False
+    events: list[AuditEvent] = field(default_factory=list)
+
+
+class _HookState:
+    """State shared with the communication hook: per-bucket device flags and, on audit steps,
+    the signatures of the local (pre-reduce) gradients."""
+
+    def __init__(self, auditor: Auditor):
+        self.auditor = auditor
+        self.pre: list[torch.Tensor] = []
+        self.post: list[torch.Tensor] = []
+        self.local_sig: dict[int, torch.Tensor] = {}
+        self.audit = False
+
+    def reset(self, *, audit: bool) -> None:
+        self.pre, self.post, self.local_sig, self.audit = [], [], {}, audit
+
+
+def _nonfinite_flag(buf: torch.Tensor) -> torch.Tensor:
+    # One fused reduction instead of isfinite().all(): NaN and Inf propagate through a sum (a sum
+    # that overflows to Inf is flagged too, and means the gradients are unusable anyway).
+    return ~torch.isfinite(buf.sum(dtype=torch.float32))
+
+
+def _comm_hook(state, bucket):
+    # No annotations: DDP inspects them, and `from __future__ import annotations` turns them into
+    # strings it rejects ("bucket annotation should be dist.GradBucket").
+    aud = state.auditor
+    grads = bucket.gradients()
+    idx = [aud._param_index[id(p)] for p in bucket.parameters()]
+    if aud.injector is not None:
+        aud.injector.on_local_grads([aud.param_names[i] for i in idx], grads)
+    buf = bucket.buffer()
+    state.pre.append(_nonfinite_flag(buf))
+    if state.audit:
+        sig = signature(grads, mode=aud.mode, probes=aud._probe_subset(idx))
+        for i, row in zip(idx, sig):
+            state.local_sig[i] = row
+    buf.div_(aud.world)  # the default hook's averaging, composed with our checks
+    fut = dist.all_reduce(buf, group=aud.group, async_op=True).get_future()
+
+    def post(f: torch.futures.Future) -> torch.Tensor:
+        out = f.value()[0]
+        state.post.append(_nonfinite_flag(out))
+        return out
+
+    return fut.then(post)
+
+
+class Auditor:
+    """Wraps a DDP model and its optimizer; call ``train_step(batch)`` once per optimizer step.
+
+    Args:
+        model: the ``DistributedDataParallel`` model (the hook is registered on it; register no other).
+        optimizer: its optimizer.
+        loss_fn: ``loss_fn(model, batch) -> scalar loss``; called with the DDP model for training and
+            with the bare module for replays. Must be a pure function of the weights, the batch and
+            the RNG state (dropout is fine: the RNG state travels with the batch).
+        run: run name recorded in events and checkpoints.
+        branch: line of training (a new one after each rollback).
+        audit_every: K, the replay-audit interval in steps (full audit = replay + non-finite + consensus).
+        consensus_every: also compare weights every N steps (None: at audits and checkpoints only).
+        mode: ``"deterministic"`` (bit-exact fingerprints) or ``"tolerance"`` (norm and projection).
+        rtol: relative tolerance in tolerance mode.
+        on_nonfinite: ``"raise"`` or ``"skip"`` (drop the update: a contained detection).
+        on_fault: ``"raise"`` or ``"continue"`` for replay and consensus failures (the failing step's
+            update is dropped either way).
+        sink: where events go (rank 0 emits them); default an in-memory sink (``auditor.sink.events``).
+        injector_faults: synthetic faults for drills (see ``certckpt.detect.inject``).
+        check_determinism: at the first step, replay the rank's own batch twice and refuse a model
+            whose gradients differ (deterministic mode only).
+        start_step: the optimizer step count already done (when resuming).
+    """
+
+    def __init__(
+        self,
+        model: DistributedDataParallel,
+        optimizer: torch.optim.Optimizer,
+        *,
+        loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
+        run: str = "run",
+        branch: str = "main",
+        audit_every: int = 10,
+        consensus_every: int | None = None,
+        mode: str = "deterministic",
+        rtol: float = 1e-3,
+        on_nonfinite: str = "raise",
+        on_fault: str = "raise",
+        sink: EventSink | None = None,
+        injector_faults: list | None = None,
+        check_determinism: bool = True,
+        start_step: int = 0,
+    ):
+        if not dist.is_available() or not dist.is_initialized():
+            raise AuditSetupError("torch.distributed is not initialized; call dist.init_process_group first")
+        if not isinstance(model, DistributedDataParallel):
+            raise AuditSetupError(f"model must be a DistributedDataParallel, got {type(model).__name__}")
+        if mode not in ("deterministic", "tolerance"):
+            raise AuditSetupError(f"mode must be 'deterministic' or 'tolerance', got {mode!r}")
+        if on_nonfinite not in ("raise", "skip") or on_fault not in ("raise", "continue"):
+            raise AuditSetupError("on_nonfinite must be 'raise' or 'skip'; on_fault 'raise' or 'continue'")
+        if audit_every < 1 or (consensus_every is not None and consensus_every < 1):
+            raise AuditSetupError("audit_every and consensus_every must be >= 1")
+        self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
+        self.run, self.branch, self.mode, self.rtol = run, branch, mode, rtol
+        self.audit_every, self.consensus_every = audit_every, consensus_every
+        self.on_nonfinite, self.on_fault = on_nonfinite, on_fault
+        self.group = model.process_group
+        self.world = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
+        self.step = start_step
+        self.sink = sink if sink is not None else MemorySink()
+        self.check_determinism = check_determinism and mode == "deterministic"
+        named = [(n, p) for n, p in model.module.named_parameters() if p.requires_grad]
+        self.param_names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self._param_index = {id(p): i for i, p in enumerate(self.params)}
+        self.device = self.params[0].device if self.params else torch.device("cpu")
+        self.wire_device = self.device if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
+        self._probes = Probes(self.params) if mode == "tolerance" else None
+        self.injector = Injector(injector_faults or [], rank=self.rank) if injector_faults else None
+        if self.injector is not None:
+            self.injector.install(model.module)
+        self._check_world_agrees()
+        self._hook = _HookState(self)
+        model.register_comm_hook(self._hook, _comm_hook)
+        self.inventory = self._gather_inventory()
+        self._since_audit: list[int] = []  # steps whose non-finite checks passed since the last audit
+        self._events: list[AuditEvent] = []  # since the last checkpoint (lineage)
+        self.last_clean_audit: int | None = start_step if start_step else None
+        self.last_checkpoint_step: int | None = start_step if start_step else None
+        self._consensus: tuple[int, dict[str, str], str] | None = None  # (step, {param: fp}, state fp)
+        self._first = True
+        self.last: StepOutcome | None = None
+
+    # --- set-up checks ----------------------------------------------------------------------
+
+    def _check_world_agrees(self) -> None:
+        """Every rank must have the same parameters and the same audit configuration."""
+        desc = json.dumps(
+            [self.audit_every, self.consensus_every, self.mode, [(n, list(p.shape), str(p.dtype)) for n, p in zip(self.param_names, self.params)]]
+        ).encode()
+        import xxhash
+
+        mine = torch.tensor([xxhash.xxh3_64_intdigest(desc) & ((1 << 62) - 1)], dtype=torch.int64, device=self.wire_device)
+        allv = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(allv, mine, group=self.group)
+        values = [int(v) for v in allv]
+        if len(set(values)) != 1:
+            odd = [r for r, v in enumerate(values) if v != values[self.rank]]
+            raise AuditSetupError(
+                f"rank {self.rank}: the ranks disagree on parameters or audit settings (differs from ranks {odd});"
+                " every rank must build the same model and Auditor(audit_every=..., mode=...)"
+            )
+
+    def _gather_inventory(self) -> dict[str, dict[str, Any]]:
+        mine = json.dumps(rank_inventory(self.device)).encode()
+        payloads = self._all_gather_bytes(mine)
+        return {str(r): json.loads(b) for r, b in enumerate(payloads)}
+
+    def _all_gather_bytes(self, data: bytes) -> list[bytes]:
+        n = torch.tensor([len(data)], dtype=torch.int64, device=self.wire_device)
+        sizes = [torch.empty_like(n) for _ in range(self.world)]
+        dist.all_gather(sizes, n, group=self.group)
+        longest = max(int(s) for s in sizes)
+        buf = torch.zeros(longest, dtype=torch.uint8, device=self.wire_device)
+        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else buf[:0]
+        out = [torch.empty_like(buf) for _ in range(self.world)]
+        dist.all_gather(out, buf, group=self.group)
+        return [bytes(o[: int(s)].cpu().tolist()) for o, s in zip(out, sizes)]
+
+    def _probe_subset(self, idx: list[int]) -> Probes | None:
+        if self._probes is None:
+            return None
+        sub = Probes.__new__(Probes)
+        sub.index = [self._probes.index[i] for i in idx]
+        sub.weight = [self._probes.weight[i] for i in idx]
+        return sub
+
+    # --- events -----------------------------------------------------------------------------
+
+    def _event(self, kind: str, outcome: str, *, step: int, suspects=(), contained=False, **details) -> AuditEvent:
+        ev = AuditEvent(
+            run=self.run,
+            branch=self.branch,
+            step=step,
+            kind=kind,
+            outcome=outcome,
+            ranks=list(range(self.world)),
+            suspect_ranks=sorted(int(s) for s in suspects),
+            contained=contained,
+            details=details,
+            inventory=self.inventory if outcome == "fail" else {},
+        )
+        if self.rank == 0:
+            self.sink.emit(ev)
+            if ev.failed:
+                self.sink.flush()
+        self._events.append(ev)
+        if self.last is not None:
+            self.last.events.append(ev)
+        return ev
+
+    def _fail(self, ev: AuditEvent, message: str, *, policy: str) -> None:
+        if policy == "raise":
+            raise FaultDetectedError(f"step {ev.step}: {message}", ev)
+
+    # --- the step ---------------------------------------------------------------------------
+
+    def is_audit_step(self, step: int) -> bool:
+        return step % self.audit_every == 0
+
+    def train_step(self, batch: Any) -> torch.Tensor:
+        """One optimizer step with the checks; returns the (local) loss.
+
+        Raises:
+            FaultDetectedError: a check failed and the policy is ``raise`` (the update was not applied).
+        """
+        if self._first:
+            check_shippable(batch)
+            if self.check_determinism:
+                self._check_deterministic(batch)
+            self._first = False
+        s = self.step + 1
+        audit = self.is_audit_step(s)
+        self.last = StepOutcome(step=s, audited=audit)
+        rng = self._rng_state() if audit else None
+        self.optimizer.zero_grad(set_to_none=True)
+        self._hook.reset(audit=audit)
+        if self.injector is not None:
+            self.injector.begin(s, "train")
+        loss = self.loss_fn(self.model, batch)
+        loss.backward()
+        flags = torch.stack([torch.stack(self._hook.pre).any(), torch.stack(self._hook.post).any()]).tolist()
+        self.step = s  # the step is attempted from here on, applied or not
+        if flags[1] or flags[0]:
+            self._nonfinite_detected(s, bool(flags[0]))
+            return loss.detach()
+        self._since_audit.append(s)
+        if audit and not self._replay_audit(s, batch, rng):
+            return loss.detach()
+        self.optimizer.step()
+        if self.injector is not None:
+            self.injector.after_optimizer(list(zip(self.param_names, self.params)))
+        due = audit or (self.consensus_every is not None and s % self.consensus_every == 0)
+        consensus_ok = self._weight_consensus(s) if due else True
+        if audit:
+            self._event("nonfinite", "pass", step=s, steps_checked=len(self._since_audit), first=self._since_audit[0] if self._since_audit else s)
+            self._since_audit = []
+            if consensus_ok:
+                self.last_clean_audit = s
+        return loss.detach()
+
+    def _rng_state(self) -> dict[str, torch.Tensor]:
+        state = {"cpu": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            state["cuda"] = torch.cuda.get_rng_state(self.device)
+        return state
+
+    # --- check 1: non-finite ------------------------------------------------------------------
+
+    def _nonfinite_detected(self, s: int, mine: bool) -> None:
+        self.last.applied = False
+        pre = self._all_gather_bytes(b"1" if mine else b"0")
+        suspects = [r for r, b in enumerate(pre) if b == b"1"]
+        bad = [n for n, p in zip(self.param_names, self.params) if p.grad is not None and not torch.isfinite(p.grad).all()]
+        if suspects:
+            kind, msg = "nonfinite-pre", f"non-finite local gradients on rank(s) {suspects} before the all-reduce"
+        else:
+            kind, msg = "nonfinite-post", "gradients became non-finite in the all-reduce while every rank's local gradients were finite: suspect the reduction (interconnect or a rank's reduction arithmetic)"
+        ev = self._event(kind, "fail", step=s, suspects=suspects, contained=True, tensors=bad[:20], policy=self.on_nonfinite)
+        self.optimizer.zero_grad(set_to_none=True)
+        self._fail(ev, msg + "; the update was not applied", policy="raise" if self.on_nonfinite == "raise" else "skip")
+
+    # --- check 2: ring replay -------------------------------------------------------------------
+
+    def _replay(self, module: torch.nn.Module, batch: Any, rng: dict[str, torch.Tensor], s: int) -> torch.Tensor:
+        """Gradient signature of ``batch`` recomputed on this rank, leaving .grad and buffers alone."""
+        buffers = [b.detach().clone() for b in module.buffers()]
+        devices = [self.device] if self.device.type == "cuda" else []
+        try:
+            with torch.random.fork_rng(devices=devices):
+                torch.set_rng_state(rng["cpu"])
+                if "cuda" in rng and self.device.type == "cuda":
+                    torch.cuda.set_rng_state(rng["cuda"], self.device)
+                if self.injector is not None:
+                    self.injector.begin(s, "replay")
+                loss = self.loss_fn(module, batch)
+                grads = torch.autograd.grad(loss, self.params, allow_unused=True)
+            grads = [g if g is not None else torch.zeros_like(p) for g, p in zip(grads, self.params)]
+            if self.injector is not None:
+                self.injector.on_local_grads(self.param_names, grads)
+            return signature(grads, mode=self.mode, probes=self._probes)
+        finally:
+            with torch.no_grad():
+                for b, saved in zip(module.buffers(), buffers):
+                    b.copy_(saved)
+            if self.injector is not None:
+                self.injector.begin(s, "train")
+
+    def _check_deterministic(self, batch: Any) -> None:
+        rng = self._rng_state()
+        module = self.model.module
+        a, b = self._replay(module, batch, rng, 0), self._replay(module, batch, rng, 0)
+        same = matches(a.cpu(), b.cpu(), mode="deterministic", rtol=0)
+        if not all(same):
+            names = [n for n, ok in zip(self.param_names, same) if not ok][:5]
+            raise AuditSetupError(
+                f"rank {self.rank}: the model's gradients differ between two identical computations (e.g. {names});"
+                " enable torch.use_deterministic_algorithms(True) or use Auditor(mode='tolerance')"
+            )
+
+    def _replay_audit(self, s: int, batch: Any, rng: dict[str, torch.Tensor]) -> bool:
+        """Run the ring replay; returns whether the update may be applied."""
+        local = torch.stack([self._hook.local_sig[i] for i in range(len(self.params))])
+        prev = ring_shift({"batch": batch, "rng": rng}, group=self.group, wire_device=self.wire_device, out_device=self.device)
+        replay = self._replay(self.model.module, prev["batch"], prev["rng"], s)
+        gathered = self._gather_rows(torch.stack([local, replay]))  # [W, 2, P, ...]
+        failed, mismatched = [], {}
+        for origin, replayer in ring_pairs(self.world):
+            ok = matches(gathered[replayer][1], gathered[origin][0], mode=self.mode, rtol=self.rtol)
+            if not all(ok):
+                failed.append((origin, replayer))
+                mismatched[f"{origin}->{replayer}"] = [n for n, good in zip(self.param_names, ok) if not good][:10]
+        if not failed:
+            self._event("replay", "pass", step=s, comparisons=len(ring_pairs(self.world)), mode=self.mode)
+            return True
+        self.last.applied = False
+        # A replay can only be trusted between replicas that hold the same weights: check first.
+        if not self._weight_consensus(s - 1, found_by="replay precondition"):
+            self.optimizer.zero_grad(set_to_none=True)
+            return False
+        arbitration = self._arbitrate(s, failed, batch, rng, gathered)
+        verdict = attribute_replay(self.world, failed, arbitration)
+        ev = self._event(
+            "replay",
+            "fail",
+            step=s,
+            suspects=verdict.suspects,
+            contained=False,
+            mode=self.mode,
+            failed=[{"origin": o, "replayer": r} for o, r in failed],
+            mismatched=mismatched,
+            arbitration={f"{o}->{r}": v for (o, r), v in arbitration.items()},
+            notes=list(verdict.notes),
+        )
+        self.optimizer.zero_grad(set_to_none=True)
+        who = f"rank(s) {list(verdict.suspects)}" if verdict.suspects else "no rank could be named"
+        self._fail(ev, f"replay audit failed ({who}); the update was not applied", policy=self.on_fault)
+        return False
+
+    def _gather_rows(self, mine: torch.Tensor) -> list[torch.Tensor]:
+        wire = mine.to(self.wire_device)
+        out = [torch.empty_like(wire) for _ in range(self.world)]
+        dist.all_gather(out, wire, group=self.group)
+        return [o.cpu() for o in out]
+
+    def _arbitrate(self, s, failed, batch, rng, gathered) -> dict[tuple[int, int], str]:
+        """For each failed comparison no persistent fault explains, a third rank replays the batch."""
+        results: dict[tuple[int, int], str] = {}
+        for origin, replayer, arbiter in arbitration_plan(self.world, failed):
+            if self.rank == origin:
+                send_payload({"batch": batch, "rng": rng}, dist.get_global_rank(self.group, arbiter), group=self.group, wire_device=self.wire_device)
+                sig = torch.zeros_like(gathered[origin][1])
+            elif self.rank == arbiter:
+                got = recv_payload(dist.get_global_rank(self.group, origin), group=self.group, wire_device=self.wire_device, out_device=self.device)
+                sig = self._replay(self.model.module, got["batch"], got["rng"], s).cpu()
+            else:
+                sig = torch.zeros_like(gathered[origin][1])
+            wire = sig.to(self.wire_device)
+            dist.broadcast(wire, dist.get_global_rank(self.group, arbiter), group=self.group)
+            arb = wire.cpu()
+            with_origin = all(matches(arb, gathered[origin][0], mode=self.mode, rtol=self.rtol))
+            with_replayer = all(matches(arb, gathered[replayer][1], mode=self.mode, rtol=self.rtol))
+            results[(origin, replayer)] = "origin" if with_origin else "replayer" if with_replayer else "neither"
+        return results
+
+    # --- check 3: weight consensus ----------------------------------------------------------------
+
+    def _weight_consensus(self, s: int, *, found_by: str | None = None) -> bool:
+        raw = torch.stack([_raw_sum(_words(p.detach())) for p in self.params]) if self.params else torch.zeros(0, dtype=torch.int64)
+        rows = [r.tolist() for r in self._gather_rows(raw)]
+        verdict = consensus_verdict(rows)
+        if verdict.agreed:
+            fps = {n: f"{_finalize(r, p):016x}" for n, r, p in zip(self.param_names, rows[0], self.params)}
+            state_fp = state_fingerprint(fps)
+            self._consensus = (s, fps, state_fp)
+            if found_by is None:
+                self._event("consensus", "pass", step=s, fp=state_fp, params=len(fps))
+            return True
+        names = [self.param_names[j] for j in verdict.mismatched][:20]
+        if self.last is not None and found_by is None:
+            self.last.applied = False
+        ev = self._event(
+            "consensus",
+            "fail",
+            step=s,
+            suspects=verdict.minority_ranks if verdict.majority is not None else (),
+            contained=False,
+            tensors=names,
+            majority=verdict.majority is not None,
+            **({"found_by": found_by} if found_by else {}),
+            **({} if verdict.majority is not None else {"note": "no majority: every rank differs (or a tie)"}),
+        )
+        self._consensus = None
+        minority = list(verdict.minority_ranks) if verdict.majority is not None else "no majority"
+        self._fail(ev, f"weights differ across replicas after step {s} (minority: {minority}; tensors {names[:3]})", policy=self.on_fault)
+        return False
+
+    # --- checkpoints --------------------------------------------------------------------------
+
+    def consensus_fingerprints(self) -> dict[str, str] | None:
+        """Per-parameter fingerprints every replica agreed on at the current step, if checked."""
+        if self._consensus and self._consensus[0] == self.step:
+            return dict(self._consensus[1])
+        return None
+
+    def save(self, obj: Any, f: Any, **kwargs: Any):
+        """Save a checkpoint at the current step with its audit lineage (collective; rank 0 writes).
+
+        Runs the weight consensus at this step if it has not run yet, and hands its fingerprints to
+        the writer, which does not compute them again.
+
+        Returns:
+            ``SaveResult`` on rank 0, None elsewhere.
+        """
+        from ..writer import save_certified
+
+        s = self.step
+        if not (self._consensus and self._consensus[0] == s):
+            self._weight_consensus(s)
+        first = (self.last_checkpoint_step or 0) + 1
+        audits = [{"step": e.step, "kind": e.kind, "outcome": e.outcome} for e in self._events]
+        fps = self._consensus[1] if self._consensus else {}
+        lineage = {
+            "audit_every": self.audit_every,
+            "world": self.world,
+            "mode": self.mode,
+            "audits": audits,
+            "last_clean_audit": self.last_clean_audit,
+            "consensus": {"step": s, "fp": self._consensus[2]} if self._consensus else None,
+        }
+        result, error = None, None
+        if self.rank == 0:
+            known = {
+                (p.data_ptr(), p.dtype, tuple(p.shape), p.stride(), str(p.device)): (n, fps[n])
+                for n, p in zip(self.param_names, self.params)
+                if n in fps
+            }
+            try:
+                result = save_certified(
+                    obj,
+                    f,
+                    step=s,
+                    run=self.run,
+                    branch=self.branch,
+                    step_range=[first, s],
+                    lineage=lineage,
+                    consensus_fp=self._consensus[2] if self._consensus else None,
+                    known_fingerprints=known,
+                    **kwargs,
+                )
+                self.sink.flush()
+            except Exception as e:  # noqa: BLE001 - re-raised below, after telling the other ranks
+                error = e
+        # Every rank learns whether rank 0's write succeeded, so all raise (or go on) together
+        # instead of the others hanging in the next collective.
+        status = torch.tensor([0 if error is None else 1], dtype=torch.int64, device=self.wire_device)
+        dist.broadcast(status, dist.get_global_rank(self.group, 0), group=self.group)
+        if error is not None:
+            raise error
+        if int(status) != 0:
+            raise CertckptError(f"rank {self.rank}: rank 0 could not write checkpoint {f!s} at step {s}; see rank 0's error")
+        self.last_checkpoint_step = s
+        self._events = []
+        return result
+
+    def close(self) -> None:
+        if self.injector is not None:
+            self.injector.remove()
+        self.sink.flush()
+

@@ -1,0 +1,183 @@
+"""``certckpt drill faults``: the fault-injection matrix on a small model, 3 gloo ranks on CPU.
+
+One case per fault kind x {persistent, one time on an audit step, one time between audits}; each case
+trains from scratch with the auditor, checkpointing as it goes, and records which check caught the
+fault, at which step, and which rank it named. Escapes are listed as escapes: a one-time finite fault
+between audits is averaged into every replica and no later check can see it.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any
+
+__all__ = ["run_matrix", "matrix_cases", "expected_catch", "TIMINGS"]
+
+TIMINGS = ("persistent", "one-time-audit-step", "one-time-between-audits")
+_CAUGHT_BY = {
+    "nonfinite-pre": "nonfinite-pre",
+    "nonfinite-post": "nonfinite-post",
+    "replay": "replay",
+    "consensus": "consensus",
+}
+
+
+def matrix_cases(*, audit_every: int, ckpt_every: int, rank: int = 1) -> list[dict[str, Any]]:
+    """The cases: the fault lands at step 1.3 K (between audits) or at step 2 K (an audit step)."""
+    between = audit_every + max(1, audit_every * 3 // 10)
+    if between % ckpt_every == 0:
+        between += 1
+    on_audit = 2 * audit_every
+    cases = []
+    for kind in ("forward", "backward", "post-optimizer", "non-finite"):
+        for timing in TIMINGS:
+            step = on_audit if timing == "one-time-audit-step" else between
+            cases.append({"fault": kind, "timing": timing, "rank": rank, "injected_step": step})
+    return cases
+
+
+def expected_catch(case: dict[str, Any], *, audit_every: int, ckpt_every: int) -> tuple[str | None, int | None]:
+    """What the checks are designed to do with a case: ``(caught_by, detected_step)``."""
+    s, kind, timing = case["injected_step"], case["fault"], case["timing"]
+    next_audit = -(-s // audit_every) * audit_every
+    if kind == "non-finite":
+        return "nonfinite-pre", s
+    if kind == "post-optimizer":
+        # consensus runs after the update at audit steps and checkpoint steps
+        consensus_steps = [t for t in range(s, next_audit + 1) if t % audit_every == 0 or t % ckpt_every == 0]
+        return "consensus", consensus_steps[0]
+    if timing == "one-time-between-audits":
+        return None, None  # the documented escape
+    return "replay", next_audit
+
+
+# --- the per-rank case runner (called through certckpt.detect.launch) ------------------------------
+
+
+def _model(seed: int):
+    import torch
+
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Dropout(0.1), torch.nn.Linear(32, 8)
+    )
+
+
+def _batch(rank: int, step: int):
+    import torch
+
+    g = torch.Generator().manual_seed(rank * 100_003 + step)
+    x = torch.randn(8, 16, generator=g)
+    return x, x[:, :8].sin() * 2
+
+
+def _loss(model, batch):
+    import torch.nn.functional as F
+
+    x, y = batch
+    return F.mse_loss(model(x), y)
+
+
+def run_cases_on_rank(args: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every case of ``args["cases"]`` in turn on this rank; rank 0 keeps each case's run store."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from .auditor import Auditor, FaultDetectedError
+    from .events import JsonlSink, MemorySink
+    from .inject import Fault
+
+    rank = dist.get_rank()
+    results = []
+    for case in args["cases"]:
+        store = os.path.join(args["dir"], case["name"])
+        if rank == 0:
+            os.makedirs(store, exist_ok=True)
+        model = _model(0)
+        torch.manual_seed(1000 + rank)  # each rank its own dropout stream, as in real training
+        ddp = DDP(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        fault = Fault(
+            kind=case["fault"],
+            rank=case["rank"],
+            step=case["injected_step"],
+            persistent=case["timing"] == "persistent",
+            scale=args.get("scale", 0.05),
+        )
+        sink = JsonlSink(os.path.join(store, "events.jsonl")) if rank == 0 else MemorySink()
+        auditor = Auditor(
+            ddp,
+            opt,
+            loss_fn=_loss,
+            run=case["name"],
+            audit_every=args["audit_every"],
+            sink=sink,
+            injector_faults=[fault],
+        )
+        detected = None
+        for step in range(1, args["steps"] + 1):
+            try:
+                auditor.train_step(_batch(rank, step))
+            except FaultDetectedError as e:
+                detected = e.event
+                break
+            if step % args["ckpt_every"] == 0:
+                try:
+                    auditor.save({"model": model.state_dict(), "optim": opt.state_dict(), "step": step},
+                                 os.path.join(store, f"step{step:06d}.safetensors"))
+                except FaultDetectedError as e:
+                    detected = e.event
+                    break
+        auditor.close()
+        if isinstance(sink, JsonlSink):
+            sink.close()
+        results.append({
+            **case,
+            "caught_by": _CAUGHT_BY.get(detected.kind) if detected else None,
+            "detected_step": detected.step if detected else None,
+            "suspect_ranks": detected.suspect_ranks if detected else [],
+            "notes": detected.details.get("notes", []) if detected else [],
+            "store": f"file://{os.path.abspath(store)}" if args.get("keep") else None,
+            "fired": len(auditor.injector.fired) if auditor.injector else 0,
+        })
+        dist.barrier()
+    return results
+
+
+def run_matrix(
+    *,
+    ranks: int = 3,
+    audit_every: int = 10,
+    ckpt_every: int = 5,
+    directory: str | None = None,
+    cases: list[dict[str, Any]] | None = None,
+    timeout: float = 600,
+) -> dict[str, Any]:
+    """Run the fault matrix; returns ``{"ranks", "audit_every", "ckpt_every", "cases": [...]}``."""
+    from .launch import run_ranks
+
+    cases = cases if cases is not None else matrix_cases(audit_every=audit_every, ckpt_every=ckpt_every, rank=1 % ranks)
+    for c in cases:
+        c.setdefault("name", f"{c['fault']}-{c['timing']}")
+    steps = 3 * audit_every + 1
+    with tempfile.TemporaryDirectory(prefix="certckpt-drill-") as scratch:
+        root = os.path.abspath(directory) if directory else scratch
+        os.makedirs(root, exist_ok=True)
+        taken = [c["name"] for c in cases if os.path.exists(os.path.join(root, c["name"]))]
+        if taken:
+            raise FileExistsError(f"{root} already holds drill results ({', '.join(taken[:3])}); choose an empty directory")
+        args = {"cases": cases, "audit_every": audit_every, "ckpt_every": ckpt_every, "steps": steps,
+                "dir": root, "keep": directory is not None}
+        per_rank = run_ranks("certckpt.detect.drill:run_cases_on_rank", ranks, args, timeout=timeout)
+    out = []
+    for i, res in enumerate(per_rank[0]):
+        res["fired"] = per_rank[res["rank"]][i]["fired"]  # the faulty rank knows what it injected
+        exp_by, exp_step = expected_catch(res, audit_every=audit_every, ckpt_every=ckpt_every)
+        res["updates_before_detection"] = (
+            res["detected_step"] - res["injected_step"] if res["detected_step"] is not None else None
+        )
+        res["expected"] = {"caught_by": exp_by, "detected_step": exp_step}
+        out.append(res)
+    return {"ranks": ranks, "audit_every": audit_every, "ckpt_every": ckpt_every, "cases": out}

@@ -1,0 +1,166 @@
+"""Audit events: what each check found, where, on which hardware; and the sinks that keep them.
+
+The event schema is what the ledger and the certifier consume:
+``(run, branch, step, kind, outcome, ranks, suspect_ranks, details, inventory)``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+__all__ = [
+    "AuditEvent",
+    "EventSink",
+    "MemorySink",
+    "JsonlSink",
+    "KINDS",
+    "rank_inventory",
+]
+
+# nonfinite: the per-step checks since the previous audit, summarised at each audit step (and a
+# failure as soon as it happens); replay: ring replay of step s's local gradients; consensus:
+# weight fingerprints of W_s compared across replicas.
+KINDS = ("nonfinite-pre", "nonfinite-post", "nonfinite", "replay", "consensus")
+
+# Environment variables that identify where a rank runs (Kubernetes, Slurm, clouds, torchrun).
+_NODE_ENV = (
+    "KUBERNETES_POD_NAME",
+    "POD_NAME",
+    "POD_NAMESPACE",
+    "NODE_NAME",
+    "KUBERNETES_NODE_NAME",
+    "SLURM_JOB_ID",
+    "SLURM_NODEID",
+    "SLURMD_NODENAME",
+    "SLURM_PROCID",
+    "INSTANCE_ID",
+    "EC2_INSTANCE_ID",
+    "GCE_INSTANCE_ID",
+    "AZURE_VM_ID",
+    "TORCHELASTIC_RUN_ID",
+    "GROUP_RANK",
+    "LOCAL_RANK",
+)
+
+
+@dataclass(kw_only=True, slots=True)
+class AuditEvent:
+    """One check's outcome.
+
+    Attributes:
+        run: training run name.
+        branch: line of training within the run.
+        step: the optimizer update the check concerns (``W_step`` for consensus).
+        kind: one of ``KINDS``.
+        outcome: ``"pass"`` or ``"fail"``.
+        ranks: the ranks that took part.
+        suspect_ranks: the ranks the check blames (empty when it cannot attribute).
+        contained: for a failure, True when the faulty update never reached the weights.
+        details: check-specific facts (comparisons, mismatching tensors, fingerprints, notes).
+        inventory: per rank, where it ran (host, pod, node, device name and UUID).
+    """
+
+    run: str
+    branch: str
+    step: int
+    kind: str
+    outcome: str
+    ranks: list[int]
+    suspect_ranks: list[int] = field(default_factory=list)
+    contained: bool = False
+    details: dict[str, Any] = field(default_factory=dict)
+    inventory: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown audit event kind {self.kind!r}; expected one of {KINDS}")
+        if self.outcome not in ("pass", "fail"):
+            raise ValueError(f"outcome must be 'pass' or 'fail', got {self.outcome!r}")
+
+    @property
+    def failed(self) -> bool:
+        return self.outcome == "fail"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> AuditEvent:
+        return cls(**d)
+
+
+class EventSink(Protocol):
+    """Where events go. The ledger implements this; so do the two sinks below."""
+
+    def emit(self, event: AuditEvent) -> None: ...
+
+    def flush(self) -> None: ...
+
+
+class MemorySink:
+    """Keeps events in a list (tests, notebooks)."""
+
+    def __init__(self) -> None:
+        self.events: list[AuditEvent] = []
+
+    def emit(self, event: AuditEvent) -> None:
+        self.events.append(event)
+
+    def flush(self) -> None:
+        pass
+
+
+class JsonlSink:
+    """Appends one JSON line per event to a local file; ``flush`` fsyncs (called at audits and saves)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        d = os.path.dirname(os.path.abspath(path))
+        os.makedirs(d, exist_ok=True)
+        self._f = open(path, "a", encoding="utf-8")  # noqa: SIM115 - lives as long as the sink
+
+    def emit(self, event: AuditEvent) -> None:
+        line = json.dumps(event.to_dict(), separators=(",", ":"), sort_keys=True)
+        with self._lock:
+            self._f.write(line + "\n")
+
+    def flush(self) -> None:
+        with self._lock:
+            self._f.flush()
+            os.fsync(self._f.fileno())
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._f.closed:
+                self._f.flush()
+                self._f.close()
+
+    @staticmethod
+    def read(path: str) -> list[AuditEvent]:
+        with open(path, encoding="utf-8") as f:
+            return [AuditEvent.from_dict(json.loads(line)) for line in f if line.strip()]
+
+
+def rank_inventory(device: Any = None) -> dict[str, Any]:
+    """Where this process runs: host, scheduler identifiers, and the CUDA device's name and UUID."""
+    inv: dict[str, Any] = {"host": socket.gethostname(), "pid": os.getpid()}
+    env = {k: os.environ[k] for k in _NODE_ENV if os.environ.get(k)}
+    if env:
+        inv["env"] = env
+    if device is not None and getattr(device, "type", None) == "cuda":
+        import torch
+
+        props = torch.cuda.get_device_properties(device)
+        inv["device"] = props.name
+        uuid = getattr(props, "uuid", None)
+        if uuid:
+            inv["device_uuid"] = f"GPU-{uuid}"
+    else:
+        inv["device"] = "cpu"
+    return inv

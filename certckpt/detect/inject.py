@@ -1,0 +1,143 @@
+"""Synthetic silent-data-corruption faults, for drills and tests of the detection hooks.
+
+A ``Fault`` hits one rank at one step (``persistent=False``) or at every step from then on
+(``persistent=True``, as a damaged unit would). Kinds:
+
+- ``forward``: perturbs one activation (the output of a module) during the forward pass;
+- ``backward``: perturbs one local gradient before the all-reduce;
+- ``post-optimizer``: perturbs one stored weight after the optimizer step;
+- ``non-finite``: writes NaN (or Inf) into one local gradient before the all-reduce.
+
+The perturbation is a relative scale of the largest-magnitude element (``scale``) or one flipped bit
+of it (``bit``). A persistent fault also corrupts the replays its rank computes; a one-time fault hits
+the training computation only, as a transient error would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Fault", "Injector", "FAULT_KINDS"]
+
+FAULT_KINDS = ("forward", "backward", "post-optimizer", "non-finite")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Fault:
+    """One synthetic fault.
+
+    Attributes:
+        kind: one of ``FAULT_KINDS``.
+        rank: the rank whose computation goes wrong.
+        step: the first (or only) optimizer step it hits.
+        persistent: hit every step from ``step`` on, replays included.
+        scale: relative perturbation of the largest-magnitude element (ignored when ``bit`` is set).
+        bit: flip this bit of that element's raw bits instead.
+        target: module name (forward) or parameter name (others); default: the first one.
+        value: for ``non-finite``: ``"nan"`` or ``"inf"``.
+    """
+
+    kind: str
+    rank: int
+    step: int
+    persistent: bool = False
+    scale: float = 1e-2
+    bit: int | None = None
+    target: str | None = None
+    value: str = "nan"
+
+    def __post_init__(self) -> None:
+        if self.kind not in FAULT_KINDS:
+            raise ValueError(f"fault kind must be one of {FAULT_KINDS}, got {self.kind!r}")
+        if self.step < 1 or self.rank < 0:
+            raise ValueError("fault step must be >= 1 and rank >= 0")
+        if self.value not in ("nan", "inf"):
+            raise ValueError("value must be 'nan' or 'inf'")
+
+    def active(self, step: int, phase: str) -> bool:
+        if self.persistent:
+            return step >= self.step
+        return phase == "train" and step == self.step
+
+
+def _perturb_(t: torch.Tensor, fault: Fault) -> None:
+    """Perturb the largest-magnitude element of ``t`` in place."""
+    with torch.no_grad():
+        flat = t.view(-1)
+        if flat.numel() == 0:
+            return
+        i = int(flat.abs().argmax())
+        if fault.kind == "non-finite":
+            flat[i] = float(fault.value)
+        elif fault.bit is not None:
+            ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
+            flat.view(ints)[i] ^= 1 << fault.bit if fault.bit < 8 * flat.element_size() - 1 else -(1 << fault.bit)
+        else:
+            flat[i] = flat[i] * (1 + fault.scale) + fault.scale
+
+
+class Injector:
+    """Applies the faults meant for one rank at the points the auditor calls it from."""
+
+    def __init__(self, faults: Iterable[Fault], *, rank: int):
+        self.faults = [f for f in faults if f.rank == rank]
+        self.rank = rank
+        self.step = 0
+        self.phase = "train"
+        self._handles: list = []
+        self.fired: list[tuple[str, int, str]] = []  # (kind, step, phase), for reports
+
+    def install(self, module: torch.nn.Module) -> None:
+        """Register forward hooks for this rank's forward faults."""
+        mods = dict(module.named_modules())
+        for f in self.faults:
+            if f.kind != "forward":
+                continue
+            name = f.target or next(n for n, m in mods.items() if n and not list(m.children()))
+            if name not in mods:
+                raise ValueError(f"forward fault target {name!r} is not a module of the model")
+            self._handles.append(mods[name].register_forward_hook(self._forward_hook(f)))
+
+    def _forward_hook(self, fault: Fault):
+        def hook(_mod, _inp, out):
+            if not fault.active(self.step, self.phase) or not isinstance(out, torch.Tensor):
+                return None
+            bad = out.detach().clone()
+            _perturb_(bad, fault)
+            self.fired.append((fault.kind, self.step, self.phase))
+            return out + (bad - out.detach())
+
+        return hook
+
+    def begin(self, step: int, phase: str) -> None:
+        self.step, self.phase = step, phase
+
+    def _pick(self, kind: Sequence[str], names: Sequence[str]) -> list[tuple[Fault, int]]:
+        out = []
+        for f in self.faults:
+            if f.kind in kind and f.active(self.step, self.phase):
+                target = f.target or names[0]
+                if target in names:
+                    out.append((f, names.index(target)))
+        return out
+
+    def on_local_grads(self, names: Sequence[str], grads: Sequence[torch.Tensor]) -> None:
+        """Backward and non-finite faults: local gradients before the all-reduce (or a replay's)."""
+        kinds = ("backward", "non-finite") if self.phase == "train" else ("backward",)
+        for f, i in self._pick(kinds, names):
+            _perturb_(grads[i], f)
+            self.fired.append((f.kind, self.step, self.phase))
+
+    def after_optimizer(self, named_params: Sequence[tuple[str, torch.Tensor]]) -> None:
+        names = [n for n, _ in named_params]
+        for f, i in self._pick(("post-optimizer",), names):
+            _perturb_(named_params[i][1].data, f)
+            self.fired.append((f.kind, self.step, self.phase))
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
