@@ -105,6 +105,8 @@ def _comm_hook(state, bucket):
 
     def post(f: torch.futures.Future) -> torch.Tensor:
         out = f.value()[0]
+        if aud.injector is not None:
+            aud.injector.on_reduced(out)
         state.post.append(_nonfinite_flag(out))
         return out
 
@@ -295,10 +297,10 @@ class Auditor:
             self.injector.begin(s, "train")
         loss = self.loss_fn(self.model, batch)
         loss.backward()
-        flags = torch.stack([torch.stack(self._hook.pre).any(), torch.stack(self._hook.post).any()]).tolist()
+        flags = self._exchange_flags()
         self.step = s  # the step is attempted from here on, applied or not
-        if flags[1] or flags[0]:
-            self._nonfinite_detected(s, bool(flags[0]))
+        if any(flags):
+            self._nonfinite_detected(s, flags)
             return loss.detach()
         self._since_audit.append(s)
         if audit and not self._replay_audit(s, batch, rng):
@@ -315,6 +317,21 @@ class Auditor:
                 self.last_clean_audit = s
         return loss.detach()
 
+    def _exchange_flags(self) -> list[int]:
+        """Every rank's pre- and post-reduce flags, summed across ranks: ``[pre_0..pre_W-1, post_0..post_W-1]``.
+
+        One tiny all-reduce per step makes the skip-or-raise decision identical on every rank even
+        when a faulty reduction delivers non-finite values to some ranks only; its ``tolist()`` is
+        the step's only host synchronisation.
+        """
+        flags = torch.zeros(2 * self.world, dtype=torch.int32, device=self.wire_device)
+        pre = torch.stack(self._hook.pre).any() if self._hook.pre else torch.zeros((), dtype=torch.bool)
+        post = torch.stack(self._hook.post).any() if self._hook.post else torch.zeros((), dtype=torch.bool)
+        flags[self.rank] = pre.to(self.wire_device)
+        flags[self.world + self.rank] = post.to(self.wire_device)
+        dist.all_reduce(flags, group=self.group)
+        return flags.tolist()
+
     def _rng_state(self) -> dict[str, torch.Tensor]:
         state = {"cpu": torch.get_rng_state()}
         if self.device.type == "cuda":
@@ -323,16 +340,24 @@ class Auditor:
 
     # --- check 1: non-finite ------------------------------------------------------------------
 
-    def _nonfinite_detected(self, s: int, mine: bool) -> None:
+    def _nonfinite_detected(self, s: int, flags: list[int]) -> None:
         self.last.applied = False
-        pre = self._all_gather_bytes(b"1" if mine else b"0")
-        suspects = [r for r, b in enumerate(pre) if b == b"1"]
+        pre = [r for r in range(self.world) if flags[r]]
+        post = [r for r in range(self.world) if flags[self.world + r]]
         bad = [n for n, p in zip(self.param_names, self.params) if p.grad is not None and not torch.isfinite(p.grad).all()]
-        if suspects:
-            kind, msg = "nonfinite-pre", f"non-finite local gradients on rank(s) {suspects} before the all-reduce"
+        if pre:
+            kind, suspects = "nonfinite-pre", pre
+            msg = f"non-finite local gradients on rank(s) {pre} before the all-reduce"
         else:
-            kind, msg = "nonfinite-post", "gradients became non-finite in the all-reduce while every rank's local gradients were finite: suspect the reduction (interconnect or a rank's reduction arithmetic)"
-        ev = self._event(kind, "fail", step=s, suspects=suspects, contained=True, tensors=bad[:20], policy=self.on_nonfinite)
+            kind, suspects = "nonfinite-post", post if len(post) < self.world else []
+            msg = (
+                f"gradients became non-finite in the all-reduce (seen on rank(s) {post}) while every rank's local"
+                " gradients were finite: suspect the reduction (interconnect, or a rank's reduction arithmetic)"
+            )
+        ev = self._event(
+            kind, "fail", step=s, suspects=suspects, contained=True,
+            pre_ranks=pre, post_ranks=post, tensors=bad[:20], policy=self.on_nonfinite,
+        )
         self.optimizer.zero_grad(set_to_none=True)
         self._fail(ev, msg + "; the update was not applied", policy="raise" if self.on_nonfinite == "raise" else "skip")
 

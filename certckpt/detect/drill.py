@@ -15,7 +15,7 @@ from typing import Any
 __all__ = ["run_matrix", "matrix_cases", "expected_catch", "TIMINGS"]
 
 TIMINGS = ("persistent", "one-time-audit-step", "one-time-between-audits")
-_CAUGHT_BY = {
+_CAUGHT_BY = {  # event kind -> the matrix's "caught_by"
     "nonfinite-pre": "nonfinite-pre",
     "nonfinite-post": "nonfinite-post",
     "replay": "replay",
@@ -43,6 +43,8 @@ def expected_catch(case: dict[str, Any], *, audit_every: int, ckpt_every: int) -
     next_audit = -(-s // audit_every) * audit_every
     if kind == "non-finite":
         return "nonfinite-pre", s
+    if kind == "reduction":
+        return "nonfinite-post", s
     if kind == "post-optimizer":
         # consensus runs after the update at audit steps and checkpoint steps
         consensus_steps = [t for t in range(s, next_audit + 1) if t % audit_every == 0 or t % ckpt_every == 0]
@@ -104,7 +106,7 @@ def run_cases_on_rank(args: dict[str, Any]) -> list[dict[str, Any]]:
             rank=case["rank"],
             step=case["injected_step"],
             persistent=case["timing"] == "persistent",
-            scale=args.get("scale", 0.05),
+            scale=case.get("scale", args.get("scale", 0.05)),
         )
         sink = JsonlSink(os.path.join(store, "events.jsonl")) if rank == 0 else MemorySink()
         auditor = Auditor(
@@ -113,6 +115,7 @@ def run_cases_on_rank(args: dict[str, Any]) -> list[dict[str, Any]]:
             loss_fn=_loss,
             run=case["name"],
             audit_every=args["audit_every"],
+            mode=args.get("mode", "deterministic"),
             sink=sink,
             injector_faults=[fault],
         )
@@ -153,6 +156,7 @@ def run_matrix(
     ckpt_every: int = 5,
     directory: str | None = None,
     cases: list[dict[str, Any]] | None = None,
+    mode: str = "deterministic",
     timeout: float = 600,
 ) -> dict[str, Any]:
     """Run the fault matrix; returns ``{"ranks", "audit_every", "ckpt_every", "cases": [...]}``."""
@@ -169,7 +173,7 @@ def run_matrix(
         if taken:
             raise FileExistsError(f"{root} already holds drill results ({', '.join(taken[:3])}); choose an empty directory")
         args = {"cases": cases, "audit_every": audit_every, "ckpt_every": ckpt_every, "steps": steps,
-                "dir": root, "keep": directory is not None}
+                "dir": root, "keep": directory is not None, "mode": mode}
         per_rank = run_ranks("certckpt.detect.drill:run_cases_on_rank", ranks, args, timeout=timeout)
     out = []
     for i, res in enumerate(per_rank[0]):
@@ -180,4 +184,4 @@ def run_matrix(
         )
         res["expected"] = {"caught_by": exp_by, "detected_step": exp_step}
         out.append(res)
-    return {"ranks": ranks, "audit_every": audit_every, "ckpt_every": ckpt_every, "cases": out}
+    return {"ranks": ranks, "audit_every": audit_every, "ckpt_every": ckpt_every, "mode": mode, "cases": out}

@@ -6,7 +6,9 @@ A ``Fault`` hits one rank at one step (``persistent=False``) or at every step fr
 - ``forward``: perturbs one activation (the output of a module) during the forward pass;
 - ``backward``: perturbs one local gradient before the all-reduce;
 - ``post-optimizer``: perturbs one stored weight after the optimizer step;
-- ``non-finite``: writes NaN (or Inf) into one local gradient before the all-reduce.
+- ``non-finite``: writes NaN (or Inf) into one local gradient before the all-reduce;
+- ``reduction``: writes NaN (or Inf) into the reduced gradients one rank receives (a faulty
+  interconnect or reduction), to exercise the post-reduce check.
 
 The perturbation is a relative scale of the largest-magnitude element (``scale``) or one flipped bit
 of it (``bit``). A persistent fault also corrupts the replays its rank computes; a one-time fault hits
@@ -22,7 +24,7 @@ import torch
 
 __all__ = ["Fault", "Injector", "FAULT_KINDS"]
 
-FAULT_KINDS = ("forward", "backward", "post-optimizer", "non-finite")
+FAULT_KINDS = ("forward", "backward", "post-optimizer", "non-finite", "reduction")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -70,7 +72,7 @@ def _perturb_(t: torch.Tensor, fault: Fault) -> None:
         if flat.numel() == 0:
             return
         i = int(flat.abs().argmax())
-        if fault.kind == "non-finite":
+        if fault.kind in ("non-finite", "reduction"):
             flat[i] = float(fault.value)
         elif fault.bit is not None:
             ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
@@ -130,6 +132,13 @@ class Injector:
         for f, i in self._pick(kinds, names):
             _perturb_(grads[i], f)
             self.fired.append((f.kind, self.step, self.phase))
+
+    def on_reduced(self, buffer: torch.Tensor) -> None:
+        """Reduction faults: the all-reduced bucket this rank received."""
+        for f in self.faults:
+            if f.kind == "reduction" and f.active(self.step, self.phase):
+                _perturb_(buffer, f)
+                self.fired.append((f.kind, self.step, self.phase))
 
     def after_optimizer(self, named_params: Sequence[tuple[str, torch.Tensor]]) -> None:
         names = [n for n, _ in named_params]
