@@ -56,6 +56,8 @@ def ring_shift(obj: Any, *, group: Any, wire_device: torch.device, out_device: t
     the received object's tensors end up.
     """
     world = dist.get_world_size(group)
+    if world == 1:
+        return obj  # a single rank replays its own micro-batch (same-device replay)
     rank = dist.get_rank(group)
     nxt, prv = dist.get_global_rank(group, (rank + 1) % world), dist.get_global_rank(group, (rank - 1) % world)
     meta, tensors = encode_payload(obj)

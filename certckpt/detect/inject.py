@@ -91,9 +91,11 @@ class Injector:
         self.phase = "train"
         self._handles: list = []
         self.fired: list[tuple[str, int, str]] = []  # (kind, step, phase), for reports
+        self.default_param: str | None = None  # the model's first parameter, set by install()
 
     def install(self, module: torch.nn.Module) -> None:
-        """Register forward hooks for this rank's forward faults."""
+        """Register forward hooks for this rank's forward faults; learn the default target parameter."""
+        self.default_param = next((n for n, p in module.named_parameters() if p.requires_grad), None)
         mods = dict(module.named_modules())
         for f in self.faults:
             if f.kind != "forward":
@@ -121,7 +123,8 @@ class Injector:
         out = []
         for f in self.faults:
             if f.kind in kind and f.active(self.step, self.phase):
-                target = f.target or names[0]
+                # The same parameter whatever subset is passed (a DDP bucket holds some, in reverse order).
+                target = f.target or self.default_param or names[0]
                 if target in names:
                     out.append((f, names.index(target)))
         return out

@@ -1,0 +1,129 @@
+"""Per-rank functions for the multi-process detection tests (run through certckpt.detect.launch)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import certckpt
+from certckpt.detect import AuditSetupError, Auditor, Fault, FaultDetectedError, MemorySink
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+
+
+def _batch(step: int):
+    g = torch.Generator().manual_seed(dist.get_rank() * 1000 + step)
+    x = torch.randn(4, 8, generator=g)
+    return x, x[:, :4].cos()
+
+
+def _loss(model, batch):
+    return F.mse_loss(model(batch[0]), batch[1])
+
+
+class _Jittery(torch.nn.Module):
+    """A forward that is not a function of weights, batch and RNG state: a call counter leaks in."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 4)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.lin(x) * (1 + 1e-3 * self.calls)
+
+
+def setup_errors(args):
+    rank = dist.get_rank()
+    out = {}
+    try:
+        Auditor(_model(), torch.optim.SGD(_model().parameters(), lr=0.1), loss_fn=_loss)
+    except AuditSetupError as e:
+        out["not_ddp"] = str(e)
+    m = _model()
+    try:
+        Auditor(DDP(m), torch.optim.SGD(m.parameters(), lr=0.1), loss_fn=_loss, audit_every=10 if rank == 0 else 20)
+    except AuditSetupError as e:
+        out["mismatch"] = str(e)
+    j = _Jittery()
+    aud = Auditor(DDP(j), torch.optim.SGD(j.parameters(), lr=0.1), loss_fn=lambda mdl, b: mdl(b[0]).square().mean())
+    try:
+        aud.train_step(_batch(1))
+    except AuditSetupError as e:
+        out["nondeterministic"] = str(e)
+    m = _model()
+    aud = Auditor(DDP(m), torch.optim.SGD(m.parameters(), lr=0.1), loss_fn=lambda mdl, b: _loss(mdl, b["xy"]))
+    try:
+        aud.train_step({"xy": _batch(1), "sampler": object()})
+    except certckpt.UnsupportedObjectError as e:
+        out["unshippable"] = str(e)
+    return out
+
+
+def checkpoint_lineage(args):
+    import certckpt.writer as writer
+
+    counted = []
+    real = writer.fingerprint_many
+
+    def counting(tensors):
+        tensors = list(tensors)
+        counted.append(len(tensors))
+        return real(tensors)
+
+    writer.fingerprint_many = counting
+    m = _model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+    aud = Auditor(DDP(m), opt, loss_fn=_loss, run="lin", audit_every=5, sink=MemorySink())
+    for s in range(1, 11):
+        aud.train_step(_batch(s))
+    path = os.path.join(args["dir"], "step10.safetensors")
+    res = aud.save({"model": m.state_dict(), "optim": opt.state_dict()}, path)
+    return {
+        "fingerprinted": counted,
+        "params": len(list(m.parameters())),
+        "saved": res is not None,
+        "events": [(e.step, e.kind, e.outcome) for e in aud.sink.events],
+        "consensus": aud.consensus_fingerprints(),
+    }
+
+
+def skip_policy(args):
+    m = _model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.05)
+    aud = Auditor(DDP(m), opt, loss_fn=_loss, audit_every=4, on_nonfinite="skip", sink=MemorySink(),
+                  injector_faults=[Fault(kind="non-finite", rank=2, step=3)])
+    applied = []
+    for s in range(1, 9):
+        aud.train_step(_batch(s))
+        applied.append(aud.last.applied)
+    ok = aud._weight_consensus(aud.step)
+    finite = all(torch.isfinite(p).all().item() for p in m.parameters())
+    return {"applied": applied, "consensus": ok, "finite": finite,
+            "events": [(e.step, e.kind, e.outcome, e.suspect_ranks, e.contained) for e in aud.sink.events if e.failed]}
+
+
+def raise_detected(args):
+    """A persistent backward fault with the default policy: the error carries the event."""
+    m = _model()
+    aud = Auditor(DDP(m), torch.optim.SGD(m.parameters(), lr=0.05), loss_fn=_loss, audit_every=5,
+                  injector_faults=[Fault(kind="backward", rank=0, step=2, persistent=True)])
+    before = None
+    for s in range(1, 11):
+        try:
+            if s == 5:
+                before = [p.detach().clone() for p in m.parameters()]
+            aud.train_step(_batch(s))
+        except FaultDetectedError as e:
+            unchanged = all(torch.equal(a, p) for a, p in zip(before, m.parameters()))
+            return {"step": e.event.step, "kind": e.event.kind, "suspects": e.event.suspect_ranks,
+                    "message": str(e), "update_dropped": unchanged, "inventory_ranks": sorted(e.event.inventory)}
+    return None

@@ -1,0 +1,125 @@
+"""Pure parts of the detection checks: attribution, consensus votes, events, fault perturbations."""
+
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from certckpt.detect import AuditEvent, Fault, JsonlSink, MemorySink, attribute_replay, consensus_verdict
+from certckpt.detect.attribution import arbitration_plan, ring_pairs
+from certckpt.detect.drill import expected_catch, matrix_cases
+from certckpt.detect.inject import Injector, _perturb_
+
+
+def failed_pairs_for(world, faulty, *, persistent):
+    """Which ring comparisons fail when `faulty` computes wrongly (always, or on its own step only)."""
+    out = []
+    for origin, replayer in ring_pairs(world):
+        if origin == faulty or (persistent and replayer == faulty):
+            out.append((origin, replayer))
+    return out
+
+
+@settings(max_examples=100, deadline=None)
+@given(world=st.integers(3, 64), data=st.data())
+def test_persistent_fault_is_named_by_both_comparisons(world, data):
+    f = data.draw(st.integers(0, world - 1))
+    failed = failed_pairs_for(world, f, persistent=True)
+    assert arbitration_plan(world, failed) == []  # no arbitration needed
+    assert attribute_replay(world, failed).suspects == (f,)
+
+
+@settings(max_examples=100, deadline=None)
+@given(world=st.integers(3, 64), data=st.data())
+def test_one_time_fault_is_named_after_arbitration(world, data):
+    f = data.draw(st.integers(0, world - 1))
+    failed = failed_pairs_for(world, f, persistent=False)  # only f's own local gradients were wrong
+    plan = arbitration_plan(world, failed)
+    assert len(plan) == 1
+    origin, replayer, arbiter = plan[0]
+    assert arbiter not in (origin, replayer)
+    # the arbiter's replay of f's batch agrees with the replayer, not with f's own gradients
+    verdict = attribute_replay(world, failed, {(origin, replayer): "replayer"})
+    assert verdict.suspects == (f,)
+    # had the replayer been wrong instead, it would be named
+    assert attribute_replay(world, failed, {(origin, replayer): "origin"}).suspects == (replayer,)
+    unresolved = attribute_replay(world, failed, {(origin, replayer): "neither"})
+    assert unresolved.suspects == () and "both candidates" in unresolved.notes[0]
+
+
+def test_two_and_one_ranks_say_what_they_cannot_do():
+    two = attribute_replay(2, [(0, 1), (1, 0)])
+    assert two.suspects == () and "needs >= 3 ranks" in two.notes[0]
+    one = attribute_replay(1, [(0, 0)])
+    assert one.suspects == (0,) and "transient faults only" in one.notes[0]
+    assert attribute_replay(5, []).suspects == ()
+
+
+@settings(max_examples=100, deadline=None)
+@given(world=st.integers(3, 16), params=st.integers(1, 8), data=st.data())
+def test_consensus_names_the_minority_and_the_tensors(world, params, data):
+    good = tuple(data.draw(st.lists(st.integers(-(2**63), 2**63 - 1), min_size=params, max_size=params)))
+    bad_rank = data.draw(st.integers(0, world - 1))
+    col = data.draw(st.integers(0, params - 1))
+    rows = [list(good) for _ in range(world)]
+    rows[bad_rank][col] ^= 1
+    v = consensus_verdict(rows)
+    assert not v.agreed and v.majority == good and v.minority_ranks == (bad_rank,) and v.mismatched == (col,)
+    assert consensus_verdict([list(good)] * world).agreed
+
+
+def test_consensus_tie_names_nobody():
+    v = consensus_verdict([[1, 2], [1, 3]])
+    assert not v.agreed and v.majority is None and v.minority_ranks == (0, 1) and v.mismatched == (1,)
+
+
+def test_events_validate_and_roundtrip_through_jsonl(tmp_path):
+    with pytest.raises(ValueError, match="unknown audit event kind"):
+        AuditEvent(run="r", branch="b", step=1, kind="bogus", outcome="pass", ranks=[0])
+    ev = AuditEvent(run="r", branch="main", step=20, kind="replay", outcome="fail", ranks=[0, 1, 2], suspect_ranks=[1],
+                    details={"failed": [{"origin": 1, "replayer": 2}]}, inventory={"1": {"host": "n1"}})
+    sink = JsonlSink(str(tmp_path / "ev" / "events.jsonl"))
+    sink.emit(ev)
+    sink.flush()
+    sink.close()
+    assert JsonlSink.read(str(tmp_path / "ev" / "events.jsonl")) == [ev]
+    line = json.loads((tmp_path / "ev" / "events.jsonl").read_text())
+    assert set(line) == {"run", "branch", "step", "kind", "outcome", "ranks", "suspect_ranks", "contained", "details", "inventory"}
+    mem = MemorySink()
+    mem.emit(ev)
+    assert mem.events == [ev] and ev.failed
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_perturbations_change_exactly_one_element(dtype):
+    t = torch.randn(50).to(dtype)
+    for fault in (Fault(kind="backward", rank=0, step=1, scale=0.01), Fault(kind="backward", rank=0, step=1, bit=3),
+                  Fault(kind="backward", rank=0, step=1, bit=8 * t.element_size() - 1)):
+        u = t.clone()
+        _perturb_(u, fault)
+        assert int((u != t).sum()) == 1
+    u = t.clone()
+    _perturb_(u, Fault(kind="non-finite", rank=0, step=1))
+    assert int(torch.isnan(u).sum()) == 1
+
+
+def test_fault_activity_and_validation():
+    one = Fault(kind="forward", rank=1, step=5)
+    assert one.active(5, "train") and not one.active(5, "replay") and not one.active(6, "train")
+    pers = Fault(kind="forward", rank=1, step=5, persistent=True)
+    assert pers.active(7, "replay") and not pers.active(4, "train")
+    with pytest.raises(ValueError, match="fault kind"):
+        Fault(kind="cosmic", rank=0, step=1)
+    inj = Injector([one, Fault(kind="backward", rank=2, step=1)], rank=1)
+    assert inj.faults == [one]  # each rank keeps only its own faults
+
+
+def test_expected_matrix_is_what_the_design_says():
+    cases = {(c["fault"], c["timing"]): c for c in matrix_cases(audit_every=10, ckpt_every=5)}
+    exp = {k: expected_catch(c, audit_every=10, ckpt_every=5) for k, c in cases.items()}
+    assert exp[("backward", "persistent")] == ("replay", 20)
+    assert exp[("forward", "one-time-between-audits")] == (None, None)
+    assert exp[("post-optimizer", "one-time-between-audits")] == ("consensus", 15)
+    assert exp[("non-finite", "one-time-audit-step")] == ("nonfinite-pre", 20)
