@@ -115,3 +115,22 @@ def test_raise_policy_stops_before_the_update_with_evidence():
         assert res["step"] == 5 and res["kind"] == "replay" and res["suspects"] == [0]
         assert res["update_dropped"] and "replay audit failed" in res["message"]
         assert res["inventory_ranks"] == ["0", "1", "2"]
+
+
+def test_readme_example_runs_as_written(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import _free_port
+
+    root = os.path.dirname(TESTS)
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-port", str(_free_port()),
+         os.path.join(root, "examples", "audited_ddp.py"), "--dir", str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=180, cwd=str(tmp_path),
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "last clean audit at step 40" in out.stdout
+    assert certckpt.verify(tmp_path / "run" / "step40.safetensors").ok
+    rec = certckpt.inspect(tmp_path / "run" / "step40.safetensors").record
+    assert rec.step_range == [21, 40] and rec.lineage["last_clean_audit"] == 40
