@@ -16,7 +16,7 @@ from typing import IO, Any
 
 from .errors import CheckpointExistsError, CheckpointNotFoundError, MissingDependencyError, StorageError
 
-__all__ = ["Target", "resolve", "open_read", "commit_local", "commit_remote", "temp_name", "fsync_dir"]
+__all__ = ["Target", "resolve", "open_read", "commit_local", "commit_remote", "temp_name", "fsync_dir", "put_once", "join"]
 
 _BACKEND_PIP = {"s3": "pip install 'certckpt[s3]'  (installs s3fs)", "gs": "pip install gcsfs", "gcs": "pip install gcsfs", "az": "pip install adlfs", "abfs": "pip install adlfs"}
 
@@ -188,3 +188,57 @@ def commit_remote(tmp: str, url: str, *, overwrite: bool, display: str) -> None:
         raise StorageError(f"{display}: permission denied by the store; check credentials and bucket policy") from e
     except OSError as e:
         raise StorageError(f"{display}: upload failed ({e}); nothing was published under this name") from e
+
+
+def join(base: str, *parts: str) -> str:
+    """Join path or URL parts with ``/`` (never ``os.path``: it would mangle ``s3://``)."""
+    out = base.rstrip("/")
+    for p in parts:
+        out += "/" + p.strip("/")
+    return out
+
+
+def put_once(location: str, data: bytes) -> bool:
+    """Write a small object that must never be replaced (ledger records).
+
+    Returns:
+        True when written; False when an identical object was already there (idempotent retry).
+
+    Raises:
+        CheckpointExistsError: a different object already holds the name.
+        StorageError: the store refused the write.
+    """
+    target = resolve(location)
+    if target.local is not None:
+        final = os.path.abspath(target.local)
+        os.makedirs(os.path.dirname(final), exist_ok=True)
+        tmp = temp_name(final)
+        with open(tmp, "xb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            commit_local(tmp, final, overwrite=False, display=location)
+        except CheckpointExistsError:
+            with open(final, "rb") as f:
+                if f.read() == data:
+                    return False
+            raise
+        return True
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(prefix=".certckpt-record-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        try:
+            commit_remote(tmp, target.url, overwrite=False, display=location)
+        except CheckpointExistsError:
+            fs, path = filesystem(target.url)
+            if fs.cat_file(path) == data:
+                return False
+            raise
+        return True
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)

@@ -43,6 +43,7 @@ class SaveResult:
         state_fp: whole-state fingerprint (hex).
         tensors: number of stored tensors.
         seconds: wall time of the save.
+        header_digest: the record's header digest (identifies this exact file).
     """
 
     location: str
@@ -50,6 +51,7 @@ class SaveResult:
     state_fp: str
     tensors: int
     seconds: float
+    header_digest: str = ""
 
 
 def host_bytes(t: torch.Tensor) -> memoryview:
@@ -351,4 +353,5 @@ def save_certified(
         state_fp=job.record.state_fp,
         tensors=len(job.stored),
         seconds=time.perf_counter() - t0,
+        header_digest=job.record.header_digest,
     )

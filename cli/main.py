@@ -85,15 +85,22 @@ def main() -> None:
 @main.command()
 @click.argument("location")
 @click.option("--deep", is_flag=True, help="Also recompute every tensor's device fingerprint (imports torch).")
+@click.option("--ledger", "ledger_url", default=None, help="Run store whose ledger certifies it: adds the verdict (exit 1 when suspect).")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON report.")
 @expected_errors
-def verify(location: str, deep: bool, as_json: bool) -> None:
+def verify(location: str, deep: bool, ledger_url: str | None, as_json: bool) -> None:
     """Check every byte of the checkpoint at LOCATION (path or fsspec URL)."""
     from certckpt.verify import verify as run_verify
 
     report = run_verify(location, deep=deep, progress=_Progress(f"verifying {location}"))
+    verdict = _ledger_verdict(location, ledger_url, report) if ledger_url else None
+    if verdict is not None and report.ok and not verdict["trusted"]:
+        report.ok = False
     if as_json:
-        click.echo(json.dumps(report.to_dict(), indent=2))
+        doc = report.to_dict()
+        if verdict is not None:
+            doc["verdict"] = verdict
+        click.echo(json.dumps(doc, indent=2))
     elif report.ok:
         rec = report.info.record
         what = ", ".join(
@@ -104,11 +111,37 @@ def verify(location: str, deep: bool, as_json: bool) -> None:
             f"{', ' + what if what else ''}, state fp {rec.state_fp}"
             f"{', fingerprints recomputed' if deep else ''} ({report.seconds:.2f} s)"
         )
+        if verdict is not None:
+            click.echo(f"    verdict: {verdict['verdict']} ({verdict['ckpt_id']})")
+    elif verdict is not None and not report.problems:
+        click.echo(f"SUSPECT  {location}  bytes verify, but {verdict['ckpt_id'] or 'it'} is certified suspect: {', '.join(verdict['reasons'])}")
     else:
         click.echo(f"FAILED  {location}")
         for p in report.problems:
             click.echo(f"  {p.message}")
+        if verdict is not None:
+            reasons = ", ".join(verdict["reasons"]) or "-"
+            click.echo(f"  verdict: {verdict['verdict']} ({verdict['ckpt_id']}): {reasons}")
     sys.exit(EXIT_OK if report.ok else EXIT_FAILED)
+
+
+def _ledger_verdict(location: str, ledger_url: str, report) -> dict:
+    import os
+
+    from certckpt.runstore import certify_store
+
+    status = certify_store(ledger_url, write_certificates=False)
+    want = os.path.abspath(location) if "://" not in location else location
+    for entry in status.snapshot.checkpoints:
+        cid, url = entry.ckpt_id, entry.url
+        have = os.path.abspath(url) if "://" not in url else url
+        if have == want:
+            v = status.certification.verdicts[cid]
+            reasons = list(v.reasons)
+            if not report.ok and "corrupt" not in reasons:
+                reasons.insert(0, "corrupt")
+            return {"ckpt_id": cid, "trusted": v.trusted and report.ok, "verdict": "trusted" if v.trusted and report.ok else "suspect", "reasons": reasons}
+    return {"ckpt_id": None, "trusted": False, "verdict": "suspect", "reasons": ["uncommitted"]}
 
 
 @main.command()
@@ -157,6 +190,116 @@ def inspect(location: str, as_json: bool) -> None:
     click.echo("  " + "  ".join(h.ljust(w) for h, w in zip(("tensor", "dtype", "shape", "size", "fingerprint"), widths)))
     for r in rows:
         click.echo("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)))
+
+
+def _interval_text(d: dict) -> str:
+    return f"({d['from']}, {d['to']}] on {d['branch']}"
+
+
+@main.command("latest-good")
+@click.argument("store")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON answer.")
+@click.option("--no-verify", is_flag=True, help="Do not re-verify the chosen checkpoint's bytes.")
+@expected_errors
+def latest_good(store: str, as_json: bool, no_verify: bool) -> None:
+    """Print the newest trusted checkpoint of STORE that precedes every open suspect interval.
+
+    Exit 0 with its URL; 1 when no checkpoint is trusted (with the reason); 2 when the store
+    cannot be read.
+    """
+    from certckpt.runstore import find_latest_good
+
+    status, chosen = find_latest_good(store, verify_bytes=not no_verify)
+    for cid, problem in status.fallbacks:
+        click.echo(f"certckpt: skipping {cid}: {problem}", err=True)
+    intervals = status.suspect_intervals()
+    if chosen is None:
+        n = len(status.snapshot.checkpoints)
+        if n == 0:
+            reason = "no committed checkpoint in this store" + (f" ({len(status.uncommitted)} uncommitted file(s) ignored)" if status.uncommitted else "")
+        else:
+            counts: dict[str, int] = {}
+            for v in status.certification.verdicts.values():
+                for r in v.reasons:
+                    counts[r] = counts.get(r, 0) + 1
+            reason = f"none of {n} committed checkpoints is trusted (" + ", ".join(f"{k}: {c}" for k, c in sorted(counts.items())) + ")"
+        if as_json:
+            click.echo(json.dumps({"url": None, "ckpt_id": None, "reason": reason, "suspect_intervals": intervals}, indent=2))
+        else:
+            click.echo(f"certckpt: {reason}", err=True)
+        sys.exit(EXIT_FAILED)
+    entry = status.entry(chosen)
+    if as_json:
+        rec = status.snapshot.records[chosen]
+        click.echo(json.dumps({
+            "url": entry.url, "ckpt_id": chosen, "run": rec.get("run"), "branch": entry.branch, "step": entry.step,
+            "verdict": "trusted", "verified": not no_verify, "suspect_intervals": intervals,
+        }, indent=2))
+    else:
+        click.echo(entry.url)
+
+
+@main.command()
+@click.argument("store")
+@click.option("--verify-bytes", is_flag=True, help="Verify every checkpoint's bytes (slower).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@expected_errors
+def status(store: str, verify_bytes: bool, as_json: bool) -> None:
+    """Every checkpoint of STORE with its verdict and reasons, the detections, uncommitted files."""
+    from certckpt.runstore import certify_store
+
+    st = certify_store(store, verify_bytes=verify_bytes)
+    cert = st.certification
+    rows = sorted(st.snapshot.checkpoints, key=lambda c: (c.branch, c.step))
+    if as_json:
+        click.echo(json.dumps({
+            "store": store,
+            "latest_good": cert.latest_good,
+            "checkpoints": [{"ckpt_id": c.ckpt_id, "branch": c.branch, "step": c.step, "url": c.url, "parent": c.parent,
+                             "verdict": cert.verdicts[c.ckpt_id].label, "reasons": list(cert.verdicts[c.ckpt_id].reasons)} for c in rows],
+            "detections": [{"branch": d.branch, "step": d.step, "kind": d.kind, "suspect_ranks": list(d.suspect_ranks),
+                            "contained": d.contained, "last_clean": d.last_clean,
+                            "suspect_interval": list(d.interval) if d.interval else None, "rollback_window": d.rollback_window}
+                           for d in cert.detections],
+            "uncommitted": st.uncommitted,
+            "problems": st.problems,
+        }, indent=2))
+        return
+    head = ("checkpoint", "branch", "step", "verdict", "reasons")
+    table = [(c.ckpt_id + (" *" if c.ckpt_id == cert.latest_good else ""), c.branch, str(c.step),
+              cert.verdicts[c.ckpt_id].label, ", ".join(cert.verdicts[c.ckpt_id].reasons) or "-") for c in rows]
+    if table:
+        widths = [max(len(h), *(len(r[i]) for r in table)) for i, h in enumerate(head)]
+        click.echo("  ".join(h.ljust(w) for h, w in zip(head, widths)))
+        for r in table:
+            click.echo("  ".join(v.ljust(w) for v, w in zip(r, widths)))
+        click.echo(f"* latest-good: {cert.latest_good}" if cert.latest_good else "no trusted checkpoint")
+    else:
+        click.echo("no committed checkpoints")
+    for d in cert.detections:
+        where = f"step {d.step} on {d.branch}: {d.kind} failed, suspect rank(s) {list(d.suspect_ranks) or 'unknown'}"
+        if d.interval:
+            click.echo(f"detection: {where}; suspect interval ({d.interval[0]}, {d.interval[1]}], rollback window {d.rollback_window} updates")
+        else:
+            click.echo(f"detection: {where}; contained (the update never reached the weights)")
+    for u in st.uncommitted:
+        click.echo(f"uncommitted (ignored): {u}")
+    for cid, p in st.problems.items():
+        click.echo(f"corrupt: {cid}: {p}")
+
+
+@main.command()
+@click.argument("store")
+@click.argument("ckpt")
+@click.option("--reason", required=True, help="Why this checkpoint must not be trusted.")
+@click.option("--by", default="", help="Who revokes it.")
+@expected_errors
+def revoke(store: str, ckpt: str, reason: str, by: str) -> None:
+    """Revoke checkpoint CKPT (an id like main@120) of STORE; it and its descendants become suspect."""
+    from certckpt.ledger import Ledger
+
+    Ledger(store).revoke(ckpt, reason=reason, by=by)
+    click.echo(f"revoked {ckpt}: {reason}")
 
 
 @main.group()

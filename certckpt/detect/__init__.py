@@ -1,24 +1,43 @@
-"""Detection hooks for DDP training: non-finite checks, ring replay audit, weight consensus."""
+"""Detection hooks for DDP training: non-finite checks, ring replay audit, weight consensus.
 
-from .attribution import ConsensusVerdict, ReplayVerdict, attribute_replay, consensus_verdict
-from .auditor import AuditSetupError, Auditor, FaultDetectedError, StepOutcome
-from .events import AuditEvent, EventSink, JsonlSink, MemorySink
-from .inject import FAULT_KINDS, Fault, Injector
+Names are imported on first use: the event types (``AuditEvent``, the sinks) are needed by the
+ledger and ``certckpt latest-good`` without importing torch.
+"""
 
-__all__ = [
-    "Auditor",
-    "AuditEvent",
-    "AuditSetupError",
-    "FaultDetectedError",
-    "StepOutcome",
-    "EventSink",
-    "MemorySink",
-    "JsonlSink",
-    "Fault",
-    "Injector",
-    "FAULT_KINDS",
-    "attribute_replay",
-    "consensus_verdict",
-    "ReplayVerdict",
-    "ConsensusVerdict",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {
+    "Auditor": "auditor",
+    "AuditSetupError": "auditor",
+    "FaultDetectedError": "auditor",
+    "StepOutcome": "auditor",
+    "AuditEvent": "events",
+    "EventSink": "events",
+    "MemorySink": "events",
+    "JsonlSink": "events",
+    "Fault": "inject",
+    "Injector": "inject",
+    "FAULT_KINDS": "inject",
+    "attribute_replay": "attribution",
+    "consensus_verdict": "attribution",
+    "ReplayVerdict": "attribution",
+    "ConsensusVerdict": "attribution",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'certckpt.detect' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -136,6 +136,10 @@ class Auditor:
         check_determinism: at the first step, replay the rank's own batch twice and refuse a model
             whose gradients differ (deterministic mode only).
         start_step: the optimizer step count already done (when resuming).
+        ledger: a ``certckpt.Ledger`` (or its store URL): rank 0 batches events into it and commits
+            every checkpoint saved through the auditor (default sink then: the ledger).
+        parent: the checkpoint id this branch resumed from (a rollback); recorded in the ledger and in
+            every checkpoint's record.
     """
 
     def __init__(
@@ -156,6 +160,8 @@ class Auditor:
         injector_faults: list | None = None,
         check_determinism: bool = True,
         start_step: int = 0,
+        ledger: Any = None,
+        parent: str | None = None,
     ):
         if not dist.is_available() or not dist.is_initialized():
             raise AuditSetupError("torch.distributed is not initialized; call dist.init_process_group first")
@@ -175,6 +181,15 @@ class Auditor:
         self.world = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
         self.step = start_step
+        if isinstance(ledger, str):
+            from ..ledger import Ledger
+
+            ledger = Ledger(ledger)
+        self.ledger, self.parent = ledger, parent
+        if sink is None and ledger is not None:
+            from ..ledger import LedgerSink
+
+            sink = LedgerSink(ledger)
         self.sink = sink if sink is not None else MemorySink()
         self.check_determinism = check_determinism and mode == "deterministic"
         named = [(n, p) for n, p in model.module.named_parameters() if p.requires_grad]
@@ -190,6 +205,8 @@ class Auditor:
         self._check_world_agrees()
         self._hook = _HookState(self)
         model.register_comm_hook(self._hook, _comm_hook)
+        if ledger is not None and parent is not None and self.rank == 0:
+            ledger.start_branch(branch, parent=parent)
         self.inventory = self._gather_inventory()
         self._since_audit: list[int] = []  # steps whose non-finite checks passed since the last audit
         self._events: list[AuditEvent] = []  # since the last checkpoint (lineage)
@@ -543,13 +560,20 @@ class Auditor:
                     step=s,
                     run=self.run,
                     branch=self.branch,
+                    parent=self.parent,
                     step_range=[first, s],
                     lineage=lineage,
                     consensus_fp=self._consensus[2] if self._consensus else None,
                     known_fingerprints=known,
                     **kwargs,
                 )
-                self.sink.flush()
+                self.sink.flush()  # the events up to this checkpoint reach the ledger before its commit record
+                if self.ledger is not None:
+                    self.ledger.commit_checkpoint(
+                        branch=self.branch, step=s, location=str(f), run=self.run, parent=self.parent,
+                        consensus_fp=self._consensus[2] if self._consensus else None, state_fp=result.state_fp,
+                        header_digest=result.header_digest, step_range=[first, s], nbytes=result.nbytes,
+                    )
             except Exception as e:  # noqa: BLE001 - re-raised below, after telling the other ranks
                 error = e
         # Every rank learns whether rank 0's write succeeded, so all raise (or go on) together

@@ -81,6 +81,27 @@ def _loss(model, batch):
     return F.mse_loss(model(x), y)
 
 
+class _Tee:
+    """Hands every event to several sinks."""
+
+    def __init__(self, *sinks):
+        self.sinks = sinks
+
+    def emit(self, event) -> None:
+        for s in self.sinks:
+            s.emit(event)
+
+    def flush(self) -> None:
+        for s in self.sinks:
+            s.flush()
+
+    def close(self) -> None:
+        self.flush()
+        for s in self.sinks:
+            if hasattr(s, "close"):
+                s.close()
+
+
 def run_cases_on_rank(args: dict[str, Any]) -> list[dict[str, Any]]:
     """Every case of ``args["cases"]`` in turn on this rank; rank 0 keeps each case's run store."""
     import torch
@@ -88,6 +109,7 @@ def run_cases_on_rank(args: dict[str, Any]) -> list[dict[str, Any]]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from .auditor import Auditor, FaultDetectedError
+    from ..ledger import Ledger, LedgerSink
     from .events import JsonlSink, MemorySink
     from .inject import Fault
 
@@ -108,7 +130,8 @@ def run_cases_on_rank(args: dict[str, Any]) -> list[dict[str, Any]]:
             persistent=case["timing"] == "persistent",
             scale=case.get("scale", args.get("scale", 0.05)),
         )
-        sink = JsonlSink(os.path.join(store, "events.jsonl")) if rank == 0 else MemorySink()
+        # rank 0 keeps the events twice: in the ledger (for status / latest-good) and as plain JSON lines
+        sink = _Tee(LedgerSink(Ledger(store)), JsonlSink(os.path.join(store, "events.jsonl"))) if rank == 0 else MemorySink()
         auditor = Auditor(
             ddp,
             opt,
@@ -117,6 +140,7 @@ def run_cases_on_rank(args: dict[str, Any]) -> list[dict[str, Any]]:
             audit_every=args["audit_every"],
             mode=args.get("mode", "deterministic"),
             sink=sink,
+            ledger=Ledger(store),
             injector_faults=[fault],
         )
         detected = None
@@ -134,7 +158,7 @@ def run_cases_on_rank(args: dict[str, Any]) -> list[dict[str, Any]]:
                     detected = e.event
                     break
         auditor.close()
-        if isinstance(sink, JsonlSink):
+        if isinstance(sink, _Tee):
             sink.close()
         results.append({
             **case,

@@ -1,0 +1,264 @@
+"""The certifier: a pure function from (checkpoints, audit events, revocations) to verdicts.
+
+Implements the five trust rules of ``docs/trust.md`` exactly. A checkpoint at step s on branch b is
+trusted only when all hold:
+
+1. it is committed and its bytes verify (``corrupt``);
+2. its embedded weight fingerprint equals the one every replica agreed on at step s
+   (``fingerprint-mismatch``; no agreement recorded: ``no-consensus``);
+3. the first full audit on b at or after s has passed, with no failed check on b from s up to it
+   (``awaiting-audit`` while there is none yet; ``after-fault`` otherwise);
+4. no uncontained detection on b has its last clean audit point before s (``after-fault``);
+5. its parent lineage is trusted (``tainted-parent``), and it has not been revoked (``revoked``).
+
+Suspect is the default: nothing is trusted without evidence. No I/O, no torch: the ledger feeds it.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["CheckpointEntry", "Revocation", "Verdict", "Detection", "Certification", "certify", "REASONS"]
+
+REASONS = ("corrupt", "fingerprint-mismatch", "no-consensus", "awaiting-audit", "after-fault", "tainted-parent", "revoked")
+_FULL = ("replay", "nonfinite", "consensus")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CheckpointEntry:
+    """A committed checkpoint, as its commit record describes it.
+
+    Attributes:
+        ckpt_id: unique id within the run store (``<branch>@<step>``).
+        branch: line of training.
+        step: optimizer step of the weights.
+        parent: ckpt_id the branch resumed from (its fork point), None for the first branch.
+        consensus_fp: weight fingerprint embedded in the file (None: saved without the auditor).
+        committed_at: commit time (seconds since the epoch), to order ties.
+        url: where the file is.
+    """
+
+    ckpt_id: str
+    branch: str
+    step: int
+    parent: str | None = None
+    consensus_fp: str | None = None
+    committed_at: float = 0.0
+    url: str = ""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Revocation:
+    ckpt_id: str
+    reason: str
+    by: str = ""
+    at: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    trusted: bool
+    reasons: tuple[str, ...] = ()
+
+    @property
+    def label(self) -> str:
+        return "trusted" if self.trusted else "suspect"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Detection:
+    """An uncontained (or contained) failed check and the interval it makes suspect.
+
+    Attributes:
+        interval: ``(c, d]``: c the last clean audit point before d on the branch (or the branch's
+            start), d the detection step. Empty for contained detections.
+        rollback_window: ``d - c`` updates (0 when contained).
+    """
+
+    branch: str
+    step: int
+    kind: str
+    suspect_ranks: tuple[int, ...]
+    contained: bool
+    last_clean: int
+    interval: tuple[int, int] | None
+    rollback_window: int
+
+
+@dataclass(kw_only=True, slots=True)
+class Certification:
+    verdicts: dict[str, Verdict] = field(default_factory=dict)
+    detections: list[Detection] = field(default_factory=list)
+    order: list[str] = field(default_factory=list)  # trusted ids, best first (latest-good candidates)
+
+    @property
+    def latest_good(self) -> str | None:
+        return self.order[0] if self.order else None
+
+
+def _ev(e: Any, key: str) -> Any:
+    return e[key] if isinstance(e, dict) else getattr(e, key)
+
+
+class _Branch:
+    """Per-branch audit facts, indexed for bisection."""
+
+    def __init__(self, base: int):
+        self.base = base  # step the branch starts from (its parent's step, or 0)
+        self.parts: dict[int, dict[str, tuple[str, Any]]] = defaultdict(dict)  # step -> kind -> (outcome, fp)
+        self.failures: list[tuple[int, str, tuple[int, ...], bool]] = []  # (step, kind, suspects, contained)
+
+    def index(self) -> None:
+        full = sorted(s for s, kinds in self.parts.items() if all(k in kinds for k in _FULL))
+        self.full_steps = full
+        self.full_passed = [all(self.parts[s][k][0] == "pass" for k in _FULL) for s in full]
+        self.clean = [s for s, ok in zip(full, self.full_passed) if ok]
+        self.uncontained = sorted(s for s, _, _, contained in self.failures if not contained)
+
+    def last_clean_before(self, d: int) -> int:
+        i = bisect.bisect_left(self.clean, d)
+        return self.clean[i - 1] if i else self.base
+
+
+def certify(
+    checkpoints: Sequence[CheckpointEntry],
+    events: Iterable[Any],
+    revocations: Iterable[Revocation] = (),
+    *,
+    corrupt: Iterable[str] = (),
+) -> Certification:
+    """Verdicts for every checkpoint, the detections with their suspect intervals, latest-good order.
+
+    Args:
+        checkpoints: committed checkpoints (uncommitted files never reach the certifier).
+        events: audit events (``AuditEvent`` or their dicts) of every branch.
+        revocations: revoked checkpoint ids.
+        corrupt: ids whose bytes failed verification.
+
+    Returns:
+        A ``Certification``; ``latest_good`` is the trusted checkpoint with the greatest step (newest
+        commit on ties). Callers re-verify its bytes and fall back along ``order``.
+    """
+    by_id = {c.ckpt_id: c for c in checkpoints}
+    bases: dict[str, int] = {}
+    for c in checkpoints:
+        if c.parent and c.parent in by_id:
+            bases.setdefault(c.branch, by_id[c.parent].step)
+    branches: dict[str, _Branch] = {}
+
+    def branch(name: str) -> _Branch:
+        if name not in branches:
+            branches[name] = _Branch(bases.get(name, 0))
+        return branches[name]
+
+    for e in events:
+        b = branch(_ev(e, "branch"))
+        kind, outcome, step = _ev(e, "kind"), _ev(e, "outcome"), _ev(e, "step")
+        details = _ev(e, "details") or {}
+        if kind in ("nonfinite-pre", "nonfinite-post"):
+            kind = "nonfinite"
+        if outcome == "fail":
+            b.failures.append((step, _ev(e, "kind"), tuple(_ev(e, "suspect_ranks")), bool(_ev(e, "contained"))))
+        if kind == "consensus" and details.get("found_by"):
+            continue  # a precondition check of a replay (weights W_{s-1}); the failure above counts
+        prev = b.parts[step].get(kind)
+        if prev is None or outcome == "fail":  # a failure is never overwritten by a pass
+            b.parts[step][kind] = (outcome, details.get("fp"))
+    for c in checkpoints:
+        branch(c.branch)
+    for b in branches.values():
+        b.index()
+
+    out = Certification()
+    for name, b in sorted(branches.items()):
+        for step, kind, suspects, contained in sorted(b.failures):
+            c = b.last_clean_before(step)
+            out.detections.append(Detection(
+                branch=name, step=step, kind=kind, suspect_ranks=suspects, contained=contained, last_clean=c,
+                interval=None if contained else (c, step), rollback_window=0 if contained else step - c,
+            ))
+
+    revoked = {r.ckpt_id for r in revocations}
+    corrupt = set(corrupt)
+    own: dict[str, list[str]] = {}
+    for c in checkpoints:
+        own[c.ckpt_id] = _own_reasons(c, branches[c.branch], corrupt)
+
+    # Lineage (rule 5): ancestors are the earlier checkpoints of the branch and the fork point with
+    # its own ancestors. Resolved with memoisation; a cycle in bad data counts as tainted.
+    by_branch: dict[str, list[CheckpointEntry]] = defaultdict(list)
+    for c in checkpoints:
+        by_branch[c.branch].append(c)
+    for lst in by_branch.values():
+        lst.sort(key=lambda c: (c.step, c.committed_at))
+    tainted: dict[str, bool] = {}
+
+    def lineage_tainted(cid: str, seen: frozenset = frozenset()) -> bool:
+        """True when cid itself or an ancestor is revoked, or the fork point it descends from is suspect."""
+        if cid in tainted:
+            return tainted[cid]
+        if cid in seen:
+            return True
+        c = by_id[cid]
+        result = cid in revoked
+        for earlier in by_branch[c.branch]:
+            if (earlier.step, earlier.committed_at) >= (c.step, c.committed_at):
+                break
+            if earlier.ckpt_id in revoked:
+                result = True
+                break
+        if not result and c.parent:
+            p = by_id.get(c.parent)
+            if p is None:
+                result = True  # descends from a checkpoint the store does not know
+            else:
+                parent_bad = [r for r in own[p.ckpt_id] if r != "corrupt"]  # damage after the fork does not taint
+                result = bool(parent_bad) or lineage_tainted(p.ckpt_id, seen | {cid})
+        tainted[cid] = result
+        return result
+
+    for c in checkpoints:
+        reasons = list(own[c.ckpt_id])
+        if c.ckpt_id in revoked:
+            reasons.append("revoked")
+        elif lineage_tainted(c.ckpt_id):
+            reasons.append("tainted-parent")
+        out.verdicts[c.ckpt_id] = Verdict(not reasons, tuple(dict.fromkeys(reasons)))
+
+    trusted = [c for c in checkpoints if out.verdicts[c.ckpt_id].trusted]
+    trusted.sort(key=lambda c: (c.step, c.committed_at), reverse=True)
+    out.order = [c.ckpt_id for c in trusted]
+    return out
+
+
+def _own_reasons(c: CheckpointEntry, b: _Branch, corrupt: set[str]) -> list[str]:
+    reasons: list[str] = []
+    s = c.step
+    if c.ckpt_id in corrupt:
+        reasons.append("corrupt")
+    # rule 2: the weights every replica agreed on at s
+    cons = b.parts.get(s, {}).get("consensus")
+    if cons is None or cons[0] != "pass" or c.consensus_fp is None:
+        reasons.append("no-consensus")
+    elif cons[1] != c.consensus_fp:
+        reasons.append("fingerprint-mismatch")
+    # rule 3: the first full audit at or after s passed, no failure from s up to it
+    i = bisect.bisect_left(b.full_steps, s)
+    t = b.full_steps[i] if i < len(b.full_steps) else None
+    j = bisect.bisect_left(b.uncontained, s)
+    first_failure = b.uncontained[j] if j < len(b.uncontained) else None
+    if first_failure is not None and (t is None or first_failure <= t):
+        reasons.append("after-fault")
+    elif t is None:
+        reasons.append("awaiting-audit")
+    elif not b.full_passed[i]:
+        reasons.append("after-fault")
+    # rule 4: once a fault reaches the weights, all after the last clean audit point descends from
+    # it; the earliest detection has the earliest such point (last_clean_before is monotone)
+    if b.uncontained and b.last_clean_before(b.uncontained[0]) < s and "after-fault" not in reasons:
+        reasons.append("after-fault")
+    return reasons

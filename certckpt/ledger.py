@@ -1,0 +1,255 @@
+"""The ledger: append-only, write-once records beside the checkpoints, on any fsspec URL.
+
+Layout under ``<store>/_ledger/``::
+
+    checkpoints/<branch>@<step>.json     commit records: a checkpoint exists only once its record does
+    branches/<branch>.json               the checkpoint a branch resumed from (after a rollback)
+    events/<time_ns>-<rand>.jsonl        segments of audit events (batched: not one object per step)
+    revocations/<ckpt_id>--<time_ns>.json
+    certificates/<ckpt_id>--<time_ns>.json   one per verdict change, with the checkpoint's digests
+
+Every object is written once (create-only: a hard link locally, ``If-None-Match`` on S3) and never
+edited. No torch import.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .certify import CheckpointEntry, Revocation
+from .errors import CertckptError, CheckpointNotFoundError, StorageError
+from .storage import filesystem, join, put_once, resolve
+
+__all__ = ["Ledger", "LedgerSink", "LedgerSnapshot", "ckpt_id_for", "LEDGER_DIR"]
+
+LEDGER_DIR = "_ledger"
+_NAME = re.compile(r"^[A-Za-z0-9._-]{1,100}$")
+
+
+def ckpt_id_for(branch: str, step: int) -> str:
+    return f"{branch}@{step}"
+
+
+def _check_name(kind: str, name: str) -> str:
+    if not _NAME.match(name):
+        raise ValueError(f"{kind} {name!r}: use 1-100 letters, digits, '.', '_' or '-'")
+    return name
+
+
+def _dumps(doc: dict) -> bytes:
+    return (json.dumps(doc, separators=(",", ":"), sort_keys=True) + "\n").encode("utf-8")
+
+
+@dataclass(kw_only=True, slots=True)
+class LedgerSnapshot:
+    """Everything the ledger holds, read at one moment."""
+
+    checkpoints: list[CheckpointEntry] = field(default_factory=list)
+    records: dict[str, dict[str, Any]] = field(default_factory=dict)  # ckpt_id -> commit record
+    events: list[dict[str, Any]] = field(default_factory=list)
+    revocations: list[Revocation] = field(default_factory=list)
+    certificates: dict[str, dict[str, Any]] = field(default_factory=dict)  # ckpt_id -> latest certificate
+    branch_parents: dict[str, str] = field(default_factory=dict)
+    segments: int = 0
+
+
+class Ledger:
+    """Records of one run store (the directory or prefix holding the checkpoints).
+
+    Example:
+        >>> ledger = Ledger("s3://bucket/run1")
+        >>> snap = ledger.snapshot()
+    """
+
+    def __init__(self, store: str):
+        self.store = store.rstrip("/") if "://" in store else store.rstrip("/") or "/"
+        self.root = join(self.store, LEDGER_DIR)
+
+    # --- writing ------------------------------------------------------------------------------
+
+    def commit_checkpoint(
+        self,
+        *,
+        branch: str,
+        step: int,
+        location: str,
+        run: str | None = None,
+        parent: str | None = None,
+        consensus_fp: str | None = None,
+        state_fp: str | None = None,
+        header_digest: str | None = None,
+        step_range: list[int] | None = None,
+        nbytes: int | None = None,
+    ) -> str:
+        """Write the commit record that makes a published checkpoint exist; returns its id."""
+        _check_name("branch", branch)
+        cid = ckpt_id_for(branch, step)
+        doc = {
+            "ckpt_id": cid,
+            "run": run,
+            "branch": branch,
+            "step": step,
+            "url": self._relative(location),
+            "parent": parent,
+            "consensus_fp": consensus_fp,
+            "state_fp": state_fp,
+            "header_digest": header_digest,
+            "step_range": step_range,
+            "bytes": nbytes,
+            "committed_at": time.time(),
+        }
+        put_once(join(self.root, "checkpoints", f"{cid}.json"), _dumps(doc))
+        return cid
+
+    def start_branch(self, branch: str, *, parent: str) -> None:
+        """Record that ``branch`` resumes from checkpoint ``parent`` (a rollback)."""
+        _check_name("branch", branch)
+        put_once(join(self.root, "branches", f"{branch}.json"), _dumps({"branch": branch, "parent": parent}))
+
+    def append_events(self, events: Iterable[Any]) -> str | None:
+        """Write one segment holding these events; returns its name (None when there were none)."""
+        lines = [json.dumps(e if isinstance(e, dict) else e.to_dict(), separators=(",", ":"), sort_keys=True) for e in events]
+        if not lines:
+            return None
+        name = f"{time.time_ns():020d}-{secrets.token_hex(4)}.jsonl"
+        put_once(join(self.root, "events", name), ("\n".join(lines) + "\n").encode("utf-8"))
+        return name
+
+    def revoke(self, ckpt_id: str, *, reason: str, by: str = "") -> Revocation:
+        if not reason.strip():
+            raise ValueError("a revocation needs a reason")
+        snap_ids = {c.ckpt_id for c in self.snapshot().checkpoints}
+        if ckpt_id not in snap_ids:
+            raise CheckpointNotFoundError(f"{self.store}: no committed checkpoint {ckpt_id!r} (see `certckpt status`)")
+        rev = Revocation(ckpt_id=ckpt_id, reason=reason, by=by, at=time.time())
+        put_once(join(self.root, "revocations", f"{ckpt_id}--{time.time_ns()}.json"),
+                 _dumps({"ckpt_id": ckpt_id, "reason": reason, "by": by, "at": rev.at}))
+        return rev
+
+    def record_certificate(self, ckpt_id: str, *, verdict: str, reasons: list[str], record: dict[str, Any]) -> None:
+        put_once(join(self.root, "certificates", f"{ckpt_id}--{time.time_ns()}.json"), _dumps({
+            "ckpt_id": ckpt_id,
+            "verdict": verdict,
+            "reasons": reasons,
+            "state_fp": record.get("state_fp"),
+            "header_digest": record.get("header_digest"),
+            "consensus_fp": record.get("consensus_fp"),
+            "at": time.time(),
+        }))
+
+    # --- reading ------------------------------------------------------------------------------
+
+    def _fs(self):
+        target = resolve(self.root)
+        if target.local is not None:
+            import fsspec
+
+            return fsspec.filesystem("file"), target.local
+        return filesystem(target.url)
+
+    def _relative(self, location: str) -> str:
+        """The file's name relative to the store when it lies directly in it, else its full location."""
+        store, loc = resolve(self.store), resolve(location)
+        if store.local is not None and loc.local is not None:
+            d, name = os.path.split(os.path.abspath(loc.local))
+            return name if d == os.path.abspath(store.local) else os.path.abspath(loc.local)
+        prefix = self.store + "/"
+        rest = location[len(prefix):] if location.startswith(prefix) else None
+        return rest if rest and "/" not in rest else location
+
+    def url_of(self, record: dict[str, Any]) -> str:
+        u = record["url"]
+        return u if "://" in u or u.startswith("/") else join(self.store, u)
+
+    def snapshot(self) -> LedgerSnapshot:
+        """Read every record (missing ledger: an empty snapshot).
+
+        Raises:
+            StorageError: the store cannot be read; CertckptError: a record is not valid JSON.
+        """
+        try:
+            fs, root = self._fs()
+            if not fs.exists(root):
+                if not fs.exists(root.rsplit("/", 1)[0] or "/"):
+                    raise CheckpointNotFoundError(f"{self.store}: no such run store")
+                return LedgerSnapshot()
+            files = {k: sorted(fs.find(f"{root}/{k}")) if fs.exists(f"{root}/{k}") else [] for k in ("checkpoints", "branches", "events", "revocations", "certificates")}
+            contents = fs.cat([p for v in files.values() for p in v]) if any(files.values()) else {}
+        except (CertckptError, FileNotFoundError) as e:
+            if isinstance(e, CertckptError):
+                raise
+            raise CheckpointNotFoundError(f"{self.store}: no such run store") from e
+        except OSError as e:
+            raise StorageError(f"{self.store}: cannot read the ledger ({e})") from e
+
+        def load(path: str) -> Any:
+            try:
+                return json.loads(contents[path])
+            except (KeyError, ValueError) as e:
+                raise CertckptError(f"{self.store}: ledger record {path.rsplit('/', 1)[-1]} is unreadable ({e.__class__.__name__})") from e
+
+        snap = LedgerSnapshot(segments=len(files["events"]))
+        for p in files["checkpoints"]:
+            r = load(p)
+            snap.records[r["ckpt_id"]] = r
+        for p in files["branches"]:
+            b = load(p)
+            snap.branch_parents[b["branch"]] = b["parent"]
+        for r in snap.records.values():
+            snap.checkpoints.append(CheckpointEntry(
+                ckpt_id=r["ckpt_id"], branch=r["branch"], step=r["step"],
+                parent=r.get("parent") or snap.branch_parents.get(r["branch"]),
+                consensus_fp=r.get("consensus_fp"), committed_at=r.get("committed_at", 0.0), url=self.url_of(r),
+            ))
+        for p in files["events"]:
+            snap.events.extend(json.loads(line) for line in contents[p].decode("utf-8").splitlines() if line.strip())
+        for p in files["revocations"]:
+            d = load(p)
+            snap.revocations.append(Revocation(ckpt_id=d["ckpt_id"], reason=d["reason"], by=d.get("by", ""), at=d.get("at", 0.0)))
+        for p in files["certificates"]:
+            d = load(p)
+            prev = snap.certificates.get(d["ckpt_id"])
+            if prev is None or d["at"] >= prev["at"]:
+                snap.certificates[d["ckpt_id"]] = d
+        return snap
+
+    def uncommitted(self, snap: LedgerSnapshot | None = None) -> list[str]:
+        """Checkpoint files directly in the store that no commit record names (ignored by latest-good)."""
+        snap = snap or self.snapshot()
+        named = {r["url"] for r in snap.records.values()}
+        target = resolve(self.store)
+        try:
+            if target.local is not None:
+                names = os.listdir(target.local)
+            else:
+                fs, path = filesystem(target.url)
+                names = [p.rsplit("/", 1)[-1] for p in fs.ls(path, detail=False)]
+        except FileNotFoundError:
+            return []
+        return sorted(join(self.store, n) for n in names if n.endswith(".safetensors") and n not in named)
+
+
+class LedgerSink:
+    """An ``EventSink`` that batches events into ledger segments (written at ``flush``)."""
+
+    def __init__(self, ledger: Ledger, *, max_buffer: int = 4096):
+        self.ledger = ledger
+        self.max_buffer = max_buffer
+        self._buffer: list[Any] = []
+
+    def emit(self, event: Any) -> None:
+        self._buffer.append(event)
+        if len(self._buffer) >= self.max_buffer:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._buffer:
+            batch, self._buffer = self._buffer, []
+            self.ledger.append_events(batch)
