@@ -165,6 +165,8 @@ def certify(
             b.failures.append((step, _ev(e, "kind"), tuple(_ev(e, "suspect_ranks")), bool(_ev(e, "contained"))))
         if kind == "consensus" and details.get("found_by"):
             continue  # a precondition check of a replay (weights W_{s-1}); the failure above counts
+        if outcome == "fail" and _ev(e, "contained"):
+            continue  # the update never reached the weights: it taints nothing and fails no audit
         prev = b.parts[step].get(kind)
         if prev is None or outcome == "fail":  # a failure is never overwritten by a pass
             b.parts[step][kind] = (outcome, details.get("fp"))

@@ -1,0 +1,193 @@
+"""The certifier: the five trust rules, the worked example, and invariants on random histories."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from certckpt.certify import CheckpointEntry, Revocation, certify
+
+
+def ev(step, kind, outcome="pass", *, branch="main", fp=None, contained=False, suspects=()):
+    return {"branch": branch, "step": step, "kind": kind, "outcome": outcome, "details": {"fp": fp} if fp else {},
+            "suspect_ranks": list(suspects), "contained": contained}
+
+
+def full_audit(step, branch="main"):
+    return [ev(step, "replay", branch=branch), ev(step, "nonfinite", branch=branch), ev(step, "consensus", branch=branch, fp=f"{branch}{step}")]
+
+
+def ckpt(step, branch="main", parent=None, fp=None):
+    return CheckpointEntry(ckpt_id=f"{branch}@{step}", branch=branch, step=step, parent=parent,
+                           consensus_fp=fp if fp is not None else f"{branch}{step}", committed_at=float(step))
+
+
+def worked_example(one_time=False):
+    """DESIGN.md: audits every 10, checkpoints every 5; a persistent fault on rank 1 from step 23."""
+    events = full_audit(10) + full_audit(20)
+    for s in (5, 15, 25):
+        events.append(ev(s, "consensus", fp=f"main{s}"))
+    if one_time:
+        events += full_audit(30)  # the averaged one-time fault escapes: the audit at 30 passes
+    else:
+        events.append(ev(30, "replay", "fail", suspects=[1]))
+    return [ckpt(s) for s in (5, 10, 15, 20, 25)] + ([ckpt(30)] if one_time else []), events
+
+
+def test_worked_example_persistent_fault():
+    cks, events = worked_example()
+    cert = certify(cks, events)
+    assert [cert.verdicts[f"main@{s}"].trusted for s in (5, 10, 15, 20)] == [True] * 4
+    assert cert.verdicts["main@25"].reasons == ("after-fault",)
+    assert cert.latest_good == "main@20"
+    (d,) = cert.detections
+    assert (d.interval, d.rollback_window, d.suspect_ranks, d.last_clean) == ((20, 30), 10, (1,), 20)
+
+
+def test_worked_example_one_time_fault_is_the_documented_escape():
+    cks, events = worked_example(one_time=True)
+    cert = certify(cks, events)
+    assert all(v.trusted for v in cert.verdicts.values()) and cert.latest_good == "main@30"
+
+
+def test_rollback_branch_is_judged_by_its_own_audits():
+    cks, events = worked_example()
+    # resume from main@20 on branch b2; its steps repeat main's numbers
+    events += [ev(25, "consensus", branch="b2", fp="b225")] + full_audit(30, "b2") + [ev(35, "consensus", branch="b2", fp="b235")]
+    cks += [ckpt(25, "b2", parent="main@20"), ckpt(30, "b2", parent="main@20"), ckpt(35, "b2", parent="main@20")]
+    cert = certify(cks, events)
+    assert cert.verdicts["main@25"].trusted is False  # main's 25 stays suspect
+    assert cert.verdicts["b2@25"].trusted and cert.verdicts["b2@30"].trusted
+    assert cert.verdicts["b2@35"].reasons == ("awaiting-audit",)  # no full audit on b2 at or after 35 yet
+    assert cert.latest_good == "b2@30"
+
+
+def test_each_reason():
+    events = full_audit(10) + full_audit(20) + [ev(5, "consensus", fp="main5"), ev(12, "consensus", fp="other")]
+    cks = [ckpt(5), ckpt(10, fp="wrong"), ckpt(12), ckpt(15), ckpt(20), ckpt(25)]
+    cert = certify(cks, events, corrupt=["main@5"])
+    assert cert.verdicts["main@5"].reasons == ("corrupt",)
+    assert cert.verdicts["main@10"].reasons == ("fingerprint-mismatch",)
+    assert cert.verdicts["main@12"].reasons == ("fingerprint-mismatch",)
+    assert cert.verdicts["main@15"].reasons == ("no-consensus",)
+    assert cert.verdicts["main@20"].trusted
+    assert set(cert.verdicts["main@25"].reasons) == {"no-consensus", "awaiting-audit"}
+
+
+def test_contained_detection_taints_nothing():
+    events = full_audit(10) + full_audit(20) + [ev(13, "nonfinite-pre", "fail", contained=True, suspects=[2]), ev(15, "consensus", fp="main15")]
+    cert = certify([ckpt(10), ckpt(15), ckpt(20)], events)
+    assert all(v.trusted for v in cert.verdicts.values())
+    (d,) = cert.detections
+    assert d.contained and d.interval is None and d.rollback_window == 0
+
+
+def test_revocation_taints_descendants_across_branches():
+    events = full_audit(10) + full_audit(20) + full_audit(30) + full_audit(30, "b2") + full_audit(40, "b2")
+    cks = [ckpt(10), ckpt(20), ckpt(30), ckpt(30, "b2", parent="main@20"), ckpt(40, "b2", parent="main@20")]
+    cert = certify(cks, events, [Revocation(ckpt_id="main@20", reason="bad data")])
+    assert cert.verdicts["main@10"].trusted
+    assert cert.verdicts["main@20"].reasons == ("revoked",)
+    assert cert.verdicts["main@30"].reasons == ("tainted-parent",)
+    assert cert.verdicts["b2@30"].reasons == ("tainted-parent",) and cert.verdicts["b2@40"].reasons == ("tainted-parent",)
+    assert cert.latest_good == "main@10"
+
+
+def test_suspect_fork_point_taints_the_branch_but_later_corruption_does_not():
+    events = full_audit(10) + [ev(15, "consensus", fp="main15")] + full_audit(20, "b2")
+    cks = [ckpt(10), ckpt(15), ckpt(20, "b2", parent="main@15")]
+    cert = certify(cks, events)
+    assert cert.verdicts["main@15"].reasons == ("awaiting-audit",)
+    assert cert.verdicts["b2@20"].reasons == ("tainted-parent",)
+    events2 = full_audit(10) + full_audit(20, "b2")
+    cert2 = certify([ckpt(10), ckpt(20, "b2", parent="main@10")], events2, corrupt=["main@10"])
+    assert cert2.verdicts["main@10"].reasons == ("corrupt",) and cert2.verdicts["b2@20"].trusted
+
+
+def test_newest_commit_wins_ties():
+    events = full_audit(10) + full_audit(10, "b2")
+    a = CheckpointEntry(ckpt_id="main@10", branch="main", step=10, consensus_fp="main10", committed_at=1.0)
+    b = CheckpointEntry(ckpt_id="b2@10", branch="b2", step=10, consensus_fp="b210", committed_at=2.0)
+    assert certify([a, b], events).latest_good == "b2@10"
+
+
+# --- random histories ------------------------------------------------------------------------------
+
+KINDS = ("replay", "nonfinite", "consensus")
+
+
+@st.composite
+def histories(draw):
+    k = draw(st.integers(2, 8))
+    c = draw(st.integers(1, 8))
+    n = draw(st.integers(1, 50))
+    fails = draw(st.lists(st.tuples(st.integers(1, n), st.sampled_from(KINDS + ("nonfinite-pre",)), st.booleans()), max_size=3))
+    events = []
+    for t in range(1, n + 1):
+        if t % k == 0:
+            events += full_audit(t)
+        elif t % c == 0:
+            events.append(ev(t, "consensus", fp=f"main{t}"))
+    for t, kind, contained in fails:
+        events.append(ev(t, kind, "fail", contained=contained and kind == "nonfinite-pre", suspects=[1]))
+    cks = [ckpt(t, fp=f"main{t}" if draw(st.integers(0, 9)) else "bad") for t in range(c, n + 1, c)]
+    revoked = draw(st.lists(st.sampled_from([x.ckpt_id for x in cks]), max_size=1)) if cks else []
+    return cks, events, [Revocation(ckpt_id=r, reason="r") for r in revoked], n
+
+
+@settings(max_examples=200, deadline=None)
+@given(histories())
+def test_no_trusted_checkpoint_in_or_after_a_suspect_interval(h):
+    cks, events, revs, _ = h
+    cert = certify(cks, events, revs)
+    for d in cert.detections:
+        if d.interval is None:
+            continue
+        for c in cks:
+            if c.branch == d.branch and cert.verdicts[c.ckpt_id].trusted:
+                assert c.step <= d.interval[0]
+
+
+@settings(max_examples=200, deadline=None)
+@given(histories())
+def test_latest_good_is_trusted_and_newest(h):
+    cks, events, revs, _ = h
+    cert = certify(cks, events, revs)
+    trusted = [c for c in cks if cert.verdicts[c.ckpt_id].trusted]
+    if not trusted:
+        assert cert.latest_good is None
+        return
+    best = cert.latest_good
+    assert cert.verdicts[best].trusted
+    assert max(c.step for c in trusted) == next(c.step for c in cks if c.ckpt_id == best)
+
+
+@settings(max_examples=200, deadline=None)
+@given(histories(), st.data())
+def test_passing_events_never_make_trusted_suspect(h, data):
+    cks, events, revs, n = h
+    before = certify(cks, events, revs)
+    t = data.draw(st.integers(1, n))
+    kind = data.draw(st.sampled_from(KINDS))
+    after = certify(cks, events + [ev(t, kind, fp=f"main{t}" if kind == "consensus" else None)], revs)
+    for cid, v in before.verdicts.items():
+        if v.trusted:
+            assert after.verdicts[cid].trusted, cid
+
+
+@settings(max_examples=200, deadline=None)
+@given(histories(), st.data())
+def test_failing_events_never_make_suspect_trusted(h, data):
+    cks, events, revs, n = h
+    before = certify(cks, events, revs)
+    t = data.draw(st.integers(1, n))
+    kind = data.draw(st.sampled_from(KINDS + ("nonfinite-pre",)))
+    contained = data.draw(st.booleans()) and kind == "nonfinite-pre"
+    after = certify(cks, events + [ev(t, kind, "fail", contained=contained)], revs)
+    for cid, v in before.verdicts.items():
+        if not v.trusted:
+            assert not after.verdicts[cid].trusted, cid
+
+
+def test_contained_failure_on_an_audit_step_fails_no_audit():
+    events = full_audit(10) + [ev(10, "nonfinite-pre", "fail", contained=True)]
+    assert certify([ckpt(10)], events).verdicts["main@10"].trusted
