@@ -33,3 +33,20 @@ def test_s3_missing_bucket_is_one_clear_error_and_creates_nothing(s3_server):
 def test_s3_missing_object(s3_bucket):
     with pytest.raises(certckpt.CheckpointNotFoundError):
         certckpt.verify(f"{s3_bucket}/nope.safetensors")
+
+
+def test_ledger_on_s3_is_create_only(s3_bucket):
+    from certckpt.ledger import Ledger
+    from certckpt.runstore import certify_store
+
+    store = f"{s3_bucket}/run"
+    certckpt.save({"w": torch.ones(2)}, f"{store}/step10.safetensors", step=10)
+    led = Ledger(store)
+    led.commit_checkpoint(branch="main", step=10, location=f"{store}/step10.safetensors", consensus_fp="0" * 16)
+    with pytest.raises(certckpt.CheckpointExistsError):
+        led.commit_checkpoint(branch="main", step=10, location=f"{store}/elsewhere.safetensors")
+    led.append_events([{"branch": "main", "step": 10, "kind": k, "outcome": "pass", "details": {"fp": "0" * 16} if k == "consensus" else {},
+                        "suspect_ranks": [], "contained": False} for k in ("replay", "nonfinite", "consensus")])
+    st = certify_store(store)
+    assert st.certification.latest_good == "main@10" and st.uncommitted == []
+    assert len(led.snapshot().certificates) == 1

@@ -1,0 +1,150 @@
+"""The ledger and the store-level commands: status, latest-good, revoke, verify --ledger."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+import certckpt
+from certckpt.certify import CheckpointEntry
+from certckpt.ledger import Ledger, LedgerSink
+from certckpt_cli.main import main
+
+
+def test_records_are_write_once_and_read_back(memroot):
+    led = Ledger(f"{memroot}/run")
+    cid = led.commit_checkpoint(branch="main", step=10, location=f"{memroot}/run/step10.safetensors", consensus_fp="ab" * 8)
+    assert cid == "main@10"
+    with pytest.raises(certckpt.CheckpointExistsError):
+        led.commit_checkpoint(branch="main", step=10, location=f"{memroot}/run/other.safetensors")
+    sink = LedgerSink(led)
+    sink.emit({"branch": "main", "step": 10, "kind": "consensus", "outcome": "pass", "details": {"fp": "x"}, "suspect_ranks": [], "contained": False})
+    sink.flush()
+    sink.flush()  # nothing buffered: no empty segment
+    led.start_branch("b2", parent="main@10")
+    led.start_branch("b2", parent="main@10")  # identical retry is a no-op
+    snap = led.snapshot()
+    assert [c.ckpt_id for c in snap.checkpoints] == ["main@10"] and snap.segments == 1 and len(snap.events) == 1
+    assert snap.checkpoints[0].url == f"{memroot}/run/step10.safetensors"
+    assert snap.records["main@10"]["url"] == "step10.safetensors"  # stored relative to the run store
+    assert snap.branch_parents == {"b2": "main@10"}
+    led.revoke("main@10", reason="operator said so", by="alice")
+    assert led.snapshot().revocations[0].by == "alice"
+    with pytest.raises(certckpt.CheckpointNotFoundError):
+        led.revoke("main@99", reason="x")
+    with pytest.raises(ValueError):
+        led.commit_checkpoint(branch="bad/name", step=1, location="x")
+
+
+def test_missing_store_and_empty_store(tmp_path):
+    with pytest.raises(certckpt.CheckpointNotFoundError):
+        Ledger(str(tmp_path / "nope" / "deeper")).snapshot()
+    assert Ledger(str(tmp_path)).snapshot().checkpoints == []
+
+
+@pytest.fixture(scope="module")
+def drill_stores(tmp_path_factory):
+    """Run stores left by `certckpt drill faults --dir` (3 real gloo ranks)."""
+    from certckpt.detect.drill import matrix_cases, run_matrix
+
+    d = tmp_path_factory.mktemp("drill")
+    cases = [c for c in matrix_cases(audit_every=10, ckpt_every=5)
+             if (c["fault"], c["timing"]) in {("backward", "persistent"), ("forward", "one-time-between-audits"), ("non-finite", "persistent")}]
+    run_matrix(ranks=3, audit_every=10, ckpt_every=5, directory=str(d), cases=cases)
+    return d
+
+
+def invoke(*args):
+    return CliRunner().invoke(main, list(map(str, args)))
+
+
+@pytest.mark.slow
+def test_status_and_latest_good_on_a_detected_fault(drill_stores, tmp_path):
+    store = tmp_path / "bp"
+    shutil.copytree(drill_stores / "backward-persistent", store)
+    r = invoke("status", store, "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.output)
+    verdicts = {c["ckpt_id"]: (c["verdict"], c["reasons"]) for c in doc["checkpoints"]}
+    assert verdicts == {"main@5": ("trusted", []), "main@10": ("trusted", []), "main@15": ("suspect", ["after-fault"])}
+    (det,) = doc["detections"]
+    assert (det["step"], det["kind"], det["suspect_ranks"], det["suspect_interval"], det["rollback_window"]) == (20, "replay", [1], [10, 20], 10)
+    r = invoke("latest-good", store, "--json")
+    out = json.loads(r.output)
+    assert r.exit_code == 0 and out["ckpt_id"] == "main@10" and out["step"] == 10 and out["branch"] == "main"
+    assert out["url"].endswith("step000010.safetensors") and out["verdict"] == "trusted"
+    assert out["suspect_intervals"][0]["from"] == 10 and out["suspect_intervals"][0]["to"] == 20
+    # certificates were recorded, one per checkpoint, and not again while nothing changes
+    certs = os.listdir(store / "_ledger" / "certificates")
+    assert len(certs) == 3
+    invoke("status", store)
+    assert len(os.listdir(store / "_ledger" / "certificates")) == 3
+    # verify with the verdict
+    assert invoke("verify", store / "step000015.safetensors", "--ledger", store).exit_code == 1
+    r = invoke("verify", store / "step000010.safetensors", "--ledger", store)
+    assert r.exit_code == 0 and "verdict: trusted" in r.output
+
+
+@pytest.mark.slow
+def test_latest_good_falls_back_when_bytes_fail_and_ignores_uncommitted(drill_stores, tmp_path):
+    store = tmp_path / "esc"
+    shutil.copytree(drill_stores / "forward-one-time-between-audits", store)  # the escape: all trusted
+    assert invoke("latest-good", store).output.strip().endswith("step000030.safetensors")
+    # an uncommitted file with a later step is ignored, and listed by status
+    certckpt.save({"x": __import__("torch").ones(1)}, store / "step000099.safetensors", step=99)
+    assert invoke("latest-good", store).output.strip().endswith("step000030.safetensors")
+    assert "uncommitted (ignored)" in invoke("status", store).output
+    # damage the newest: latest-good says so and falls back
+    p = store / "step000030.safetensors"
+    data = bytearray(p.read_bytes())
+    data[-2] ^= 1
+    p.write_bytes(bytes(data))
+    r = invoke("latest-good", store)
+    assert r.exit_code == 0 and r.stdout.strip().endswith("step000025.safetensors")
+    assert "skipping main@30" in r.stderr and "digest mismatch" in r.stderr
+    st = json.loads(invoke("status", store, "--json", "--verify-bytes").output)
+    assert dict((c["ckpt_id"], c["reasons"]) for c in st["checkpoints"])["main@30"] == ["corrupt"]
+
+
+@pytest.mark.slow
+def test_revoke_and_no_trusted_checkpoint(drill_stores, tmp_path):
+    store = tmp_path / "nf"
+    shutil.copytree(drill_stores / "non-finite-persistent", store)
+    # the non-finite fault at 13 was contained: it taints nothing
+    assert invoke("latest-good", store, "--json").exit_code == 0
+    r = invoke("revoke", store, "main@5", "--reason", "bad data shard", "--by", "alice")
+    assert r.exit_code == 0 and "revoked main@5" in r.output
+    r = invoke("latest-good", store, "--json")
+    assert r.exit_code == 1
+    assert "none of 2 committed checkpoints is trusted" in json.loads(r.output)["reason"]
+    assert invoke("revoke", store, "main@77", "--reason", "x").exit_code == 2
+
+
+def test_latest_good_on_unreadable_or_empty_store(tmp_path):
+    r = invoke("latest-good", tmp_path / "missing" / "store")
+    assert r.exit_code == 2 and "no such run store" in r.output
+    r = invoke("latest-good", tmp_path)
+    assert r.exit_code == 1 and "no committed checkpoint" in r.output
+
+
+@pytest.mark.slow
+def test_latest_good_does_not_import_torch(drill_stores):
+    code = (
+        "import sys\nfrom certckpt_cli.main import main\n"
+        f"try:\n    main(['latest-good', {str(drill_stores / 'backward-persistent')!r}])\nexcept SystemExit as e:\n    print('exit', e.code)\n"
+        "assert 'torch' not in sys.modules"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "exit 0" in out.stdout, out.stderr
+
+
+def test_checkpoint_entry_from_snapshot_carries_branch_parent(tmp_path):
+    led = Ledger(str(tmp_path))
+    led.start_branch("b2", parent="main@10")
+    led.commit_checkpoint(branch="b2", step=15, location=str(tmp_path / "b2-15.safetensors"))
+    (c,) = led.snapshot().checkpoints
+    assert isinstance(c, CheckpointEntry) and c.parent == "main@10" and c.url == str(tmp_path / "b2-15.safetensors")
