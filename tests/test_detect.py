@@ -65,13 +65,13 @@ def test_single_rank_replay_catches_only_transient_faults():
 
 def test_tolerance_mode_and_reduction_faults():
     cases = [c for c in matrix_cases(audit_every=10, ckpt_every=5) if c["fault"] == "backward" and c["timing"] == "persistent"]
-    cases.append({"fault": "reduction", "timing": "one-time-between-audits", "rank": 2, "injected_step": 7})
+    cases.append({"fault": "reduction", "timing": "one-time-between-audits", "rank": -1, "injected_step": 7})
     m = run_matrix(ranks=3, cases=cases, mode="tolerance")
     assert m["mode"] == "tolerance"
     back, red = m["cases"]
     assert (back["caught_by"], back["detected_step"], back["suspect_ranks"]) == ("replay", 20, [1])
-    # every local gradient finite, the reduced ones non-finite on rank 2 only: the reduction is blamed
-    assert (red["caught_by"], red["detected_step"], red["suspect_ranks"]) == ("nonfinite-post", 7, [2])
+    # every local gradient finite, the reduced ones non-finite: the reduction is blamed, no rank named
+    assert (red["caught_by"], red["detected_step"], red["suspect_ranks"]) == ("nonfinite-post", 7, [])
 
 
 def test_setup_errors_are_clear_and_early():

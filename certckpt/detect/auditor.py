@@ -43,6 +43,9 @@ from .signature import Probes, matches, signature
 __all__ = ["Auditor", "FaultDetectedError", "AuditSetupError", "StepOutcome"]
 
 
+_MAX_LINEAGE = 100_000  # audit results kept for one checkpoint's lineage (a bound, not a design limit)
+
+
 class FaultDetectedError(CertckptError, RuntimeError):
     """A check failed and the auditor was told to stop; ``.event`` holds the evidence."""
 
@@ -78,6 +81,8 @@ class _HookState:
 
     def reset(self, *, audit: bool) -> None:
         self.pre, self.post, self.local_sig, self.audit = [], [], {}, audit
+        self.flags: torch.Tensor | None = None  # every rank's pre-reduce flag, agreed asynchronously
+        self.flag_work = None
 
 
 def _nonfinite_flag(buf: torch.Tensor) -> torch.Tensor:
@@ -102,6 +107,14 @@ def _comm_hook(state, bucket):
             state.local_sig[i] = row
     buf.div_(aud.world)  # the default hook's averaging, composed with our checks
     fut = dist.all_reduce(buf, group=aud.group, async_op=True).get_future()
+    if bucket.is_last():
+        # Every pre-reduce flag is known now (hooks run in bucket order, the same on every rank): share
+        # them with one tiny all-reduce that travels beside the last bucket's, instead of a blocking
+        # exchange after backward.
+        flags = torch.zeros(aud.world, dtype=torch.int32, device=aud.wire_device)
+        flags[aud.rank] = torch.stack(state.pre).any().to(aud.wire_device)
+        state.flags = flags
+        state.flag_work = dist.all_reduce(flags, group=aud.group, async_op=True)
 
     def post(f: torch.futures.Future) -> torch.Tensor:
         out = f.value()[0]
@@ -208,8 +221,8 @@ class Auditor:
         if ledger is not None and parent is not None and self.rank == 0:
             ledger.start_branch(branch, parent=parent)
         self.inventory = self._gather_inventory()
-        self._since_audit: list[int] = []  # steps whose non-finite checks passed since the last audit
-        self._events: list[AuditEvent] = []  # since the last checkpoint (lineage)
+        self._checked_since_audit = 0  # steps whose non-finite checks passed since the last audit
+        self._events: list[tuple[int, str, str]] = []  # (step, kind, outcome) since the last checkpoint (lineage)
         self.last_clean_audit: int | None = start_step if start_step else None
         self.last_checkpoint_step: int | None = start_step if start_step else None
         self._consensus: tuple[int, dict[str, str], str] | None = None  # (step, {param: fp}, state fp)
@@ -279,7 +292,8 @@ class Auditor:
             self.sink.emit(ev)
             if ev.failed:
                 self.sink.flush()
-        self._events.append(ev)
+        if len(self._events) < _MAX_LINEAGE:
+            self._events.append((ev.step, ev.kind, ev.outcome))
         if self.last is not None:
             self.last.events.append(ev)
         return ev
@@ -314,12 +328,12 @@ class Auditor:
             self.injector.begin(s, "train")
         loss = self.loss_fn(self.model, batch)
         loss.backward()
-        flags = self._exchange_flags()
+        flags = self._read_flags()
         self.step = s  # the step is attempted from here on, applied or not
         if any(flags):
             self._nonfinite_detected(s, flags)
             return loss.detach()
-        self._since_audit.append(s)
+        self._checked_since_audit += 1
         if audit and not self._replay_audit(s, batch, rng):
             return loss.detach()
         self.optimizer.step()
@@ -328,26 +342,26 @@ class Auditor:
         due = audit or (self.consensus_every is not None and s % self.consensus_every == 0)
         consensus_ok = self._weight_consensus(s) if due else True
         if audit:
-            self._event("nonfinite", "pass", step=s, steps_checked=len(self._since_audit), first=self._since_audit[0] if self._since_audit else s)
-            self._since_audit = []
+            self._event("nonfinite", "pass", step=s, steps_checked=self._checked_since_audit)
+            self._checked_since_audit = 0
             if consensus_ok:
                 self.last_clean_audit = s
         return loss.detach()
 
-    def _exchange_flags(self) -> list[int]:
-        """Every rank's pre- and post-reduce flags, summed across ranks: ``[pre_0..pre_W-1, post_0..post_W-1]``.
+    def _read_flags(self) -> list[int]:
+        """``[pre_0, ..., pre_W-1, post_local]``: every rank's pre-reduce flag and this rank's post flag.
 
-        One tiny all-reduce per step makes the skip-or-raise decision identical on every rank even
-        when a faulty reduction delivers non-finite values to some ranks only; its ``tolist()`` is
-        the step's only host synchronisation.
+        The pre flags were all-reduced beside the last gradient bucket; the post flag is local, and
+        equal on every rank whenever the reduction delivers the same values to all (a reduction that
+        does not is a fault the next weight consensus catches). The ``tolist()`` is the step's only
+        host synchronisation.
         """
-        flags = torch.zeros(2 * self.world, dtype=torch.int32, device=self.wire_device)
-        pre = torch.stack(self._hook.pre).any() if self._hook.pre else torch.zeros((), dtype=torch.bool)
-        post = torch.stack(self._hook.post).any() if self._hook.post else torch.zeros((), dtype=torch.bool)
-        flags[self.rank] = pre.to(self.wire_device)
-        flags[self.world + self.rank] = post.to(self.wire_device)
-        dist.all_reduce(flags, group=self.group)
-        return flags.tolist()
+        hook = self._hook
+        if hook.flag_work is None:  # no gradient bucket this step
+            return [0] * (self.world + 1)
+        hook.flag_work.wait()
+        post = torch.stack(hook.post).any().to(self.wire_device, torch.int32).view(1)
+        return torch.cat([hook.flags, post]).tolist()
 
     def _rng_state(self) -> dict[str, torch.Tensor]:
         state = {"cpu": torch.get_rng_state()}
@@ -360,15 +374,15 @@ class Auditor:
     def _nonfinite_detected(self, s: int, flags: list[int]) -> None:
         self.last.applied = False
         pre = [r for r in range(self.world) if flags[r]]
-        post = [r for r in range(self.world) if flags[self.world + r]]
+        post = [self.rank] if flags[self.world] else []
         bad = [n for n, p in zip(self.param_names, self.params) if p.grad is not None and not torch.isfinite(p.grad).all()]
         if pre:
             kind, suspects = "nonfinite-pre", pre
             msg = f"non-finite local gradients on rank(s) {pre} before the all-reduce"
         else:
-            kind, suspects = "nonfinite-post", post if len(post) < self.world else []
+            kind, suspects = "nonfinite-post", []
             msg = (
-                f"gradients became non-finite in the all-reduce (seen on rank(s) {post}) while every rank's local"
+                f"gradients became non-finite in the all-reduce (seen on rank {self.rank}) while every rank's local"
                 " gradients were finite: suspect the reduction (interconnect, or a rank's reduction arithmetic)"
             )
         ev = self._event(
@@ -536,7 +550,7 @@ class Auditor:
         if not (self._consensus and self._consensus[0] == s):
             self._weight_consensus(s)
         first = (self.last_checkpoint_step or 0) + 1
-        audits = [{"step": e.step, "kind": e.kind, "outcome": e.outcome} for e in self._events]
+        audits = [{"step": st, "kind": k, "outcome": o} for st, k, o in self._events]
         fps = self._consensus[1] if self._consensus else {}
         lineage = {
             "audit_every": self.audit_every,

@@ -201,7 +201,7 @@ def run_matrix(
         per_rank = run_ranks("certckpt.detect.drill:run_cases_on_rank", ranks, args, timeout=timeout)
     out = []
     for i, res in enumerate(per_rank[0]):
-        res["fired"] = per_rank[res["rank"]][i]["fired"]  # the faulty rank knows what it injected
+        res["fired"] = per_rank[max(res["rank"], 0)][i]["fired"]  # the faulty rank knows what it injected
         exp_by, exp_step = expected_catch(res, audit_every=audit_every, ckpt_every=ckpt_every)
         res["updates_before_detection"] = (
             res["detected_step"] - res["injected_step"] if res["detected_step"] is not None else None

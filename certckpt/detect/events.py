@@ -6,6 +6,7 @@ The event schema is what the ledger and the certifier consume:
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import socket
@@ -103,10 +104,10 @@ class EventSink(Protocol):
 
 
 class MemorySink:
-    """Keeps events in a list (tests, notebooks)."""
+    """Keeps the most recent events in memory (tests, notebooks, ranks other than 0)."""
 
-    def __init__(self) -> None:
-        self.events: list[AuditEvent] = []
+    def __init__(self, max_events: int = 100_000) -> None:
+        self.events: collections.deque[AuditEvent] = collections.deque(maxlen=max_events)
 
     def emit(self, event: AuditEvent) -> None:
         self.events.append(event)

@@ -33,7 +33,8 @@ class Fault:
 
     Attributes:
         kind: one of ``FAULT_KINDS``.
-        rank: the rank whose computation goes wrong.
+        rank: the rank whose computation goes wrong (-1: every rank, for a reduction fault that
+            delivers the same bad values to all).
         step: the first (or only) optimizer step it hits.
         persistent: hit every step from ``step`` on, replays included.
         scale: relative perturbation of the largest-magnitude element (ignored when ``bit`` is set).
@@ -54,8 +55,8 @@ class Fault:
     def __post_init__(self) -> None:
         if self.kind not in FAULT_KINDS:
             raise ValueError(f"fault kind must be one of {FAULT_KINDS}, got {self.kind!r}")
-        if self.step < 1 or self.rank < 0:
-            raise ValueError("fault step must be >= 1 and rank >= 0")
+        if self.step < 1 or self.rank < -1 or (self.rank == -1 and self.kind != "reduction"):
+            raise ValueError("fault step must be >= 1 and rank >= 0 (-1, every rank, only for reduction faults)")
         if self.value not in ("nan", "inf"):
             raise ValueError("value must be 'nan' or 'inf'")
 
@@ -75,17 +76,21 @@ def _perturb_(t: torch.Tensor, fault: Fault) -> None:
         if fault.kind in ("non-finite", "reduction"):
             flat[i] = float(fault.value)
         elif fault.bit is not None:
-            ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
+            ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
             flat.view(ints)[i] ^= 1 << fault.bit if fault.bit < 8 * flat.element_size() - 1 else -(1 << fault.bit)
         else:
+            old = flat[i].clone()
             flat[i] = flat[i] * (1 + fault.scale) + fault.scale
+            if bool(flat[i] == old):  # lost to rounding (a small scale in bfloat16): flip the lowest bit
+                ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
+                flat.view(ints)[i] ^= 1
 
 
 class Injector:
     """Applies the faults meant for one rank at the points the auditor calls it from."""
 
     def __init__(self, faults: Iterable[Fault], *, rank: int):
-        self.faults = [f for f in faults if f.rank == rank]
+        self.faults = [f for f in faults if f.rank in (rank, -1)]
         self.rank = rank
         self.step = 0
         self.phase = "train"
