@@ -1,0 +1,551 @@
+#!/usr/bin/env python
+"""Benchmark the detection auditor's overhead: plain DDP vs DDP driven by ``certckpt.detect.Auditor``.
+
+Run from the repository root:
+
+    python benchmarks/bench_detect.py            # ~9.4M-parameter MLP, 7 trials of 100 steps (~6 min on 2 cores)
+    python benchmarks/bench_detect.py --quick    # ~2.4M-parameter MLP, 2 trials of 100 steps (smoke run)
+    python benchmarks/bench_detect.py --json     # also print every figure and raw sample as JSON
+
+One job of 3 gloo ranks on this machine's CPUs (``certckpt.detect.launch.run_ranks``), one torch
+thread per rank, ``torch.use_deterministic_algorithms(True)``. Every rank builds, once, four
+DDP copies of the same MLP (identical initialisation), each with its own SGD optimizer:
+
+    plain       DDP with its default communication hook; zero_grad, loss, backward, step
+    audit/10    Auditor(audit_every=10): non-finite check every step; replay + consensus every 10th
+    audit/100   Auditor(audit_every=100): the same, one full audit per 100 steps
+    nonfinite   Auditor(audit_every=10**9): the non-finite check alone (no replay, no consensus)
+
+Each configuration takes its untimed warm-up steps first (the Auditor's first step also runs its
+one-off determinism check there). Then, in every trial, each configuration runs the same number of
+steps (a multiple of 100, so that each trial of audit/100 holds exactly one audit and audit/10
+exactly one per 10 steps: the audit counts are recorded and printed, not assumed), one
+configuration after another in an order that rotates every trial, so that they share the machine's
+noise. A timed block is: barrier, ``perf_counter``, the steps, barrier, ``perf_counter``; the figure
+is rank 0's wall time for the block divided by its steps. Batches (32 x 1024 ``randn``, MSE loss
+against a seeded random target, different on every rank and at every step, the same for every
+configuration) are generated before each block, untimed.
+
+A last phase shows where the extra time goes. Single steps, each between two barriers, interleaved
+step by step: audit/10 (audit and non-audit steps), plain DDP, and a fifth DDP copy with torch's own
+Python ``allreduce_hook`` (the price of any Python comm hook). During these steps the auditor's
+parts are timed in place: its methods and the module functions it calls (``signature``,
+``ring_shift``, ``_nonfinite_flag``, ``_replay``, ``_replay_audit``, ``_weight_consensus``,
+``_exchange_flags`` where present) are wrapped with timers in the rank processes (no library file
+is changed). Then ``auditor._weight_consensus(step)``, ``signature()`` over all gradients, the two
+flag sums and ``auditor._exchange_flags()`` are called alone between barriers, a few times each.
+
+Nothing here is hard-coded: every figure printed is measured in this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import threading
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+WORLD = 3
+CONFIGS = ("plain", "audit/10", "audit/100", "nonfinite")
+AUDIT_EVERY = {"audit/10": 10, "audit/100": 100, "nonfinite": 10**9}
+LABELS = {
+    "plain": "plain DDP (default hook)",
+    "audit/10": "Auditor, full audit every 10 steps",
+    "audit/100": "Auditor, full audit every 100 steps",
+    "nonfinite": "Auditor, non-finite check alone",
+}
+TARGETS = {"audit/10": 1.10, "audit/100": 1.02, "nonfinite": 1.02}  # ratio to plain DDP, at most
+
+FULL = {"widths": [1024, 2048, 2048, 1024, 1024], "batch": 32, "trials": 7, "steps": 100, "warmup": 10, "reps": 5}
+QUICK = {"widths": [512, 1024, 1024, 512, 512], "batch": 32, "trials": 2, "steps": 100, "warmup": 10, "reps": 2}
+
+
+# --------------------------------------------------------------------------------------------------
+# the per-rank side (imported by the rank processes through run_ranks(extra_path=HERE))
+
+
+def _mlp(widths: list[int], seed: int):
+    import torch
+
+    torch.manual_seed(seed)
+    layers: list[torch.nn.Module] = []
+    for i, (a, b) in enumerate(zip(widths[:-1], widths[1:])):
+        layers.append(torch.nn.Linear(a, b))
+        if i < len(widths) - 2:
+            layers.append(torch.nn.GELU())
+    return torch.nn.Sequential(*layers)
+
+
+def n_params(widths: list[int]) -> int:
+    return sum(a * b + b for a, b in zip(widths[:-1], widths[1:]))
+
+
+def _batch(rank: int, step: int, batch: int, widths: list[int]):
+    import torch
+
+    g = torch.Generator().manual_seed(rank * 1_000_003 + step)
+    return torch.randn(batch, widths[0], generator=g), torch.randn(batch, widths[-1], generator=g)
+
+
+def _loss(model, batch):
+    import torch.nn.functional as F
+
+    x, y = batch
+    return F.mse_loss(model(x), y)
+
+
+def rank_main(args: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from certckpt.detect.auditor import Auditor, _nonfinite_flag
+    from certckpt.detect.exchange import ring_shift
+    from certckpt.detect.signature import signature
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    rank = dist.get_rank()
+    widths, bsz = args["widths"], args["batch"]
+    t_start = time.perf_counter()
+    progress = open(args["progress"], "a", encoding="utf-8") if rank == 0 and args.get("progress") else None  # noqa: SIM115
+
+    def log(msg: str) -> None:
+        if progress is not None:
+            progress.write(f"[{time.perf_counter() - t_start:6.1f} s] {msg}\n")
+            progress.flush()
+
+    # --- one DDP model + optimizer per configuration, all built up front ---------------------------
+    runners: dict[str, Any] = {}
+    auditors: dict[str, Auditor] = {}
+    steps_done: dict[str, int] = {}
+    models: dict[str, Any] = {}
+    for name in CONFIGS:
+        model = _mlp(widths, seed=0)  # identical init on every rank and for every configuration
+        ddp = DDP(model)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+        models[name] = (ddp, opt)
+        steps_done[name] = 0
+        if name == "plain":
+
+            def plain_step(batch, ddp=ddp, opt=opt):
+                opt.zero_grad(set_to_none=True)
+                loss = _loss(ddp, batch)
+                loss.backward()
+                opt.step()
+                return loss.detach()
+
+            runners[name] = plain_step
+        else:
+            aud = Auditor(ddp, opt, loss_fn=_loss, run=f"bench-{name}", audit_every=AUDIT_EVERY[name])
+            auditors[name] = aud
+            runners[name] = aud.train_step
+    log(f"built {len(CONFIGS)} DDP models of {sum(p.numel() for p in models['plain'][0].module.parameters()):,} parameters")
+
+    def batches_for(name: str, n: int) -> list:
+        first = steps_done[name] + 1
+        return [_batch(rank, s, bsz, widths) for s in range(first, first + n)]
+
+    def timed_block(name: str, n: int) -> dict[str, Any]:
+        batches = batches_for(name, n)
+        aud = auditors.get(name)
+        audits = 0
+        dist.barrier()
+        c0, t0 = time.process_time(), time.perf_counter()
+        for b in batches:
+            runners[name](b)
+            if aud is not None and aud.last.audited:
+                audits += 1
+        dist.barrier()
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        steps_done[name] += n
+        return {"wall_s": wall, "cpu_s": cpu, "steps": n, "audits": audits,
+                "first_step": steps_done[name] - n + 1, "last_step": steps_done[name]}
+
+    # --- warm-up (discarded) -------------------------------------------------------------------
+    warmup = {}
+    for name in CONFIGS:
+        warmup[name] = timed_block(name, args["warmup"])
+    log("warm-up done: " + ", ".join(f"{n} {w['wall_s'] / w['steps'] * 1e3:.0f} ms/step" for n, w in warmup.items()))
+
+    # --- interleaved trials --------------------------------------------------------------------
+    trials: list[dict[str, Any]] = []
+    for t in range(args["trials"]):
+        k = t % len(CONFIGS)
+        order = list(CONFIGS[k:] + CONFIGS[:k])
+        blocks = {name: timed_block(name, args["steps"]) for name in order}
+        trials.append({"order": order, "blocks": blocks})
+        log(f"trial {t + 1}/{args['trials']}: " + ", ".join(
+            f"{n} {blocks[n]['wall_s'] / blocks[n]['steps'] * 1e3:.1f}" for n in CONFIGS) + " ms/step")
+
+    # --- breakdown of audit/10 ----------------------------------------------------------------
+    # Single steps, each between two barriers, interleaved step by step: audit/10 (instrumented,
+    # see below), plain DDP, and DDP with torch's own Python allreduce_hook (the cost of any Python
+    # comm hook, without the non-finite flags).
+    import certckpt.detect.auditor as auditor_mod
+
+    reps = args["reps"]
+
+    def between_barriers(fn) -> tuple[float, float]:
+        """(wall s, this process's CPU s) of ``fn`` between two barriers."""
+        dist.barrier()
+        c0, t0 = time.process_time(), time.perf_counter()
+        fn()
+        dist.barrier()
+        return time.perf_counter() - t0, time.process_time() - c0
+
+    bd_cpu: dict[str, list[float]] = {}
+
+    def record(key: str, fn) -> float:
+        wall, cpu = between_barriers(fn)
+        bd[key].append(wall)
+        bd_cpu.setdefault(key, []).append(cpu)
+        return wall
+
+    bd: dict[str, list[float]] = {k: [] for k in (
+        "barrier_only", "plain_step", "torch_hook_step", "nonaudit_step", "audit_step", "consensus",
+        "signature_all_grads", "nonfinite_flags_x2", "flag_exchange")}
+    aud = auditors["audit/10"]
+    hooked = DDP(_mlp(widths, seed=0))
+    hooked.register_comm_hook(None, allreduce_hook)
+    hooked_opt = torch.optim.SGD(hooked.module.parameters(), lr=1e-3, momentum=0.9)
+
+    def hooked_step(batch):
+        hooked_opt.zero_grad(set_to_none=True)
+        _loss(hooked, batch).backward()
+        hooked_opt.step()
+
+    for i in range(3):  # warm-up of the extra model (untimed)
+        hooked_step(_batch(rank, i + 1, bsz, widths))
+
+    # In-situ timers: wrap the auditor's parts (this process only; the trials are over).
+    acc: dict[str, float] = {}
+    in_replay = [False]
+
+    def timed(key, fn, flag=None):
+        def wrapper(*a, **k):
+            if flag is not None:
+                flag[0] = True
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                acc[key] = acc.get(key, 0.0) + time.perf_counter() - t0
+                if flag is not None:
+                    flag[0] = False
+        return wrapper
+
+    sig_fn = auditor_mod.signature
+
+    def sig_timed(*a, **k):
+        return timed("replay_signature" if in_replay[0] else "hook_signature", sig_fn)(*a, **k)
+
+    auditor_mod.signature = sig_timed
+    auditor_mod.ring_shift = timed("ring_shift", auditor_mod.ring_shift)
+    auditor_mod._nonfinite_flag = timed("nonfinite_flags", auditor_mod._nonfinite_flag)
+    wrapped = [("_replay", "replay"), ("_replay_audit", "replay_audit"), ("_weight_consensus", "consensus"),
+               ("_exchange_flags", "flag_exchange")]  # the last one: per-step flag all-reduce (newer auditors)
+    wrapped = [(attr, key) for attr, key in wrapped if callable(getattr(aud, attr, None))]
+    for attr, key in wrapped:
+        setattr(aud, attr, timed(key, getattr(aud, attr), in_replay if attr == "_replay" else None))
+    parts: dict[str, list[dict[str, float]]] = {"audit": [], "nonaudit": []}
+    plain_b, hooked_b = 10**6, 10**6  # their own batch streams for these steps
+    while len(bd["audit_step"]) < reps:
+        s = steps_done["audit/10"] + 1
+        b = batches_for("audit/10", 1)[0]
+        acc.clear()
+        dt, dc = between_barriers(lambda b=b: aud.train_step(b))
+        steps_done["audit/10"] += 1
+        kind = "audit" if aud.last.audited else "nonaudit"
+        assert aud.last.audited == (s % 10 == 0)
+        bd[f"{kind}_step"].append(dt)
+        bd_cpu.setdefault(f"{kind}_step", []).append(dc)
+        parts[kind].append({**acc, "step": dt})
+        plain_b += 1
+        pb = _batch(rank, plain_b, bsz, widths)
+        record("plain_step", lambda pb=pb: runners["plain"](pb))
+        hooked_b += 1
+        hb = _batch(rank, hooked_b, bsz, widths)
+        record("torch_hook_step", lambda hb=hb: hooked_step(hb))
+    auditor_mod.signature, auditor_mod.ring_shift, auditor_mod._nonfinite_flag = sig_fn, ring_shift, _nonfinite_flag
+    for attr, _ in wrapped:
+        delattr(aud, attr)
+    log(f"breakdown: {len(bd['audit_step'])} audit and {len(bd['nonaudit_step'])} non-audit steps timed one by one")
+
+    # Parts timed alone between barriers (every rank doing the same work at the same time).
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in aud.params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    for _ in range(reps):
+        record("barrier_only", lambda: None)
+        record("consensus", lambda: aud._weight_consensus(aud.step))
+        record("signature_all_grads", lambda: signature(grads, mode="deterministic"))
+        record("nonfinite_flags_x2", lambda: (_nonfinite_flag(flat), _nonfinite_flag(flat)))
+        if callable(getattr(aud, "_exchange_flags", None)):  # reads the last step's flags again; no side effects
+            record("flag_exchange", aud._exchange_flags)
+    log("breakdown done")
+
+    buckets = len(aud._hook.pre)  # one non-finite flag per DDP bucket: the comm hook ran this many times
+    if progress is not None:
+        progress.close()
+    return {
+        "rank": rank,
+        "torch_threads": torch.get_num_threads(),
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "params": sum(p.numel() for p in models["plain"][0].module.parameters()),
+        "ddp_buckets": buckets,
+        "warmup": warmup,
+        "trials": trials,
+        "breakdown": bd,
+        "breakdown_cpu": bd_cpu,
+        # the auditors' bookkeeping at the end (it is never trimmed without audits or checkpoints)
+        "bookkeeping": {n: {"since_audit": getattr(a, "_checked_since_audit", 0), "events_since_checkpoint": len(a._events),
+                            "sink_events": len(a.sink.events)} for n, a in auditors.items()},
+        "parts": parts,
+        "events": {n: len(a.sink.events) for n, a in auditors.items()},
+        "rank_elapsed_s": time.perf_counter() - t_start,
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# the driver
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def _tail(path: str, stop: threading.Event) -> None:
+    """Echo rank 0's progress lines to stderr while the ranks run."""
+    pos = 0
+    while True:
+        done = stop.is_set()
+        try:
+            with open(path, encoding="utf-8") as f:
+                f.seek(pos)
+                chunk = f.read()
+                pos = f.tell()
+            if chunk:
+                sys.stderr.write("".join(f"  rank 0 {ln}\n" for ln in chunk.splitlines()))
+                sys.stderr.flush()
+        except OSError:
+            pass
+        if done:
+            return
+        stop.wait(0.5)
+
+
+def summarise(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    r0 = per_rank[0]
+    ms = {n: [tr["blocks"][n]["wall_s"] / tr["blocks"][n]["steps"] * 1e3 for tr in r0["trials"]] for n in CONFIGS}
+    cpu = {n: [sum(pr["trials"][i]["blocks"][n]["cpu_s"] for pr in per_rank) / r0["trials"][i]["blocks"][n]["steps"] * 1e3
+               for i in range(len(r0["trials"]))] for n in CONFIGS}
+    out: dict[str, Any] = {"step_ms": ms, "cpu_ms_per_step_all_ranks": cpu, "configs": {}}
+    base = median(ms["plain"])
+    for n in CONFIGS:
+        paired = [a / p for a, p in zip(ms[n], ms["plain"])]
+        out["configs"][n] = {
+            "median_ms": median(ms[n]),
+            "min_ms": min(ms[n]),
+            "max_ms": max(ms[n]),
+            "ratio": median(ms[n]) / base,
+            "paired_ratio_median": median(paired),
+            "paired_ratio_min": min(paired),
+            "paired_ratio_max": max(paired),
+            "cpu_ms_median": median(cpu[n]),
+            "audits_per_trial": sorted({tr["blocks"][n]["audits"] for tr in r0["trials"]}),
+            "verdict": None if n not in TARGETS else ("PASS" if median(ms[n]) / base <= TARGETS[n] else "MISS"),
+        }
+    bd = {k: {"median_ms": median(v) * 1e3, "min_ms": min(v) * 1e3, "max_ms": max(v) * 1e3, "n": len(v),
+              "cpu_median_ms": median(r0["breakdown_cpu"][k]) * 1e3}
+          for k, v in r0["breakdown"].items() if v}
+    out["breakdown"] = bd
+    # in-situ parts of rank 0's audit steps, per step (ms), medians across the timed audit steps
+    insitu: dict[str, dict[str, float]] = {}
+    for kind, steps in r0["parts"].items():
+        keys = sorted({k for st in steps for k in st})
+        insitu[kind] = {k: median([st.get(k, 0.0) for st in steps]) * 1e3 for k in keys}
+        insitu[kind]["n"] = len(steps)
+    a = insitu["audit"]
+    derived = {
+        "hook signatures (before the all-reduce)": a.get("hook_signature", 0.0),
+        "ring shift of batch + RNG state": a.get("ring_shift", 0.0),
+        "replay forward + backward": a.get("replay", 0.0) - a.get("replay_signature", 0.0),
+        "replay signature": a.get("replay_signature", 0.0),
+        "signature all-gather + compare + event": a.get("replay_audit", 0.0) - a.get("ring_shift", 0.0) - a.get("replay", 0.0),
+        "weight consensus (incl. its all-gather)": a.get("consensus", 0.0),
+    }
+    out["insitu"] = insitu
+    out["insitu_audit_parts"] = derived
+    return out
+
+
+def print_report(R: dict[str, Any]) -> None:
+    c, S = R["config"], R["summary"]
+    print()
+    print(f"certckpt detection-overhead benchmark ({'quick' if c['quick'] else 'full'}): {c['trials']} interleaved trials "
+          f"x {c['steps']} steps per configuration, {c['warmup']} warm-up steps each (discarded)")
+    print(f"torch {c['torch']}, python {c['python']}, {c['cpus']} CPUs; {WORLD} gloo ranks x {c['rank_threads']} torch thread"
+          f" on {c['cpus']} cores: {'OVERSUBSCRIBED (ranks and gloo threads share cores), expected here' if WORLD > (c['cpus'] or 0) else 'one core per rank'}")
+    print(f"deterministic algorithms: {c['deterministic']}; load average {c['loadavg_start']} at start, "
+          f"{c['loadavg_end']} at end (1/5/15 min)")
+    ob, oc = c.get("others_busy_cores_before"), c.get("others_cpu_s_during_run")
+    if ob is not None and oc is not None:
+        print(f"CPU used outside this benchmark: {ob:.2f} cores just before it; {oc:.1f} CPU-s during its {R['elapsed_s']:.0f} s")
+    print(f"model: MLP {'-'.join(map(str, c['widths']))} (GELU between Linears), {c['params']:,} parameters "
+          f"({c['params'] * 4 / 2**20:.1f} MiB float32, {c['ddp_buckets'] if c['ddp_buckets'] is not None else '?'} DDP buckets); "
+          f"batch {c['batch']} x {c['widths'][0]} per rank, MSE; SGD momentum 0.9")
+    print("figure: rank 0's wall time per timed block (barrier to barrier) / steps; median across trials [min-max]")
+    print()
+    head = ("configuration", "ms/step median [min-max]", "ratio to plain", "target", "", "paired ratio med [min-max]",
+            "audits/trial", "CPU ms/step (3 ranks)")
+    rows = []
+    for n in CONFIGS:
+        s = S["configs"][n]
+        rows.append((
+            LABELS[n],
+            f"{s['median_ms']:.1f} [{s['min_ms']:.1f}-{s['max_ms']:.1f}]",
+            f"{s['ratio']:.3f}x",
+            f"≤ {TARGETS[n]:.2f}x" if n in TARGETS else "",
+            s["verdict"] or "",
+            "" if n == "plain" else f"{s['paired_ratio_median']:.3f} [{s['paired_ratio_min']:.3f}-{s['paired_ratio_max']:.3f}]",
+            "-" if n == "plain" else ",".join(map(str, s["audits_per_trial"])),
+            f"{s['cpu_ms_median']:.1f}",
+        ))
+    w = [max(len(r[i]) for r in [*rows, head]) for i in range(len(head))]
+    print("  ".join(h.ljust(w[i]) for i, h in enumerate(head)).rstrip())
+    print("  ".join("-" * x for x in w))
+    for r in rows:
+        print("  ".join(x.ljust(w[i]) for i, x in enumerate(r)).rstrip())
+
+    bd = S["breakdown"]
+    m = {k: v["median_ms"] for k, v in bd.items()}
+    ins, parts = S["insitu"], S["insitu_audit_parts"]
+
+    def line(label: str, key: str, note: str = "") -> None:
+        v = bd[key]
+        cell = f"{v['median_ms']:8.2f}  [{v['min_ms']:.2f}-{v['max_ms']:.2f}]"
+        print(f"   {label:<50} {cell:<26} {v['cpu_median_ms']:7.2f}   {note}".rstrip())
+
+    print()
+    print("Where the extra time goes: rank 0, single steps, each between two barriers, the three models interleaved step")
+    print(f"by step ({bd['plain_step']['n']} plain, {bd['nonaudit_step']['n']} non-audit and {bd['audit_step']['n']} audit steps);"
+          " ms, median [min-max], and rank 0's process CPU ms (all its threads)")
+    print(f"   {'':<50} {'wall':<26} {'CPU':>7}")
+    line("plain DDP step (default hook)", "plain_step")
+    line("DDP + torch's Python allreduce_hook", "torch_hook_step",
+         f"{m['torch_hook_step'] - m['plain_step']:+.2f} wall vs plain: any Python comm hook (unfused division)")
+    fx = ins["nonaudit"].get("flag_exchange")
+    line("audit/10, non-audit step", "nonaudit_step",
+         f"{m['nonaudit_step'] - m['plain_step']:+.2f} wall vs plain; in situ: flag sums {ins['nonaudit'].get('nonfinite_flags', 0.0):.2f}"
+         + (f", flag all-reduce {fx:.2f}" if fx is not None else ""))
+    line("audit/10, audit step", "audit_step", f"{m['audit_step'] - m['nonaudit_step']:+.2f} wall vs non-audit step")
+    extra = m["audit_step"] - m["nonaudit_step"]
+    print("   inside the audit steps (rank 0's clock around the auditor's own calls, median per audit step; the collective")
+    print("   ones include waiting for the other ranks):")
+    total = 0.0
+    for label, v in parts.items():
+        total += v
+        share = f"{v / extra * 100:5.0f}% of the extra" if extra > 0 else ""
+        print(f"     {label:<48} {v:8.2f}   {share}")
+    print(f"     {'sum':<48} {total:8.2f}   (measured extra {extra:.2f}; that step's flag sums {ins['audit'].get('nonfinite_flags', 0.0):.2f})")
+    print(f"   alone between two barriers, every rank doing the same (median of {bd['consensus']['n']}):")
+    line("  bare barrier pair", "barrier_only")
+    line("  auditor._weight_consensus(step), called directly", "consensus")
+    line("  signature() over all gradients", "signature_all_grads")
+    line("  2 non-finite flag sums over all gradients", "nonfinite_flags_x2")
+    if "flag_exchange" in bd:
+        line("  auditor._exchange_flags() (per-step all-reduce)", "flag_exchange")
+    rk = sorted(((v, k) for k, v in parts.items()), reverse=True)
+    hook_cost = m["nonaudit_step"] - m["plain_step"]
+    print(f"   dominant part of an audit: {rk[0][1]} ({rk[0][0]:.1f} ms), then {rk[1][1]} ({rk[1][0]:.1f} ms)")
+    print(f"   predicted from these single steps: audit/10 {(m['plain_step'] + hook_cost + extra / 10) / m['plain_step']:.3f}x"
+          f" (hook {hook_cost / m['plain_step'] * 100:+.1f}% + audits {extra / 10 / m['plain_step'] * 100:+.1f}%),"
+          f" audit/100 {(m['plain_step'] + hook_cost + extra / 100) / m['plain_step']:.3f}x,"
+          f" non-finite alone {(m['plain_step'] + hook_cost) / m['plain_step']:.3f}x")
+    bk = R["per_rank"][0]["bookkeeping"]
+    print("   info, auditor bookkeeping on rank 0 at the end (steps since the last audit, lineage entries since the last checkpoint, sink): "
+          + "; ".join(f"{n}: {v['since_audit']}, {v['events_since_checkpoint']}, {v['sink_events']}"
+                      for n, v in bk.items()))
+
+    misses = [n for n in TARGETS if S["configs"][n]["verdict"] != "PASS"]
+    print()
+    print(f"{len(misses)} target(s) missed" + (": " + ", ".join(misses) if misses else "") + f"; total {R['elapsed_s']:.0f} s")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="~2.4M-parameter MLP, 2 trials: a smoke run")
+    ap.add_argument("--json", action="store_true", help="also print all results as JSON")
+    ap.add_argument("--trials", type=int, default=None, help="interleaved trials (default 7, quick 2)")
+    ap.add_argument("--steps", type=int, default=None, help="steps per configuration per trial, a multiple of 100 (default 100)")
+    args = ap.parse_args()
+
+    from bench_format import cpu_busy_seconds, loadavg, others_busy_cores, own_cpu_seconds
+
+    P = dict(QUICK if args.quick else FULL)
+    if args.trials is not None:
+        P["trials"] = args.trials
+    if args.steps is not None:
+        P["steps"] = args.steps
+    if P["steps"] % 100:
+        ap.error("--steps must be a multiple of 100 (each trial of audit/100 must hold exactly one audit per 100 steps)")
+    if P["trials"] < 7 and not args.quick:
+        print(f"note: {P['trials']} trials (fewer than 7)", file=sys.stderr)
+
+    import torch
+
+    from certckpt.detect.launch import run_ranks
+
+    busy = others_busy_cores()
+    if busy is not None and busy > 0.25:
+        print(f"warning: other processes keep {busy:.2f} cores busy; figures will be noisy", file=sys.stderr)
+    busy0, own0 = cpu_busy_seconds(), own_cpu_seconds()
+    R: dict[str, Any] = {"config": {
+        "quick": args.quick, **P, "params": n_params(P["widths"]), "world": WORLD, "rank_threads": 1,
+        "python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),
+        "loadavg_start": loadavg(), "others_busy_cores_before": busy,
+    }}
+    t0 = time.perf_counter()
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="certckpt-bench-detect-") as d:
+        prog = os.path.join(d, "progress.log")
+        open(prog, "w").close()
+        stop = threading.Event()
+        tail = threading.Thread(target=_tail, args=(prog, stop), daemon=True)
+        tail.start()
+        print(f"running {WORLD} ranks: {P['trials']} trials x {len(CONFIGS)} configurations x {P['steps']} steps "
+              f"of a {n_params(P['widths']):,}-parameter MLP", file=sys.stderr)
+        try:
+            per_rank = run_ranks(f"{os.path.splitext(os.path.basename(__file__))[0]}:rank_main", WORLD,
+                                 {**P, "progress": prog}, timeout=1800, threads=1, extra_path=HERE)
+        finally:
+            stop.set()
+            tail.join()
+    R["elapsed_s"] = time.perf_counter() - t0
+    R["config"]["loadavg_end"] = loadavg()
+    busy1 = cpu_busy_seconds()
+    if busy0 is not None and busy1 is not None:
+        R["config"]["others_cpu_s_during_run"] = max(0.0, (busy1 - busy0) - (own_cpu_seconds() - own0))
+    R["config"]["params"] = per_rank[0]["params"]
+    R["config"]["ddp_buckets"] = per_rank[0]["ddp_buckets"]
+    R["config"]["deterministic"] = all(pr["deterministic"] for pr in per_rank)
+    R["config"]["rank_threads"] = per_rank[0]["torch_threads"]
+    R["summary"] = summarise(per_rank)
+    R["per_rank"] = per_rank
+    print_report(R)
+    if args.json:
+        print()
+        print(json.dumps(R, indent=2))
+
+
+if __name__ == "__main__":
+    main()
