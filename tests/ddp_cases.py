@@ -127,3 +127,42 @@ def raise_detected(args):
             return {"step": e.event.step, "kind": e.event.kind, "suspects": e.event.suspect_ranks,
                     "message": str(e), "update_dropped": unchanged, "inventory_ranks": sorted(e.event.inventory)}
     return None
+
+
+def rollback(args):
+    """Train on `main` until a persistent fault is caught, roll back to latest-good, go on as branch b2."""
+    from certckpt.runstore import find_latest_good
+
+    store = args["store"]
+    rank = dist.get_rank()
+    m = _model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+    aud = Auditor(DDP(m), opt, loss_fn=_loss, run="rb", audit_every=10, ledger=store,
+                  sink=None if rank == 0 else MemorySink(),
+                  injector_faults=[Fault(kind="backward", rank=1, step=13, persistent=True)])
+    caught = None
+    for s in range(1, 31):
+        try:
+            aud.train_step(_batch(s))
+        except FaultDetectedError as e:
+            caught = e.event.step
+            break
+        if s % 5 == 0:
+            aud.save({"model": m.state_dict(), "optim": opt.state_dict()}, f"{store}/main-{s:04d}.safetensors")
+    aud.close()
+    _, good = find_latest_good(store, write_certificates=rank == 0)
+    dist.barrier()
+    state = certckpt.load(f"{store}/main-{int(good.split('@')[1]):04d}.safetensors")
+    m2 = _model()
+    m2.load_state_dict(state["model"])
+    opt2 = torch.optim.SGD(m2.parameters(), lr=0.05, momentum=0.9)
+    opt2.load_state_dict(state["optim"])
+    start = int(good.split("@")[1])
+    aud2 = Auditor(DDP(m2), opt2, loss_fn=_loss, run="rb", branch="b2", parent=good, start_step=start, audit_every=10,
+                   ledger=store, sink=None if rank == 0 else MemorySink())
+    for s in range(start + 1, 31):
+        aud2.train_step(_batch(s))
+        if s % 5 == 0:
+            aud2.save({"model": m2.state_dict(), "optim": opt2.state_dict()}, f"{store}/b2-{s:04d}.safetensors")
+    aud2.close()
+    return {"caught": caught, "good": good}

@@ -134,3 +134,26 @@ def test_readme_example_runs_as_written(tmp_path):
     assert certckpt.verify(tmp_path / "run" / "step40.safetensors").ok
     rec = certckpt.inspect(tmp_path / "run" / "step40.safetensors").record
     assert rec.step_range == [21, 40] and rec.lineage["last_clean_audit"] == 40
+
+
+def test_rollback_to_latest_good_continues_on_a_new_branch(tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from certckpt_cli.main import main
+
+    store = tmp_path / "run"
+    store.mkdir()
+    out = ranks("rollback", 3, {"store": str(store)})
+    assert out[0] == {"caught": 20, "good": "main@10"}
+    doc = json.loads(CliRunner().invoke(main, ["status", str(store), "--json"]).output)
+    verdicts = {c["ckpt_id"]: (c["verdict"], c["reasons"], c["parent"]) for c in doc["checkpoints"]}
+    assert verdicts["main@10"][0] == "trusted" and verdicts["main@15"] == ("suspect", ["after-fault"], None)
+    for s in (15, 20, 25, 30):  # step numbers repeat on the new branch, judged by its own audits
+        assert verdicts[f"b2@{s}"] == ("trusted", [], "main@10"), s
+    assert doc["latest_good"] == "b2@30"
+    (det,) = doc["detections"]
+    assert (det["branch"], det["step"], det["suspect_interval"]) == ("main", 20, [10, 20])
+    lg = CliRunner().invoke(main, ["latest-good", str(store)])
+    assert lg.exit_code == 0 and lg.output.strip().endswith("b2-0030.safetensors")
