@@ -166,6 +166,7 @@ def inspect(location: str, as_json: bool) -> None:
             "parent": rec.parent,
             "state_fp": rec.state_fp,
             "consensus_fp": rec.consensus_fp,
+            "lineage": rec.lineage,
             "writer": rec.writer,
             "metadata": rec.user,
             "tensors": [
@@ -180,11 +181,15 @@ def inspect(location: str, as_json: bool) -> None:
         ("run", rec.run),
         ("branch", rec.branch),
         ("step", rec.step),
+        ("steps", f"{rec.step_range[0]}..{rec.step_range[1]}" if rec.step_range else None),
+        ("parent", rec.parent),
+        ("last clean audit", (rec.lineage or {}).get("last_clean_audit")),
         ("state fp", rec.state_fp),
+        ("consensus fp", rec.consensus_fp),
         ("written", f"{rec.writer.get('time')} on {rec.writer.get('host')} (torch {rec.writer.get('torch')})"),
     ):
         if value is not None:
-            click.echo(f"  {label:<9} {value}")
+            click.echo(f"  {label:<16} {value}")
     rows = [(e.name, e.dtype, "x".join(map(str, e.shape)) or "scalar", _human_bytes(e.nbytes), rec.tensors[e.name]["fp"]) for e in info.header.entries]
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(("tensor", "dtype", "shape", "size", "fingerprint"))]
     click.echo("  " + "  ".join(h.ljust(w) for h, w in zip(("tensor", "dtype", "shape", "size", "fingerprint"), widths)))
