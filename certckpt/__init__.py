@@ -1,7 +1,8 @@
 """certckpt: certified, pickle-free PyTorch checkpoints.
 
-Public names only. Torch-dependent names (``save``, ``load``, ``fingerprint``...) are imported on
-first use, so ``certckpt verify`` and ``certckpt inspect`` never pay torch's import time.
+Public names only. Torch-dependent names (``save``, ``load``, ``fingerprint``, ``Auditor``...) are
+imported on first use, so ``certckpt verify``, ``inspect`` and ``latest-good`` never pay torch's
+import time. The pure certifier is ``certckpt.certify.certify`` (the module keeps that name).
 """
 
 from __future__ import annotations
@@ -33,6 +34,12 @@ _LAZY = {
     "fingerprint_hex": "fingerprinting",
     "fingerprint_state": "fingerprinting",
     "enable_compile": "fingerprinting",
+    "Ledger": "ledger",
+    "certify_store": "runstore",
+    "find_latest_good": "runstore",
+    "Auditor": "detect.auditor",
+    "FaultDetectedError": "detect.auditor",
+    "AuditSetupError": "detect.auditor",
 }
 
 __all__ = [
@@ -47,6 +54,12 @@ __all__ = [
     "fingerprint_state",
     "enable_compile",
     "SaveResult",
+    "Ledger",
+    "certify_store",
+    "find_latest_good",
+    "Auditor",
+    "FaultDetectedError",
+    "AuditSetupError",
     "VerifyReport",
     "Problem",
     "CheckpointInfo",
@@ -62,7 +75,10 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .detect.auditor import AuditSetupError, Auditor, FaultDetectedError
     from .fingerprinting import enable_compile, fingerprint, fingerprint_hex, fingerprint_many, fingerprint_state
+    from .ledger import Ledger
+    from .runstore import certify_store, find_latest_good
     from .reader import load
     from .writer import SaveResult, save
 
