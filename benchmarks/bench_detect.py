@@ -486,6 +486,8 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="also print all results as JSON")
     ap.add_argument("--trials", type=int, default=None, help="interleaved trials (default 7, quick 2)")
     ap.add_argument("--steps", type=int, default=None, help="steps per configuration per trial, a multiple of 100 (default 100)")
+    ap.add_argument("--batch", type=int, default=None,
+                    help="micro-batch rows per rank (default 32); larger batches give the compute-heavier steps of real training")
     args = ap.parse_args()
 
     from bench_format import cpu_busy_seconds, loadavg, others_busy_cores, own_cpu_seconds
@@ -495,6 +497,8 @@ def main() -> None:
         P["trials"] = args.trials
     if args.steps is not None:
         P["steps"] = args.steps
+    if args.batch is not None:
+        P["batch"] = args.batch
     if P["steps"] % 100:
         ap.error("--steps must be a multiple of 100 (each trial of audit/100 must hold exactly one audit per 100 steps)")
     if P["trials"] < 7 and not args.quick:

@@ -198,6 +198,10 @@ def certify(
     for lst in by_branch.values():
         lst.sort(key=lambda c: (c.step, c.committed_at))
     tainted: dict[str, bool] = {}
+    # the first revoked checkpoint of each branch: every later one on the branch descends from it
+    first_revoked = {
+        name: next(((c.step, c.committed_at) for c in lst if c.ckpt_id in revoked), None) for name, lst in by_branch.items()
+    }
 
     def lineage_tainted(cid: str, seen: frozenset = frozenset()) -> bool:
         """True when cid itself or an ancestor is revoked, or the fork point it descends from is suspect."""
@@ -206,13 +210,8 @@ def certify(
         if cid in seen:
             return True
         c = by_id[cid]
-        result = cid in revoked
-        for earlier in by_branch[c.branch]:
-            if (earlier.step, earlier.committed_at) >= (c.step, c.committed_at):
-                break
-            if earlier.ckpt_id in revoked:
-                result = True
-                break
+        fr = first_revoked[c.branch]
+        result = cid in revoked or (fr is not None and fr < (c.step, c.committed_at))
         if not result and c.parent:
             p = by_id.get(c.parent)
             if p is None:
