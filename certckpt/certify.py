@@ -130,6 +130,7 @@ def certify(
     revocations: Iterable[Revocation] = (),
     *,
     corrupt: Iterable[str] = (),
+    branch_parents: dict[str, str] | None = None,
 ) -> Certification:
     """Verdicts for every checkpoint, the detections with their suspect intervals, latest-good order.
 
@@ -138,6 +139,8 @@ def certify(
         events: audit events (``AuditEvent`` or their dicts) of every branch.
         revocations: revoked checkpoint ids.
         corrupt: ids whose bytes failed verification.
+        branch_parents: per branch, the checkpoint it resumed from (so a branch's suspect intervals
+            start at its fork point even before its first checkpoint).
 
     Returns:
         A ``Certification``; ``latest_good`` is the trusted checkpoint with the greatest step (newest
@@ -145,6 +148,9 @@ def certify(
     """
     by_id = {c.ckpt_id: c for c in checkpoints}
     bases: dict[str, int] = {}
+    for name, parent in (branch_parents or {}).items():
+        if parent in by_id:
+            bases[name] = by_id[parent].step
     for c in checkpoints:
         if c.parent and c.parent in by_id:
             bases.setdefault(c.branch, by_id[c.parent].step)

@@ -83,7 +83,7 @@ def certify_store(store: str, *, verify_bytes: bool = False, write_certificates:
             p = check_file(ledger, rec)
             if p:
                 problems[cid] = p
-    cert = certify(snap.checkpoints, snap.events, snap.revocations, corrupt=problems)
+    cert = certify(snap.checkpoints, snap.events, snap.revocations, corrupt=problems, branch_parents=snap.branch_parents)
     status = StoreStatus(store=store, snapshot=snap, certification=cert, problems=problems, uncommitted=ledger.uncommitted(snap))
     if write_certificates:
         _record_changes(ledger, status)
@@ -104,7 +104,9 @@ def find_latest_good(store: str, *, verify_bytes: bool = True, write_certificate
         status.problems[cid] = problem
     if status.fallbacks:
         snap = status.snapshot
-        status.certification = certify(snap.checkpoints, snap.events, snap.revocations, corrupt=status.problems)
+        status.certification = certify(
+            snap.checkpoints, snap.events, snap.revocations, corrupt=status.problems, branch_parents=snap.branch_parents
+        )
     if write_certificates:
         _record_changes(ledger, status)
     return status, chosen

@@ -191,3 +191,10 @@ def test_failing_events_never_make_suspect_trusted(h, data):
 def test_contained_failure_on_an_audit_step_fails_no_audit():
     events = full_audit(10) + [ev(10, "nonfinite-pre", "fail", contained=True)]
     assert certify([ckpt(10)], events).verdicts["main@10"].trusted
+
+
+def test_a_new_branch_intervals_start_at_its_fork_point():
+    events = full_audit(10) + full_audit(20) + [ev(27, "replay", "fail", branch="b2", suspects=[0])]
+    cert = certify([ckpt(10), ckpt(20)], events, branch_parents={"b2": "main@20"})
+    (d,) = cert.detections
+    assert (d.branch, d.interval, d.rollback_window) == ("b2", (20, 27), 7)
