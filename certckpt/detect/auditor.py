@@ -95,10 +95,11 @@ def _comm_hook(state, bucket):
     # No annotations: DDP inspects them, and `from __future__ import annotations` turns them into
     # strings it rejects ("bucket annotation should be dist.GradBucket").
     aud = state.auditor
-    grads = bucket.gradients()
-    idx = [aud._param_index[id(p)] for p in bucket.parameters()]
-    if aud.injector is not None:
-        aud.injector.on_local_grads([aud.param_names[i] for i in idx], grads)
+    if state.audit or aud.injector is not None:  # per-parameter views only when something needs them
+        grads = bucket.gradients()
+        idx = [aud._param_index[id(p)] for p in bucket.parameters()]
+        if aud.injector is not None:
+            aud.injector.on_local_grads([aud.param_names[i] for i in idx], grads)
     buf = bucket.buffer()
     state.pre.append(_nonfinite_flag(buf))
     if state.audit:
