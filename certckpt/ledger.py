@@ -125,8 +125,7 @@ class Ledger:
     def revoke(self, ckpt_id: str, *, reason: str, by: str = "") -> Revocation:
         if not reason.strip():
             raise ValueError("a revocation needs a reason")
-        snap_ids = {c.ckpt_id for c in self.snapshot().checkpoints}
-        if ckpt_id not in snap_ids:
+        if not self._exists(join(self.root, "checkpoints", f"{ckpt_id}.json")):
             raise CheckpointNotFoundError(f"{self.store}: no committed checkpoint {ckpt_id!r} (see `certckpt status`)")
         rev = Revocation(ckpt_id=ckpt_id, reason=reason, by=by, at=time.time())
         put_once(join(self.root, "revocations", f"{ckpt_id}--{time.time_ns()}.json"),
@@ -145,6 +144,13 @@ class Ledger:
         }))
 
     # --- reading ------------------------------------------------------------------------------
+
+    def _exists(self, location: str) -> bool:
+        target = resolve(location)
+        if target.local is not None:
+            return os.path.exists(target.local)
+        fs, path = filesystem(target.url)
+        return fs.exists(path)
 
     def _fs(self):
         target = resolve(self.root)

@@ -21,14 +21,6 @@ def memroot():
         fs.rm(path, recursive=True)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def console_script(name: str) -> str:
     """The console script installed beside this interpreter (not a pyenv shim), else PATH's."""
     import shutil
@@ -53,7 +45,9 @@ def s3_server():
         import moto.server  # noqa: F401
     except ImportError:
         pytest.skip("moto[server] is not installed (pip install 'certckpt[test]')")
-    port = _free_port()
+    from certckpt.detect.launch import free_port
+
+    port = free_port()
     # `python -m moto.server` with this interpreter: no dependence on PATH or pyenv shims.
     proc = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],

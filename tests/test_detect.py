@@ -121,11 +121,11 @@ def test_readme_example_runs_as_written(tmp_path):
     import subprocess
     import sys
 
-    from conftest import _free_port
+    from certckpt.detect.launch import free_port
 
     root = os.path.dirname(TESTS)
     out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-port", str(_free_port()),
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-port", str(free_port()),
          os.path.join(root, "examples", "audited_ddp.py"), "--dir", str(tmp_path / "run")],
         capture_output=True, text=True, timeout=180, cwd=str(tmp_path),
     )

@@ -103,7 +103,8 @@ def _comm_hook(state, bucket):
     buf = bucket.buffer()
     state.pre.append(_nonfinite_flag(buf))
     if state.audit:
-        sig = signature(grads, mode=aud.mode, probes=aud._probe_subset(idx))
+        probes = aud._probes.subset(idx) if aud._probes is not None else None
+        sig = signature(grads, mode=aud.mode, probes=probes)
         for i, row in zip(idx, sig):
             state.local_sig[i] = row
     buf.div_(aud.world)  # the default hook's averaging, composed with our checks
@@ -265,14 +266,6 @@ class Auditor:
         out = [torch.empty_like(buf) for _ in range(self.world)]
         dist.all_gather(out, buf, group=self.group)
         return [bytes(o[: int(s)].cpu().tolist()) for o, s in zip(out, sizes)]
-
-    def _probe_subset(self, idx: list[int]) -> Probes | None:
-        if self._probes is None:
-            return None
-        sub = Probes.__new__(Probes)
-        sub.index = [self._probes.index[i] for i in idx]
-        sub.weight = [self._probes.weight[i] for i in idx]
-        return sub
 
     # --- events -----------------------------------------------------------------------------
 

@@ -18,14 +18,15 @@ import tempfile
 import time
 from typing import Any
 
-__all__ = ["run_ranks", "RanksFailedError"]
+__all__ = ["run_ranks", "RanksFailedError", "free_port"]
 
 
 class RanksFailedError(RuntimeError):
     """A rank exited with an error or the group timed out; the message carries each rank's stderr tail."""
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -46,7 +47,7 @@ def run_ranks(target: str, world: int, args: dict[str, Any], *, timeout: float =
     Raises:
         RanksFailedError: any rank failed or the group did not finish within ``timeout`` seconds.
     """
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), CERTCKPT_RANK_THREADS=str(threads))
     if extra_path:
         env["PYTHONPATH"] = extra_path + os.pathsep + env.get("PYTHONPATH", "")

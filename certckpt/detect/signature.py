@@ -33,6 +33,13 @@ class Probes:
             self.index.append(idx.to(p.device))
             self.weight.append(torch.randn(idx.numel(), generator=g, dtype=torch.float64).to(p.device))
 
+    def subset(self, idx: Sequence[int]) -> Probes:
+        """The probes of the parameters at these indices (a DDP bucket holds some, in its own order)."""
+        sub = Probes([])
+        sub.index = [self.index[i] for i in idx]
+        sub.weight = [self.weight[i] for i in idx]
+        return sub
+
 
 def signature(grads: Sequence[torch.Tensor], *, mode: str, probes: Probes | None = None) -> torch.Tensor:
     """Per-gradient signature rows, stacked, on the gradients' device; no host synchronisation.
