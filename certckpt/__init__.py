@@ -20,6 +20,7 @@ from .errors import (
     NotACheckpointError,
     StorageError,
     UnsupportedObjectError,
+    UntrustedCheckpointError,
 )
 from .verify import CheckpointInfo, Problem, VerifyReport, inspect, verify
 
@@ -72,6 +73,7 @@ __all__ = [
     "StorageError",
     "MissingDependencyError",
     "DeviceUnavailableError",
+    "UntrustedCheckpointError",
 ]
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -17,6 +17,7 @@ __all__ = [
     "StorageError",
     "MissingDependencyError",
     "DeviceUnavailableError",
+    "UntrustedCheckpointError",
 ]
 
 
@@ -57,3 +58,7 @@ class MissingDependencyError(CertckptError, ImportError):
 
 class DeviceUnavailableError(CertckptError, RuntimeError):
     """A tensor was saved on a device this process does not have; pass ``map_location``."""
+
+
+class UntrustedCheckpointError(CertckptError, ValueError):
+    """An operation that needs a trusted checkpoint (promotion to the vault) was given a suspect one."""

@@ -7,8 +7,13 @@ Layout under ``<store>/_ledger/``::
     events/<time_ns>-<rand>.jsonl        segments of audit events (batched: not one object per step)
     revocations/<ckpt_id>--<time_ns>.json
     certificates/<ckpt_id>--<time_ns>.json   one per verdict change, with the checkpoint's digests
+    retired/<ckpt_id>.json               a checkpoint whose file a retention policy deleted
+    drills/<time_ns>-<rand>.json         restore-drill results
+    holdings/<ckpt_id>.json              vaults only: the checkpoint's copy held here (see vault.py)
 
-Every object is written once (create-only: a hard link locally, ``If-None-Match`` on S3) and never
+A vault's ledger mirrors its source run's records (commit records keep pointing at the source, as
+evidence of lineage) and adds a holding per checkpoint it keeps; only held, unretired checkpoints are
+candidates for latest-good there. Every object is written once (create-only: a hard link locally, ``If-None-Match`` on S3) and never
 edited. No torch import.
 """
 
@@ -27,9 +32,11 @@ from .certify import CheckpointEntry, Revocation
 from .errors import CertckptError, CheckpointNotFoundError, StorageError
 from .storage import filesystem, join, put_once, resolve
 
-__all__ = ["Ledger", "LedgerSink", "LedgerSnapshot", "ckpt_id_for", "LEDGER_DIR"]
+__all__ = ["Ledger", "LedgerSink", "LedgerSnapshot", "ckpt_id_for", "LEDGER_DIR", "VAULT_MARK"]
 
 LEDGER_DIR = "_ledger"
+VAULT_MARK = "vault.json"  # marks a vault's ledger: {"kind": "certckpt-vault", "run", "source"}
+_KINDS = ("checkpoints", "branches", "events", "revocations", "certificates", "holdings", "retired", "drills")
 _NAME = re.compile(r"^[A-Za-z0-9._-]{1,100}$")
 
 
@@ -58,6 +65,17 @@ class LedgerSnapshot:
     certificates: dict[str, dict[str, Any]] = field(default_factory=dict)  # ckpt_id -> latest certificate
     branch_parents: dict[str, str] = field(default_factory=dict)
     segments: int = 0
+    holdings: dict[str, dict[str, Any]] = field(default_factory=dict)  # vaults: ckpt_id -> holding
+    retired: dict[str, dict[str, Any]] = field(default_factory=dict)  # ckpt_id -> retirement record
+    drills: list[dict[str, Any]] = field(default_factory=list)
+    is_vault: bool = False
+
+    def available(self, ckpt_id: str) -> bool:
+        """Whether this store holds the checkpoint's file (not pruned; in a vault, promoted here)."""
+        return ckpt_id not in self.retired and (not self.is_vault or ckpt_id in self.holdings)
+
+    def header_digest(self, ckpt_id: str) -> str | None:
+        return self.records[ckpt_id].get("header_digest")
 
 
 class Ledger:
@@ -143,6 +161,48 @@ class Ledger:
             "at": time.time(),
         }))
 
+    def retire(self, ckpt_id: str, *, reason: str, policy: str = "") -> None:
+        """Record that a retention policy deleted this checkpoint's file (written after the delete)."""
+        put_once(join(self.root, "retired", f"{ckpt_id}.json"),
+                 _dumps({"ckpt_id": ckpt_id, "reason": reason, "policy": policy, "at": time.time()}))
+
+    def record_drill(self, doc: dict[str, Any]) -> str:
+        name = f"{time.time_ns():020d}-{secrets.token_hex(4)}.json"
+        put_once(join(self.root, "drills", name), _dumps(doc))
+        return name
+
+    def record_holding(self, doc: dict[str, Any]) -> bool:
+        """Vaults: the record that makes a promoted copy exist here. Deterministic content, so a
+        racing promoter of the same checkpoint finds it identical (returns False) instead of failing."""
+        _check_name("checkpoint id", doc["ckpt_id"].replace("@", "."))
+        return put_once(join(self.root, "holdings", f"{doc['ckpt_id']}.json"), _dumps(doc))
+
+    def put_raw(self, kind: str, name: str, data: bytes) -> bool:
+        """Mirror a record byte for byte (vault promotion); idempotent like every ledger write.
+        ``kind=""`` addresses the ledger's top level."""
+        return put_once(join(self.root, kind, name) if kind else join(self.root, name), data)
+
+    def list_raw(self, kind: str) -> list[str]:
+        """Names of the records of one kind (empty when there are none)."""
+        fs, root = self._fs()
+        try:
+            return sorted(p.rsplit("/", 1)[-1] for p in fs.find(f"{root}/{kind}"))
+        except FileNotFoundError:
+            return []
+        except OSError as e:
+            raise StorageError(f"{self.store}: cannot list the ledger ({e})") from e
+
+    def read_raw(self, kind: str, names: list[str]) -> dict[str, bytes]:
+        if not names:
+            return {}
+        fs, root = self._fs()
+        base = f"{root}/{kind}" if kind else root
+        try:
+            got = fs.cat([f"{base}/{n}" for n in names])
+        except OSError as e:
+            raise StorageError(f"{self.store}: cannot read the ledger ({e})") from e
+        return {p.rsplit("/", 1)[-1]: v for p, v in got.items()}
+
     # --- reading ------------------------------------------------------------------------------
 
     def _exists(self, location: str) -> bool:
@@ -170,9 +230,11 @@ class Ledger:
         rest = location[len(prefix):] if location.startswith(prefix) else None
         return rest if rest and "/" not in rest else location
 
-    def url_of(self, record: dict[str, Any]) -> str:
+    def url_of(self, record: dict[str, Any], *, base: str | None = None) -> str:
+        """Where a record's file is; relative names are relative to ``base`` (default this store;
+        a vault's mirrored commit records are relative to the run store they came from)."""
         u = record["url"]
-        return u if "://" in u or u.startswith("/") else join(self.store, u)
+        return u if "://" in u or u.startswith("/") else join(base or self.store, u)
 
     def snapshot(self) -> LedgerSnapshot:
         """Read every record (missing ledger: an empty snapshot).
@@ -186,7 +248,7 @@ class Ledger:
                 if not fs.exists(root.rsplit("/", 1)[0] or "/"):
                     raise CheckpointNotFoundError(f"{self.store}: no such run store")
                 return LedgerSnapshot()
-            files = {k: sorted(fs.find(f"{root}/{k}")) if fs.exists(f"{root}/{k}") else [] for k in ("checkpoints", "branches", "events", "revocations", "certificates")}
+            files = {k: sorted(fs.find(f"{root}/{k}")) if fs.exists(f"{root}/{k}") else [] for k in _KINDS}
             contents = fs.cat([p for v in files.values() for p in v]) if any(files.values()) else {}
         except (CertckptError, FileNotFoundError) as e:
             if isinstance(e, CertckptError):
@@ -201,10 +263,23 @@ class Ledger:
             except (KeyError, ValueError) as e:
                 raise CertckptError(f"{self.store}: ledger record {path.rsplit('/', 1)[-1]} is unreadable ({e.__class__.__name__})") from e
 
-        snap = LedgerSnapshot(segments=len(files["events"]))
+        mark = None
+        if files["holdings"] or fs.exists(f"{root}/{VAULT_MARK}"):
+            try:
+                mark = json.loads(fs.cat_file(f"{root}/{VAULT_MARK}"))
+            except (OSError, ValueError):
+                mark = {}
+        snap = LedgerSnapshot(segments=len(files["events"]), is_vault=mark is not None)
         for p in files["checkpoints"]:
             r = load(p)
             snap.records[r["ckpt_id"]] = r
+        for p in files["holdings"]:
+            h = load(p)
+            snap.holdings[h["ckpt_id"]] = h
+        for p in files["retired"]:
+            r = load(p)
+            snap.retired[r["ckpt_id"]] = r
+        snap.drills = [load(p) for p in files["drills"]]
         for p in files["branches"]:
             b = load(p)
             snap.branch_parents[b["branch"]] = b["parent"]
@@ -212,7 +287,9 @@ class Ledger:
             snap.checkpoints.append(CheckpointEntry(
                 ckpt_id=r["ckpt_id"], branch=r["branch"], step=r["step"],
                 parent=r.get("parent") or snap.branch_parents.get(r["branch"]),
-                consensus_fp=r.get("consensus_fp"), committed_at=r.get("committed_at", 0.0), url=self.url_of(r),
+                consensus_fp=r.get("consensus_fp"), committed_at=r.get("committed_at", 0.0),
+                url=self.url_of(snap.holdings[r["ckpt_id"]]) if r["ckpt_id"] in snap.holdings
+                else self.url_of(r, base=(mark or {}).get("source")),
             ))
         for p in files["events"]:
             snap.events.extend(json.loads(line) for line in contents[p].decode("utf-8").splitlines() if line.strip())
@@ -229,7 +306,7 @@ class Ledger:
     def uncommitted(self, snap: LedgerSnapshot | None = None) -> list[str]:
         """Checkpoint files directly in the store that no commit record names (ignored by latest-good)."""
         snap = snap or self.snapshot()
-        named = {r["url"] for r in snap.records.values()}
+        named = {r["url"] for r in (snap.holdings if snap.is_vault else snap.records).values()}
         target = resolve(self.store)
         try:
             if target.local is not None:

@@ -26,6 +26,8 @@ class StoreStatus:
         problems: per checkpoint id, why its bytes did not verify (those checked).
         uncommitted: checkpoint files without a commit record.
         fallbacks: trusted checkpoints skipped by latest-good because their bytes failed now.
+        unavailable: trusted checkpoints skipped by latest-good because this store no longer holds
+            their file (pruned by retention; in a vault, known only as lineage).
     """
 
     store: str
@@ -34,6 +36,12 @@ class StoreStatus:
     problems: dict[str, str] = field(default_factory=dict)
     uncommitted: list[str] = field(default_factory=list)
     fallbacks: list[tuple[str, str]] = field(default_factory=list)
+    unavailable: list[str] = field(default_factory=list)
+
+    @property
+    def latest_good(self) -> str | None:
+        """The newest trusted checkpoint this store still holds (bytes not re-verified)."""
+        return next((c for c in self.certification.order if self.snapshot.available(c) and c not in self.problems), None)
 
     def entry(self, ckpt_id: str):
         return next(c for c in self.snapshot.checkpoints if c.ckpt_id == ckpt_id)
@@ -46,22 +54,33 @@ class StoreStatus:
         ]
 
 
-def check_file(ledger: Ledger, record: dict[str, Any]) -> str | None:
-    """Verify a committed checkpoint's bytes, and that it is the very file that was committed."""
-    url = ledger.url_of(record)
+def check_file(url: str, header_digest: str | None, *, progress=None) -> str | None:
+    """Verify a committed checkpoint's bytes, and that it is the very file that was committed.
+
+    Returns:
+        None when it verifies, else one line saying what is wrong.
+    """
     try:
-        report = verify(url)
+        report = verify(url, progress=progress)
     except CertckptError as e:
         return str(e)
     if not report.ok:
         return report.problems[0].message
-    if record.get("header_digest") and report.info.record.header_digest != record["header_digest"]:
-        return f"{url}: not the file that was committed (header digest {report.info.record.header_digest}, committed {record['header_digest']})"
+    if header_digest and report.info.record.header_digest != header_digest:
+        return f"{url}: not the file that was committed (header digest {report.info.record.header_digest}, committed {header_digest})"
     return None
+
+
+def _check(status_or_snap, cid: str) -> str | None:
+    snap = getattr(status_or_snap, "snapshot", status_or_snap)
+    entry = next(c for c in snap.checkpoints if c.ckpt_id == cid)
+    return check_file(entry.url, snap.header_digest(cid))
 
 
 def _record_changes(ledger: Ledger, status: StoreStatus) -> None:
     for cid, v in status.certification.verdicts.items():
+        if not status.snapshot.available(cid):
+            continue  # a vault certifies what it holds; lineage-only and pruned ones keep their last word
         prev = status.snapshot.certificates.get(cid)
         if prev is None or prev["verdict"] != v.label or list(prev["reasons"]) != list(v.reasons):
             ledger.record_certificate(cid, verdict=v.label, reasons=list(v.reasons), record=status.snapshot.records[cid])
@@ -79,8 +98,10 @@ def certify_store(store: str, *, verify_bytes: bool = False, write_certificates:
     snap = ledger.snapshot()
     problems = {}
     if verify_bytes:
-        for cid, rec in snap.records.items():
-            p = check_file(ledger, rec)
+        for cid in snap.records:
+            if not snap.available(cid):
+                continue
+            p = _check(snap, cid)
             if p:
                 problems[cid] = p
     cert = certify(snap.checkpoints, snap.events, snap.revocations, corrupt=problems, branch_parents=snap.branch_parents)
@@ -96,7 +117,10 @@ def find_latest_good(store: str, *, verify_bytes: bool = True, write_certificate
     status = certify_store(store, write_certificates=False)
     chosen = None
     for cid in status.certification.order:
-        problem = check_file(ledger, status.snapshot.records[cid]) if verify_bytes else None
+        if not status.snapshot.available(cid):
+            status.unavailable.append(cid)
+            continue
+        problem = _check(status, cid) if verify_bytes else None
         if problem is None:
             chosen = cid
             break

@@ -165,21 +165,34 @@ def _exclusive_rename(tmp: str, final: str, display: str) -> None:
     os.replace(tmp, final)
 
 
-def commit_remote(tmp: str, url: str, *, overwrite: bool, display: str) -> None:
-    """Upload a finished local temp file to an fsspec URL with a create-only PUT where supported."""
+def is_s3(fs: Any) -> bool:
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    return protocol in ("s3", "s3a")
+
+
+def commit_remote(
+    tmp: str, url: str, *, overwrite: bool, display: str, put_options: dict[str, Any] | None = None, callback: Any = None
+) -> None:
+    """Upload a finished local temp file to an fsspec URL with a create-only PUT where supported.
+
+    Args:
+        put_options: extra S3 request parameters (Object Lock mode and retain-until date).
+        callback: an fsspec ``Callback`` for progress.
+    """
     fs, path = filesystem(url)
+    extra = {"callback": callback} if callback is not None else {}
     try:
         if overwrite:
-            fs.put_file(tmp, path)
+            fs.put_file(tmp, path, **extra)
             return
-        protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-        if protocol in ("s3", "s3a"):
-            fs.put_file(tmp, path, mode="create")  # If-None-Match: * — the server refuses an existing key
+        if is_s3(fs):
+            # If-None-Match: * — the server refuses an existing key; s3fs aborts a failed multipart upload
+            fs.put_file(tmp, path, mode="create", **(put_options or {}), **extra)
         else:
             # Backends without a conditional PUT: check, then write. Not race-free; documented.
             if fs.exists(path):
                 raise FileExistsError(path)
-            fs.put_file(tmp, path)
+            fs.put_file(tmp, path, **extra)
     except FileExistsError as e:
         raise CheckpointExistsError(
             f"{display}: a checkpoint already exists under this name; pass overwrite=True to replace it"
@@ -187,7 +200,25 @@ def commit_remote(tmp: str, url: str, *, overwrite: bool, display: str) -> None:
     except PermissionError as e:
         raise StorageError(f"{display}: permission denied by the store; check credentials and bucket policy") from e
     except OSError as e:
-        raise StorageError(f"{display}: upload failed ({e}); nothing was published under this name") from e
+        raise StorageError(f"{display}: upload failed ({remote_error_text(e)}); nothing was published under this name") from e
+    except Exception as e:  # botocore raises its own types for unreachable endpoints and missing credentials
+        raise StorageError(f"{display}: upload failed ({remote_error_text(e)}); nothing was published under this name") from e
+
+
+def remote_error_text(e: BaseException) -> str:
+    """One line for an object-store failure, with the fix for the usual causes."""
+    name = type(e).__name__
+    text = str(e).splitlines()[0] if str(e) else name
+    if name in ("NoCredentialsError", "PartialCredentialsError") or "Unable to locate credentials" in text:
+        return "no credentials: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE"
+    if name in ("EndpointConnectionError", "ConnectTimeoutError", "ConnectionClosedError", "ClientConnectorError",
+                "ServerDisconnectedError", "ReadTimeoutError") or "Could not connect" in text or "Connect call failed" in text:
+        return f"cannot reach the endpoint ({text}); check AWS_ENDPOINT_URL / --endpoint and the network"
+    if "NoSuchBucket" in text or "bucket does not exist" in text.lower():
+        return f"the bucket does not exist ({text}); create it first (with Object Lock enabled for a vault)"
+    if "InvalidAccessKeyId" in text or "SignatureDoesNotMatch" in text:
+        return f"credentials refused ({text}); check AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY"
+    return text
 
 
 def join(base: str, *parts: str) -> str:

@@ -17,7 +17,7 @@ from typing import Any
 
 import click
 
-from certckpt.errors import CertckptError, CorruptCheckpointError
+from certckpt.errors import CertckptError, CorruptCheckpointError, UntrustedCheckpointError
 
 EXIT_OK, EXIT_FAILED, EXIT_UNVERIFIABLE = 0, 1, 2
 
@@ -37,7 +37,7 @@ def expected_errors(fn):
         except BrokenPipeError:  # `certckpt inspect ... | head`: the reader left, not an error
             sys.stderr.close()
             sys.exit(EXIT_OK)
-        except CorruptCheckpointError as e:
+        except (CorruptCheckpointError, UntrustedCheckpointError) as e:
             _fail(str(e), EXIT_FAILED)
         except (CertckptError, OSError, ValueError) as e:
             _fail(str(e), EXIT_UNVERIFIABLE)
@@ -58,8 +58,10 @@ class _Progress:
 
     THRESHOLD = 1 << 30
 
-    def __init__(self, label: str) -> None:
+    def __init__(self, label: str, threshold: int | None = None) -> None:
         self.label = label
+        if threshold is not None:
+            self.THRESHOLD = threshold
         self.last = -1
         self.enabled = sys.stderr.isatty()
 
@@ -197,8 +199,11 @@ def inspect(location: str, as_json: bool) -> None:
         click.echo("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)))
 
 
-def _interval_text(d: dict) -> str:
-    return f"({d['from']}, {d['to']}] on {d['branch']}"
+def _table(head: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
+    click.echo("  ".join(h.ljust(w) for h, w in zip(head, widths)).rstrip())
+    for r in rows:
+        click.echo("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
 
 
 @main.command("latest-good")
@@ -259,9 +264,10 @@ def status(store: str, verify_bytes: bool, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps({
             "store": store,
-            "latest_good": cert.latest_good,
+            "latest_good": st.latest_good,
             "checkpoints": [{"ckpt_id": c.ckpt_id, "branch": c.branch, "step": c.step, "url": c.url, "parent": c.parent,
-                             "verdict": cert.verdicts[c.ckpt_id].label, "reasons": list(cert.verdicts[c.ckpt_id].reasons)} for c in rows],
+                             "verdict": cert.verdicts[c.ckpt_id].label, "reasons": list(cert.verdicts[c.ckpt_id].reasons),
+                            "held": st.snapshot.available(c.ckpt_id)} for c in rows],
             "detections": [{"branch": d.branch, "step": d.step, "kind": d.kind, "suspect_ranks": list(d.suspect_ranks),
                             "contained": d.contained, "last_clean": d.last_clean,
                             "suspect_interval": list(d.interval) if d.interval else None, "rollback_window": d.rollback_window}
@@ -271,14 +277,16 @@ def status(store: str, verify_bytes: bool, as_json: bool) -> None:
         }, indent=2))
         return
     head = ("checkpoint", "branch", "step", "verdict", "reasons")
-    table = [(c.ckpt_id + (" *" if c.ckpt_id == cert.latest_good else ""), c.branch, str(c.step),
-              cert.verdicts[c.ckpt_id].label, ", ".join(cert.verdicts[c.ckpt_id].reasons) or "-") for c in rows]
+    gone = "pruned" if not st.snapshot.is_vault else "not held here"
+    table = [(c.ckpt_id + (" *" if c.ckpt_id == st.latest_good else ""), c.branch, str(c.step),
+              cert.verdicts[c.ckpt_id].label + ("" if st.snapshot.available(c.ckpt_id) else f" ({'pruned' if c.ckpt_id in st.snapshot.retired else gone})"),
+              ", ".join(cert.verdicts[c.ckpt_id].reasons) or "-") for c in rows]
     if table:
         widths = [max(len(h), *(len(r[i]) for r in table)) for i, h in enumerate(head)]
         click.echo("  ".join(h.ljust(w) for h, w in zip(head, widths)))
         for r in table:
             click.echo("  ".join(v.ljust(w) for v, w in zip(r, widths)))
-        click.echo(f"* latest-good: {cert.latest_good}" if cert.latest_good else "no trusted checkpoint")
+        click.echo(f"* latest-good: {st.latest_good}" if st.latest_good else "no trusted checkpoint")
     else:
         click.echo("no committed checkpoints")
     for d in cert.detections:
@@ -309,7 +317,7 @@ def revoke(store: str, ckpt: str, reason: str, by: str) -> None:
 
 @main.group()
 def drill() -> None:
-    """Drills: inject faults and check the checks (restore drills come with the vault)."""
+    """Drills: inject faults and check the checks; restore latest-good from a vault and prove it."""
 
 
 @drill.command("faults")
@@ -372,6 +380,8 @@ def demo(directory: str) -> None:
 
     run_demo(directory, echo=click.echo)
 
+
+from . import vault_cmds  # noqa: E402,F401 - registers `vault` and `drill restore` (they import this module)
 
 if __name__ == "__main__":  # pragma: no cover
     main()

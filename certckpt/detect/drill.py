@@ -12,7 +12,7 @@ import os
 import tempfile
 from typing import Any
 
-__all__ = ["run_matrix", "matrix_cases", "expected_catch", "TIMINGS"]
+__all__ = ["run_matrix", "matrix_cases", "expected_catch", "make_model", "evaluate", "TIMINGS"]
 
 TIMINGS = ("persistent", "one-time-audit-step", "one-time-between-audits")
 _CAUGHT_BY = {  # event kind -> the matrix's "caught_by"
@@ -64,6 +64,20 @@ def _model(seed: int):
     return torch.nn.Sequential(
         torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Dropout(0.1), torch.nn.Linear(32, 8)
     )
+
+
+def make_model():
+    """The drill's model, freshly built (``certckpt drill restore --model certckpt.detect.drill:make_model``)."""
+    return _model(0)
+
+
+def evaluate(model) -> dict[str, float]:
+    """Loss on a fixed held-out batch (``--eval certckpt.detect.drill:evaluate``)."""
+    import torch
+
+    model.eval()
+    with torch.no_grad():
+        return {"eval_loss": float(_loss(model, _batch(10_000, 0)))}
 
 
 def _batch(rank: int, step: int):

@@ -1,0 +1,223 @@
+"""Restore drills: prove that latest-good comes back from the vault as an undamaged, usable model.
+
+A restart that succeeds is not proof of an undamaged model, so a drill reports four stages apart:
+
+* ``bytes``: latest-good copied out of the vault and every digest verified;
+* ``fingerprints``: every tensor's device fingerprint recomputed and matched;
+* ``load``: the state loads into a freshly built model with no missing or unexpected keys;
+* ``metrics``: the model's evaluation agrees with a clean reference run within a tolerance.
+
+The drill is recorded in the vault's ledger (incidents close on a passing drill).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import CertckptError
+from .ledger import Ledger
+
+__all__ = ["DrillResult", "drill_restore", "load_callable", "pick_reference", "compare_metrics", "STAGES"]
+
+STAGES = ("bytes", "fingerprints", "load", "metrics")
+
+
+@dataclass(kw_only=True, slots=True)
+class DrillResult:
+    """What a restore drill found.
+
+    Attributes:
+        outcome: ``pass`` (all four stages passed), ``fail``, or ``incomplete`` (no reference
+            metrics to compare with: the model loads, but nothing says it is undamaged).
+        stages: per stage ``{"ok": bool | None, "detail": str, ...}`` (None: not run).
+        time_to_model_s: from the start of the restore to a loaded model.
+    """
+
+    vault: str
+    ckpt_id: str | None
+    step: int | None
+    outcome: str
+    stages: dict[str, dict[str, Any]]
+    seconds: float
+    time_to_model_s: float | None
+    metrics: dict[str, float] = field(default_factory=dict)
+    reference: dict[str, float] | None = None
+    restored: str | None = None
+    recorded: bool = False
+
+    @property
+    def passed(self) -> bool:
+        return self.outcome == "pass"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": "restore-drill", "vault": self.vault, "ckpt_id": self.ckpt_id, "step": self.step, "outcome": self.outcome,
+            "passed": self.passed, "stages": self.stages, "seconds": round(self.seconds, 3),
+            "time_to_model_s": None if self.time_to_model_s is None else round(self.time_to_model_s, 3),
+            "metrics": self.metrics, "reference": self.reference, "restored": self.restored,
+        }
+
+
+def load_callable(spec: str) -> Callable[..., Any]:
+    """``module:attr`` (dots allowed in attr) → the object; the current directory is importable, as with ``python -m``."""
+    module, sep, attr = spec.partition(":")
+    if not sep or not module or not attr:
+        raise ValueError(f"{spec!r}: expected module:callable, e.g. mypkg.models:build")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        obj: Any = importlib.import_module(module)
+    except ImportError as e:
+        raise ValueError(f"{spec!r}: cannot import {module} ({e})") from e
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ValueError(f"{spec!r}: {module} has no attribute {attr}") from None
+    if not callable(obj):
+        raise ValueError(f"{spec!r}: not callable")
+    return obj
+
+
+def pick_reference(reference: Mapping[str, Any], *, ckpt_id: str | None, step: int | None) -> dict[str, float] | None:
+    """The reference metrics for this checkpoint: a flat ``{metric: value}``, or one keyed by
+    checkpoint id or step (as ``--save-metrics`` writes). None when it has none for this step."""
+    for k in (ckpt_id, None if step is None else str(step)):
+        if k is not None and isinstance(reference.get(k), Mapping):
+            return {m: float(v) for m, v in reference[k].items()}
+    if reference and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in reference.values()):
+        return {m: float(v) for m, v in reference.items()}
+    return None
+
+
+def compare_metrics(values: Mapping[str, float], reference: Mapping[str, float], *, rtol: float, atol: float) -> tuple[bool, list[str]]:
+    """Every reference metric must be present and within ``atol + rtol * |ref|``; returns (ok, problems)."""
+    problems = []
+    for name, ref in sorted(reference.items()):
+        if name not in values:
+            problems.append(f"{name}: missing from the evaluation")
+            continue
+        v = values[name]
+        if not (math.isfinite(v) and abs(v - ref) <= atol + rtol * abs(ref)):
+            problems.append(f"{name}: {v:.6g} vs reference {ref:.6g} (tolerance {atol:g} + {rtol:g}·|ref|)")
+    return not problems, problems
+
+
+def _as_metrics(out: Any) -> dict[str, float]:
+    if isinstance(out, Mapping):
+        return {str(k): float(v) for k, v in out.items()}
+    return {"metric": float(out)}
+
+
+def _model_state(obj: Any, key: str | None) -> Any:
+    if key is not None:
+        if not isinstance(obj, Mapping) or key not in obj:
+            raise KeyError(f"the checkpoint has no {key!r} entry (top-level keys: {', '.join(map(str, obj)) if isinstance(obj, Mapping) else type(obj).__name__})")
+        return obj[key]
+    if isinstance(obj, Mapping) and isinstance(obj.get("model"), Mapping):
+        return obj["model"]
+    return obj
+
+
+def drill_restore(
+    vault: str,
+    *,
+    model_factory: Callable[[], Any],
+    eval_fn: Callable[[Any], Any],
+    reference: Mapping[str, Any] | str | None = None,
+    rtol: float = 1e-5,
+    atol: float = 1e-8,
+    key: str | None = None,
+    scratch: str | None = None,
+    record: bool = True,
+) -> DrillResult:
+    """Restore latest-good from ``vault`` into scratch space and check it stage by stage.
+
+    Args:
+        model_factory: builds a fresh model (``torch.nn.Module``).
+        eval_fn: ``eval_fn(model)`` → a number or ``{metric: number}``.
+        reference: metrics of a clean reference run (a dict or a JSON file path).
+        key: the checkpoint entry holding the model's state dict (default ``"model"`` when present,
+            else the whole object).
+        scratch: directory to restore into (kept); default a temporary one, removed afterwards.
+        record: write the result to the vault's ledger.
+    """
+    from . import load, verify
+    from .vault import restore
+
+    t0 = time.perf_counter()
+    if isinstance(reference, str):
+        with open(reference, encoding="utf-8") as f:
+            reference = json.load(f)
+    stages: dict[str, dict[str, Any]] = {s: {"ok": None, "detail": "not run"} for s in STAGES}
+    result = DrillResult(vault=vault, ckpt_id=None, step=None, outcome="fail", stages=stages, seconds=0.0, time_to_model_s=None)
+    tmp = None if scratch else tempfile.mkdtemp(prefix="certckpt-drill-")
+    where = scratch or tmp
+    try:
+        try:
+            os.makedirs(where, exist_ok=True)
+            r = restore(vault, "latest-good", where + "/")
+            result.ckpt_id, result.restored = r.ckpt_id, r.dest
+            stages["bytes"] = {"ok": True, "detail": f"{r.nbytes} bytes restored and verified at {r.bytes_per_s / 1e6:.1f} MB/s",
+                               "bytes": r.nbytes, "bytes_per_s": round(r.bytes_per_s)}
+        except CertckptError as e:
+            stages["bytes"] = {"ok": False, "detail": str(e)}
+            return result
+        rep = verify(r.dest, deep=True)
+        result.step = rep.info.record.step if rep.info else None
+        stages["fingerprints"] = {"ok": rep.ok, "detail": f"{rep.tensors} tensor fingerprints recomputed and matched" if rep.ok
+                                  else "; ".join(p.message for p in rep.problems[:3])}
+        if not rep.ok:
+            return result
+        try:
+            model = model_factory()
+            state = _model_state(load(r.dest, map_location="cpu"), key)
+            model.load_state_dict(state, strict=True)
+            model.eval()
+            result.time_to_model_s = time.perf_counter() - t0
+            stages["load"] = {"ok": True, "detail": f"{len(state)} entries loaded strictly into {type(model).__name__}"}
+        except Exception as e:  # the user's factory and torch's loader raise what they raise
+            stages["load"] = {"ok": False, "detail": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+            return result
+        try:
+            import torch
+
+            with torch.no_grad():
+                result.metrics = _as_metrics(eval_fn(model))
+        except Exception as e:
+            stages["metrics"] = {"ok": False, "detail": f"evaluation raised {type(e).__name__}: {e}"}
+            return result
+        ref = pick_reference(reference, ckpt_id=result.ckpt_id, step=result.step) if reference else None
+        result.reference = ref
+        if ref is None:
+            stages["metrics"] = {"ok": None, "detail": "no reference metrics for this step: pass --reference to compare with a clean run"}
+            result.outcome = "incomplete"
+            return result
+        ok, problems = compare_metrics(result.metrics, ref, rtol=rtol, atol=atol)
+        stages["metrics"] = {"ok": ok, "detail": f"{len(ref)} metric(s) within tolerance of the clean reference" if ok else "; ".join(problems)}
+        result.outcome = "pass" if ok else "fail"
+        return result
+    finally:
+        result.seconds = time.perf_counter() - t0
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+            result.restored = None
+        if record:
+            doc = result.to_dict()
+            doc.update(at=time.time(), host=socket.gethostname())
+            try:
+                Ledger(vault).record_drill(doc)
+                result.recorded = True
+            except (CertckptError, OSError):
+                pass  # a vault that cannot be written still gets its drill reported; ``recorded`` says so

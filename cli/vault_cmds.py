@@ -1,0 +1,217 @@
+"""``certckpt vault ...`` and ``certckpt drill restore``: thin wrappers over certckpt.vault and
+certckpt.restoredrill (print, map errors to exit codes)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from .main import EXIT_FAILED, EXIT_OK, EXIT_UNVERIFIABLE, _human_bytes, _Progress, _table, drill, expected_errors, main
+
+_COPY_PROGRESS = 256 << 20  # show progress for copies from this size on (when stderr is a terminal)
+
+
+@main.group()
+def vault() -> None:
+    """The off-node vault: promote trusted checkpoints, list, prune, restore.
+
+    A vault is any fsspec URL (a mounted share, s3://bucket/prefix) holding one run's known-good
+    checkpoints, write-once, with the evidence that certifies them.
+    """
+
+
+def _rate(nbytes: int, seconds: float) -> str:
+    return f"{nbytes / seconds / 1e6:.1f} MB/s" if seconds > 0 else "-"
+
+
+@vault.command("promote")
+@click.argument("run_url")
+@click.argument("vault_url")
+@click.option("--ckpt", "ckpts", multiple=True, help="Promote this checkpoint id (repeatable); default every trusted one the vault lacks.")
+@click.option("--lock-mode", type=click.Choice(["auto", "none", "GOVERNANCE", "COMPLIANCE"]), default="auto", show_default=True,
+              help="S3 Object Lock retention per object (auto: GOVERNANCE when the bucket has Object Lock).")
+@click.option("--retain-days", type=click.FloatRange(min=0, min_open=True), default=30.0, show_default=True, help="Object Lock retention from now.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@expected_errors
+def vault_promote(run_url: str, vault_url: str, ckpts: tuple[str, ...], lock_mode: str, retain_days: float, as_json: bool) -> None:
+    """Copy trusted checkpoints of RUN_URL into VAULT_URL, read them back and verify them.
+
+    Exit 0 when done (also when there was nothing new); 1 when a requested checkpoint is suspect.
+    """
+    from certckpt.vault import promote
+
+    done = promote(run_url, vault_url, ckpts=list(ckpts) or None, lock_mode=lock_mode, retain_days=retain_days,
+                   progress=_Progress(f"promoting to {vault_url}", _COPY_PROGRESS))
+    if as_json:
+        click.echo(json.dumps({"run": run_url, "vault": vault_url, "promoted": [p.to_dict() for p in done]}, indent=2))
+        return
+    if not done:
+        click.echo(f"nothing to promote: every trusted checkpoint of {run_url} is already in {vault_url}")
+        return
+    rows = []
+    for p in done:
+        lock = p.lock or {}
+        lock_text = f"{lock['mode']} until {lock['retain_until'][:19]}" if lock.get("retain_until") else lock.get("mode", "none")
+        rows.append((p.ckpt_id, _human_bytes(p.nbytes), "copied, verified" if p.written else "already there", _rate(p.nbytes, p.seconds), lock_text))
+    _table(("checkpoint", "size", "result", "speed", "protection"), rows)
+
+
+@vault.command("ls")
+@click.argument("vault_url")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@expected_errors
+def vault_ls(vault_url: str, as_json: bool) -> None:
+    """What VAULT_URL holds, with each checkpoint's verdict now (* marks latest-good)."""
+    from certckpt.vault import holdings
+
+    status, rows = holdings(vault_url)
+    if as_json:
+        click.echo(json.dumps({"vault": vault_url, "latest_good": status.latest_good, "checkpoints": rows}, indent=2))
+        return
+    if not rows:
+        click.echo(f"{vault_url}: empty (promote with `certckpt vault promote RUN_URL {vault_url}`)")
+        return
+    table = []
+    for r in rows:
+        lock = r["lock"] or {}
+        table.append((
+            r["ckpt_id"] + (" *" if r["ckpt_id"] == status.latest_good else ""), str(r["step"]),
+            "pruned" if r["pruned"] else r["verdict"], ", ".join(r["reasons"]) or "-",
+            _human_bytes(r["bytes"] or 0), (lock.get("mode", "-") + (f" until {lock['retain_until'][:10]}" if lock.get("retain_until") else "")),
+        ))
+    _table(("checkpoint", "step", "verdict", "reasons", "size", "protection"), table)
+    click.echo(f"* latest-good: {status.latest_good}" if status.latest_good else "no trusted checkpoint held")
+
+
+def _policy(keep_last: int | None, keep_every: int | None, keep_days: float | None, keep_best: tuple[str, ...]):
+    from certckpt.retention import AnyOf, KeepBest, KeepEvery, KeepFor, KeepLatest
+
+    parts = []
+    if keep_last is not None:
+        parts.append(KeepLatest(keep_last))
+    if keep_every is not None:
+        parts.append(KeepEvery(keep_every))
+    if keep_days is not None:
+        parts.append(KeepFor(keep_days))
+    for spec in keep_best:
+        metric, _, direction = spec.partition(":")
+        if direction not in ("", "min", "max") or not metric:
+            raise click.BadParameter(f"{spec!r}: use METRIC, METRIC:min or METRIC:max", param_hint="--keep-best")
+        parts.append(KeepBest(metric, higher_is_better=direction == "max"))
+    if not parts:
+        raise click.UsageError("say what to keep: --keep-last N, --keep-every STEPS, --keep-days D and/or --keep-best METRIC")
+    return AnyOf(*parts)
+
+
+@vault.command("prune")
+@click.argument("vault_url")
+@click.option("--keep-last", type=click.IntRange(0), default=None, help="Keep the newest N trusted checkpoints.")
+@click.option("--keep-every", type=click.IntRange(1), default=None, help="Keep the newest trusted checkpoint in every window of STEPS steps.")
+@click.option("--keep-days", type=click.FloatRange(0), default=None, help="Keep everything younger than D days.")
+@click.option("--keep-best", multiple=True, help="Keep the best trusted checkpoint by METRIC (saved metadata), METRIC:min (default) or METRIC:max.")
+@click.option("--apply", is_flag=True, help="Delete (without it: a dry run that only prints the plan).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@expected_errors
+def vault_prune(vault_url: str, keep_last, keep_every, keep_days, keep_best, apply: bool, as_json: bool) -> None:
+    """Delete what no retention policy keeps: a dry run unless --apply.
+
+    Policies combine: a checkpoint stays when any of them keeps it. Latest-good, the rollback target
+    before an open suspect interval, and everything while an incident is open are always kept.
+    """
+    from certckpt.vault import prune
+
+    result = prune(vault_url, _policy(keep_last, keep_every, keep_days, keep_best), apply=apply)
+    if as_json:
+        click.echo(json.dumps({"vault": vault_url, **result.to_dict()}, indent=2))
+        sys.exit(EXIT_FAILED if result.refused else EXIT_OK)
+    plan = result.plan
+    rows = [(cid, "keep", why) for cid, why in plan.keep.items()]
+    for cid in plan.delete:
+        if not apply:
+            rows.append((cid, "would delete", "no policy keeps it"))
+        elif cid in result.refused:
+            rows.append((cid, "KEPT", f"the store refused: {result.refused[cid]}"))
+        else:
+            rows.append((cid, "deleted", "no policy keeps it"))
+    def order(row):
+        branch, _, step = row[0].rpartition("@")
+        return (branch, int(step) if step.isdigit() else 0)
+
+    if rows:
+        _table(("checkpoint", "action", "why"), sorted(rows, key=order))
+    click.echo(f"policy: {result.policy}")
+    if plan.blocked_by:
+        click.echo(f"incident(s) open ({', '.join(plan.blocked_by)}): nothing is deleted until they close")
+    if not apply and plan.delete:
+        click.echo(f"dry run: pass --apply to delete {len(plan.delete)} checkpoint(s)")
+    elif not plan.delete:
+        click.echo("nothing to delete")
+    sys.exit(EXIT_FAILED if result.refused else EXIT_OK)
+
+
+@vault.command("restore")
+@click.argument("vault_url")
+@click.argument("ckpt")
+@click.argument("dest")
+@click.option("--allow-suspect", is_flag=True, help="Restore a checkpoint that is suspect now (for investigation).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@expected_errors
+def vault_restore(vault_url: str, ckpt: str, dest: str, allow_suspect: bool, as_json: bool) -> None:
+    """Copy checkpoint CKPT (an id, or latest-good) from VAULT_URL to DEST and verify it.
+
+    DEST is a file path or URL, or a directory (ending in / or existing) to put it in; an existing
+    file is never overwritten.
+    """
+    from certckpt.vault import restore
+
+    r = restore(vault_url, ckpt, dest, allow_suspect=allow_suspect, progress=_Progress(f"restoring {ckpt}", _COPY_PROGRESS))
+    if as_json:
+        click.echo(json.dumps(r.to_dict(), indent=2))
+        return
+    what = "restored and verified" if r.written else "already there, verified"
+    click.echo(f"{r.ckpt_id} -> {r.dest}: {what}, {_human_bytes(r.nbytes)} in {r.seconds:.2f} s ({_rate(r.nbytes, r.seconds)})")
+
+
+@drill.command("restore")
+@click.argument("vault_url")
+@click.option("--model", "model_spec", required=True, help="module:callable building a fresh model.")
+@click.option("--eval", "eval_spec", required=True, help="module:callable(model) returning a number or {metric: number}.")
+@click.option("--reference", type=click.Path(exists=True, dir_okay=False), default=None, help="Metrics of a clean reference run (JSON).")
+@click.option("--rtol", type=float, default=1e-5, show_default=True, help="Relative tolerance for the metrics.")
+@click.option("--atol", type=float, default=1e-8, show_default=True, help="Absolute tolerance for the metrics.")
+@click.option("--key", default=None, help="Checkpoint entry holding the state dict (default: 'model' when present).")
+@click.option("--scratch", type=click.Path(file_okay=False), default=None, help="Restore here and keep it (default: a temporary directory).")
+@click.option("--save-metrics", type=click.Path(dir_okay=False), default=None, help="Write this drill's metrics as a reference file.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@expected_errors
+def drill_restore_cmd(vault_url, model_spec, eval_spec, reference, rtol, atol, key, scratch, save_metrics, as_json) -> None:
+    """Restore latest-good from VAULT_URL and prove it: bytes, fingerprints, load, metrics.
+
+    Exit 0 when all four pass; 1 when a stage fails or there is no reference to compare with.
+    The drill is recorded in the vault's ledger.
+    """
+    from certckpt.restoredrill import drill_restore, load_callable
+
+    result = drill_restore(vault_url, model_factory=load_callable(model_spec), eval_fn=load_callable(eval_spec),
+                           reference=reference, rtol=rtol, atol=atol, key=key, scratch=scratch)
+    if save_metrics and result.metrics and result.step is not None:
+        with open(save_metrics, "w", encoding="utf-8") as f:
+            json.dump({str(result.step): result.metrics}, f, indent=2)
+    if as_json:
+        click.echo(json.dumps(result.to_dict(), indent=2))
+    else:
+        click.echo(f"restore drill of {vault_url}: {result.ckpt_id or 'no checkpoint'}" + (f" (step {result.step})" if result.step is not None else ""))
+        for stage, st in result.stages.items():
+            mark = {True: "pass", False: "FAIL", None: "-"}[st["ok"]]
+            click.echo(f"  {stage:<13} {mark:<5} {st['detail']}")
+        if result.metrics:
+            click.echo("  values        " + ", ".join(f"{k}={v:.6g}" for k, v in sorted(result.metrics.items())))
+        if result.time_to_model_s is not None:
+            click.echo(f"  time to a usable restored model: {result.time_to_model_s:.2f} s")
+        click.echo(f"outcome: {result.outcome.upper()}" + ("" if result.recorded else " (could not record it in the vault's ledger)"))
+    sys.exit(EXIT_OK if result.passed else EXIT_FAILED)
+
+
+__all__ = ["vault", "EXIT_UNVERIFIABLE"]
