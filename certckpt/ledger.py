@@ -218,7 +218,10 @@ class Ledger:
             import fsspec
 
             return fsspec.filesystem("file"), target.local
-        return filesystem(target.url)
+        fs, path = filesystem(target.url)
+        # Other processes write this ledger: a listing cached by this process would hide their records.
+        fs.invalidate_cache()
+        return fs, path
 
     def _relative(self, location: str) -> str:
         """The file's name relative to the store when it lies directly in it, else its full location."""

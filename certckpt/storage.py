@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import IO, Any
@@ -262,14 +263,24 @@ def put_once(location: str, data: bytes) -> bool:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-        try:
-            commit_remote(tmp, target.url, overwrite=False, display=location)
-        except CheckpointExistsError:
-            fs, path = filesystem(target.url)
-            if fs.cat_file(path) == data:
-                return False
-            raise
-        return True
+        fs, path = filesystem(target.url)
+        for attempt in range(8):
+            try:
+                commit_remote(tmp, target.url, overwrite=False, display=location)
+                return True
+            except CheckpointExistsError:
+                # A racing writer's PUT can be refused (412/409) before its object is readable:
+                # wait for it, and if it never appears (that writer failed), try again.
+                fs.invalidate_cache()  # a listing cached before the other writer's PUT would hide it
+                try:
+                    existing = fs.cat_file(path)
+                except FileNotFoundError:
+                    time.sleep(0.05 * (attempt + 1))
+                    continue
+                if existing == data:
+                    return False
+                raise
+        raise StorageError(f"{location}: conflicting concurrent writes did not settle; retry")
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

@@ -381,7 +381,10 @@ def promote(
     status = certify_store(run)
     cert, snap = status.certification, status.snapshot
     dest = Ledger(vault)
-    held = dest.snapshot().holdings
+    try:
+        held = dest.snapshot().holdings
+    except CheckpointNotFoundError:  # a new vault: an S3 prefix exists only once something is in it
+        held = {}
     if ckpts is None:
         chosen = [c for c in reversed(cert.order) if snap.available(c) and c not in held]
     else:
@@ -394,11 +397,16 @@ def promote(
                 raise UntrustedCheckpointError(f"{cid} is suspect ({', '.join(v.reasons)}); only trusted checkpoints enter the vault")
             if not snap.available(cid):
                 raise CheckpointNotFoundError(f"{run}: {cid} is no longer held there (pruned)")
-    if not chosen:
+    if not chosen and not held:
         return []
-    runs = {snap.records[c].get("run") for c in chosen}
+    runs = {snap.records[c].get("run") for c in chosen or held if c in snap.records}
     _claim(dest, runs.pop() if len(runs) == 1 else None, run)
+    # Always bring the evidence up to date, even with nothing new to copy: a revocation or a
+    # detection recorded since the last promotion must reach the vault's verdicts.
     _mirror(source, dest, chosen)
+    if not chosen:
+        certify_store(vault)
+        return []
     # The vault must reach the same verdict from the evidence it now holds, without the run store.
     vcert = certify_store(vault, write_certificates=False).certification
     out = []

@@ -95,3 +95,36 @@ def s3_bucket(s3_server):
     fs.mkdir(name)
     yield f"s3://{name}"
     s3fs.S3FileSystem.clear_instance_cache()
+
+
+@pytest.fixture(scope="session")
+def drill_runs(tmp_path_factory):
+    """Two real run stores trained by 3 gloo ranks with the auditor (a few seconds, once per session):
+    ``clean`` (no fault; checkpoints 5..30 all trusted) and ``faulty`` (a persistent backward fault on
+    rank 1 from step 13, caught by the replay audit at step 20: main@5 and main@10 trusted, main@15
+    suspect). Tests copy them (``copy_run``) before writing to their ledgers."""
+    from certckpt.detect.drill import run_matrix
+
+    root = tmp_path_factory.mktemp("runs")
+    cases = [
+        {"fault": "backward", "timing": "persistent", "rank": 1, "injected_step": 13, "name": "faulty"},
+        {"fault": "backward", "timing": "persistent", "rank": 1, "injected_step": 10**6, "name": "clean"},
+    ]
+    m = run_matrix(ranks=3, audit_every=10, ckpt_every=5, directory=str(root), cases=cases)
+    by = {c["name"]: c for c in m["cases"]}
+    assert (by["faulty"]["caught_by"], by["faulty"]["detected_step"], by["faulty"]["suspect_ranks"]) == ("replay", 20, [1])
+    assert by["clean"]["caught_by"] is None
+    return {"clean": str(root / "clean"), "faulty": str(root / "faulty")}
+
+
+@pytest.fixture
+def copy_run(drill_runs, tmp_path):
+    """``copy_run("faulty")`` → a private copy of that run store."""
+    import shutil
+
+    def copy(name: str) -> str:
+        dst = tmp_path / f"run-{name}"
+        shutil.copytree(drill_runs[name], dst)
+        return str(dst)
+
+    return copy
