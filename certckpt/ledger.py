@@ -9,6 +9,7 @@ Layout under ``<store>/_ledger/``::
     certificates/<ckpt_id>--<time_ns>.json   one per verdict change, with the checkpoint's digests
     retired/<ckpt_id>.json               a checkpoint whose file a retention policy deleted
     drills/<time_ns>-<rand>.json         restore-drill results
+    incidents/<incident_id>--<...>.json  incident openings and decisions (see incident.py)
     holdings/<ckpt_id>.json              vaults only: the checkpoint's copy held here (see vault.py)
 
 A vault's ledger mirrors its source run's records (commit records keep pointing at the source, as
@@ -36,7 +37,7 @@ __all__ = ["Ledger", "LedgerSink", "LedgerSnapshot", "ckpt_id_for", "LEDGER_DIR"
 
 LEDGER_DIR = "_ledger"
 VAULT_MARK = "vault.json"  # marks a vault's ledger: {"kind": "certckpt-vault", "run", "source"}
-_KINDS = ("checkpoints", "branches", "events", "revocations", "certificates", "holdings", "retired", "drills")
+_KINDS = ("checkpoints", "branches", "events", "revocations", "certificates", "holdings", "retired", "drills", "incidents")
 _NAME = re.compile(r"^[A-Za-z0-9._-]{1,100}$")
 
 
@@ -68,7 +69,14 @@ class LedgerSnapshot:
     holdings: dict[str, dict[str, Any]] = field(default_factory=dict)  # vaults: ckpt_id -> holding
     retired: dict[str, dict[str, Any]] = field(default_factory=dict)  # ckpt_id -> retirement record
     drills: list[dict[str, Any]] = field(default_factory=list)
+    incident_records: list[dict[str, Any]] = field(default_factory=list)
     is_vault: bool = False
+
+    def open_incidents(self) -> list[str]:
+        """Ids of the incidents not closed yet."""
+        from .incident import incident_state
+
+        return [i.incident_id for i in incident_state(self.incident_records).values() if i.is_open]
 
     def available(self, ckpt_id: str) -> bool:
         """Whether this store holds the checkpoint's file (not pruned; in a vault, promoted here)."""
@@ -282,7 +290,8 @@ class Ledger:
         for p in files["retired"]:
             r = load(p)
             snap.retired[r["ckpt_id"]] = r
-        snap.drills = [load(p) for p in files["drills"]]
+        snap.drills = [dict(load(p), drill_id=p.rsplit("/", 1)[-1].removesuffix(".json")) for p in files["drills"]]
+        snap.incident_records = [load(p) for p in files["incidents"]]
         for p in files["branches"]:
             b = load(p)
             snap.branch_parents[b["branch"]] = b["parent"]

@@ -55,6 +55,7 @@ class DrillResult:
     reference: dict[str, float] | None = None
     restored: str | None = None
     recorded: bool = False
+    drill_id: str | None = None  # its record in the vault's ledger (cite it to close an incident)
 
     @property
     def passed(self) -> bool:
@@ -65,7 +66,7 @@ class DrillResult:
             "kind": "restore-drill", "vault": self.vault, "ckpt_id": self.ckpt_id, "step": self.step, "outcome": self.outcome,
             "passed": self.passed, "stages": self.stages, "seconds": round(self.seconds, 3),
             "time_to_model_s": None if self.time_to_model_s is None else round(self.time_to_model_s, 3),
-            "metrics": self.metrics, "reference": self.reference, "restored": self.restored,
+            "metrics": self.metrics, "reference": self.reference, "restored": self.restored, "drill_id": self.drill_id,
         }
 
 
@@ -217,7 +218,7 @@ def drill_restore(
             doc = result.to_dict()
             doc.update(at=time.time(), host=socket.gethostname())
             try:
-                Ledger(vault).record_drill(doc)
+                result.drill_id = Ledger(vault).record_drill(doc).removesuffix(".json")
                 result.recorded = True
             except (CertckptError, OSError):
                 pass  # a vault that cannot be written still gets its drill reported; ``recorded`` says so

@@ -108,6 +108,11 @@ def certify_store(store: str, *, verify_bytes: bool = False, write_certificates:
     status = StoreStatus(store=store, snapshot=snap, certification=cert, problems=problems, uncommitted=ledger.uncommitted(snap))
     if write_certificates:
         _record_changes(ledger, status)
+        if not snap.is_vault:  # a vault mirrors its run's incidents; it never opens its own
+            from .incident import open_missing_incidents
+
+            if open_missing_incidents(ledger, status):
+                status.snapshot = ledger.snapshot()
     return status
 
 

@@ -458,11 +458,6 @@ def holdings(vault: str) -> tuple[StoreStatus, list[dict[str, Any]]]:
 # --- prune ---------------------------------------------------------------------------------------
 
 
-def _open_incidents(status: StoreStatus) -> list[str]:
-    fn = getattr(status.snapshot, "open_incidents", None)
-    return list(fn()) if fn else []
-
-
 def prune(vault: str, policy: RetentionPolicy, *, apply: bool = False, now: float | None = None) -> PruneResult:
     """Plan (and with ``apply``, carry out) the deletions a retention policy allows.
 
@@ -486,7 +481,7 @@ def prune(vault: str, policy: RetentionPolicy, *, apply: bool = False, now: floa
     ]
     intervals = [(d.branch, d.interval[0], d.interval[1]) for d in cert.detections if d.interval is not None]
     protected = protected_checkpoints(entries, latest_good=latest, intervals=intervals, branch_parents=snap.branch_parents)
-    plan = plan_prune(entries, policy, now=now, protected=protected, open_incidents=_open_incidents(status))
+    plan = plan_prune(entries, policy, now=now, protected=protected, open_incidents=snap.open_incidents())
     result = PruneResult(policy=str(policy), plan=plan, applied=apply)
     if not apply:
         return result

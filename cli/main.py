@@ -381,7 +381,8 @@ def demo(directory: str) -> None:
     run_demo(directory, echo=click.echo)
 
 
-from . import vault_cmds  # noqa: E402,F401 - registers `vault` and `drill restore` (they import this module)
+# Command groups living in their own modules register themselves on `main` (they import this module).
+from . import incident_cmds, plan_cmd, report_cmd, vault_cmds  # noqa: E402,F401
 
 if __name__ == "__main__":  # pragma: no cover
     main()

@@ -210,7 +210,7 @@ def drill_restore_cmd(vault_url, model_spec, eval_spec, reference, rtol, atol, k
             click.echo("  values        " + ", ".join(f"{k}={v:.6g}" for k, v in sorted(result.metrics.items())))
         if result.time_to_model_s is not None:
             click.echo(f"  time to a usable restored model: {result.time_to_model_s:.2f} s")
-        click.echo(f"outcome: {result.outcome.upper()}" + ("" if result.recorded else " (could not record it in the vault's ledger)"))
+        click.echo(f"outcome: {result.outcome.upper()}" + (f" (recorded as drill {result.drill_id})" if result.recorded else " (could not record it in the vault's ledger)"))
     sys.exit(EXIT_OK if result.passed else EXIT_FAILED)
 
 

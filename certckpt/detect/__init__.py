@@ -25,6 +25,8 @@ _LAZY = {
     "consensus_verdict": "attribution",
     "ReplayVerdict": "attribution",
     "ConsensusVerdict": "attribution",
+    "stop_on_fault": "stop",
+    "EXIT_FAULT_DETECTED": "stop",
 }
 
 __all__ = sorted(_LAZY)

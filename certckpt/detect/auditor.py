@@ -23,6 +23,7 @@ Usage (every rank)::
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,6 +53,13 @@ class FaultDetectedError(CertckptError, RuntimeError):
     def __init__(self, message: str, event: AuditEvent):
         super().__init__(message)
         self.event = event
+
+    @property
+    def incident_id(self) -> str | None:
+        """The incident this detection opened (the same id on every rank); None when contained."""
+        from ..incident import incident_id_for
+
+        return None if self.event.contained else incident_id_for(self.event.to_dict())
 
 
 class AuditSetupError(CertckptError, ValueError):
@@ -286,11 +294,23 @@ class Auditor:
             self.sink.emit(ev)
             if ev.failed:
                 self.sink.flush()
+                if not contained and self.ledger is not None and not details.get("found_by"):
+                    self._open_incident(ev)
         if len(self._events) < _MAX_LINEAGE:
             self._events.append((ev.step, ev.kind, ev.outcome))
         if self.last is not None:
             self.last.events.append(ev)
         return ev
+
+    def _open_incident(self, ev: AuditEvent) -> None:
+        # Every uncontained detection opens an incident, written by rank 0 as soon as it is known;
+        # a ledger that cannot be written must not hide the detection itself (status opens it later).
+        from ..incident import open_incident
+
+        try:
+            open_incident(self.ledger, ev)
+        except (CertckptError, OSError) as e:
+            print(f"certckpt: could not record the incident in {self.ledger.store}: {e}", file=sys.stderr)
 
     def _fail(self, ev: AuditEvent, message: str, *, policy: str) -> None:
         if policy == "raise":

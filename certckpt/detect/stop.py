@@ -1,0 +1,64 @@
+"""Stop a training job on an uncontained detection, the way a scheduler can act on.
+
+Wrap the training loop::
+
+    with stop_on_fault(auditor):
+        for batch in loader:
+            auditor.train_step(batch)
+
+On a ``FaultDetectedError`` every rank prints the incident id, the suspect ranks and nodes, closes
+the auditor (flushing events to the ledger) and exits with ``EXIT_FAULT_DETECTED`` (86): "not a
+transient failure; do not requeue on the suspect node". A Kubernetes podFailurePolicy rule on that
+exit code, or a Slurm epilog that drains the named node, keeps the job off the bad hardware.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+from ..incident import EXIT_FAULT_DETECTED, _node_of
+
+__all__ = ["stop_on_fault", "EXIT_FAULT_DETECTED"]
+
+
+@contextlib.contextmanager
+def stop_on_fault(auditor: Any, *, exit_code: int = EXIT_FAULT_DETECTED, hard_exit: bool = False) -> Iterator[None]:
+    """Turn a ``FaultDetectedError`` raised inside the block into a documented exit.
+
+    Args:
+        exit_code: the process's exit status (default 86).
+        hard_exit: leave with ``os._exit`` after flushing and destroying the process group, skipping
+            interpreter teardown (torch 2.13's gloo transport sometimes aborts there, which would
+            turn the documented status into SIGABRT). Default: raise ``SystemExit``.
+    """
+    from .auditor import FaultDetectedError
+
+    try:
+        yield
+    except FaultDetectedError as e:
+        ev = e.event
+        nodes = sorted({_node_of(ev.inventory.get(str(r), {})) for r in ev.suspect_ranks} - {""})
+        where = f" on node(s) {', '.join(nodes)}" if nodes else ""
+        suspects = ", ".join(map(str, ev.suspect_ranks)) or "not attributed"
+        print(
+            f"certckpt: {e}; suspect rank(s) {suspects}{where}; incident {e.incident_id}; "
+            f"exit {exit_code}: do not requeue on the suspect node",
+            file=sys.stderr,
+            flush=True,
+        )
+        with contextlib.suppress(Exception):
+            auditor.close()
+        if hard_exit:
+            import torch.distributed as dist
+
+            sys.stdout.flush()
+            sys.stderr.flush()
+            with contextlib.suppress(Exception):
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+            os._exit(exit_code)
+        raise SystemExit(exit_code) from None
