@@ -194,7 +194,7 @@ class Ledger:
         """Names of the records of one kind (empty when there are none)."""
         fs, root = self._fs()
         try:
-            return sorted(p.rsplit("/", 1)[-1] for p in fs.find(f"{root}/{kind}"))
+            return sorted(n for n in (p.rsplit("/", 1)[-1] for p in fs.find(f"{root}/{kind}")) if not n.startswith("."))
         except FileNotFoundError:
             return []
         except OSError as e:
@@ -259,7 +259,9 @@ class Ledger:
                 if not fs.exists(root.rsplit("/", 1)[0] or "/"):
                     raise CheckpointNotFoundError(f"{self.store}: no such run store")
                 return LedgerSnapshot()
-            files = {k: sorted(fs.find(f"{root}/{k}")) if fs.exists(f"{root}/{k}") else [] for k in _KINDS}
+            # Hidden names are other writers' temp files, about to be linked and removed: not records.
+            files = {k: sorted(p for p in fs.find(f"{root}/{k}") if not p.rsplit("/", 1)[-1].startswith("."))
+                     if fs.exists(f"{root}/{k}") else [] for k in _KINDS}
             contents = fs.cat([p for v in files.values() for p in v]) if any(files.values()) else {}
         except (CertckptError, FileNotFoundError) as e:
             if isinstance(e, CertckptError):

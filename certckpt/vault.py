@@ -283,10 +283,20 @@ def copy_once(
             local = spool
         size = os.path.getsize(local)
         cb = _UploadProgress(progress, size).callback if progress else None
-        try:
-            commit_remote(local, dst, overwrite=False, display=dst, put_options=put_options, callback=cb)
-        except CheckpointExistsError:
-            return _already_there(dst, header_digest), size
+        for attempt in range(8):
+            try:
+                commit_remote(local, dst, overwrite=False, display=dst, put_options=put_options, callback=cb)
+                break
+            except CheckpointExistsError:
+                # A racing promoter's PUT may be refused (412/409) before its object is readable:
+                # wait for it; if it never appears (that promoter failed), upload again.
+                filesystem(dst)[0].invalidate_cache()
+                try:
+                    return _already_there(dst, header_digest), size
+                except CheckpointNotFoundError:
+                    time.sleep(0.1 * (attempt + 1))
+        else:
+            raise StorageError(f"{dst}: concurrent uploads under this name did not settle; retry")
         problem = check_file(dst, header_digest)
         if problem:
             raise CorruptCheckpointError(f"{dst}: the uploaded copy does not verify when read back ({problem}); it is not recorded as held")
@@ -297,10 +307,22 @@ def copy_once(
 
 
 def _already_there(dst: str, header_digest: str | None) -> bool:
+    """True when ``dst`` holds a verified copy of this checkpoint; raises when it holds something else
+    (``CheckpointNotFoundError`` when nothing is readable there yet)."""
+    if not _exists(dst):
+        raise CheckpointNotFoundError(f"{dst}: not readable yet")
     problem = check_file(dst, header_digest)
     if problem:
         raise CheckpointExistsError(f"{dst}: already holds different content ({problem}); write-once: nothing was changed")
     return False
+
+
+def _exists(url: str) -> bool:
+    target = resolve(url)
+    if target.local is not None:
+        return os.path.exists(target.local)
+    fs, path = filesystem(url)
+    return fs.exists(path)
 
 
 # --- promote -------------------------------------------------------------------------------------

@@ -84,14 +84,6 @@ def test_console_script_runs(tmp_path):
     assert out.returncode == 0 and out.stdout.startswith("OK")
 
 
-def test_demo_writes_and_verifies(tmp_path):
-    r = CliRunner().invoke(main, ["demo", "--dir", str(tmp_path / "demo")])
-    assert r.exit_code == 0, r.output
-    assert "verify: OK" in r.output and "weights identical: True" in r.output and "FAILED as it should" in r.output
-    assert certckpt.verify(tmp_path / "demo" / "step000030.safetensors", deep=True).ok
-    assert not certckpt.verify(tmp_path / "demo" / "tampered.safetensors").ok
-
-
 def test_progress_reports_large_files_on_a_terminal(monkeypatch, capsys):
     from certckpt_cli.main import _Progress
 

@@ -296,14 +296,20 @@ def test_cli_vault_promote_ls_prune_restore_and_drill(copy_run, drill_runs, tmp_
     assert r.returncode == 0 and doc["latest_good"] == "main@10" and [c["ckpt_id"] for c in doc["checkpoints"]] == ["main@5", "main@10"]
     r = cli("latest-good", vault)
     assert r.returncode == 0 and r.stdout.strip() == os.path.join(vault, "main@10.safetensors")
-    r = cli("vault", "prune", vault, "--keep-last", "0")
-    assert r.returncode == 0 and "would delete" in r.stdout and "dry run: pass --apply" in r.stdout
+    # the training job opened an incident for the detection: nothing is deleted while it is open
+    r = cli("vault", "prune", vault, "--keep-last", "0", "--apply")
+    assert r.returncode == 0 and "incident(s) open (inc-main-20-replay): nothing is deleted" in r.stdout
     assert os.path.exists(os.path.join(vault, "main@5.safetensors"))
     r = cli("vault", "prune", vault)
     assert r.returncode == 2 and "say what to keep" in r.stderr
-    r = cli("vault", "prune", vault, "--keep-last", "0", "--apply", "--json")
+    clean_vault = str(tmp_path / "clean-vault")
+    assert cli("vault", "promote", copy_run("clean"), clean_vault).returncode == 0
+    r = cli("vault", "prune", clean_vault, "--keep-last", "1")
+    assert r.returncode == 0 and "would delete" in r.stdout and "dry run: pass --apply to delete 5" in r.stdout
+    r = cli("vault", "prune", clean_vault, "--keep-last", "0", "--apply", "--json")
     doc = json.loads(r.stdout)
-    assert r.returncode == 0 and doc["deleted"] == ["main@5"] and doc["guarded"] == {"main@10": "latest-good"}
+    assert r.returncode == 0 and doc["deleted"] == ["main@5", "main@10", "main@15", "main@20", "main@25"]
+    assert doc["guarded"] == {"main@30": "latest-good"}
     dest = tmp_path / "node"
     dest.mkdir()
     r = cli("vault", "restore", vault, "latest-good", str(dest))

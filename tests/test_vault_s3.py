@@ -66,23 +66,25 @@ def test_promote_locks_objects_refuses_overwrite_and_locked_deletes(copy_run, lo
     assert good == "main@10" and status.entry(good).url == f"{vault}/main@10.safetensors"
     r = restore(vault, "latest-good", str(tmp_path / "node") + "/")
     assert certckpt.load(r.dest)["step"] == 10
-    # prune cannot delete what Object Lock still protects: reported, nothing lost, not marked pruned
+    # the incident the training job opened is mirrored: retention deletes nothing while it is open
     res = prune(vault, KeepLatest(0), apply=True)
-    assert res.deleted == [] and "Object Lock GOVERNANCE retention until" in res.refused["main@5"]
-    assert versions(fs, bucket, "run1/main@5.safetensors") and not Ledger(vault).snapshot().retired
+    assert res.deleted == [] and res.plan.blocked_by == ["inc-main-20-replay"]
 
 
-def test_prune_deletes_every_version_once_retention_expires(copy_run, lock_bucket):
+def test_prune_deletes_every_version_once_retention_expires_and_never_a_locked_one(copy_run, lock_bucket):
     bucket, fs = lock_bucket
-    run, vault = copy_run("faulty"), f"s3://{bucket}/run1"
-    promote(run, vault, retain_days=2 / 86400)  # two seconds
+    run, vault = copy_run("clean"), f"s3://{bucket}/run1"
+    promote(run, vault, ckpts=["main@5"], retain_days=7)
+    promote(run, vault, retain_days=2 / 86400)  # the others: two seconds
     time.sleep(2.5)
     res = prune(vault, KeepLatest(0), apply=True)
-    assert res.deleted == ["main@5"] and res.plan.guarded == {"main@10": "latest-good"}
-    assert versions(fs, bucket, "run1/main@5.safetensors") == []  # gone, not hidden behind a delete marker
-    assert versions(fs, bucket, "run1/main@10.safetensors")
+    assert res.deleted == ["main@10", "main@15", "main@20", "main@25"] and res.plan.guarded == {"main@30": "latest-good"}
+    # what Object Lock still protects is reported, kept, and not marked pruned
+    assert "Object Lock GOVERNANCE retention until" in res.refused["main@5"]
+    assert versions(fs, bucket, "run1/main@5.safetensors")
+    assert versions(fs, bucket, "run1/main@10.safetensors") == []  # gone, not hidden behind a delete marker
     _, rows = holdings(vault)
-    assert {r["ckpt_id"]: r["pruned"] for r in rows} == {"main@5": True, "main@10": False}
+    assert {r["ckpt_id"] for r in rows if r["pruned"]} == {"main@10", "main@15", "main@20", "main@25"}
 
 
 def test_promoting_different_content_under_a_locked_name_fails_and_changes_nothing(copy_run, lock_bucket, tmp_path):

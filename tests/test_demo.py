@@ -1,0 +1,53 @@
+"""The main job end to end: `certckpt demo` as a newcomer runs it."""
+
+import json
+import os
+import subprocess
+
+import pytest
+from conftest import console_script
+
+import certckpt
+from certckpt.demo import SCHEDULE
+from certckpt.incident import get_incident
+from certckpt.ledger import Ledger
+from certckpt.runstore import find_latest_good
+
+pytestmark = pytest.mark.slow
+
+
+def test_demo_catches_the_fault_rolls_back_and_proves_the_restore(tmp_path):
+    d = tmp_path / "demo"
+    r = subprocess.run([console_script("certckpt"), "demo", "--dir", str(d)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    out = r.stdout
+    for n in range(1, 8):
+        assert f"[{n}/7]" in out  # progress as it goes
+    K, fault = SCHEDULE["audit_every"], SCHEDULE["fault_step"]
+    detected = -(-fault // K) * K  # the next audit step after the fault
+    assert f"step {detected}: the replay check failed and named rank(s) [{SCHEDULE['fault_rank']}]" in out
+    store, vault = str(d / "run"), str(d / "vault")
+    # the run store tells the same story to the other commands
+    status, good = find_latest_good(store)
+    det = [x for x in status.certification.detections if x.branch == "main"]
+    assert [(x.step, x.suspect_ranks, x.interval) for x in det] == [(detected, (SCHEDULE["fault_rank"],), (detected - K, detected))]
+    verdicts = status.certification.verdicts
+    assert verdicts["main@20"].trusted and verdicts["main@25"].reasons == ("after-fault",)
+    assert good == "b2@60" and Ledger(store).snapshot().branch_parents == {"b2": "main@20"}
+    assert "main@20  ->  " in out and int("main@20".rpartition("@")[2]) <= detected - K  # latest-good precedes the interval
+    iid = f"inc-main-{detected}-replay"
+    inc = get_incident(store, iid)
+    assert inc.status == "closed" and inc.rollback_to == "main@20"
+    # the restore drill passed every stage, against the clean reference run
+    drills = Ledger(vault).snapshot().drills
+    assert len(drills) == 1 and drills[0]["outcome"] == "pass" and drills[0]["ckpt_id"] == "b2@60"
+    assert all(drills[0]["stages"][s]["ok"] for s in ("bytes", "fingerprints", "load", "metrics"))
+    ref = json.loads((d / "reference-metrics.json").read_text())
+    # the recovered run retraces the clean one (to float rounding after the restart)
+    assert drills[0]["metrics"]["eval_loss"] == pytest.approx(ref["60"]["eval_loss"], rel=1e-5)
+    assert drills[0]["reference"] == ref["60"]
+    # artefacts left for the user
+    assert (d / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert certckpt.verify(os.path.join(vault, "b2@60.safetensors"), deep=True).ok
+    r2 = subprocess.run([console_script("certckpt"), "demo", "--dir", str(d)], capture_output=True, text=True, timeout=60)
+    assert r2.returncode == 2 and "is not empty" in r2.stderr and r2.stderr.count("\n") == 1
