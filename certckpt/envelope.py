@@ -72,6 +72,15 @@ differences audited - plain, paired by trial (:func:`premium_se`); a premium wit
 standard errors of the budget is not a verdict either way. The gate itself compares the premium
 alone.
 
+The report
+----------
+:func:`run_envelope` returns (and ``--json`` prints) ``{"ranks", "model", "max_premium",
+"combinations": [{"seq_len", "micro_batch", "audit_every", "plain_s", "audited_s", "premium",
+"premium_se", "premium_parts", "shares": {"replay", "consensus", "nonfinite"}, "replay_floor",
+"over_budget", "trials"}], "over_budget": [{"seq_len", "micro_batch", "audit_every", "premium"}],
+...}`` plus the set-up (params, mode, backend, device, threads, load average) and the per-shape
+means of every measurement. Times are seconds, premiums and shares fractions.
+
 Determinism
 -----------
 ``mode="deterministic"`` (the default) runs every rank with ``torch.use_deterministic_algorithms(True)``
@@ -94,6 +103,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import io
 import json
 import math
 import os
@@ -107,6 +117,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import MissingDependencyError
+from .storage import write_atomic
 
 __all__ = [
     "BUILTIN_MODEL",
@@ -129,7 +140,7 @@ __all__ = [
 
 BUILTIN_MODEL = "tiny-transformer"
 
-FULL: dict[str, Any] = {"seq_lens": (128, 512, 2048), "micro_batches": (1, 4, 16), "audit_every": (10, 100), "steps": 5, "min_shape_s": 40.0}
+FULL: dict[str, Any] = {"seq_lens": (128, 512, 2048), "micro_batches": (1, 4, 16), "audit_every": (10, 100), "steps": 5, "min_shape_s": 30.0}
 QUICK: dict[str, Any] = {"seq_lens": (64, 256), "micro_batches": (1, 4), "audit_every": (10, 100), "steps": 10, "min_shape_s": 15.0}
 """Default sweeps. ``steps``: trials per shape at least; more while the shape has used less than
 ``min_shape_s`` seconds, up to :data:`MAX_TRIALS`."""
@@ -782,7 +793,8 @@ def require_matplotlib() -> None:
 
 
 def plot(report: Mapping[str, Any], out_path: str | os.PathLike) -> str:
-    """Draw premium against K, one line per (seq_len, micro_batch) shape, the budget as a dashed line; PNG.
+    """Draw premium against K, one line per (seq_len, micro_batch) shape with one-standard-error bars,
+    the budget as a dashed line; PNG.
 
     Raises:
         ValueError: ``out_path`` does not end in ``.png``. MissingDependencyError: no matplotlib.
@@ -799,13 +811,15 @@ def plot(report: Mapping[str, Any], out_path: str | os.PathLike) -> str:
     fig = Figure(figsize=(8, 5), dpi=100)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
-    shapes: dict[tuple[int, int], list[tuple[int, float]]] = {}
+    shapes: dict[tuple[int, int], list[tuple[int, float, float]]] = {}
     for c in report["combinations"]:
-        shapes.setdefault((c["seq_len"], c["micro_batch"]), []).append((c["audit_every"], c["premium"]))
+        se = c.get("premium_se")
+        shapes.setdefault((c["seq_len"], c["micro_batch"]), []).append((c["audit_every"], c["premium"], se if se is not None else 0.0))
     ks = sorted({c["audit_every"] for c in report["combinations"]})
     for (s, b), pts in shapes.items():
         pts.sort()
-        ax.plot([k for k, _ in pts], [p * 100 for _, p in pts], marker="o", label=f"seq {s} x mb {b}")
+        ax.errorbar([k for k, _, _ in pts], [p * 100 for _, p, _ in pts], yerr=[e * 100 for _, _, e in pts],
+                    marker="o", capsize=3, label=f"seq {s} x mb {b}")
     ax.axhline(report["max_premium"] * 100, color="red", linestyle="--", linewidth=1, label=f"budget {report['max_premium']:.1%}")
     ax.axhline(0, color="grey", linewidth=0.5)
     if ks and ks[-1] / max(ks[0], 1) >= 10:
@@ -818,19 +832,9 @@ def plot(report: Mapping[str, Any], out_path: str | os.PathLike) -> str:
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    d = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".certckpt-envelope-", suffix=".png", dir=d)
-    os.close(fd)
-    try:
-        fig.savefig(tmp, format="png", facecolor="white")
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # as an ordinary open() would have made it
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", facecolor="white")
+    write_atomic(path, buf.getvalue())
     return path
 
 

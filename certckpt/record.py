@@ -7,7 +7,6 @@ the data first and the header last. No torch import here.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 

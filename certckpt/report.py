@@ -16,11 +16,11 @@ import html
 import io
 import json
 import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .errors import MissingDependencyError
+from .storage import write_atomic
 
 __all__ = [
     "Timeline",
@@ -478,23 +478,6 @@ tr.bad td:nth-child(4) {{ color: #c62828; font-weight: bold; }}
 """
 
 
-def _write(path: str, data: bytes) -> None:
-    """Write atomically: a temp file beside the target, then a rename."""
-    d = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".certckpt-report-", dir=d)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # as an ordinary open() would have made it
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def check_format(out_path: str | os.PathLike) -> str:
     """The output format for a path (``.png``, ``.svg``, ``.html``); ValueError for anything else."""
     suffix = os.path.splitext(os.fspath(out_path))[1].lower()
@@ -525,5 +508,5 @@ def render(tl: Timeline, out_path: str | os.PathLike) -> str:
         data = buf.getvalue()
     else:
         data = _html(tl, _png_bytes(tl)).encode("utf-8")
-    _write(path, data)
+    write_atomic(path, data)
     return suffix

@@ -17,7 +17,7 @@ from typing import IO, Any
 
 from .errors import CheckpointExistsError, CheckpointNotFoundError, MissingDependencyError, StorageError
 
-__all__ = ["Target", "resolve", "open_read", "commit_local", "commit_remote", "temp_name", "fsync_dir", "put_once", "join"]
+__all__ = ["Target", "resolve", "open_read", "commit_local", "commit_remote", "temp_name", "fsync_dir", "put_once", "join", "write_atomic"]
 
 _BACKEND_PIP = {"s3": "pip install 'certckpt[s3]'  (installs s3fs)", "gs": "pip install gcsfs", "gcs": "pip install gcsfs", "az": "pip install adlfs", "abfs": "pip install adlfs"}
 
@@ -281,6 +281,22 @@ def put_once(location: str, data: bytes) -> bool:
                     return False
                 raise
         raise StorageError(f"{location}: conflicting concurrent writes did not settle; retry")
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def write_atomic(path: str, data: bytes) -> None:
+    """Replace a local output file (a report, a picture) atomically: a temp file beside it, then a
+    rename, with the permissions an ordinary ``open()`` would have given it."""
+    tmp = temp_name(os.path.abspath(path))
+    try:
+        with open(tmp, "xb") as f:
+            f.write(data)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

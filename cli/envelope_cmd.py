@@ -33,11 +33,11 @@ class _OneLineUsage(click.Command):
 @click.option("--max-premium", default=0.05, show_default=True, type=float, help="Largest acceptable premium, a fraction (0.05 = 5%).")
 @click.option("--steps", default=None, type=click.IntRange(1), help="Timed trials per shape, at least [default: 5; --quick: 10].")
 @click.option("--seconds-per-shape", default=None, type=click.FloatRange(0),
-              help="Keep adding trials (up to 200) while a shape has used less than this [default: 40; --quick: 15].")
+              help="Keep adding trials (up to 200) while a shape has used less than this [default: 30; --quick: 15].")
 @click.option("--quick", is_flag=True, help="A small sweep (seq 64,256 x mb 1,4 x K 10,100; under 2 minutes on 2 cores).")
 @click.option("--mode", default="deterministic", show_default=True, type=click.Choice(["deterministic", "tolerance"]),
               help="Auditor mode (deterministic: torch.use_deterministic_algorithms(True), bit-exact replay).")
-@click.option("--backend", default="gloo", show_default=True, type=click.Choice(["gloo", "nccl"]), help="DDP backend (nccl needs --device cuda).")
+@click.option("--backend", default="gloo", show_default=True, type=click.Choice(["gloo", "nccl"]), help="DDP backend (nccl needs --device cuda, one GPU per rank).")
 @click.option("--device", default="cpu", show_default=True, type=click.Choice(["cpu", "cuda"]), help="Where the model runs.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON (the file `certckpt plan --from` reads).")
 @click.option("--plot", "plot_path", default=None, type=click.Path(dir_okay=False), help="Also draw premium against K to this .png (needs matplotlib).")

@@ -390,7 +390,7 @@ def demo(directory: str) -> None:
 
 
 # Command groups living in their own modules register themselves on `main` (they import this module).
-from . import incident_cmds, plan_cmd, report_cmd, vault_cmds  # noqa: E402,F401
+from . import envelope_cmd, incident_cmds, plan_cmd, report_cmd, vault_cmds  # noqa: E402,F401
 
 if __name__ == "__main__":  # pragma: no cover
     main()

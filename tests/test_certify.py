@@ -1,6 +1,5 @@
 """The certifier: the five trust rules, the worked example, and invariants on random histories."""
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 import certckpt
-from certckpt.errors import CertckptError, CorruptCheckpointError, NotACheckpointError
+from certckpt.errors import CertckptError, CorruptCheckpointError
 from certckpt.header import DTYPE_SIZES, MAX_HEADER_BYTES, encode_header, parse_header, read_header_length
 
 # database=None: nothing is written under the working directory.

@@ -244,15 +244,21 @@ def test_a_revocation_after_promotion_reaches_the_vault(copy_run, tmp_path):
 
 
 @pytest.mark.slow
-def test_memory_vault_round_trip(copy_run, memroot, tmp_path):
-    run, vault = copy_run("faulty"), f"{memroot}/vault"
+@pytest.mark.parametrize("scheme", ["memory", "file"])
+def test_fsspec_url_vaults_promote_restore_and_drill(scheme, copy_run, drill_runs, memroot, tmp_path):
+    from certckpt.detect.drill import evaluate, make_model
+
+    base = memroot if scheme == "memory" else f"file://{tmp_path}"
+    run, vault = copy_run("faulty"), f"{base}/vault"
     done = promote(run, vault)
     assert [p.ckpt_id for p in done] == ["main@5", "main@10"]
     assert find_latest_good(vault)[1] == "main@10"
-    r = restore(vault, "latest-good", f"{memroot}/restored/main@10.safetensors")
+    r = restore(vault, "latest-good", f"{base}/restored/main@10.safetensors")
     assert certckpt.verify(r.dest).ok and r.nbytes > 0
     with pytest.raises(CheckpointExistsError):  # a different file under the restored name is never overwritten
         restore(vault, "main@5", r.dest)
+    d = drill_restore(vault, model_factory=make_model, eval_fn=evaluate, reference=_reference(drill_runs["clean"], 10))
+    assert d.outcome == "pass" and d.ckpt_id == "main@10" and len(Ledger(vault).snapshot().drills) == 1
 
 
 def _promote_in_process(args):
