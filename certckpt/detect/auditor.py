@@ -89,8 +89,6 @@ class _HookState:
 
     def reset(self, *, audit: bool) -> None:
         self.pre, self.post, self.local_sig, self.audit = [], [], {}, audit
-        self.flags: torch.Tensor | None = None  # every rank's pre-reduce flag, agreed asynchronously
-        self.flag_work = None
 
 
 def _nonfinite_flag(buf: torch.Tensor) -> torch.Tensor:
@@ -117,14 +115,6 @@ def _comm_hook(state, bucket):
             state.local_sig[i] = row
     buf.div_(aud.world)  # the default hook's averaging, composed with our checks
     fut = dist.all_reduce(buf, group=aud.group, async_op=True).get_future()
-    if bucket.is_last():
-        # Every pre-reduce flag is known now (hooks run in bucket order, the same on every rank): share
-        # them with one tiny all-reduce that travels beside the last bucket's, instead of a blocking
-        # exchange after backward.
-        flags = torch.zeros(aud.world, dtype=torch.int32, device=aud.wire_device)
-        flags[aud.rank] = torch.stack(state.pre).any().to(aud.wire_device)
-        state.flags = flags
-        state.flag_work = dist.all_reduce(flags, group=aud.group, async_op=True)
 
     def post(f: torch.futures.Future) -> torch.Tensor:
         out = f.value()[0]
@@ -365,17 +355,22 @@ class Auditor:
     def _read_flags(self) -> list[int]:
         """``[pre_0, ..., pre_W-1, post_local]``: every rank's pre-reduce flag and this rank's post flag.
 
-        The pre flags were all-reduced beside the last gradient bucket; the post flag is local, and
-        equal on every rank whenever the reduction delivers the same values to all (a reduction that
-        does not is a fault the next weight consensus catches). The ``tolist()`` is the step's only
-        host synchronisation.
+        A non-finite value in any rank's local gradients survives the averaging (NaN and Inf
+        propagate through a sum), so the post flag is set whenever any pre flag is; and it is equal on
+        every rank whenever the reduction delivers the same values to all (one that does not is a fault
+        the next weight consensus catches). So a clean step needs no exchange at all: reading the post
+        flag is the step's only host synchronisation, and only a failing step all-reduces the pre flags
+        to learn which rank (if any) produced the bad values.
         """
         hook = self._hook
-        if hook.flag_work is None:  # no gradient bucket this step
+        if not hook.post:  # no gradient bucket this step
             return [0] * (self.world + 1)
-        hook.flag_work.wait()
-        post = torch.stack(hook.post).any().to(self.wire_device, torch.int32).view(1)
-        return torch.cat([hook.flags, post]).tolist()
+        if not bool(torch.stack(hook.post).any()):
+            return [0] * (self.world + 1)
+        flags = torch.zeros(self.world, dtype=torch.int32, device=self.wire_device)
+        flags[self.rank] = torch.stack(hook.pre).any().to(self.wire_device)
+        dist.all_reduce(flags, group=self.group)
+        return flags.tolist() + [1]
 
     def _rng_state(self) -> dict[str, torch.Tensor]:
         state = {"cpu": torch.get_rng_state()}
