@@ -172,7 +172,8 @@ def figures(*, plain_s: float, nonaudit_s: float, audit_s: float, consensus_s: f
 
     Returns:
         ``{"plain_s", "audited_s", "premium", "premium_parts": {replay, consensus, nonfinite},
-        "shares": {replay, consensus, nonfinite} (None when premium <= 0), "replay_floor"}``.
+        "shares": {replay, consensus, nonfinite} (None when premium <= 0; the sweep also drops them
+        when the premium is within two standard errors of zero), "replay_floor"}``.
     """
     if isinstance(audit_every, bool) or not isinstance(audit_every, int) or audit_every < 1:
         raise ValueError(f"audit_every must be an integer >= 1, got {audit_every!r}")
@@ -554,6 +555,8 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
             f = figures(plain_s=mean["plain"], nonaudit_s=mean[f"nonaudit/{k}"], audit_s=mean[f"audit/{k}"],
                         consensus_s=mean[f"consensus/{k}"], fb_s=mean["fb"], audit_every=k)
             f["premium_se"] = premium_se(plain=samples["plain"], nonaudit=samples[f"nonaudit/{k}"], audit=samples[f"audit/{k}"], audit_every=k)
+            if f["premium_se"] is not None and f["premium"] <= 2 * f["premium_se"]:
+                f["shares"] = None  # a premium within noise has no meaningful split (shares would exceed 100%)
             combos.append({"seq_len": seq_len, "micro_batch": micro_batch, "audit_every": k, **f})
             done_combos += 1
             log(f"{done_combos}/{n_combos}  {describe(combos[-1])}: plain {f['plain_s'] * 1e3:.2f} ms, audited "

