@@ -467,7 +467,7 @@ def holdings(vault: str) -> tuple[StoreStatus, list[dict[str, Any]]]:
     status = certify_store(vault, write_certificates=False)
     snap, cert = status.snapshot, status.certification
     rows = []
-    for cid, h in sorted(snap.holdings.items(), key=lambda kv: (kv[1]["branch"], kv[1]["step"])):
+    for cid, h in sorted(snap.holdings.items(), key=lambda kv: (kv[1]["branch"] != "main", kv[1]["branch"], kv[1]["step"])):
         v = cert.verdicts.get(cid)
         rows.append({
             "ckpt_id": cid, "branch": h["branch"], "step": h["step"], "url": join(vault, h["url"]), "bytes": h.get("bytes"),

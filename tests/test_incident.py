@@ -195,3 +195,31 @@ def test_training_job_opens_the_incident_and_exits_86_on_every_rank(tmp_path):
     incs = list_incidents(str(run))  # written by the training job itself, before any `status`
     assert [i.incident_id for i in incs] == ["inc-main-20-replay"] and incs[0].opened["suspect_ranks"] == [1]
     assert Ledger(str(run)).snapshot().open_incidents() == ["inc-main-20-replay"]
+
+
+@pytest.mark.parametrize("contained", [False, True])
+def test_stop_on_fault_prints_the_incident_and_exits_86(contained, capsys):
+    from certckpt.detect.auditor import FaultDetectedError
+    from certckpt.detect.events import AuditEvent
+    from certckpt.detect.stop import stop_on_fault
+
+    class Closable:
+        closed = False
+
+        def close(self):
+            self.closed = True
+
+    ev = AuditEvent(run="r", branch="main", step=20, kind="nonfinite-pre" if contained else "replay", outcome="fail",
+                    ranks=[0, 1, 2], suspect_ranks=[1], contained=contained,
+                    inventory={"1": {"host": "h1", "SLURMD_NODENAME": "node-7"}})
+    aud = Closable()
+    with pytest.raises(SystemExit) as e:
+        with stop_on_fault(aud):
+            raise FaultDetectedError("step 20: check failed", ev)
+    err = capsys.readouterr().err
+    assert e.value.code == EXIT_FAULT_DETECTED == 86 and aud.closed and err.count("\n") == 1
+    assert "suspect rank(s) 1 on node(s) node-7" in err and "do not requeue on the suspect node" in err
+    if contained:
+        assert "no incident" in err and "None" not in err
+    else:
+        assert "incident inc-main-20-replay;" in err

@@ -44,8 +44,9 @@ def stop_on_fault(auditor: Any, *, exit_code: int = EXIT_FAULT_DETECTED, hard_ex
         nodes = sorted({_node_of(ev.inventory.get(str(r), {})) for r in ev.suspect_ranks} - {""})
         where = f" on node(s) {', '.join(nodes)}" if nodes else ""
         suspects = ", ".join(map(str, ev.suspect_ranks)) or "not attributed"
+        record = f"incident {e.incident_id}" if e.incident_id else "contained: the bad update never reached the weights, no incident"
         print(
-            f"certckpt: {e}; suspect rank(s) {suspects}{where}; incident {e.incident_id}; "
+            f"certckpt: {e}; suspect rank(s) {suspects}{where}; {record}; "
             f"exit {exit_code}: do not requeue on the suspect node",
             file=sys.stderr,
             flush=True,
