@@ -322,26 +322,6 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
-def _tail(path: str, stop: threading.Event) -> None:
-    """Echo rank 0's progress lines to stderr while the ranks run."""
-    pos = 0
-    while True:
-        done = stop.is_set()
-        try:
-            with open(path, encoding="utf-8") as f:
-                f.seek(pos)
-                chunk = f.read()
-                pos = f.tell()
-            if chunk:
-                sys.stderr.write("".join(f"  rank 0 {ln}\n" for ln in chunk.splitlines()))
-                sys.stderr.flush()
-        except OSError:
-            pass
-        if done:
-            return
-        stop.wait(0.5)
-
-
 def summarise(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     r0 = per_rank[0]
     ms = {n: [tr["blocks"][n]["wall_s"] / tr["blocks"][n]["steps"] * 1e3 for tr in r0["trials"]] for n in CONFIGS}
@@ -506,7 +486,7 @@ def main() -> None:
 
     import torch
 
-    from certckpt.detect.launch import run_ranks
+    from certckpt.detect.launch import follow, run_ranks
 
     busy = others_busy_cores()
     if busy is not None and busy > 0.25:
@@ -524,7 +504,7 @@ def main() -> None:
         prog = os.path.join(d, "progress.log")
         open(prog, "w").close()
         stop = threading.Event()
-        tail = threading.Thread(target=_tail, args=(prog, stop), daemon=True)
+        tail = threading.Thread(target=follow, args=(prog, stop, lambda ln: print(f"  rank 0 {ln}", file=sys.stderr, flush=True)), daemon=True)
         tail.start()
         print(f"running {WORLD} ranks: {P['trials']} trials x {len(CONFIGS)} configurations x {P['steps']} steps "
               f"of a {n_params(P['widths']):,}-parameter MLP", file=sys.stderr)

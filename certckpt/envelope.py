@@ -630,31 +630,13 @@ class EnvelopeConfig:
         return [(s, b) for s in self.seq_lens for b in self.micro_batches]
 
 
-def _tail(path: str, stop: threading.Event, emit: Callable[[str], None]) -> None:
-    pos = 0
-    while True:
-        done = stop.is_set()
-        try:
-            with open(path, encoding="utf-8") as f:
-                f.seek(pos)
-                chunk = f.read()
-                pos = f.tell()
-            for line in chunk.splitlines():
-                emit(line)
-        except OSError:
-            pass
-        if done:
-            return
-        stop.wait(0.25)
-
-
 def run_envelope(config: EnvelopeConfig, *, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run the sweep on ``config.ranks`` local processes and return the report (the ``--json`` document).
 
     Raises:
         certckpt.detect.launch.RanksFailedError: a rank failed (its output tail is in the message).
     """
-    from .detect.launch import run_ranks
+    from .detect.launch import follow, run_ranks
 
     t0 = time.perf_counter()
     load0 = _loadavg()
@@ -662,7 +644,7 @@ def run_envelope(config: EnvelopeConfig, *, progress: Callable[[str], None] | No
         prog = os.path.join(d, "progress.log")
         open(prog, "w").close()  # noqa: SIM115
         stop = threading.Event()
-        tail = threading.Thread(target=_tail, args=(prog, stop, progress), daemon=True) if progress else None
+        tail = threading.Thread(target=follow, args=(prog, stop, progress), daemon=True) if progress else None
         if tail:
             tail.start()
         args = {

@@ -15,10 +15,12 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["run_ranks", "RanksFailedError", "free_port"]
+__all__ = ["run_ranks", "RanksFailedError", "free_port", "follow"]
 
 
 class RanksFailedError(RuntimeError):
@@ -116,3 +118,23 @@ def _worker(target: str, rank: int, world: int, port: int, args_path: str, out_p
 
 if __name__ == "__main__":
     _worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6])
+
+
+def follow(path: str, stop: threading.Event, emit: Callable[[str], None], *, interval: float = 0.25) -> None:
+    """Hand each new line of a progress file that ranks append to ``emit`` until ``stop`` is set
+    (then once more, so the last lines are not lost). Run it on a thread beside ``run_ranks``."""
+    pos = 0
+    while True:
+        done = stop.is_set()
+        try:
+            with open(path, encoding="utf-8") as f:
+                f.seek(pos)
+                chunk = f.read()
+                pos = f.tell()
+            for line in chunk.splitlines():
+                emit(line)
+        except OSError:
+            pass
+        if done:
+            return
+        stop.wait(interval)
