@@ -142,6 +142,7 @@ def drill_restore(
     key: str | None = None,
     scratch: str | None = None,
     record: bool = True,
+    progress: Callable[[int, int], None] | None = None,
 ) -> DrillResult:
     """Restore latest-good from ``vault`` into scratch space and check it stage by stage.
 
@@ -153,6 +154,7 @@ def drill_restore(
             else the whole object).
         scratch: directory to restore into (kept); default a temporary one, removed afterwards.
         record: write the result to the vault's ledger.
+        progress: ``progress(done, total)`` while the checkpoint is copied out of the vault.
     """
     from . import load, verify
     from .vault import restore
@@ -168,7 +170,7 @@ def drill_restore(
     try:
         try:
             os.makedirs(where, exist_ok=True)
-            r = restore(vault, "latest-good", where + "/")
+            r = restore(vault, "latest-good", where + "/", progress=progress)
             result.ckpt_id, result.restored = r.ckpt_id, r.dest
             stages["bytes"] = {"ok": True, "detail": f"{r.nbytes} bytes restored and verified at {r.bytes_per_s / 1e6:.1f} MB/s",
                                "bytes": r.nbytes, "bytes_per_s": round(r.bytes_per_s)}

@@ -48,7 +48,12 @@ def vault_promote(run_url: str, vault_url: str, ckpts: tuple[str, ...], lock_mod
         click.echo(json.dumps({"run": run_url, "vault": vault_url, "promoted": [p.to_dict() for p in done]}, indent=2))
         return
     if not done:
-        click.echo(f"nothing to promote: every trusted checkpoint of {run_url} is already in {vault_url}")
+        from certckpt.runstore import certify_store
+
+        if not certify_store(run_url, write_certificates=False).certification.order:
+            click.echo(f"nothing to promote: no checkpoint of {run_url} is trusted yet (see `certckpt status {run_url}`)")
+        else:
+            click.echo(f"nothing to promote: every trusted checkpoint of {run_url} is already in {vault_url}")
         return
     rows = []
     for p in done:
@@ -195,7 +200,8 @@ def drill_restore_cmd(vault_url, model_spec, eval_spec, reference, rtol, atol, k
     from certckpt.restoredrill import drill_restore, load_callable
 
     result = drill_restore(vault_url, model_factory=load_callable(model_spec), eval_fn=load_callable(eval_spec),
-                           reference=reference, rtol=rtol, atol=atol, key=key, scratch=scratch)
+                           reference=reference, rtol=rtol, atol=atol, key=key, scratch=scratch,
+                           progress=_Progress(f"restoring latest-good of {vault_url}", _COPY_PROGRESS))
     if save_metrics and result.metrics and result.step is not None:
         with open(save_metrics, "w", encoding="utf-8") as f:
             json.dump({str(result.step): result.metrics}, f, indent=2)

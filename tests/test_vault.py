@@ -341,6 +341,9 @@ def test_cli_vault_errors_are_one_line(tmp_path):
     assert r.returncode == 2 and r.stderr.strip() == f"certckpt: {tmp_path / 'nope'}: no such vault (directory not found)"
     r = cli("vault", "promote", str(tmp_path / "norun"), str(tmp_path / "v"))
     assert r.returncode == 2 and "no such run store" in r.stderr and r.stderr.count("\n") == 1
+    (tmp_path / "empty-run").mkdir()
+    r = cli("vault", "promote", str(tmp_path / "empty-run"), str(tmp_path / "v"))
+    assert r.returncode == 0 and "nothing to promote: no checkpoint of" in r.stdout and "trusted yet" in r.stdout
     r = cli("vault", "promote", str(tmp_path / "norun"), "s3x://bucket/v")
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
 
