@@ -55,6 +55,7 @@ class VaultSite:
     """
 
     url: str
+    local: bool = False
     s3: bool = False
     bucket: str | None = None
     object_lock: bool = False
@@ -130,7 +131,7 @@ def open_vault(url: str, *, create: bool = False) -> VaultSite:
                 raise StorageError(f"{url}: cannot create the vault directory ({e.strerror or e})") from e
         elif not os.path.isdir(target.local):
             raise CheckpointNotFoundError(f"{url}: no such vault (directory not found)")
-        return VaultSite(url=url)
+        return VaultSite(url=url, local=True)
     fs, path = filesystem(url)
     if not is_s3(fs):
         if not create and not fs.exists(path):
@@ -196,20 +197,15 @@ def _lock_of(site: VaultSite, url: str) -> dict[str, Any] | None:
 # --- copying -------------------------------------------------------------------------------------
 
 
-class _UploadProgress:
-    """An fsspec callback that reports ``(done, total)`` to a certckpt progress function."""
+def _upload_callback(progress: Progress, total: int):
+    """An fsspec callback reporting ``(done, total)`` to a certckpt progress function."""
+    from fsspec.callbacks import Callback
 
-    def __init__(self, progress: Progress, total: int) -> None:
-        from fsspec.callbacks import Callback
+    class _Report(Callback):
+        def call(self, *args: Any, **kwargs: Any) -> None:
+            progress(min(self.value, total), total)
 
-        outer = self
-
-        class _CB(Callback):
-            def call(self, *args: Any, **kwargs: Any) -> None:
-                progress(min(self.value, outer.total), outer.total)
-
-        self.total = total
-        self.callback = _CB()
+    return _Report()
 
 
 def _stream(src_url: str, out, progress: Progress | None) -> int:
@@ -282,7 +278,7 @@ def copy_once(
                 _stream(src_url, out, None)
             local = spool
         size = os.path.getsize(local)
-        cb = _UploadProgress(progress, size).callback if progress else None
+        cb = _upload_callback(progress, size) if progress else None
         for attempt in range(8):
             try:
                 commit_remote(local, dst, overwrite=False, display=dst, put_options=put_options, callback=cb)
@@ -437,11 +433,14 @@ def promote(
         rec = snap.records[cid]
         if not vcert.verdicts.get(cid) or not vcert.verdicts[cid].trusted:
             raise UntrustedCheckpointError(f"{cid}: the evidence copied to {vault} does not certify it; not promoted")
-        problem = check_file(entry.url, rec.get("header_digest"))
-        if problem:
-            raise CorruptCheckpointError(f"{cid}: the run's copy does not verify now ({problem}); not promoted")
         name = f"{cid}.safetensors"
         url = join(vault, name)
+        if not site.local:
+            # A remote name is write-once (and may be locked): check the source before it can land
+            # there. Local copies are verified before they are published, so a second read is waste.
+            problem = check_file(entry.url, rec.get("header_digest"))
+            if problem:
+                raise CorruptCheckpointError(f"{cid}: the run's copy does not verify now ({problem}); not promoted")
         t0 = time.perf_counter()
         written, nbytes = copy_once(entry.url, url, header_digest=rec.get("header_digest"), put_options=put_options, progress=progress)
         seconds = time.perf_counter() - t0

@@ -351,3 +351,20 @@ def test_cli_vault_errors_are_one_line(tmp_path):
 def test_vault_modules_import_without_torch():
     code = "import sys, certckpt.vault, certckpt.retention, certckpt_cli.main; assert 'torch' not in sys.modules"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+@pytest.mark.slow
+def test_a_damaged_source_never_reaches_the_vault(copy_run, tmp_path):
+    from certckpt.errors import CorruptCheckpointError
+
+    run, vault = copy_run("faulty"), str(tmp_path / "vault")
+    src = os.path.join(run, "step000005.safetensors")
+    with open(src, "r+b") as f:
+        f.seek(-3, os.SEEK_END)
+        b = f.read(1)
+        f.seek(-3, os.SEEK_END)
+        f.write(bytes([b[0] ^ 0x10]))
+    with pytest.raises(CorruptCheckpointError, match="nothing was published"):
+        promote(run, vault, ckpts=["main@5"])
+    assert not [n for n in os.listdir(vault) if n.endswith(".safetensors") or "certckpt-tmp" in n]
+    assert "main@5" not in Ledger(vault).snapshot().holdings
