@@ -166,3 +166,38 @@ def rollback(args):
             aud2.save({"model": m2.state_dict(), "optim": opt2.state_dict()}, f"{store}/b2-{s:04d}.safetensors")
     aud2.close()
     return {"caught": caught, "good": good}
+
+
+def trains_like_plain_ddp(args):
+    """The auditor's hook (averaging folded into the loss) gives DDP's averaged gradients and weights."""
+    plain_m, aud_m = _model(), _model()
+    plain = DDP(plain_m, gradient_as_bucket_view=args["view"])
+    plain_opt = torch.optim.SGD(plain_m.parameters(), lr=0.05, momentum=0.9)
+    aud_opt = torch.optim.SGD(aud_m.parameters(), lr=0.05, momentum=0.9)
+    aud = Auditor(DDP(aud_m, gradient_as_bucket_view=args["view"]), aud_opt, loss_fn=_loss, audit_every=3, sink=MemorySink())
+    grad_diffs, losses = [], []
+    for s in range(1, 8):
+        b = _batch(s)
+        plain_opt.zero_grad(set_to_none=True)
+        plain_loss = _loss(plain, b)
+        plain_loss.backward()
+        grads = [p.grad.clone() for p in plain_m.parameters()]
+        plain_opt.step()
+        losses.append([float(plain_loss), float(aud.train_step(b))])
+        grad_diffs.append(max(float((a - p.grad).abs().max()) for a, p in zip(grads, aud_m.parameters())))
+    weight_diff = max(float((a - b).abs().max()) for a, b in zip(plain_m.parameters(), aud_m.parameters()))
+    return {"grad_diffs": grad_diffs, "weight_diff": weight_diff, "losses": losses, "eager_pre": aud._hook.eager_pre,
+            "outcomes": sorted({(k, o) for _, k, o in aud._events}), "audits": sum(k == "replay" for _, k, _ in aud._events)}
+
+
+def nonfinite_attribution(args):
+    """A NaN in one rank's local gradients is attributed to that rank, with eager or lazy pre-checks."""
+    m = _model()
+    aud = Auditor(DDP(m, gradient_as_bucket_view=args["view"]), torch.optim.SGD(m.parameters(), lr=0.05),
+                  loss_fn=_loss, audit_every=4, on_nonfinite="skip", sink=MemorySink(),
+                  injector_faults=[Fault(kind="non-finite", rank=1, step=2, value="inf"),
+                                   Fault(kind="reduction", rank=-1, step=5)])
+    for s in range(1, 7):
+        aud.train_step(_batch(s))
+    return {"eager_pre": aud._hook.eager_pre,
+            "events": [(e.step, e.kind, e.suspect_ranks, e.details["pre_ranks"]) for e in aud.sink.events if e.failed]}

@@ -74,6 +74,29 @@ def test_tolerance_mode_and_reduction_faults():
     assert (red["caught_by"], red["detected_step"], red["suspect_ranks"]) == ("nonfinite-post", 7, [])
 
 
+@pytest.mark.parametrize("view", [False, True], ids=["grad-copies", "bucket-views"])
+def test_the_hook_averages_like_plain_ddp(view):
+    out = ranks("trains_like_plain_ddp", 3, {"view": view})
+    for res in out:
+        # bucket views force the eager pre-reduce check; gradient copies on CPU allow the lazy one
+        assert res["eager_pre"] is view
+        assert res["audits"] == 2  # replays scale their loss as training does: both pass
+        assert res["outcomes"] == [["consensus", "pass"], ["nonfinite", "pass"], ["replay", "pass"]]
+        assert max(res["grad_diffs"]) < 1e-6  # averaged, not summed: the sum would be 3x
+        assert res["weight_diff"] < 1e-6
+        for plain_loss, audited_loss in res["losses"]:
+            assert audited_loss == pytest.approx(plain_loss, rel=1e-5)  # the unscaled loss is returned
+
+
+@pytest.mark.parametrize("view", [False, True], ids=["lazy-pre-check", "eager-pre-check"])
+def test_nonfinite_names_the_rank_with_lazy_and_eager_pre_checks(view):
+    out = ranks("nonfinite_attribution", 3, {"view": view})
+    for res in out:
+        assert res["eager_pre"] is view
+    # rank 1's Inf is named before the all-reduce; a reduction delivering NaN to all names no rank
+    assert out[0]["events"] == [[2, "nonfinite-pre", [1], [1]], [5, "nonfinite-post", [], []]]
+
+
 def test_setup_errors_are_clear_and_early():
     out = ranks("setup_errors", 3)
     for r, res in enumerate(out):

@@ -3,8 +3,10 @@
 Per step, in this order:
 
 1. non-finite check of the local gradients before the all-reduce and of the reduced ones after it,
-   inside a DDP communication hook that performs the (averaging) all-reduce itself; the flags stay on
-   the device until one small read before ``optimizer.step()``;
+   inside a DDP communication hook that performs the all-reduce itself (the averaging is folded into
+   the loss); the flags stay on the device until one small read before ``optimizer.step()``. On CPU,
+   where a flag can be read for free, the local gradients are checked only when their reduced bucket
+   comes back non-finite (``_lazy_pre_possible``): a clean step pays one pass over the gradients;
 2. every ``audit_every`` steps, the ring replay audit: rank r recomputes rank r-1's micro-batch with
    its own weights and compares gradient signatures with those r-1 computed before the all-reduce;
 3. weight consensus after ``optimizer.step()`` at audit steps, checkpoint steps and every
@@ -80,8 +82,12 @@ class _HookState:
     """State shared with the communication hook: per-bucket device flags and, on audit steps,
     the signatures of the local (pre-reduce) gradients."""
 
-    def __init__(self, auditor: Auditor):
+    def __init__(self, auditor: Auditor, *, eager_pre: bool):
         self.auditor = auditor
+        # Eager: flag every bucket's local gradients before the all-reduce (device-side, no sync).
+        # Lazy: flag them only when the reduced bucket is non-finite, from ``.grad``, which still
+        # holds the local gradients when the callback runs (see ``_lazy_pre_possible``).
+        self.eager_pre = eager_pre
         self.pre: list[torch.Tensor] = []
         self.post: list[torch.Tensor] = []
         self.local_sig: dict[int, torch.Tensor] = {}
@@ -97,30 +103,61 @@ def _nonfinite_flag(buf: torch.Tensor) -> torch.Tensor:
     return ~torch.isfinite(buf.sum(dtype=torch.float32))
 
 
+def _local_grads_flag(params: list[torch.Tensor]) -> torch.Tensor:
+    flags = [_nonfinite_flag(p.grad) for p in params if p.grad is not None]
+    return torch.stack(flags).any() if flags else torch.zeros((), dtype=torch.bool)
+
+
+def _lazy_pre_possible(model: DistributedDataParallel, device: torch.device) -> bool:
+    """Can the pre-reduce check wait until the reduced bucket is known to be non-finite?
+
+    Only where reading a flag on the host is free (CPU tensors) and the local gradients survive the
+    all-reduce: DDP copies each gradient into its bucket and copies the reduced bucket back into
+    ``.grad`` only after every bucket's future (callback included) has completed, unless the
+    gradients *are* bucket views. A non-finite local gradient always makes the reduced bucket
+    non-finite (NaN and Inf survive a sum), so a clean step then pays one pass over the gradients
+    instead of two, and a failing step still learns which rank's local gradients were bad.
+    """
+    return device.type == "cpu" and not getattr(model, "gradient_as_bucket_view", False)
+
+
 def _comm_hook(state, bucket):
     # No annotations: DDP inspects them, and `from __future__ import annotations` turns them into
     # strings it rejects ("bucket annotation should be dist.GradBucket").
     aud = state.auditor
+    buf = bucket.buffer()
     if state.audit or aud.injector is not None:  # per-parameter views only when something needs them
         grads = bucket.gradients()
-        idx = [aud._param_index[id(p)] for p in bucket.parameters()]
+        params = bucket.parameters()
+        idx = [aud._param_index[id(p)] for p in params]
         if aud.injector is not None:
             aud.injector.on_local_grads([aud.param_names[i] for i in idx], grads)
-    buf = bucket.buffer()
-    state.pre.append(_nonfinite_flag(buf))
+            # A real fault in backward corrupts .grad, which DDP copied into the bucket: mirror an
+            # injected one there too, so that the lazy pre-reduce check sees what a real one would.
+            with torch.no_grad():
+                for p, g in zip(params, grads):
+                    if p.grad is not None and p.grad.data_ptr() != g.data_ptr():
+                        p.grad.copy_(g.view_as(p.grad))
+    if state.eager_pre:
+        state.pre.append(_nonfinite_flag(buf))
     if state.audit:
         probes = aud._probes.subset(idx) if aud._probes is not None else None
         sig = signature(grads, mode=aud.mode, probes=probes)
         for i, row in zip(idx, sig):
             state.local_sig[i] = row
-    buf.div_(aud.world)  # the default hook's averaging, composed with our checks
+    # No division here: the auditor folds DDP's averaging into the loss (loss / world before
+    # backward), so the sum this all-reduce computes is already the average. DDP's own hook fuses
+    # its division into the copy into the bucket; a hook's ``div_`` would be one more full pass.
     fut = dist.all_reduce(buf, group=aud.group, async_op=True).get_future()
 
     def post(f: torch.futures.Future) -> torch.Tensor:
         out = f.value()[0]
         if aud.injector is not None:
             aud.injector.on_reduced(out)
-        state.post.append(_nonfinite_flag(out))
+        flag = _nonfinite_flag(out)
+        state.post.append(flag)
+        if not state.eager_pre and bool(flag):  # a CPU flag: reading it costs no device sync
+            state.pre.append(_local_grads_flag(bucket.parameters()))
         return out
 
     return fut.then(post)
@@ -216,7 +253,7 @@ class Auditor:
         if self.injector is not None:
             self.injector.install(model.module)
         self._check_world_agrees()
-        self._hook = _HookState(self)
+        self._hook = _HookState(self, eager_pre=not _lazy_pre_possible(model, self.device))
         model.register_comm_hook(self._hook, _comm_hook)
         if ledger is not None and parent is not None and self.rank == 0:
             ledger.start_branch(branch, parent=parent)
@@ -331,7 +368,7 @@ class Auditor:
         if self.injector is not None:
             self.injector.begin(s, "train")
         loss = self.loss_fn(self.model, batch)
-        loss.backward()
+        self._scaled(loss).backward()
         flags = self._read_flags()
         self.step = s  # the step is attempted from here on, applied or not
         if any(flags):
@@ -368,9 +405,19 @@ class Auditor:
         if not bool(torch.stack(hook.post).any()):
             return [0] * (self.world + 1)
         flags = torch.zeros(self.world, dtype=torch.int32, device=self.wire_device)
-        flags[self.rank] = torch.stack(hook.pre).any().to(self.wire_device)
+        if hook.pre:  # eager: every bucket's; lazy: those of the buckets that came back non-finite
+            flags[self.rank] = torch.stack(hook.pre).any().to(self.wire_device)
         dist.all_reduce(flags, group=self.group)
         return flags.tolist() + [1]
+
+    def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss whose gradients, summed over the ranks, are DDP's averaged gradients.
+
+        Dividing the scalar loss by the world size costs nothing, where dividing the gradients in
+        the hook costs a pass over them. Replays scale the same way, so that a replayed gradient is
+        bit-for-bit the local one.
+        """
+        return loss / self.world if self.world > 1 else loss
 
     def _rng_state(self) -> dict[str, torch.Tensor]:
         state = {"cpu": torch.get_rng_state()}
@@ -415,7 +462,7 @@ class Auditor:
                 if self.injector is not None:
                     self.injector.begin(s, "replay")
                 loss = self.loss_fn(module, batch)
-                grads = torch.autograd.grad(loss, self.params, allow_unused=True)
+                grads = torch.autograd.grad(self._scaled(loss), self.params, allow_unused=True)
             grads = [g if g is not None else torch.zeros_like(p) for g, p in zip(grads, self.params)]
             if self.injector is not None:
                 self.injector.on_local_grads(self.param_names, grads)
