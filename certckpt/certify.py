@@ -174,7 +174,9 @@ def certify(
         if outcome == "fail" and _ev(e, "contained"):
             continue  # the update never reached the weights: it taints nothing and fails no audit
         prev = b.parts[step].get(kind)
-        if prev is None or outcome == "fail":  # a failure is never overwritten by a pass
+        # A failure is never overwritten by a pass. An audit's consensus compares digests and carries
+        # no fingerprint; a checkpoint's consensus at the same step carries the one to match.
+        if prev is None or outcome == "fail" or (prev == ("pass", None) and details.get("fp")):
             b.parts[step][kind] = (outcome, details.get("fp"))
     for c in checkpoints:
         branch(c.branch)

@@ -40,3 +40,14 @@ def reference_fingerprint(data: bytes, dtype: str, shape: tuple[int, ...]) -> in
         s = (s + w * m) & M64
     key = xxhash.xxh3_64_intdigest(f"{dtype}:{','.join(str(d) for d in shape)}:{len(data)}".encode("ascii"))
     return fmix64(s ^ key)
+
+
+def reference_digest(data: bytes) -> int:
+    """The 32-bit audit digest (certckpt/detect/digest.py): S mod 2**32, no finalizer."""
+    padded = data + b"\0" * (-len(data) % 4)
+    s = 0
+    for i in range(len(padded) // 4):
+        (w,) = struct.unpack_from("<i", padded, 4 * i)
+        m = (splitmix64((i % CHUNK) ^ SEED_T) | 1) * (splitmix64((i // CHUNK) ^ SEED_V) | 1)
+        s += w * m
+    return s % (1 << 32)

@@ -38,6 +38,7 @@ from ..errors import CertckptError
 from ..fingerprinting import _finalize, _raw_sum, _words
 from ..record import state_fingerprint
 from .attribution import arbitration_plan, attribute_replay, consensus_verdict, ring_pairs
+from .digest import digests
 from .events import AuditEvent, EventSink, MemorySink, rank_inventory
 from .exchange import check_shippable, recv_payload, ring_shift, send_payload
 from .inject import Injector
@@ -553,16 +554,29 @@ class Auditor:
 
     # --- check 3: weight consensus ----------------------------------------------------------------
 
-    def _weight_consensus(self, s: int, *, found_by: str | None = None) -> bool:
-        raw = torch.stack([_raw_sum(_words(p.detach())) for p in self.params]) if self.params else torch.zeros(0, dtype=torch.int64)
+    def _weight_consensus(self, s: int, *, found_by: str | None = None, fingerprints: bool = False) -> bool:
+        """Compare every replica's weights; returns whether they agree.
+
+        Audits compare 32-bit audit digests (``digest.py``). A checkpoint step (``fingerprints=True``)
+        compares the 64-bit fingerprints instead, which the checkpoint writer then reuses, and its
+        pass event carries the state fingerprint the certifier matches against the file.
+        """
+        if not self.params:
+            raw = torch.zeros(0, dtype=torch.int64)
+        elif fingerprints:
+            raw = torch.stack([_raw_sum(_words(p.detach())) for p in self.params])
+        else:
+            raw = digests([p.detach() for p in self.params])
         rows = [r.tolist() for r in self._gather_rows(raw)]
         verdict = consensus_verdict(rows)
         if verdict.agreed:
-            fps = {n: f"{_finalize(r, p):016x}" for n, r, p in zip(self.param_names, rows[0], self.params)}
-            state_fp = state_fingerprint(fps)
-            self._consensus = (s, fps, state_fp)
+            details: dict[str, Any] = {"params": len(self.params)}
+            if fingerprints:
+                fps = {n: f"{_finalize(r, p):016x}" for n, r, p in zip(self.param_names, rows[0], self.params)}
+                details["fp"] = state_fingerprint(fps)
+                self._consensus = (s, fps, details["fp"])
             if found_by is None:
-                self._event("consensus", "pass", step=s, fp=state_fp, params=len(fps))
+                self._event("consensus", "pass", step=s, **details)
             return True
         names = [self.param_names[j] for j in verdict.mismatched][:20]
         if self.last is not None and found_by is None:
@@ -604,7 +618,7 @@ class Auditor:
 
         s = self.step
         if not (self._consensus and self._consensus[0] == s):
-            self._weight_consensus(s)
+            self._weight_consensus(s, fingerprints=True)
         first = (self.last_checkpoint_step or 0) + 1
         audits = [{"step": st, "kind": k, "outcome": o} for st, k, o in self._events]
         fps = self._consensus[1] if self._consensus else {}

@@ -1,7 +1,7 @@
 """Gradient signatures for the replay audit, and how two of them are compared.
 
-Deterministic mode: the raw device-fingerprint sum of each gradient (bit-exact comparison; equal
-sums mean equal bytes for same-shaped tensors). Tolerance mode, for kernels that are not
+Deterministic mode: the 32-bit audit digest of each gradient (``digest.py``; bit-exact comparison:
+a difference confined to one word always changes it, others collide with probability 2**-32). Tolerance mode, for kernels that are not
 deterministic: per gradient its norm and a fixed random projection of a strided sample, compared
 within a relative tolerance.
 """
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..fingerprinting import _raw_sum, _words
+from .digest import digests
 
 __all__ = ["Probes", "signature", "matches"]
 
@@ -48,7 +48,7 @@ def signature(grads: Sequence[torch.Tensor], *, mode: str, probes: Probes | None
         deterministic: int64 ``[P]``; tolerance: float64 ``[P, 3]`` (norm, projection, projection scale).
     """
     if mode == "deterministic":
-        return torch.stack([_raw_sum(_words(g)) for g in grads])
+        return digests(grads)
     rows = []
     for g, idx, w in zip(grads, probes.index, probes.weight):
         flat = g.detach().reshape(-1).to(torch.float64)
