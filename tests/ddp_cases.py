@@ -201,3 +201,34 @@ def nonfinite_attribution(args):
         aud.train_step(_batch(s))
     return {"eager_pre": aud._hook.eager_pre,
             "events": [(e.step, e.kind, e.suspect_ranks, e.details["pre_ranks"]) for e in aud.sink.events if e.failed]}
+
+
+def _payload(rank: int):
+    g = torch.Generator().manual_seed(rank)
+    return {
+        "x": torch.randn(3, 5, generator=g),
+        "mask": torch.rand(7, generator=g) > 0.5,
+        "ids": torch.randint(0, 1000, (2, 3), generator=g),
+        "half": torch.randn(1, generator=g).half(),
+        "raw": torch.randint(0, 255, (5,), dtype=torch.uint8, generator=g),
+        "empty": torch.zeros(0, 4),
+        "strided": torch.arange(12.0).view(3, 4).t(),
+        "meta": {"rank": rank, "name": f"r{rank}", "scale": 0.5},
+        "rng": torch.Generator().manual_seed(100 + rank).get_state(),
+    }
+
+
+def ring_shift_payloads(args):
+    """The overlapped ring shift delivers the previous rank's object intact (dtypes, alignment, structure)."""
+    from certckpt.detect.exchange import RingShift
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    shift = RingShift(_payload(rank), group=dist.group.WORLD, wire_device=torch.device("cpu"), out_device=torch.device("cpu"))
+    busy = torch.randn(256, 256) @ torch.randn(256, 256)  # work the payload may overlap
+    shift.advance()
+    got = shift.finish()
+    want = _payload((rank - 1) % world)
+    same = {k: (torch.equal(got[k], want[k]) and got[k].dtype == want[k].dtype) if isinstance(want[k], torch.Tensor) else got[k] == want[k]
+            for k in want}
+    torch.set_rng_state(got["rng"])  # a received RNG state is usable as is
+    return {"same": same, "busy": float(busy.sum()) != 0.0}

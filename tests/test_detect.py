@@ -97,6 +97,12 @@ def test_nonfinite_names_the_rank_with_lazy_and_eager_pre_checks(view):
     assert out[0]["events"] == [[2, "nonfinite-pre", [1], [1]], [5, "nonfinite-post", [], []]]
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_ring_shift_delivers_the_previous_ranks_payload_intact(world):
+    for res in ranks("ring_shift_payloads", world):
+        assert res["same"] == {k: True for k in res["same"]} and len(res["same"]) == 9
+
+
 def test_setup_errors_are_clear_and_early():
     out = ranks("setup_errors", 3)
     for r, res in enumerate(out):

@@ -40,7 +40,7 @@ from ..record import state_fingerprint
 from .attribution import arbitration_plan, attribute_replay, consensus_verdict, ring_pairs
 from .digest import digests
 from .events import AuditEvent, EventSink, MemorySink, rank_inventory
-from .exchange import check_shippable, recv_payload, ring_shift, send_payload
+from .exchange import RingShift, check_shippable, recv_payload, send_payload
 from .inject import Injector
 from .signature import Probes, matches, signature
 
@@ -364,19 +364,25 @@ class Auditor:
         audit = self.is_audit_step(s)
         self.last = StepOutcome(step=s, audited=audit)
         rng = self._rng_state() if audit else None
+        # The neighbour's micro-batch travels while this rank computes its own step.
+        shift = RingShift({"batch": batch, "rng": rng}, group=self.group, wire_device=self.wire_device, out_device=self.device) if audit else None
         self.optimizer.zero_grad(set_to_none=True)
         self._hook.reset(audit=audit)
         if self.injector is not None:
             self.injector.begin(s, "train")
         loss = self.loss_fn(self.model, batch)
+        if shift is not None:
+            shift.advance()
         self._scaled(loss).backward()
         flags = self._read_flags()
         self.step = s  # the step is attempted from here on, applied or not
-        if any(flags):
+        if any(flags):  # the same on every rank: all drain the shift, so no message is left behind
+            if shift is not None:
+                shift.finish()
             self._nonfinite_detected(s, flags)
             return loss.detach()
         self._checked_since_audit += 1
-        if audit and not self._replay_audit(s, batch, rng):
+        if audit and not self._replay_audit(s, batch, rng, shift.finish()):
             return loss.detach()
         self.optimizer.step()
         if self.injector is not None:
@@ -487,10 +493,10 @@ class Auditor:
                 " enable torch.use_deterministic_algorithms(True) or use Auditor(mode='tolerance')"
             )
 
-    def _replay_audit(self, s: int, batch: Any, rng: dict[str, torch.Tensor]) -> bool:
-        """Run the ring replay; returns whether the update may be applied."""
+    def _replay_audit(self, s: int, batch: Any, rng: dict[str, torch.Tensor], prev: dict[str, Any]) -> bool:
+        """Run the ring replay of ``prev`` (the previous rank's batch and RNG state); returns whether
+        the update may be applied."""
         local = torch.stack([self._hook.local_sig[i] for i in range(len(self.params))])
-        prev = ring_shift({"batch": batch, "rng": rng}, group=self.group, wire_device=self.wire_device, out_device=self.device)
         replay = self._replay(self.model.module, prev["batch"], prev["rng"], s)
         gathered = self._gather_rows(torch.stack([local, replay]))  # [W, 2, P, ...]
         failed, mismatched = [], {}

@@ -1,13 +1,15 @@
 """Ship a micro-batch (and the RNG state it used) between ranks without pickle.
 
-The payload is flattened by the checkpoint skeleton code: a JSON description (sent as a uint8 tensor
-behind its length) plus the tensors themselves, sent point to point. Anything the skeleton refuses
-(an arbitrary object in the batch) is refused here too, at set-up, with its location.
+The payload is flattened by the checkpoint skeleton code: a JSON description plus the tensors
+themselves, sent point to point (the ring shift packs both into one message behind a small header of
+sizes, so that it can overlap the training step). Anything the skeleton refuses (an arbitrary object
+in the batch) is refused here too, at set-up, with its location.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import torch
@@ -17,7 +19,7 @@ from ..fingerprinting import ST_TO_TORCH, TORCH_TO_ST
 from ..skeleton import flatten, rebuild
 from ..writer import host_bytes
 
-__all__ = ["encode_payload", "ring_shift", "send_payload", "recv_payload", "check_shippable"]
+__all__ = ["encode_payload", "RingShift", "ring_shift", "send_payload", "recv_payload", "check_shippable"]
 
 
 def check_shippable(batch: Any) -> None:
@@ -49,37 +51,96 @@ def _to_wire(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t if t.device == device else t.to(device)
 
 
-def ring_shift(obj: Any, *, group: Any, wire_device: torch.device, out_device: torch.device) -> Any:
-    """Send ``obj`` to the next rank and return the previous rank's object (all ranks call this).
+_TAG_HEADER, _TAG_PAYLOAD = 0x5348, 0x5350  # p2p tags (gloo matches on them; NCCL matches in order)
+
+
+def _pack(meta: torch.Tensor, tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """``meta`` then every tensor's bytes, each piece starting on an 8-byte boundary, as one uint8 tensor."""
+    pieces, offset = [], 0
+    for t in [meta, *tensors]:
+        raw = _to_wire(t, device).reshape(-1).view(torch.uint8)
+        pad = -offset % 8
+        if pad:
+            pieces.append(torch.zeros(pad, dtype=torch.uint8, device=device))
+        pieces.append(raw)
+        offset += pad + raw.numel()
+    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.uint8, device=device)
+
+
+def _unpack(buf: torch.Tensor, meta_len: int) -> tuple[dict, list[torch.Tensor]]:
+    doc = _meta_doc(buf[:meta_len])
+    tensors, offset = [], meta_len
+    for _, code, shape in doc["tensors"]:
+        dtype = ST_TO_TORCH[code]
+        offset += -offset % 8
+        n = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        # a copy with its own storage: some consumers (torch.set_rng_state) ignore a view's offset
+        tensors.append(buf[offset : offset + n].view(dtype).reshape(shape).clone())
+        offset += n
+    return doc, tensors
+
+
+class RingShift:
+    """Send ``obj`` to the next rank and receive the previous rank's, overlapped with other work.
+
+    Every rank creates one (a collective), then calls ``advance()`` once it has other work to do
+    (between the forward and the backward pass) and ``finish()`` when it needs the result. The
+    sizes travel first, so the receive of the payload can be posted early and the payload moves
+    while the rank computes; only one message pair per rank is left for ``finish()`` to wait on.
+    The same two phases work on gloo and NCCL (NCCL matches a pair's messages in posting order).
 
     ``wire_device`` is where tensors travel (CPU for gloo, CUDA for NCCL); ``out_device`` is where
     the received object's tensors end up.
     """
-    world = dist.get_world_size(group)
-    if world == 1:
-        return obj  # a single rank replays its own micro-batch (same-device replay)
-    rank = dist.get_rank(group)
-    nxt, prv = dist.get_global_rank(group, (rank + 1) % world), dist.get_global_rank(group, (rank - 1) % world)
-    meta, tensors = encode_payload(obj)
 
-    def swap(out: torch.Tensor, inp: torch.Tensor) -> None:
-        ops = [dist.P2POp(dist.isend, out, nxt, group), dist.P2POp(dist.irecv, inp, prv, group)]
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+    def __init__(self, obj: Any, *, group: Any, wire_device: torch.device, out_device: torch.device):
+        self.group, self.wire_device, self.out_device = group, wire_device, out_device
+        world = dist.get_world_size(group)
+        self._result: Any = obj if world == 1 else None  # a single rank replays its own micro-batch
+        self._done = world == 1
+        if self._done:
+            return
+        rank = dist.get_rank(group)
+        self._next = dist.get_global_rank(group, (rank + 1) % world)
+        self._prev = dist.get_global_rank(group, (rank - 1) % world)
+        meta, tensors = encode_payload(obj)
+        self._out = _pack(meta, tensors, wire_device)
+        self._out_header = torch.tensor([meta.numel(), self._out.numel()], dtype=torch.int64, device=wire_device)
+        self._in_header = torch.empty(2, dtype=torch.int64, device=wire_device)
+        self._in: torch.Tensor | None = None
+        self._header_works = self._swap(self._out_header, self._in_header, _TAG_HEADER)
+        self._payload_works: list | None = None
 
-    n_out = torch.tensor([meta.numel()], dtype=torch.int64, device=wire_device)
-    n_in = torch.empty(1, dtype=torch.int64, device=wire_device)
-    swap(n_out, n_in)
-    meta_in = torch.empty(int(n_in.item()), dtype=torch.uint8, device=wire_device)
-    swap(_to_wire(meta, wire_device), meta_in)
-    doc = _meta_doc(meta_in)
-    incoming = _empty_for(doc, wire_device)
-    ops = [dist.P2POp(dist.isend, _to_wire(t, wire_device), nxt, group) for t in tensors]
-    ops += [dist.P2POp(dist.irecv, t, prv, group) for t in incoming]
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
+    def _swap(self, out: torch.Tensor, inp: torch.Tensor, tag: int) -> list:
+        ops = [dist.P2POp(dist.isend, out, self._next, self.group, tag), dist.P2POp(dist.irecv, inp, self._prev, self.group, tag)]
+        return dist.batch_isend_irecv(ops)
+
+    def advance(self) -> None:
+        """Wait for the sizes (normally in already) and post the payload's send and receive."""
+        if self._done or self._payload_works is not None:
+            return
+        for work in self._header_works:
             work.wait()
-    return _decode(doc, incoming, out_device)
+        self._in = torch.empty(int(self._in_header[1].item()), dtype=torch.uint8, device=self.wire_device)
+        self._payload_works = self._swap(self._out, self._in, _TAG_PAYLOAD)
+
+    def finish(self) -> Any:
+        """The previous rank's object (waits for the payload if it is still on its way)."""
+        if self._done:
+            return self._result
+        self.advance()
+        for work in self._payload_works:
+            work.wait()
+        doc, tensors = _unpack(self._in, int(self._in_header[0].item()))
+        self._result = _decode(doc, tensors, self.out_device)
+        self._done = True
+        self._out = self._in = None
+        return self._result
+
+
+def ring_shift(obj: Any, *, group: Any, wire_device: torch.device, out_device: torch.device) -> Any:
+    """Send ``obj`` to the next rank and return the previous rank's object (all ranks call this)."""
+    return RingShift(obj, group=group, wire_device=wire_device, out_device=out_device).finish()
 
 
 def send_payload(obj: Any, dst: int, *, group: Any, wire_device: torch.device) -> None:
