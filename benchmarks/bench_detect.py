@@ -19,10 +19,11 @@ DDP copies of the same MLP (identical initialisation), each with its own SGD opt
 Each configuration takes its untimed warm-up steps first (the Auditor's first step also runs its
 one-off determinism check there). Then, in every trial, each configuration runs the same number of
 steps (a multiple of 100, so that each trial of audit/100 holds exactly one audit and audit/10
-exactly one per 10 steps: the audit counts are recorded and printed, not assumed), one
-configuration after another in an order that rotates every trial, so that they share the machine's
-noise. A timed block is: barrier, ``perf_counter``, the steps, barrier, ``perf_counter``; the figure
-is rank 0's wall time for the block divided by its steps. Batches (32 x 1024 ``randn``, MSE loss
+exactly one per 10 steps: the audit counts are recorded and printed, not assumed), in slices of
+``--slice`` steps (default 10) interleaved with the other configurations' slices in an order that
+rotates every slice, so that they share the machine's noise (``--slice 100``: one block per
+configuration per trial). A timed slice is: barrier, ``perf_counter``, the steps, barrier,
+``perf_counter``; the figure is rank 0's wall time for a trial's slices divided by their steps. Batches (32 x 1024 ``randn``, MSE loss
 against a seeded random target, different on every rank and at every step, the same for every
 configuration) are generated before each block, untimed.
 
@@ -177,10 +178,23 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
 
     # --- interleaved trials --------------------------------------------------------------------
     trials: list[dict[str, Any]] = []
+    slice_n = args["slice"]
     for t in range(args["trials"]):
         k = t % len(CONFIGS)
         order = list(CONFIGS[k:] + CONFIGS[:k])
-        blocks = {name: timed_block(name, args["steps"]) for name in order}
+        # Each configuration's steps for this trial, run as slices of `slice_n` steps interleaved
+        # with the other configurations' (the order rotating every slice), so that all of them
+        # sample the same stretch of the machine's noise; a slice's figures add up into the block.
+        blocks = {name: {"wall_s": 0.0, "cpu_s": 0.0, "steps": 0, "audits": 0, "first_step": steps_done[name] + 1}
+                  for name in CONFIGS}
+        for j in range(args["steps"] // slice_n):
+            r = j % len(order)
+            for name in order[r:] + order[:r]:
+                piece = timed_block(name, slice_n)
+                for key in ("wall_s", "cpu_s", "steps", "audits"):
+                    blocks[name][key] += piece[key]
+        for name in CONFIGS:
+            blocks[name]["last_step"] = steps_done[name]
         trials.append({"order": order, "blocks": blocks})
         log(f"trial {t + 1}/{args['trials']}: " + ", ".join(
             f"{n} {blocks[n]['wall_s'] / blocks[n]['steps'] * 1e3:.1f}" for n in CONFIGS) + " ms/step")
@@ -393,7 +407,7 @@ def print_report(R: dict[str, Any]) -> None:
     print(f"model: MLP {'-'.join(map(str, c['widths']))} (GELU between Linears), {c['params']:,} parameters "
           f"({c['params'] * 4 / 2**20:.1f} MiB float32, {c['ddp_buckets'] if c['ddp_buckets'] is not None else '?'} DDP buckets); "
           f"batch {c['batch']} x {c['widths'][0]} per rank, MSE; SGD momentum 0.9")
-    print("figure: rank 0's wall time per timed block (barrier to barrier) / steps; median across trials [min-max]")
+    print(f"figure: rank 0's wall time over a trial's interleaved slices of {c['slice']} steps (each barrier to barrier) / steps; median across trials [min-max]")
     print()
     head = ("configuration", "ms/step median [min-max]", "ratio to plain", "target", "", "paired ratio med [min-max]",
             "audits/trial", "CPU ms/step (3 ranks)")
@@ -477,6 +491,8 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="also print all results as JSON")
     ap.add_argument("--trials", type=int, default=None, help="interleaved trials (default 7, quick 2)")
     ap.add_argument("--steps", type=int, default=None, help="steps per configuration per trial, a multiple of 100 (default 100)")
+    ap.add_argument("--slice", type=int, default=10,
+                    help="steps per interleaved slice, dividing --steps (default 10; 100: one block per configuration per trial)")
     ap.add_argument("--batch", type=int, default=None,
                     help="micro-batch rows per rank (default 32); larger batches give the compute-heavier steps of real training")
     args = ap.parse_args()
@@ -490,6 +506,9 @@ def main() -> None:
         P["steps"] = args.steps
     if args.batch is not None:
         P["batch"] = args.batch
+    P["slice"] = args.slice
+    if args.slice < 1 or P["steps"] % args.slice:
+        ap.error("--slice must divide --steps")
     if P["steps"] % 100:
         ap.error("--steps must be a multiple of 100 (each trial of audit/100 must hold exactly one audit per 100 steps)")
     if P["trials"] < 7 and not args.quick:
