@@ -232,3 +232,31 @@ def ring_shift_payloads(args):
             for k in want}
     torch.set_rng_state(got["rng"])  # a received RNG state is usable as is
     return {"same": same, "busy": float(busy.sum()) != 0.0}
+
+
+class _TiedWithSpare(torch.nn.Module):
+    """A weight used twice in one forward, and a parameter the forward never uses."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(8, 8)
+        self.spare = torch.nn.Linear(8, 8)
+        self.out = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.inp(torch.tanh(self.inp(x)))))
+
+
+def replay_tied_and_unused(args):
+    m = _TiedWithSpare()
+    aud = Auditor(DDP(m, find_unused_parameters=True), torch.optim.SGD(m.parameters(), lr=0.05), loss_fn=_loss,
+                  audit_every=2, sink=MemorySink(), injector_faults=[Fault(kind="backward", rank=2, step=5, persistent=True, target="inp.weight")])
+    caught = None
+    for s in range(1, 9):
+        try:
+            aud.train_step(_batch(s))
+        except FaultDetectedError as e:
+            caught = (e.event.step, e.event.kind, e.event.suspect_ranks, e.event.details["mismatched"])
+            break
+    return {"outcomes": sorted({(k, o) for _, k, o in aud._events}), "caught": caught}

@@ -103,6 +103,17 @@ def test_ring_shift_delivers_the_previous_ranks_payload_intact(world):
         assert res["same"] == {k: True for k in res["same"]} and len(res["same"]) == 9
 
 
+def test_replay_signs_tied_weights_once_and_unused_parameters_as_zeros():
+    out = ranks("replay_tied_and_unused", 3)
+    for res in out:
+        # steps 2 and 4 audit clean (the shared weight's summed gradient, the spare's zeros), then the
+        # persistent fault on rank 2 is caught at step 6 in exactly the tensor it corrupts
+        assert ["replay", "pass"] in res["outcomes"] and ["consensus", "pass"] in res["outcomes"]
+        step, kind, suspects, mismatched = res["caught"]
+        assert (step, kind, suspects) == (6, "replay", [2])
+        assert set(mismatched) == {"2->0", "1->2"} and all(v == ["inp.weight"] for v in mismatched.values())
+
+
 def test_setup_errors_are_clear_and_early():
     out = ranks("setup_errors", 3)
     for r, res in enumerate(out):

@@ -60,3 +60,10 @@ def test_deterministic_signatures_are_digests_and_compare_exactly():
     flipped = [grads[0], grads[1].clone()]
     flipped[1].view(torch.int32)[3] ^= 1  # the lowest mantissa bit of one element
     assert matches(sig, signature(flipped, mode="deterministic"), mode="deterministic", rtol=0) == [True, False]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_digests_equal_cpu_digests():
+    g = torch.Generator().manual_seed(3)
+    for t in (torch.randn(17 * 65536 + 3, generator=g), torch.randn(33, 7, generator=g).half(), torch.zeros(0)):
+        assert int(digest(t.cuda())) == int(digest(t))
