@@ -251,8 +251,8 @@ def _own_reasons(c: CheckpointEntry, b: _Branch, corrupt: set[str]) -> list[str]
         reasons.append("corrupt")
     # rule 2: the weights every replica agreed on at s
     cons = b.parts.get(s, {}).get("consensus")
-    if cons is None or cons[0] != "pass" or c.consensus_fp is None:
-        reasons.append("no-consensus")
+    if cons is None or cons[0] != "pass" or cons[1] is None or c.consensus_fp is None:
+        reasons.append("no-consensus")  # (a digest-only agreement, at an audit, names no fingerprint)
     elif cons[1] != c.consensus_fp:
         reasons.append("fingerprint-mismatch")
     # rule 3: the first full audit at or after s passed, no failure from s up to it

@@ -140,14 +140,20 @@ class _Tables:
 _local = threading.local()
 
 
-def _tables(device: torch.device) -> _Tables:
-    cache = getattr(_local, "tables", None)
+def _per_thread(factory, device: torch.device):
+    """``factory(device)``, built once per thread and device (its scratch buffers are reused)."""
+    cache = getattr(_local, "cache", None)
     if cache is None:
-        cache = _local.tables = {}
-    t = cache.get(device)
+        cache = _local.cache = {}
+    key = (factory, device)
+    t = cache.get(key)
     if t is None:
-        t = cache[device] = _Tables(device)
+        t = cache[key] = factory(device)
     return t
+
+
+def _tables(device: torch.device) -> _Tables:
+    return _per_thread(_Tables, device)
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:

@@ -197,3 +197,16 @@ def test_a_new_branch_intervals_start_at_its_fork_point():
     cert = certify([ckpt(10), ckpt(20)], events, branch_parents={"b2": "main@20"})
     (d,) = cert.detections
     assert (d.branch, d.interval, d.rollback_window) == ("b2", (20, 27), 7)
+
+
+def test_a_checkpoint_matches_the_fingerprint_consensus_beside_an_audits_digest_consensus():
+    # at an audit step the replicas first agree on digests (no fp); saving there agrees on fingerprints
+    digest_pass = ev(10, "consensus")
+    for order in ((digest_pass, ev(10, "consensus", fp="main10")), (ev(10, "consensus", fp="main10"), digest_pass)):
+        events = [ev(10, "replay"), ev(10, "nonfinite"), *order] + full_audit(20)
+        assert certify([ckpt(10)], events).verdicts["main@10"].trusted
+    events = [ev(10, "replay"), ev(10, "nonfinite"), digest_pass, ev(10, "consensus", fp="other")] + full_audit(20)
+    assert certify([ckpt(10)], events).verdicts["main@10"].reasons == ("fingerprint-mismatch",)
+    # a digest consensus alone names no fingerprint to vouch for the file with
+    events = [ev(10, "replay"), ev(10, "nonfinite"), digest_pass] + full_audit(20)
+    assert certify([ckpt(10)], events).verdicts["main@10"].reasons == ("no-consensus",)

@@ -19,12 +19,11 @@ Wrapping int32 multiplication is checked at first use, as the fingerprint checks
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 
 import torch
 
-from ..fingerprinting import FP_CHUNK_WORDS, _tables, _words
+from ..fingerprinting import FP_CHUNK_WORDS, _per_thread, _tables, _words
 
 __all__ = ["digest", "digests"]
 
@@ -49,17 +48,8 @@ class _Tables32:
             raise RuntimeError("torch int32 multiplication does not wrap mod 2**32 on this build; cannot digest")
 
 
-_local = threading.local()
-
-
 def _tables32(device: torch.device) -> _Tables32:
-    cache = getattr(_local, "tables", None)
-    if cache is None:
-        cache = _local.tables = {}
-    t = cache.get(device)
-    if t is None:
-        t = cache[device] = _Tables32(device)
-    return t
+    return _per_thread(_Tables32, device)
 
 
 def _digest_words(words: torch.Tensor) -> torch.Tensor:

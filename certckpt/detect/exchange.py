@@ -19,7 +19,7 @@ from ..fingerprinting import ST_TO_TORCH, TORCH_TO_ST
 from ..skeleton import flatten, rebuild
 from ..writer import host_bytes
 
-__all__ = ["encode_payload", "RingShift", "ring_shift", "send_payload", "recv_payload", "check_shippable"]
+__all__ = ["encode_payload", "RingShift", "send_payload", "recv_payload", "check_shippable"]
 
 
 def check_shippable(batch: Any) -> None:
@@ -136,11 +136,6 @@ class RingShift:
         self._done = True
         self._out = self._in = None
         return self._result
-
-
-def ring_shift(obj: Any, *, group: Any, wire_device: torch.device, out_device: torch.device) -> Any:
-    """Send ``obj`` to the next rank and return the previous rank's object (all ranks call this)."""
-    return RingShift(obj, group=group, wire_device=wire_device, out_device=out_device).finish()
 
 
 def send_payload(obj: Any, dst: int, *, group: Any, wire_device: torch.device) -> None:
