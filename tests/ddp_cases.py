@@ -260,3 +260,16 @@ def replay_tied_and_unused(args):
             caught = (e.event.step, e.event.kind, e.event.suspect_ranks, e.event.details["mismatched"])
             break
     return {"outcomes": sorted({(k, o) for _, k, o in aud._events}), "caught": caught}
+
+
+def one_rank_reduction_fault(args):
+    """A reduction that delivers NaN to rank 1 only, with the per-step flag exchange: all ranks skip."""
+    m = _model()
+    aud = Auditor(DDP(m), torch.optim.SGD(m.parameters(), lr=0.05), loss_fn=_loss, audit_every=4, on_nonfinite="skip",
+                  exchange_flags="every-step", sink=MemorySink(), injector_faults=[Fault(kind="reduction", rank=1, step=2)])
+    applied = []
+    for s in range(1, 7):
+        aud.train_step(_batch(s))
+        applied.append(aud.last.applied)
+    return {"applied": applied, "consensus": aud._weight_consensus(aud.step),
+            "events": [(e.step, e.kind, e.suspect_ranks, e.details["post_ranks"]) for e in aud.sink.events if e.failed]}

@@ -114,6 +114,14 @@ def test_replay_signs_tied_weights_once_and_unused_parameters_as_zeros():
         assert set(mismatched) == {"2->0", "1->2"} and all(v == ["inp.weight"] for v in mismatched.values())
 
 
+def test_every_step_flag_exchange_contains_a_reduction_fault_seen_by_one_rank():
+    out = ranks("one_rank_reduction_fault", 3)
+    for res in out:
+        assert res["applied"] == [True, False, True, True, True, True]  # every rank dropped step 2
+        assert res["consensus"]  # so the replicas still agree
+    assert out[0]["events"] == [[2, "nonfinite-post", [], [1]]]
+
+
 def test_setup_errors_are_clear_and_early():
     out = ranks("setup_errors", 3)
     for r, res in enumerate(out):

@@ -180,6 +180,9 @@ class Auditor:
         mode: ``"deterministic"`` (bit-exact fingerprints) or ``"tolerance"`` (norm and projection).
         rtol: relative tolerance in tolerance mode.
         on_nonfinite: ``"raise"`` or ``"skip"`` (drop the update: a contained detection).
+        exchange_flags: ``"on-failure"`` (default: ranks exchange the non-finite flags only on a
+            failing step) or ``"every-step"`` (one small all-reduce per step, so that a reduction
+            delivering non-finite values to some ranks only is still a clean, contained detection).
         on_fault: ``"raise"`` or ``"continue"`` for replay and consensus failures (the failing step's
             update is dropped either way).
         sink: where events go (rank 0 emits them); default an in-memory sink (``auditor.sink.events``).
@@ -206,6 +209,7 @@ class Auditor:
         mode: str = "deterministic",
         rtol: float = 1e-3,
         on_nonfinite: str = "raise",
+        exchange_flags: str = "on-failure",
         on_fault: str = "raise",
         sink: EventSink | None = None,
         injector_faults: list | None = None,
@@ -222,12 +226,14 @@ class Auditor:
             raise AuditSetupError(f"mode must be 'deterministic' or 'tolerance', got {mode!r}")
         if on_nonfinite not in ("raise", "skip") or on_fault not in ("raise", "continue"):
             raise AuditSetupError("on_nonfinite must be 'raise' or 'skip'; on_fault 'raise' or 'continue'")
+        if exchange_flags not in ("on-failure", "every-step"):
+            raise AuditSetupError(f"exchange_flags must be 'on-failure' or 'every-step', got {exchange_flags!r}")
         if audit_every < 1 or (consensus_every is not None and consensus_every < 1):
             raise AuditSetupError("audit_every and consensus_every must be >= 1")
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.run, self.branch, self.mode, self.rtol = run, branch, mode, rtol
         self.audit_every, self.consensus_every = audit_every, consensus_every
-        self.on_nonfinite, self.on_fault = on_nonfinite, on_fault
+        self.on_nonfinite, self.on_fault, self.exchange_flags = on_nonfinite, on_fault, exchange_flags
         self.group = model.process_group
         self.world = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
@@ -272,7 +278,8 @@ class Auditor:
     def _check_world_agrees(self) -> None:
         """Every rank must have the same parameters and the same audit configuration."""
         desc = json.dumps(
-            [self.audit_every, self.consensus_every, self.mode, [(n, list(p.shape), str(p.dtype)) for n, p in zip(self.param_names, self.params)]]
+            [self.audit_every, self.consensus_every, self.mode, self.exchange_flags,
+             [(n, list(p.shape), str(p.dtype)) for n, p in zip(self.param_names, self.params)]]
         ).encode()
         import xxhash
 
@@ -376,7 +383,7 @@ class Auditor:
         self._scaled(loss).backward()
         flags = self._read_flags()
         self.step = s  # the step is attempted from here on, applied or not
-        if any(flags):  # the same on every rank: all drain the shift, so no message is left behind
+        if flags is not None:  # the same on every rank: all drain the shift, so no message is left behind
             if shift is not None:
                 shift.finish()
             self._nonfinite_detected(s, flags)
@@ -396,26 +403,36 @@ class Auditor:
                 self.last_clean_audit = s
         return loss.detach()
 
-    def _read_flags(self) -> list[int]:
-        """``[pre_0, ..., pre_W-1, post_local]``: every rank's pre-reduce flag and this rank's post flag.
+    def _read_flags(self) -> tuple[list[int], list[int]] | None:
+        """None on a clean step; else per rank ``(pre-reduce flags, post-reduce flags)``.
 
         A non-finite value in any rank's local gradients survives the averaging (NaN and Inf
-        propagate through a sum), so the post flag is set whenever any pre flag is; and it is equal on
-        every rank whenever the reduction delivers the same values to all (one that does not is a fault
-        the next weight consensus catches). So a clean step needs no exchange at all: reading the post
-        flag is the step's only host synchronisation, and only a failing step all-reduces the pre flags
-        to learn which rank (if any) produced the bad values.
+        propagate through a sum), so a post flag is set whenever any pre flag is; and it is equal on
+        every rank whenever the reduction delivers the same values to all. So by default
+        (``exchange_flags="on-failure"``) a clean step exchanges nothing: reading the post flags is
+        the step's only host synchronisation, and only a failing step all-reduces the flags to learn
+        which rank (if any) produced the bad values. A reduction that delivers non-finite values to
+        some ranks only breaks that assumption: those ranks enter an exchange the others never join
+        (gloo aborts on the mismatched collective, NCCL times out). ``exchange_flags="every-step"``
+        pays one small all-reduce per step so that every rank always learns every rank's flags, and
+        such a fault becomes a contained detection on all ranks.
         """
         hook = self._hook
-        if not hook.post:  # no gradient bucket this step
-            return [0] * (self.world + 1)
-        if not bool(torch.stack(hook.post).any()):
-            return [0] * (self.world + 1)
-        flags = torch.zeros(self.world, dtype=torch.int32, device=self.wire_device)
-        if hook.pre:  # eager: every bucket's; lazy: those of the buckets that came back non-finite
+        post_local = bool(torch.stack(hook.post).any()) if hook.post else False
+        if not post_local and self.exchange_flags == "on-failure":
+            return None
+        flags = torch.zeros(2 * self.world, dtype=torch.int32, device=self.wire_device)
+        if post_local:
+            flags[self.world + self.rank] = 1
+            if hook.pre:  # eager: every bucket's; lazy: those of the buckets that came back non-finite
+                flags[self.rank] = torch.stack(hook.pre).any().to(self.wire_device)
+        elif hook.pre:  # every-step exchange with eager pre-checks
             flags[self.rank] = torch.stack(hook.pre).any().to(self.wire_device)
         dist.all_reduce(flags, group=self.group)
-        return flags.tolist() + [1]
+        values = flags.tolist()
+        if not any(values):
+            return None
+        return values[: self.world], values[self.world :]
 
     def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss whose gradients, summed over the ranks, are DDP's averaged gradients.
@@ -434,10 +451,10 @@ class Auditor:
 
     # --- check 1: non-finite ------------------------------------------------------------------
 
-    def _nonfinite_detected(self, s: int, flags: list[int]) -> None:
+    def _nonfinite_detected(self, s: int, flags: tuple[list[int], list[int]]) -> None:
         self.last.applied = False
-        pre = [r for r in range(self.world) if flags[r]]
-        post = [self.rank] if flags[self.world] else []
+        pre = [r for r, f in enumerate(flags[0]) if f]
+        post = [r for r, f in enumerate(flags[1]) if f]
         bad = [n for n, p in zip(self.param_names, self.params) if p.grad is not None and not torch.isfinite(p.grad).all()]
         if pre:
             kind, suspects = "nonfinite-pre", pre
@@ -445,7 +462,7 @@ class Auditor:
         else:
             kind, suspects = "nonfinite-post", []
             msg = (
-                f"gradients became non-finite in the all-reduce (seen on rank {self.rank}) while every rank's local"
+                f"gradients became non-finite in the all-reduce (seen on rank(s) {post}) while every rank's local"
                 " gradients were finite: suspect the reduction (interconnect, or a rank's reduction arithmetic)"
             )
         ev = self._event(
