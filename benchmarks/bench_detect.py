@@ -475,6 +475,10 @@ def print_report(R: dict[str, Any]) -> None:
           f" (hook {hook_cost / m['plain_step'] * 100:+.1f}% + audits {extra / 10 / m['plain_step'] * 100:+.1f}%),"
           f" audit/100 {(m['plain_step'] + hook_cost + extra / 100) / m['plain_step']:.3f}x,"
           f" non-finite alone {(m['plain_step'] + hook_cost) / m['plain_step']:.3f}x")
+    replay_ms = parts["replay forward + backward"]
+    base = S["configs"]["plain"]["median_ms"]
+    print(f"   replay floor (the replay's forward + backward / K / plain step, no implementation of a full replay"
+          f" goes below it): K=10 {replay_ms / 10 / base * 100:.1f}%, K=100 {replay_ms / 100 / base * 100:.2f}%")
     bk = R["per_rank"][0]["bookkeeping"]
     print("   info, auditor bookkeeping on rank 0 at the end (steps since the last audit, lineage entries since the last checkpoint, sink): "
           + "; ".join(f"{n}: {v['since_audit']}, {v['events_since_checkpoint']}, {v['sink_events']}"
