@@ -109,6 +109,7 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
 
     from certckpt.detect.auditor import Auditor, _nonfinite_flag
     from certckpt.detect.signature import signature
+    from certckpt.detect.launch import ProgressLog
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     torch.set_num_threads(1)
@@ -116,12 +117,7 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
     rank = dist.get_rank()
     widths, bsz = args["widths"], args["batch"]
     t_start = time.perf_counter()
-    progress = open(args["progress"], "a", encoding="utf-8") if rank == 0 and args.get("progress") else None  # noqa: SIM115
-
-    def log(msg: str) -> None:
-        if progress is not None:
-            progress.write(f"[{time.perf_counter() - t_start:6.1f} s] {msg}\n")
-            progress.flush()
+    log = ProgressLog(args.get("progress"), rank=rank)
 
     # --- one DDP model + optimizer per configuration, all built up front ---------------------------
     runners: dict[str, Any] = {}
@@ -318,8 +314,7 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
     log("breakdown done")
 
     buckets = len(aud._hook.post)  # one post-reduce flag per DDP bucket: the comm hook ran this many times
-    if progress is not None:
-        progress.close()
+    log.close()
     return {
         "rank": rank,
         "torch_threads": torch.get_num_threads(),

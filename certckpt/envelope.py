@@ -414,6 +414,7 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
 
     from .detect.auditor import Auditor
     from .detect.events import MemorySink
+    from .detect.launch import ProgressLog
 
     rank, world = dist.get_rank(), dist.get_world_size()
     mode, backend, device_kind = args["mode"], args["backend"], args["device"]
@@ -426,12 +427,7 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
         device = torch.device("cpu")
     group = dist.new_group(backend=backend) if backend != "gloo" else None
     t_start = time.perf_counter()
-    progress = open(args["progress"], "a", encoding="utf-8") if rank == 0 and args.get("progress") else None  # noqa: SIM115
-
-    def log(msg: str) -> None:
-        if progress is not None:
-            progress.write(f"[{time.perf_counter() - t_start:6.1f} s] {msg}\n")
-            progress.flush()
+    log = ProgressLog(args.get("progress"), rank=rank)
 
     def sync() -> None:
         if device.type == "cuda":
@@ -565,8 +561,7 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
         shapes_out.append({"seq_len": seq_len, "micro_batch": micro_batch, "trials": kept, "warmup": warmup, "block": block,
                            "seconds": time.perf_counter() - shape_t0, "mean_s": mean, "untrimmed_mean_s": raw_mean,
                            "samples_s": samples, "combinations": combos})
-    if progress is not None:
-        progress.close()
+    log.close()
     return {
         "rank": rank,
         "params": n_params,

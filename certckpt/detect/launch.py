@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["run_ranks", "RanksFailedError", "free_port", "follow"]
+__all__ = ["run_ranks", "RanksFailedError", "free_port", "follow", "ProgressLog"]
 
 
 class RanksFailedError(RuntimeError):
@@ -138,3 +138,22 @@ def follow(path: str, stop: threading.Event, emit: Callable[[str], None], *, int
         if done:
             return
         stop.wait(interval)
+
+
+class ProgressLog:
+    """The rank side of ``follow``: rank 0 appends timestamped lines to the progress file; a call on
+    another rank, or without a file, does nothing."""
+
+    def __init__(self, path: str | None, *, rank: int):
+        self._start = time.perf_counter()
+        self._f = open(path, "a", encoding="utf-8") if rank == 0 and path else None  # noqa: SIM115 - closed by close()
+
+    def __call__(self, msg: str) -> None:
+        if self._f is not None:
+            self._f.write(f"[{time.perf_counter() - self._start:6.1f} s] {msg}\n")
+            self._f.flush()
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
