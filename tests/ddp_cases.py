@@ -168,16 +168,32 @@ def rollback(args):
     return {"caught": caught, "good": good}
 
 
+def _conv_model():
+    """A small conv net in channels_last, whose weights' gradients are not row-major in DDP's buckets."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Tanh(), torch.nn.Conv2d(8, 4, 3), torch.nn.Flatten(),
+                              torch.nn.Linear(4 * 4 * 4, 4))
+    return net.to(memory_format=torch.channels_last)
+
+
+def _conv_batch(step: int):
+    g = torch.Generator().manual_seed(dist.get_rank() * 1000 + step)
+    x = torch.randn(4, 3, 8, 8, generator=g).to(memory_format=torch.channels_last)
+    return x, x[:, 0, :2, :2].reshape(4, 4).cos()
+
+
 def trains_like_plain_ddp(args):
     """The auditor's hook (averaging folded into the loss) gives DDP's averaged gradients and weights."""
-    plain_m, aud_m = _model(), _model()
+    conv = args.get("model") == "conv-channels-last"
+    make, batch = (_conv_model, _conv_batch) if conv else (_model, _batch)
+    plain_m, aud_m = make(), make()
     plain = DDP(plain_m, gradient_as_bucket_view=args["view"])
     plain_opt = torch.optim.SGD(plain_m.parameters(), lr=0.05, momentum=0.9)
     aud_opt = torch.optim.SGD(aud_m.parameters(), lr=0.05, momentum=0.9)
     aud = Auditor(DDP(aud_m, gradient_as_bucket_view=args["view"]), aud_opt, loss_fn=_loss, audit_every=3, sink=MemorySink())
     grad_diffs, losses = [], []
     for s in range(1, 8):
-        b = _batch(s)
+        b = batch(s)
         plain_opt.zero_grad(set_to_none=True)
         plain_loss = _loss(plain, b)
         plain_loss.backward()
@@ -187,6 +203,8 @@ def trains_like_plain_ddp(args):
         grad_diffs.append(max(float((a - p.grad).abs().max()) for a, p in zip(grads, aud_m.parameters())))
     weight_diff = max(float((a - b).abs().max()) for a, b in zip(plain_m.parameters(), aud_m.parameters()))
     return {"grad_diffs": grad_diffs, "weight_diff": weight_diff, "losses": losses, "eager_pre": aud._hook.eager_pre,
+            "hand_over": aud._hook.hand_over, "grad_is_bucket_view": [p.grad._base is not None for p in aud_m.parameters()],
+            "channels_last_grads": [p.grad.is_contiguous(memory_format=torch.channels_last) for p in aud_m.parameters() if p.dim() == 4],
             "outcomes": sorted({(k, o) for _, k, o in aud._events}), "audits": sum(k == "replay" for _, k, _ in aud._events)}
 
 

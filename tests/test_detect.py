@@ -74,12 +74,20 @@ def test_tolerance_mode_and_reduction_faults():
     assert (red["caught_by"], red["detected_step"], red["suspect_ranks"]) == ("nonfinite-post", 7, [])
 
 
-@pytest.mark.parametrize("view", [False, True], ids=["grad-copies", "bucket-views"])
-def test_the_hook_averages_like_plain_ddp(view):
-    out = ranks("trains_like_plain_ddp", 3, {"view": view})
+@pytest.mark.parametrize(("view", "model"), [(False, "mlp"), (True, "mlp"), (False, "conv-channels-last")],
+                         ids=["grad-copies", "bucket-views", "channels-last-conv"])
+def test_the_hook_averages_like_plain_ddp(view, model):
+    out = ranks("trains_like_plain_ddp", 3, {"view": view, "model": model})
     for res in out:
         # bucket views force the eager pre-reduce check; gradient copies on CPU allow the lazy one
         assert res["eager_pre"] is view
+        # with gradient copies the callback hands each .grad its view of the reduced bucket (DDP's
+        # copy skipped); with bucket views DDP already does
+        assert res["hand_over"] is not view
+        assert all(res["grad_is_bucket_view"])
+        # a channels_last weight's gradient keeps its layout (DDP's layout contract), and its local
+        # signature is taken in that layout: the replays agree, no false alarm
+        assert all(res["channels_last_grads"]) and len(res["channels_last_grads"]) == (2 if model != "mlp" else 0)
         assert res["audits"] == 2  # replays scale their loss as training does: both pass
         assert res["outcomes"] == [["consensus", "pass"], ["nonfinite", "pass"], ["replay", "pass"]]
         assert max(res["grad_diffs"]) < 1e-6  # averaged, not summed: the sum would be 3x

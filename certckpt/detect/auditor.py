@@ -80,22 +80,51 @@ class StepOutcome:
 
 
 class _HookState:
-    """State shared with the communication hook: per-bucket device flags and, on audit steps,
-    the signatures of the local (pre-reduce) gradients."""
+    """State shared with the communication hook: per-bucket device flags, the bucket views, the
+    local gradients kept alive for the step and, on audit steps, their signatures."""
 
-    def __init__(self, auditor: Auditor, *, eager_pre: bool):
+    def __init__(self, auditor: Auditor, *, eager_pre: bool, hand_over: bool):
         self.auditor = auditor
         # Eager: flag every bucket's local gradients before the all-reduce (device-side, no sync).
         # Lazy: flag them only when the reduced bucket is non-finite, from ``.grad``, which still
         # holds the local gradients when the callback runs (see ``_lazy_pre_possible``).
         self.eager_pre = eager_pre
+        # Hand-over: the callback points ``.grad`` at the reduced bucket (see ``_hand_over_possible``).
+        self.hand_over = hand_over
         self.pre: list[torch.Tensor] = []
         self.post: list[torch.Tensor] = []
         self.local_sig: dict[int, torch.Tensor] = {}
         self.audit = False
+        self.views: dict[int, tuple[tuple[int, int], list[torch.Tensor], list[torch.Tensor]]] = {}
+        self.kept: list[torch.Tensor] = []
 
     def reset(self, *, audit: bool) -> None:
-        self.pre, self.post, self.local_sig, self.audit = [], [], {}, audit
+        # Dropping the kept local gradients here, right after zero_grad, frees them when plain DDP
+        # frees its .grad tensors: freed any earlier, the allocator hands the block back to the
+        # system and the next backward pays a page fault per 4 KiB to get it again.
+        self.pre, self.post, self.local_sig, self.audit, self.kept = [], [], {}, audit, []
+
+    def bucket_views(self, bucket) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The bucket's parameters and, for each, a view of its gradient in the bucket (cached).
+
+        ``GradBucket.gradients()`` views every gradient row-major, but DDP lays a dense
+        parameter's gradient out with the parameter's own strides (its "gradient layout
+        contract"): for a channels_last weight the row-major view reads the right bytes in the
+        wrong order. The views here follow DDP's layout, so they hold the gradient's true values.
+        """
+        buf = bucket.buffer()
+        key = (buf.data_ptr(), buf.numel())  # DDP rebuilds its buckets once, after the first step
+        hit = self.views.get(bucket.index())
+        if hit is not None and hit[0] == key:
+            return hit[1], hit[2]
+        params = list(bucket.parameters())
+        views = []
+        for p, g in zip(params, bucket.gradients()):
+            if _dense(p) and not p.is_contiguous():
+                g = buf.as_strided(p.size(), p.stride(), g.storage_offset())
+            views.append(g)
+        self.views[bucket.index()] = (key, params, views)
+        return params, views
 
 
 def _nonfinite_flag(buf: torch.Tensor) -> torch.Tensor:
@@ -122,14 +151,47 @@ def _lazy_pre_possible(model: DistributedDataParallel, device: torch.device) -> 
     return device.type == "cpu" and not getattr(model, "gradient_as_bucket_view", False)
 
 
+def _hand_over_possible(model: DistributedDataParallel) -> bool:
+    """Can the callback hand the reduced bucket to ``.grad`` instead of DDP copying it there?
+
+    With gradient copies, DDP copies every reduced bucket into ``.grad`` after the callbacks: a
+    pass that reads and writes all the gradients, costing more than the non-finite check's own
+    pass. Told that an optimizer ran in backward (``Reducer._set_optimizer_in_backward``), DDP
+    leaves ``.grad`` alone, and the callback points each ``.grad`` at its gradient's view of the
+    reduced bucket instead, as ``gradient_as_bucket_view=True`` would: the same values, no copy.
+    Only where that is exactly what DDP would have produced: every parameter gets a gradient each
+    step (no ``find_unused_parameters``, no static graph), the bucket has the parameters' dtype
+    (no mixed precision), and gradients are not bucket views already.
+    """
+    reducer = getattr(model, "reducer", None)
+    return (
+        hasattr(reducer, "_set_optimizer_in_backward")
+        and not getattr(model, "gradient_as_bucket_view", False)
+        and not getattr(model, "find_unused_parameters", True)
+        and not getattr(model, "static_graph", True)
+        and getattr(model, "mixed_precision", None) is None
+    )
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Is ``t`` non-overlapping and dense (some permutation of its dimensions is contiguous)?"""
+    expected = 1
+    for stride, size in sorted((t.stride(d), t.size(d)) for d in range(t.dim())):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def _comm_hook(state, bucket):
     # No annotations: DDP inspects them, and `from __future__ import annotations` turns them into
     # strings it rejects ("bucket annotation should be dist.GradBucket").
     aud = state.auditor
     buf = bucket.buffer()
-    if state.audit or aud.injector is not None:  # per-parameter views only when something needs them
-        grads = bucket.gradients()
-        params = bucket.parameters()
+    params, grads = state.bucket_views(bucket)
+    if state.audit or aud.injector is not None:
         idx = [aud._param_index[id(p)] for p in params]
         if aud.injector is not None:
             aud.injector.on_local_grads([aud.param_names[i] for i in idx], grads)
@@ -138,7 +200,7 @@ def _comm_hook(state, bucket):
             with torch.no_grad():
                 for p, g in zip(params, grads):
                     if p.grad is not None and p.grad.data_ptr() != g.data_ptr():
-                        p.grad.copy_(g.view_as(p.grad))
+                        p.grad.copy_(g)
     if state.eager_pre:
         state.pre.append(_nonfinite_flag(buf))
     if state.audit:
@@ -158,7 +220,12 @@ def _comm_hook(state, bucket):
         flag = _nonfinite_flag(out)
         state.post.append(flag)
         if not state.eager_pre and bool(flag):  # a CPU flag: reading it costs no device sync
-            state.pre.append(_local_grads_flag(bucket.parameters()))
+            state.pre.append(_local_grads_flag(params))
+        if state.hand_over:  # after the lazy check, which reads the local gradients from .grad
+            for p, g in zip(params, grads):
+                if p.grad is not None:
+                    state.kept.append(p.grad)
+                p.grad = g
         return out
 
     return fut.then(post)
@@ -260,8 +327,11 @@ class Auditor:
         if self.injector is not None:
             self.injector.install(model.module)
         self._check_world_agrees()
-        self._hook = _HookState(self, eager_pre=not _lazy_pre_possible(model, self.device))
+        hand_over = _hand_over_possible(model)
+        self._hook = _HookState(self, eager_pre=not _lazy_pre_possible(model, self.device), hand_over=hand_over)
         model.register_comm_hook(self._hook, _comm_hook)
+        if hand_over:
+            model.reducer._set_optimizer_in_backward()
         if ledger is not None and parent is not None and self.rank == 0:
             ledger.start_branch(branch, parent=parent)
         self.inventory = self._gather_inventory()
