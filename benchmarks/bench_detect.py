@@ -67,6 +67,13 @@ LABELS = {
     "nonfinite": "Auditor, non-finite check alone",
     "plain/view": "reference: plain DDP, gradient_as_bucket_view",
 }
+
+
+def configs_for(bucket_view: bool) -> tuple[str, ...]:
+    """The configurations of one run (with --bucket-view, plain is already the no-copy reference)."""
+    return CONFIGS[:4] if bucket_view else CONFIGS
+
+
 TARGETS = {"audit/10": 1.10, "audit/100": 1.02, "nonfinite": 1.02}  # ratio to plain DDP, at most
 
 FULL = {"widths": [1024, 2048, 2048, 1024, 1024], "batch": 32, "trials": 7, "steps": 100, "warmup": 10, "reps": 5}
@@ -120,6 +127,8 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     rank = dist.get_rank()
+    bucket_view = bool(args.get("bucket_view"))
+    configs = configs_for(bucket_view)
     widths, bsz = args["widths"], args["batch"]
     t_start = time.perf_counter()
     log = ProgressLog(args.get("progress"), rank=rank)
@@ -129,9 +138,9 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
     auditors: dict[str, Auditor] = {}
     steps_done: dict[str, int] = {}
     models: dict[str, Any] = {}
-    for name in CONFIGS:
+    for name in configs:
         model = _mlp(widths, seed=0)  # identical init on every rank and for every configuration
-        ddp = DDP(model, gradient_as_bucket_view=name == "plain/view")
+        ddp = DDP(model, gradient_as_bucket_view=bucket_view or name == "plain/view")
         opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
         models[name] = (ddp, opt)
         steps_done[name] = 0
@@ -149,7 +158,7 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
             aud = Auditor(ddp, opt, loss_fn=_loss, run=f"bench-{name}", audit_every=AUDIT_EVERY[name])
             auditors[name] = aud
             runners[name] = aud.train_step
-    log(f"built {len(CONFIGS)} DDP models of {sum(p.numel() for p in models['plain'][0].module.parameters()):,} parameters")
+    log(f"built {len(configs)} DDP models of {sum(p.numel() for p in models['plain'][0].module.parameters()):,} parameters")
 
     def batches_for(name: str, n: int) -> list:
         first = steps_done[name] + 1
@@ -173,7 +182,7 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
 
     # --- warm-up (discarded) -------------------------------------------------------------------
     warmup = {}
-    for name in CONFIGS:
+    for name in configs:
         warmup[name] = timed_block(name, args["warmup"])
     log("warm-up done: " + ", ".join(f"{n} {w['wall_s'] / w['steps'] * 1e3:.0f} ms/step" for n, w in warmup.items()))
 
@@ -181,24 +190,24 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
     trials: list[dict[str, Any]] = []
     slice_n = args["slice"]
     for t in range(args["trials"]):
-        k = t % len(CONFIGS)
-        order = list(CONFIGS[k:] + CONFIGS[:k])
+        k = t % len(configs)
+        order = list(configs[k:] + configs[:k])
         # Each configuration's steps for this trial, run as slices of `slice_n` steps interleaved
         # with the other configurations' (the order rotating every slice), so that all of them
         # sample the same stretch of the machine's noise; a slice's figures add up into the block.
         blocks = {name: {"wall_s": 0.0, "cpu_s": 0.0, "steps": 0, "audits": 0, "first_step": steps_done[name] + 1}
-                  for name in CONFIGS}
+                  for name in configs}
         for j in range(args["steps"] // slice_n):
             r = j % len(order)
             for name in order[r:] + order[:r]:
                 piece = timed_block(name, slice_n)
                 for key in ("wall_s", "cpu_s", "steps", "audits"):
                     blocks[name][key] += piece[key]
-        for name in CONFIGS:
+        for name in configs:
             blocks[name]["last_step"] = steps_done[name]
         trials.append({"order": order, "blocks": blocks})
         log(f"trial {t + 1}/{args['trials']}: " + ", ".join(
-            f"{n} {blocks[n]['wall_s'] / blocks[n]['steps'] * 1e3:.1f}" for n in CONFIGS) + " ms/step")
+            f"{n} {blocks[n]['wall_s'] / blocks[n]['steps'] * 1e3:.1f}" for n in configs) + " ms/step")
 
     # --- breakdown of audit/10 ----------------------------------------------------------------
     # Single steps, each between two barriers, interleaved step by step: audit/10 (instrumented,
@@ -322,6 +331,7 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
     log.close()
     return {
         "rank": rank,
+        "configs": list(configs),
         "torch_threads": torch.get_num_threads(),
         "deterministic": torch.are_deterministic_algorithms_enabled(),
         "params": sum(p.numel() for p in models["plain"][0].module.parameters()),
@@ -349,12 +359,13 @@ def median(xs: list[float]) -> float:
 
 def summarise(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     r0 = per_rank[0]
-    ms = {n: [tr["blocks"][n]["wall_s"] / tr["blocks"][n]["steps"] * 1e3 for tr in r0["trials"]] for n in CONFIGS}
+    configs = r0["configs"]
+    ms = {n: [tr["blocks"][n]["wall_s"] / tr["blocks"][n]["steps"] * 1e3 for tr in r0["trials"]] for n in configs}
     cpu = {n: [sum(pr["trials"][i]["blocks"][n]["cpu_s"] for pr in per_rank) / r0["trials"][i]["blocks"][n]["steps"] * 1e3
-               for i in range(len(r0["trials"]))] for n in CONFIGS}
+               for i in range(len(r0["trials"]))] for n in configs}
     out: dict[str, Any] = {"step_ms": ms, "cpu_ms_per_step_all_ranks": cpu, "configs": {}}
     base = median(ms["plain"])
-    for n in CONFIGS:
+    for n in configs:
         paired = [a / p for a, p in zip(ms[n], ms["plain"])]
         out["configs"][n] = {
             "median_ms": median(ms[n]),
@@ -406,13 +417,14 @@ def print_report(R: dict[str, Any]) -> None:
         print(f"CPU used outside this benchmark: {ob:.2f} cores just before it; {oc:.1f} CPU-s during its {R['elapsed_s']:.0f} s")
     print(f"model: MLP {'-'.join(map(str, c['widths']))} (GELU between Linears), {c['params']:,} parameters "
           f"({c['params'] * 4 / 2**20:.1f} MiB float32, {c['ddp_buckets'] if c['ddp_buckets'] is not None else '?'} DDP buckets); "
-          f"batch {c['batch']} x {c['widths'][0]} per rank, MSE; SGD momentum 0.9")
+          f"batch {c['batch']} x {c['widths'][0]} per rank, MSE; SGD momentum 0.9"
+          + ("; gradient_as_bucket_view=True on every DDP copy" if c.get("bucket_view") else ""))
     print(f"figure: rank 0's wall time over a trial's interleaved slices of {c['slice']} steps (each barrier to barrier) / steps; median across trials [min-max]")
     print()
     head = ("configuration", "ms/step median [min-max]", "ratio to plain", "target", "", "paired ratio med [min-max]",
             "audits/trial", "CPU ms/step (3 ranks)")
     rows = []
-    for n in CONFIGS:
+    for n in S["configs"]:
         s = S["configs"][n]
         rows.append((
             LABELS[n],
@@ -497,6 +509,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="steps per configuration per trial, a multiple of 100 (default 100)")
     ap.add_argument("--slice", type=int, default=10,
                     help="steps per interleaved slice, dividing --steps (default 10; 100: one block per configuration per trial)")
+    ap.add_argument("--bucket-view", action="store_true",
+                    help="every DDP copy with gradient_as_bucket_view=True (no gradient copies on either side)")
     ap.add_argument("--batch", type=int, default=None,
                     help="micro-batch rows per rank (default 32); larger batches give the compute-heavier steps of real training")
     args = ap.parse_args()
@@ -511,6 +525,7 @@ def main() -> None:
     if args.batch is not None:
         P["batch"] = args.batch
     P["slice"] = args.slice
+    P["bucket_view"] = args.bucket_view
     if args.slice < 1 or P["steps"] % args.slice:
         ap.error("--slice must divide --steps")
     if P["steps"] % 100:
@@ -540,7 +555,7 @@ def main() -> None:
         stop = threading.Event()
         tail = threading.Thread(target=follow, args=(prog, stop, lambda ln: print(f"  rank 0 {ln}", file=sys.stderr, flush=True)), daemon=True)
         tail.start()
-        print(f"running {WORLD} ranks: {P['trials']} trials x {len(CONFIGS)} configurations x {P['steps']} steps "
+        print(f"running {WORLD} ranks: {P['trials']} trials x {len(configs_for(args.bucket_view))} configurations x {P['steps']} steps "
               f"of a {n_params(P['widths']):,}-parameter MLP", file=sys.stderr)
         try:
             per_rank = run_ranks(f"{os.path.splitext(os.path.basename(__file__))[0]}:rank_main", WORLD,

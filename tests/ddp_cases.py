@@ -291,3 +291,27 @@ def one_rank_reduction_fault(args):
         applied.append(aud.last.applied)
     return {"applied": applied, "consensus": aud._weight_consensus(aud.step),
             "events": [(e.step, e.kind, e.suspect_ranks, e.details["post_ranks"]) for e in aud.sink.events if e.failed]}
+
+
+def hand_over_conditions(args):
+    """Where the callback hands .grad the reduced bucket, and where DDP is left to copy it."""
+
+    def auditor(*, ddp_kwargs=None, opt_params=None, **kw):
+        m = _model()
+        opt = torch.optim.SGD(opt_params(m) if opt_params else m.parameters(), lr=0.05)
+        return m, Auditor(DDP(m, **(ddp_kwargs or {})), opt, loss_fn=_loss, audit_every=2, sink=MemorySink(), **kw)
+
+    cases = {
+        "default": auditor(),
+        "opted_out": auditor(hand_over_grads=False),
+        "find_unused": auditor(ddp_kwargs={"find_unused_parameters": True}),
+        "optimizer_owns_part": auditor(opt_params=lambda m: m[0].parameters()),
+    }
+    out = {}
+    for name, (m, aud) in cases.items():
+        for s in range(1, 3):
+            aud.train_step(_batch(s))
+        out[name] = {"hand_over": aud._hook.hand_over,
+                     "views": [p.grad is not None and p.grad._base is not None for p in m.parameters()],
+                     "outcomes": sorted({(k, o) for _, k, o in aud._events})}
+    return out

@@ -74,6 +74,20 @@ def test_tolerance_mode_and_reduction_faults():
     assert (red["caught_by"], red["detected_step"], red["suspect_ranks"]) == ("nonfinite-post", 7, [])
 
 
+def test_grads_are_handed_over_only_where_that_is_what_ddp_would_produce():
+    for res in ranks("hand_over_conditions", 2):
+        # a parameter outside the optimizer is cleared by the auditor's own zero_grad, so its
+        # gradient is still one step's (the replays agree) and it can be handed over too
+        for name in ("default", "optimizer_owns_part"):
+            assert res[name]["hand_over"] is True and all(res[name]["views"]), name
+        # opted out, or unused parameters possible: DDP copies, as without the auditor
+        for name in ("opted_out", "find_unused"):
+            assert res[name]["hand_over"] is False, name
+            assert not any(res[name]["views"]), name
+        for case in res.values():
+            assert case["outcomes"] == [["consensus", "pass"], ["nonfinite", "pass"], ["replay", "pass"]]
+
+
 @pytest.mark.parametrize(("view", "model"), [(False, "mlp"), (True, "mlp"), (False, "conv-channels-last")],
                          ids=["grad-copies", "bucket-views", "channels-last-conv"])
 def test_the_hook_averages_like_plain_ddp(view, model):

@@ -161,7 +161,8 @@ def _hand_over_possible(model: DistributedDataParallel) -> bool:
     reduced bucket instead, as ``gradient_as_bucket_view=True`` would: the same values, no copy.
     Only where that is exactly what DDP would have produced: every parameter gets a gradient each
     step (no ``find_unused_parameters``, no static graph), the bucket has the parameters' dtype
-    (no mixed precision), and gradients are not bucket views already.
+    (no mixed precision), and gradients are not bucket views already. (Every view is dropped by the
+    auditor's ``_zero_grad`` before the next backward, which would otherwise accumulate into it.)
     """
     reducer = getattr(model, "reducer", None)
     return (
@@ -252,6 +253,10 @@ class Auditor:
             delivering non-finite values to some ranks only is still a clean, contained detection).
         on_fault: ``"raise"`` or ``"continue"`` for replay and consensus failures (the failing step's
             update is dropped either way).
+        hand_over_grads: where DDP would copy each reduced bucket into ``.grad`` (gradient copies,
+            its default), point ``.grad`` at the reduced bucket instead and skip that copy (default
+            True; see ``_hand_over_possible``). ``p.grad`` is then a view of DDP's bucket after each
+            step, as with ``gradient_as_bucket_view=True``; False keeps DDP's copy.
         sink: where events go (rank 0 emits them); default an in-memory sink (``auditor.sink.events``).
         injector_faults: synthetic faults for drills (see ``certckpt.detect.inject``).
         check_determinism: at the first step, replay the rank's own batch twice and refuse a model
@@ -278,6 +283,7 @@ class Auditor:
         on_nonfinite: str = "raise",
         exchange_flags: str = "on-failure",
         on_fault: str = "raise",
+        hand_over_grads: bool = True,
         sink: EventSink | None = None,
         injector_faults: list | None = None,
         check_determinism: bool = True,
@@ -320,6 +326,8 @@ class Auditor:
         self.param_names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self._param_index = {id(p): i for i, p in enumerate(self.params)}
+        owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        self._not_in_optimizer = [p for p in self.params if id(p) not in owned]
         self.device = self.params[0].device if self.params else torch.device("cpu")
         self.wire_device = self.device if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
         self._probes = Probes(self.params) if mode == "tolerance" else None
@@ -327,7 +335,7 @@ class Auditor:
         if self.injector is not None:
             self.injector.install(model.module)
         self._check_world_agrees()
-        hand_over = _hand_over_possible(model)
+        hand_over = hand_over_grads and _hand_over_possible(model)
         self._hook = _HookState(self, eager_pre=not _lazy_pre_possible(model, self.device), hand_over=hand_over)
         model.register_comm_hook(self._hook, _comm_hook)
         if hand_over:
@@ -443,7 +451,7 @@ class Auditor:
         rng = self._rng_state() if audit else None
         # The neighbour's micro-batch travels while this rank computes its own step.
         shift = RingShift({"batch": batch, "rng": rng}, group=self.group, wire_device=self.wire_device, out_device=self.device) if audit else None
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grad()
         self._hook.reset(audit=audit)
         if self.injector is not None:
             self.injector.begin(s, "train")
@@ -504,6 +512,17 @@ class Auditor:
             return None
         return values[: self.world], values[self.world :]
 
+    def _zero_grad(self) -> None:
+        """Drop every trained parameter's gradient, the optimizer's and any it does not own.
+
+        A step's local gradients must be that step's alone: the replay recomputes one step's
+        gradient, so a parameter whose ``.grad`` accumulated across steps (trained by DDP but
+        outside this optimizer) would be a false alarm at every audit.
+        """
+        self.optimizer.zero_grad(set_to_none=True)
+        for p in self._not_in_optimizer:
+            p.grad = None
+
     def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss whose gradients, summed over the ranks, are DDP's averaged gradients.
 
@@ -539,7 +558,7 @@ class Auditor:
             kind, "fail", step=s, suspects=suspects, contained=True,
             pre_ranks=pre, post_ranks=post, tensors=bad[:20], policy=self.on_nonfinite,
         )
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grad()
         self._fail(ev, msg + "; the update was not applied", policy="raise" if self.on_nonfinite == "raise" else "skip")
 
     # --- check 2: ring replay -------------------------------------------------------------------
@@ -625,7 +644,7 @@ class Auditor:
         self.last.applied = False
         # A replay can only be trusted between replicas that hold the same weights: check first.
         if not self._weight_consensus(s - 1, found_by="replay precondition"):
-            self.optimizer.zero_grad(set_to_none=True)
+            self._zero_grad()
             return False
         arbitration = self._arbitrate(s, failed, batch, rng, gathered)
         verdict = attribute_replay(self.world, failed, arbitration)
@@ -641,7 +660,7 @@ class Auditor:
             arbitration={f"{o}->{r}": v for (o, r), v in arbitration.items()},
             notes=list(verdict.notes),
         )
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grad()
         who = f"rank(s) {list(verdict.suspects)}" if verdict.suspects else "no rank could be named"
         self._fail(ev, f"replay audit failed ({who}); the update was not applied", policy=self.on_fault)
         return False
@@ -793,6 +812,7 @@ class Auditor:
         return result
 
     def close(self) -> None:
+        self._hook.kept = []
         if self.injector is not None:
             self.injector.remove()
         self.sink.flush()
