@@ -6,7 +6,9 @@ Per step, in this order:
    inside a DDP communication hook that performs the all-reduce itself (the averaging is folded into
    the loss); the flags stay on the device until one small read before ``optimizer.step()``. On CPU,
    where a flag can be read for free, the local gradients are checked only when their reduced bucket
-   comes back non-finite (``_lazy_pre_possible``): a clean step pays one pass over the gradients;
+   comes back non-finite (``_lazy_pre_possible``): a clean step pays one pass over the gradients.
+   With DDP's gradient copies (any device) the callback then hands ``.grad`` its view of the reduced
+   bucket, which saves DDP's copy back into ``.grad`` (``_hand_over_possible``);
 2. every ``audit_every`` steps, the ring replay audit: rank r recomputes rank r-1's micro-batch with
    its own weights and compares gradient signatures with those r-1 computed before the all-reduce;
 3. weight consensus after ``optimizer.step()`` at audit steps, checkpoint steps and every
