@@ -15,10 +15,11 @@ DDP copies of the same MLP (identical initialisation), each with its own SGD opt
     audit/10    Auditor(audit_every=10): non-finite check every step; replay + consensus every 10th
     audit/100   Auditor(audit_every=100): the same, one full audit per 100 steps
     nonfinite   Auditor(audit_every=10**9): the non-finite check alone (no replay, no consensus)
-    plain/view  reference, no target: plain DDP with gradient_as_bucket_view=True, which copies no
-                gradient into or out of the buckets. The auditor skips DDP's copy out of them (it
-                hands .grad its view of the reduced bucket); this line shows what plain DDP gains
-                from skipping both copies, so that the auditor's ratios can be read against it.
+    plain/view  reference, no target: plain DDP with gradient_as_bucket_view=True. With
+                zero_grad(set_to_none=True) DDP still copies each fresh gradient into its bucket,
+                but not the reduced bucket back into .grad: the same copies as the auditor, which
+                hands .grad its view of the reduced bucket. Against this line the auditor's ratios
+                are what its checks cost, with no copy saved on either side.
 
 Each configuration takes its untimed warm-up steps first (the Auditor's first step also runs its
 one-off determinism check there). Then, in every trial, each configuration runs the same number of
