@@ -314,4 +314,10 @@ def hand_over_conditions(args):
         out[name] = {"hand_over": aud._hook.hand_over,
                      "views": [p.grad is not None and p.grad._base is not None for p in m.parameters()],
                      "outcomes": sorted({(k, o) for _, k, o in aud._events})}
+    # the guard against a DDP that would not leave the handed-over gradients alone
+    m, aud = cases["default"]
+    intact_after_step = aud._hook.handed_over_intact()
+    for p in m.parameters():  # as if DDP had reset the gradients after the callbacks
+        p.grad = None
+    out["guard"] = {"intact_after_step": intact_after_step, "intact_after_reset": aud._hook.handed_over_intact()}
     return out

@@ -84,6 +84,7 @@ def test_grads_are_handed_over_only_where_that_is_what_ddp_would_produce():
         for name in ("opted_out", "find_unused"):
             assert res[name]["hand_over"] is False, name
             assert not any(res[name]["views"]), name
+        assert res.pop("guard") == {"intact_after_step": True, "intact_after_reset": False}
         for case in res.values():
             assert case["outcomes"] == [["consensus", "pass"], ["nonfinite", "pass"], ["replay", "pass"]]
 

@@ -128,6 +128,21 @@ class _HookState:
         self.views[bucket.index()] = (key, params, views)
         return params, views
 
+    def handed_over_intact(self) -> bool:
+        """Does each bucket's first gradient still view the reduced bucket after backward?
+
+        The hand-over relies on DDP leaving ``.grad`` alone once told an optimizer ran in backward
+        (a private switch); were a torch release to reset or copy the gradients there instead, the
+        optimizer would silently step on something else. One check per bucket per step catches it.
+        """
+        for _, params, views in self.views.values():
+            for p, v in zip(params, views):
+                if v.numel():
+                    if p.grad is None or p.grad.data_ptr() != v.data_ptr():
+                        return False
+                    break
+        return True
+
 
 def _nonfinite_flag(buf: torch.Tensor) -> torch.Tensor:
     # One fused reduction instead of isfinite().all(): NaN and Inf propagate through a sum (a sum
@@ -461,6 +476,11 @@ class Auditor:
         if shift is not None:
             shift.advance()
         self._scaled(loss).backward()
+        if self._hook.hand_over and not self._hook.handed_over_intact():
+            raise AuditSetupError(
+                f"rank {self.rank}: after backward, .grad no longer views DDP's reduced bucket (torch {torch.__version__}"
+                " changed how DDP finalizes gradients); construct the Auditor with hand_over_grads=False"
+            )
         flags = self._read_flags()
         self.step = s  # the step is attempted from here on, applied or not
         if flags is not None:  # the same on every rank: all drain the shift, so no message is left behind
