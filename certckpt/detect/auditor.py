@@ -106,7 +106,7 @@ class _HookState:
         # system and the next backward pays a page fault per 4 KiB to get it again.
         self.pre, self.post, self.local_sig, self.audit, self.kept = [], [], {}, audit, []
 
-    def bucket_views(self, bucket) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def bucket_views(self, bucket, buf: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The bucket's parameters and, for each, a view of its gradient in the bucket (cached).
 
         ``GradBucket.gradients()`` views every gradient row-major, but DDP lays a dense
@@ -114,7 +114,6 @@ class _HookState:
         contract"): for a channels_last weight the row-major view reads the right bytes in the
         wrong order. The views here follow DDP's layout, so they hold the gradient's true values.
         """
-        buf = bucket.buffer()
         key = (buf.data_ptr(), buf.numel())  # DDP rebuilds its buckets once, after the first step
         hit = self.views.get(bucket.index())
         if hit is not None and hit[0] == key:
@@ -208,7 +207,7 @@ def _comm_hook(state, bucket):
     # strings it rejects ("bucket annotation should be dist.GradBucket").
     aud = state.auditor
     buf = bucket.buffer()
-    params, grads = state.bucket_views(bucket)
+    params, grads = state.bucket_views(bucket, buf)
     if state.audit or aud.injector is not None:
         idx = [aud._param_index[id(p)] for p in params]
         if aud.injector is not None:
