@@ -36,10 +36,10 @@ A last phase shows where the extra time goes. Single steps, each between two bar
 step by step: audit/10 (audit and non-audit steps), plain DDP, and a fifth DDP copy with torch's own
 Python ``allreduce_hook`` (the price of any Python comm hook). During these steps the auditor's
 parts are timed in place: its methods and the module functions it calls (``signature``,
-``RingShift``, ``_nonfinite_flag``, ``_replay``, ``_replay_audit``, ``_weight_consensus``,
-``_exchange_flags`` where present) are wrapped with timers in the rank processes (no library file
-is changed). Then ``auditor._weight_consensus(step)``, ``signature()`` over all gradients, the two
-flag sums and ``auditor._exchange_flags()`` are called alone between barriers, a few times each.
+``RingShift``, ``_nonfinite_flag``, ``_replay``, ``_replay_audit``, ``_weight_consensus``) are
+wrapped with timers in the rank processes (no library file is changed). Then
+``auditor._weight_consensus(step)``, ``signature()`` over all gradients and two flag sums are
+called alone between barriers, a few times each.
 
 Nothing here is hard-coded: every figure printed is measured in this run.
 """
@@ -236,7 +236,7 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
 
     bd: dict[str, list[float]] = {k: [] for k in (
         "barrier_only", "plain_step", "torch_hook_step", "nonaudit_step", "audit_step", "consensus",
-        "signature_all_grads", "nonfinite_flags_x2", "flag_exchange")}
+        "signature_all_grads", "nonfinite_flags_x2")}
     aud = auditors["audit/10"]
     hooked = DDP(_mlp(widths, seed=0))
     hooked.register_comm_hook(None, allreduce_hook)
@@ -287,9 +287,7 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
 
     auditor_mod.RingShift = TimedRingShift
     auditor_mod._nonfinite_flag = timed("nonfinite_flags", auditor_mod._nonfinite_flag)
-    wrapped = [("_replay", "replay"), ("_replay_audit", "replay_audit"), ("_weight_consensus", "consensus"),
-               ("_exchange_flags", "flag_exchange")]  # the last one: per-step flag all-reduce (newer auditors)
-    wrapped = [(attr, key) for attr, key in wrapped if callable(getattr(aud, attr, None))]
+    wrapped = [("_replay", "replay"), ("_replay_audit", "replay_audit"), ("_weight_consensus", "consensus")]
     for attr, key in wrapped:
         setattr(aud, attr, timed(key, getattr(aud, attr), in_replay if attr == "_replay" else None))
     parts: dict[str, list[dict[str, float]]] = {"audit": [], "nonaudit": []}
@@ -324,8 +322,6 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
         record("consensus", lambda: aud._weight_consensus(aud.step))
         record("signature_all_grads", lambda: signature(grads, mode="deterministic"))
         record("nonfinite_flags_x2", lambda: (_nonfinite_flag(flat), _nonfinite_flag(flat)))
-        if callable(getattr(aud, "_exchange_flags", None)):  # reads the last step's flags again; no side effects
-            record("flag_exchange", aud._exchange_flags)
     log("breakdown done")
 
     buckets = len(aud._hook.post)  # one post-reduce flag per DDP bucket: the comm hook ran this many times
@@ -460,10 +456,8 @@ def print_report(R: dict[str, Any]) -> None:
     line("plain DDP step (default hook)", "plain_step")
     line("DDP + torch's Python allreduce_hook", "torch_hook_step",
          f"{m['torch_hook_step'] - m['plain_step']:+.2f} wall vs plain: any Python comm hook (unfused division)")
-    fx = ins["nonaudit"].get("flag_exchange")
     line("audit/10, non-audit step", "nonaudit_step",
-         f"{m['nonaudit_step'] - m['plain_step']:+.2f} wall vs plain; in situ: flag sums {ins['nonaudit'].get('nonfinite_flags', 0.0):.2f}"
-         + (f", flag all-reduce {fx:.2f}" if fx is not None else ""))
+         f"{m['nonaudit_step'] - m['plain_step']:+.2f} wall vs plain; in situ: flag sums {ins['nonaudit'].get('nonfinite_flags', 0.0):.2f}")
     line("audit/10, audit step", "audit_step", f"{m['audit_step'] - m['nonaudit_step']:+.2f} wall vs non-audit step")
     extra = m["audit_step"] - m["nonaudit_step"]
     print("   inside the audit steps (rank 0's clock around the auditor's own calls, median per audit step; the collective")
@@ -479,8 +473,6 @@ def print_report(R: dict[str, Any]) -> None:
     line("  auditor._weight_consensus(step), called directly", "consensus")
     line("  signature() over all gradients", "signature_all_grads")
     line("  2 non-finite flag sums over all gradients", "nonfinite_flags_x2")
-    if "flag_exchange" in bd:
-        line("  auditor._exchange_flags() (per-step all-reduce)", "flag_exchange")
     rk = sorted(((v, k) for k, v in parts.items()), reverse=True)
     hook_cost = m["nonaudit_step"] - m["plain_step"]
     print(f"   dominant part of an audit: {rk[0][1]} ({rk[0][0]:.1f} ms), then {rk[1][1]} ({rk[1][0]:.1f} ms)")

@@ -116,9 +116,6 @@ def _worker(target: str, rank: int, world: int, port: int, args_path: str, out_p
     os._exit(0)
 
 
-if __name__ == "__main__":
-    _worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6])
-
 
 def follow(path: str, stop: threading.Event, emit: Callable[[str], None], *, interval: float = 0.25) -> None:
     """Hand each new line of a progress file that ranks append to ``emit`` until ``stop`` is set
@@ -157,3 +154,7 @@ class ProgressLog:
         if self._f is not None:
             self._f.close()
             self._f = None
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6])
