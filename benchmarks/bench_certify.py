@@ -20,8 +20,8 @@ import sys
 import tempfile
 import time
 
-from certckpt.ledger import Ledger
-from certckpt.runstore import certify_store
+from certckpt.trust.ledger import Ledger
+from certckpt.trust.runstore import certify_store
 
 
 def build(store: str, steps: int, audit_every: int, ckpt_every: int) -> tuple[int, float]:

@@ -527,8 +527,8 @@ def print_report(R: dict) -> None:
 
     for op, label, targeted in (
         ("save", "certckpt.save", True),
-        ("verify", "certckpt.verify", True),
-        ("verify-deep", "certckpt.verify deep=True", True),
+        ("verify", "certckpt.format.verify", True),
+        ("verify-deep", "certckpt.format.verify deep=True", True),
         ("torch.save", "info: torch.save", False),
         ("safetensors", "info: safetensors save_file", False),
     ):

@@ -58,7 +58,7 @@ def main() -> int:
     import torch
 
     import certckpt
-    from certckpt.vault import copy_once
+    from certckpt.vault.site import copy_once
 
     proc, endpoint = start_moto()
     os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1")

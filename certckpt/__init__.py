@@ -2,7 +2,7 @@
 
 Public names only. Torch-dependent names (``save``, ``load``, ``fingerprint``, ``Auditor``...) are
 imported on first use, so ``certckpt verify``, ``inspect`` and ``latest-good`` never pay torch's
-import time. The pure certifier is ``certckpt.certify.certify`` (the module keeps that name).
+import time. The pure certifier is ``certckpt.trust.certify.certify`` (the module keeps that name).
 """
 
 from __future__ import annotations
@@ -22,22 +22,22 @@ from .errors import (
     UnsupportedObjectError,
     UntrustedCheckpointError,
 )
-from .verify import CheckpointInfo, Problem, VerifyReport, inspect, verify
+from certckpt.format.verify import CheckpointInfo, Problem, VerifyReport, inspect, verify
 
 __version__ = "0.1.0"
 
 _LAZY = {
-    "save": "writer",
-    "SaveResult": "writer",
-    "load": "reader",
-    "fingerprint": "fingerprinting",
-    "fingerprint_many": "fingerprinting",
-    "fingerprint_hex": "fingerprinting",
-    "fingerprint_state": "fingerprinting",
-    "enable_compile": "fingerprinting",
-    "Ledger": "ledger",
-    "certify_store": "runstore",
-    "find_latest_good": "runstore",
+    "save": "format.writer",
+    "SaveResult": "format.writer",
+    "load": "format.reader",
+    "fingerprint": "format.fingerprinting",
+    "fingerprint_many": "format.fingerprinting",
+    "fingerprint_hex": "format.fingerprinting",
+    "fingerprint_state": "format.fingerprinting",
+    "enable_compile": "format.fingerprinting",
+    "Ledger": "trust.ledger",
+    "certify_store": "trust.runstore",
+    "find_latest_good": "trust.runstore",
     "Auditor": "detect.auditor",
     "FaultDetectedError": "detect.auditor",
     "AuditSetupError": "detect.auditor",
@@ -77,12 +77,12 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .detect.auditor import AuditSetupError, Auditor, FaultDetectedError
-    from .fingerprinting import enable_compile, fingerprint, fingerprint_hex, fingerprint_many, fingerprint_state
-    from .ledger import Ledger
-    from .runstore import certify_store, find_latest_good
-    from .reader import load
-    from .writer import SaveResult, save
+    from certckpt.detect.auditor import AuditSetupError, Auditor, FaultDetectedError
+    from certckpt.format.fingerprinting import enable_compile, fingerprint, fingerprint_hex, fingerprint_many, fingerprint_state
+    from certckpt.trust.ledger import Ledger
+    from certckpt.trust.runstore import certify_store, find_latest_good
+    from certckpt.format.reader import load
+    from certckpt.format.writer import SaveResult, save
 
 
 def __getattr__(name: str) -> Any:

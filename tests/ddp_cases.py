@@ -69,7 +69,7 @@ def setup_errors(args):
 
 
 def checkpoint_lineage(args):
-    import certckpt.writer as writer
+    import certckpt.format.writer as writer
 
     counted = []
     real = writer.fingerprint_many
@@ -131,7 +131,7 @@ def raise_detected(args):
 
 def rollback(args):
     """Train on `main` until a persistent fault is caught, roll back to latest-good, go on as branch b2."""
-    from certckpt.runstore import find_latest_good
+    from certckpt.trust.runstore import find_latest_good
 
     store = args["store"]
     rank = dist.get_rank()

@@ -3,7 +3,7 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from certckpt.certify import CheckpointEntry, Revocation, certify
+from certckpt.trust.certify import CheckpointEntry, Revocation, certify
 
 
 def ev(step, kind, outcome="pass", *, branch="main", fp=None, contained=False, suspects=()):

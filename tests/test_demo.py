@@ -8,10 +8,10 @@ import pytest
 from conftest import console_script
 
 import certckpt
-from certckpt.demo import SCHEDULE
-from certckpt.incident import get_incident
-from certckpt.ledger import Ledger
-from certckpt.runstore import find_latest_good
+from certckpt.tools.demo import SCHEDULE
+from certckpt.trust.incident import get_incident
+from certckpt.trust.ledger import Ledger
+from certckpt.trust.runstore import find_latest_good
 
 pytestmark = pytest.mark.slow
 
@@ -57,7 +57,7 @@ def test_readme_integration_example_runs_as_written(tmp_path):
     import sys
 
     from certckpt.detect.launch import free_port
-    from certckpt.runstore import certify_store
+    from certckpt.trust.runstore import certify_store
 
     readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
     start = readme.index("```python", readme.index("## Integration")) + len("```python\n")

@@ -7,7 +7,7 @@ import pytest
 import certckpt
 from certckpt.detect.drill import matrix_cases, run_matrix
 from certckpt.detect.launch import run_ranks
-from certckpt.record import state_fingerprint
+from certckpt.format.record import state_fingerprint
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 pytestmark = pytest.mark.slow

@@ -14,7 +14,7 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from certckpt.envelope import (
+from certckpt.tools.envelope import (
     EnvelopeConfig,
     build_report,
     exit_code,
@@ -29,7 +29,7 @@ from certckpt.envelope import (
     trimmed_mean,
 )
 from certckpt.errors import MissingDependencyError
-from certckpt.planner import read_policy
+from certckpt.ops.planner import read_policy
 from certckpt_cli.main import main
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

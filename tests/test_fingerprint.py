@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import certckpt
-from certckpt.fingerprinting import FP_CHUNK_WORDS, TORCH_TO_ST, _raw_sum, _words, fingerprint_many
+from certckpt.format.fingerprinting import FP_CHUNK_WORDS, TORCH_TO_ST, _raw_sum, _words, fingerprint_many
 
 # Pinned values: changing the algorithm must change these on purpose (and bump the format).
 KNOWN_ANSWERS = {
@@ -64,7 +64,7 @@ def test_independent_of_chunking_and_reduction_order():
     words = _words(t)
     whole = int(_raw_sum(words))
     # Recompute S from arbitrary slices: the sum of per-slice contributions must equal S.
-    from certckpt.fingerprinting import M64, SEED_T, SEED_V, splitmix64
+    from certckpt.format.fingerprinting import M64, SEED_T, SEED_V, splitmix64
 
     def slice_sum(lo: int, hi: int) -> int:
         idx = torch.arange(lo, hi)
@@ -159,7 +159,7 @@ def test_cuda_equals_cpu():
 
 
 def test_streaming_pieces_equal_the_whole():
-    from certckpt.fingerprinting import StreamingFingerprint
+    from certckpt.format.fingerprinting import StreamingFingerprint
 
     t = torch.randn(3 * FP_CHUNK_WORDS + 5, 1)
     raw_bytes = t.reshape(-1).view(torch.uint8)
@@ -173,7 +173,7 @@ def test_streaming_pieces_equal_the_whole():
 
 
 def test_deep_verify_catches_a_wrong_fingerprint_with_consistent_digests(tmp_path):
-    from certckpt.record import build_header, state_fingerprint
+    from certckpt.format.record import build_header, state_fingerprint
 
     p = tmp_path / "c.safetensors"
     certckpt.save({"w": torch.randn(70_000), "b": torch.ones(3)}, p)
@@ -200,7 +200,7 @@ def test_fingerprint_state_matches_the_saved_record(tmp_path):
 
 
 def test_miscompiled_kernel_falls_back_to_eager(monkeypatch):
-    import certckpt.fingerprinting as fpm
+    import certckpt.format.fingerprinting as fpm
 
     # Simulate torch 2.13's CPU-inductor miscompile: the "compiled" kernel returns a wrong sum.
     monkeypatch.setattr(fpm.torch, "compile", lambda fn, **kw: (lambda *a: fn(*a) + 1))
@@ -214,7 +214,7 @@ def test_miscompiled_kernel_falls_back_to_eager(monkeypatch):
 
 
 def test_a_correct_compiled_kernel_is_used(monkeypatch):
-    import certckpt.fingerprinting as fpm
+    import certckpt.format.fingerprinting as fpm
 
     calls = []
 

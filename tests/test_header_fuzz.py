@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 import certckpt
 from certckpt.errors import CertckptError, CorruptCheckpointError
-from certckpt.header import DTYPE_SIZES, MAX_HEADER_BYTES, encode_header, parse_header, read_header_length
+from certckpt.format.header import DTYPE_SIZES, MAX_HEADER_BYTES, encode_header, parse_header, read_header_length
 
 # database=None: nothing is written under the working directory.
 FUZZ = settings(deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
@@ -451,7 +451,7 @@ def _crafted(tmp_path, entries, data: bytes, **record_fields) -> str:
     """A certckpt file with a canonical header and a correct header digest around any tensor table."""
     import xxhash
 
-    from certckpt.record import CheckpointRecord, build_header, state_fingerprint
+    from certckpt.format.record import CheckpointRecord, build_header, state_fingerprint
 
     tensors = {e.name: {"fp": "0" * 16, "xxh3": xxhash.xxh3_128_hexdigest(data[e.begin : e.end])} for e in entries}
     record = CheckpointRecord(tensors=tensors, state_fp=state_fingerprint({k: v["fp"] for k, v in tensors.items()}), **record_fields)
@@ -462,7 +462,7 @@ def _crafted(tmp_path, entries, data: bytes, **record_fields) -> str:
 
 @pytest.mark.parametrize("how", ["load", "deep"])
 def test_zero_element_tensor_with_huge_dim(tmp_path, how):
-    from certckpt.header import TensorEntry
+    from certckpt.format.header import TensorEntry
 
     path = _crafted(tmp_path, [TensorEntry("z", "F32", (0, 2**70), 0, 0)], b"", skeleton=["T", {"e": "z"}])
     if how == "load":
@@ -474,7 +474,7 @@ def test_zero_element_tensor_with_huge_dim(tmp_path, how):
 
 
 def _with_record_text(tmp_path, text_from_record) -> str:
-    from certckpt.record import CheckpointRecord, build_header
+    from certckpt.format.record import CheckpointRecord, build_header
 
     header = build_header([], CheckpointRecord(skeleton=None))
     doc = json.loads(header[8:])
@@ -514,7 +514,7 @@ def test_problem_message_is_one_line_whatever_the_tensor_name(tmp_path):
 def test_cli_inspect_record_writer_not_an_object(tmp_path):
     from click.testing import CliRunner
 
-    from certckpt.record import CheckpointRecord, build_header, state_fingerprint
+    from certckpt.format.record import CheckpointRecord, build_header, state_fingerprint
     from certckpt_cli.main import main as cli_main
 
     path = tmp_path / "writer.safetensors"

@@ -8,7 +8,7 @@ import sys
 import pytest
 from conftest import console_script
 
-from certckpt.incident import (
+from certckpt.trust.incident import (
     EXIT_FAULT_DETECTED,
     Incident,
     IncidentError,
@@ -20,10 +20,10 @@ from certckpt.incident import (
     incident_state,
     list_incidents,
 )
-from certckpt.ledger import Ledger
-from certckpt.retention import KeepLatest
-from certckpt.runstore import certify_store
-from certckpt.vault import promote, prune
+from certckpt.trust.ledger import Ledger
+from certckpt.vault.retention import KeepLatest
+from certckpt.trust.runstore import certify_store
+from certckpt.vault.site import promote, prune
 
 EVENT = {
     "run": "r", "branch": "main", "step": 20, "kind": "replay", "outcome": "fail", "ranks": [0, 1, 2], "suspect_ranks": [1],
@@ -128,7 +128,7 @@ def test_status_opens_one_incident_per_uncontained_detection(copy_run):
 @pytest.mark.slow
 def test_open_incident_blocks_pruning_until_closed_with_a_drill(copy_run, drill_runs, tmp_path):
     from certckpt.detect.drill import evaluate, make_model
-    from certckpt.restoredrill import drill_restore
+    from certckpt.vault.drill import drill_restore
     from test_vault import _reference
 
     run, vault = copy_run("faulty"), str(tmp_path / "vault")

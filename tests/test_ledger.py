@@ -10,8 +10,8 @@ import pytest
 from click.testing import CliRunner
 
 import certckpt
-from certckpt.certify import CheckpointEntry
-from certckpt.ledger import Ledger, LedgerSink
+from certckpt.trust.certify import CheckpointEntry
+from certckpt.trust.ledger import Ledger, LedgerSink
 from certckpt_cli.main import main
 
 

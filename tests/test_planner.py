@@ -12,9 +12,9 @@ from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from certckpt.certify import CheckpointEntry, certify
-from certckpt.ledger import Ledger
-from certckpt.planner import (
+from certckpt.trust.certify import CheckpointEntry, certify
+from certckpt.trust.ledger import Ledger
+from certckpt.ops.planner import (
     DEFAULT_COSTS,
     CostInputs,
     detection_facts,
@@ -125,7 +125,7 @@ def _audit(step, outcome="pass"):
 @settings(max_examples=60, deadline=None)
 @given(k=st.integers(1, 12), c=st.integers(1, 12), data=st.data())
 def test_rollback_target_is_what_the_certifier_picks(k, c, data):
-    """The planner's rollback target is latest-good as certckpt.certify decides it."""
+    """The planner's rollback target is latest-good as certckpt.trust.certify decides it."""
     f = data.draw(st.integers(1, 3 * k * c))
     d = -(-f // k) * k
     events = [e for a in range(k, d, k) for e in _audit(a)] + _audit(d, "fail")

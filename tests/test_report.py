@@ -9,9 +9,9 @@ import pytest
 from click.testing import CliRunner
 
 from certckpt.errors import MissingDependencyError
-from certckpt.ledger import Ledger
-from certckpt.report import render, timeline
-from certckpt.runstore import certify_store
+from certckpt.trust.ledger import Ledger
+from certckpt.ops.report import render, timeline
+from certckpt.trust.runstore import certify_store
 from certckpt_cli.main import main
 
 RANKS = [0, 1, 2]
@@ -253,7 +253,7 @@ def test_cli_errors_are_one_line_exit_2(tmp_path, store):
 def test_help_and_import_stay_light():
     code = (
         "import sys\n"
-        "import certckpt.report, certckpt_cli.report_cmd\n"
+        "import certckpt.ops.report, certckpt_cli.report_cmd\n"
         "from certckpt_cli.main import main\n"
         "try:\n    main(['report', '--help'])\nexcept SystemExit as e:\n    assert e.code == 0\n"
         "assert 'torch' not in sys.modules, 'torch'\n"

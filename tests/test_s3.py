@@ -36,8 +36,8 @@ def test_s3_missing_object(s3_bucket):
 
 
 def test_ledger_on_s3_is_create_only(s3_bucket):
-    from certckpt.ledger import Ledger
-    from certckpt.runstore import certify_store
+    from certckpt.trust.ledger import Ledger
+    from certckpt.trust.runstore import certify_store
 
     store = f"{s3_bucket}/run"
     certckpt.save({"w": torch.ones(2)}, f"{store}/step10.safetensors", step=10)

@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 
 import certckpt
 from certckpt.errors import CheckpointExistsError, CheckpointNotFoundError, UntrustedCheckpointError
-from certckpt.ledger import Ledger
-from certckpt.restoredrill import compare_metrics, drill_restore, pick_reference
-from certckpt.retention import (
+from certckpt.trust.ledger import Ledger
+from certckpt.vault.drill import compare_metrics, drill_restore, pick_reference
+from certckpt.vault.retention import (
     AnyOf,
     KeepBest,
     KeepEvery,
@@ -28,8 +28,8 @@ from certckpt.retention import (
     plan_prune,
     protected_checkpoints,
 )
-from certckpt.runstore import find_latest_good
-from certckpt.vault import holdings, promote, prune, restore
+from certckpt.trust.runstore import find_latest_good
+from certckpt.vault.site import holdings, promote, prune, restore
 
 DAY = 86400.0
 
@@ -263,7 +263,7 @@ def test_fsspec_url_vaults_promote_restore_and_drill(scheme, copy_run, drill_run
 
 def _promote_in_process(args):
     run, vault = args
-    from certckpt.vault import promote as p
+    from certckpt.vault.site import promote as p
 
     return [(x.ckpt_id, x.written) for x in p(run, vault, ckpts=["main@10"])]
 
@@ -349,7 +349,7 @@ def test_cli_vault_errors_are_one_line(tmp_path):
 
 
 def test_vault_modules_import_without_torch():
-    code = "import sys, certckpt.vault, certckpt.retention, certckpt_cli.main; assert 'torch' not in sys.modules"
+    code = "import sys, certckpt.vault.site, certckpt.vault.retention, certckpt_cli.main; assert 'torch' not in sys.modules"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 

@@ -16,10 +16,10 @@ from conftest import console_script
 
 import certckpt
 from certckpt.errors import CheckpointExistsError, StorageError
-from certckpt.ledger import Ledger
-from certckpt.retention import KeepLatest
-from certckpt.runstore import find_latest_good
-from certckpt.vault import copy_once, holdings, promote, prune, restore
+from certckpt.trust.ledger import Ledger
+from certckpt.vault.retention import KeepLatest
+from certckpt.trust.runstore import find_latest_good
+from certckpt.vault.site import copy_once, holdings, promote, prune, restore
 
 pytestmark = pytest.mark.slow
 
@@ -102,7 +102,7 @@ def test_promoting_different_content_under_a_locked_name_fails_and_changes_nothi
 def _promote_in_process(args):
     run, vault, endpoint = args
     os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
-    from certckpt.vault import promote as p
+    from certckpt.vault.site import promote as p
 
     return [(x.ckpt_id, x.written) for x in p(run, vault, ckpts=["main@10"])]
 

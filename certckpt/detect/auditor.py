@@ -36,9 +36,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from ..errors import CertckptError
-from ..fingerprinting import _finalize, _raw_sum, _words
-from ..record import state_fingerprint
+from certckpt.errors import CertckptError
+from certckpt.format.fingerprinting import _finalize, _raw_sum, _words
+from certckpt.format.record import state_fingerprint
 from .attribution import arbitration_plan, attribute_replay, consensus_verdict, ring_pairs
 from .digest import digests
 from .events import AuditEvent, EventSink, MemorySink, rank_inventory
@@ -62,7 +62,7 @@ class FaultDetectedError(CertckptError, RuntimeError):
     @property
     def incident_id(self) -> str | None:
         """The incident this detection opened (the same id on every rank); None when contained."""
-        from ..incident import incident_id_for
+        from certckpt.trust.incident import incident_id_for
 
         return None if self.event.contained else incident_id_for(self.event.to_dict())
 
@@ -328,12 +328,12 @@ class Auditor:
         self.rank = dist.get_rank(self.group)
         self.step = start_step
         if isinstance(ledger, str):
-            from ..ledger import Ledger
+            from certckpt.trust.ledger import Ledger
 
             ledger = Ledger(ledger)
         self.ledger, self.parent = ledger, parent
         if sink is None and ledger is not None:
-            from ..ledger import LedgerSink
+            from certckpt.trust.ledger import LedgerSink
 
             sink = LedgerSink(ledger)
         self.sink = sink if sink is not None else MemorySink()
@@ -434,7 +434,7 @@ class Auditor:
     def _open_incident(self, ev: AuditEvent) -> None:
         # Every uncontained detection opens an incident, written by rank 0 as soon as it is known;
         # a ledger that cannot be written must not hide the detection itself (status opens it later).
-        from ..incident import open_incident
+        from certckpt.trust.incident import open_incident
 
         try:
             open_incident(self.ledger, ev)
@@ -774,7 +774,7 @@ class Auditor:
         Returns:
             ``SaveResult`` on rank 0, None elsewhere.
         """
-        from ..writer import save_certified
+        from certckpt.format.writer import save_certified
 
         s = self.step
         if not (self._consensus and self._consensus[0] == s):

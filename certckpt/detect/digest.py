@@ -2,7 +2,7 @@
 
 The replay audit (deterministic mode) and the weight consensus only ask whether two ranks hold the
 same bytes at the same moment; nothing outside the job ever reads these values. They use this digest,
-about 2.5x cheaper than the 64-bit fingerprint (``certckpt.fingerprinting``, which checkpoints keep
+about 2.5x cheaper than the 64-bit fingerprint (``certckpt.format.fingerprinting``, which checkpoints keep
 and which the consensus at a checkpoint step still computes, for the writer to reuse):
 
     S32 = sum_i w_i * (T[i mod 2**16] * V[i div 2**16])  mod 2**32
@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..fingerprinting import FP_CHUNK_WORDS, _per_thread, _tables, _words
+from certckpt.format.fingerprinting import FP_CHUNK_WORDS, _per_thread, _tables, _words
 
 __all__ = ["digest", "digests"]
 

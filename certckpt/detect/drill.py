@@ -123,7 +123,7 @@ def run_cases_on_rank(args: dict[str, Any]) -> list[dict[str, Any]]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from .auditor import Auditor, FaultDetectedError
-    from ..ledger import Ledger, LedgerSink
+    from certckpt.trust.ledger import Ledger, LedgerSink
     from .events import JsonlSink, MemorySink
     from .inject import Fault
 

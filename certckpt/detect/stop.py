@@ -20,7 +20,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-from ..incident import EXIT_FAULT_DETECTED, _node_of
+from certckpt.trust.incident import EXIT_FAULT_DETECTED, _node_of
 
 __all__ = ["stop_on_fault", "EXIT_FAULT_DETECTED"]
 

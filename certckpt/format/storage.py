@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import IO, Any
 
-from .errors import CheckpointExistsError, CheckpointNotFoundError, MissingDependencyError, StorageError
+from certckpt.errors import CheckpointExistsError, CheckpointNotFoundError, MissingDependencyError, StorageError
 
 __all__ = ["Target", "resolve", "open_read", "commit_local", "commit_remote", "temp_name", "fsync_dir", "put_once", "join", "write_atomic"]
 

@@ -19,13 +19,13 @@ from certckpt.errors import CertckptError
 
 def run_demo(directory: str, *, echo: Callable[[str], None] = print, ranks: int = 3) -> dict[str, Any]:
     """Run the demo in ``directory`` (created; must be empty); returns its key facts."""
-    from certckpt.demo import SCHEDULE
+    from certckpt.tools.demo import SCHEDULE
     from certckpt.detect.launch import run_ranks
-    from certckpt.incident import decide, get_incident
-    from certckpt.report import render, timeline
-    from certckpt.restoredrill import drill_restore
-    from certckpt.runstore import certify_store, find_latest_good
-    from certckpt.vault import promote
+    from certckpt.trust.incident import decide, get_incident
+    from certckpt.ops.report import render, timeline
+    from certckpt.vault.drill import drill_restore
+    from certckpt.trust.runstore import certify_store, find_latest_good
+    from certckpt.vault.site import promote
 
     from .main import status_lines
 
@@ -43,7 +43,7 @@ def run_demo(directory: str, *, echo: Callable[[str], None] = print, ranks: int 
 
     stage(1, f"training on {ranks} gloo ranks (CPU): audit every {s['audit_every']} steps, checkpoint every {s['ckpt_every']}; "
              f"a persistent fault is planted on rank {s['fault_rank']} from step {s['fault_step']}")
-    res = run_ranks("certckpt.demo:train_faulty", ranks, {"store": store, "schedule": s}, timeout=300)[0]
+    res = run_ranks("certckpt.tools.demo:train_faulty", ranks, {"store": store, "schedule": s}, timeout=300)[0]
     if res["stopped_at"] is None:
         raise CertckptError("the planted fault was not detected; the demo expects the replay audit to catch it")
     iid = res["incident"]
@@ -71,7 +71,7 @@ def run_demo(directory: str, *, echo: Callable[[str], None] = print, ranks: int 
     decide(store, iid, action="rollback", by="demo", reason="restart from latest-good on a new branch", ckpt=good)
 
     stage(5, f"rolling back: branch b2 resumes from {good} on healthy hardware (and a clean reference run for the drill)")
-    rec = run_ranks("certckpt.demo:train_recovery", ranks, {"store": store, "schedule": s, "resume_from": good_url, "parent": good,
+    rec = run_ranks("certckpt.tools.demo:train_recovery", ranks, {"store": store, "schedule": s, "resume_from": good_url, "parent": good,
                                                            "reference_out": reference}, timeout=300)[0]
     if rec["stopped_at"] is not None:
         raise CertckptError(f"the recovered branch failed a check at step {rec['stopped_at']}")
@@ -83,7 +83,7 @@ def run_demo(directory: str, *, echo: Callable[[str], None] = print, ranks: int 
     stage(6, "vault: promote trusted checkpoints, then a restore drill of latest-good against the clean reference")
     done = promote(store, vault)
     echo(f"  promoted {len(done)} checkpoints: {', '.join(p.ckpt_id for p in done)}")
-    from certckpt.demo import evaluate, make_model
+    from certckpt.tools.demo import evaluate, make_model
 
     drill = drill_restore(vault, model_factory=make_model, eval_fn=evaluate, reference=reference)
     for name, r in drill.stages.items():

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .certify import Certification, certify
-from .errors import CertckptError
+from certckpt.errors import CertckptError
 from .ledger import Ledger, LedgerSnapshot
-from .verify import verify
+from certckpt.format.verify import verify
 
 __all__ = ["StoreStatus", "certify_store", "find_latest_good", "check_file"]
 

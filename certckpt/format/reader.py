@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import xxhash
 
-from .errors import CorruptCheckpointError
+from certckpt.errors import CorruptCheckpointError
 from .record import check_header
 from .skeleton import check_map_location, rebuild
 from .storage import open_read, resolve

@@ -1,4 +1,4 @@
-"""``certckpt incident ls|show|decide``: thin wrappers over certckpt.incident."""
+"""``certckpt incident ls|show|decide``: thin wrappers over certckpt.trust.incident."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def incident() -> None:
 @expected_errors
 def incident_ls(store: str, as_json: bool) -> None:
     """Every incident of STORE with its status."""
-    from certckpt.incident import list_incidents
+    from certckpt.trust.incident import list_incidents
 
     incs = list_incidents(store)
     if as_json:
@@ -48,7 +48,7 @@ def incident_ls(store: str, as_json: bool) -> None:
 @expected_errors
 def incident_show(store: str, incident_id: str, as_json: bool) -> None:
     """Everything recorded about INCIDENT_ID: evidence, where the ranks ran, decisions."""
-    from certckpt.incident import get_incident
+    from certckpt.trust.incident import get_incident
 
     i = get_incident(store, incident_id)
     if as_json:
@@ -102,7 +102,7 @@ def incident_decide(store, incident_id, action, by, reason, ckpt, node, approves
     resolve needs a rollback decision naming the checkpoint to restart from and every replace /
     return-to-service approved; close needs a passing restore drill run after the incident opened.
     """
-    from certckpt.incident import IncidentError, decide
+    from certckpt.trust.incident import IncidentError, decide
 
     try:
         doc = decide(store, incident_id, action=action, by=by, reason=reason, ckpt=ckpt, node=node, approves=approves, drill=drill, vault=vault)

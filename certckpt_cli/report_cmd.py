@@ -1,4 +1,4 @@
-"""``certckpt report``: a thin wrapper over certckpt.report (the run timeline as a picture or a page)."""
+"""``certckpt report``: a thin wrapper over certckpt.ops.report (the run timeline as a picture or a page)."""
 
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ def report(store: str, out: str, as_json: bool, force: bool) -> None:
     Exit 0 when written; 2 when the store cannot be read or the file cannot be written.
     """
     from certckpt.errors import CheckpointNotFoundError
-    from certckpt.report import check_format, render, timeline
-    from certckpt.runstore import certify_store
+    from certckpt.ops.report import check_format, render, timeline
+    from certckpt.trust.runstore import certify_store
 
     check_format(out)
     if os.path.exists(out) and not force:

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import (
+from certckpt.errors import (
     CertckptError,
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -31,11 +31,11 @@ from .errors import (
     StorageError,
     UntrustedCheckpointError,
 )
-from .ledger import VAULT_MARK, Ledger
+from certckpt.trust.ledger import VAULT_MARK, Ledger
 from .retention import PrunePlan, RetentionEntry, RetentionPolicy, plan_prune, protected_checkpoints
-from .runstore import StoreStatus, certify_store, check_file, find_latest_good
-from .storage import commit_local, commit_remote, filesystem, is_s3, join, open_read, remote_error_text, resolve, temp_name
-from .verify import inspect
+from certckpt.trust.runstore import StoreStatus, certify_store, check_file, find_latest_good
+from certckpt.format.storage import commit_local, commit_remote, filesystem, is_s3, join, open_read, remote_error_text, resolve, temp_name
+from certckpt.format.verify import inspect
 
 __all__ = ["VaultSite", "Promotion", "PruneResult", "Restore", "open_vault", "promote", "holdings", "prune", "restore", "LOCK_MODES"]
 

@@ -1,6 +1,6 @@
 """The demo's training job: a small model, 3 gloo ranks on CPU, the auditor, a planted fault.
 
-``certckpt demo`` (cli/demo.py) drives it in two launches:
+``certckpt demo`` (certckpt_cli/demo.py) drives it in two launches:
 
 1. ``train_faulty``: branch ``main`` from scratch, checkpoint every ``ckpt_every`` steps; a
    persistent finite fault on one rank from ``fault_step`` (bad hardware that keeps computing
@@ -28,7 +28,7 @@ SCHEDULE = {"steps": 60, "audit_every": 10, "ckpt_every": 5, "fault_step": 23, "
 
 
 def make_model():
-    """The demo model, freshly built (``--model certckpt.demo:make_model``)."""
+    """The demo model, freshly built (``--model certckpt.tools.demo:make_model``)."""
     import torch
 
     torch.manual_seed(0)
@@ -51,7 +51,7 @@ def _loss(model, batch):
 
 
 def evaluate(model) -> dict[str, float]:
-    """Held-out loss (``--eval certckpt.demo:evaluate``)."""
+    """Held-out loss (``--eval certckpt.tools.demo:evaluate``)."""
     import torch
 
     model.eval()
@@ -70,7 +70,7 @@ def _setup(*, lr: float = 3e-3):
 
 def _train(auditor, model, opt, *, first: int, last: int, ckpt_every: int, store: str | None, rank: int,
            metrics: dict[str, Any] | None = None) -> dict[str, Any]:
-    from .detect.auditor import FaultDetectedError
+    from certckpt.detect.auditor import FaultDetectedError
 
     for step in range(first, last + 1):
         try:
@@ -91,9 +91,9 @@ def train_faulty(args: dict[str, Any]) -> dict[str, Any]:
     """Launch 1, per rank: branch main with the planted fault, until the checks stop it."""
     import torch.distributed as dist
 
-    from .detect.auditor import Auditor
-    from .detect.inject import Fault
-    from .ledger import Ledger
+    from certckpt.detect.auditor import Auditor
+    from certckpt.detect.inject import Fault
+    from certckpt.trust.ledger import Ledger
 
     rank = dist.get_rank()
     s = args["schedule"]
@@ -110,10 +110,10 @@ def train_recovery(args: dict[str, Any]) -> dict[str, Any]:
     """Launch 2, per rank: the clean reference run, then branch b2 resumed from latest-good."""
     import torch.distributed as dist
 
-    from . import load
-    from .detect.auditor import Auditor
-    from .detect.events import MemorySink
-    from .ledger import Ledger
+    from certckpt import load
+    from certckpt.detect.auditor import Auditor
+    from certckpt.detect.events import MemorySink
+    from certckpt.trust.ledger import Ledger
 
     rank = dist.get_rank()
     s = args["schedule"]

@@ -15,7 +15,7 @@ from typing import IO, Any
 
 import xxhash
 
-from .errors import CorruptCheckpointError
+from certckpt.errors import CorruptCheckpointError
 from .header import Header, TensorEntry, parse_header, printable, read_header_length
 from .record import CheckpointRecord, check_header, parse_record, state_fingerprint
 from .storage import open_read, resolve

@@ -1,4 +1,4 @@
-"""``certckpt envelope``: a thin front end to certckpt.envelope (run the sweep, print, gate).
+"""``certckpt envelope``: a thin front end to certckpt.tools.envelope (run the sweep, print, gate).
 
 Nothing heavy at import: torch is imported by the library only when the command runs.
 """
@@ -53,7 +53,7 @@ def envelope(seq_lens, micro_batches, audit_every, ranks, model, max_premium, st
     Exit 0 when every premium is within --max-premium; 1 naming the combinations over it; 2 for
     usage errors or a sweep that could not run.
     """
-    from certckpt.envelope import FULL, QUICK, EnvelopeConfig, format_table, parse_int_list, plot, require_matplotlib, resolve_model, run_envelope, to_json
+    from certckpt.tools.envelope import FULL, QUICK, EnvelopeConfig, format_table, parse_int_list, plot, require_matplotlib, resolve_model, run_envelope, to_json
 
     preset = QUICK if quick else FULL
     seq = parse_int_list(seq_lens, "--seq-lens") if seq_lens is not None else preset["seq_lens"]

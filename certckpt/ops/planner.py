@@ -620,8 +620,8 @@ def read_policy(url: str) -> FoundPolicy:
         StorageError: the store cannot be read.
         ValueError: a JSON file that is not an envelope report.
     """
-    from .errors import CheckpointNotFoundError
-    from .storage import filesystem, resolve
+    from certckpt.errors import CheckpointNotFoundError
+    from certckpt.format.storage import filesystem, resolve
 
     target = resolve(url)
     is_file = os.path.isfile(target.local) if target.local is not None else url.endswith(".json")
@@ -641,7 +641,7 @@ def read_policy(url: str) -> FoundPolicy:
             raise ValueError(f"{url}: neither a run store nor a JSON envelope report ({e.__class__.__name__})") from e
         return overhead_from_envelope(report, origin=url)
 
-    from .ledger import Ledger
+    from certckpt.trust.ledger import Ledger
 
     snap = Ledger(url).snapshot()
     if not snap.checkpoints and not snap.events:

@@ -1,5 +1,5 @@
-"""``certckpt vault ...`` and ``certckpt drill restore``: thin wrappers over certckpt.vault and
-certckpt.restoredrill (print, map errors to exit codes)."""
+"""``certckpt vault ...`` and ``certckpt drill restore``: thin wrappers over certckpt.vault.site and
+certckpt.vault.drill (print, map errors to exit codes)."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def vault_promote(run_url: str, vault_url: str, ckpts: tuple[str, ...], lock_mod
 
     Exit 0 when done (also when there was nothing new); 1 when a requested checkpoint is suspect.
     """
-    from certckpt.vault import promote
+    from certckpt.vault.site import promote
 
     done = promote(run_url, vault_url, ckpts=list(ckpts) or None, lock_mode=lock_mode, retain_days=retain_days,
                    progress=_Progress(f"promoting to {vault_url}", _COPY_PROGRESS))
@@ -48,7 +48,7 @@ def vault_promote(run_url: str, vault_url: str, ckpts: tuple[str, ...], lock_mod
         click.echo(json.dumps({"run": run_url, "vault": vault_url, "promoted": [p.to_dict() for p in done]}, indent=2))
         return
     if not done:
-        from certckpt.runstore import certify_store
+        from certckpt.trust.runstore import certify_store
 
         if not certify_store(run_url, write_certificates=False).certification.order:
             click.echo(f"nothing to promote: no checkpoint of {run_url} is trusted yet (see `certckpt status {run_url}`)")
@@ -69,7 +69,7 @@ def vault_promote(run_url: str, vault_url: str, ckpts: tuple[str, ...], lock_mod
 @expected_errors
 def vault_ls(vault_url: str, as_json: bool) -> None:
     """What VAULT_URL holds, with each checkpoint's verdict now (* marks latest-good)."""
-    from certckpt.vault import holdings
+    from certckpt.vault.site import holdings
 
     status, rows = holdings(vault_url)
     if as_json:
@@ -91,7 +91,7 @@ def vault_ls(vault_url: str, as_json: bool) -> None:
 
 
 def _policy(keep_last: int | None, keep_every: int | None, keep_days: float | None, keep_best: tuple[str, ...]):
-    from certckpt.retention import AnyOf, KeepBest, KeepEvery, KeepFor, KeepLatest
+    from certckpt.vault.retention import AnyOf, KeepBest, KeepEvery, KeepFor, KeepLatest
 
     parts = []
     if keep_last is not None:
@@ -125,7 +125,7 @@ def vault_prune(vault_url: str, keep_last, keep_every, keep_days, keep_best, app
     Policies combine: a checkpoint stays when any of them keeps it. Latest-good, the rollback target
     before an open suspect interval, and everything while an incident is open are always kept.
     """
-    from certckpt.vault import prune
+    from certckpt.vault.site import prune
 
     result = prune(vault_url, _policy(keep_last, keep_every, keep_days, keep_best), apply=apply)
     if as_json:
@@ -169,7 +169,7 @@ def vault_restore(vault_url: str, ckpt: str, dest: str, allow_suspect: bool, as_
     DEST is a file path or URL, or a directory (ending in / or existing) to put it in; an existing
     file is never overwritten.
     """
-    from certckpt.vault import restore
+    from certckpt.vault.site import restore
 
     r = restore(vault_url, ckpt, dest, allow_suspect=allow_suspect, progress=_Progress(f"restoring {ckpt}", _COPY_PROGRESS))
     if as_json:
@@ -197,7 +197,7 @@ def drill_restore_cmd(vault_url, model_spec, eval_spec, reference, rtol, atol, k
     Exit 0 when all four pass; 1 when a stage fails or there is no reference to compare with.
     The drill is recorded in the vault's ledger.
     """
-    from certckpt.restoredrill import drill_restore, load_callable
+    from certckpt.vault.drill import drill_restore, load_callable
 
     result = drill_restore(vault_url, model_factory=load_callable(model_spec), eval_fn=load_callable(eval_spec),
                            reference=reference, rtol=rtol, atol=atol, key=key, scratch=scratch,

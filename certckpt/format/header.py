@@ -11,7 +11,7 @@ import json
 import struct
 from dataclasses import dataclass
 
-from .errors import CorruptCheckpointError, NotACheckpointError
+from certckpt.errors import CorruptCheckpointError, NotACheckpointError
 
 __all__ = [
     "DTYPE_SIZES",

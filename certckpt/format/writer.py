@@ -22,7 +22,7 @@ from typing import IO, Any
 import torch
 import xxhash
 
-from .errors import StorageError, UnsupportedObjectError
+from certckpt.errors import StorageError, UnsupportedObjectError
 from .fingerprinting import fingerprint_many
 from .header import TensorEntry
 from .inventory import writer_inventory

@@ -1,4 +1,4 @@
-"""``certckpt plan``: a thin front end to certckpt.planner (parse, merge sources, print, exit code).
+"""``certckpt plan``: a thin front end to certckpt.ops.planner (parse, merge sources, print, exit code).
 
 No torch and no matplotlib here: the planner is arithmetic, and ``certckpt --help`` stays fast.
 """
@@ -12,7 +12,7 @@ import click
 
 from .main import EXIT_FAILED, EXIT_OK, _table, expected_errors, main
 
-# (option, input name, click type, help); defaults live in certckpt.planner.DEFAULT_COSTS.
+# (option, input name, click type, help); defaults live in certckpt.ops.planner.DEFAULT_COSTS.
 _COST_OPTIONS = (
     ("--step-time", "step_time", click.FloatRange(0, min_open=True), "S: seconds per optimizer step"),
     ("--gpus", "gpus", click.IntRange(1), "G: GPUs the job holds"),
@@ -46,7 +46,7 @@ _SYMBOLS = {"step_time": "S", "gpus": "G", "gpu_hour_cost": "P", "audit_overhead
 
 
 def _cost_options(fn):
-    from certckpt.planner import DEFAULT_COSTS  # pure stdlib module: cheap
+    from certckpt.ops.planner import DEFAULT_COSTS  # pure stdlib module: cheap
 
     for flag, name, kind, text in reversed(_COST_OPTIONS):
         fn = click.option(flag, name, type=kind, default=None, help=f"{text} [default: {_num(getattr(DEFAULT_COSTS, name))}]")(fn)
@@ -83,7 +83,7 @@ def plan_cmd(sources: tuple[str, ...], as_json: bool, **flags) -> None:
     certckpt/planner.py. Exit 0 when the combination is defensible, 1 when a warning says it is not
     (checkpoints not aligned with audits, keep too small, no audit in the run), 2 on usage errors.
     """
-    from certckpt.planner import plan_inputs, read_policy, resolve_inputs
+    from certckpt.ops.planner import plan_inputs, read_policy, resolve_inputs
 
     found = [read_policy(url) for url in sources]
     try:

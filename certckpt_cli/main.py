@@ -92,7 +92,7 @@ def main() -> None:
 @expected_errors
 def verify(location: str, deep: bool, ledger_url: str | None, as_json: bool) -> None:
     """Check every byte of the checkpoint at LOCATION (path or fsspec URL)."""
-    from certckpt.verify import verify as run_verify
+    from certckpt.format.verify import verify as run_verify
 
     report = run_verify(location, deep=deep, progress=_Progress(f"verifying {location}"))
     verdict = _ledger_verdict(location, ledger_url, report) if ledger_url else None
@@ -130,7 +130,7 @@ def verify(location: str, deep: bool, ledger_url: str | None, as_json: bool) -> 
 def _ledger_verdict(location: str, ledger_url: str, report) -> dict:
     import os
 
-    from certckpt.runstore import certify_store
+    from certckpt.trust.runstore import certify_store
 
     status = certify_store(ledger_url, write_certificates=False)
     want = os.path.abspath(location) if "://" not in location else location
@@ -152,7 +152,7 @@ def _ledger_verdict(location: str, ledger_url: str, report) -> dict:
 @expected_errors
 def inspect(location: str, as_json: bool) -> None:
     """Show the tensor table and certckpt record of LOCATION without reading the data."""
-    from certckpt.verify import inspect as run_inspect
+    from certckpt.format.verify import inspect as run_inspect
 
     info = run_inspect(location)
     rec = info.record
@@ -217,7 +217,7 @@ def latest_good(store: str, as_json: bool, no_verify: bool) -> None:
     Exit 0 with its URL; 1 when no checkpoint is trusted (with the reason); 2 when the store
     cannot be read.
     """
-    from certckpt.runstore import find_latest_good
+    from certckpt.trust.runstore import find_latest_good
 
     status, chosen = find_latest_good(store, verify_bytes=not no_verify)
     for cid, problem in status.fallbacks:
@@ -256,7 +256,7 @@ def latest_good(store: str, as_json: bool, no_verify: bool) -> None:
 @expected_errors
 def status(store: str, verify_bytes: bool, as_json: bool) -> None:
     """Every checkpoint of STORE with its verdict and reasons, the detections, uncommitted files."""
-    from certckpt.runstore import certify_store
+    from certckpt.trust.runstore import certify_store
 
     st = certify_store(store, verify_bytes=verify_bytes)
     cert = st.certification
@@ -316,7 +316,7 @@ def status_lines(st) -> list[str]:
 @expected_errors
 def revoke(store: str, ckpt: str, reason: str, by: str) -> None:
     """Revoke checkpoint CKPT (an id like main@120) of STORE; it and its descendants become suspect."""
-    from certckpt.ledger import Ledger
+    from certckpt.trust.ledger import Ledger
 
     Ledger(store).revoke(ckpt, reason=reason, by=by)
     click.echo(f"revoked {ckpt}: {reason}")

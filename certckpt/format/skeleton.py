@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .errors import CertckptError, CorruptCheckpointError, DeviceUnavailableError, UnsupportedObjectError
+from certckpt.errors import CertckptError, CorruptCheckpointError, DeviceUnavailableError, UnsupportedObjectError
 from .fingerprinting import ST_TO_TORCH, TORCH_TO_ST
 
 __all__ = ["Flattened", "StoredTensor", "flatten", "rebuild"]

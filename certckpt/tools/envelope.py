@@ -116,8 +116,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import MissingDependencyError
-from .storage import write_atomic
+from certckpt.errors import MissingDependencyError
+from certckpt.format.storage import write_atomic
 
 __all__ = [
     "BUILTIN_MODEL",
@@ -412,9 +412,9 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from .detect.auditor import Auditor
-    from .detect.events import MemorySink
-    from .detect.launch import ProgressLog
+    from certckpt.detect.auditor import Auditor
+    from certckpt.detect.events import MemorySink
+    from certckpt.detect.launch import ProgressLog
 
     rank, world = dist.get_rank(), dist.get_world_size()
     mode, backend, device_kind = args["mode"], args["backend"], args["device"]
@@ -631,7 +631,7 @@ def run_envelope(config: EnvelopeConfig, *, progress: Callable[[str], None] | No
     Raises:
         certckpt.detect.launch.RanksFailedError: a rank failed (its output tail is in the message).
     """
-    from .detect.launch import follow, run_ranks
+    from certckpt.detect.launch import follow, run_ranks
 
     t0 = time.perf_counter()
     load0 = _loadavg()
@@ -656,7 +656,7 @@ def run_envelope(config: EnvelopeConfig, *, progress: Callable[[str], None] | No
             "progress": prog,
         }
         try:
-            per_rank = run_ranks("certckpt.envelope:rank_main", config.ranks, args, timeout=config.timeout_s, extra_path=config.extra_path)
+            per_rank = run_ranks("certckpt.tools.envelope:rank_main", config.ranks, args, timeout=config.timeout_s, extra_path=config.extra_path)
         finally:
             stop.set()
             if tail:

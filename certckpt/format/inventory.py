@@ -29,7 +29,7 @@ def writer_inventory(devices: set[str]) -> dict[str, Any]:
     """Inventory of the writing process; ``devices`` are the torch device strings of saved tensors."""
     import torch
 
-    from . import __version__
+    from certckpt import __version__
 
     names: list[str] = []
     for d in sorted(devices):

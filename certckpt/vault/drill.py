@@ -25,8 +25,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import CertckptError
-from .ledger import Ledger
+from certckpt.errors import CertckptError
+from certckpt.trust.ledger import Ledger
 
 __all__ = ["DrillResult", "drill_restore", "load_callable", "pick_reference", "compare_metrics", "STAGES"]
 
@@ -156,8 +156,8 @@ def drill_restore(
         record: write the result to the vault's ledger.
         progress: ``progress(done, total)`` while the checkpoint is copied out of the vault.
     """
-    from . import load, verify
-    from .vault import restore
+    from certckpt import load, verify
+    from .site import restore
 
     t0 = time.perf_counter()
     if isinstance(reference, str):

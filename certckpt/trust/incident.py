@@ -30,7 +30,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import CertckptError, CheckpointExistsError, CheckpointNotFoundError
+from certckpt.errors import CertckptError, CheckpointExistsError, CheckpointNotFoundError
 
 __all__ = [
     "ACTIONS",

@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .certify import CheckpointEntry, Revocation
-from .errors import CertckptError, CheckpointNotFoundError, StorageError
-from .storage import filesystem, join, put_once, resolve
+from certckpt.errors import CertckptError, CheckpointNotFoundError, StorageError
+from certckpt.format.storage import filesystem, join, put_once, resolve
 
 __all__ = ["Ledger", "LedgerSink", "LedgerSnapshot", "ckpt_id_for", "LEDGER_DIR", "VAULT_MARK"]
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import xxhash
 
-from .errors import CorruptCheckpointError, NotACheckpointError
+from certckpt.errors import CorruptCheckpointError, NotACheckpointError
 from .header import (
     METADATA_KEY,
     Header,

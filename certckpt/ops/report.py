@@ -19,8 +19,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .errors import MissingDependencyError
-from .storage import write_atomic
+from certckpt.errors import MissingDependencyError
+from certckpt.format.storage import write_atomic
 
 __all__ = [
     "Timeline",

@@ -1,0 +1,1 @@
+"""Operations: the interval planner and the run timeline report. Imports ``certckpt.trust``."""
