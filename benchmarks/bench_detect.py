@@ -36,9 +36,9 @@ A last phase shows where the extra time goes. Single steps, each between two bar
 step by step: audit/10 (audit and non-audit steps), plain DDP, and a fifth DDP copy with torch's own
 Python ``allreduce_hook`` (the price of any Python comm hook). During these steps the auditor's
 parts are timed in place: its methods and the module functions it calls (``signature``,
-``RingShift``, ``_nonfinite_flag``, ``_replay``, ``_replay_audit``, ``_weight_consensus``) are
+``RingShift``, ``nonfinite_flag``, ``_replay``, ``_replay_audit``, ``weight_consensus``) are
 wrapped with timers in the rank processes (no library file is changed). Then
-``auditor._weight_consensus(step)``, ``signature()`` over all gradients and two flag sums are
+``auditor.weight_consensus(step)``, ``signature()`` over all gradients and two flag sums are
 called alone between barriers, a few times each.
 
 Nothing here is hard-coded: every figure printed is measured in this run.
@@ -120,7 +120,7 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from certckpt.detect.auditor import Auditor, _nonfinite_flag
+    from certckpt.detect.auditor import Auditor, nonfinite_flag
     from certckpt.detect.signature import signature
     from certckpt.detect.launch import ProgressLog
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -286,8 +286,8 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
             return timed("ring_shift", super().finish)()
 
     auditor_mod.RingShift = TimedRingShift
-    auditor_mod._nonfinite_flag = timed("nonfinite_flags", auditor_mod._nonfinite_flag)
-    wrapped = [("_replay", "replay"), ("_replay_audit", "replay_audit"), ("_weight_consensus", "consensus")]
+    auditor_mod.nonfinite_flag = timed("nonfinite_flags", auditor_mod.nonfinite_flag)
+    wrapped = [("_replay", "replay"), ("_replay_audit", "replay_audit"), ("weight_consensus", "consensus")]
     for attr, key in wrapped:
         setattr(aud, attr, timed(key, getattr(aud, attr), in_replay if attr == "_replay" else None))
     parts: dict[str, list[dict[str, float]]] = {"audit": [], "nonaudit": []}
@@ -309,7 +309,7 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
         hooked_b += 1
         hb = _batch(rank, hooked_b, bsz, widths)
         record("torch_hook_step", lambda hb=hb: hooked_step(hb))
-    auditor_mod.signature, auditor_mod.RingShift, auditor_mod._nonfinite_flag = sig_fn, ring_cls, _nonfinite_flag
+    auditor_mod.signature, auditor_mod.RingShift, auditor_mod.nonfinite_flag = sig_fn, ring_cls, nonfinite_flag
     for attr, _ in wrapped:
         delattr(aud, attr)
     log(f"breakdown: {len(bd['audit_step'])} audit and {len(bd['nonaudit_step'])} non-audit steps timed one by one")
@@ -319,9 +319,9 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
     flat = torch.cat([g.reshape(-1) for g in grads])
     for _ in range(reps):
         record("barrier_only", lambda: None)
-        record("consensus", lambda: aud._weight_consensus(aud.step))
+        record("consensus", lambda: aud.weight_consensus(aud.step))
         record("signature_all_grads", lambda: signature(grads, mode="deterministic"))
-        record("nonfinite_flags_x2", lambda: (_nonfinite_flag(flat), _nonfinite_flag(flat)))
+        record("nonfinite_flags_x2", lambda: (nonfinite_flag(flat), nonfinite_flag(flat)))
     log("breakdown done")
 
     buckets = len(aud._hook.post)  # one post-reduce flag per DDP bucket: the comm hook ran this many times
@@ -470,7 +470,7 @@ def print_report(R: dict[str, Any]) -> None:
     print(f"     {'sum':<48} {total:8.2f}   (measured extra {extra:.2f}; that step's flag sums {ins['audit'].get('nonfinite_flags', 0.0):.2f})")
     print(f"   alone between two barriers, every rank doing the same (median of {bd['consensus']['n']}):")
     line("  bare barrier pair", "barrier_only")
-    line("  auditor._weight_consensus(step), called directly", "consensus")
+    line("  auditor.weight_consensus(step), called directly", "consensus")
     line("  signature() over all gradients", "signature_all_grads")
     line("  2 non-finite flag sums over all gradients", "nonfinite_flags_x2")
     rk = sorted(((v, k) for k, v in parts.items()), reverse=True)

@@ -1,8 +1,15 @@
 """certckpt: certified, pickle-free PyTorch checkpoints.
 
-Public names only. Torch-dependent names (``save``, ``load``, ``fingerprint``, ``Auditor``...) are
-imported on first use, so ``certckpt verify``, ``inspect`` and ``latest-good`` never pay torch's
-import time. The pure certifier is ``certckpt.trust.certify.certify`` (the module keeps that name).
+Public names only, each imported on first use: ``import certckpt`` costs the error classes and
+nothing else, so ``certckpt verify``, ``inspect`` and ``latest-good`` never pay torch's import time.
+The layers behind this door are described in ``docs/architecture.md``.
+
+Example::
+
+    import certckpt
+    certckpt.save({"model": model.state_dict(), "step": 100}, "step100.safetensors", step=100)
+    state = certckpt.load("step100.safetensors", map_location="cpu")
+    assert certckpt.verify("step100.safetensors").ok
 """
 
 from __future__ import annotations
@@ -11,36 +18,46 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from .errors import (
+    ArgumentTypeError,
+    AuditSetupError,
     CertckptError,
     CheckpointExistsError,
     CheckpointNotFoundError,
+    ConfigurationError,
     CorruptCheckpointError,
     DeviceUnavailableError,
+    FaultDetectedError,
+    IncidentError,
     MissingDependencyError,
     NotACheckpointError,
+    PlatformError,
+    RanksFailedError,
     StorageError,
     UnsupportedObjectError,
     UntrustedCheckpointError,
 )
-from certckpt.format.verify import CheckpointInfo, Problem, VerifyReport, inspect, verify
+from .version import __version__
 
-__version__ = "0.1.0"
-
+# name -> module (relative to this package) that defines it
 _LAZY = {
     "save": "format.writer",
     "SaveResult": "format.writer",
     "load": "format.reader",
+    "verify": "format.verify",
+    "inspect": "format.verify",
+    "VerifyReport": "format.verify",
+    "Problem": "format.verify",
+    "CheckpointInfo": "format.verify",
     "fingerprint": "format.fingerprinting",
     "fingerprint_many": "format.fingerprinting",
     "fingerprint_hex": "format.fingerprinting",
     "fingerprint_state": "format.fingerprinting",
     "enable_compile": "format.fingerprinting",
+    "certify": "trust.certify",
     "Ledger": "trust.ledger",
     "certify_store": "trust.runstore",
     "find_latest_good": "trust.runstore",
     "Auditor": "detect.auditor",
-    "FaultDetectedError": "detect.auditor",
-    "AuditSetupError": "detect.auditor",
 }
 
 __all__ = [
@@ -55,15 +72,14 @@ __all__ = [
     "fingerprint_state",
     "enable_compile",
     "SaveResult",
+    "VerifyReport",
+    "Problem",
+    "CheckpointInfo",
+    "certify",
     "Ledger",
     "certify_store",
     "find_latest_good",
     "Auditor",
-    "FaultDetectedError",
-    "AuditSetupError",
-    "VerifyReport",
-    "Problem",
-    "CheckpointInfo",
     "CertckptError",
     "CorruptCheckpointError",
     "NotACheckpointError",
@@ -74,15 +90,30 @@ __all__ = [
     "MissingDependencyError",
     "DeviceUnavailableError",
     "UntrustedCheckpointError",
+    "ConfigurationError",
+    "ArgumentTypeError",
+    "PlatformError",
+    "IncidentError",
+    "AuditSetupError",
+    "FaultDetectedError",
+    "RanksFailedError",
 ]
 
 if TYPE_CHECKING:  # pragma: no cover
-    from certckpt.detect.auditor import AuditSetupError, Auditor, FaultDetectedError
-    from certckpt.format.fingerprinting import enable_compile, fingerprint, fingerprint_hex, fingerprint_many, fingerprint_state
-    from certckpt.trust.ledger import Ledger
-    from certckpt.trust.runstore import certify_store, find_latest_good
-    from certckpt.format.reader import load
-    from certckpt.format.writer import SaveResult, save
+    from .detect.auditor import Auditor
+    from .format.fingerprinting import (
+        enable_compile,
+        fingerprint,
+        fingerprint_hex,
+        fingerprint_many,
+        fingerprint_state,
+    )
+    from .format.reader import load
+    from .format.verify import CheckpointInfo, Problem, VerifyReport, inspect, verify
+    from .format.writer import SaveResult, save
+    from .trust.certify import certify
+    from .trust.ledger import Ledger
+    from .trust.runstore import certify_store, find_latest_good
 
 
 def __getattr__(name: str) -> Any:

@@ -1,11 +1,14 @@
 """One shallow exception tree.
 
-Every error certckpt raises derives from :class:`CertckptError` and also from the built-in
+Every error certckpt raises on purpose derives from :class:`CertckptError` and also from the built-in
 exception a caller would naturally catch (``ValueError`` for bad bytes, ``FileExistsError`` for a
-refused overwrite, ...), so ``except CertckptError`` and ``except ValueError`` both work.
+refused overwrite, ...), so ``except CertckptError`` and ``except ValueError`` both work. Every
+class lives here, whichever layer raises it: the bottom of the import graph, importing nothing.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 __all__ = [
     "CertckptError",
@@ -18,11 +21,21 @@ __all__ = [
     "MissingDependencyError",
     "DeviceUnavailableError",
     "UntrustedCheckpointError",
+    "ConfigurationError",
+    "ArgumentTypeError",
+    "PlatformError",
+    "IncidentError",
+    "AuditSetupError",
+    "FaultDetectedError",
+    "RanksFailedError",
 ]
 
 
 class CertckptError(Exception):
     """Root of every error certckpt raises on purpose."""
+
+
+# --- the file -------------------------------------------------------------------------------------
 
 
 class CorruptCheckpointError(CertckptError, ValueError):
@@ -60,5 +73,54 @@ class DeviceUnavailableError(CertckptError, RuntimeError):
     """A tensor was saved on a device this process does not have; pass ``map_location``."""
 
 
+# --- arguments and the platform ----------------------------------------------------------------------
+
+
+class ConfigurationError(CertckptError, ValueError):
+    """An option or argument is invalid; the message names it and what is accepted."""
+
+
+class ArgumentTypeError(CertckptError, TypeError):
+    """An argument has the wrong type (a path where a file object was expected, a str step...)."""
+
+
+class PlatformError(CertckptError, RuntimeError):
+    """This torch build does not compute what certckpt relies on (integer wrap-around, a compiled
+    kernel that disagrees with the eager one), or an internal invariant failed: report it."""
+
+
+# --- trust and incidents ------------------------------------------------------------------------------
+
+
 class UntrustedCheckpointError(CertckptError, ValueError):
     """An operation that needs a trusted checkpoint (promotion to the vault) was given a suspect one."""
+
+
+class IncidentError(CertckptError, ValueError):
+    """A decision on an incident breaks its rules (approval by the proposer, closing without a drill...)."""
+
+
+# --- detection ------------------------------------------------------------------------------------------
+
+
+class AuditSetupError(CertckptError, ValueError):
+    """The training set-up cannot be audited as configured (found at start, not at step 10,000)."""
+
+
+class FaultDetectedError(CertckptError, RuntimeError):
+    """A check failed and the auditor was told to stop.
+
+    Attributes:
+        event: the failed check's ``AuditEvent`` (the evidence).
+        incident_id: the incident this detection opened (the same id on every rank); None when
+            the detection was contained (the bad update never reached the weights).
+    """
+
+    def __init__(self, message: str, event: Any, *, incident_id: str | None = None):
+        super().__init__(message)
+        self.event = event
+        self.incident_id = incident_id
+
+
+class RanksFailedError(CertckptError, RuntimeError):
+    """A rank exited with an error or the group timed out; the message carries each rank's stderr tail."""

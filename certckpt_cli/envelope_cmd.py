@@ -10,20 +10,10 @@ import sys
 
 import click
 
-from .main import EXIT_FAILED, EXIT_OK, EXIT_UNVERIFIABLE, _fail, expected_errors, main
+from .common import EXIT_FAILED, EXIT_OK, EXIT_UNVERIFIABLE, OneLineUsage, expected_errors, fail
 
 
-class _OneLineUsage(click.Command):
-    """Usage errors as one line on stderr and exit 2, like every other error of this command."""
-
-    def make_context(self, info_name, args, parent=None, **extra):
-        try:
-            return super().make_context(info_name, args, parent=parent, **extra)
-        except click.UsageError as e:
-            _fail(f"envelope: {e.format_message()}", EXIT_UNVERIFIABLE)
-
-
-@main.command("envelope", cls=_OneLineUsage)
+@click.command("envelope", short_help="Measure the auditor's per-step premium over plain DDP, and gate on it.", cls=OneLineUsage)
 @click.option("--seq-lens", default=None, metavar="L,L,...", help="Sequence lengths [default: 128,512,2048; --quick: 64,256].")
 @click.option("--micro-batches", default=None, metavar="B,B,...", help="Sequences per rank per step [default: 1,4,16; --quick: 1,4].")
 @click.option("--audit-every", default=None, metavar="K,K,...", help="Audit intervals, each >= 2 [default: 10,100].")
@@ -53,7 +43,18 @@ def envelope(seq_lens, micro_batches, audit_every, ranks, model, max_premium, st
     Exit 0 when every premium is within --max-premium; 1 naming the combinations over it; 2 for
     usage errors or a sweep that could not run.
     """
-    from certckpt.tools.envelope import FULL, QUICK, EnvelopeConfig, format_table, parse_int_list, plot, require_matplotlib, resolve_model, run_envelope, to_json
+    from certckpt.tools.envelope import (
+        FULL,
+        QUICK,
+        EnvelopeConfig,
+        format_table,
+        parse_int_list,
+        plot,
+        require_matplotlib,
+        resolve_model,
+        run_envelope,
+        to_json,
+    )
 
     preset = QUICK if quick else FULL
     seq = parse_int_list(seq_lens, "--seq-lens") if seq_lens is not None else preset["seq_lens"]
@@ -77,12 +78,12 @@ def envelope(seq_lens, micro_batches, audit_every, ranks, model, max_premium, st
     click.echo(f"envelope: {n} combination(s) ({len(seq)} seq len x {len(mbs)} micro-batch x {len(ks)} K) on {ranks} "
                f"{backend} rank(s), model {spec}...", err=True)
 
-    from certckpt.detect.launch import RanksFailedError
+    from certckpt.errors import RanksFailedError
 
     try:
         report = run_envelope(config, progress=lambda line: click.echo(f"  {line}", err=True))
     except RanksFailedError as e:
-        _fail(f"envelope: the sweep failed: {e}", EXIT_UNVERIFIABLE)
+        fail(f"envelope: the sweep failed: {e}", EXIT_UNVERIFIABLE)
     if plot_path is not None:
         plot(report, plot_path)
         click.echo(f"envelope: plot written to {plot_path}", err=True)

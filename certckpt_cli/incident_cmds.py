@@ -7,10 +7,10 @@ import sys
 
 import click
 
-from .main import EXIT_FAILED, _table, expected_errors, main
+from .common import EXIT_FAILED, echo_table, expected_errors
 
 
-@main.group()
+@click.group()
 def incident() -> None:
     """Incidents opened by uncontained detections, and the decisions taken on them.
 
@@ -24,7 +24,7 @@ def incident() -> None:
 @expected_errors
 def incident_ls(store: str, as_json: bool) -> None:
     """Every incident of STORE with its status."""
-    from certckpt.trust.incident import list_incidents
+    from certckpt.trust.runstore import list_incidents
 
     incs = list_incidents(store)
     if as_json:
@@ -38,7 +38,7 @@ def incident_ls(store: str, as_json: bool) -> None:
         o = i.opened
         rows.append((i.incident_id, i.status, o["branch"], str(o["detected_step"]), o["signature"]["check"],
                      ",".join(map(str, o["suspect_ranks"])) or "-", ",".join(o.get("suspect_nodes", [])) or "-", i.rollback_to or "-"))
-    _table(("incident", "status", "branch", "step", "check", "ranks", "nodes", "rollback to"), rows)
+    echo_table(("incident", "status", "branch", "step", "check", "ranks", "nodes", "rollback to"), rows)
 
 
 @incident.command("show")
@@ -48,7 +48,7 @@ def incident_ls(store: str, as_json: bool) -> None:
 @expected_errors
 def incident_show(store: str, incident_id: str, as_json: bool) -> None:
     """Everything recorded about INCIDENT_ID: evidence, where the ranks ran, decisions."""
-    from certckpt.trust.incident import get_incident
+    from certckpt.trust.runstore import get_incident
 
     i = get_incident(store, incident_id)
     if as_json:
@@ -102,7 +102,8 @@ def incident_decide(store, incident_id, action, by, reason, ckpt, node, approves
     resolve needs a rollback decision naming the checkpoint to restart from and every replace /
     return-to-service approved; close needs a passing restore drill run after the incident opened.
     """
-    from certckpt.trust.incident import IncidentError, decide
+    from certckpt.errors import IncidentError
+    from certckpt.trust.runstore import decide
 
     try:
         doc = decide(store, incident_id, action=action, by=by, reason=reason, ckpt=ckpt, node=node, approves=approves, drill=drill, vault=vault)

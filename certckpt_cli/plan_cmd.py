@@ -10,7 +10,7 @@ import sys
 
 import click
 
-from .main import EXIT_FAILED, EXIT_OK, _table, expected_errors, main
+from .common import EXIT_FAILED, EXIT_OK, echo_table, expected_errors
 
 # (option, input name, click type, help); defaults live in certckpt.ops.planner.DEFAULT_COSTS.
 _COST_OPTIONS = (
@@ -66,7 +66,7 @@ def _source(inp) -> str:
     return inp.source
 
 
-@main.command("plan")
+@click.command("plan")
 @click.option("--audit-every", "audit_every", type=click.IntRange(1), default=None, help="K: full-audit interval in steps.")
 @click.option("--ckpt-every", "ckpt_every", type=click.IntRange(1), default=None, help="C: checkpoint interval in steps.")
 @click.option("--keep", "keep", type=click.IntRange(0), default=None, help="N: newest checkpoints kept on node storage.")
@@ -103,7 +103,7 @@ def _print(inputs, p) -> None:
     k, c, n = p.audit_every, p.ckpt_every, p.keep
     click.echo(f"policy: audit every {k} steps, checkpoint every {c}, keep {n}")
     click.echo("")
-    _table(("input", "value", "source"), [(_LABELS[name], _num(inp.value), _source(inp)) for name, inp in inputs.items()])
+    echo_table(("input", "value", "source"), [(_LABELS[name], _num(inp.value), _source(inp)) for name, inp in inputs.items()])
 
     d = p.detection
     click.echo("")
@@ -139,7 +139,7 @@ def _print(inputs, p) -> None:
                f"{_num(cost.expected_faults)} expected faults), in the currency of P")
     rows = [(name.replace("_", " "), _num(v)) for name, v in cost.components.items()]
     rows += [("total", _num(cost.total)), ("per 1000 steps", _num(cost.per_1000_steps))]
-    _table(("component", "cost"), rows)
+    echo_table(("component", "cost"), rows)
     if defaulted:
         click.echo(f"  defaults used: {', '.join(defaulted)}")
 

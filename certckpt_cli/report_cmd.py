@@ -6,10 +6,10 @@ import os
 
 import click
 
-from .main import expected_errors, main
+from .common import expected_errors
 
 
-@main.command("report")
+@click.command("report", short_help="Draw the timeline of STORE: branches, verdicts, audits, detections, latest-good.")
 @click.argument("store")
 @click.option("--out", "out", required=True, type=click.Path(dir_okay=False),
               help="Where to write the report: .png, .svg, or .html (the picture plus tables of verdicts and detections).")

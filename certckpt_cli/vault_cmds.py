@@ -8,12 +8,18 @@ import sys
 
 import click
 
-from .main import EXIT_FAILED, EXIT_OK, EXIT_UNVERIFIABLE, _human_bytes, _Progress, _table, drill, expected_errors, main
+from .common import (
+    COPY_PROGRESS,
+    EXIT_FAILED,
+    EXIT_OK,
+    Progress,
+    echo_table,
+    expected_errors,
+    human_bytes,
+)
 
-_COPY_PROGRESS = 256 << 20  # show progress for copies from this size on (when stderr is a terminal)
 
-
-@main.group()
+@click.group()
 def vault() -> None:
     """The off-node vault: promote trusted checkpoints, list, prune, restore.
 
@@ -43,7 +49,7 @@ def vault_promote(run_url: str, vault_url: str, ckpts: tuple[str, ...], lock_mod
     from certckpt.vault.site import promote
 
     done = promote(run_url, vault_url, ckpts=list(ckpts) or None, lock_mode=lock_mode, retain_days=retain_days,
-                   progress=_Progress(f"promoting to {vault_url}", _COPY_PROGRESS))
+                   progress=Progress(f"promoting to {vault_url}", threshold=COPY_PROGRESS))
     if as_json:
         click.echo(json.dumps({"run": run_url, "vault": vault_url, "promoted": [p.to_dict() for p in done]}, indent=2))
         return
@@ -59,8 +65,8 @@ def vault_promote(run_url: str, vault_url: str, ckpts: tuple[str, ...], lock_mod
     for p in done:
         lock = p.lock or {}
         lock_text = f"{lock['mode']} until {lock['retain_until'][:19]}" if lock.get("retain_until") else lock.get("mode", "none")
-        rows.append((p.ckpt_id, _human_bytes(p.nbytes), "copied, verified" if p.written else "already there", _rate(p.nbytes, p.seconds), lock_text))
-    _table(("checkpoint", "size", "result", "speed", "protection"), rows)
+        rows.append((p.ckpt_id, human_bytes(p.nbytes), "copied, verified" if p.written else "already there", _rate(p.nbytes, p.seconds), lock_text))
+    echo_table(("checkpoint", "size", "result", "speed", "protection"), rows)
 
 
 @vault.command("ls")
@@ -84,9 +90,9 @@ def vault_ls(vault_url: str, as_json: bool) -> None:
         table.append((
             r["ckpt_id"] + (" *" if r["ckpt_id"] == status.latest_good else ""), str(r["step"]),
             "pruned" if r["pruned"] else r["verdict"], ", ".join(r["reasons"]) or "-",
-            _human_bytes(r["bytes"] or 0), (lock.get("mode", "-") + (f" until {lock['retain_until'][:10]}" if lock.get("retain_until") else "")),
+            human_bytes(r["bytes"] or 0), (lock.get("mode", "-") + (f" until {lock['retain_until'][:10]}" if lock.get("retain_until") else "")),
         ))
-    _table(("checkpoint", "step", "verdict", "reasons", "size", "protection"), table)
+    echo_table(("checkpoint", "step", "verdict", "reasons", "size", "protection"), table)
     click.echo(f"* latest-good: {status.latest_good}" if status.latest_good else "no trusted checkpoint held")
 
 
@@ -145,7 +151,7 @@ def vault_prune(vault_url: str, keep_last, keep_every, keep_days, keep_best, app
         return (branch, int(step) if step.isdigit() else 0)
 
     if rows:
-        _table(("checkpoint", "action", "why"), sorted(rows, key=order))
+        echo_table(("checkpoint", "action", "why"), sorted(rows, key=order))
     click.echo(f"policy: {result.policy}")
     if plan.blocked_by:
         click.echo(f"incident(s) open ({', '.join(plan.blocked_by)}): nothing is deleted until they close")
@@ -171,53 +177,9 @@ def vault_restore(vault_url: str, ckpt: str, dest: str, allow_suspect: bool, as_
     """
     from certckpt.vault.site import restore
 
-    r = restore(vault_url, ckpt, dest, allow_suspect=allow_suspect, progress=_Progress(f"restoring {ckpt}", _COPY_PROGRESS))
+    r = restore(vault_url, ckpt, dest, allow_suspect=allow_suspect, progress=Progress(f"restoring {ckpt}", threshold=COPY_PROGRESS))
     if as_json:
         click.echo(json.dumps(r.to_dict(), indent=2))
         return
     what = "restored and verified" if r.written else "already there, verified"
-    click.echo(f"{r.ckpt_id} -> {r.dest}: {what}, {_human_bytes(r.nbytes)} in {r.seconds:.2f} s ({_rate(r.nbytes, r.seconds)})")
-
-
-@drill.command("restore")
-@click.argument("vault_url")
-@click.option("--model", "model_spec", required=True, help="module:callable building a fresh model.")
-@click.option("--eval", "eval_spec", required=True, help="module:callable(model) returning a number or {metric: number}.")
-@click.option("--reference", type=click.Path(exists=True, dir_okay=False), default=None, help="Metrics of a clean reference run (JSON).")
-@click.option("--rtol", type=float, default=1e-5, show_default=True, help="Relative tolerance for the metrics.")
-@click.option("--atol", type=float, default=1e-8, show_default=True, help="Absolute tolerance for the metrics.")
-@click.option("--key", default=None, help="Checkpoint entry holding the state dict (default: 'model' when present).")
-@click.option("--scratch", type=click.Path(file_okay=False), default=None, help="Restore here and keep it (default: a temporary directory).")
-@click.option("--save-metrics", type=click.Path(dir_okay=False), default=None, help="Write this drill's metrics as a reference file.")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-@expected_errors
-def drill_restore_cmd(vault_url, model_spec, eval_spec, reference, rtol, atol, key, scratch, save_metrics, as_json) -> None:
-    """Restore latest-good from VAULT_URL and prove it: bytes, fingerprints, load, metrics.
-
-    Exit 0 when all four pass; 1 when a stage fails or there is no reference to compare with.
-    The drill is recorded in the vault's ledger.
-    """
-    from certckpt.vault.drill import drill_restore, load_callable
-
-    result = drill_restore(vault_url, model_factory=load_callable(model_spec), eval_fn=load_callable(eval_spec),
-                           reference=reference, rtol=rtol, atol=atol, key=key, scratch=scratch,
-                           progress=_Progress(f"restoring latest-good of {vault_url}", _COPY_PROGRESS))
-    if save_metrics and result.metrics and result.step is not None:
-        with open(save_metrics, "w", encoding="utf-8") as f:
-            json.dump({str(result.step): result.metrics}, f, indent=2)
-    if as_json:
-        click.echo(json.dumps(result.to_dict(), indent=2))
-    else:
-        click.echo(f"restore drill of {vault_url}: {result.ckpt_id or 'no checkpoint'}" + (f" (step {result.step})" if result.step is not None else ""))
-        for stage, st in result.stages.items():
-            mark = {True: "pass", False: "FAIL", None: "-"}[st["ok"]]
-            click.echo(f"  {stage:<13} {mark:<5} {st['detail']}")
-        if result.metrics:
-            click.echo("  values        " + ", ".join(f"{k}={v:.6g}" for k, v in sorted(result.metrics.items())))
-        if result.time_to_model_s is not None:
-            click.echo(f"  time to a usable restored model: {result.time_to_model_s:.2f} s")
-        click.echo(f"outcome: {result.outcome.upper()}" + (f" (recorded as drill {result.drill_id})" if result.recorded else " (could not record it in the vault's ledger)"))
-    sys.exit(EXIT_OK if result.passed else EXIT_FAILED)
-
-
-__all__ = ["vault", "EXIT_UNVERIFIABLE"]
+    click.echo(f"{r.ckpt_id} -> {r.dest}: {what}, {human_bytes(r.nbytes)} in {r.seconds:.2f} s ({_rate(r.nbytes, r.seconds)})")

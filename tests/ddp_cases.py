@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import certckpt
-from certckpt.detect import AuditSetupError, Auditor, Fault, FaultDetectedError, MemorySink
+from certckpt.detect import Auditor, AuditSetupError, Fault, FaultDetectedError, MemorySink
 
 
 def _model():
@@ -105,7 +105,7 @@ def skip_policy(args):
     for s in range(1, 9):
         aud.train_step(_batch(s))
         applied.append(aud.last.applied)
-    ok = aud._weight_consensus(aud.step)
+    ok = aud.weight_consensus(aud.step)
     finite = all(torch.isfinite(p).all().item() for p in m.parameters())
     return {"applied": applied, "consensus": ok, "finite": finite,
             "events": [(e.step, e.kind, e.outcome, e.suspect_ranks, e.contained) for e in aud.sink.events if e.failed]}
@@ -289,7 +289,7 @@ def one_rank_reduction_fault(args):
     for s in range(1, 7):
         aud.train_step(_batch(s))
         applied.append(aud.last.applied)
-    return {"applied": applied, "consensus": aud._weight_consensus(aud.step),
+    return {"applied": applied, "consensus": aud.weight_consensus(aud.step),
             "events": [(e.step, e.kind, e.suspect_ranks, e.details["post_ranks"]) for e in aud.sink.events if e.failed]}
 
 

@@ -85,16 +85,16 @@ def test_console_script_runs(tmp_path):
 
 
 def test_progress_reports_large_files_on_a_terminal(monkeypatch, capsys):
-    from certckpt_cli.main import _Progress
+    from certckpt_cli.common import Progress
 
-    prog = _Progress("verifying x")
+    prog = Progress("verifying x")
     prog.enabled = True  # as when stderr is a terminal
     total = 3 << 30
     for done in (0, total // 2, total):
         prog(done, total)
     err = capsys.readouterr().err
     assert "  0%" in err and " 50%" in err and "100%" in err and "3.2 GB" in err
-    small = _Progress("verifying y")
+    small = Progress("verifying y")
     small.enabled = True
     small(10, 100)  # small files: silent
     assert capsys.readouterr().err == ""

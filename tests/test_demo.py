@@ -9,9 +9,8 @@ from conftest import console_script
 
 import certckpt
 from certckpt.tools.demo import SCHEDULE
-from certckpt.trust.incident import get_incident
 from certckpt.trust.ledger import Ledger
-from certckpt.trust.runstore import find_latest_good
+from certckpt.trust.runstore import find_latest_good, get_incident
 
 pytestmark = pytest.mark.slow
 

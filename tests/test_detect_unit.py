@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from certckpt.detect import AuditEvent, Fault, JsonlSink, MemorySink, attribute_replay, consensus_verdict
 from certckpt.detect.attribution import arbitration_plan, ring_pairs
 from certckpt.detect.drill import expected_catch, matrix_cases
-from certckpt.detect.inject import Injector, _perturb_
+from certckpt.detect.inject import Injector, perturb_
 
 
 def failed_pairs_for(world, faulty, *, persistent):
@@ -99,10 +99,10 @@ def test_perturbations_change_exactly_one_element(dtype):
     for fault in (Fault(kind="backward", rank=0, step=1, scale=0.01), Fault(kind="backward", rank=0, step=1, bit=3),
                   Fault(kind="backward", rank=0, step=1, bit=8 * t.element_size() - 1)):
         u = t.clone()
-        _perturb_(u, fault)
+        perturb_(u, fault)
         assert int((u != t).sum()) == 1
     u = t.clone()
-    _perturb_(u, Fault(kind="non-finite", rank=0, step=1))
+    perturb_(u, Fault(kind="non-finite", rank=0, step=1))
     assert int(torch.isnan(u).sum()) == 1
 
 

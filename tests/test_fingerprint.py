@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import certckpt
-from certckpt.format.fingerprinting import FP_CHUNK_WORDS, TORCH_TO_ST, _raw_sum, _words, fingerprint_many
+from certckpt.format.fingerprinting import FP_CHUNK_WORDS, as_words, fingerprint_many, raw_sum
+from certckpt.format.tensors import TORCH_TO_ST
 
 # Pinned values: changing the algorithm must change these on purpose (and bump the format).
 KNOWN_ANSWERS = {
@@ -61,8 +62,8 @@ def test_spans_several_chunks_and_a_ragged_tail():
 def test_independent_of_chunking_and_reduction_order():
     g = torch.Generator().manual_seed(3)
     t = torch.randn(40 * FP_CHUNK_WORDS + 123, generator=g)
-    words = _words(t)
-    whole = int(_raw_sum(words))
+    words = as_words(t)
+    whole = int(raw_sum(words))
     # Recompute S from arbitrary slices: the sum of per-slice contributions must equal S.
     from certckpt.format.fingerprinting import M64, SEED_T, SEED_V, splitmix64
 

@@ -8,22 +8,19 @@ import sys
 import pytest
 from conftest import console_script
 
+from certckpt.errors import IncidentError
 from certckpt.trust.incident import (
     EXIT_FAULT_DETECTED,
     Incident,
-    IncidentError,
     build_opening,
     check_decision,
-    decide,
-    get_incident,
     incident_id_for,
     incident_state,
-    list_incidents,
 )
 from certckpt.trust.ledger import Ledger
+from certckpt.trust.runstore import certify_store, decide, get_incident, list_incidents
+from certckpt.vault import promote, prune
 from certckpt.vault.retention import KeepLatest
-from certckpt.trust.runstore import certify_store
-from certckpt.vault.site import promote, prune
 
 EVENT = {
     "run": "r", "branch": "main", "step": 20, "kind": "replay", "outcome": "fail", "ranks": [0, 1, 2], "suspect_ranks": [1],
@@ -127,9 +124,10 @@ def test_status_opens_one_incident_per_uncontained_detection(copy_run):
 
 @pytest.mark.slow
 def test_open_incident_blocks_pruning_until_closed_with_a_drill(copy_run, drill_runs, tmp_path):
+    from test_vault import _reference
+
     from certckpt.detect.drill import evaluate, make_model
     from certckpt.vault.drill import drill_restore
-    from test_vault import _reference
 
     run, vault = copy_run("faulty"), str(tmp_path / "vault")
     certify_store(run)

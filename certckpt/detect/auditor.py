@@ -34,11 +34,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import xxhash
 from torch.nn.parallel import DistributedDataParallel
 
-from certckpt.errors import CertckptError
-from certckpt.format.fingerprinting import _finalize, _raw_sum, _words
+from certckpt.errors import AuditSetupError, CertckptError, FaultDetectedError
+from certckpt.format.fingerprinting import as_words, finalize, raw_sum
 from certckpt.format.record import state_fingerprint
+from certckpt.format.writer import save_certified
+from certckpt.trust.incident import incident_id_for
+from certckpt.trust.ledger import Ledger, LedgerSink
+from certckpt.trust.runstore import open_incident
+
 from .attribution import arbitration_plan, attribute_replay, consensus_verdict, ring_pairs
 from .digest import digests
 from .events import AuditEvent, EventSink, MemorySink, rank_inventory
@@ -50,25 +56,6 @@ __all__ = ["Auditor", "FaultDetectedError", "AuditSetupError", "StepOutcome"]
 
 
 _MAX_LINEAGE = 100_000  # audit results kept for one checkpoint's lineage (a bound, not a design limit)
-
-
-class FaultDetectedError(CertckptError, RuntimeError):
-    """A check failed and the auditor was told to stop; ``.event`` holds the evidence."""
-
-    def __init__(self, message: str, event: AuditEvent):
-        super().__init__(message)
-        self.event = event
-
-    @property
-    def incident_id(self) -> str | None:
-        """The incident this detection opened (the same id on every rank); None when contained."""
-        from certckpt.trust.incident import incident_id_for
-
-        return None if self.event.contained else incident_id_for(self.event.to_dict())
-
-
-class AuditSetupError(CertckptError, ValueError):
-    """The training set-up cannot be audited as configured (found at start, not at step 10,000)."""
 
 
 @dataclass(slots=True)
@@ -143,14 +130,14 @@ class _HookState:
         return True
 
 
-def _nonfinite_flag(buf: torch.Tensor) -> torch.Tensor:
+def nonfinite_flag(buf: torch.Tensor) -> torch.Tensor:
     # One fused reduction instead of isfinite().all(): NaN and Inf propagate through a sum (a sum
     # that overflows to Inf is flagged too, and means the gradients are unusable anyway).
     return ~torch.isfinite(buf.sum(dtype=torch.float32))
 
 
 def _local_grads_flag(params: list[torch.Tensor]) -> torch.Tensor:
-    flags = [_nonfinite_flag(p.grad) for p in params if p.grad is not None]
+    flags = [nonfinite_flag(p.grad) for p in params if p.grad is not None]
     return torch.stack(flags).any() if flags else torch.zeros((), dtype=torch.bool)
 
 
@@ -219,7 +206,7 @@ def _comm_hook(state, bucket):
                     if p.grad is not None and p.grad.data_ptr() != g.data_ptr():
                         p.grad.copy_(g)
     if state.eager_pre:
-        state.pre.append(_nonfinite_flag(buf))
+        state.pre.append(nonfinite_flag(buf))
     if state.audit:
         probes = aud._probes.subset(idx) if aud._probes is not None else None
         sig = signature(grads, mode=aud.mode, probes=probes)
@@ -234,7 +221,7 @@ def _comm_hook(state, bucket):
         out = f.value()[0]
         if aud.injector is not None:
             aud.injector.on_reduced(out)
-        flag = _nonfinite_flag(out)
+        flag = nonfinite_flag(out)
         state.post.append(flag)
         if not state.eager_pre and bool(flag):  # a CPU flag: reading it costs no device sync
             state.pre.append(_local_grads_flag(params))
@@ -328,13 +315,9 @@ class Auditor:
         self.rank = dist.get_rank(self.group)
         self.step = start_step
         if isinstance(ledger, str):
-            from certckpt.trust.ledger import Ledger
-
             ledger = Ledger(ledger)
         self.ledger, self.parent = ledger, parent
         if sink is None and ledger is not None:
-            from certckpt.trust.ledger import LedgerSink
-
             sink = LedgerSink(ledger)
         self.sink = sink if sink is not None else MemorySink()
         self.check_determinism = check_determinism and mode == "deterministic"
@@ -375,8 +358,6 @@ class Auditor:
             [self.audit_every, self.consensus_every, self.mode, self.exchange_flags,
              [(n, list(p.shape), str(p.dtype)) for n, p in zip(self.param_names, self.params)]]
         ).encode()
-        import xxhash
-
         mine = torch.tensor([xxhash.xxh3_64_intdigest(desc) & ((1 << 62) - 1)], dtype=torch.int64, device=self.wire_device)
         allv = [torch.empty_like(mine) for _ in range(self.world)]
         dist.all_gather(allv, mine, group=self.group)
@@ -434,16 +415,15 @@ class Auditor:
     def _open_incident(self, ev: AuditEvent) -> None:
         # Every uncontained detection opens an incident, written by rank 0 as soon as it is known;
         # a ledger that cannot be written must not hide the detection itself (status opens it later).
-        from certckpt.trust.incident import open_incident
-
         try:
-            open_incident(self.ledger, ev)
+            open_incident(self.ledger, ev.to_dict())
         except (CertckptError, OSError) as e:
             print(f"certckpt: could not record the incident in {self.ledger.store}: {e}", file=sys.stderr)
 
     def _fail(self, ev: AuditEvent, message: str, *, policy: str) -> None:
         if policy == "raise":
-            raise FaultDetectedError(f"step {ev.step}: {message}", ev)
+            incident = None if ev.contained else incident_id_for(ev.to_dict())
+            raise FaultDetectedError(f"step {ev.step}: {message}", ev, incident_id=incident)
 
     # --- the step ---------------------------------------------------------------------------
 
@@ -494,7 +474,7 @@ class Auditor:
         if self.injector is not None:
             self.injector.after_optimizer(list(zip(self.param_names, self.params)))
         due = audit or (self.consensus_every is not None and s % self.consensus_every == 0)
-        consensus_ok = self._weight_consensus(s) if due else True
+        consensus_ok = self.weight_consensus(s) if due else True
         if audit:
             self._event("nonfinite", "pass", step=s, steps_checked=self._checked_since_audit)
             self._checked_since_audit = 0
@@ -664,7 +644,7 @@ class Auditor:
             return True
         self.last.applied = False
         # A replay can only be trusted between replicas that hold the same weights: check first.
-        if not self._weight_consensus(s - 1, found_by="replay precondition"):
+        if not self.weight_consensus(s - 1, found_by="replay precondition"):
             self._zero_grad()
             return False
         arbitration = self._arbitrate(s, failed, batch, rng, gathered)
@@ -714,7 +694,7 @@ class Auditor:
 
     # --- check 3: weight consensus ----------------------------------------------------------------
 
-    def _weight_consensus(self, s: int, *, found_by: str | None = None, fingerprints: bool = False) -> bool:
+    def weight_consensus(self, s: int, *, found_by: str | None = None, fingerprints: bool = False) -> bool:
         """Compare every replica's weights; returns whether they agree.
 
         Audits compare 32-bit audit digests (``digest.py``). A checkpoint step (``fingerprints=True``)
@@ -724,7 +704,7 @@ class Auditor:
         if not self.params:
             raw = torch.zeros(0, dtype=torch.int64)
         elif fingerprints:
-            raw = torch.stack([_raw_sum(_words(p.detach())) for p in self.params])
+            raw = torch.stack([raw_sum(as_words(p.detach())) for p in self.params])
         else:
             raw = digests([p.detach() for p in self.params])
         rows = [r.tolist() for r in self._gather_rows(raw)]
@@ -732,7 +712,7 @@ class Auditor:
         if verdict.agreed:
             details: dict[str, Any] = {"params": len(self.params)}
             if fingerprints:
-                fps = {n: f"{_finalize(r, p):016x}" for n, r, p in zip(self.param_names, rows[0], self.params)}
+                fps = {n: f"{finalize(r, p):016x}" for n, r, p in zip(self.param_names, rows[0], self.params)}
                 details["fp"] = state_fingerprint(fps)
                 self._consensus = (s, fps, details["fp"])
             if found_by is None:
@@ -774,11 +754,9 @@ class Auditor:
         Returns:
             ``SaveResult`` on rank 0, None elsewhere.
         """
-        from certckpt.format.writer import save_certified
-
         s = self.step
         if not (self._consensus and self._consensus[0] == s):
-            self._weight_consensus(s, fingerprints=True)
+            self.weight_consensus(s, fingerprints=True)
         first = (self.last_checkpoint_step or 0) + 1
         audits = [{"step": st, "kind": k, "outcome": o} for st, k, o in self._events]
         fps = self._consensus[1] if self._consensus else {}

@@ -23,7 +23,8 @@ from collections.abc import Sequence
 
 import torch
 
-from certckpt.format.fingerprinting import FP_CHUNK_WORDS, _per_thread, _tables, _words
+from certckpt.errors import PlatformError
+from certckpt.format.fingerprinting import FP_CHUNK_WORDS, as_words, per_thread, tables_for
 
 __all__ = ["digest", "digests"]
 
@@ -37,7 +38,7 @@ def _low32_signed(x: torch.Tensor) -> torch.Tensor:
 
 class _Tables32:
     def __init__(self, device: torch.device):
-        t64 = _tables(device)
+        t64 = tables_for(device)
         self.fp_tables = t64
         self.table = _low32_signed(t64.table)
         self.buf = torch.empty((_BLOCK_CHUNKS, FP_CHUNK_WORDS), dtype=torch.int32, device=device)
@@ -45,11 +46,11 @@ class _Tables32:
         got = (probe * self.table[:3]).tolist()
         want = [_low32_signed(torch.tensor(int(a) * int(b))).item() for a, b in zip(probe.tolist(), self.table[:3].tolist())]
         if got != want:
-            raise RuntimeError("torch int32 multiplication does not wrap mod 2**32 on this build; cannot digest")
+            raise PlatformError("torch int32 multiplication does not wrap mod 2**32 on this build; cannot digest")
 
 
 def _tables32(device: torch.device) -> _Tables32:
-    return _per_thread(_Tables32, device)
+    return per_thread(_Tables32, device)
 
 
 def _digest_words(words: torch.Tensor) -> torch.Tensor:
@@ -87,7 +88,7 @@ def _chunk_multipliers(tabs: _Tables32, chunks: int) -> torch.Tensor:
 
 def digest(t: torch.Tensor) -> torch.Tensor:
     """The tensor's 32-bit audit digest, as a 0-dim int64 tensor on its device (no host sync)."""
-    return _digest_words(_words(t))
+    return _digest_words(as_words(t))
 
 
 def digests(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -122,8 +122,9 @@ def run_cases_on_rank(args: dict[str, Any]) -> list[dict[str, Any]]:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from .auditor import Auditor, FaultDetectedError
     from certckpt.trust.ledger import Ledger, LedgerSink
+
+    from .auditor import Auditor, FaultDetectedError
     from .events import JsonlSink, MemorySink
     from .inject import Fault
 

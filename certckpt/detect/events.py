@@ -14,6 +14,8 @@ import threading
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
+from certckpt.errors import ConfigurationError
+
 __all__ = [
     "AuditEvent",
     "EventSink",
@@ -79,9 +81,9 @@ class AuditEvent:
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
-            raise ValueError(f"unknown audit event kind {self.kind!r}; expected one of {KINDS}")
+            raise ConfigurationError(f"unknown audit event kind {self.kind!r}; expected one of {KINDS}")
         if self.outcome not in ("pass", "fail"):
-            raise ValueError(f"outcome must be 'pass' or 'fail', got {self.outcome!r}")
+            raise ConfigurationError(f"outcome must be 'pass' or 'fail', got {self.outcome!r}")
 
     @property
     def failed(self) -> bool:

@@ -15,9 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from certckpt.format.fingerprinting import ST_TO_TORCH, TORCH_TO_ST
 from certckpt.format.skeleton import flatten, rebuild
-from certckpt.format.writer import host_bytes
+from certckpt.format.tensors import ST_TO_TORCH, TORCH_TO_ST, host_bytes
 
 __all__ = ["encode_payload", "RingShift", "send_payload", "recv_payload", "check_shippable"]
 

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from certckpt.errors import ConfigurationError
+
 __all__ = ["Fault", "Injector", "FAULT_KINDS"]
 
 FAULT_KINDS = ("forward", "backward", "post-optimizer", "non-finite", "reduction")
@@ -54,11 +56,11 @@ class Fault:
 
     def __post_init__(self) -> None:
         if self.kind not in FAULT_KINDS:
-            raise ValueError(f"fault kind must be one of {FAULT_KINDS}, got {self.kind!r}")
+            raise ConfigurationError(f"fault kind must be one of {FAULT_KINDS}, got {self.kind!r}")
         if self.step < 1 or self.rank < -1 or (self.rank == -1 and self.kind != "reduction"):
-            raise ValueError("fault step must be >= 1 and rank >= 0 (-1, every rank, only for reduction faults)")
+            raise ConfigurationError("fault step must be >= 1 and rank >= 0 (-1, every rank, only for reduction faults)")
         if self.value not in ("nan", "inf"):
-            raise ValueError("value must be 'nan' or 'inf'")
+            raise ConfigurationError("value must be 'nan' or 'inf'")
 
     def active(self, step: int, phase: str) -> bool:
         if self.persistent:
@@ -66,7 +68,7 @@ class Fault:
         return phase == "train" and step == self.step
 
 
-def _perturb_(t: torch.Tensor, fault: Fault) -> None:
+def perturb_(t: torch.Tensor, fault: Fault) -> None:
     """Perturb the largest-magnitude element of ``t`` in place."""
     with torch.no_grad():
         flat = t.view(-1)
@@ -107,7 +109,7 @@ class Injector:
                 continue
             name = f.target or next(n for n, m in mods.items() if n and not list(m.children()))
             if name not in mods:
-                raise ValueError(f"forward fault target {name!r} is not a module of the model")
+                raise ConfigurationError(f"forward fault target {name!r} is not a module of the model")
             self._handles.append(mods[name].register_forward_hook(self._forward_hook(f)))
 
     def _forward_hook(self, fault: Fault):
@@ -115,7 +117,7 @@ class Injector:
             if not fault.active(self.step, self.phase) or not isinstance(out, torch.Tensor):
                 return None
             bad = out.detach().clone()
-            _perturb_(bad, fault)
+            perturb_(bad, fault)
             self.fired.append((fault.kind, self.step, self.phase))
             return out + (bad - out.detach())
 
@@ -138,20 +140,20 @@ class Injector:
         """Backward and non-finite faults: local gradients before the all-reduce (or a replay's)."""
         kinds = ("backward", "non-finite") if self.phase == "train" else ("backward",)
         for f, i in self._pick(kinds, names):
-            _perturb_(grads[i], f)
+            perturb_(grads[i], f)
             self.fired.append((f.kind, self.step, self.phase))
 
     def on_reduced(self, buffer: torch.Tensor) -> None:
         """Reduction faults: the all-reduced bucket this rank received."""
         for f in self.faults:
             if f.kind == "reduction" and f.active(self.step, self.phase):
-                _perturb_(buffer, f)
+                perturb_(buffer, f)
                 self.fired.append((f.kind, self.step, self.phase))
 
     def after_optimizer(self, named_params: Sequence[tuple[str, torch.Tensor]]) -> None:
         names = [n for n, _ in named_params]
         for f, i in self._pick(("post-optimizer",), names):
-            _perturb_(named_params[i][1].data, f)
+            perturb_(named_params[i][1].data, f)
             self.fired.append((f.kind, self.step, self.phase))
 
     def remove(self) -> None:

@@ -20,11 +20,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from certckpt.errors import RanksFailedError
+
 __all__ = ["run_ranks", "RanksFailedError", "free_port", "follow", "ProgressLog"]
-
-
-class RanksFailedError(RuntimeError):
-    """A rank exited with an error or the group timed out; the message carries each rank's stderr tail."""
 
 
 def free_port() -> int:

@@ -20,7 +20,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-from certckpt.trust.incident import EXIT_FAULT_DETECTED, _node_of
+from certckpt.trust.incident import EXIT_FAULT_DETECTED, node_of
 
 __all__ = ["stop_on_fault", "EXIT_FAULT_DETECTED"]
 
@@ -41,7 +41,7 @@ def stop_on_fault(auditor: Any, *, exit_code: int = EXIT_FAULT_DETECTED, hard_ex
         yield
     except FaultDetectedError as e:
         ev = e.event
-        nodes = sorted({_node_of(ev.inventory.get(str(r), {})) for r in ev.suspect_ranks} - {""})
+        nodes = sorted({node_of(ev.inventory.get(str(r), {})) for r in ev.suspect_ranks} - {""})
         where = f" on node(s) {', '.join(nodes)}" if nodes else ""
         suspects = ", ".join(map(str, ev.suspect_ranks)) or "not attributed"
         record = f"incident {e.incident_id}" if e.incident_id else "contained: the bad update never reached the weights, no incident"

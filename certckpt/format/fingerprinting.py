@@ -15,6 +15,10 @@ reduction order on any device gives the same bits. A change confined to one 32-b
 detected. Widening 32-bit words (rather than reading 64-bit words) keeps pairs of sign-bit flips in two
 different words from cancelling. Multipliers differ per position, so permutations change S. fmix64
 is a bijection, so the finalizer keeps every guarantee while covering dtype and shape.
+
+Internal API (shared with ``certckpt.detect``, not re-exported): ``as_words``, ``raw_sum``,
+``finalize``, ``tables_for``, ``per_thread``; the auditor sums words on the device and finalizes
+after one all-gather, and the audit digest reuses the multiplier tables.
 """
 
 from __future__ import annotations
@@ -26,6 +30,10 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 import xxhash
+
+from certckpt.errors import ArgumentTypeError, ConfigurationError, PlatformError
+
+from .tensors import TORCH_TO_ST
 
 __all__ = [
     "fingerprint",
@@ -43,34 +51,6 @@ SEED_V = 0x76_61756C74_6670  # "vaultfp"
 FP_CHUNK_WORDS = 1 << 16  # C: multiplier table length, part of the specification
 _BLOCK_CHUNKS = 16  # implementation choice: 16 chunks (1 Mi words, 8 MiB of int64) per eager pass
 
-# safetensors dtype names; fingerprint v1 covers the dtype by these strings.
-_TORCH_TO_ST = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.complex64: "C64",
-}
-for _name, _code in (
-    ("float8_e4m3fn", "F8_E4M3"),
-    ("float8_e5m2", "F8_E5M2"),
-    ("float8_e4m3fnuz", "F8_E4M3FNUZ"),
-    ("float8_e5m2fnuz", "F8_E5M2FNUZ"),
-    ("float8_e8m0fnu", "F8_E8M0"),
-    ("uint16", "U16"),
-    ("uint32", "U32"),
-    ("uint64", "U64"),
-):
-    if hasattr(torch, _name):
-        _TORCH_TO_ST[getattr(torch, _name)] = _code
-TORCH_TO_ST: dict[torch.dtype, str] = dict(_TORCH_TO_ST)
-ST_TO_TORCH: dict[str, torch.dtype] = {v: k for k, v in TORCH_TO_ST.items()}
 
 
 def splitmix64(x: int) -> int:
@@ -105,7 +85,7 @@ def _torch_splitmix64(x: torch.Tensor) -> torch.Tensor:
     return z ^ lsr(z, 31)
 
 
-class _Tables:
+class FingerprintTables:
     """Per-device multiplier tables and scratch buffers (one set per thread: buffers are reused)."""
 
     def __init__(self, device: torch.device):
@@ -114,7 +94,7 @@ class _Tables:
         # Guard against a torch build whose int64 ops do not wrap: spot-check against Python ints.
         for idx in (0, 1, 12345, FP_CHUNK_WORDS - 1):
             if int(t[idx]) != _signed(splitmix64(idx ^ SEED_T) | 1):
-                raise RuntimeError("torch int64 arithmetic does not wrap mod 2**64 on this build; cannot fingerprint")
+                raise PlatformError("torch int64 arithmetic does not wrap mod 2**64 on this build; cannot fingerprint")
         self.device = device
         self.table = t.to(device)
         self.buf = torch.empty((_BLOCK_CHUNKS, FP_CHUNK_WORDS), dtype=torch.int64, device=device)
@@ -140,7 +120,7 @@ class _Tables:
 _local = threading.local()
 
 
-def _per_thread(factory, device: torch.device):
+def per_thread(factory, device: torch.device):
     """``factory(device)``, built once per thread and device (its scratch buffers are reused)."""
     cache = getattr(_local, "cache", None)
     if cache is None:
@@ -152,11 +132,11 @@ def _per_thread(factory, device: torch.device):
     return t
 
 
-def _tables(device: torch.device) -> _Tables:
-    return _per_thread(_Tables, device)
+def tables_for(device: torch.device) -> FingerprintTables:
+    return per_thread(FingerprintTables, device)
 
 
-def _words(t: torch.Tensor) -> torch.Tensor:
+def as_words(t: torch.Tensor) -> torch.Tensor:
     """The tensor's raw bytes as a flat int32 tensor on its device, last word zero-padded."""
     t = t.detach()
     if not t.is_contiguous():
@@ -204,10 +184,10 @@ def enable_compile(on: bool = True) -> bool:
             fn = torch.compile(_block_sum, dynamic=False)
             g = torch.Generator().manual_seed(20261130)
             blk = torch.randint(-(2**31), 2**31, (_BLOCK_CHUNKS, FP_CHUNK_WORDS), dtype=torch.int32, generator=g)
-            tabs = _tables(torch.device("cpu"))
+            tabs = tables_for(torch.device("cpu"))
             v = tabs.chunk_multipliers(0, _BLOCK_CHUNKS)
             if int(fn(blk, tabs.table, v)) != int(_block_sum(blk, tabs.table, v)):
-                raise RuntimeError("compiled fingerprint kernel disagrees with the eager one")
+                raise PlatformError("compiled fingerprint kernel disagrees with the eager one")
         except Exception as e:  # noqa: BLE001 - any compiler failure means: stay eager
             warnings.warn(f"certckpt: compiled fingerprint disabled, using eager ({e})", RuntimeWarning, stacklevel=2)
             _compiled, _compile_checked = None, True
@@ -225,13 +205,13 @@ def _maybe_compiled():
 # --- the sum S ----------------------------------------------------------------------------------
 
 
-def _raw_sum(words: torch.Tensor, first_chunk: int = 0) -> torch.Tensor:
+def raw_sum(words: torch.Tensor, first_chunk: int = 0) -> torch.Tensor:
     """S as a 0-dim int64 tensor on the words' device (no host synchronisation).
 
     ``words`` may be a piece of a longer word sequence that starts at chunk ``first_chunk`` (word
     index ``first_chunk * FP_CHUNK_WORDS``); the pieces' sums add up to the whole sequence's S.
     """
-    tabs = _tables(words.device)
+    tabs = tables_for(words.device)
     n = words.numel()
     c_words = FP_CHUNK_WORDS
     full_chunks = n // c_words
@@ -261,10 +241,10 @@ def _shape_key(dtype_code: str, shape: Sequence[int], nbytes: int) -> int:
     return xxhash.xxh3_64_intdigest(f"{dtype_code}:{','.join(str(d) for d in shape)}:{nbytes}".encode("ascii"))
 
 
-def _finalize(raw: int, t: torch.Tensor) -> int:
+def finalize(raw: int, t: torch.Tensor) -> int:
     code = TORCH_TO_ST.get(t.dtype)
     if code is None:
-        raise TypeError(f"cannot fingerprint dtype {t.dtype}: safetensors cannot store it")
+        raise ArgumentTypeError(f"cannot fingerprint dtype {t.dtype}: safetensors cannot store it")
     return fmix64((raw & M64) ^ _shape_key(code, tuple(t.shape), t.numel() * t.element_size()))
 
 
@@ -292,10 +272,10 @@ class StreamingFingerprint:
 
     def update(self, piece: torch.Tensor) -> None:
         if self._ragged:
-            raise ValueError("only the last piece may be shorter than a multiple of PIECE_ALIGN bytes")
+            raise ConfigurationError("only the last piece may be shorter than a multiple of PIECE_ALIGN bytes")
         if piece.numel() % self.PIECE_ALIGN:
             self._ragged = True
-        s = _raw_sum(_words(piece), self._nbytes // self.PIECE_ALIGN)
+        s = raw_sum(as_words(piece), self._nbytes // self.PIECE_ALIGN)
         self._acc = s if self._acc is None else self._acc + s
         self._nbytes += piece.numel()
 
@@ -314,7 +294,7 @@ def fingerprint_many(tensors: Iterable[torch.Tensor]) -> list[int]:
         >>> fps = fingerprint_many(model.state_dict().values())
     """
     tensors = list(tensors)
-    sums = [_raw_sum(_words(t)) for t in tensors]
+    sums = [raw_sum(as_words(t)) for t in tensors]
     by_device: dict[torch.device, list[int]] = {}
     for i, s in enumerate(sums):
         by_device.setdefault(s.device, []).append(i)
@@ -323,7 +303,7 @@ def fingerprint_many(tensors: Iterable[torch.Tensor]) -> list[int]:
         host = torch.stack([sums[i] for i in idxs]).cpu().tolist()
         for i, r in zip(idxs, host):
             raws[i] = r
-    return [_finalize(r, t) for r, t in zip(raws, tensors)]
+    return [finalize(r, t) for r, t in zip(raws, tensors)]
 
 
 def fingerprint(tensor: torch.Tensor) -> int:

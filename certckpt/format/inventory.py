@@ -7,6 +7,8 @@ import os
 import socket
 from typing import Any
 
+from certckpt.version import __version__
+
 __all__ = ["writer_inventory", "SCHEDULER_ENV"]
 
 # Identifiers schedulers and clouds set; kept when present so a rank can be traced to a node.
@@ -27,9 +29,7 @@ SCHEDULER_ENV = (
 
 def writer_inventory(devices: set[str]) -> dict[str, Any]:
     """Inventory of the writing process; ``devices`` are the torch device strings of saved tensors."""
-    import torch
-
-    from certckpt import __version__
+    import torch  # the writer has it loaded already; the module itself stays importable without it
 
     names: list[str] = []
     for d in sorted(devices):

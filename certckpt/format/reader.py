@@ -13,6 +13,7 @@ import torch
 import xxhash
 
 from certckpt.errors import CorruptCheckpointError
+
 from .record import check_header
 from .skeleton import check_map_location, rebuild
 from .storage import open_read, resolve

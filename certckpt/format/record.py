@@ -13,6 +13,7 @@ from typing import Any
 import xxhash
 
 from certckpt.errors import CorruptCheckpointError, NotACheckpointError
+
 from .header import (
     METADATA_KEY,
     Header,

@@ -22,8 +22,15 @@ from typing import Any
 
 import torch
 
-from certckpt.errors import CertckptError, CorruptCheckpointError, DeviceUnavailableError, UnsupportedObjectError
-from .fingerprinting import ST_TO_TORCH, TORCH_TO_ST
+from certckpt.errors import (
+    ArgumentTypeError,
+    CertckptError,
+    CorruptCheckpointError,
+    DeviceUnavailableError,
+    UnsupportedObjectError,
+)
+
+from .tensors import ST_TO_TORCH, TORCH_TO_ST
 
 __all__ = ["Flattened", "StoredTensor", "flatten", "rebuild"]
 
@@ -241,7 +248,7 @@ def _bad(msg: str) -> CorruptCheckpointError:
 
 def check_map_location(map_location: Any) -> None:
     if map_location is not None and not isinstance(map_location, (str, torch.device, dict)):
-        raise TypeError(
+        raise ArgumentTypeError(
             "map_location must be None, a str, a torch.device or a dict of device strings (callables are not supported)"
         )
 
@@ -254,7 +261,7 @@ def resolve_device(recorded: str, map_location: Any) -> torch.device:
         return torch.device(map_location)
     if isinstance(map_location, dict):
         return torch.device(map_location.get(recorded, recorded))
-    raise TypeError("map_location must be None, a str, a torch.device or a dict of device strings (callables are not supported)")
+    raise ArgumentTypeError("map_location must be None, a str, a torch.device or a dict of device strings (callables are not supported)")
 
 
 class _Rebuilder:

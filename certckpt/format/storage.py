@@ -15,7 +15,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import IO, Any
 
-from certckpt.errors import CheckpointExistsError, CheckpointNotFoundError, MissingDependencyError, StorageError
+from certckpt.errors import (
+    ArgumentTypeError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    MissingDependencyError,
+    StorageError,
+)
 
 __all__ = ["Target", "resolve", "open_read", "commit_local", "commit_remote", "temp_name", "fsync_dir", "put_once", "join", "write_atomic"]
 
@@ -48,7 +54,7 @@ def resolve(f: Any) -> Target:
     if isinstance(f, bytes):
         f = os.fsdecode(f)
     if not isinstance(f, str):
-        raise TypeError(f"expected a path, an fsspec URL or a binary file object, got {type(f).__name__}")
+        raise ArgumentTypeError(f"expected a path, an fsspec URL or a binary file object, got {type(f).__name__}")
     if "://" not in f:
         return Target(display=f, local=f)
     scheme = f.split("://", 1)[0]

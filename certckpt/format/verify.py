@@ -16,6 +16,7 @@ from typing import IO, Any
 import xxhash
 
 from certckpt.errors import CorruptCheckpointError
+
 from .header import Header, TensorEntry, parse_header, printable, read_header_length
 from .record import CheckpointRecord, check_header, parse_record, state_fingerprint
 from .storage import open_read, resolve
@@ -147,8 +148,7 @@ def read_tensor(fh: IO[bytes], e: TensorEntry, source: str):
     """
     import torch
 
-    from .fingerprinting import ST_TO_TORCH
-    from .writer import host_bytes
+    from .tensors import ST_TO_TORCH, host_bytes
 
     t = torch.empty(e.shape, dtype=ST_TO_TORCH[e.dtype])
     view = host_bytes(t)
@@ -201,7 +201,7 @@ def _check_deep(fh: IO[bytes], info: CheckpointInfo, report: VerifyReport, progr
     import torch
 
     from .fingerprinting import StreamingFingerprint
-    from .writer import host_bytes
+    from .tensors import host_bytes
 
     # One reusable piece buffer (a multiple of the fingerprint's chunk): memory stays bounded
     # whatever the largest tensor.

@@ -22,13 +22,15 @@ from typing import IO, Any
 import torch
 import xxhash
 
-from certckpt.errors import StorageError, UnsupportedObjectError
+from certckpt.errors import ArgumentTypeError, PlatformError, StorageError, UnsupportedObjectError
+
 from .fingerprinting import fingerprint_many
 from .header import TensorEntry
 from .inventory import writer_inventory
 from .record import CheckpointRecord, build_header, state_fingerprint
 from .skeleton import StoredTensor, flatten
 from .storage import commit_local, commit_remote, resolve, temp_name
+from .tensors import host_bytes
 
 __all__ = ["save", "save_certified", "SaveResult", "host_bytes"]
 
@@ -52,14 +54,6 @@ class SaveResult:
     tensors: int
     seconds: float
     header_digest: str = ""
-
-
-def host_bytes(t: torch.Tensor) -> memoryview:
-    """A zero-copy byte view of a contiguous CPU tensor's memory (the caller keeps ``t`` alive)."""
-    n = t.numel() * t.element_size()
-    if n == 0:
-        return memoryview(b"")
-    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
 
 def _plan(stored: list[StoredTensor]) -> tuple[list[StoredTensor], list[TensorEntry]]:
@@ -137,9 +131,9 @@ class _Job:
         known_fingerprints: dict[tuple, tuple[str, str]] | None = None,
     ):
         if step is not None and (type(step) is not int or step < 0):
-            raise TypeError(f"step must be a non-negative int, got {step!r}")
+            raise ArgumentTypeError(f"step must be a non-negative int, got {step!r}")
         if run is not None and not isinstance(run, str):
-            raise TypeError(f"run must be a str, got {type(run).__name__}")
+            raise ArgumentTypeError(f"run must be a str, got {type(run).__name__}")
         if metadata is not None and not (
             isinstance(metadata, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
         ):
@@ -182,7 +176,7 @@ class _Job:
         self.record.state_fp = state_fingerprint({k: v["fp"] for k, v in self.record.tensors.items()})
         header = build_header(self.entries, self.record)
         if len(header) != self.header_length:  # would silently corrupt the data region
-            raise RuntimeError("certckpt: header length changed between planning and writing")
+            raise PlatformError("certckpt: header length changed between planning and writing")
         return header
 
     def fingerprints(self) -> list[int]:

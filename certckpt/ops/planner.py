@@ -67,6 +67,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
+from certckpt.errors import ConfigurationError
+
 __all__ = [
     "CostInputs",
     "DEFAULT_COSTS",
@@ -101,17 +103,17 @@ from the checkpoint spacing, so auditing more often buys almost no rollback."""
 
 def _check_int(name: str, value: Any, low: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        raise ConfigurationError(f"{name} must be an integer >= {low}, got {value!r}")
 
 
 def _check_positive(name: str, value: Any) -> None:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a number > 0, got {value!r}")
+        raise ConfigurationError(f"{name} must be a number > 0, got {value!r}")
 
 
 def _check_nonnegative(name: str, value: Any) -> None:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+        raise ConfigurationError(f"{name} must be a number >= 0, got {value!r}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -152,7 +154,7 @@ class CostInputs:
             value = getattr(self, name)
             _check_nonnegative(name, value)
             if value > 1:
-                raise ValueError(f"{name} is a probability: got {value}, expected 0..1")
+                raise ConfigurationError(f"{name} is a probability: got {value}, expected 0..1")
 
     @property
     def gpu_hours(self) -> float:
@@ -511,7 +513,7 @@ def resolve_inputs(*, flags: Mapping[str, Any], found: Iterable[FoundPolicy] = (
     """
     unknown = set(flags) - set(INPUT_NAMES)
     if unknown:
-        raise ValueError(f"unknown planner input(s): {', '.join(sorted(unknown))}")
+        raise ConfigurationError(f"unknown planner input(s): {', '.join(sorted(unknown))}")
     found = list(found)
     out: dict[str, Input] = {}
     for name in INPUT_NAMES:
@@ -524,7 +526,7 @@ def resolve_inputs(*, flags: Mapping[str, Any], found: Iterable[FoundPolicy] = (
         elif name in POLICY_NAMES:
             option = "--" + {"audit_every": "audit-every", "ckpt_every": "ckpt-every", "keep": "keep"}[name]
             why = "; ".join(f"{f.origin}: {f.missing[name]}" for f in found if name in f.missing)
-            raise ValueError(f"{option} is needed: give it, or --from a run store that records it" + (f" ({why})" if why else ""))
+            raise ConfigurationError(f"{option} is needed: give it, or --from a run store that records it" + (f" ({why})" if why else ""))
         else:
             out[name] = Input(value=getattr(DEFAULT_COSTS, name), source="default")
     return out
@@ -604,7 +606,7 @@ def overhead_from_envelope(report: Any, *, origin: str) -> FoundPolicy:
     premiums = [c["premium"] for c in combos or () if isinstance(c, dict) and isinstance(c.get("premium"), (int, float))
                 and not isinstance(c.get("premium"), bool) and math.isfinite(c["premium"])]
     if not premiums:
-        raise ValueError(f"{origin}: not an envelope report (expected {{\"combinations\": [{{\"premium\": number, ...}}]}})")
+        raise ConfigurationError(f"{origin}: not an envelope report (expected {{\"combinations\": [{{\"premium\": number, ...}}]}})")
     x = max(premiums)
     note = f"largest premium of {len(premiums)} measured combination(s)"
     if x < 0:  # every audited run timed faster than plain: measurement noise, not a negative cost
@@ -638,7 +640,7 @@ def read_policy(url: str) -> FoundPolicy:
         try:
             report = json.loads(data)
         except ValueError as e:
-            raise ValueError(f"{url}: neither a run store nor a JSON envelope report ({e.__class__.__name__})") from e
+            raise ConfigurationError(f"{url}: neither a run store nor a JSON envelope report ({e.__class__.__name__})") from e
         return overhead_from_envelope(report, origin=url)
 
     from certckpt.trust.ledger import Ledger

@@ -17,35 +17,30 @@ Life cycle (``incident_state`` derives it from the records; ``check_decision`` i
 * ``closed``: allowed only with a passing restore drill, recorded after the incident opened, that
   compared the recovered run with a clean reference. Retention deletes nothing before that.
 
-The decision logic is pure; ``open_incident``, ``list_incidents`` and ``decide`` are the thin I/O
-layer over the ledger. No torch import.
+This module is the pure part (records in, decisions and records out); reading and writing them is
+``certckpt.trust.runstore`` (``open_incident``, ``list_incidents``, ``decide``). No torch import.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from certckpt.errors import CertckptError, CheckpointExistsError, CheckpointNotFoundError
+from certckpt.errors import IncidentError
 
 __all__ = [
     "ACTIONS",
     "EXIT_FAULT_DETECTED",
     "Incident",
-    "IncidentError",
     "incident_id_for",
     "build_opening",
     "incident_state",
     "check_decision",
-    "open_incident",
-    "open_missing_incidents",
-    "list_incidents",
-    "get_incident",
-    "decide",
+    "node_of",
+    "dumps_record",
 ]
 
 # Exit status of a training job stopped by an uncontained detection. It tells a scheduler "this
@@ -55,12 +50,8 @@ EXIT_FAULT_DETECTED = 86
 
 ACTIONS = ("quarantine", "rollback", "replace", "return-to-service", "approve", "resolve", "close")
 _NEEDS_APPROVAL = ("replace", "return-to-service")
-_OPENED = "00000000000000000000-opened"
+OPENED_SUFFIX = "00000000000000000000-opened"  # sorts before every decision
 _NAME_SAFE = re.compile(r"[^A-Za-z0-9._-]")
-
-
-class IncidentError(CertckptError, ValueError):
-    """A decision the rules do not allow (the message says what is missing)."""
 
 
 def incident_id_for(event: Mapping[str, Any]) -> str:
@@ -70,11 +61,7 @@ def incident_id_for(event: Mapping[str, Any]) -> str:
     return _NAME_SAFE.sub("_", raw)
 
 
-def _ev(event: Any) -> dict[str, Any]:
-    return event if isinstance(event, dict) else event.to_dict()
-
-
-def _signature(ev: dict[str, Any]) -> dict[str, Any]:
+def _signature(ev: Mapping[str, Any]) -> dict[str, Any]:
     """The fault signature: which check, what it compared, which tensors and fingerprints disagreed."""
     details = ev.get("details") or {}
     tensors: list[str] = []
@@ -86,9 +73,8 @@ def _signature(ev: dict[str, Any]) -> dict[str, Any]:
     return {"check": ev["kind"], "tensors": tensors, "details": details}
 
 
-def build_opening(event: Any, *, latest_good: str | None, made_suspect: Sequence[str], interval: Sequence[int] | None, now: float) -> dict[str, Any]:
-    """The opening record of an incident (pure)."""
-    ev = _ev(event)
+def build_opening(ev: Mapping[str, Any], *, latest_good: str | None, made_suspect: Sequence[str], interval: Sequence[int] | None, now: float) -> dict[str, Any]:
+    """The opening record of an incident (pure), from the failed check's event record."""
     inventory = ev.get("inventory") or {}
     suspects = list(ev.get("suspect_ranks") or [])
     return {
@@ -102,13 +88,14 @@ def build_opening(event: Any, *, latest_good: str | None, made_suspect: Sequence
         "ranks": list(ev.get("ranks") or []),
         "suspect_ranks": suspects,
         "inventory": inventory,
-        "suspect_nodes": sorted({_node_of(inventory.get(str(r), {})) for r in suspects} - {""}),
+        "suspect_nodes": sorted({node_of(inventory.get(str(r), {})) for r in suspects} - {""}),
         "checkpoints": {"latest_good": latest_good, "made_suspect": list(made_suspect)},
         "opened_at": now,
     }
 
 
-def _node_of(inv: Mapping[str, Any]) -> str:
+def node_of(inv: Mapping[str, Any]) -> str:
+    """The node a rank ran on, from its inventory (scheduler variables first, the host name last)."""
     for k in ("node", "NODE_NAME", "KUBERNETES_NODE_NAME", "SLURMD_NODENAME", "instance", "INSTANCE_ID", "host"):
         if inv.get(k):
             return str(inv[k])
@@ -216,109 +203,6 @@ def check_decision(
             raise IncidentError(f"drill {decision.get('drill')} did not pass against a clean reference (outcome {drill.get('outcome')})")
 
 
-# --- the ledger layer ----------------------------------------------------------------------------
-
-
-def _records(snap: Any) -> list[dict[str, Any]]:
-    return list(getattr(snap, "incident_records", []))
-
-
-def open_incident(ledger: Any, event: Any, *, status: Any = None) -> str:
-    """Write the opening record for an uncontained failed check (idempotent); returns its id."""
-    from .runstore import certify_store
-
-    ev = _ev(event)
-    iid = incident_id_for(ev)
-    st = status if status is not None else certify_store(ledger.store, write_certificates=False)
-    cert = st.certification
-    det = next((d for d in cert.detections if d.branch == ev["branch"] and d.step == ev["step"] and d.interval), None)
-    made = [c.ckpt_id for c in st.snapshot.checkpoints if c.branch == ev["branch"] and det and c.step > det.interval[0]]
-    doc = build_opening(ev, latest_good=st.latest_good, made_suspect=sorted(made, key=lambda x: int(x.rpartition("@")[2])),
-                        interval=det.interval if det else None, now=time.time())
-    try:
-        ledger.put_raw("incidents", f"{iid}--{_OPENED}.json", _dumps(doc))
-    except CheckpointExistsError:
-        pass  # opened already (by the training job or an earlier `status`): the first record stands
-    return iid
-
-
-def open_missing_incidents(ledger: Any, status: Any) -> list[str]:
-    """Open an incident for every uncontained detection that has none yet (called by ``status``)."""
-    have = {r["incident_id"] for r in _records(status.snapshot)}
-    out = []
-    for ev in status.snapshot.events:
-        if ev.get("outcome") == "fail" and not ev.get("contained") and not (ev.get("details") or {}).get("found_by"):
-            iid = incident_id_for(ev)
-            if iid not in have:
-                have.add(iid)
-                out.append(open_incident(ledger, ev, status=status))
-    return out
-
-
-def _dumps(doc: dict[str, Any]) -> bytes:
+def dumps_record(doc: Mapping[str, Any]) -> bytes:
+    """The bytes an incident record is stored as (canonical JSON, one line)."""
     return (json.dumps(doc, sort_keys=True, separators=(",", ":")) + "\n").encode()
-
-
-def list_incidents(store: str) -> list[Incident]:
-    from .ledger import Ledger
-
-    return list(incident_state(_records(Ledger(store).snapshot())).values())
-
-
-def get_incident(store: str, incident_id: str) -> Incident:
-    for inc in list_incidents(store):
-        if inc.incident_id == incident_id:
-            return inc
-    raise CheckpointNotFoundError(f"{store}: no incident {incident_id!r} (see `certckpt incident ls {store}`)")
-
-
-def decide(
-    store: str,
-    incident_id: str,
-    *,
-    action: str,
-    by: str,
-    reason: str,
-    ckpt: str | None = None,
-    node: str | None = None,
-    approves: str | None = None,
-    drill: str | None = None,
-    vault: str | None = None,
-) -> dict[str, Any]:
-    """Record a decision on an incident after checking it against the rules; returns the record.
-
-    Args:
-        ckpt: rollback: the checkpoint training restarts from.
-        node: quarantine / replace / return-to-service: which node (default the suspect nodes).
-        approves: approve: the decision id approved.
-        drill: close: the restore drill's id (``latest``: the newest); ``vault`` is where it was
-            recorded (default this store).
-    """
-    from .ledger import Ledger
-    from .runstore import certify_store
-
-    inc = get_incident(store, incident_id)
-    status = certify_store(store, write_certificates=False)
-    drills = []
-    if action == "close":
-        source = Ledger(vault) if vault else Ledger(store)
-        names = source.list_raw("drills")
-        drills = [dict(json.loads(v), drill_id=k.removesuffix(".json")) for k, v in source.read_raw("drills", names).items()]
-    now = time.time()
-    decision_id = f"{incident_id}--{time.time_ns():020d}-{action}"
-    doc = {"incident_id": incident_id, "record": "decision", "decision_id": decision_id, "action": action, "by": by,
-           "reason": reason, "at": now}
-    if ckpt:
-        doc["ckpt"] = ckpt
-    if action in ("quarantine", "replace", "return-to-service"):
-        doc["nodes"] = [node] if node else inc.opened.get("suspect_nodes", [])
-    if approves:
-        doc["approves"] = approves
-    if drill:
-        doc["drill"] = drill
-        doc["drill_vault"] = vault or store
-    if drill == "latest" and drills:
-        doc["drill"] = max(drills, key=lambda d: d.get("at", 0))["drill_id"]
-    check_decision(inc, doc, trusted=[c for c in status.certification.order if status.snapshot.available(c)], drills=drills)
-    Ledger(store).put_raw("incidents", f"{decision_id}.json", _dumps(doc))
-    return doc

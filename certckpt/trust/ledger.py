@@ -29,9 +29,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .certify import CheckpointEntry, Revocation
-from certckpt.errors import CertckptError, CheckpointNotFoundError, StorageError
+from certckpt.errors import CertckptError, CheckpointNotFoundError, ConfigurationError, StorageError
 from certckpt.format.storage import filesystem, join, put_once, resolve
+
+from .certify import CheckpointEntry, Revocation
+from .incident import incident_state
 
 __all__ = ["Ledger", "LedgerSink", "LedgerSnapshot", "ckpt_id_for", "LEDGER_DIR", "VAULT_MARK"]
 
@@ -47,7 +49,7 @@ def ckpt_id_for(branch: str, step: int) -> str:
 
 def _check_name(kind: str, name: str) -> str:
     if not _NAME.match(name):
-        raise ValueError(f"{kind} {name!r}: use 1-100 letters, digits, '.', '_' or '-'")
+        raise ConfigurationError(f"{kind} {name!r}: use 1-100 letters, digits, '.', '_' or '-'")
     return name
 
 
@@ -74,8 +76,6 @@ class LedgerSnapshot:
 
     def open_incidents(self) -> list[str]:
         """Ids of the incidents not closed yet."""
-        from .incident import incident_state
-
         return [i.incident_id for i in incident_state(self.incident_records).values() if i.is_open]
 
     def available(self, ckpt_id: str) -> bool:
@@ -150,7 +150,7 @@ class Ledger:
 
     def revoke(self, ckpt_id: str, *, reason: str, by: str = "") -> Revocation:
         if not reason.strip():
-            raise ValueError("a revocation needs a reason")
+            raise ConfigurationError("a revocation needs a reason")
         if not self._exists(join(self.root, "checkpoints", f"{ckpt_id}.json")):
             raise CheckpointNotFoundError(f"{self.store}: no committed checkpoint {ckpt_id!r} (see `certckpt status`)")
         rev = Revocation(ckpt_id=ckpt_id, reason=reason, by=by, at=time.time())

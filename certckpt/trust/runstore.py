@@ -1,18 +1,43 @@
-"""Run-store operations behind ``certckpt status`` and ``certckpt latest-good``: read the ledger,
-check files, certify, record verdict changes as certificates. No torch import.
+"""The trust layer's effects: read a run store's ledger, check its files, certify it, and write what
+follows (certificates of verdict changes, incident records). Behind ``certckpt status``,
+``latest-good`` and ``incident``. The decisions themselves are pure (``certify``, ``incident``).
+No torch import.
 """
 
 from __future__ import annotations
 
+import json
+import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .certify import Certification, certify
-from certckpt.errors import CertckptError
-from .ledger import Ledger, LedgerSnapshot
+from certckpt.errors import CertckptError, CheckpointExistsError, CheckpointNotFoundError
 from certckpt.format.verify import verify
 
-__all__ = ["StoreStatus", "certify_store", "find_latest_good", "check_file"]
+from .certify import Certification, certify
+from .incident import (
+    OPENED_SUFFIX,
+    Incident,
+    build_opening,
+    check_decision,
+    dumps_record,
+    incident_id_for,
+    incident_state,
+)
+from .ledger import Ledger, LedgerSnapshot
+
+__all__ = [
+    "StoreStatus",
+    "certify_store",
+    "find_latest_good",
+    "check_file",
+    "open_incident",
+    "open_missing_incidents",
+    "list_incidents",
+    "get_incident",
+    "decide",
+]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -109,8 +134,6 @@ def certify_store(store: str, *, verify_bytes: bool = False, write_certificates:
     if write_certificates:
         _record_changes(ledger, status)
         if not snap.is_vault:  # a vault mirrors its run's incidents; it never opens its own
-            from .incident import open_missing_incidents
-
             if open_missing_incidents(ledger, status):
                 status.snapshot = ledger.snapshot()
     return status
@@ -139,3 +162,101 @@ def find_latest_good(store: str, *, verify_bytes: bool = True, write_certificate
     if write_certificates:
         _record_changes(ledger, status)
     return status, chosen
+
+
+# --- incidents: the records the pure rules in `incident` read and write ---------------------------
+
+
+def open_incident(ledger: Ledger, ev: Mapping[str, Any], *, status: StoreStatus | None = None) -> str:
+    """Write the opening record for an uncontained failed check (idempotent); returns its id.
+
+    Args:
+        ev: the failed check's event record (``AuditEvent.to_dict()``).
+        status: the store certified already (certified here when not given).
+    """
+    iid = incident_id_for(ev)
+    st = status if status is not None else certify_store(ledger.store, write_certificates=False)
+    cert = st.certification
+    det = next((d for d in cert.detections if d.branch == ev["branch"] and d.step == ev["step"] and d.interval), None)
+    made = [c.ckpt_id for c in st.snapshot.checkpoints if c.branch == ev["branch"] and det and c.step > det.interval[0]]
+    doc = build_opening(ev, latest_good=st.latest_good, made_suspect=sorted(made, key=lambda x: int(x.rpartition("@")[2])),
+                        interval=det.interval if det else None, now=time.time())
+    try:
+        ledger.put_raw("incidents", f"{iid}--{OPENED_SUFFIX}.json", dumps_record(doc))
+    except CheckpointExistsError:
+        pass  # opened already (by the training job or an earlier `status`): the first record stands
+    return iid
+
+
+def open_missing_incidents(ledger: Ledger, status: StoreStatus) -> list[str]:
+    """Open an incident for every uncontained detection that has none yet (called by ``status``)."""
+    have = {r["incident_id"] for r in status.snapshot.incident_records}
+    out = []
+    for ev in status.snapshot.events:
+        if ev.get("outcome") == "fail" and not ev.get("contained") and not (ev.get("details") or {}).get("found_by"):
+            iid = incident_id_for(ev)
+            if iid not in have:
+                have.add(iid)
+                out.append(open_incident(ledger, ev, status=status))
+    return out
+
+
+def list_incidents(store: str) -> list[Incident]:
+    """Every incident of a run store (or vault), oldest first."""
+    return list(incident_state(Ledger(store).snapshot().incident_records).values())
+
+
+def get_incident(store: str, incident_id: str) -> Incident:
+    for inc in list_incidents(store):
+        if inc.incident_id == incident_id:
+            return inc
+    raise CheckpointNotFoundError(f"{store}: no incident {incident_id!r} (see `certckpt incident ls {store}`)")
+
+
+def decide(
+    store: str,
+    incident_id: str,
+    *,
+    action: str,
+    by: str,
+    reason: str,
+    ckpt: str | None = None,
+    node: str | None = None,
+    approves: str | None = None,
+    drill: str | None = None,
+    vault: str | None = None,
+) -> dict[str, Any]:
+    """Record a decision on an incident after checking it against the rules; returns the record.
+
+    Args:
+        ckpt: rollback: the checkpoint training restarts from.
+        node: quarantine / replace / return-to-service: which node (default the suspect nodes).
+        approves: approve: the decision id approved.
+        drill: close: the restore drill's id (``latest``: the newest); ``vault`` is where it was
+            recorded (default this store).
+    """
+    inc = get_incident(store, incident_id)
+    status = certify_store(store, write_certificates=False)
+    drills = []
+    if action == "close":
+        source = Ledger(vault) if vault else Ledger(store)
+        names = source.list_raw("drills")
+        drills = [dict(json.loads(v), drill_id=k.removesuffix(".json")) for k, v in source.read_raw("drills", names).items()]
+    now = time.time()
+    decision_id = f"{incident_id}--{time.time_ns():020d}-{action}"
+    doc = {"incident_id": incident_id, "record": "decision", "decision_id": decision_id, "action": action, "by": by,
+           "reason": reason, "at": now}
+    if ckpt:
+        doc["ckpt"] = ckpt
+    if action in ("quarantine", "replace", "return-to-service"):
+        doc["nodes"] = [node] if node else inc.opened.get("suspect_nodes", [])
+    if approves:
+        doc["approves"] = approves
+    if drill:
+        doc["drill"] = drill
+        doc["drill_vault"] = vault or store
+    if drill == "latest" and drills:
+        doc["drill"] = max(drills, key=lambda d: d.get("at", 0))["drill_id"]
+    check_decision(inc, doc, trusted=[c for c in status.certification.order if status.snapshot.available(c)], drills=drills)
+    Ledger(store).put_raw("incidents", f"{decision_id}.json", dumps_record(doc))
+    return doc

@@ -1,0 +1,125 @@
+"""``certckpt verify`` and ``certckpt inspect``: one checkpoint file, its bytes and its record.
+
+Importing this module, ``verify`` (without ``--deep``) and ``inspect`` never import torch.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from certckpt.format.verify import inspect as run_inspect
+from certckpt.format.verify import verify as run_verify
+
+from .common import EXIT_FAILED, EXIT_OK, Progress, echo_table, expected_errors, human_bytes
+
+
+@click.command()
+@click.argument("location")
+@click.option("--deep", is_flag=True, help="Also recompute every tensor's device fingerprint (imports torch).")
+@click.option("--ledger", "ledger_url", default=None, help="Run store whose ledger certifies it: adds the verdict (exit 1 when suspect).")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON report.")
+@expected_errors
+def verify(location: str, deep: bool, ledger_url: str | None, as_json: bool) -> None:
+    """Check every byte of the checkpoint at LOCATION (path or fsspec URL)."""
+    report = run_verify(location, deep=deep, progress=Progress(f"verifying {location}"))
+    verdict = _ledger_verdict(location, ledger_url, report) if ledger_url else None
+    if verdict is not None and report.ok and not verdict["trusted"]:
+        report.ok = False
+    if as_json:
+        doc = report.to_dict()
+        if verdict is not None:
+            doc["verdict"] = verdict
+        click.echo(json.dumps(doc, indent=2))
+    elif report.ok:
+        rec = report.info.record
+        what = ", ".join(
+            x for x in (f"run {rec.run}" if rec.run else "", f"step {rec.step}" if rec.step is not None else "") if x
+        )
+        click.echo(
+            f"OK  {location}  {report.tensors} tensors, {human_bytes(report.nbytes)}"
+            f"{', ' + what if what else ''}, state fp {rec.state_fp}"
+            f"{', fingerprints recomputed' if deep else ''} ({report.seconds:.2f} s)"
+        )
+        if verdict is not None:
+            click.echo(f"    verdict: {verdict['verdict']} ({verdict['ckpt_id']})")
+    elif verdict is not None and not report.problems:
+        click.echo(f"SUSPECT  {location}  bytes verify, but {verdict['ckpt_id'] or 'it'} is certified suspect: {', '.join(verdict['reasons'])}")
+    else:
+        click.echo(f"FAILED  {location}")
+        for p in report.problems:
+            click.echo(f"  {p.message}")
+        if verdict is not None:
+            reasons = ", ".join(verdict["reasons"]) or "-"
+            click.echo(f"  verdict: {verdict['verdict']} ({verdict['ckpt_id']}): {reasons}")
+    sys.exit(EXIT_OK if report.ok else EXIT_FAILED)
+
+
+def _ledger_verdict(location: str, ledger_url: str, report) -> dict:
+    import os
+
+    from certckpt.trust.runstore import certify_store
+
+    status = certify_store(ledger_url, write_certificates=False)
+    want = os.path.abspath(location) if "://" not in location else location
+    for entry in status.snapshot.checkpoints:
+        cid, url = entry.ckpt_id, entry.url
+        have = os.path.abspath(url) if "://" not in url else url
+        if have == want:
+            v = status.certification.verdicts[cid]
+            reasons = list(v.reasons)
+            if not report.ok and "corrupt" not in reasons:
+                reasons.insert(0, "corrupt")
+            return {"ckpt_id": cid, "trusted": v.trusted and report.ok, "verdict": "trusted" if v.trusted and report.ok else "suspect", "reasons": reasons}
+    return {"ckpt_id": None, "trusted": False, "verdict": "suspect", "reasons": ["uncommitted"]}
+
+
+@click.command()
+@click.argument("location")
+@click.option("--json", "as_json", is_flag=True, help="Print the header as JSON.")
+@expected_errors
+def inspect(location: str, as_json: bool) -> None:
+    """Show the tensor table and certckpt record of LOCATION without reading the data."""
+    info = run_inspect(location)
+    rec = info.record
+    if as_json:
+        doc = {
+            "source": info.source,
+            "bytes": info.nbytes,
+            "schema": rec.schema,
+            "run": rec.run,
+            "branch": rec.branch,
+            "step": rec.step,
+            "step_range": rec.step_range,
+            "parent": rec.parent,
+            "state_fp": rec.state_fp,
+            "consensus_fp": rec.consensus_fp,
+            "lineage": rec.lineage,
+            "writer": rec.writer,
+            "metadata": rec.user,
+            "tensors": [
+                {"name": e.name, "dtype": e.dtype, "shape": list(e.shape), "bytes": e.nbytes, **rec.tensors[e.name]}
+                for e in info.header.entries
+            ],
+        }
+        click.echo(json.dumps(doc, indent=2))
+        return
+    click.echo(f"{info.source}: certckpt schema {rec.schema}, {len(info.header.entries)} tensors, {human_bytes(info.nbytes)}")
+    for label, value in (
+        ("run", rec.run),
+        ("branch", rec.branch),
+        ("step", rec.step),
+        ("steps", f"{rec.step_range[0]}..{rec.step_range[1]}" if rec.step_range else None),
+        ("parent", rec.parent),
+        ("last clean audit", (rec.lineage or {}).get("last_clean_audit")),
+        ("state fp", rec.state_fp),
+        ("consensus fp", rec.consensus_fp),
+        ("written", f"{rec.writer.get('time')} on {rec.writer.get('host')} (torch {rec.writer.get('torch')})"),
+    ):
+        if value is not None:
+            click.echo(f"  {label:<16} {value}")
+    rows = [(e.name, e.dtype, "x".join(map(str, e.shape)) or "scalar", human_bytes(e.nbytes), rec.tensors[e.name]["fp"])
+            for e in info.header.entries]
+    echo_table(("tensor", "dtype", "shape", "size", "fingerprint"), rows, indent="  ")

@@ -1,0 +1,121 @@
+"""``certckpt latest-good``, ``status`` and ``revoke``: a run store's verdicts (no torch import)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from certckpt.trust.ledger import Ledger
+from certckpt.trust.runstore import StoreStatus, certify_store, find_latest_good
+
+from .common import EXIT_FAILED, expected_errors, table_lines
+
+
+@click.command("latest-good")
+@click.argument("store")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON answer.")
+@click.option("--no-verify", is_flag=True, help="Do not re-verify the chosen checkpoint's bytes.")
+@expected_errors
+def latest_good(store: str, as_json: bool, no_verify: bool) -> None:
+    """Print the newest trusted checkpoint of STORE that precedes every open suspect interval.
+
+    Exit 0 with its URL; 1 when no checkpoint is trusted (with the reason); 2 when the store
+    cannot be read.
+    """
+    status, chosen = find_latest_good(store, verify_bytes=not no_verify)
+    for cid, problem in status.fallbacks:
+        click.echo(f"certckpt: skipping {cid}: {problem}", err=True)
+    intervals = status.suspect_intervals()
+    if chosen is None:
+        n = len(status.snapshot.checkpoints)
+        if n == 0:
+            reason = "no committed checkpoint in this store" + (f" ({len(status.uncommitted)} uncommitted file(s) ignored)" if status.uncommitted else "")
+        else:
+            counts: dict[str, int] = {}
+            for v in status.certification.verdicts.values():
+                for r in v.reasons:
+                    counts[r] = counts.get(r, 0) + 1
+            reason = f"none of {n} committed checkpoints is trusted (" + ", ".join(f"{k}: {c}" for k, c in sorted(counts.items())) + ")"
+        if as_json:
+            click.echo(json.dumps({"url": None, "ckpt_id": None, "reason": reason, "suspect_intervals": intervals}, indent=2))
+        else:
+            click.echo(f"certckpt: {reason}", err=True)
+        sys.exit(EXIT_FAILED)
+    entry = status.entry(chosen)
+    if as_json:
+        rec = status.snapshot.records[chosen]
+        click.echo(json.dumps({
+            "url": entry.url, "ckpt_id": chosen, "run": rec.get("run"), "branch": entry.branch, "step": entry.step,
+            "verdict": "trusted", "verified": not no_verify, "suspect_intervals": intervals,
+        }, indent=2))
+    else:
+        click.echo(entry.url)
+
+
+@click.command()
+@click.argument("store")
+@click.option("--verify-bytes", is_flag=True, help="Verify every checkpoint's bytes (slower).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@expected_errors
+def status(store: str, verify_bytes: bool, as_json: bool) -> None:
+    """Every checkpoint of STORE with its verdict and reasons, the detections, uncommitted files."""
+    st = certify_store(store, verify_bytes=verify_bytes)
+    cert = st.certification
+    rows = sorted(st.snapshot.checkpoints, key=lambda c: (c.branch, c.step))
+    if as_json:
+        click.echo(json.dumps({
+            "store": store,
+            "latest_good": st.latest_good,
+            "checkpoints": [{"ckpt_id": c.ckpt_id, "branch": c.branch, "step": c.step, "url": c.url, "parent": c.parent,
+                             "verdict": cert.verdicts[c.ckpt_id].label, "reasons": list(cert.verdicts[c.ckpt_id].reasons),
+                            "held": st.snapshot.available(c.ckpt_id)} for c in rows],
+            "detections": [{"branch": d.branch, "step": d.step, "kind": d.kind, "suspect_ranks": list(d.suspect_ranks),
+                            "contained": d.contained, "last_clean": d.last_clean,
+                            "suspect_interval": list(d.interval) if d.interval else None, "rollback_window": d.rollback_window}
+                           for d in cert.detections],
+            "uncommitted": st.uncommitted,
+            "problems": st.problems,
+        }, indent=2))
+        return
+    for line in status_lines(st):
+        click.echo(line)
+
+
+def status_lines(st: StoreStatus) -> list[str]:
+    """The verdict table and detections of a certified store, as ``certckpt status`` prints them."""
+    cert = st.certification
+    rows = sorted(st.snapshot.checkpoints, key=lambda c: (c.branch != "main", c.branch, c.step))
+    out: list[str] = []
+    head = ("checkpoint", "branch", "step", "verdict", "reasons")
+    gone = "pruned" if not st.snapshot.is_vault else "not held here"
+    table = [(c.ckpt_id + (" *" if c.ckpt_id == st.latest_good else ""), c.branch, str(c.step),
+              cert.verdicts[c.ckpt_id].label + ("" if st.snapshot.available(c.ckpt_id) else f" ({'pruned' if c.ckpt_id in st.snapshot.retired else gone})"),
+              ", ".join(cert.verdicts[c.ckpt_id].reasons) or "-") for c in rows]
+    if table:
+        out.extend(table_lines(head, table))
+        out.append(f"* latest-good: {st.latest_good}" if st.latest_good else "no trusted checkpoint")
+    else:
+        out.append("no committed checkpoints")
+    for d in cert.detections:
+        where = f"step {d.step} on {d.branch}: {d.kind} failed, suspect rank(s) {list(d.suspect_ranks) or 'unknown'}"
+        if d.interval:
+            out.append(f"detection: {where}; suspect interval ({d.interval[0]}, {d.interval[1]}], rollback window {d.rollback_window} updates")
+        else:
+            out.append(f"detection: {where}; contained (the update never reached the weights)")
+    out.extend(f"uncommitted (ignored): {u}" for u in st.uncommitted)
+    out.extend(f"corrupt: {cid}: {p}" for cid, p in st.problems.items())
+    return out
+
+
+@click.command()
+@click.argument("store")
+@click.argument("ckpt")
+@click.option("--reason", required=True, help="Why this checkpoint must not be trusted.")
+@click.option("--by", default="", help="Who revokes it.")
+@expected_errors
+def revoke(store: str, ckpt: str, reason: str, by: str) -> None:
+    """Revoke checkpoint CKPT (an id like main@120) of STORE; it and its descendants become suspect."""
+    Ledger(store).revoke(ckpt, reason=reason, by=by)
+    click.echo(f"revoked {ckpt}: {reason}")

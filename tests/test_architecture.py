@@ -1,0 +1,168 @@
+"""The layering of docs/architecture.md, checked on the source: imports run one way, no cycles, no
+private name crosses a module, and the light entry points stay light."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+# Lower numbers are lower layers; a module may import its own layer and the layers below it.
+LAYERS = {
+    "certckpt.errors": 0,
+    "certckpt.version": 0,
+    "certckpt.format": 1,
+    "certckpt.trust": 2,
+    "certckpt.vault": 3,
+    "certckpt.ops": 3,
+    "certckpt.detect": 3,
+    "certckpt.integrations": 4,
+    "certckpt.tools": 5,
+    "certckpt_cli": 6,
+}
+# Siblings on one layer stay independent of each other.
+SIBLINGS = {"certckpt.vault", "certckpt.ops", "certckpt.detect"}
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    out = {}
+    for base in ("certckpt", "certckpt_cli"):
+        for path in (ROOT / base).rglob("*.py"):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports(name: str, path: pathlib.Path) -> list[tuple[str, list[str], bool]]:
+    """(imported module, names, at module level) for every certckpt import of one module."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    top = set()
+    for node in tree.body:
+        if isinstance(node, ast.If):  # `if TYPE_CHECKING:` blocks count as module level
+            top.update(id(n) for n in ast.walk(node))
+        top.add(id(node))
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                mod = ".".join([*base, node.module] if node.module else base)
+            else:
+                mod = node.module or ""
+            out.append((mod, [a.name for a in node.names], id(node) in top))
+        elif isinstance(node, ast.Import):
+            out.extend((a.name, [], id(node) in top) for a in node.names)
+    return [(m, n, t) for m, n, t in out if m.split(".")[0] in ("certckpt", "certckpt_cli")]
+
+
+def _layer(module: str) -> tuple[str, int]:
+    for prefix, level in sorted(LAYERS.items(), key=lambda kv: -len(kv[0])):
+        if module == prefix or module.startswith(prefix + "."):
+            return prefix, level
+    return "certckpt", 7  # the front door: only the package itself may import everything
+
+
+def test_every_module_belongs_to_a_layer():
+    loose = [m for m in MODULES if _layer(m)[1] == 7 and m != "certckpt"]
+    assert not loose, f"modules outside every layer (put them in a subpackage): {loose}"
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_imports_run_one_way(name):
+    here, level = _layer(name)
+    for mod, _, _ in _imports(name, MODULES[name]):
+        there, other = _layer(mod)
+        if here == "certckpt":
+            continue
+        assert other <= level, f"{name} (layer {here}) imports {mod} from the higher layer {there}"
+        assert not (here in SIBLINGS and there in SIBLINGS and here != there), f"{name} imports its sibling layer {mod}"
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_no_private_name_crosses_a_module(name):
+    for mod, names, _ in _imports(name, MODULES[name]):
+        private = [n for n in names if n.startswith("_") and not n.startswith("__")]
+        assert not private, f"{name} imports private {private} from {mod}: give them a public name"
+
+
+def test_module_level_imports_have_no_cycle():
+    graph = {}
+    for name, path in MODULES.items():
+        deps = set()
+        for mod, names, top in _imports(name, path):
+            if not top:
+                continue
+            deps.add(mod)
+            deps.update(f"{mod}.{n}" for n in names if f"{mod}.{n}" in MODULES)
+        graph[name] = {d for d in deps if d in MODULES and d != name}
+    state: dict[str, int] = {}
+
+    def visit(node: str, trail: list[str]) -> None:
+        state[node] = 1
+        for dep in graph[node]:
+            if state.get(dep) == 1:
+                raise AssertionError("import cycle: " + " -> ".join([*trail[trail.index(dep) :], dep]))
+            if dep not in state:
+                visit(dep, [*trail, dep])
+        state[node] = 2
+
+    for name in graph:
+        if name not in state:
+            visit(name, [name])
+
+
+def _run(code: str) -> str:
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_import_certckpt_loads_no_layer():
+    loaded = _run("import sys, certckpt; print(sorted(m for m in sys.modules if m.startswith('certckpt')))")
+    assert loaded.strip() == "['certckpt', 'certckpt.errors', 'certckpt.version']"
+
+
+def test_help_imports_no_command_module_and_lists_every_command():
+    code = (
+        "import sys\n"
+        "from certckpt_cli.main import main\n"
+        "try:\n    main(['--help'])\nexcept SystemExit as e:\n    assert e.code == 0\n"
+        "print(sorted(m for m in sys.modules if m.startswith('certckpt')))"
+    )
+    out = _run(code)
+    assert out.splitlines()[-1] == "['certckpt_cli', 'certckpt_cli.main']"
+    from certckpt_cli.main import COMMANDS
+
+    for name in COMMANDS:
+        assert f"  {name} " in out, f"{name} missing from --help"
+
+
+def test_registry_summaries_match_the_commands():
+    from certckpt_cli.main import COMMANDS
+
+    for name, entry in COMMANDS.items():
+        command = getattr(importlib.import_module(f"certckpt_cli.{entry.module}"), entry.attr)
+        assert command.get_short_help_str(limit=10_000) == entry.summary, name
+
+
+def test_verify_imports_the_format_layer_only():
+    code = (
+        "import sys\n"
+        "from certckpt_cli.main import main\n"
+        "try:\n    main(['verify', '--help'])\nexcept SystemExit as e:\n    assert e.code == 0\n"
+        "layers = sorted({m.split('.')[1] for m in sys.modules if m.startswith('certckpt.')})\n"
+        "print(layers, 'torch' in sys.modules, 'fsspec' in sys.modules)"
+    )
+    assert _run(code).splitlines()[-1] == "['errors', 'format', 'version'] False False"
