@@ -245,6 +245,7 @@ def test_verify_random_record_fields(small_ckpt, scratch, field, value):
 # --- (b) mutations and truncations of a valid checkpoint -------------------------------------------
 
 
+@pytest.mark.slow  # every bit of a small file: ~30 s on 2 cores
 def test_every_single_bit_flip_is_detected(small_ckpt, scratch):
     """Exhaustive: each of the file's bits flipped in turn."""
     for i in range(len(small_ckpt)):

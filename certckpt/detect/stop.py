@@ -20,7 +20,8 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-from certckpt.trust.incident import EXIT_FAULT_DETECTED, node_of
+from certckpt.errors import FaultDetectedError
+from certckpt.trust.incident import EXIT_FAULT_DETECTED, incident_id_for, node_of
 
 __all__ = ["stop_on_fault", "EXIT_FAULT_DETECTED"]
 
@@ -35,8 +36,6 @@ def stop_on_fault(auditor: Any, *, exit_code: int = EXIT_FAULT_DETECTED, hard_ex
             interpreter teardown (torch 2.13's gloo transport sometimes aborts there, which would
             turn the documented status into SIGABRT). Default: raise ``SystemExit``.
     """
-    from .auditor import FaultDetectedError
-
     try:
         yield
     except FaultDetectedError as e:
@@ -44,7 +43,9 @@ def stop_on_fault(auditor: Any, *, exit_code: int = EXIT_FAULT_DETECTED, hard_ex
         nodes = sorted({node_of(ev.inventory.get(str(r), {})) for r in ev.suspect_ranks} - {""})
         where = f" on node(s) {', '.join(nodes)}" if nodes else ""
         suspects = ", ".join(map(str, ev.suspect_ranks)) or "not attributed"
-        record = f"incident {e.incident_id}" if e.incident_id else "contained: the bad update never reached the weights, no incident"
+        # The id follows from the event (every rank and a later `status` derive the same one).
+        iid = None if ev.contained else e.incident_id or incident_id_for(ev.to_dict())
+        record = f"incident {iid}" if iid else "contained: the bad update never reached the weights, no incident"
         print(
             f"certckpt: {e}; suspect rank(s) {suspects}{where}; {record}; "
             f"exit {exit_code}: do not requeue on the suspect node",
