@@ -10,6 +10,8 @@ import sys
 
 import click
 
+from certckpt.errors import ConfigurationError
+
 from .common import EXIT_FAILED, EXIT_OK, EXIT_UNVERIFIABLE, OneLineUsage, expected_errors, fail
 
 
@@ -62,10 +64,10 @@ def envelope(seq_lens, micro_batches, audit_every, ranks, model, max_premium, st
     ks = parse_int_list(audit_every, "--audit-every", low=2) if audit_every is not None else preset["audit_every"]
     if plot_path is not None:
         if os.path.splitext(plot_path)[1].lower() != ".png":
-            raise ValueError(f"--plot {plot_path}: give a path ending in .png")
+            raise ConfigurationError(f"--plot {plot_path}: give a path ending in .png")
         parent = os.path.dirname(os.path.abspath(plot_path))
         if not os.path.isdir(parent):
-            raise ValueError(f"--plot {plot_path}: no such directory {parent}")
+            raise ConfigurationError(f"--plot {plot_path}: no such directory {parent}")
         require_matplotlib()
     spec, extra = resolve_model(model)
     config = EnvelopeConfig(

@@ -23,7 +23,7 @@ def report(store: str, out: str, as_json: bool, force: bool) -> None:
 
     Exit 0 when written; 2 when the store cannot be read or the file cannot be written.
     """
-    from certckpt.errors import CheckpointNotFoundError
+    from certckpt.errors import CheckpointNotFoundError, ConfigurationError
     from certckpt.ops.report import check_format, render, timeline
     from certckpt.trust.runstore import certify_store
 
@@ -32,7 +32,7 @@ def report(store: str, out: str, as_json: bool, force: bool) -> None:
         raise FileExistsError(f"{out} exists; pass --force to overwrite it")
     parent = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(parent):
-        raise FileNotFoundError(f"{out}: no such directory {parent}")
+        raise ConfigurationError(f"--out {out}: no such directory {parent}")
     status = certify_store(store, write_certificates=False)
     snap = status.snapshot
     if not snap.checkpoints and not snap.events:

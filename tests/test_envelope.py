@@ -14,6 +14,8 @@ import sys
 import pytest
 from click.testing import CliRunner
 
+from certckpt.errors import ConfigurationError, MissingDependencyError
+from certckpt.ops.planner import read_policy
 from certckpt.tools.envelope import (
     EnvelopeConfig,
     build_report,
@@ -28,8 +30,6 @@ from certckpt.tools.envelope import (
     resolve_model,
     trimmed_mean,
 )
-from certckpt.errors import MissingDependencyError
-from certckpt.ops.planner import read_policy
 from certckpt_cli.main import main
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -105,7 +105,7 @@ def test_figures_no_shares_without_a_premium():
 ])
 def test_figures_rejects_bad_input(bad):
     args = {"plain_s": 0.1, "nonaudit_s": 0.1, "audit_s": 0.2, "consensus_s": 0.0, "fb_s": 0.05, "audit_every": 10} | bad
-    with pytest.raises(ValueError):
+    with pytest.raises(ConfigurationError):
         figures(**args)
 
 
@@ -124,7 +124,7 @@ def test_trimmed_mean():
     assert trimmed_mean(xs) == pytest.approx(sum(range(11, 19)) / 8)
     assert trimmed_mean([3.0, 1.0, 2.0]) == pytest.approx(2.0)  # fewer than 10: the plain mean
     assert trimmed_mean(list(range(20)), 0.25) == pytest.approx(9.5)
-    with pytest.raises(ValueError):
+    with pytest.raises(ConfigurationError):
         trimmed_mean([])
 
 
@@ -147,18 +147,18 @@ def test_parse_int_list():
     assert parse_int_list("128,512, 2048", "--seq-lens") == (128, 512, 2048)
     assert parse_int_list("10", "--audit-every", low=2) == (10,)
     for bad in ("", "a,b", "1,,2", "0", "4,4", "1.5"):
-        with pytest.raises(ValueError):
+        with pytest.raises(ConfigurationError):
             parse_int_list(bad, "--x")
-    with pytest.raises(ValueError, match=">= 2"):
+    with pytest.raises(ConfigurationError, match=">= 2"):
         parse_int_list("1,10", "--audit-every", low=2)
 
 
 def test_config_validation():
-    with pytest.raises(ValueError, match="K must be >= 2"):
+    with pytest.raises(ConfigurationError, match="K must be >= 2"):
         EnvelopeConfig(audit_every=(1, 10))
-    with pytest.raises(ValueError, match="nccl"):
+    with pytest.raises(ConfigurationError, match="nccl"):
         EnvelopeConfig(backend="nccl", device="cpu")
-    with pytest.raises(ValueError):
+    with pytest.raises(ConfigurationError):
         EnvelopeConfig(max_premium=float("inf"))
     assert EnvelopeConfig(seq_lens=(8, 16), micro_batches=(1, 2)).shapes == [(8, 1), (8, 2), (16, 1), (16, 2)]
 
@@ -206,7 +206,7 @@ def test_plot_writes_png(tmp_path):
     out = tmp_path / "env.png"
     plot(_synthetic_report(), out)
     assert out.read_bytes()[:8] == PNG_MAGIC
-    with pytest.raises(ValueError, match=".png"):
+    with pytest.raises(ConfigurationError, match=".png"):
         plot(_synthetic_report(), tmp_path / "env.svg")
 
 
@@ -228,7 +228,7 @@ def test_resolve_model():
     spec, extra = resolve_model("test_envelope:user_factory")
     assert spec == "test_envelope:user_factory" and extra is not None and extra.endswith("tests")
     for bad in ("nomodule_xyz:f", "test_envelope:nothing", "test_envelope", "a:b:c"):
-        with pytest.raises(ValueError):
+        with pytest.raises(ConfigurationError):
             resolve_model(bad)
 
 
