@@ -118,12 +118,12 @@ def _loss(model, batch):
 def rank_main(args: dict[str, Any]) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from certckpt.detect.auditor import Auditor, nonfinite_flag
-    from certckpt.detect.signature import signature
     from certckpt.detect.launch import ProgressLog
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from certckpt.detect.signature import signature
 
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
@@ -159,7 +159,9 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
             aud = Auditor(ddp, opt, loss_fn=_loss, run=f"bench-{name}", audit_every=AUDIT_EVERY[name])
             auditors[name] = aud
             runners[name] = aud.train_step
-    log(f"built {len(configs)} DDP models of {sum(p.numel() for p in models['plain'][0].module.parameters()):,} parameters")
+    log(
+        f"built {len(configs)} DDP models of {sum(p.numel() for p in models['plain'][0].module.parameters()):,} parameters"
+    )
 
     def batches_for(name: str, n: int) -> list:
         first = steps_done[name] + 1
@@ -178,8 +180,14 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
         dist.barrier()
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         steps_done[name] += n
-        return {"wall_s": wall, "cpu_s": cpu, "steps": n, "audits": audits,
-                "first_step": steps_done[name] - n + 1, "last_step": steps_done[name]}
+        return {
+            "wall_s": wall,
+            "cpu_s": cpu,
+            "steps": n,
+            "audits": audits,
+            "first_step": steps_done[name] - n + 1,
+            "last_step": steps_done[name],
+        }
 
     # --- warm-up (discarded) -------------------------------------------------------------------
     warmup = {}
@@ -196,8 +204,10 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
         # Each configuration's steps for this trial, run as slices of `slice_n` steps interleaved
         # with the other configurations' (the order rotating every slice), so that all of them
         # sample the same stretch of the machine's noise; a slice's figures add up into the block.
-        blocks = {name: {"wall_s": 0.0, "cpu_s": 0.0, "steps": 0, "audits": 0, "first_step": steps_done[name] + 1}
-                  for name in configs}
+        blocks = {
+            name: {"wall_s": 0.0, "cpu_s": 0.0, "steps": 0, "audits": 0, "first_step": steps_done[name] + 1}
+            for name in configs
+        }
         for j in range(args["steps"] // slice_n):
             r = j % len(order)
             for name in order[r:] + order[:r]:
@@ -207,8 +217,11 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
         for name in configs:
             blocks[name]["last_step"] = steps_done[name]
         trials.append({"order": order, "blocks": blocks})
-        log(f"trial {t + 1}/{args['trials']}: " + ", ".join(
-            f"{n} {blocks[n]['wall_s'] / blocks[n]['steps'] * 1e3:.1f}" for n in configs) + " ms/step")
+        log(
+            f"trial {t + 1}/{args['trials']}: "
+            + ", ".join(f"{n} {blocks[n]['wall_s'] / blocks[n]['steps'] * 1e3:.1f}" for n in configs)
+            + " ms/step"
+        )
 
     # --- breakdown of audit/10 ----------------------------------------------------------------
     # Single steps, each between two barriers, interleaved step by step: audit/10 (instrumented,
@@ -234,9 +247,19 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
         bd_cpu.setdefault(key, []).append(cpu)
         return wall
 
-    bd: dict[str, list[float]] = {k: [] for k in (
-        "barrier_only", "plain_step", "torch_hook_step", "nonaudit_step", "audit_step", "consensus",
-        "signature_all_grads", "nonfinite_flags_x2")}
+    bd: dict[str, list[float]] = {
+        k: []
+        for k in (
+            "barrier_only",
+            "plain_step",
+            "torch_hook_step",
+            "nonaudit_step",
+            "audit_step",
+            "consensus",
+            "signature_all_grads",
+            "nonfinite_flags_x2",
+        )
+    }
     aud = auditors["audit/10"]
     hooked = DDP(_mlp(widths, seed=0))
     hooked.register_comm_hook(None, allreduce_hook)
@@ -265,6 +288,7 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
                 acc[key] = acc.get(key, 0.0) + time.perf_counter() - t0
                 if flag is not None:
                     flag[0] = False
+
         return wrapper
 
     sig_fn = auditor_mod.signature
@@ -338,8 +362,14 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
         "breakdown": bd,
         "breakdown_cpu": bd_cpu,
         # the auditors' bookkeeping at the end (it is never trimmed without audits or checkpoints)
-        "bookkeeping": {n: {"since_audit": getattr(a, "_checked_since_audit", 0), "events_since_checkpoint": len(a._events),
-                            "sink_events": len(a.sink.events)} for n, a in auditors.items()},
+        "bookkeeping": {
+            n: {
+                "since_audit": getattr(a, "_checked_since_audit", 0),
+                "events_since_checkpoint": len(a._events),
+                "sink_events": len(a.sink.events),
+            }
+            for n, a in auditors.items()
+        },
         "parts": parts,
         "events": {n: len(a.sink.events) for n, a in auditors.items()},
         "rank_elapsed_s": time.perf_counter() - t_start,
@@ -358,8 +388,13 @@ def summarise(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     r0 = per_rank[0]
     configs = r0["configs"]
     ms = {n: [tr["blocks"][n]["wall_s"] / tr["blocks"][n]["steps"] * 1e3 for tr in r0["trials"]] for n in configs}
-    cpu = {n: [sum(pr["trials"][i]["blocks"][n]["cpu_s"] for pr in per_rank) / r0["trials"][i]["blocks"][n]["steps"] * 1e3
-               for i in range(len(r0["trials"]))] for n in configs}
+    cpu = {
+        n: [
+            sum(pr["trials"][i]["blocks"][n]["cpu_s"] for pr in per_rank) / r0["trials"][i]["blocks"][n]["steps"] * 1e3
+            for i in range(len(r0["trials"]))
+        ]
+        for n in configs
+    }
     out: dict[str, Any] = {"step_ms": ms, "cpu_ms_per_step_all_ranks": cpu, "configs": {}}
     base = median(ms["plain"])
     for n in configs:
@@ -376,9 +411,17 @@ def summarise(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
             "audits_per_trial": sorted({tr["blocks"][n]["audits"] for tr in r0["trials"]}),
             "verdict": None if n not in TARGETS else ("PASS" if median(ms[n]) / base <= TARGETS[n] else "MISS"),
         }
-    bd = {k: {"median_ms": median(v) * 1e3, "min_ms": min(v) * 1e3, "max_ms": max(v) * 1e3, "n": len(v),
-              "cpu_median_ms": median(r0["breakdown_cpu"][k]) * 1e3}
-          for k, v in r0["breakdown"].items() if v}
+    bd = {
+        k: {
+            "median_ms": median(v) * 1e3,
+            "min_ms": min(v) * 1e3,
+            "max_ms": max(v) * 1e3,
+            "n": len(v),
+            "cpu_median_ms": median(r0["breakdown_cpu"][k]) * 1e3,
+        }
+        for k, v in r0["breakdown"].items()
+        if v
+    }
     out["breakdown"] = bd
     # in-situ parts of rank 0's audit steps, per step (ms), medians across the timed audit steps
     insitu: dict[str, dict[str, float]] = {}
@@ -403,36 +446,60 @@ def summarise(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
 def print_report(R: dict[str, Any]) -> None:
     c, S = R["config"], R["summary"]
     print()
-    print(f"certckpt detection-overhead benchmark ({'quick' if c['quick'] else 'full'}): {c['trials']} interleaved trials "
-          f"x {c['steps']} steps per configuration, {c['warmup']} warm-up steps each (discarded)")
-    print(f"torch {c['torch']}, python {c['python']}, {c['cpus']} CPUs; {WORLD} gloo ranks x {c['rank_threads']} torch thread"
-          f" on {c['cpus']} cores: {'OVERSUBSCRIBED (ranks and gloo threads share cores), expected here' if WORLD > (c['cpus'] or 0) else 'one core per rank'}")
-    print(f"deterministic algorithms: {c['deterministic']}; load average {c['loadavg_start']} at start, "
-          f"{c['loadavg_end']} at end (1/5/15 min)")
+    print(
+        f"certckpt detection-overhead benchmark ({'quick' if c['quick'] else 'full'}): {c['trials']} interleaved trials "
+        f"x {c['steps']} steps per configuration, {c['warmup']} warm-up steps each (discarded)"
+    )
+    print(
+        f"torch {c['torch']}, python {c['python']}, {c['cpus']} CPUs; {WORLD} gloo ranks x {c['rank_threads']} torch thread"
+        f" on {c['cpus']} cores: {'OVERSUBSCRIBED (ranks and gloo threads share cores), expected here' if (c['cpus'] or 0) < WORLD else 'one core per rank'}"
+    )
+    print(
+        f"deterministic algorithms: {c['deterministic']}; load average {c['loadavg_start']} at start, "
+        f"{c['loadavg_end']} at end (1/5/15 min)"
+    )
     ob, oc = c.get("others_busy_cores_before"), c.get("others_cpu_s_during_run")
     if ob is not None and oc is not None:
-        print(f"CPU used outside this benchmark: {ob:.2f} cores just before it; {oc:.1f} CPU-s during its {R['elapsed_s']:.0f} s")
-    print(f"model: MLP {'-'.join(map(str, c['widths']))} (GELU between Linears), {c['params']:,} parameters "
-          f"({c['params'] * 4 / 2**20:.1f} MiB float32, {c['ddp_buckets'] if c['ddp_buckets'] is not None else '?'} DDP buckets); "
-          f"batch {c['batch']} x {c['widths'][0]} per rank, MSE; SGD momentum 0.9"
-          + ("; gradient_as_bucket_view=True on every DDP copy" if c.get("bucket_view") else ""))
-    print(f"figure: rank 0's wall time over a trial's interleaved slices of {c['slice']} steps (each barrier to barrier) / steps; median across trials [min-max]")
+        print(
+            f"CPU used outside this benchmark: {ob:.2f} cores just before it; {oc:.1f} CPU-s during its {R['elapsed_s']:.0f} s"
+        )
+    print(
+        f"model: MLP {'-'.join(map(str, c['widths']))} (GELU between Linears), {c['params']:,} parameters "
+        f"({c['params'] * 4 / 2**20:.1f} MiB float32, {c['ddp_buckets'] if c['ddp_buckets'] is not None else '?'} DDP buckets); "
+        f"batch {c['batch']} x {c['widths'][0]} per rank, MSE; SGD momentum 0.9"
+        + ("; gradient_as_bucket_view=True on every DDP copy" if c.get("bucket_view") else "")
+    )
+    print(
+        f"figure: rank 0's wall time over a trial's interleaved slices of {c['slice']} steps (each barrier to barrier) / steps; median across trials [min-max]"
+    )
     print()
-    head = ("configuration", "ms/step median [min-max]", "ratio to plain", "target", "", "paired ratio med [min-max]",
-            "audits/trial", "CPU ms/step (3 ranks)")
+    head = (
+        "configuration",
+        "ms/step median [min-max]",
+        "ratio to plain",
+        "target",
+        "",
+        "paired ratio med [min-max]",
+        "audits/trial",
+        "CPU ms/step (3 ranks)",
+    )
     rows = []
     for n in S["configs"]:
         s = S["configs"][n]
-        rows.append((
-            LABELS[n],
-            f"{s['median_ms']:.1f} [{s['min_ms']:.1f}-{s['max_ms']:.1f}]",
-            f"{s['ratio']:.3f}x",
-            f"≤ {TARGETS[n]:.2f}x" if n in TARGETS else "",
-            s["verdict"] or "",
-            "" if n == "plain" else f"{s['paired_ratio_median']:.3f} [{s['paired_ratio_min']:.3f}-{s['paired_ratio_max']:.3f}]",
-            "-" if n.startswith("plain") else ",".join(map(str, s["audits_per_trial"])),
-            f"{s['cpu_ms_median']:.1f}",
-        ))
+        rows.append(
+            (
+                LABELS[n],
+                f"{s['median_ms']:.1f} [{s['min_ms']:.1f}-{s['max_ms']:.1f}]",
+                f"{s['ratio']:.3f}x",
+                f"≤ {TARGETS[n]:.2f}x" if n in TARGETS else "",
+                s["verdict"] or "",
+                ""
+                if n == "plain"
+                else f"{s['paired_ratio_median']:.3f} [{s['paired_ratio_min']:.3f}-{s['paired_ratio_max']:.3f}]",
+                "-" if n.startswith("plain") else ",".join(map(str, s["audits_per_trial"])),
+                f"{s['cpu_ms_median']:.1f}",
+            )
+        )
     w = [max(len(r[i]) for r in [*rows, head]) for i in range(len(head))]
     print("  ".join(h.ljust(w[i]) for i, h in enumerate(head)).rstrip())
     print("  ".join("-" * x for x in w))
@@ -449,25 +516,39 @@ def print_report(R: dict[str, Any]) -> None:
         print(f"   {label:<50} {cell:<26} {v['cpu_median_ms']:7.2f}   {note}".rstrip())
 
     print()
-    print("Where the extra time goes: rank 0, single steps, each between two barriers, the three models interleaved step")
-    print(f"by step ({bd['plain_step']['n']} plain, {bd['nonaudit_step']['n']} non-audit and {bd['audit_step']['n']} audit steps);"
-          " ms, median [min-max], and rank 0's process CPU ms (all its threads)")
+    print(
+        "Where the extra time goes: rank 0, single steps, each between two barriers, the three models interleaved step"
+    )
+    print(
+        f"by step ({bd['plain_step']['n']} plain, {bd['nonaudit_step']['n']} non-audit and {bd['audit_step']['n']} audit steps);"
+        " ms, median [min-max], and rank 0's process CPU ms (all its threads)"
+    )
     print(f"   {'':<50} {'wall':<26} {'CPU':>7}")
     line("plain DDP step (default hook)", "plain_step")
-    line("DDP + torch's Python allreduce_hook", "torch_hook_step",
-         f"{m['torch_hook_step'] - m['plain_step']:+.2f} wall vs plain: any Python comm hook (unfused division)")
-    line("audit/10, non-audit step", "nonaudit_step",
-         f"{m['nonaudit_step'] - m['plain_step']:+.2f} wall vs plain; in situ: flag sums {ins['nonaudit'].get('nonfinite_flags', 0.0):.2f}")
+    line(
+        "DDP + torch's Python allreduce_hook",
+        "torch_hook_step",
+        f"{m['torch_hook_step'] - m['plain_step']:+.2f} wall vs plain: any Python comm hook (unfused division)",
+    )
+    line(
+        "audit/10, non-audit step",
+        "nonaudit_step",
+        f"{m['nonaudit_step'] - m['plain_step']:+.2f} wall vs plain; in situ: flag sums {ins['nonaudit'].get('nonfinite_flags', 0.0):.2f}",
+    )
     line("audit/10, audit step", "audit_step", f"{m['audit_step'] - m['nonaudit_step']:+.2f} wall vs non-audit step")
     extra = m["audit_step"] - m["nonaudit_step"]
-    print("   inside the audit steps (rank 0's clock around the auditor's own calls, median per audit step; the collective")
+    print(
+        "   inside the audit steps (rank 0's clock around the auditor's own calls, median per audit step; the collective"
+    )
     print("   ones include waiting for the other ranks):")
     total = 0.0
     for label, v in parts.items():
         total += v
         share = f"{v / extra * 100:5.0f}% of the extra" if extra > 0 else ""
         print(f"     {label:<48} {v:8.2f}   {share}")
-    print(f"     {'sum':<48} {total:8.2f}   (measured extra {extra:.2f}; that step's flag sums {ins['audit'].get('nonfinite_flags', 0.0):.2f})")
+    print(
+        f"     {'sum':<48} {total:8.2f}   (measured extra {extra:.2f}; that step's flag sums {ins['audit'].get('nonfinite_flags', 0.0):.2f})"
+    )
     print(f"   alone between two barriers, every rank doing the same (median of {bd['consensus']['n']}):")
     line("  bare barrier pair", "barrier_only")
     line("  auditor.weight_consensus(step), called directly", "consensus")
@@ -476,22 +557,33 @@ def print_report(R: dict[str, Any]) -> None:
     rk = sorted(((v, k) for k, v in parts.items()), reverse=True)
     hook_cost = m["nonaudit_step"] - m["plain_step"]
     print(f"   dominant part of an audit: {rk[0][1]} ({rk[0][0]:.1f} ms), then {rk[1][1]} ({rk[1][0]:.1f} ms)")
-    print(f"   predicted from these single steps: audit/10 {(m['plain_step'] + hook_cost + extra / 10) / m['plain_step']:.3f}x"
-          f" (hook {hook_cost / m['plain_step'] * 100:+.1f}% + audits {extra / 10 / m['plain_step'] * 100:+.1f}%),"
-          f" audit/100 {(m['plain_step'] + hook_cost + extra / 100) / m['plain_step']:.3f}x,"
-          f" non-finite alone {(m['plain_step'] + hook_cost) / m['plain_step']:.3f}x")
+    print(
+        f"   predicted from these single steps: audit/10 {(m['plain_step'] + hook_cost + extra / 10) / m['plain_step']:.3f}x"
+        f" (hook {hook_cost / m['plain_step'] * 100:+.1f}% + audits {extra / 10 / m['plain_step'] * 100:+.1f}%),"
+        f" audit/100 {(m['plain_step'] + hook_cost + extra / 100) / m['plain_step']:.3f}x,"
+        f" non-finite alone {(m['plain_step'] + hook_cost) / m['plain_step']:.3f}x"
+    )
     replay_ms = parts["replay forward + backward"]
     base = S["configs"]["plain"]["median_ms"]
-    print(f"   replay floor (the replay's forward + backward / K / plain step, no implementation of a full replay"
-          f" goes below it): K=10 {replay_ms / 10 / base * 100:.1f}%, K=100 {replay_ms / 100 / base * 100:.2f}%")
+    print(
+        f"   replay floor (the replay's forward + backward / K / plain step, no implementation of a full replay"
+        f" goes below it): K=10 {replay_ms / 10 / base * 100:.1f}%, K=100 {replay_ms / 100 / base * 100:.2f}%"
+    )
     bk = R["per_rank"][0]["bookkeeping"]
-    print("   info, auditor bookkeeping on rank 0 at the end (steps since the last audit, lineage entries since the last checkpoint, sink): "
-          + "; ".join(f"{n}: {v['since_audit']}, {v['events_since_checkpoint']}, {v['sink_events']}"
-                      for n, v in bk.items()))
+    print(
+        "   info, auditor bookkeeping on rank 0 at the end (steps since the last audit, lineage entries since the last checkpoint, sink): "
+        + "; ".join(
+            f"{n}: {v['since_audit']}, {v['events_since_checkpoint']}, {v['sink_events']}" for n, v in bk.items()
+        )
+    )
 
     misses = [n for n in TARGETS if S["configs"][n]["verdict"] != "PASS"]
     print()
-    print(f"{len(misses)} target(s) missed" + (": " + ", ".join(misses) if misses else "") + f"; total {R['elapsed_s']:.0f} s")
+    print(
+        f"{len(misses)} target(s) missed"
+        + (": " + ", ".join(misses) if misses else "")
+        + f"; total {R['elapsed_s']:.0f} s"
+    )
 
 
 def main() -> None:
@@ -499,13 +591,26 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="~2.4M-parameter MLP, 2 trials: a smoke run")
     ap.add_argument("--json", action="store_true", help="also print all results as JSON")
     ap.add_argument("--trials", type=int, default=None, help="interleaved trials (default 7, quick 2)")
-    ap.add_argument("--steps", type=int, default=None, help="steps per configuration per trial, a multiple of 100 (default 100)")
-    ap.add_argument("--slice", type=int, default=10,
-                    help="steps per interleaved slice, dividing --steps (default 10; 100: one block per configuration per trial)")
-    ap.add_argument("--bucket-view", action="store_true",
-                    help="every DDP copy with gradient_as_bucket_view=True (no gradient copies on either side)")
-    ap.add_argument("--batch", type=int, default=None,
-                    help="micro-batch rows per rank (default 32); larger batches give the compute-heavier steps of real training")
+    ap.add_argument(
+        "--steps", type=int, default=None, help="steps per configuration per trial, a multiple of 100 (default 100)"
+    )
+    ap.add_argument(
+        "--slice",
+        type=int,
+        default=10,
+        help="steps per interleaved slice, dividing --steps (default 10; 100: one block per configuration per trial)",
+    )
+    ap.add_argument(
+        "--bucket-view",
+        action="store_true",
+        help="every DDP copy with gradient_as_bucket_view=True (no gradient copies on either side)",
+    )
+    ap.add_argument(
+        "--batch",
+        type=int,
+        default=None,
+        help="micro-batch rows per rank (default 32); larger batches give the compute-heavier steps of real training",
+    )
     args = ap.parse_args()
 
     from bench_format import cpu_busy_seconds, loadavg, others_busy_cores, own_cpu_seconds
@@ -522,7 +627,9 @@ def main() -> None:
     if args.slice < 1 or P["steps"] % args.slice:
         ap.error("--slice must divide --steps")
     if P["steps"] % 100:
-        ap.error("--steps must be a multiple of 100 (each trial of audit/100 must hold exactly one audit per 100 steps)")
+        ap.error(
+            "--steps must be a multiple of 100 (each trial of audit/100 must hold exactly one audit per 100 steps)"
+        )
     if P["trials"] < 7 and not args.quick:
         print(f"note: {P['trials']} trials (fewer than 7)", file=sys.stderr)
 
@@ -534,11 +641,20 @@ def main() -> None:
     if busy is not None and busy > 0.25:
         print(f"warning: other processes keep {busy:.2f} cores busy; figures will be noisy", file=sys.stderr)
     busy0, own0 = cpu_busy_seconds(), own_cpu_seconds()
-    R: dict[str, Any] = {"config": {
-        "quick": args.quick, **P, "params": n_params(P["widths"]), "world": WORLD, "rank_threads": 1,
-        "python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),
-        "loadavg_start": loadavg(), "others_busy_cores_before": busy,
-    }}
+    R: dict[str, Any] = {
+        "config": {
+            "quick": args.quick,
+            **P,
+            "params": n_params(P["widths"]),
+            "world": WORLD,
+            "rank_threads": 1,
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "cpus": os.cpu_count(),
+            "loadavg_start": loadavg(),
+            "others_busy_cores_before": busy,
+        }
+    }
     t0 = time.perf_counter()
     import tempfile
 
@@ -546,13 +662,26 @@ def main() -> None:
         prog = os.path.join(d, "progress.log")
         open(prog, "w").close()
         stop = threading.Event()
-        tail = threading.Thread(target=follow, args=(prog, stop, lambda ln: print(f"  rank 0 {ln}", file=sys.stderr, flush=True)), daemon=True)
+        tail = threading.Thread(
+            target=follow,
+            args=(prog, stop, lambda ln: print(f"  rank 0 {ln}", file=sys.stderr, flush=True)),
+            daemon=True,
+        )
         tail.start()
-        print(f"running {WORLD} ranks: {P['trials']} trials x {len(configs_for(args.bucket_view))} configurations x {P['steps']} steps "
-              f"of a {n_params(P['widths']):,}-parameter MLP", file=sys.stderr)
+        print(
+            f"running {WORLD} ranks: {P['trials']} trials x {len(configs_for(args.bucket_view))} configurations x {P['steps']} steps "
+            f"of a {n_params(P['widths']):,}-parameter MLP",
+            file=sys.stderr,
+        )
         try:
-            per_rank = run_ranks(f"{os.path.splitext(os.path.basename(__file__))[0]}:rank_main", WORLD,
-                                 {**P, "progress": prog}, timeout=1800, threads=1, extra_path=HERE)
+            per_rank = run_ranks(
+                f"{os.path.splitext(os.path.basename(__file__))[0]}:rank_main",
+                WORLD,
+                {**P, "progress": prog},
+                timeout=1800,
+                threads=1,
+                extra_path=HERE,
+            )
         finally:
             stop.set()
             tail.join()

@@ -43,7 +43,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 MiB = 1 << 20
 GB = 1e9  # throughput is reported in decimal GB/s
@@ -123,7 +124,9 @@ def target_str(key: str) -> str:
     return f"{sym} {target:g}"
 
 
-def interleaved(contenders: list[tuple[str, Callable[[], Any]]], trials: int, after: Callable[[], None] | None = None) -> dict:
+def interleaved(
+    contenders: list[tuple[str, Callable[[], Any]]], trials: int, after: Callable[[], None] | None = None
+) -> dict:
     """One untimed warm-up round, then ``trials`` rounds; the order rotates every round."""
     samples: dict[str, list[float]] = {name: [] for name, _ in contenders}
     warmup: dict[str, float] = {}
@@ -413,8 +416,8 @@ def _status_kib(field: str) -> int:
 def worker_mem(op: str, kind: str, quick: bool, path: str) -> dict:
     state = None
     if op in ("save", "torch.save", "safetensors"):
-        import safetensors.torch  # noqa: F401
-        import torch  # noqa: F401
+        import safetensors.torch
+        import torch
 
         import certckpt
 
@@ -425,7 +428,7 @@ def worker_mem(op: str, kind: str, quick: bool, path: str) -> dict:
     elif op == "verify-deep":
         # Import the libraries deep verification uses, so their code pages count as baseline
         # (through certckpt's public lazy names, not its private module names).
-        import torch  # noqa: F401
+        import torch
 
         import certckpt
 
@@ -497,22 +500,45 @@ def print_report(R: dict) -> None:
     rows.append(("1. SAVE (fsync included), median [min-max]", "", "", ""))
     for name in ("certckpt", "torch.save", "safetensors"):
         both(f"   {name}", "", lambda s, n=name: fmt_s(s["save"], n))
-    both("   ratio certckpt / torch.save", target_str("save_vs_torch"),
-         lambda s: judged("save_vs_torch", s["save"]["ratio_vs_torch"], ".3f"))
-    both("   ratio certckpt / safetensors", target_str("save_vs_safetensors"),
-         lambda s: judged("save_vs_safetensors", s["save"]["ratio_vs_safetensors"], ".3f"))
-    both("   info: fastest-run ratios (/torch, /st)", "",
-         lambda s: "{:.3f} / {:.3f}".format(*(min(s["save"]["samples"]["certckpt"]) / min(s["save"]["samples"][n])
-                                             for n in ("torch.save", "safetensors"))))
+    both(
+        "   ratio certckpt / torch.save",
+        target_str("save_vs_torch"),
+        lambda s: judged("save_vs_torch", s["save"]["ratio_vs_torch"], ".3f"),
+    )
+    both(
+        "   ratio certckpt / safetensors",
+        target_str("save_vs_safetensors"),
+        lambda s: judged("save_vs_safetensors", s["save"]["ratio_vs_safetensors"], ".3f"),
+    )
+    both(
+        "   info: fastest-run ratios (/torch, /st)",
+        "",
+        lambda s: "{:.3f} / {:.3f}".format(
+            *(
+                min(s["save"]["samples"]["certckpt"]) / min(s["save"]["samples"][n])
+                for n in ("torch.save", "safetensors")
+            )
+        ),
+    )
     both("   info: fingerprint_many, no I/O", "", lambda s: f"{s['components']['median']['fingerprint_many']:.3f} s")
     both("   info: xxh3_128 digests, no I/O", "", lambda s: f"{s['components']['median']['xxh3_128']:.3f} s")
     rows.append(("2. VERIFY, whole process, warm cache", "", "", ""))
     both("   certckpt verify", "", lambda s: fmt_s(s["verify"], "certckpt verify"))
     both("   sha256sum", "", lambda s: fmt_s(s["verify"], "sha256sum"))
-    both("   speedup sha256sum / certckpt", target_str("verify_speedup"),
-         lambda s: judged("verify_speedup", s["verify"]["speedup"], ".1f").replace(" ", "x ", 1))
-    both("   info: certckpt verify --deep", "",
-         lambda s: fmt_s(s["verify"], "certckpt verify --deep") if "certckpt verify --deep" in s["verify"]["samples"] else "skipped (--quick)")
+    both(
+        "   speedup sha256sum / certckpt",
+        target_str("verify_speedup"),
+        lambda s: judged("verify_speedup", s["verify"]["speedup"], ".1f").replace(" ", "x ", 1),
+    )
+    both(
+        "   info: certckpt verify --deep",
+        "",
+        lambda s: (
+            fmt_s(s["verify"], "certckpt verify --deep")
+            if "certckpt verify --deep" in s["verify"]["samples"]
+            else "skipped (--quick)"
+        ),
+    )
     rows.append(("4. PEAK EXTRA MEMORY (VmHWM - VmRSS)", "", "", ""))
 
     def mem_cell(s: dict, op: str, targeted: bool) -> str:
@@ -532,20 +558,30 @@ def print_report(R: dict) -> None:
         ("torch.save", "info: torch.save", False),
         ("safetensors", "info: safetensors save_file", False),
     ):
-        both(f"   {label}", target_str("mem_mib") + " MiB" if targeted else "", lambda s, o=op, t=targeted: mem_cell(s, o, t))
+        both(
+            f"   {label}",
+            target_str("mem_mib") + " MiB" if targeted else "",
+            lambda s, o=op, t=targeted: mem_cell(s, o, t),
+        )
 
     head = ("", "target", f"A ({A['label']})", f"B ({B['label']})")
     w = [max(len(r[i]) for r in [*rows, head]) for i in range(4)]
     print()
-    print(f"certckpt format benchmark ({'quick' if R['config']['quick'] else 'full'}): {R['config']['trials']} trials, "
-          f"median [min-max]; dir {R['config']['dir']} ({R['config']['fs']})")
+    print(
+        f"certckpt format benchmark ({'quick' if R['config']['quick'] else 'full'}): {R['config']['trials']} trials, "
+        f"median [min-max]; dir {R['config']['dir']} ({R['config']['fs']})"
+    )
     c = R["config"]
-    print(f"torch {c['torch']}, {c['cpus']} CPUs, {c['torch_threads']} torch threads; "
-          f"load average {c['loadavg_start']} at start, {c['loadavg_end']} at end (1/5/15 min)")
+    print(
+        f"torch {c['torch']}, {c['cpus']} CPUs, {c['torch_threads']} torch threads; "
+        f"load average {c['loadavg_start']} at start, {c['loadavg_end']} at end (1/5/15 min)"
+    )
     ob, oc = c.get("others_busy_cores_before"), c.get("others_cpu_s_during_run")
     if ob is not None and oc is not None:
-        print(f"CPU used outside this benchmark: {ob:.2f} cores just before it; {oc:.1f} CPU-s during its "
-              f"{R['elapsed_s']:.0f} s (includes kernel writeback it caused)")
+        print(
+            f"CPU used outside this benchmark: {ob:.2f} cores just before it; {oc:.1f} CPU-s during its "
+            f"{R['elapsed_s']:.0f} s (includes kernel writeback it caused)"
+        )
     print(f"A = {A['desc']}")
     print(f"B = {B['desc']}")
     print()
@@ -558,10 +594,16 @@ def print_report(R: dict) -> None:
     print()
     print("2. CLI (state-independent)")
     h = G["help"]
-    print(f"   certckpt --help: {h['median']:.3f} s [{min(h['samples']):.3f}-{max(h['samples']):.3f}]"
-          f"   target {target_str('help_s')} s   {judge('help_s', h['median'])}   ({G['exe']})")
+    print(
+        f"   certckpt --help: {h['median']:.3f} s [{min(h['samples']):.3f}-{max(h['samples']):.3f}]"
+        f"   target {target_str('help_s')} s   {judge('help_s', h['median'])}   ({G['exe']})"
+    )
     nt = G["no_torch"]
-    detail = "verify exited " + str(nt.get("rc")) + ", torch imported: " + str(nt.get("torch_imported")) if "error" not in nt else nt["error"]
+    detail = (
+        "verify exited " + str(nt.get("rc")) + ", torch imported: " + str(nt.get("torch_imported"))
+        if "error" not in nt
+        else nt["error"]
+    )
     print(f"   verify code path imports no torch: {'PASS' if nt['ok'] else 'MISS'}   ({detail})")
 
     print()
@@ -571,25 +613,39 @@ def print_report(R: dict) -> None:
     else:
         e = fp["eager"]["median"]
         gbps = lambda t: fp["nbytes"] / GB / t  # noqa: E731
-        print(f"3. FINGERPRINT THROUGHPUT, one core (torch threads = {fp['threads']}), one {fp['nbytes'] / MiB:.0f} MiB float32 tensor")
+        print(
+            f"3. FINGERPRINT THROUGHPUT, one core (torch threads = {fp['threads']}), one {fp['nbytes'] / MiB:.0f} MiB float32 tensor"
+        )
         cu = fp["cores_used"]
         print(f"   xxhash.xxh3_64_digest          {gbps(e['xxh3_64']):6.2f} GB/s   (reference)")
-        print(f"   certckpt.fingerprint, eager    {gbps(e['eager']):6.2f} GB/s   target {target_str('fp_eager_gbps')} GB/s   "
-              f"{judge('fp_eager_gbps', gbps(e['eager']))}   (cpu/wall {cu['eager']:.2f})")
+        print(
+            f"   certckpt.fingerprint, eager    {gbps(e['eager']):6.2f} GB/s   target {target_str('fp_eager_gbps')} GB/s   "
+            f"{judge('fp_eager_gbps', gbps(e['eager']))}   (cpu/wall {cu['eager']:.2f})"
+        )
         if fp["compile_active"]:
             c = fp["compiled"]["median"]
-            print(f"   certckpt.fingerprint, compiled {gbps(c['compiled']):6.2f} GB/s   target {target_str('fp_compiled_gbps')} GB/s   "
-                  f"{judge('fp_compiled_gbps', gbps(c['compiled']))}   (cpu/wall {cu['compiled']:.2f}; "
-                  f"same value as eager: {fp['compiled_matches_eager']}; xxh3_64 in those rounds {gbps(c['xxh3_64']):.2f} GB/s)")
-            print(f"   info: enable_compile() took {fp['compile_seconds']:.1f} s, first compiled call "
-                  f"{fp['compiled_first_call_seconds']:.2f} s (both excluded)")
+            print(
+                f"   certckpt.fingerprint, compiled {gbps(c['compiled']):6.2f} GB/s   target {target_str('fp_compiled_gbps')} GB/s   "
+                f"{judge('fp_compiled_gbps', gbps(c['compiled']))}   (cpu/wall {cu['compiled']:.2f}; "
+                f"same value as eager: {fp['compiled_matches_eager']}; xxh3_64 in those rounds {gbps(c['xxh3_64']):.2f} GB/s)"
+            )
+            print(
+                f"   info: enable_compile() took {fp['compile_seconds']:.1f} s, first compiled call "
+                f"{fp['compiled_first_call_seconds']:.2f} s (both excluded)"
+            )
         else:
-            print(f"   certckpt.fingerprint, compiled   n/a   target {target_str('fp_compiled_gbps')} GB/s   MISS   "
-                  f"(enable_compile() returned False: {'; '.join(fp['compile_warnings']) or 'no warning'})")
+            print(
+                f"   certckpt.fingerprint, compiled   n/a   target {target_str('fp_compiled_gbps')} GB/s   MISS   "
+                f"(enable_compile() returned False: {'; '.join(fp['compile_warnings']) or 'no warning'})"
+            )
 
     misses = R["misses"]
     print()
-    print(f"{len(misses)} target(s) missed" + (": " + ", ".join(misses) if misses else "") + f"; total {R['elapsed_s']:.0f} s")
+    print(
+        f"{len(misses)} target(s) missed"
+        + (": " + ", ".join(misses) if misses else "")
+        + f"; total {R['elapsed_s']:.0f} s"
+    )
 
 
 def collect_misses(R: dict) -> list[str]:
@@ -618,7 +674,10 @@ def collect_misses(R: dict) -> list[str]:
     else:
         if judge("fp_eager_gbps", fp["nbytes"] / GB / fp["eager"]["median"]["eager"]) != "PASS":
             out.append("eager fingerprint GB/s")
-        if not fp["compile_active"] or judge("fp_compiled_gbps", fp["nbytes"] / GB / fp["compiled"]["median"]["compiled"]) != "PASS":
+        if (
+            not fp["compile_active"]
+            or judge("fp_compiled_gbps", fp["nbytes"] / GB / fp["compiled"]["median"]["compiled"]) != "PASS"
+        ):
             out.append("compiled fingerprint GB/s")
     return out
 
@@ -653,8 +712,11 @@ def main() -> None:
         print(f"note: {trials} trials (fewer than 5)", file=sys.stderr)
     busy = others_busy_cores()
     if busy is not None and busy > 0.25:
-        print(f"warning: other processes keep {busy:.2f} cores busy; figures will be noisy "
-              "(torch's thread pool suffers most)", file=sys.stderr)
+        print(
+            f"warning: other processes keep {busy:.2f} cores busy; figures will be noisy "
+            "(torch's thread pool suffers most)",
+            file=sys.stderr,
+        )
     busy0, own0 = cpu_busy_seconds(), own_cpu_seconds()
     t_start = time.perf_counter()
     exe = console_script("certckpt")

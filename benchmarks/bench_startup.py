@@ -66,7 +66,9 @@ def main() -> None:
     args = ap.parse_args()
 
     cli = certckpt_exe()
-    help_t = best_of({"import click": [sys.executable, "-c", "import click"], "certckpt --help": [*cli, "--help"]}, args.runs)
+    help_t = best_of(
+        {"import click": [sys.executable, "-c", "import click"], "certckpt --help": [*cli, "--help"]}, args.runs
+    )
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "state.safetensors")
         nbytes = make_checkpoint(path, args.size_mb)
@@ -86,13 +88,17 @@ def main() -> None:
     s = result["seconds"]
     print(f"start-up, whole process, min of {args.runs} runs")
     print(f"  python -c 'import click'  {s['import click'] * 1000:7.1f} ms")
-    print(f"  certckpt --help           {s['certckpt --help'] * 1000:7.1f} ms   "
-          f"{result['help_over_import_click']:.2f}x import click (target <= 2x)")
+    print(
+        f"  certckpt --help           {s['certckpt --help'] * 1000:7.1f} ms   "
+        f"{result['help_over_import_click']:.2f}x import click (target <= 2x)"
+    )
     print(f"verify a {nbytes / 1e9:.2f} GB checkpoint, page cache warm, min of {args.runs} runs")
     print(f"  sha256sum                 {s['sha256sum'] * 1000:7.1f} ms")
-    print(f"  certckpt verify           {s['certckpt verify'] * 1000:7.1f} ms   "
-          f"{result['sha256sum_over_verify']:.1f}x faster than sha256sum (target >= 10x), "
-          f"{result['verify_gb_per_s']:.1f} GB/s")
+    print(
+        f"  certckpt verify           {s['certckpt verify'] * 1000:7.1f} ms   "
+        f"{result['sha256sum_over_verify']:.1f}x faster than sha256sum (target >= 10x), "
+        f"{result['verify_gb_per_s']:.1f} GB/s"
+    )
 
 
 if __name__ == "__main__":

@@ -19,7 +19,12 @@ from .common import EXIT_FAILED, EXIT_OK, Progress, echo_table, expected_errors,
 @click.command()
 @click.argument("location")
 @click.option("--deep", is_flag=True, help="Also recompute every tensor's device fingerprint (imports torch).")
-@click.option("--ledger", "ledger_url", default=None, help="Run store whose ledger certifies it: adds the verdict (exit 1 when suspect).")
+@click.option(
+    "--ledger",
+    "ledger_url",
+    default=None,
+    help="Run store whose ledger certifies it: adds the verdict (exit 1 when suspect).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON report.")
 @expected_errors
 def verify(location: str, deep: bool, ledger_url: str | None, as_json: bool) -> None:
@@ -46,7 +51,9 @@ def verify(location: str, deep: bool, ledger_url: str | None, as_json: bool) -> 
         if verdict is not None:
             click.echo(f"    verdict: {verdict['verdict']} ({verdict['ckpt_id']})")
     elif verdict is not None and not report.problems:
-        click.echo(f"SUSPECT  {location}  bytes verify, but {verdict['ckpt_id'] or 'it'} is certified suspect: {', '.join(verdict['reasons'])}")
+        click.echo(
+            f"SUSPECT  {location}  bytes verify, but {verdict['ckpt_id'] or 'it'} is certified suspect: {', '.join(verdict['reasons'])}"
+        )
     else:
         click.echo(f"FAILED  {location}")
         for p in report.problems:
@@ -72,7 +79,12 @@ def _ledger_verdict(location: str, ledger_url: str, report) -> dict:
             reasons = list(v.reasons)
             if not report.ok and "corrupt" not in reasons:
                 reasons.insert(0, "corrupt")
-            return {"ckpt_id": cid, "trusted": v.trusted and report.ok, "verdict": "trusted" if v.trusted and report.ok else "suspect", "reasons": reasons}
+            return {
+                "ckpt_id": cid,
+                "trusted": v.trusted and report.ok,
+                "verdict": "trusted" if v.trusted and report.ok else "suspect",
+                "reasons": reasons,
+            }
     return {"ckpt_id": None, "trusted": False, "verdict": "suspect", "reasons": ["uncommitted"]}
 
 
@@ -106,7 +118,9 @@ def inspect(location: str, as_json: bool) -> None:
         }
         click.echo(json.dumps(doc, indent=2))
         return
-    click.echo(f"{info.source}: certckpt schema {rec.schema}, {len(info.header.entries)} tensors, {human_bytes(info.nbytes)}")
+    click.echo(
+        f"{info.source}: certckpt schema {rec.schema}, {len(info.header.entries)} tensors, {human_bytes(info.nbytes)}"
+    )
     for label, value in (
         ("run", rec.run),
         ("branch", rec.branch),
@@ -120,6 +134,8 @@ def inspect(location: str, as_json: bool) -> None:
     ):
         if value is not None:
             click.echo(f"  {label:<16} {value}")
-    rows = [(e.name, e.dtype, "x".join(map(str, e.shape)) or "scalar", human_bytes(e.nbytes), rec.tensors[e.name]["fp"])
-            for e in info.header.entries]
+    rows = [
+        (e.name, e.dtype, "x".join(map(str, e.shape)) or "scalar", human_bytes(e.nbytes), rec.tensors[e.name]["fp"])
+        for e in info.header.entries
+    ]
     echo_table(("tensor", "dtype", "shape", "size", "fingerprint"), rows, indent="  ")

@@ -44,14 +44,19 @@ def run_demo(directory: str, *, echo: Callable[[str], None] = print, ranks: int 
     def stage(n: int, text: str) -> None:
         echo(f"\n[{n}/7] {text}  ({time.perf_counter() - t0:.0f} s)")
 
-    stage(1, f"training on {ranks} gloo ranks (CPU): audit every {s['audit_every']} steps, checkpoint every {s['ckpt_every']}; "
-             f"a persistent fault is planted on rank {s['fault_rank']} from step {s['fault_step']}")
+    stage(
+        1,
+        f"training on {ranks} gloo ranks (CPU): audit every {s['audit_every']} steps, checkpoint every {s['ckpt_every']}; "
+        f"a persistent fault is planted on rank {s['fault_rank']} from step {s['fault_step']}",
+    )
     res = run_ranks("certckpt.tools.demo:train_faulty", ranks, {"store": store, "schedule": s}, timeout=300)[0]
     if res["stopped_at"] is None:
         raise CertckptError("the planted fault was not detected; the demo expects the replay audit to catch it")
     iid = res["incident"]
-    echo(f"  step {res['stopped_at']}: the {res['kind']} check failed and named rank(s) {res['suspect_ranks']}; "
-         f"training stopped before applying the update; incident {iid} opened")
+    echo(
+        f"  step {res['stopped_at']}: the {res['kind']} check failed and named rank(s) {res['suspect_ranks']}; "
+        f"training stopped before applying the update; incident {iid} opened"
+    )
 
     stage(2, "verdicts (certckpt status)")
     st = certify_store(store)
@@ -62,8 +67,10 @@ def run_demo(directory: str, *, echo: Callable[[str], None] = print, ranks: int 
     inc = get_incident(store, iid)
     o = inc.opened
     c, d = o["suspect_interval"]
-    echo(f"  check {o['signature']['check']} at step {o['detected_step']}; suspect rank(s) {o['suspect_ranks']} on node(s) "
-         f"{', '.join(o['suspect_nodes']) or '?'}; tensors {', '.join(o['signature']['tensors'][:4])}")
+    echo(
+        f"  check {o['signature']['check']} at step {o['detected_step']}; suspect rank(s) {o['suspect_ranks']} on node(s) "
+        f"{', '.join(o['suspect_nodes']) or '?'}; tensors {', '.join(o['signature']['tensors'][:4])}"
+    )
     echo(f"  suspect steps ({c}, {d}]; made suspect: {', '.join(o['checkpoints']['made_suspect']) or 'none'}")
 
     stage(4, "latest-good: the newest trusted checkpoint before the suspect interval")
@@ -73,9 +80,15 @@ def run_demo(directory: str, *, echo: Callable[[str], None] = print, ranks: int 
     decide(store, iid, action="quarantine", by="demo", reason=f"rank {o['suspect_ranks']} named by the replay audit")
     decide(store, iid, action="rollback", by="demo", reason="restart from latest-good on a new branch", ckpt=good)
 
-    stage(5, f"rolling back: branch b2 resumes from {good} on healthy hardware (and a clean reference run for the drill)")
-    rec = run_ranks("certckpt.tools.demo:train_recovery", ranks, {"store": store, "schedule": s, "resume_from": good_url, "parent": good,
-                                                           "reference_out": reference}, timeout=300)[0]
+    stage(
+        5, f"rolling back: branch b2 resumes from {good} on healthy hardware (and a clean reference run for the drill)"
+    )
+    rec = run_ranks(
+        "certckpt.tools.demo:train_recovery",
+        ranks,
+        {"store": store, "schedule": s, "resume_from": good_url, "parent": good, "reference_out": reference},
+        timeout=300,
+    )[0]
     if rec["stopped_at"] is not None:
         raise CertckptError(f"the recovered branch failed a check at step {rec['stopped_at']}")
     st = certify_store(store)
@@ -91,9 +104,19 @@ def run_demo(directory: str, *, echo: Callable[[str], None] = print, ranks: int 
     drill = drill_restore(vault, model_factory=make_model, eval_fn=evaluate, reference=reference)
     for name, r in drill.stages.items():
         echo(f"  {name:<13} {'pass' if r['ok'] else 'FAIL' if r['ok'] is False else '-':<5} {r['detail']}")
-    echo(f"  drill {drill.outcome.upper()} on {drill.ckpt_id}; time to a usable model {drill.time_to_model_s or 0:.2f} s")
+    echo(
+        f"  drill {drill.outcome.upper()} on {drill.ckpt_id}; time to a usable model {drill.time_to_model_s or 0:.2f} s"
+    )
     if drill.passed:
-        decide(store, iid, action="close", by="demo", reason="restore drill passed against the clean reference", drill=drill.drill_id, vault=vault)
+        decide(
+            store,
+            iid,
+            action="close",
+            by="demo",
+            reason="restore drill passed against the clean reference",
+            drill=drill.drill_id,
+            vault=vault,
+        )
         promote(store, vault)  # the closing decision reaches the vault
     echo(f"  incident {iid}: {get_incident(store, iid).status}")
 
@@ -103,17 +126,41 @@ def run_demo(directory: str, *, echo: Callable[[str], None] = print, ranks: int 
     echo(f"  {picture}")
 
     echo(f"\ndone in {time.perf_counter() - t0:.0f} s. Everything is in {directory}/; try:")
-    for cmd in (f"certckpt status {store}", f"certckpt latest-good {store}", f"certckpt incident show {store} {iid}",
-                f"certckpt vault ls {vault}", f"certckpt verify --deep {good_url}",
-                f"certckpt plan --from {store} --keep 3", f"certckpt report {store} --out {os.path.join(directory, 'timeline.html')}"):
+    for cmd in (
+        f"certckpt status {store}",
+        f"certckpt latest-good {store}",
+        f"certckpt incident show {store} {iid}",
+        f"certckpt vault ls {vault}",
+        f"certckpt verify --deep {good_url}",
+        f"certckpt plan --from {store} --keep 3",
+        f"certckpt report {store} --out {os.path.join(directory, 'timeline.html')}",
+    ):
         echo(f"  {cmd}")
-    return {"store": store, "vault": vault, "incident": iid, "detected_step": res["stopped_at"], "suspect_ranks": res["suspect_ranks"],
-            "latest_good": good, "suspect_interval": [c, d], "final_latest_good": st.latest_good, "drill": drill.to_dict(),
-            "incident_status": get_incident(store, iid).status, "timeline": picture, "seconds": time.perf_counter() - t0}
+    return {
+        "store": store,
+        "vault": vault,
+        "incident": iid,
+        "detected_step": res["stopped_at"],
+        "suspect_ranks": res["suspect_ranks"],
+        "latest_good": good,
+        "suspect_interval": [c, d],
+        "final_latest_good": st.latest_good,
+        "drill": drill.to_dict(),
+        "incident_status": get_incident(store, iid).status,
+        "timeline": picture,
+        "seconds": time.perf_counter() - t0,
+    }
 
 
 @click.command(short_help="The whole story on CPU: a planted fault caught, rolled back, vaulted, drilled.")
-@click.option("--dir", "directory", default="certckpt-demo", show_default=True, type=click.Path(file_okay=False), help="Where to leave every artefact (must be new or empty).")
+@click.option(
+    "--dir",
+    "directory",
+    default="certckpt-demo",
+    show_default=True,
+    type=click.Path(file_okay=False),
+    help="Where to leave every artefact (must be new or empty).",
+)
 @expected_errors
 def demo(directory: str) -> None:
     """The whole story in under 3 minutes on CPU: 3 gloo ranks, a planted fault caught, verdicts,

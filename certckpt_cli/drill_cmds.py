@@ -17,10 +17,26 @@ def drill() -> None:
 
 
 @drill.command("faults")
-@click.option("--ranks", default=3, show_default=True, type=click.IntRange(1, 8), help="gloo ranks on this machine (CPU).")
-@click.option("--audit-every", default=10, show_default=True, type=click.IntRange(2, 1000), help="K: replay-audit interval.")
-@click.option("--ckpt-every", default=5, show_default=True, type=click.IntRange(1, 1000), help="checkpoint interval (a consensus step).")
-@click.option("--dir", "directory", default=None, type=click.Path(file_okay=False), help="Keep each case's run store (checkpoints and events) here.")
+@click.option(
+    "--ranks", default=3, show_default=True, type=click.IntRange(1, 8), help="gloo ranks on this machine (CPU)."
+)
+@click.option(
+    "--audit-every", default=10, show_default=True, type=click.IntRange(2, 1000), help="K: replay-audit interval."
+)
+@click.option(
+    "--ckpt-every",
+    default=5,
+    show_default=True,
+    type=click.IntRange(1, 1000),
+    help="checkpoint interval (a consensus step).",
+)
+@click.option(
+    "--dir",
+    "directory",
+    default=None,
+    type=click.Path(file_okay=False),
+    help="Keep each case's run store (checkpoints and events) here.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the matrix as JSON.")
 @expected_errors
 def drill_faults(ranks: int, audit_every: int, ckpt_every: int, directory: str | None, as_json: bool) -> None:
@@ -31,7 +47,10 @@ def drill_faults(ranks: int, audit_every: int, ckpt_every: int, directory: str |
     from certckpt.detect.drill import run_matrix
 
     if not as_json:
-        click.echo(f"running 12 fault cases on {ranks} gloo ranks (audit every {audit_every}, checkpoint every {ckpt_every})...", err=True)
+        click.echo(
+            f"running 12 fault cases on {ranks} gloo ranks (audit every {audit_every}, checkpoint every {ckpt_every})...",
+            err=True,
+        )
     matrix = run_matrix(ranks=ranks, audit_every=audit_every, ckpt_every=ckpt_every, directory=directory)
     as_designed = all(
         (c["caught_by"], c["detected_step"]) == (c["expected"]["caught_by"], c["expected"]["detected_step"])
@@ -45,17 +64,25 @@ def drill_faults(ranks: int, audit_every: int, ckpt_every: int, directory: str |
         rows = []
         for c in matrix["cases"]:
             ok = (c["caught_by"], c["detected_step"]) == (c["expected"]["caught_by"], c["expected"]["detected_step"])
-            rows.append((
-                c["fault"], c["timing"], str(c["rank"]), str(c["injected_step"]),
-                c["caught_by"] or "ESCAPED", "-" if c["detected_step"] is None else str(c["detected_step"]),
-                ",".join(map(str, c["suspect_ranks"])) or "-",
-                "-" if c["updates_before_detection"] is None else str(c["updates_before_detection"]),
-                "yes" if ok else "NO",
-            ))
+            rows.append(
+                (
+                    c["fault"],
+                    c["timing"],
+                    str(c["rank"]),
+                    str(c["injected_step"]),
+                    c["caught_by"] or "ESCAPED",
+                    "-" if c["detected_step"] is None else str(c["detected_step"]),
+                    ",".join(map(str, c["suspect_ranks"])) or "-",
+                    "-" if c["updates_before_detection"] is None else str(c["updates_before_detection"]),
+                    "yes" if ok else "NO",
+                )
+            )
         echo_table(head, rows)
         escapes = [c for c in matrix["cases"] if c["caught_by"] is None]
         if escapes:
-            click.echo(f"{len(escapes)} escape(s): a one-time finite fault between audits is averaged into every replica; no later check can see it.")
+            click.echo(
+                f"{len(escapes)} escape(s): a one-time finite fault between audits is averaged into every replica; no later check can see it."
+            )
         notes = {n for c in matrix["cases"] for n in c["notes"]}
         for n in sorted(notes):
             click.echo(f"note: {n}")
@@ -67,16 +94,35 @@ def drill_faults(ranks: int, audit_every: int, ckpt_every: int, directory: str |
 @drill.command("restore")
 @click.argument("vault_url")
 @click.option("--model", "model_spec", required=True, help="module:callable building a fresh model.")
-@click.option("--eval", "eval_spec", required=True, help="module:callable(model) returning a number or {metric: number}.")
-@click.option("--reference", type=click.Path(exists=True, dir_okay=False), default=None, help="Metrics of a clean reference run (JSON).")
+@click.option(
+    "--eval", "eval_spec", required=True, help="module:callable(model) returning a number or {metric: number}."
+)
+@click.option(
+    "--reference",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="Metrics of a clean reference run (JSON).",
+)
 @click.option("--rtol", type=float, default=1e-5, show_default=True, help="Relative tolerance for the metrics.")
 @click.option("--atol", type=float, default=1e-8, show_default=True, help="Absolute tolerance for the metrics.")
 @click.option("--key", default=None, help="Checkpoint entry holding the state dict (default: 'model' when present).")
-@click.option("--scratch", type=click.Path(file_okay=False), default=None, help="Restore here and keep it (default: a temporary directory).")
-@click.option("--save-metrics", type=click.Path(dir_okay=False), default=None, help="Write this drill's metrics as a reference file.")
+@click.option(
+    "--scratch",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Restore here and keep it (default: a temporary directory).",
+)
+@click.option(
+    "--save-metrics",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Write this drill's metrics as a reference file.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @expected_errors
-def drill_restore_cmd(vault_url, model_spec, eval_spec, reference, rtol, atol, key, scratch, save_metrics, as_json) -> None:
+def drill_restore_cmd(
+    vault_url, model_spec, eval_spec, reference, rtol, atol, key, scratch, save_metrics, as_json
+) -> None:
     """Restore latest-good from VAULT_URL and prove it: bytes, fingerprints, load, metrics.
 
     Exit 0 when all four pass; 1 when a stage fails or there is no reference to compare with.
@@ -84,16 +130,27 @@ def drill_restore_cmd(vault_url, model_spec, eval_spec, reference, rtol, atol, k
     """
     from certckpt.vault.drill import drill_restore, load_callable
 
-    result = drill_restore(vault_url, model_factory=load_callable(model_spec), eval_fn=load_callable(eval_spec),
-                           reference=reference, rtol=rtol, atol=atol, key=key, scratch=scratch,
-                           progress=Progress(f"restoring latest-good of {vault_url}", threshold=COPY_PROGRESS))
+    result = drill_restore(
+        vault_url,
+        model_factory=load_callable(model_spec),
+        eval_fn=load_callable(eval_spec),
+        reference=reference,
+        rtol=rtol,
+        atol=atol,
+        key=key,
+        scratch=scratch,
+        progress=Progress(f"restoring latest-good of {vault_url}", threshold=COPY_PROGRESS),
+    )
     if save_metrics and result.metrics and result.step is not None:
         with open(save_metrics, "w", encoding="utf-8") as f:
             json.dump({str(result.step): result.metrics}, f, indent=2)
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2))
     else:
-        click.echo(f"restore drill of {vault_url}: {result.ckpt_id or 'no checkpoint'}" + (f" (step {result.step})" if result.step is not None else ""))
+        click.echo(
+            f"restore drill of {vault_url}: {result.ckpt_id or 'no checkpoint'}"
+            + (f" (step {result.step})" if result.step is not None else "")
+        )
         for stage, st in result.stages.items():
             mark = {True: "pass", False: "FAIL", None: "-"}[st["ok"]]
             click.echo(f"  {stage:<13} {mark:<5} {st['detail']}")
@@ -101,5 +158,12 @@ def drill_restore_cmd(vault_url, model_spec, eval_spec, reference, rtol, atol, k
             click.echo("  values        " + ", ".join(f"{k}={v:.6g}" for k, v in sorted(result.metrics.items())))
         if result.time_to_model_s is not None:
             click.echo(f"  time to a usable restored model: {result.time_to_model_s:.2f} s")
-        click.echo(f"outcome: {result.outcome.upper()}" + (f" (recorded as drill {result.drill_id})" if result.recorded else " (could not record it in the vault's ledger)"))
+        click.echo(
+            f"outcome: {result.outcome.upper()}"
+            + (
+                f" (recorded as drill {result.drill_id})"
+                if result.recorded
+                else " (could not record it in the vault's ledger)"
+            )
+        )
     sys.exit(EXIT_OK if result.passed else EXIT_FAILED)

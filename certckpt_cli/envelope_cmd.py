@@ -15,26 +15,95 @@ from certckpt.errors import ConfigurationError
 from .common import EXIT_FAILED, EXIT_OK, EXIT_UNVERIFIABLE, OneLineUsage, expected_errors, fail
 
 
-@click.command("envelope", short_help="Measure the auditor's per-step premium over plain DDP, and gate on it.", cls=OneLineUsage)
-@click.option("--seq-lens", default=None, metavar="L,L,...", help="Sequence lengths [default: 128,512,2048; --quick: 64,256].")
-@click.option("--micro-batches", default=None, metavar="B,B,...", help="Sequences per rank per step [default: 1,4,16; --quick: 1,4].")
+@click.command(
+    "envelope", short_help="Measure the auditor's per-step premium over plain DDP, and gate on it.", cls=OneLineUsage
+)
+@click.option(
+    "--seq-lens", default=None, metavar="L,L,...", help="Sequence lengths [default: 128,512,2048; --quick: 64,256]."
+)
+@click.option(
+    "--micro-batches",
+    default=None,
+    metavar="B,B,...",
+    help="Sequences per rank per step [default: 1,4,16; --quick: 1,4].",
+)
 @click.option("--audit-every", default=None, metavar="K,K,...", help="Audit intervals, each >= 2 [default: 10,100].")
-@click.option("--ranks", default=3, show_default=True, type=click.IntRange(1, 64), help="Processes (one per rank, on this machine).")
-@click.option("--model", default="tiny-transformer", show_default=True,
-              help="tiny-transformer, or MODULE:FACTORY where FACTORY() returns (model, batch_fn, loss_fn).")
-@click.option("--max-premium", default=0.05, show_default=True, type=float, help="Largest acceptable premium, a fraction (0.05 = 5%).")
-@click.option("--steps", default=None, type=click.IntRange(1), help="Timed trials per shape, at least [default: 5; --quick: 10].")
-@click.option("--seconds-per-shape", default=None, type=click.FloatRange(0),
-              help="Keep adding trials (up to 200) while a shape has used less than this [default: 30; --quick: 15].")
-@click.option("--quick", is_flag=True, help="A small sweep (seq 64,256 x mb 1,4 x K 10,100; under 2 minutes on 2 cores).")
-@click.option("--mode", default="deterministic", show_default=True, type=click.Choice(["deterministic", "tolerance"]),
-              help="Auditor mode (deterministic: torch.use_deterministic_algorithms(True), bit-exact replay).")
-@click.option("--backend", default="gloo", show_default=True, type=click.Choice(["gloo", "nccl"]), help="DDP backend (nccl needs --device cuda, one GPU per rank).")
-@click.option("--device", default="cpu", show_default=True, type=click.Choice(["cpu", "cuda"]), help="Where the model runs.")
-@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON (the file `certckpt plan --from` reads).")
-@click.option("--plot", "plot_path", default=None, type=click.Path(dir_okay=False), help="Also draw premium against K to this .png (needs matplotlib).")
+@click.option(
+    "--ranks",
+    default=3,
+    show_default=True,
+    type=click.IntRange(1, 64),
+    help="Processes (one per rank, on this machine).",
+)
+@click.option(
+    "--model",
+    default="tiny-transformer",
+    show_default=True,
+    help="tiny-transformer, or MODULE:FACTORY where FACTORY() returns (model, batch_fn, loss_fn).",
+)
+@click.option(
+    "--max-premium",
+    default=0.05,
+    show_default=True,
+    type=float,
+    help="Largest acceptable premium, a fraction (0.05 = 5%).",
+)
+@click.option(
+    "--steps", default=None, type=click.IntRange(1), help="Timed trials per shape, at least [default: 5; --quick: 10]."
+)
+@click.option(
+    "--seconds-per-shape",
+    default=None,
+    type=click.FloatRange(0),
+    help="Keep adding trials (up to 200) while a shape has used less than this [default: 30; --quick: 15].",
+)
+@click.option(
+    "--quick", is_flag=True, help="A small sweep (seq 64,256 x mb 1,4 x K 10,100; under 2 minutes on 2 cores)."
+)
+@click.option(
+    "--mode",
+    default="deterministic",
+    show_default=True,
+    type=click.Choice(["deterministic", "tolerance"]),
+    help="Auditor mode (deterministic: torch.use_deterministic_algorithms(True), bit-exact replay).",
+)
+@click.option(
+    "--backend",
+    default="gloo",
+    show_default=True,
+    type=click.Choice(["gloo", "nccl"]),
+    help="DDP backend (nccl needs --device cuda, one GPU per rank).",
+)
+@click.option(
+    "--device", default="cpu", show_default=True, type=click.Choice(["cpu", "cuda"]), help="Where the model runs."
+)
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print the report as JSON (the file `certckpt plan --from` reads)."
+)
+@click.option(
+    "--plot",
+    "plot_path",
+    default=None,
+    type=click.Path(dir_okay=False),
+    help="Also draw premium against K to this .png (needs matplotlib).",
+)
 @expected_errors
-def envelope(seq_lens, micro_batches, audit_every, ranks, model, max_premium, steps, seconds_per_shape, quick, mode, backend, device, as_json, plot_path) -> None:
+def envelope(
+    seq_lens,
+    micro_batches,
+    audit_every,
+    ranks,
+    model,
+    max_premium,
+    steps,
+    seconds_per_shape,
+    quick,
+    mode,
+    backend,
+    device,
+    as_json,
+    plot_path,
+) -> None:
     """Measure the auditor's per-step premium over plain DDP for every (sequence length, micro-batch,
     audit interval K) combination, on real DDP processes, and gate on --max-premium.
 
@@ -71,14 +140,25 @@ def envelope(seq_lens, micro_batches, audit_every, ranks, model, max_premium, st
         require_matplotlib()
     spec, extra = resolve_model(model)
     config = EnvelopeConfig(
-        seq_lens=seq, micro_batches=mbs, audit_every=ks, ranks=ranks, model=spec, max_premium=max_premium,
+        seq_lens=seq,
+        micro_batches=mbs,
+        audit_every=ks,
+        ranks=ranks,
+        model=spec,
+        max_premium=max_premium,
         steps=steps if steps is not None else preset["steps"],
         min_shape_s=seconds_per_shape if seconds_per_shape is not None else preset["min_shape_s"],
-        mode=mode, backend=backend, device=device, extra_path=extra,
+        mode=mode,
+        backend=backend,
+        device=device,
+        extra_path=extra,
     )
     n = len(config.shapes) * len(ks)
-    click.echo(f"envelope: {n} combination(s) ({len(seq)} seq len x {len(mbs)} micro-batch x {len(ks)} K) on {ranks} "
-               f"{backend} rank(s), model {spec}...", err=True)
+    click.echo(
+        f"envelope: {n} combination(s) ({len(seq)} seq len x {len(mbs)} micro-batch x {len(ks)} K) on {ranks} "
+        f"{backend} rank(s), model {spec}...",
+        err=True,
+    )
 
     from certckpt.errors import RanksFailedError
 
@@ -94,6 +174,9 @@ def envelope(seq_lens, micro_batches, audit_every, ranks, model, max_premium, st
     else:
         click.echo(format_table(report))
     for c in report["over_budget"]:
-        click.echo(f"certckpt: over budget: seq {c['seq_len']} x mb {c['micro_batch']}, K {c['audit_every']}: "
-                   f"premium {c['premium']:+.1%} > {max_premium:.1%}", err=True)
+        click.echo(
+            f"certckpt: over budget: seq {c['seq_len']} x mb {c['micro_batch']}, K {c['audit_every']}: "
+            f"premium {c['premium']:+.1%} > {max_premium:.1%}",
+            err=True,
+        )
     sys.exit(EXIT_FAILED if report["over_budget"] else EXIT_OK)

@@ -36,8 +36,18 @@ def incident_ls(store: str, as_json: bool) -> None:
     rows = []
     for i in incs:
         o = i.opened
-        rows.append((i.incident_id, i.status, o["branch"], str(o["detected_step"]), o["signature"]["check"],
-                     ",".join(map(str, o["suspect_ranks"])) or "-", ",".join(o.get("suspect_nodes", [])) or "-", i.rollback_to or "-"))
+        rows.append(
+            (
+                i.incident_id,
+                i.status,
+                o["branch"],
+                str(o["detected_step"]),
+                o["signature"]["check"],
+                ",".join(map(str, o["suspect_ranks"])) or "-",
+                ",".join(o.get("suspect_nodes", [])) or "-",
+                i.rollback_to or "-",
+            )
+        )
     echo_table(("incident", "status", "branch", "step", "check", "ranks", "nodes", "rollback to"), rows)
 
 
@@ -78,7 +88,9 @@ def incident_show(store: str, incident_id: str, as_json: bool) -> None:
     for d in i.decisions:
         extra = " ".join(f"{k}={d[k]}" for k in ("ckpt", "approves", "drill") if d.get(k))
         nodes = f" nodes={','.join(d['nodes'])}" if d.get("nodes") else ""
-        click.echo(f"  decision        {d['action']} by {d['by']}: {d['reason']}{(' ' + extra) if extra else ''}{nodes}  [{d['decision_id']}]")
+        click.echo(
+            f"  decision        {d['action']} by {d['by']}: {d['reason']}{(' ' + extra) if extra else ''}{nodes}  [{d['decision_id']}]"
+        )
     for d in i.pending_approvals():
         click.echo(f"  awaiting approval: {d['decision_id']}")
 
@@ -86,13 +98,23 @@ def incident_show(store: str, incident_id: str, as_json: bool) -> None:
 @incident.command("decide")
 @click.argument("store")
 @click.argument("incident_id")
-@click.option("--action", required=True, type=click.Choice(["quarantine", "rollback", "replace", "return-to-service", "approve", "resolve", "close"]))
+@click.option(
+    "--action",
+    required=True,
+    type=click.Choice(["quarantine", "rollback", "replace", "return-to-service", "approve", "resolve", "close"]),
+)
 @click.option("--by", required=True, help="Who decides.")
 @click.option("--reason", required=True, help="Why.")
 @click.option("--ckpt", default=None, help="rollback: the trusted checkpoint training restarts from.")
-@click.option("--node", default=None, help="quarantine/replace/return-to-service: the node (default: the suspect nodes).")
+@click.option(
+    "--node", default=None, help="quarantine/replace/return-to-service: the node (default: the suspect nodes)."
+)
 @click.option("--approves", default=None, help="approve: the decision id approved (someone other than its proposer).")
-@click.option("--drill", default=None, help="close: the passing restore drill's id (printed by `certckpt drill restore`), or 'latest'.")
+@click.option(
+    "--drill",
+    default=None,
+    help="close: the passing restore drill's id (printed by `certckpt drill restore`), or 'latest'.",
+)
 @click.option("--vault", default=None, help="close: the vault where the drill was recorded.")
 @click.option("--json", "as_json", is_flag=True, help="Print the record as JSON.")
 @expected_errors
@@ -106,7 +128,18 @@ def incident_decide(store, incident_id, action, by, reason, ckpt, node, approves
     from certckpt.trust.runstore import decide
 
     try:
-        doc = decide(store, incident_id, action=action, by=by, reason=reason, ckpt=ckpt, node=node, approves=approves, drill=drill, vault=vault)
+        doc = decide(
+            store,
+            incident_id,
+            action=action,
+            by=by,
+            reason=reason,
+            ckpt=ckpt,
+            node=node,
+            approves=approves,
+            drill=drill,
+            vault=vault,
+        )
     except IncidentError as e:
         click.echo(f"certckpt: refused: {e}", err=True)
         sys.exit(EXIT_FAILED)

@@ -16,9 +16,24 @@ from .common import EXIT_FAILED, EXIT_OK, echo_table, expected_errors
 _COST_OPTIONS = (
     ("--step-time", "step_time", click.FloatRange(0, min_open=True), "S: seconds per optimizer step"),
     ("--gpus", "gpus", click.IntRange(1), "G: GPUs the job holds"),
-    ("--gpu-hour-cost", "gpu_hour_cost", click.FloatRange(0), "P: price of a GPU-hour (every cost is in this currency)"),
-    ("--audit-overhead", "audit_overhead", click.FloatRange(0), "X: audits' extra compute, fraction of training compute"),
-    ("--false-positive-rate", "false_positive_rate", click.FloatRange(0, 1), "F: probability that one audit fails without a fault"),
+    (
+        "--gpu-hour-cost",
+        "gpu_hour_cost",
+        click.FloatRange(0),
+        "P: price of a GPU-hour (every cost is in this currency)",
+    ),
+    (
+        "--audit-overhead",
+        "audit_overhead",
+        click.FloatRange(0),
+        "X: audits' extra compute, fraction of training compute",
+    ),
+    (
+        "--false-positive-rate",
+        "false_positive_rate",
+        click.FloatRange(0, 1),
+        "F: probability that one audit fails without a fault",
+    ),
     ("--investigation-cost", "investigation_cost", click.FloatRange(0), "I: cost of investigating one failed audit"),
     ("--defect-cost", "defect_cost", click.FloatRange(0), "D: cost of shipping a model an undetected fault damaged"),
     ("--fault-rate", "fault_rate", click.FloatRange(0), "R: silent data corruptions per GPU-hour"),
@@ -41,15 +56,27 @@ _LABELS = {
     "transient_fraction": "transient fraction (T)",
     "run_steps": "run steps (STEPS)",
 }
-_SYMBOLS = {"step_time": "S", "gpus": "G", "gpu_hour_cost": "P", "audit_overhead": "X", "false_positive_rate": "F",
-            "investigation_cost": "I", "defect_cost": "D", "fault_rate": "R", "transient_fraction": "T", "run_steps": "STEPS"}
+_SYMBOLS = {
+    "step_time": "S",
+    "gpus": "G",
+    "gpu_hour_cost": "P",
+    "audit_overhead": "X",
+    "false_positive_rate": "F",
+    "investigation_cost": "I",
+    "defect_cost": "D",
+    "fault_rate": "R",
+    "transient_fraction": "T",
+    "run_steps": "STEPS",
+}
 
 
 def _cost_options(fn):
     from certckpt.ops.planner import DEFAULT_COSTS  # pure stdlib module: cheap
 
     for flag, name, kind, text in reversed(_COST_OPTIONS):
-        fn = click.option(flag, name, type=kind, default=None, help=f"{text} [default: {_num(getattr(DEFAULT_COSTS, name))}]")(fn)
+        fn = click.option(
+            flag, name, type=kind, default=None, help=f"{text} [default: {_num(getattr(DEFAULT_COSTS, name))}]"
+        )(fn)
     return fn
 
 
@@ -67,12 +94,23 @@ def _source(inp) -> str:
 
 
 @click.command("plan")
-@click.option("--audit-every", "audit_every", type=click.IntRange(1), default=None, help="K: full-audit interval in steps.")
-@click.option("--ckpt-every", "ckpt_every", type=click.IntRange(1), default=None, help="C: checkpoint interval in steps.")
-@click.option("--keep", "keep", type=click.IntRange(0), default=None, help="N: newest checkpoints kept on node storage.")
+@click.option(
+    "--audit-every", "audit_every", type=click.IntRange(1), default=None, help="K: full-audit interval in steps."
+)
+@click.option(
+    "--ckpt-every", "ckpt_every", type=click.IntRange(1), default=None, help="C: checkpoint interval in steps."
+)
+@click.option(
+    "--keep", "keep", type=click.IntRange(0), default=None, help="N: newest checkpoints kept on node storage."
+)
 @_cost_options
-@click.option("--from", "sources", multiple=True, metavar="URL",
-              help="Read K, C, N from a run store's ledger, or X from an envelope report (.json); repeatable. Flags override.")
+@click.option(
+    "--from",
+    "sources",
+    multiple=True,
+    metavar="URL",
+    help="Read K, C, N from a run store's ledger, or X from an envelope report (.json); repeatable. Flags override.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON report.")
 @expected_errors
 def plan_cmd(sources: tuple[str, ...], as_json: bool, **flags) -> None:
@@ -103,13 +141,17 @@ def _print(inputs, p) -> None:
     k, c, n = p.audit_every, p.ckpt_every, p.keep
     click.echo(f"policy: audit every {k} steps, checkpoint every {c}, keep {n}")
     click.echo("")
-    echo_table(("input", "value", "source"), [(_LABELS[name], _num(inp.value), _source(inp)) for name, inp in inputs.items()])
+    echo_table(
+        ("input", "value", "source"), [(_LABELS[name], _num(inp.value), _source(inp)) for name, inp in inputs.items()]
+    )
 
     d = p.detection
     click.echo("")
     click.echo("detection")
-    click.echo(f"  a persistent fault is caught by the next replay audit: at most {d.max_contaminated_updates} update(s) "
-               f"contaminated (mean {_num(d.mean_contaminated_updates)}), suspect interval {d.suspect_interval_updates} update(s)")
+    click.echo(
+        f"  a persistent fault is caught by the next replay audit: at most {d.max_contaminated_updates} update(s) "
+        f"contaminated (mean {_num(d.mean_contaminated_updates)}), suspect interval {d.suspect_interval_updates} update(s)"
+    )
     click.echo(f"  a one-time fault escapes on {d.transient_escape_fraction:.0%} of steps (those no audit replays)")
 
     r = p.rollback
@@ -128,15 +170,19 @@ def _print(inputs, p) -> None:
     t = p.retention
     click.echo("")
     click.echo("retention")
-    click.echo(f"  keep {t.keep} newest; a detected fault needs up to {t.needed} on node storage (the rollback target and "
-               f"{t.needed - 1} written after it); keeps known-good: {'yes' if t.keeps_known_good else 'NO'}"
-               + ("" if t.keeps_known_good else f" (keep at least {t.smallest_keep})"))
+    click.echo(
+        f"  keep {t.keep} newest; a detected fault needs up to {t.needed} on node storage (the rollback target and "
+        f"{t.needed - 1} written after it); keeps known-good: {'yes' if t.keeps_known_good else 'NO'}"
+        + ("" if t.keeps_known_good else f" (keep at least {t.smallest_keep})")
+    )
 
     cost = p.cost
     click.echo("")
     defaulted = [_SYMBOLS[name] for name, inp in inputs.items() if inp.source == "default"]
-    click.echo(f"expected cost of one run of {p.costs.run_steps} steps ({_num(cost.gpu_hours)} GPU-hours, "
-               f"{_num(cost.expected_faults)} expected faults), in the currency of P")
+    click.echo(
+        f"expected cost of one run of {p.costs.run_steps} steps ({_num(cost.gpu_hours)} GPU-hours, "
+        f"{_num(cost.expected_faults)} expected faults), in the currency of P"
+    )
     rows = [(name.replace("_", " "), _num(v)) for name, v in cost.components.items()]
     rows += [("total", _num(cost.total)), ("per 1000 steps", _num(cost.per_1000_steps))]
     echo_table(("component", "cost"), rows)

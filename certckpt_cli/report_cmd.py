@@ -11,8 +11,13 @@ from .common import expected_errors
 
 @click.command("report", short_help="Draw the timeline of STORE: branches, verdicts, audits, detections, latest-good.")
 @click.argument("store")
-@click.option("--out", "out", required=True, type=click.Path(dir_okay=False),
-              help="Where to write the report: .png, .svg, or .html (the picture plus tables of verdicts and detections).")
+@click.option(
+    "--out",
+    "out",
+    required=True,
+    type=click.Path(dir_okay=False),
+    help="Where to write the report: .png, .svg, or .html (the picture plus tables of verdicts and detections).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Also print the timeline as JSON on stdout.")
 @click.option("--force", is_flag=True, help="Overwrite --out if it exists.")
 @expected_errors

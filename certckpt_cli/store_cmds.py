@@ -31,25 +31,44 @@ def latest_good(store: str, as_json: bool, no_verify: bool) -> None:
     if chosen is None:
         n = len(status.snapshot.checkpoints)
         if n == 0:
-            reason = "no committed checkpoint in this store" + (f" ({len(status.uncommitted)} uncommitted file(s) ignored)" if status.uncommitted else "")
+            reason = "no committed checkpoint in this store" + (
+                f" ({len(status.uncommitted)} uncommitted file(s) ignored)" if status.uncommitted else ""
+            )
         else:
             counts: dict[str, int] = {}
             for v in status.certification.verdicts.values():
                 for r in v.reasons:
                     counts[r] = counts.get(r, 0) + 1
-            reason = f"none of {n} committed checkpoints is trusted (" + ", ".join(f"{k}: {c}" for k, c in sorted(counts.items())) + ")"
+            reason = (
+                f"none of {n} committed checkpoints is trusted ("
+                + ", ".join(f"{k}: {c}" for k, c in sorted(counts.items()))
+                + ")"
+            )
         if as_json:
-            click.echo(json.dumps({"url": None, "ckpt_id": None, "reason": reason, "suspect_intervals": intervals}, indent=2))
+            click.echo(
+                json.dumps({"url": None, "ckpt_id": None, "reason": reason, "suspect_intervals": intervals}, indent=2)
+            )
         else:
             click.echo(f"certckpt: {reason}", err=True)
         sys.exit(EXIT_FAILED)
     entry = status.entry(chosen)
     if as_json:
         rec = status.snapshot.records[chosen]
-        click.echo(json.dumps({
-            "url": entry.url, "ckpt_id": chosen, "run": rec.get("run"), "branch": entry.branch, "step": entry.step,
-            "verdict": "trusted", "verified": not no_verify, "suspect_intervals": intervals,
-        }, indent=2))
+        click.echo(
+            json.dumps(
+                {
+                    "url": entry.url,
+                    "ckpt_id": chosen,
+                    "run": rec.get("run"),
+                    "branch": entry.branch,
+                    "step": entry.step,
+                    "verdict": "trusted",
+                    "verified": not no_verify,
+                    "suspect_intervals": intervals,
+                },
+                indent=2,
+            )
+        )
     else:
         click.echo(entry.url)
 
@@ -65,19 +84,43 @@ def status(store: str, verify_bytes: bool, as_json: bool) -> None:
     cert = st.certification
     rows = sorted(st.snapshot.checkpoints, key=lambda c: (c.branch, c.step))
     if as_json:
-        click.echo(json.dumps({
-            "store": store,
-            "latest_good": st.latest_good,
-            "checkpoints": [{"ckpt_id": c.ckpt_id, "branch": c.branch, "step": c.step, "url": c.url, "parent": c.parent,
-                             "verdict": cert.verdicts[c.ckpt_id].label, "reasons": list(cert.verdicts[c.ckpt_id].reasons),
-                            "held": st.snapshot.available(c.ckpt_id)} for c in rows],
-            "detections": [{"branch": d.branch, "step": d.step, "kind": d.kind, "suspect_ranks": list(d.suspect_ranks),
-                            "contained": d.contained, "last_clean": d.last_clean,
-                            "suspect_interval": list(d.interval) if d.interval else None, "rollback_window": d.rollback_window}
-                           for d in cert.detections],
-            "uncommitted": st.uncommitted,
-            "problems": st.problems,
-        }, indent=2))
+        click.echo(
+            json.dumps(
+                {
+                    "store": store,
+                    "latest_good": st.latest_good,
+                    "checkpoints": [
+                        {
+                            "ckpt_id": c.ckpt_id,
+                            "branch": c.branch,
+                            "step": c.step,
+                            "url": c.url,
+                            "parent": c.parent,
+                            "verdict": cert.verdicts[c.ckpt_id].label,
+                            "reasons": list(cert.verdicts[c.ckpt_id].reasons),
+                            "held": st.snapshot.available(c.ckpt_id),
+                        }
+                        for c in rows
+                    ],
+                    "detections": [
+                        {
+                            "branch": d.branch,
+                            "step": d.step,
+                            "kind": d.kind,
+                            "suspect_ranks": list(d.suspect_ranks),
+                            "contained": d.contained,
+                            "last_clean": d.last_clean,
+                            "suspect_interval": list(d.interval) if d.interval else None,
+                            "rollback_window": d.rollback_window,
+                        }
+                        for d in cert.detections
+                    ],
+                    "uncommitted": st.uncommitted,
+                    "problems": st.problems,
+                },
+                indent=2,
+            )
+        )
         return
     for line in status_lines(st):
         click.echo(line)
@@ -90,9 +133,21 @@ def status_lines(st: StoreStatus) -> list[str]:
     out: list[str] = []
     head = ("checkpoint", "branch", "step", "verdict", "reasons")
     gone = "pruned" if not st.snapshot.is_vault else "not held here"
-    table = [(c.ckpt_id + (" *" if c.ckpt_id == st.latest_good else ""), c.branch, str(c.step),
-              cert.verdicts[c.ckpt_id].label + ("" if st.snapshot.available(c.ckpt_id) else f" ({'pruned' if c.ckpt_id in st.snapshot.retired else gone})"),
-              ", ".join(cert.verdicts[c.ckpt_id].reasons) or "-") for c in rows]
+    table = [
+        (
+            c.ckpt_id + (" *" if c.ckpt_id == st.latest_good else ""),
+            c.branch,
+            str(c.step),
+            cert.verdicts[c.ckpt_id].label
+            + (
+                ""
+                if st.snapshot.available(c.ckpt_id)
+                else f" ({'pruned' if c.ckpt_id in st.snapshot.retired else gone})"
+            ),
+            ", ".join(cert.verdicts[c.ckpt_id].reasons) or "-",
+        )
+        for c in rows
+    ]
     if table:
         out.extend(table_lines(head, table))
         out.append(f"* latest-good: {st.latest_good}" if st.latest_good else "no trusted checkpoint")
@@ -101,7 +156,9 @@ def status_lines(st: StoreStatus) -> list[str]:
     for d in cert.detections:
         where = f"step {d.step} on {d.branch}: {d.kind} failed, suspect rank(s) {list(d.suspect_ranks) or 'unknown'}"
         if d.interval:
-            out.append(f"detection: {where}; suspect interval ({d.interval[0]}, {d.interval[1]}], rollback window {d.rollback_window} updates")
+            out.append(
+                f"detection: {where}; suspect interval ({d.interval[0]}, {d.interval[1]}], rollback window {d.rollback_window} updates"
+            )
         else:
             out.append(f"detection: {where}; contained (the update never reached the weights)")
     out.extend(f"uncommitted (ignored): {u}" for u in st.uncommitted)

@@ -35,21 +35,45 @@ def _rate(nbytes: int, seconds: float) -> str:
 @vault.command("promote")
 @click.argument("run_url")
 @click.argument("vault_url")
-@click.option("--ckpt", "ckpts", multiple=True, help="Promote this checkpoint id (repeatable); default every trusted one the vault lacks.")
-@click.option("--lock-mode", type=click.Choice(["auto", "none", "GOVERNANCE", "COMPLIANCE"]), default="auto", show_default=True,
-              help="S3 Object Lock retention per object (auto: GOVERNANCE when the bucket has Object Lock).")
-@click.option("--retain-days", type=click.FloatRange(min=0, min_open=True), default=30.0, show_default=True, help="Object Lock retention from now.")
+@click.option(
+    "--ckpt",
+    "ckpts",
+    multiple=True,
+    help="Promote this checkpoint id (repeatable); default every trusted one the vault lacks.",
+)
+@click.option(
+    "--lock-mode",
+    type=click.Choice(["auto", "none", "GOVERNANCE", "COMPLIANCE"]),
+    default="auto",
+    show_default=True,
+    help="S3 Object Lock retention per object (auto: GOVERNANCE when the bucket has Object Lock).",
+)
+@click.option(
+    "--retain-days",
+    type=click.FloatRange(min=0, min_open=True),
+    default=30.0,
+    show_default=True,
+    help="Object Lock retention from now.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @expected_errors
-def vault_promote(run_url: str, vault_url: str, ckpts: tuple[str, ...], lock_mode: str, retain_days: float, as_json: bool) -> None:
+def vault_promote(
+    run_url: str, vault_url: str, ckpts: tuple[str, ...], lock_mode: str, retain_days: float, as_json: bool
+) -> None:
     """Copy trusted checkpoints of RUN_URL into VAULT_URL, read them back and verify them.
 
     Exit 0 when done (also when there was nothing new); 1 when a requested checkpoint is suspect.
     """
     from certckpt.vault.site import promote
 
-    done = promote(run_url, vault_url, ckpts=list(ckpts) or None, lock_mode=lock_mode, retain_days=retain_days,
-                   progress=Progress(f"promoting to {vault_url}", threshold=COPY_PROGRESS))
+    done = promote(
+        run_url,
+        vault_url,
+        ckpts=list(ckpts) or None,
+        lock_mode=lock_mode,
+        retain_days=retain_days,
+        progress=Progress(f"promoting to {vault_url}", threshold=COPY_PROGRESS),
+    )
     if as_json:
         click.echo(json.dumps({"run": run_url, "vault": vault_url, "promoted": [p.to_dict() for p in done]}, indent=2))
         return
@@ -57,15 +81,29 @@ def vault_promote(run_url: str, vault_url: str, ckpts: tuple[str, ...], lock_mod
         from certckpt.trust.runstore import certify_store
 
         if not certify_store(run_url, write_certificates=False).certification.order:
-            click.echo(f"nothing to promote: no checkpoint of {run_url} is trusted yet (see `certckpt status {run_url}`)")
+            click.echo(
+                f"nothing to promote: no checkpoint of {run_url} is trusted yet (see `certckpt status {run_url}`)"
+            )
         else:
             click.echo(f"nothing to promote: every trusted checkpoint of {run_url} is already in {vault_url}")
         return
     rows = []
     for p in done:
         lock = p.lock or {}
-        lock_text = f"{lock['mode']} until {lock['retain_until'][:19]}" if lock.get("retain_until") else lock.get("mode", "none")
-        rows.append((p.ckpt_id, human_bytes(p.nbytes), "copied, verified" if p.written else "already there", _rate(p.nbytes, p.seconds), lock_text))
+        lock_text = (
+            f"{lock['mode']} until {lock['retain_until'][:19]}"
+            if lock.get("retain_until")
+            else lock.get("mode", "none")
+        )
+        rows.append(
+            (
+                p.ckpt_id,
+                human_bytes(p.nbytes),
+                "copied, verified" if p.written else "already there",
+                _rate(p.nbytes, p.seconds),
+                lock_text,
+            )
+        )
     echo_table(("checkpoint", "size", "result", "speed", "protection"), rows)
 
 
@@ -87,11 +125,16 @@ def vault_ls(vault_url: str, as_json: bool) -> None:
     table = []
     for r in rows:
         lock = r["lock"] or {}
-        table.append((
-            r["ckpt_id"] + (" *" if r["ckpt_id"] == status.latest_good else ""), str(r["step"]),
-            "pruned" if r["pruned"] else r["verdict"], ", ".join(r["reasons"]) or "-",
-            human_bytes(r["bytes"] or 0), (lock.get("mode", "-") + (f" until {lock['retain_until'][:10]}" if lock.get("retain_until") else "")),
-        ))
+        table.append(
+            (
+                r["ckpt_id"] + (" *" if r["ckpt_id"] == status.latest_good else ""),
+                str(r["step"]),
+                "pruned" if r["pruned"] else r["verdict"],
+                ", ".join(r["reasons"]) or "-",
+                human_bytes(r["bytes"] or 0),
+                (lock.get("mode", "-") + (f" until {lock['retain_until'][:10]}" if lock.get("retain_until") else "")),
+            )
+        )
     echo_table(("checkpoint", "step", "verdict", "reasons", "size", "protection"), table)
     click.echo(f"* latest-good: {status.latest_good}" if status.latest_good else "no trusted checkpoint held")
 
@@ -112,16 +155,27 @@ def _policy(keep_last: int | None, keep_every: int | None, keep_days: float | No
             raise click.BadParameter(f"{spec!r}: use METRIC, METRIC:min or METRIC:max", param_hint="--keep-best")
         parts.append(KeepBest(metric, higher_is_better=direction == "max"))
     if not parts:
-        raise click.UsageError("say what to keep: --keep-last N, --keep-every STEPS, --keep-days D and/or --keep-best METRIC")
+        raise click.UsageError(
+            "say what to keep: --keep-last N, --keep-every STEPS, --keep-days D and/or --keep-best METRIC"
+        )
     return AnyOf(*parts)
 
 
 @vault.command("prune")
 @click.argument("vault_url")
 @click.option("--keep-last", type=click.IntRange(0), default=None, help="Keep the newest N trusted checkpoints.")
-@click.option("--keep-every", type=click.IntRange(1), default=None, help="Keep the newest trusted checkpoint in every window of STEPS steps.")
+@click.option(
+    "--keep-every",
+    type=click.IntRange(1),
+    default=None,
+    help="Keep the newest trusted checkpoint in every window of STEPS steps.",
+)
 @click.option("--keep-days", type=click.FloatRange(0), default=None, help="Keep everything younger than D days.")
-@click.option("--keep-best", multiple=True, help="Keep the best trusted checkpoint by METRIC (saved metadata), METRIC:min (default) or METRIC:max.")
+@click.option(
+    "--keep-best",
+    multiple=True,
+    help="Keep the best trusted checkpoint by METRIC (saved metadata), METRIC:min (default) or METRIC:max.",
+)
 @click.option("--apply", is_flag=True, help="Delete (without it: a dry run that only prints the plan).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @expected_errors
@@ -146,6 +200,7 @@ def vault_prune(vault_url: str, keep_last, keep_every, keep_days, keep_best, app
             rows.append((cid, "KEPT", f"the store refused: {result.refused[cid]}"))
         else:
             rows.append((cid, "deleted", "no policy keeps it"))
+
     def order(row):
         branch, _, step = row[0].rpartition("@")
         return (branch, int(step) if step.isdigit() else 0)
@@ -177,9 +232,17 @@ def vault_restore(vault_url: str, ckpt: str, dest: str, allow_suspect: bool, as_
     """
     from certckpt.vault.site import restore
 
-    r = restore(vault_url, ckpt, dest, allow_suspect=allow_suspect, progress=Progress(f"restoring {ckpt}", threshold=COPY_PROGRESS))
+    r = restore(
+        vault_url,
+        ckpt,
+        dest,
+        allow_suspect=allow_suspect,
+        progress=Progress(f"restoring {ckpt}", threshold=COPY_PROGRESS),
+    )
     if as_json:
         click.echo(json.dumps(r.to_dict(), indent=2))
         return
     what = "restored and verified" if r.written else "already there, verified"
-    click.echo(f"{r.ckpt_id} -> {r.dest}: {what}, {human_bytes(r.nbytes)} in {r.seconds:.2f} s ({_rate(r.nbytes, r.seconds)})")
+    click.echo(
+        f"{r.ckpt_id} -> {r.dest}: {what}, {human_bytes(r.nbytes)} in {r.seconds:.2f} s ({_rate(r.nbytes, r.seconds)})"
+    )

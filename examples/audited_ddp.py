@@ -32,18 +32,20 @@ os.makedirs(args.dir, exist_ok=True)
 drill = [Fault(kind="backward", rank=1, step=args.inject_fault_at, persistent=True)] if args.inject_fault_at else None
 
 auditor = Auditor(
-    ddp, opt,
-    loss_fn=lambda m, batch: F.mse_loss(m(batch[0]), batch[1]),   # loss from (model, batch)
-    run="example", audit_every=10,                                # full audit every 10 steps
-    ledger=args.dir,                                              # events, commits, incidents
+    ddp,
+    opt,
+    loss_fn=lambda m, batch: F.mse_loss(m(batch[0]), batch[1]),  # loss from (model, batch)
+    run="example",
+    audit_every=10,  # full audit every 10 steps
+    ledger=args.dir,  # events, commits, incidents
     injector_faults=drill,
 )
 g = torch.Generator().manual_seed(dist.get_rank())  # each rank its own data
-with stop_on_fault(auditor, hard_exit=True):                      # exit 86 on a detected fault
+with stop_on_fault(auditor, hard_exit=True):  # exit 86 on a detected fault
     for step in range(1, args.steps + 1):
         x = torch.randn(16, 32, generator=g)
-        loss = auditor.train_step((x, x[:, :8].sin()))           # checks + optimizer step
-        if step % 20 == 0:                                        # checkpoint with audit lineage
+        loss = auditor.train_step((x, x[:, :8].sin()))  # checks + optimizer step
+        if step % 20 == 0:  # checkpoint with audit lineage
             auditor.save({"model": model.state_dict(), "optim": opt.state_dict()}, f"{args.dir}/step{step}.safetensors")
 auditor.close()
 if dist.get_rank() == 0:

@@ -65,8 +65,16 @@ def s3_server():
                 proc.kill()
                 raise RuntimeError("moto_server did not start")
             time.sleep(0.1)
-    saved = {k: os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")}
-    os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
+    saved = {
+        k: os.environ.get(k)
+        for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")
+    }
+    os.environ.update(
+        AWS_ENDPOINT_URL=endpoint,
+        AWS_ACCESS_KEY_ID="testing",
+        AWS_SECRET_ACCESS_KEY="testing",
+        AWS_DEFAULT_REGION="us-east-1",
+    )
     try:
         yield endpoint
     finally:
@@ -112,7 +120,11 @@ def drill_runs(tmp_path_factory):
     ]
     m = run_matrix(ranks=3, audit_every=10, ckpt_every=5, directory=str(root), cases=cases)
     by = {c["name"]: c for c in m["cases"]}
-    assert (by["faulty"]["caught_by"], by["faulty"]["detected_step"], by["faulty"]["suspect_ranks"]) == ("replay", 20, [1])
+    assert (by["faulty"]["caught_by"], by["faulty"]["detected_step"], by["faulty"]["suspect_ranks"]) == (
+        "replay",
+        20,
+        [1],
+    )
     assert by["clean"]["caught_by"] is None
     return {"clean": str(root / "clean"), "faulty": str(root / "faulty")}
 

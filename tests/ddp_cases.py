@@ -99,23 +99,39 @@ def checkpoint_lineage(args):
 def skip_policy(args):
     m = _model()
     opt = torch.optim.SGD(m.parameters(), lr=0.05)
-    aud = Auditor(DDP(m), opt, loss_fn=_loss, audit_every=4, on_nonfinite="skip", sink=MemorySink(),
-                  injector_faults=[Fault(kind="non-finite", rank=2, step=3)])
+    aud = Auditor(
+        DDP(m),
+        opt,
+        loss_fn=_loss,
+        audit_every=4,
+        on_nonfinite="skip",
+        sink=MemorySink(),
+        injector_faults=[Fault(kind="non-finite", rank=2, step=3)],
+    )
     applied = []
     for s in range(1, 9):
         aud.train_step(_batch(s))
         applied.append(aud.last.applied)
     ok = aud.weight_consensus(aud.step)
     finite = all(torch.isfinite(p).all().item() for p in m.parameters())
-    return {"applied": applied, "consensus": ok, "finite": finite,
-            "events": [(e.step, e.kind, e.outcome, e.suspect_ranks, e.contained) for e in aud.sink.events if e.failed]}
+    return {
+        "applied": applied,
+        "consensus": ok,
+        "finite": finite,
+        "events": [(e.step, e.kind, e.outcome, e.suspect_ranks, e.contained) for e in aud.sink.events if e.failed],
+    }
 
 
 def raise_detected(args):
     """A persistent backward fault with the default policy: the error carries the event."""
     m = _model()
-    aud = Auditor(DDP(m), torch.optim.SGD(m.parameters(), lr=0.05), loss_fn=_loss, audit_every=5,
-                  injector_faults=[Fault(kind="backward", rank=0, step=2, persistent=True)])
+    aud = Auditor(
+        DDP(m),
+        torch.optim.SGD(m.parameters(), lr=0.05),
+        loss_fn=_loss,
+        audit_every=5,
+        injector_faults=[Fault(kind="backward", rank=0, step=2, persistent=True)],
+    )
     before = None
     for s in range(1, 11):
         try:
@@ -124,8 +140,14 @@ def raise_detected(args):
             aud.train_step(_batch(s))
         except FaultDetectedError as e:
             unchanged = all(torch.equal(a, p) for a, p in zip(before, m.parameters()))
-            return {"step": e.event.step, "kind": e.event.kind, "suspects": e.event.suspect_ranks,
-                    "message": str(e), "update_dropped": unchanged, "inventory_ranks": sorted(e.event.inventory)}
+            return {
+                "step": e.event.step,
+                "kind": e.event.kind,
+                "suspects": e.event.suspect_ranks,
+                "message": str(e),
+                "update_dropped": unchanged,
+                "inventory_ranks": sorted(e.event.inventory),
+            }
     return None
 
 
@@ -137,9 +159,16 @@ def rollback(args):
     rank = dist.get_rank()
     m = _model()
     opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
-    aud = Auditor(DDP(m), opt, loss_fn=_loss, run="rb", audit_every=10, ledger=store,
-                  sink=None if rank == 0 else MemorySink(),
-                  injector_faults=[Fault(kind="backward", rank=1, step=13, persistent=True)])
+    aud = Auditor(
+        DDP(m),
+        opt,
+        loss_fn=_loss,
+        run="rb",
+        audit_every=10,
+        ledger=store,
+        sink=None if rank == 0 else MemorySink(),
+        injector_faults=[Fault(kind="backward", rank=1, step=13, persistent=True)],
+    )
     caught = None
     for s in range(1, 31):
         try:
@@ -158,8 +187,18 @@ def rollback(args):
     opt2 = torch.optim.SGD(m2.parameters(), lr=0.05, momentum=0.9)
     opt2.load_state_dict(state["optim"])
     start = int(good.split("@")[1])
-    aud2 = Auditor(DDP(m2), opt2, loss_fn=_loss, run="rb", branch="b2", parent=good, start_step=start, audit_every=10,
-                   ledger=store, sink=None if rank == 0 else MemorySink())
+    aud2 = Auditor(
+        DDP(m2),
+        opt2,
+        loss_fn=_loss,
+        run="rb",
+        branch="b2",
+        parent=good,
+        start_step=start,
+        audit_every=10,
+        ledger=store,
+        sink=None if rank == 0 else MemorySink(),
+    )
     for s in range(start + 1, 31):
         aud2.train_step(_batch(s))
         if s % 5 == 0:
@@ -171,8 +210,13 @@ def rollback(args):
 def _conv_model():
     """A small conv net in channels_last, whose weights' gradients are not row-major in DDP's buckets."""
     torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Tanh(), torch.nn.Conv2d(8, 4, 3), torch.nn.Flatten(),
-                              torch.nn.Linear(4 * 4 * 4, 4))
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3),
+        torch.nn.Tanh(),
+        torch.nn.Conv2d(8, 4, 3),
+        torch.nn.Flatten(),
+        torch.nn.Linear(4 * 4 * 4, 4),
+    )
     return net.to(memory_format=torch.channels_last)
 
 
@@ -190,7 +234,9 @@ def trains_like_plain_ddp(args):
     plain = DDP(plain_m, gradient_as_bucket_view=args["view"])
     plain_opt = torch.optim.SGD(plain_m.parameters(), lr=0.05, momentum=0.9)
     aud_opt = torch.optim.SGD(aud_m.parameters(), lr=0.05, momentum=0.9)
-    aud = Auditor(DDP(aud_m, gradient_as_bucket_view=args["view"]), aud_opt, loss_fn=_loss, audit_every=3, sink=MemorySink())
+    aud = Auditor(
+        DDP(aud_m, gradient_as_bucket_view=args["view"]), aud_opt, loss_fn=_loss, audit_every=3, sink=MemorySink()
+    )
     grad_diffs, losses = [], []
     for s in range(1, 8):
         b = batch(s)
@@ -202,23 +248,42 @@ def trains_like_plain_ddp(args):
         losses.append([float(plain_loss), float(aud.train_step(b))])
         grad_diffs.append(max(float((a - p.grad).abs().max()) for a, p in zip(grads, aud_m.parameters())))
     weight_diff = max(float((a - b).abs().max()) for a, b in zip(plain_m.parameters(), aud_m.parameters()))
-    return {"grad_diffs": grad_diffs, "weight_diff": weight_diff, "losses": losses, "eager_pre": aud._hook.eager_pre,
-            "hand_over": aud._hook.hand_over, "grad_is_bucket_view": [p.grad._base is not None for p in aud_m.parameters()],
-            "channels_last_grads": [p.grad.is_contiguous(memory_format=torch.channels_last) for p in aud_m.parameters() if p.dim() == 4],
-            "outcomes": sorted({(k, o) for _, k, o in aud._events}), "audits": sum(k == "replay" for _, k, _ in aud._events)}
+    return {
+        "grad_diffs": grad_diffs,
+        "weight_diff": weight_diff,
+        "losses": losses,
+        "eager_pre": aud._hook.eager_pre,
+        "hand_over": aud._hook.hand_over,
+        "grad_is_bucket_view": [p.grad._base is not None for p in aud_m.parameters()],
+        "channels_last_grads": [
+            p.grad.is_contiguous(memory_format=torch.channels_last) for p in aud_m.parameters() if p.dim() == 4
+        ],
+        "outcomes": sorted({(k, o) for _, k, o in aud._events}),
+        "audits": sum(k == "replay" for _, k, _ in aud._events),
+    }
 
 
 def nonfinite_attribution(args):
     """A NaN in one rank's local gradients is attributed to that rank, with eager or lazy pre-checks."""
     m = _model()
-    aud = Auditor(DDP(m, gradient_as_bucket_view=args["view"]), torch.optim.SGD(m.parameters(), lr=0.05),
-                  loss_fn=_loss, audit_every=4, on_nonfinite="skip", sink=MemorySink(),
-                  injector_faults=[Fault(kind="non-finite", rank=1, step=2, value="inf"),
-                                   Fault(kind="reduction", rank=-1, step=5)])
+    aud = Auditor(
+        DDP(m, gradient_as_bucket_view=args["view"]),
+        torch.optim.SGD(m.parameters(), lr=0.05),
+        loss_fn=_loss,
+        audit_every=4,
+        on_nonfinite="skip",
+        sink=MemorySink(),
+        injector_faults=[
+            Fault(kind="non-finite", rank=1, step=2, value="inf"),
+            Fault(kind="reduction", rank=-1, step=5),
+        ],
+    )
     for s in range(1, 7):
         aud.train_step(_batch(s))
-    return {"eager_pre": aud._hook.eager_pre,
-            "events": [(e.step, e.kind, e.suspect_ranks, e.details["pre_ranks"]) for e in aud.sink.events if e.failed]}
+    return {
+        "eager_pre": aud._hook.eager_pre,
+        "events": [(e.step, e.kind, e.suspect_ranks, e.details["pre_ranks"]) for e in aud.sink.events if e.failed],
+    }
 
 
 def _payload(rank: int):
@@ -241,13 +306,19 @@ def ring_shift_payloads(args):
     from certckpt.detect.exchange import RingShift
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    shift = RingShift(_payload(rank), group=dist.group.WORLD, wire_device=torch.device("cpu"), out_device=torch.device("cpu"))
+    shift = RingShift(
+        _payload(rank), group=dist.group.WORLD, wire_device=torch.device("cpu"), out_device=torch.device("cpu")
+    )
     busy = torch.randn(256, 256) @ torch.randn(256, 256)  # work the payload may overlap
     shift.advance()
     got = shift.finish()
     want = _payload((rank - 1) % world)
-    same = {k: (torch.equal(got[k], want[k]) and got[k].dtype == want[k].dtype) if isinstance(want[k], torch.Tensor) else got[k] == want[k]
-            for k in want}
+    same = {
+        k: (torch.equal(got[k], want[k]) and got[k].dtype == want[k].dtype)
+        if isinstance(want[k], torch.Tensor)
+        else got[k] == want[k]
+        for k in want
+    }
     torch.set_rng_state(got["rng"])  # a received RNG state is usable as is
     return {"same": same, "busy": float(busy.sum()) != 0.0}
 
@@ -268,8 +339,14 @@ class _TiedWithSpare(torch.nn.Module):
 
 def replay_tied_and_unused(args):
     m = _TiedWithSpare()
-    aud = Auditor(DDP(m, find_unused_parameters=True), torch.optim.SGD(m.parameters(), lr=0.05), loss_fn=_loss,
-                  audit_every=2, sink=MemorySink(), injector_faults=[Fault(kind="backward", rank=2, step=5, persistent=True, target="inp.weight")])
+    aud = Auditor(
+        DDP(m, find_unused_parameters=True),
+        torch.optim.SGD(m.parameters(), lr=0.05),
+        loss_fn=_loss,
+        audit_every=2,
+        sink=MemorySink(),
+        injector_faults=[Fault(kind="backward", rank=2, step=5, persistent=True, target="inp.weight")],
+    )
     caught = None
     for s in range(1, 9):
         try:
@@ -283,14 +360,25 @@ def replay_tied_and_unused(args):
 def one_rank_reduction_fault(args):
     """A reduction that delivers NaN to rank 1 only, with the per-step flag exchange: all ranks skip."""
     m = _model()
-    aud = Auditor(DDP(m), torch.optim.SGD(m.parameters(), lr=0.05), loss_fn=_loss, audit_every=4, on_nonfinite="skip",
-                  exchange_flags="every-step", sink=MemorySink(), injector_faults=[Fault(kind="reduction", rank=1, step=2)])
+    aud = Auditor(
+        DDP(m),
+        torch.optim.SGD(m.parameters(), lr=0.05),
+        loss_fn=_loss,
+        audit_every=4,
+        on_nonfinite="skip",
+        exchange_flags="every-step",
+        sink=MemorySink(),
+        injector_faults=[Fault(kind="reduction", rank=1, step=2)],
+    )
     applied = []
     for s in range(1, 7):
         aud.train_step(_batch(s))
         applied.append(aud.last.applied)
-    return {"applied": applied, "consensus": aud.weight_consensus(aud.step),
-            "events": [(e.step, e.kind, e.suspect_ranks, e.details["post_ranks"]) for e in aud.sink.events if e.failed]}
+    return {
+        "applied": applied,
+        "consensus": aud.weight_consensus(aud.step),
+        "events": [(e.step, e.kind, e.suspect_ranks, e.details["post_ranks"]) for e in aud.sink.events if e.failed],
+    }
 
 
 def hand_over_conditions(args):
@@ -311,9 +399,11 @@ def hand_over_conditions(args):
     for name, (m, aud) in cases.items():
         for s in range(1, 3):
             aud.train_step(_batch(s))
-        out[name] = {"hand_over": aud._hook.hand_over,
-                     "views": [p.grad is not None and p.grad._base is not None for p in m.parameters()],
-                     "outcomes": sorted({(k, o) for _, k, o in aud._events})}
+        out[name] = {
+            "hand_over": aud._hook.hand_over,
+            "views": [p.grad is not None and p.grad._base is not None for p in m.parameters()],
+            "outcomes": sorted({(k, o) for _, k, o in aud._events}),
+        }
     # the guard against a DDP that would not leave the handed-over gradients alone
     m, aud = cases["default"]
     intact_after_step = aud._hook.handed_over_intact()

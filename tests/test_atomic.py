@@ -25,8 +25,11 @@ WRITER = textwrap.dedent(
 
 
 def _start(path, overwrite, seed):
-    p = subprocess.Popen([sys.executable, "-c", WRITER, str(path), "1" if overwrite else "0", str(seed)],
-                         stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(path), "1" if overwrite else "0", str(seed)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert p.stdout.readline().strip() == "ready"
     return p
 
@@ -94,6 +97,10 @@ def test_full_disk_keeps_previous_checkpoint(tmp_path):
     p = tmp_path / "ck.safetensors"
     certckpt.save({"small": torch.ones(3)}, p)
     out = subprocess.run([sys.executable, "-c", FULL_DISK, str(p)], capture_output=True, text=True, timeout=120)
-    assert "StorageError:" in out.stdout and "write failed" in out.stdout and "previous checkpoint is untouched" in out.stdout, out
+    assert (
+        "StorageError:" in out.stdout
+        and "write failed" in out.stdout
+        and "previous checkpoint is untouched" in out.stdout
+    ), out
     assert certckpt.verify(p).ok and torch.equal(certckpt.load(p)["small"], torch.ones(3))
     assert os.listdir(tmp_path) == ["ck.safetensors"]

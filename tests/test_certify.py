@@ -7,17 +7,34 @@ from certckpt.trust.certify import CheckpointEntry, Revocation, certify
 
 
 def ev(step, kind, outcome="pass", *, branch="main", fp=None, contained=False, suspects=()):
-    return {"branch": branch, "step": step, "kind": kind, "outcome": outcome, "details": {"fp": fp} if fp else {},
-            "suspect_ranks": list(suspects), "contained": contained}
+    return {
+        "branch": branch,
+        "step": step,
+        "kind": kind,
+        "outcome": outcome,
+        "details": {"fp": fp} if fp else {},
+        "suspect_ranks": list(suspects),
+        "contained": contained,
+    }
 
 
 def full_audit(step, branch="main"):
-    return [ev(step, "replay", branch=branch), ev(step, "nonfinite", branch=branch), ev(step, "consensus", branch=branch, fp=f"{branch}{step}")]
+    return [
+        ev(step, "replay", branch=branch),
+        ev(step, "nonfinite", branch=branch),
+        ev(step, "consensus", branch=branch, fp=f"{branch}{step}"),
+    ]
 
 
 def ckpt(step, branch="main", parent=None, fp=None):
-    return CheckpointEntry(ckpt_id=f"{branch}@{step}", branch=branch, step=step, parent=parent,
-                           consensus_fp=fp if fp is not None else f"{branch}{step}", committed_at=float(step))
+    return CheckpointEntry(
+        ckpt_id=f"{branch}@{step}",
+        branch=branch,
+        step=step,
+        parent=parent,
+        consensus_fp=fp if fp is not None else f"{branch}{step}",
+        committed_at=float(step),
+    )
 
 
 def worked_example(one_time=False):
@@ -51,7 +68,11 @@ def test_worked_example_one_time_fault_is_the_documented_escape():
 def test_rollback_branch_is_judged_by_its_own_audits():
     cks, events = worked_example()
     # resume from main@20 on branch b2; its steps repeat main's numbers
-    events += [ev(25, "consensus", branch="b2", fp="b225")] + full_audit(30, "b2") + [ev(35, "consensus", branch="b2", fp="b235")]
+    events += (
+        [ev(25, "consensus", branch="b2", fp="b225")]
+        + full_audit(30, "b2")
+        + [ev(35, "consensus", branch="b2", fp="b235")]
+    )
     cks += [ckpt(25, "b2", parent="main@20"), ckpt(30, "b2", parent="main@20"), ckpt(35, "b2", parent="main@20")]
     cert = certify(cks, events)
     assert cert.verdicts["main@25"].trusted is False  # main's 25 stays suspect
@@ -73,7 +94,11 @@ def test_each_reason():
 
 
 def test_contained_detection_taints_nothing():
-    events = full_audit(10) + full_audit(20) + [ev(13, "nonfinite-pre", "fail", contained=True, suspects=[2]), ev(15, "consensus", fp="main15")]
+    events = (
+        full_audit(10)
+        + full_audit(20)
+        + [ev(13, "nonfinite-pre", "fail", contained=True, suspects=[2]), ev(15, "consensus", fp="main15")]
+    )
     cert = certify([ckpt(10), ckpt(15), ckpt(20)], events)
     assert all(v.trusted for v in cert.verdicts.values())
     (d,) = cert.detections
@@ -87,7 +112,9 @@ def test_revocation_taints_descendants_across_branches():
     assert cert.verdicts["main@10"].trusted
     assert cert.verdicts["main@20"].reasons == ("revoked",)
     assert cert.verdicts["main@30"].reasons == ("tainted-parent",)
-    assert cert.verdicts["b2@30"].reasons == ("tainted-parent",) and cert.verdicts["b2@40"].reasons == ("tainted-parent",)
+    assert cert.verdicts["b2@30"].reasons == ("tainted-parent",) and cert.verdicts["b2@40"].reasons == (
+        "tainted-parent",
+    )
     assert cert.latest_good == "main@10"
 
 
@@ -119,7 +146,9 @@ def histories(draw):
     k = draw(st.integers(2, 8))
     c = draw(st.integers(1, 8))
     n = draw(st.integers(1, 50))
-    fails = draw(st.lists(st.tuples(st.integers(1, n), st.sampled_from(KINDS + ("nonfinite-pre",)), st.booleans()), max_size=3))
+    fails = draw(
+        st.lists(st.tuples(st.integers(1, n), st.sampled_from(KINDS + ("nonfinite-pre",)), st.booleans()), max_size=3)
+    )
     events = []
     for t in range(1, n + 1):
         if t % k == 0:

@@ -72,7 +72,9 @@ print("exit", code)
 def test_fast_paths_do_not_import_torch(tmp_path):
     p = _ckpt(tmp_path)
     for args in (f"'verify', {str(p)!r}", f"'inspect', {str(p)!r}", "'--help'"):
-        out = subprocess.run([sys.executable, "-c", NO_TORCH.format(args=args)], capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            [sys.executable, "-c", NO_TORCH.format(args=args)], capture_output=True, text=True, timeout=60
+        )
         assert out.returncode == 0 and "exit 0" in out.stdout, out.stderr
 
 

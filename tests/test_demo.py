@@ -17,7 +17,9 @@ pytestmark = pytest.mark.slow
 
 def test_demo_catches_the_fault_rolls_back_and_proves_the_restore(tmp_path):
     d = tmp_path / "demo"
-    r = subprocess.run([console_script("certckpt"), "demo", "--dir", str(d)], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [console_script("certckpt"), "demo", "--dir", str(d)], capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     out = r.stdout
     for n in range(1, 8):
@@ -29,11 +31,15 @@ def test_demo_catches_the_fault_rolls_back_and_proves_the_restore(tmp_path):
     # the run store tells the same story to the other commands
     status, good = find_latest_good(store)
     det = [x for x in status.certification.detections if x.branch == "main"]
-    assert [(x.step, x.suspect_ranks, x.interval) for x in det] == [(detected, (SCHEDULE["fault_rank"],), (detected - K, detected))]
+    assert [(x.step, x.suspect_ranks, x.interval) for x in det] == [
+        (detected, (SCHEDULE["fault_rank"],), (detected - K, detected))
+    ]
     verdicts = status.certification.verdicts
     assert verdicts["main@20"].trusted and verdicts["main@25"].reasons == ("after-fault",)
     assert good == "b2@60" and Ledger(store).snapshot().branch_parents == {"b2": "main@20"}
-    assert "main@20  ->  " in out and int("main@20".rpartition("@")[2]) <= detected - K  # latest-good precedes the interval
+    assert (
+        "main@20  ->  " in out and int("main@20".rpartition("@")[2]) <= detected - K
+    )  # latest-good precedes the interval
     iid = f"inc-main-{detected}-replay"
     inc = get_incident(store, iid)
     assert inc.status == "closed" and inc.rollback_to == "main@20"
@@ -48,7 +54,9 @@ def test_demo_catches_the_fault_rolls_back_and_proves_the_restore(tmp_path):
     # artefacts left for the user
     assert (d / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert certckpt.verify(os.path.join(vault, "b2@60.safetensors"), deep=True).ok
-    r2 = subprocess.run([console_script("certckpt"), "demo", "--dir", str(d)], capture_output=True, text=True, timeout=60)
+    r2 = subprocess.run(
+        [console_script("certckpt"), "demo", "--dir", str(d)], capture_output=True, text=True, timeout=60
+    )
     assert r2.returncode == 2 and "is not empty" in r2.stderr and r2.stderr.count("\n") == 1
 
 
@@ -60,15 +68,31 @@ def test_readme_integration_example_runs_as_written(tmp_path):
 
     readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
     start = readme.index("```python", readme.index("## Integration")) + len("```python\n")
-    code = readme[start: readme.index("```", start)]
+    code = readme[start : readme.index("```", start)]
     assert len(code.strip().splitlines()) <= 18  # short enough to read at a glance
     (tmp_path / "train.py").write_text(code)
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-port", str(free_port()), "train.py"],
-                       capture_output=True, text=True, timeout=180, cwd=str(tmp_path))
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "3",
+            "--master-port",
+            str(free_port()),
+            "train.py",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=str(tmp_path),
+    )
     # torch 2.13's gloo transport sometimes aborts in interpreter teardown, after the script finished
     # (plain DDP too); that is the only failure tolerated here.
     assert r.returncode == 0 or "SIGABRT" in r.stderr, r.stderr[-3000:]
     st = certify_store(str(tmp_path / "ckpt"))
     assert {c: v.label for c, v in st.certification.verdicts.items()} == {"main@20": "trusted", "main@40": "trusted"}
-    latest = subprocess.run([console_script("certckpt"), "latest-good", "ckpt"], capture_output=True, text=True, cwd=str(tmp_path))
+    latest = subprocess.run(
+        [console_script("certckpt"), "latest-good", "ckpt"], capture_output=True, text=True, cwd=str(tmp_path)
+    )
     assert latest.returncode == 0 and latest.stdout.strip() == "ckpt/step40.safetensors"

@@ -23,13 +23,18 @@ def test_fault_matrix_on_three_ranks(tmp_path):
     for c in m["cases"]:
         where = f"{c['fault']}/{c['timing']}"
         assert c["fired"] >= 1, where  # the fault really happened
-        assert (c["caught_by"], c["detected_step"]) == (c["expected"]["caught_by"], c["expected"]["detected_step"]), where
+        assert (c["caught_by"], c["detected_step"]) == (c["expected"]["caught_by"], c["expected"]["detected_step"]), (
+            where
+        )
         if c["caught_by"] is not None:
             assert c["suspect_ranks"] == [1], where
             assert c["updates_before_detection"] == c["detected_step"] - c["injected_step"]
     by = {(c["fault"], c["timing"]): c for c in m["cases"]}
     # the designed outcomes, spelled out
-    assert by[("backward", "persistent")]["caught_by"] == "replay" and by[("backward", "persistent")]["detected_step"] == 20
+    assert (
+        by[("backward", "persistent")]["caught_by"] == "replay"
+        and by[("backward", "persistent")]["detected_step"] == 20
+    )
     assert by[("forward", "persistent")]["caught_by"] == "replay"
     assert by[("post-optimizer", "persistent")]["caught_by"] == "consensus"
     assert by[("non-finite", "one-time-between-audits")]["caught_by"] == "nonfinite-pre"
@@ -37,14 +42,18 @@ def test_fault_matrix_on_three_ranks(tmp_path):
     assert by[("backward", "one-time-between-audits")]["caught_by"] is None
     # run stores are kept for the other commands: checkpoints verify, events are there
     store = by[("backward", "persistent")]["store"]
-    path = store[len("file://"):]
+    path = store[len("file://") :]
     assert os.path.exists(os.path.join(path, "events.jsonl"))
     assert certckpt.verify(os.path.join(path, "step000015.safetensors"), deep=True).ok
 
 
 def test_two_ranks_detect_without_attribution():
-    cases = [c for c in matrix_cases(audit_every=10, ckpt_every=5, rank=1)
-             if (c["fault"], c["timing"]) in {("backward", "persistent"), ("forward", "one-time-audit-step"), ("post-optimizer", "persistent")}]
+    cases = [
+        c
+        for c in matrix_cases(audit_every=10, ckpt_every=5, rank=1)
+        if (c["fault"], c["timing"])
+        in {("backward", "persistent"), ("forward", "one-time-audit-step"), ("post-optimizer", "persistent")}
+    ]
     m = run_matrix(ranks=2, cases=cases)
     for c in m["cases"]:
         assert c["caught_by"] == c["expected"]["caught_by"] and c["detected_step"] == c["expected"]["detected_step"], c
@@ -54,8 +63,11 @@ def test_two_ranks_detect_without_attribution():
 
 
 def test_single_rank_replay_catches_only_transient_faults():
-    cases = [c for c in matrix_cases(audit_every=10, ckpt_every=5, rank=0)
-             if c["fault"] == "backward" and c["timing"] in ("persistent", "one-time-audit-step")]
+    cases = [
+        c
+        for c in matrix_cases(audit_every=10, ckpt_every=5, rank=0)
+        if c["fault"] == "backward" and c["timing"] in ("persistent", "one-time-audit-step")
+    ]
     m = run_matrix(ranks=1, cases=cases)
     by = {c["timing"]: c for c in m["cases"]}
     assert by["one-time-audit-step"]["caught_by"] == "replay" and by["one-time-audit-step"]["suspect_ranks"] == [0]
@@ -64,7 +76,11 @@ def test_single_rank_replay_catches_only_transient_faults():
 
 
 def test_tolerance_mode_and_reduction_faults():
-    cases = [c for c in matrix_cases(audit_every=10, ckpt_every=5) if c["fault"] == "backward" and c["timing"] == "persistent"]
+    cases = [
+        c
+        for c in matrix_cases(audit_every=10, ckpt_every=5)
+        if c["fault"] == "backward" and c["timing"] == "persistent"
+    ]
     cases.append({"fault": "reduction", "timing": "one-time-between-audits", "rank": -1, "injected_step": 7})
     m = run_matrix(ranks=3, cases=cases, mode="tolerance")
     assert m["mode"] == "tolerance"
@@ -89,8 +105,11 @@ def test_grads_are_handed_over_only_where_that_is_what_ddp_would_produce():
             assert case["outcomes"] == [["consensus", "pass"], ["nonfinite", "pass"], ["replay", "pass"]]
 
 
-@pytest.mark.parametrize(("view", "model"), [(False, "mlp"), (True, "mlp"), (False, "conv-channels-last")],
-                         ids=["grad-copies", "bucket-views", "channels-last-conv"])
+@pytest.mark.parametrize(
+    ("view", "model"),
+    [(False, "mlp"), (True, "mlp"), (False, "conv-channels-last")],
+    ids=["grad-copies", "bucket-views", "channels-last-conv"],
+)
 def test_the_hook_averages_like_plain_ddp(view, model):
     out = ranks("trains_like_plain_ddp", 3, {"view": view, "model": model})
     for res in out:
@@ -150,7 +169,10 @@ def test_setup_errors_are_clear_and_early():
     for r, res in enumerate(out):
         assert "DistributedDataParallel" in res["not_ddp"]
         assert "disagree on parameters or audit settings" in res["mismatch"]
-        assert "differ between two identical computations" in res["nondeterministic"] and "mode='tolerance'" in res["nondeterministic"]
+        assert (
+            "differ between two identical computations" in res["nondeterministic"]
+            and "mode='tolerance'" in res["nondeterministic"]
+        )
         assert res["unshippable"].startswith("obj['batch']['sampler']:")
 
 
@@ -164,7 +186,11 @@ def test_checkpoint_through_the_auditor_carries_lineage_and_reuses_fingerprints(
     assert (rec.run, rec.step, rec.step_range, rec.branch) == ("lin", 10, [1, 10], "main")
     lineage = rec.lineage
     assert lineage["last_clean_audit"] == 10 and lineage["audit_every"] == 5 and lineage["world"] == 3
-    assert {(a["step"], a["kind"], a["outcome"]) for a in lineage["audits"]} >= {(5, "replay", "pass"), (10, "consensus", "pass"), (10, "nonfinite", "pass")}
+    assert {(a["step"], a["kind"], a["outcome"]) for a in lineage["audits"]} >= {
+        (5, "replay", "pass"),
+        (10, "consensus", "pass"),
+        (10, "nonfinite", "pass"),
+    }
     mapping = lineage["consensus"]["tensors"]
     fps = {p: rec.tensors[t]["fp"] for p, t in mapping.items()}
     assert fps == r0["consensus"]
@@ -196,9 +222,22 @@ def test_readme_example_runs_as_written(tmp_path):
 
     root = os.path.dirname(TESTS)
     out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-port", str(free_port()),
-         os.path.join(root, "examples", "audited_ddp.py"), "--dir", str(tmp_path / "run")],
-        capture_output=True, text=True, timeout=180, cwd=str(tmp_path),
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "3",
+            "--master-port",
+            str(free_port()),
+            os.path.join(root, "examples", "audited_ddp.py"),
+            "--dir",
+            str(tmp_path / "run"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=str(tmp_path),
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "last clean audit at step 40" in out.stdout

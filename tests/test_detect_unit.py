@@ -78,15 +78,35 @@ def test_consensus_tie_names_nobody():
 def test_events_validate_and_roundtrip_through_jsonl(tmp_path):
     with pytest.raises(ValueError, match="unknown audit event kind"):
         AuditEvent(run="r", branch="b", step=1, kind="bogus", outcome="pass", ranks=[0])
-    ev = AuditEvent(run="r", branch="main", step=20, kind="replay", outcome="fail", ranks=[0, 1, 2], suspect_ranks=[1],
-                    details={"failed": [{"origin": 1, "replayer": 2}]}, inventory={"1": {"host": "n1"}})
+    ev = AuditEvent(
+        run="r",
+        branch="main",
+        step=20,
+        kind="replay",
+        outcome="fail",
+        ranks=[0, 1, 2],
+        suspect_ranks=[1],
+        details={"failed": [{"origin": 1, "replayer": 2}]},
+        inventory={"1": {"host": "n1"}},
+    )
     sink = JsonlSink(str(tmp_path / "ev" / "events.jsonl"))
     sink.emit(ev)
     sink.flush()
     sink.close()
     assert JsonlSink.read(str(tmp_path / "ev" / "events.jsonl")) == [ev]
     line = json.loads((tmp_path / "ev" / "events.jsonl").read_text())
-    assert set(line) == {"run", "branch", "step", "kind", "outcome", "ranks", "suspect_ranks", "contained", "details", "inventory"}
+    assert set(line) == {
+        "run",
+        "branch",
+        "step",
+        "kind",
+        "outcome",
+        "ranks",
+        "suspect_ranks",
+        "contained",
+        "details",
+        "inventory",
+    }
     mem = MemorySink()
     mem.emit(ev)
     assert list(mem.events) == [ev] and ev.failed
@@ -96,8 +116,11 @@ def test_events_validate_and_roundtrip_through_jsonl(tmp_path):
 def test_perturbations_change_exactly_one_element(dtype):
     t = torch.randn(50, generator=torch.Generator().manual_seed(7)).to(dtype)
     t[5] = 2.5  # the largest element, where a 1% bfloat16 change rounds away
-    for fault in (Fault(kind="backward", rank=0, step=1, scale=0.01), Fault(kind="backward", rank=0, step=1, bit=3),
-                  Fault(kind="backward", rank=0, step=1, bit=8 * t.element_size() - 1)):
+    for fault in (
+        Fault(kind="backward", rank=0, step=1, scale=0.01),
+        Fault(kind="backward", rank=0, step=1, bit=3),
+        Fault(kind="backward", rank=0, step=1, bit=8 * t.element_size() - 1),
+    ):
         u = t.clone()
         perturb_(u, fault)
         assert int((u != t).sum()) == 1

@@ -2,12 +2,12 @@
 
 import pytest
 import torch
+from fpref import reference_digest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from certckpt.detect.digest import digest, digests
 from certckpt.detect.signature import matches, signature
-from fpref import reference_digest
 
 
 def _bytes(t: torch.Tensor) -> bytes:
@@ -18,7 +18,10 @@ KNOWN_ANSWERS = {  # pinned: a change here changes what ranks compare, so it mus
     "arange10_f32": (lambda: torch.arange(10, dtype=torch.float32), 1892679680),
     "empty": (lambda: torch.zeros(0), 0),
     "three_bytes": (lambda: torch.tensor([1, 2, 3], dtype=torch.uint8), 3626077463),
-    "randn70000_f64": (lambda: torch.randn(70000, generator=torch.Generator().manual_seed(7), dtype=torch.float64), 806799234),
+    "randn70000_f64": (
+        lambda: torch.randn(70000, generator=torch.Generator().manual_seed(7), dtype=torch.float64),
+        806799234,
+    ),
 }
 
 

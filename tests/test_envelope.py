@@ -99,12 +99,27 @@ def test_figures_no_shares_without_a_premium():
     assert sum(f["premium_parts"].values()) == pytest.approx(-0.01)
 
 
-@pytest.mark.parametrize("bad", [
-    {"plain_s": 0.0}, {"plain_s": -1.0}, {"audit_s": float("nan")}, {"consensus_s": -0.1},
-    {"audit_every": 0}, {"audit_every": True}, {"audit_every": 2.5},
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"plain_s": 0.0},
+        {"plain_s": -1.0},
+        {"audit_s": float("nan")},
+        {"consensus_s": -0.1},
+        {"audit_every": 0},
+        {"audit_every": True},
+        {"audit_every": 2.5},
+    ],
+)
 def test_figures_rejects_bad_input(bad):
-    args = {"plain_s": 0.1, "nonaudit_s": 0.1, "audit_s": 0.2, "consensus_s": 0.0, "fb_s": 0.05, "audit_every": 10} | bad
+    args = {
+        "plain_s": 0.1,
+        "nonaudit_s": 0.1,
+        "audit_s": 0.2,
+        "consensus_s": 0.0,
+        "fb_s": 0.05,
+        "audit_every": 10,
+    } | bad
     with pytest.raises(ConfigurationError):
         figures(**args)
 
@@ -115,7 +130,9 @@ def test_premium_se_paired_hand_computed():
     se = premium_se(plain=[1.0, 1.0], nonaudit=[1.0, 1.2], audit=[2.0, 2.0], audit_every=2)
     assert se == pytest.approx(0.05)
     # a constant offset between trials (load drift shared by the pair) does not count as noise
-    assert premium_se(plain=[1.0, 2.0], nonaudit=[1.1, 2.1], audit=[1.1, 2.1], audit_every=10) == pytest.approx(0.0, abs=1e-12)
+    assert premium_se(plain=[1.0, 2.0], nonaudit=[1.1, 2.1], audit=[1.1, 2.1], audit_every=10) == pytest.approx(
+        0.0, abs=1e-12
+    )
     assert premium_se(plain=[1.0], nonaudit=[1.0], audit=[1.0], audit_every=10) is None
 
 
@@ -133,7 +150,12 @@ def _combo(seq, mb, k, premium):
 
 
 def test_gate():
-    combos = [_combo(128, 1, 10, 0.08), _combo(128, 1, 100, 0.05), _combo(512, 4, 10, 0.051), _combo(512, 4, 100, -0.01)]
+    combos = [
+        _combo(128, 1, 10, 0.08),
+        _combo(128, 1, 100, 0.05),
+        _combo(512, 4, 10, 0.051),
+        _combo(512, 4, 100, -0.01),
+    ]
     over = over_budget(combos, 0.05)
     # strictly greater: 0.05 itself is within budget
     assert [(c["seq_len"], c["micro_batch"], c["audit_every"]) for c in over] == [(128, 1, 10), (512, 4, 10)]
@@ -169,12 +191,28 @@ def _synthetic_report(max_premium=0.05):
     for seq, p in ((64, 0.010), (256, 0.040)):
         combos = []
         for k in (10, 100):
-            f = figures(plain_s=p, nonaudit_s=p * 1.01, audit_s=p * 2.0, consensus_s=p * 0.05, fb_s=p * 0.6, audit_every=k)
+            f = figures(
+                plain_s=p, nonaudit_s=p * 1.01, audit_s=p * 2.0, consensus_s=p * 0.05, fb_s=p * 0.6, audit_every=k
+            )
             combos.append({"seq_len": seq, "micro_batch": 1, "audit_every": k, **f, "premium_se": 0.01})
-        shapes.append({"seq_len": seq, "micro_batch": 1, "trials": 5, "warmup": 1, "block": 1, "mean_s": {}, "untrimmed_mean_s": {},
-                       "combinations": combos})
+        shapes.append(
+            {
+                "seq_len": seq,
+                "micro_batch": 1,
+                "trials": 5,
+                "warmup": 1,
+                "block": 1,
+                "mean_s": {},
+                "untrimmed_mean_s": {},
+                "combinations": combos,
+            }
+        )
     r0 = {"params": 123, "deterministic": True, "torch": "x", "torch_threads": 1, "shapes": shapes}
-    return build_report(EnvelopeConfig(seq_lens=(64, 256), micro_batches=(1,), audit_every=(10, 100), max_premium=max_premium), r0, elapsed_s=1.0)
+    return build_report(
+        EnvelopeConfig(seq_lens=(64, 256), micro_batches=(1,), audit_every=(10, 100), max_premium=max_premium),
+        r0,
+        elapsed_s=1.0,
+    )
 
 
 def test_report_and_table():
@@ -232,17 +270,20 @@ def test_resolve_model():
             resolve_model(bad)
 
 
-@pytest.mark.parametrize("args", [
-    ["--seq-lens", "abc"],
-    ["--micro-batches", "0"],
-    ["--audit-every", "1,10"],
-    ["--ranks", "0"],
-    ["--ranks", "many"],
-    ["--model", "nomodule_xyz:factory"],
-    ["--plot", "out.svg"],
-    ["--backend", "nccl"],
-    ["--bogus-flag"],
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--seq-lens", "abc"],
+        ["--micro-batches", "0"],
+        ["--audit-every", "1,10"],
+        ["--ranks", "0"],
+        ["--ranks", "many"],
+        ["--model", "nomodule_xyz:factory"],
+        ["--plot", "out.svg"],
+        ["--backend", "nccl"],
+        ["--bogus-flag"],
+    ],
+)
 def test_usage_errors_are_one_line_exit_2(args):
     r = CliRunner().invoke(main, ["envelope", *args])
     assert r.exit_code == 2, r.output
@@ -272,7 +313,17 @@ def _check_shape(rep, *, model):
     assert set(rep) >= {"ranks", "model", "max_premium", "combinations", "over_budget"}
     assert rep["ranks"] == 3 and rep["model"] == model
     (c,) = rep["combinations"]
-    assert set(c) >= {"seq_len", "micro_batch", "audit_every", "plain_s", "audited_s", "premium", "shares", "replay_floor", "over_budget"}
+    assert set(c) >= {
+        "seq_len",
+        "micro_batch",
+        "audit_every",
+        "plain_s",
+        "audited_s",
+        "premium",
+        "shares",
+        "replay_floor",
+        "over_budget",
+    }
     assert (c["seq_len"], c["micro_batch"], c["audit_every"]) == (32, 1, 10)
     assert c["plain_s"] > 0 and c["audited_s"] > 0
     assert c["premium"] == pytest.approx((c["audited_s"] - c["plain_s"]) / c["plain_s"])
@@ -304,7 +355,9 @@ def test_cli_real_sweep_gate_fails_plot_and_plan(tmp_path):
     path = tmp_path / "envelope.json"
     path.write_text(r.stdout)
     if c["premium"] >= 0:  # a tiny step pays the hook's fixed cost: positive in every run seen
-        got = CliRunner().invoke(main, ["plan", "--from", str(path), "--audit-every", "10", "--ckpt-every", "10", "--keep", "2", "--json"])
+        got = CliRunner().invoke(
+            main, ["plan", "--from", str(path), "--audit-every", "10", "--ckpt-every", "10", "--keep", "2", "--json"]
+        )
         assert got.exit_code in (0, 1), got.output
         inputs = json.loads(got.stdout)["inputs"]
         assert inputs["audit_overhead"]["value"] == pytest.approx(c["premium"])
@@ -316,7 +369,9 @@ def test_cli_real_sweep_gate_fails_plot_and_plan(tmp_path):
 
 @pytest.mark.slow
 def test_cli_real_sweep_user_factory_within_budget():
-    r = CliRunner().invoke(main, ["envelope", *TINY, "--model", "test_envelope:user_factory", "--max-premium", "1e9", "--json"])
+    r = CliRunner().invoke(
+        main, ["envelope", *TINY, "--model", "test_envelope:user_factory", "--max-premium", "1e9", "--json"]
+    )
     assert r.exit_code == 0, r.output
     rep = json.loads(r.stdout)
     _check_shape(rep, model="test_envelope:user_factory")

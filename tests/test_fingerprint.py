@@ -39,8 +39,23 @@ def test_known_answer_vectors(name):
 
 
 @pytest.mark.parametrize(
-    "dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.int32, torch.uint8, torch.bool,
-              torch.complex64, torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.uint32, torch.uint64]
+    "dtype",
+    [
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.float64,
+        torch.int8,
+        torch.int32,
+        torch.uint8,
+        torch.bool,
+        torch.complex64,
+        torch.float8_e4m3fn,
+        torch.float8_e5m2,
+        torch.uint16,
+        torch.uint32,
+        torch.uint64,
+    ],
 )
 def test_matches_reference_for_every_dtype(dtype):
     g = torch.Generator().manual_seed(1)
@@ -69,8 +84,13 @@ def test_independent_of_chunking_and_reduction_order():
 
     def slice_sum(lo: int, hi: int) -> int:
         idx = torch.arange(lo, hi)
-        tt = torch.tensor([(splitmix64(j ^ SEED_T) | 1) for j in range(FP_CHUNK_WORDS)], dtype=torch.uint64).to(torch.int64)
-        vv = torch.tensor([(splitmix64(c ^ SEED_V) | 1) & M64 for c in range(int(idx.max()) // FP_CHUNK_WORDS + 1)], dtype=torch.uint64).to(torch.int64)
+        tt = torch.tensor([(splitmix64(j ^ SEED_T) | 1) for j in range(FP_CHUNK_WORDS)], dtype=torch.uint64).to(
+            torch.int64
+        )
+        vv = torch.tensor(
+            [(splitmix64(c ^ SEED_V) | 1) & M64 for c in range(int(idx.max()) // FP_CHUNK_WORDS + 1)],
+            dtype=torch.uint64,
+        ).to(torch.int64)
         m = tt[idx % FP_CHUNK_WORDS] * vv[idx // FP_CHUNK_WORDS]
         return int((words[lo:hi].to(torch.int64) * m).sum()) & M64
 
@@ -96,7 +116,11 @@ def test_views_and_copies_agree():
 )
 def test_any_single_word_change_is_detected(n, pos, bit, dtype):
     g = torch.Generator().manual_seed(n)
-    t = torch.randn(n, generator=g).to(dtype) if dtype != torch.int8 else torch.randint(-128, 127, (n,), dtype=torch.int8, generator=g)
+    t = (
+        torch.randn(n, generator=g).to(dtype)
+        if dtype != torch.int8
+        else torch.randint(-128, 127, (n,), dtype=torch.int8, generator=g)
+    )
     b = t.clone().view(torch.uint8)
     words = (b.numel() + 3) // 4
     w = pos % words
@@ -204,7 +228,7 @@ def test_miscompiled_kernel_falls_back_to_eager(monkeypatch):
     import certckpt.format.fingerprinting as fpm
 
     # Simulate torch 2.13's CPU-inductor miscompile: the "compiled" kernel returns a wrong sum.
-    monkeypatch.setattr(fpm.torch, "compile", lambda fn, **kw: (lambda *a: fn(*a) + 1))
+    monkeypatch.setattr(fpm.torch, "compile", lambda fn, **kw: lambda *a: fn(*a) + 1)
     monkeypatch.setattr(fpm, "_compiled", None)
     monkeypatch.setattr(fpm, "_compile_checked", False)
     t = torch.randn(3 * 16 * FP_CHUNK_WORDS)

@@ -311,7 +311,12 @@ def test_cli_inspect_json_golden():
     assert doc["state_fp"] == EXPECTED["state_fp"]
     assert [t["name"] for t in doc["tensors"]] == [t["name"] for t in EXPECTED["tensors"]]
     for got, want in zip(doc["tensors"], EXPECTED["tensors"]):
-        assert (got["dtype"], got["shape"], got["fp"], got["xxh3"]) == (want["dtype"], want["shape"], want["fp"], want["xxh3"])
+        assert (got["dtype"], got["shape"], got["fp"], got["xxh3"]) == (
+            want["dtype"],
+            want["shape"],
+            want["fp"],
+            want["xxh3"],
+        )
 
 
 def test_cli_inspect_golden_table():
@@ -322,7 +327,9 @@ def test_cli_inspect_golden_table():
         assert t["name"] in result.stdout and t["fp"] in result.stdout
 
 
-@pytest.mark.parametrize("name", ["truncated.safetensors", "hostile_header_length.safetensors", "overlapping_offsets.safetensors"])
+@pytest.mark.parametrize(
+    "name", ["truncated.safetensors", "hostile_header_length.safetensors", "overlapping_offsets.safetensors"]
+)
 def test_cli_inspect_corrupt_header(name):
     result = run_cli("inspect", fixture(name))
     assert result.exit_code == 1, result.output

@@ -43,6 +43,7 @@ def hypothesis_home_in_tmp(tmp_path_factory):
     yield
     configuration.set_hypothesis_home_dir(None)
 
+
 # Header lengths whose first two little-endian bytes read as a pickle opcode (0x80, protocol 2..5);
 # see test_header_length_that_looks_like_a_pickle_is_still_safetensors below.
 PICKLE_LOOKALIKE = {0x0280, 0x0380, 0x0480, 0x0580}
@@ -89,7 +90,9 @@ def small_ckpt(tmp_path_factory) -> bytes:
 
 # --- strategies ------------------------------------------------------------------------------------
 
-HUGE_INTS = st.sampled_from([2**31, 2**32, 2**53 + 1, 2**63 - 1, 2**63, 2**64, 2**64 + 8, 10**30, 2**200, -1, -(2**63), -(2**64)])
+HUGE_INTS = st.sampled_from(
+    [2**31, 2**32, 2**53 + 1, 2**63 - 1, 2**63, 2**64, 2**64 + 8, 10**30, 2**200, -1, -(2**63), -(2**64)]
+)
 INTS = st.one_of(st.integers(-4, 64), st.integers(-(2**70), 2**70), HUGE_INTS)
 SCALARS = st.one_of(
     st.none(),
@@ -129,7 +132,11 @@ METADATA = st.one_of(
 def consistent_table(draw):
     """A header document whose tensors tile the data buffer, optionally with one defect."""
     n = draw(st.integers(0, 5))
-    names = draw(st.lists(st.text(min_size=1, max_size=6).filter(lambda s: s != "__metadata__"), min_size=n, max_size=n, unique=True))
+    names = draw(
+        st.lists(
+            st.text(min_size=1, max_size=6).filter(lambda s: s != "__metadata__"), min_size=n, max_size=n, unique=True
+        )
+    )
     doc, offset = {}, 0
     for name in names:
         dtype = draw(st.sampled_from(sorted(DTYPE_SIZES)))
@@ -210,8 +217,20 @@ RECORD_VALUES = st.recursive(
     max_leaves=8,
 )
 RECORD_FIELDS = [
-    "schema", "run", "branch", "step", "step_range", "parent", "lineage", "consensus_fp", "state_fp",
-    "tensors", "skeleton", "writer", "user", "header_digest",
+    "schema",
+    "run",
+    "branch",
+    "step",
+    "step_range",
+    "parent",
+    "lineage",
+    "consensus_fp",
+    "state_fp",
+    "tensors",
+    "skeleton",
+    "writer",
+    "user",
+    "header_digest",
 ]
 
 
@@ -338,7 +357,10 @@ def test_parse_header_random_documents(hd, slack, pad):
 
 
 @fuzz(200)
-@given(raw=st.one_of(st.binary(max_size=200), st.text(max_size=100).map(lambda s: s.encode("utf-8"))), length=st.one_of(st.none(), st.integers(0, 10**6)))
+@given(
+    raw=st.one_of(st.binary(max_size=200), st.text(max_size=100).map(lambda s: s.encode("utf-8"))),
+    length=st.one_of(st.none(), st.integers(0, 10**6)),
+)
 @example(raw=b"[" * 100_000, length=None)
 @example(raw=b'{"a":' * 50_000, length=None)
 @example(raw=b"\xff\xfe{}", length=None)
@@ -357,7 +379,9 @@ def test_parse_header_random_bytes(raw, length):
 @pytest.mark.parametrize("declared", [2**63, 10**9, 2**64 - 1, MAX_HEADER_BYTES + 1])
 def test_absurd_header_length_is_refused_without_allocating(tmp_path, declared):
     path = tmp_path / "hostile.safetensors"
-    path.write_bytes(struct.pack("<Q", declared) + b'{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}' + b"\x00" * 64)
+    path.write_bytes(
+        struct.pack("<Q", declared) + b'{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}' + b"\x00" * 64
+    )
     tracemalloc.start()
     try:
         t0 = time.perf_counter()
@@ -455,7 +479,9 @@ def _crafted(tmp_path, entries, data: bytes, **record_fields) -> str:
     from certckpt.format.record import CheckpointRecord, build_header, state_fingerprint
 
     tensors = {e.name: {"fp": "0" * 16, "xxh3": xxhash.xxh3_128_hexdigest(data[e.begin : e.end])} for e in entries}
-    record = CheckpointRecord(tensors=tensors, state_fp=state_fingerprint({k: v["fp"] for k, v in tensors.items()}), **record_fields)
+    record = CheckpointRecord(
+        tensors=tensors, state_fp=state_fingerprint({k: v["fp"] for k, v in tensors.items()}), **record_fields
+    )
     path = tmp_path / "crafted.safetensors"
     path.write_bytes(build_header(list(entries), record) + data)
     return str(path)
@@ -519,7 +545,9 @@ def test_cli_inspect_record_writer_not_an_object(tmp_path):
     from certckpt_cli.main import main as cli_main
 
     path = tmp_path / "writer.safetensors"
-    path.write_bytes(build_header([], CheckpointRecord(writer=["not", "a", "dict"], skeleton=None, state_fp=state_fingerprint({}))))
+    path.write_bytes(
+        build_header([], CheckpointRecord(writer=["not", "a", "dict"], skeleton=None, state_fp=state_fingerprint({})))
+    )
     report = certckpt.verify(path)  # digest-consistent, but the field's type is refused
     assert not report.ok and "`writer` has the wrong type" in report.problems[0].message
     result = CliRunner().invoke(cli_main, ["inspect", str(path)])

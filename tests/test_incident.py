@@ -23,9 +23,20 @@ from certckpt.vault import promote, prune
 from certckpt.vault.retention import KeepLatest
 
 EVENT = {
-    "run": "r", "branch": "main", "step": 20, "kind": "replay", "outcome": "fail", "ranks": [0, 1, 2], "suspect_ranks": [1],
-    "contained": False, "details": {"mismatched": {"0->1": ["0.weight", "2.bias"], "1->2": ["0.weight"]}},
-    "inventory": {"0": {"host": "a"}, "1": {"host": "b", "NODE_NAME": "node-7", "device_uuid": "GPU-1"}, "2": {"host": "c"}},
+    "run": "r",
+    "branch": "main",
+    "step": 20,
+    "kind": "replay",
+    "outcome": "fail",
+    "ranks": [0, 1, 2],
+    "suspect_ranks": [1],
+    "contained": False,
+    "details": {"mismatched": {"0->1": ["0.weight", "2.bias"], "1->2": ["0.weight"]}},
+    "inventory": {
+        "0": {"host": "a"},
+        "1": {"host": "b", "NODE_NAME": "node-7", "device_uuid": "GPU-1"},
+        "2": {"host": "c"},
+    },
 }
 
 
@@ -36,8 +47,16 @@ def opened(**kw):
 
 
 def dec(action, by="alice", at=200.0, **kw):
-    return {"incident_id": "inc-main-20-replay", "record": "decision", "decision_id": f"d-{action}-{at}", "action": action,
-            "by": by, "reason": "because", "at": at, **kw}
+    return {
+        "incident_id": "inc-main-20-replay",
+        "record": "decision",
+        "decision_id": f"d-{action}-{at}",
+        "action": action,
+        "by": by,
+        "reason": "because",
+        "at": at,
+        **kw,
+    }
 
 
 def test_opening_record_holds_the_evidence():
@@ -47,7 +66,9 @@ def test_opening_record_holds_the_evidence():
     assert doc["suspect_ranks"] == [1] and doc["ranks"] == [0, 1, 2]
     assert doc["suspect_nodes"] == ["node-7"]  # the scheduler's node name wins over the host name
     assert doc["inventory"]["1"]["device_uuid"] == "GPU-1"
-    assert doc["checkpoints"] == {"latest_good": "main@10", "made_suspect": ["main@15"]} and doc["suspect_interval"] == [10, 20]
+    assert doc["checkpoints"] == {"latest_good": "main@10", "made_suspect": ["main@15"]} and doc[
+        "suspect_interval"
+    ] == [10, 20]
     assert incident_id_for({**EVENT, "branch": "b/2"}) == "inc-b_2-20-replay"  # always a safe record name
 
 
@@ -76,7 +97,11 @@ def test_resolve_needs_a_rollback_naming_a_trusted_checkpoint_and_approvals():
 
 
 def test_close_needs_a_passing_drill_against_a_reference_run_after_the_incident_opened():
-    inc = Incident(incident_id="inc-main-20-replay", opened=opened(), decisions=[dec("rollback", ckpt="main@10"), dec("resolve", at=210.0)])
+    inc = Incident(
+        incident_id="inc-main-20-replay",
+        opened=opened(),
+        decisions=[dec("rollback", ckpt="main@10"), dec("resolve", at=210.0)],
+    )
     assert inc.status == "resolved" and inc.is_open
     good = {"drill_id": "d1", "at": 300.0, "outcome": "pass", "stages": {"metrics": {"ok": True}}}
     with pytest.raises(IncidentError, match="needs a restore drill"):
@@ -84,7 +109,11 @@ def test_close_needs_a_passing_drill_against_a_reference_run_after_the_incident_
     with pytest.raises(IncidentError, match="ran before the incident opened"):
         check_decision(inc, dec("close", drill="d0"), drills=[{**good, "drill_id": "d0", "at": 50.0}])
     with pytest.raises(IncidentError, match="did not pass against a clean reference"):
-        check_decision(inc, dec("close", drill="d2"), drills=[{**good, "drill_id": "d2", "outcome": "incomplete", "stages": {"metrics": {"ok": None}}}])
+        check_decision(
+            inc,
+            dec("close", drill="d2"),
+            drills=[{**good, "drill_id": "d2", "outcome": "incomplete", "stages": {"metrics": {"ok": None}}}],
+        )
     check_decision(inc, dec("close", drill="d1"), drills=[good])
     inc.decisions.append(dec("close", drill="d1", at=400.0))
     assert inc.status == "closed" and not inc.is_open
@@ -96,7 +125,12 @@ def test_close_needs_a_passing_drill_against_a_reference_run_after_the_incident_
 
 
 def test_state_orders_decisions_by_time_and_ignores_orphans():
-    recs = [dec("resolve", at=300.0), opened(), dec("rollback", ckpt="main@10", at=250.0), {**dec("quarantine"), "incident_id": "nope"}]
+    recs = [
+        dec("resolve", at=300.0),
+        opened(),
+        dec("rollback", ckpt="main@10", at=250.0),
+        {**dec("quarantine"), "incident_id": "nope"},
+    ]
     state = incident_state(recs)
     assert list(state) == ["inc-main-20-replay"]
     assert [d["action"] for d in state["inc-main-20-replay"].decisions] == ["rollback", "resolve"]
@@ -166,12 +200,30 @@ def test_incident_cli(copy_run):
     r = cli("incident", "ls", run)
     assert r.returncode == 0 and "inc-main-20-replay  open" in r.stdout and "replay" in r.stdout
     r = cli("incident", "show", run, "inc-main-20-replay")
-    assert r.returncode == 0 and "suspect steps   (10, 20]" in r.stdout and "(suspect)" in r.stdout and "latest-good     main@10" in r.stdout
+    assert (
+        r.returncode == 0
+        and "suspect steps   (10, 20]" in r.stdout
+        and "(suspect)" in r.stdout
+        and "latest-good     main@10" in r.stdout
+    )
     doc = json.loads(cli("incident", "show", run, "inc-main-20-replay", "--json").stdout)
     assert doc["status"] == "open" and doc["opened"]["suspect_ranks"] == [1]
     r = cli("incident", "decide", run, "inc-main-20-replay", "--action", "resolve", "--by", "a", "--reason", "b")
     assert r.returncode == 1 and r.stderr.startswith("certckpt: refused:") and r.stderr.count("\n") == 1
-    r = cli("incident", "decide", run, "inc-main-20-replay", "--action", "rollback", "--ckpt", "main@10", "--by", "a", "--reason", "b")
+    r = cli(
+        "incident",
+        "decide",
+        run,
+        "inc-main-20-replay",
+        "--action",
+        "rollback",
+        "--ckpt",
+        "main@10",
+        "--by",
+        "a",
+        "--reason",
+        "b",
+    )
     assert r.returncode == 0 and "recorded rollback" in r.stdout
     r = cli("incident", "show", run, "nope")
     assert r.returncode == 2 and "no incident 'nope'" in r.stderr
@@ -184,9 +236,24 @@ def test_training_job_opens_the_incident_and_exits_86_on_every_rank(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     run = tmp_path / "run"
     out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-port", str(free_port()),
-         os.path.join(root, "examples", "audited_ddp.py"), "--dir", str(run), "--inject-fault-at", "13"],
-        capture_output=True, text=True, timeout=180, cwd=str(tmp_path),
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "3",
+            "--master-port",
+            str(free_port()),
+            os.path.join(root, "examples", "audited_ddp.py"),
+            "--dir",
+            str(run),
+            "--inject-fault-at",
+            "13",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=str(tmp_path),
     )
     assert out.stderr.count(f"exitcode  : {EXIT_FAULT_DETECTED}") == 3, out.stderr[-3000:]
     assert out.stderr.count("incident inc-main-20-replay; exit 86: do not requeue on the suspect node") == 3
@@ -207,13 +274,20 @@ def test_stop_on_fault_prints_the_incident_and_exits_86(contained, capsys):
         def close(self):
             self.closed = True
 
-    ev = AuditEvent(run="r", branch="main", step=20, kind="nonfinite-pre" if contained else "replay", outcome="fail",
-                    ranks=[0, 1, 2], suspect_ranks=[1], contained=contained,
-                    inventory={"1": {"host": "h1", "SLURMD_NODENAME": "node-7"}})
+    ev = AuditEvent(
+        run="r",
+        branch="main",
+        step=20,
+        kind="nonfinite-pre" if contained else "replay",
+        outcome="fail",
+        ranks=[0, 1, 2],
+        suspect_ranks=[1],
+        contained=contained,
+        inventory={"1": {"host": "h1", "SLURMD_NODENAME": "node-7"}},
+    )
     aud = Closable()
-    with pytest.raises(SystemExit) as e:
-        with stop_on_fault(aud):
-            raise FaultDetectedError("step 20: check failed", ev)
+    with pytest.raises(SystemExit) as e, stop_on_fault(aud):
+        raise FaultDetectedError("step 20: check failed", ev)
     err = capsys.readouterr().err
     assert e.value.code == EXIT_FAULT_DETECTED == 86 and aud.closed and err.count("\n") == 1
     assert "suspect rank(s) 1 on node(s) node-7" in err and "do not requeue on the suspect node" in err

@@ -17,12 +17,24 @@ from certckpt_cli.main import main
 
 def test_records_are_write_once_and_read_back(memroot):
     led = Ledger(f"{memroot}/run")
-    cid = led.commit_checkpoint(branch="main", step=10, location=f"{memroot}/run/step10.safetensors", consensus_fp="ab" * 8)
+    cid = led.commit_checkpoint(
+        branch="main", step=10, location=f"{memroot}/run/step10.safetensors", consensus_fp="ab" * 8
+    )
     assert cid == "main@10"
     with pytest.raises(certckpt.CheckpointExistsError):
         led.commit_checkpoint(branch="main", step=10, location=f"{memroot}/run/other.safetensors")
     sink = LedgerSink(led)
-    sink.emit({"branch": "main", "step": 10, "kind": "consensus", "outcome": "pass", "details": {"fp": "x"}, "suspect_ranks": [], "contained": False})
+    sink.emit(
+        {
+            "branch": "main",
+            "step": 10,
+            "kind": "consensus",
+            "outcome": "pass",
+            "details": {"fp": "x"},
+            "suspect_ranks": [],
+            "contained": False,
+        }
+    )
     sink.flush()
     sink.flush()  # nothing buffered: no empty segment
     led.start_branch("b2", parent="main@10")
@@ -52,8 +64,12 @@ def drill_stores(tmp_path_factory):
     from certckpt.detect.drill import matrix_cases, run_matrix
 
     d = tmp_path_factory.mktemp("drill")
-    cases = [c for c in matrix_cases(audit_every=10, ckpt_every=5)
-             if (c["fault"], c["timing"]) in {("backward", "persistent"), ("forward", "one-time-between-audits"), ("non-finite", "persistent")}]
+    cases = [
+        c
+        for c in matrix_cases(audit_every=10, ckpt_every=5)
+        if (c["fault"], c["timing"])
+        in {("backward", "persistent"), ("forward", "one-time-between-audits"), ("non-finite", "persistent")}
+    ]
     run_matrix(ranks=3, audit_every=10, ckpt_every=5, directory=str(d), cases=cases)
     return d
 
@@ -72,7 +88,13 @@ def test_status_and_latest_good_on_a_detected_fault(drill_stores, tmp_path):
     verdicts = {c["ckpt_id"]: (c["verdict"], c["reasons"]) for c in doc["checkpoints"]}
     assert verdicts == {"main@5": ("trusted", []), "main@10": ("trusted", []), "main@15": ("suspect", ["after-fault"])}
     (det,) = doc["detections"]
-    assert (det["step"], det["kind"], det["suspect_ranks"], det["suspect_interval"], det["rollback_window"]) == (20, "replay", [1], [10, 20], 10)
+    assert (det["step"], det["kind"], det["suspect_ranks"], det["suspect_interval"], det["rollback_window"]) == (
+        20,
+        "replay",
+        [1],
+        [10, 20],
+        10,
+    )
     r = invoke("latest-good", store, "--json")
     out = json.loads(r.output)
     assert r.exit_code == 0 and out["ckpt_id"] == "main@10" and out["step"] == 10 and out["branch"] == "main"

@@ -12,8 +12,6 @@ from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from certckpt.trust.certify import CheckpointEntry, certify
-from certckpt.trust.ledger import Ledger
 from certckpt.ops.planner import (
     DEFAULT_COSTS,
     CostInputs,
@@ -26,6 +24,8 @@ from certckpt.ops.planner import (
     retention_facts,
     rollback_facts,
 )
+from certckpt.trust.certify import CheckpointEntry, certify
+from certckpt.trust.ledger import Ledger
 from certckpt_cli.main import main
 
 # --- brute force: walk every fault start step, apply the detection and trust rules directly ---------
@@ -55,12 +55,12 @@ def cert_delay(k, c):
 
 # (K, C): worst, expected, n_min, aligned
 KNOWN = {
-    (10, 10): (10, 10.0, 1, True),   # every checkpoint on an audit step
-    (10, 5): (10, 10.0, 2, True),    # C divides K: DESIGN's worked example (rollback 30 -> 20)
+    (10, 10): (10, 10.0, 1, True),  # every checkpoint on an audit step
+    (10, 5): (10, 10.0, 2, True),  # C divides K: DESIGN's worked example (rollback 30 -> 20)
     (10, 2): (10, 10.0, 5, True),
-    (5, 20): (20, 12.5, 1, True),    # K divides C: the rollback goes back up to one checkpoint interval
-    (7, 3): (9, 8.0, 3, False),      # coprime: K + C - 1, residues 0, 1, 2
-    (10, 4): (12, 11.0, 3, False),   # gcd 2: residues 0, 2 -> expected 10 + 1
+    (5, 20): (20, 12.5, 1, True),  # K divides C: the rollback goes back up to one checkpoint interval
+    (7, 3): (9, 8.0, 3, False),  # coprime: K + C - 1, residues 0, 1, 2
+    (10, 4): (12, 11.0, 3, False),  # gcd 2: residues 0, 2 -> expected 10 + 1
     (6, 4): (8, 7.0, 2, False),
 }
 
@@ -79,7 +79,9 @@ def test_known_answers(kc):
 
 def test_worked_example_in_gpu_hours_and_detection():
     r = rollback_facts(audit_every=10, ckpt_every=5, step_time=1.8, gpus=8)
-    assert r.worst_gpu_hours == pytest.approx(10 * 1.8 * 8 / 3600) and r.expected_gpu_hours == pytest.approx(10 * 1.8 * 8 / 3600)
+    assert r.worst_gpu_hours == pytest.approx(10 * 1.8 * 8 / 3600) and r.expected_gpu_hours == pytest.approx(
+        10 * 1.8 * 8 / 3600
+    )
     assert rollback_facts(audit_every=10, ckpt_every=5).worst_gpu_hours is None
     d = detection_facts(audit_every=10)
     assert (d.max_contaminated_updates, d.mean_contaminated_updates, d.suspect_interval_updates) == (10, 5.5, 10)
@@ -114,9 +116,23 @@ def test_formulas_against_brute_force(k, c, keep):
 
 
 def _audit(step, outcome="pass"):
-    base = {"run": "r", "branch": "main", "step": step, "ranks": [0, 1, 2], "suspect_ranks": [], "contained": False, "inventory": {}}
+    base = {
+        "run": "r",
+        "branch": "main",
+        "step": step,
+        "ranks": [0, 1, 2],
+        "suspect_ranks": [],
+        "contained": False,
+        "inventory": {},
+    }
     return [
-        {**base, "kind": "replay", "outcome": outcome, "details": {}, "suspect_ranks": [1] if outcome == "fail" else []},
+        {
+            **base,
+            "kind": "replay",
+            "outcome": outcome,
+            "details": {},
+            "suspect_ranks": [1] if outcome == "fail" else [],
+        },
         {**base, "kind": "nonfinite", "outcome": "pass", "details": {}},
         {**base, "kind": "consensus", "outcome": "pass", "details": {"fp": f"fp{step}"}},
     ]
@@ -130,8 +146,22 @@ def test_rollback_target_is_what_the_certifier_picks(k, c, data):
     d = -(-f // k) * k
     events = [e for a in range(k, d, k) for e in _audit(a)] + _audit(d, "fail")
     steps = list(range(c, d, c))
-    events += [{"run": "r", "branch": "main", "step": s, "kind": "consensus", "outcome": "pass", "ranks": [0, 1, 2],
-                "suspect_ranks": [], "contained": False, "details": {"fp": f"fp{s}"}, "inventory": {}} for s in steps if s % k]
+    events += [
+        {
+            "run": "r",
+            "branch": "main",
+            "step": s,
+            "kind": "consensus",
+            "outcome": "pass",
+            "ranks": [0, 1, 2],
+            "suspect_ranks": [],
+            "contained": False,
+            "details": {"fp": f"fp{s}"},
+            "inventory": {},
+        }
+        for s in steps
+        if s % k
+    ]
     ckpts = [CheckpointEntry(ckpt_id=f"main@{s}", branch="main", step=s, consensus_fp=f"fp{s}") for s in steps]
     cert = certify(ckpts, events)
     target = int(cert.latest_good.split("@")[1]) if cert.latest_good else 0  # none: back to the initial state
@@ -188,8 +218,11 @@ def test_indefensible_plan():
 
 
 def test_bad_inputs_are_value_errors():
-    for kw in ({"audit_every": 0, "ckpt_every": 5, "keep": 1}, {"audit_every": 10, "ckpt_every": 5, "keep": -1},
-               {"audit_every": 2.5, "ckpt_every": 5, "keep": 1}):
+    for kw in (
+        {"audit_every": 0, "ckpt_every": 5, "keep": 1},
+        {"audit_every": 10, "ckpt_every": 5, "keep": -1},
+        {"audit_every": 2.5, "ckpt_every": 5, "keep": 1},
+    ):
         with pytest.raises(ValueError):
             plan(**kw)
     with pytest.raises(ValueError, match="probability"):
@@ -202,24 +235,47 @@ def test_bad_inputs_are_value_errors():
 
 
 def test_cost_components_by_hand():
-    costs = CostInputs(step_time=2.0, gpus=16, gpu_hour_cost=3.0, audit_overhead=0.1, false_positive_rate=1e-3,
-                       investigation_cost=200.0, defect_cost=50_000.0, fault_rate=1e-4, transient_fraction=0.25, run_steps=36_000)
+    costs = CostInputs(
+        step_time=2.0,
+        gpus=16,
+        gpu_hour_cost=3.0,
+        audit_overhead=0.1,
+        false_positive_rate=1e-3,
+        investigation_cost=200.0,
+        defect_cost=50_000.0,
+        fault_rate=1e-4,
+        transient_fraction=0.25,
+        run_steps=36_000,
+    )
     cost = expected_cost(audit_every=10, ckpt_every=4, costs=costs)
     # H = 36000 * 2 * 16 / 3600 = 320 GPU-hours; E = 1e-4 * 320 = 0.032 faults
     assert cost.gpu_hours == pytest.approx(320) and cost.expected_faults == pytest.approx(0.032)
-    assert cost.extra_compute == pytest.approx(0.1 * 320 * 3.0)                     # 96
-    assert cost.false_positives == pytest.approx(3600 * 1e-3 * 200)                 # 720
-    assert cost.rollback_waste == pytest.approx(0.032 * 11 * 2 * 16 / 3600 * 3.0)   # expected rollback 11 steps
-    assert cost.undetected_defects == pytest.approx(0.032 * 0.25 * 0.9 * 50_000)    # 360
+    assert cost.extra_compute == pytest.approx(0.1 * 320 * 3.0)  # 96
+    assert cost.false_positives == pytest.approx(3600 * 1e-3 * 200)  # 720
+    assert cost.rollback_waste == pytest.approx(0.032 * 11 * 2 * 16 / 3600 * 3.0)  # expected rollback 11 steps
+    assert cost.undetected_defects == pytest.approx(0.032 * 0.25 * 0.9 * 50_000)  # 360
     assert cost.total == pytest.approx(96 + 720 + 360 + 0.032 * 11 * 32 / 3600 * 3)
     assert cost.per_1000_steps == pytest.approx(cost.total / 36)
     assert set(cost.components) == {"extra_compute", "false_positives", "rollback_waste", "undetected_defects"}
 
 
 def test_defaults_are_the_documented_ones():
-    assert (DEFAULT_COSTS.run_steps, DEFAULT_COSTS.step_time, DEFAULT_COSTS.gpus, DEFAULT_COSTS.gpu_hour_cost) == (100_000, 1.0, 8, 2.0)
-    assert (DEFAULT_COSTS.audit_overhead, DEFAULT_COSTS.false_positive_rate, DEFAULT_COSTS.investigation_cost) == (0.05, 1e-4, 500.0)
-    assert (DEFAULT_COSTS.defect_cost, DEFAULT_COSTS.fault_rate, DEFAULT_COSTS.transient_fraction) == (100_000.0, 1e-6, 0.5)
+    assert (DEFAULT_COSTS.run_steps, DEFAULT_COSTS.step_time, DEFAULT_COSTS.gpus, DEFAULT_COSTS.gpu_hour_cost) == (
+        100_000,
+        1.0,
+        8,
+        2.0,
+    )
+    assert (DEFAULT_COSTS.audit_overhead, DEFAULT_COSTS.false_positive_rate, DEFAULT_COSTS.investigation_cost) == (
+        0.05,
+        1e-4,
+        500.0,
+    )
+    assert (DEFAULT_COSTS.defect_cost, DEFAULT_COSTS.fault_rate, DEFAULT_COSTS.transient_fraction) == (
+        100_000.0,
+        1e-6,
+        0.5,
+    )
 
 
 def test_resolve_inputs_order_and_missing():
@@ -239,8 +295,18 @@ def test_resolve_inputs_order_and_missing():
 
 
 def _event(step, kind="replay", outcome="pass", branch="main"):
-    return {"run": "r", "branch": branch, "step": step, "kind": kind, "outcome": outcome, "ranks": [0, 1],
-            "suspect_ranks": [], "contained": False, "details": {}, "inventory": {}}
+    return {
+        "run": "r",
+        "branch": branch,
+        "step": step,
+        "kind": kind,
+        "outcome": outcome,
+        "ranks": [0, 1],
+        "suspect_ranks": [],
+        "contained": False,
+        "details": {},
+        "inventory": {},
+    }
 
 
 @pytest.fixture
@@ -264,7 +330,10 @@ def test_from_store_cli_json(store):
     doc = json.loads(r.output)
     inputs = doc["inputs"]
     assert (inputs["audit_every"]["value"], inputs["ckpt_every"]["value"], inputs["keep"]["value"]) == (10, 5, 3)
-    assert all(inputs[n]["source"] == "from" and inputs[n]["origin"] == str(store) for n in ("audit_every", "ckpt_every", "keep"))
+    assert all(
+        inputs[n]["source"] == "from" and inputs[n]["origin"] == str(store)
+        for n in ("audit_every", "ckpt_every", "keep")
+    )
     assert "replay" in inputs["audit_every"]["note"] and "3 of 12" in inputs["keep"]["note"]
     assert inputs["gpus"] == {"value": 8, "source": "default"}
     assert doc["retention"]["keeps_known_good"] and doc["warnings"] == [] and not doc["indefensible"]
@@ -310,7 +379,9 @@ def test_from_errors_are_one_line_exit_2(tmp_path, make):
     elif make == "not-envelope":
         target = tmp_path / "other.json"
         target.write_text(json.dumps({"cases": []}))
-    r = CliRunner().invoke(main, ["plan", "--from", str(target), "--audit-every", "10", "--ckpt-every", "5", "--keep", "2"])
+    r = CliRunner().invoke(
+        main, ["plan", "--from", str(target), "--audit-every", "10", "--ckpt-every", "5", "--keep", "2"]
+    )
     assert r.exit_code == 2 and "Traceback" not in r.output
     lines = r.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("certckpt: ") and str(target) in lines[0]
@@ -320,37 +391,63 @@ def test_from_errors_are_one_line_exit_2(tmp_path, make):
 
 
 def test_cli_json_report():
-    r = CliRunner().invoke(main, ["plan", "--audit-every", "10", "--ckpt-every", "5", "--keep", "2", "--step-time", "1.8", "--json"])
+    r = CliRunner().invoke(
+        main, ["plan", "--audit-every", "10", "--ckpt-every", "5", "--keep", "2", "--step-time", "1.8", "--json"]
+    )
     assert r.exit_code == 0, r.output
     doc = json.loads(r.output)
     assert set(doc) >= {"inputs", "detection", "rollback", "retention", "warnings", "cost"}
-    assert doc["inputs"]["step_time"] == {"value": 1.8, "source": "flag"} and doc["inputs"]["gpus"]["source"] == "default"
+    assert (
+        doc["inputs"]["step_time"] == {"value": 1.8, "source": "flag"} and doc["inputs"]["gpus"]["source"] == "default"
+    )
     assert doc["rollback"]["worst_steps"] == 10 and doc["rollback"]["worst_gpu_hours"] is None  # G was defaulted
     assert doc["retention"] == {"keep": 2, "needed": 2, "keeps_known_good": True, "smallest_keep": 2}
     assert doc["detection"]["max_contaminated_updates"] == 10
     assert doc["cost"]["total"] == pytest.approx(sum(doc["cost"]["components"].values()))
-    r = CliRunner().invoke(main, ["plan", "--audit-every", "10", "--ckpt-every", "5", "--keep", "2", "--step-time", "1.8",
-                                  "--gpus", "8", "--json"])
+    r = CliRunner().invoke(
+        main,
+        [
+            "plan",
+            "--audit-every",
+            "10",
+            "--ckpt-every",
+            "5",
+            "--keep",
+            "2",
+            "--step-time",
+            "1.8",
+            "--gpus",
+            "8",
+            "--json",
+        ],
+    )
     assert json.loads(r.output)["rollback"]["worst_gpu_hours"] == pytest.approx(0.04)
 
 
 def test_cli_text_and_exit_codes():
     r = CliRunner().invoke(main, ["plan", "--audit-every", "10", "--ckpt-every", "5", "--keep", "2"])
-    assert r.exit_code == 0 and "no warnings" in r.output and "default" in r.output and "defaults used: S, G" in r.output
+    assert (
+        r.exit_code == 0 and "no warnings" in r.output and "default" in r.output and "defaults used: S, G" in r.output
+    )
     r = CliRunner().invoke(main, ["plan", "--audit-every", "10", "--ckpt-every", "4", "--keep", "2"])
     assert r.exit_code == 1 and r.output.count("INDEFENSIBLE:") == 2
     r = CliRunner().invoke(main, ["plan", "--audit-every", "10", "--ckpt-every", "40", "--keep", "1"])
     assert r.exit_code == 0 and "warning: checkpoints every 40" in r.output  # advice only
-    for args in (["--ckpt-every", "5", "--keep", "2"], ["--audit-every", "0", "--ckpt-every", "5", "--keep", "2"],
-                 ["--audit-every", "10", "--ckpt-every", "5", "--keep", "2", "--transient-fraction", "2"]):
+    for args in (
+        ["--ckpt-every", "5", "--keep", "2"],
+        ["--audit-every", "0", "--ckpt-every", "5", "--keep", "2"],
+        ["--audit-every", "10", "--ckpt-every", "5", "--keep", "2", "--transient-fraction", "2"],
+    ):
         r = CliRunner().invoke(main, ["plan", *args])
         assert r.exit_code == 2 and "Traceback" not in r.output
 
 
 def test_plan_does_not_import_torch():
-    code = ("import sys\nfrom certckpt_cli.main import main\n"
-            "try:\n    main(['plan', '--audit-every', '10', '--ckpt-every', '5', '--keep', '2'])\n"
-            "except SystemExit as e:\n    code = e.code\n"
-            "assert 'torch' not in sys.modules and 'matplotlib' not in sys.modules\nprint('exit', code)\n")
+    code = (
+        "import sys\nfrom certckpt_cli.main import main\n"
+        "try:\n    main(['plan', '--audit-every', '10', '--ckpt-every', '5', '--keep', '2'])\n"
+        "except SystemExit as e:\n    code = e.code\n"
+        "assert 'torch' not in sys.modules and 'matplotlib' not in sys.modules\nprint('exit', code)\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "exit 0" in out.stdout, out.stderr

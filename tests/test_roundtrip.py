@@ -16,7 +16,13 @@ def assert_same(a, b, path="obj"):
     assert type(a) is type(b), f"{path}: {type(a)} != {type(b)}"
     if isinstance(a, torch.Tensor):
         assert a.dtype == b.dtype and a.shape == b.shape and a.device == b.device, path
-        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.bool else a, b.view(torch.uint8) if b.dtype == torch.bool else b) if a.numel() else True, path
+        assert (
+            torch.equal(
+                a.view(torch.uint8) if a.dtype == torch.bool else a, b.view(torch.uint8) if b.dtype == torch.bool else b
+            )
+            if a.numel()
+            else True
+        ), path
         assert a.requires_grad == b.requires_grad, path
     elif isinstance(a, dict):
         assert list(a.keys()) == list(b.keys()), path
@@ -39,9 +45,24 @@ def roundtrip(obj, tmp_path, name="c.safetensors", **kw):
     return certckpt.load(p), p
 
 
-ALL_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2,
-              torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.uint16, torch.uint32, torch.uint64,
-              torch.bool, torch.complex64]
+ALL_DTYPES = [
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
+    torch.bool,
+    torch.complex64,
+]
 
 
 def test_every_storable_dtype_roundtrips(tmp_path):
@@ -64,7 +85,7 @@ def test_python_values_roundtrip_exactly(tmp_path):
         "ints": [0, -1, 2**100, -(3**400), 10**5000],  # arbitrary size, past str()'s 4300-digit limit
         "floats": (float("nan"), float("inf"), float("-inf"), -0.0, 0.1, 1e-310),
         "flags": [True, False, None],
-        "text": "ünïcode \n \"quoted\"",
+        "text": 'ünïcode \n "quoted"',
         7: {"int key": 1, 3: "int key"},
         "dtype": torch.bfloat16,
         "dtype_unstorable": torch.complex128,
@@ -115,7 +136,9 @@ def test_real_training_state_roundtrips(tmp_path):
     out, p = roundtrip(state, tmp_path, step=2, run="r")
     assert_same(state, out)
     # tied weights: one stored tensor, shared again after load
-    assert out["model"]["0.weight"].untyped_storage().data_ptr() == out["model"]["1.weight"].untyped_storage().data_ptr()
+    assert (
+        out["model"]["0.weight"].untyped_storage().data_ptr() == out["model"]["1.weight"].untyped_storage().data_ptr()
+    )
     with safe_open(p, "pt") as f:
         assert len([k for k in f.keys() if k.startswith("model.")]) == 1
     fresh = torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.Linear(8, 10, bias=False))

@@ -45,8 +45,20 @@ def test_ledger_on_s3_is_create_only(s3_bucket):
     led.commit_checkpoint(branch="main", step=10, location=f"{store}/step10.safetensors", consensus_fp="0" * 16)
     with pytest.raises(certckpt.CheckpointExistsError):
         led.commit_checkpoint(branch="main", step=10, location=f"{store}/elsewhere.safetensors")
-    led.append_events([{"branch": "main", "step": 10, "kind": k, "outcome": "pass", "details": {"fp": "0" * 16} if k == "consensus" else {},
-                        "suspect_ranks": [], "contained": False} for k in ("replay", "nonfinite", "consensus")])
+    led.append_events(
+        [
+            {
+                "branch": "main",
+                "step": 10,
+                "kind": k,
+                "outcome": "pass",
+                "details": {"fp": "0" * 16} if k == "consensus" else {},
+                "suspect_ranks": [],
+                "contained": False,
+            }
+            for k in ("replay", "nonfinite", "consensus")
+        ]
+    )
     st = certify_store(store)
     assert st.certification.latest_good == "main@10" and st.uncommitted == []
     assert len(led.snapshot().certificates) == 1

@@ -13,7 +13,14 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["ring_pairs", "ReplayVerdict", "arbitration_plan", "attribute_replay", "ConsensusVerdict", "consensus_verdict"]
+__all__ = [
+    "ring_pairs",
+    "ReplayVerdict",
+    "arbitration_plan",
+    "attribute_replay",
+    "ConsensusVerdict",
+    "consensus_verdict",
+]
 
 
 def ring_pairs(world: int) -> list[tuple[int, int]]:
@@ -67,12 +74,19 @@ def attribute_replay(
     if world == 1:
         return ReplayVerdict(
             (0,),
-            ("single rank: a same-device replay detects transient faults only; a persistent fault "
-             "reproduces itself and passes — attribution needs >= 3 ranks",),
+            (
+                "single rank: a same-device replay detects transient faults only; a persistent fault "
+                "reproduces itself and passes — attribution needs >= 3 ranks",
+            ),
         )
     if world == 2:
-        return ReplayVerdict((), ("fault detected, but attribution needs >= 3 ranks (with 2, each rank is "
-                                  "origin of one failed comparison and replayer of the other)",))
+        return ReplayVerdict(
+            (),
+            (
+                "fault detected, but attribution needs >= 3 ranks (with 2, each rank is "
+                "origin of one failed comparison and replayer of the other)",
+            ),
+        )
     suspects = set(_implicated_by_both(world, failed))
     notes: list[str] = []
     for o, r in failed:

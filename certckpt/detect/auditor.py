@@ -355,10 +355,17 @@ class Auditor:
     def _check_world_agrees(self) -> None:
         """Every rank must have the same parameters and the same audit configuration."""
         desc = json.dumps(
-            [self.audit_every, self.consensus_every, self.mode, self.exchange_flags,
-             [(n, list(p.shape), str(p.dtype)) for n, p in zip(self.param_names, self.params)]]
+            [
+                self.audit_every,
+                self.consensus_every,
+                self.mode,
+                self.exchange_flags,
+                [(n, list(p.shape), str(p.dtype)) for n, p in zip(self.param_names, self.params)],
+            ]
         ).encode()
-        mine = torch.tensor([xxhash.xxh3_64_intdigest(desc) & ((1 << 62) - 1)], dtype=torch.int64, device=self.wire_device)
+        mine = torch.tensor(
+            [xxhash.xxh3_64_intdigest(desc) & ((1 << 62) - 1)], dtype=torch.int64, device=self.wire_device
+        )
         allv = [torch.empty_like(mine) for _ in range(self.world)]
         dist.all_gather(allv, mine, group=self.group)
         values = [int(v) for v in allv]
@@ -446,7 +453,13 @@ class Auditor:
         self.last = StepOutcome(step=s, audited=audit)
         rng = self._rng_state() if audit else None
         # The neighbour's micro-batch travels while this rank computes its own step.
-        shift = RingShift({"batch": batch, "rng": rng}, group=self.group, wire_device=self.wire_device, out_device=self.device) if audit else None
+        shift = (
+            RingShift(
+                {"batch": batch, "rng": rng}, group=self.group, wire_device=self.wire_device, out_device=self.device
+            )
+            if audit
+            else None
+        )
         self._zero_grad()
         self._hook.reset(audit=audit)
         if self.injector is not None:
@@ -545,7 +558,9 @@ class Auditor:
         self.last.applied = False
         pre = [r for r, f in enumerate(flags[0]) if f]
         post = [r for r, f in enumerate(flags[1]) if f]
-        bad = [n for n, p in zip(self.param_names, self.params) if p.grad is not None and not torch.isfinite(p.grad).all()]
+        bad = [
+            n for n, p in zip(self.param_names, self.params) if p.grad is not None and not torch.isfinite(p.grad).all()
+        ]
         if pre:
             kind, suspects = "nonfinite-pre", pre
             msg = f"non-finite local gradients on rank(s) {pre} before the all-reduce"
@@ -556,8 +571,15 @@ class Auditor:
                 " gradients were finite: suspect the reduction (interconnect, or a rank's reduction arithmetic)"
             )
         ev = self._event(
-            kind, "fail", step=s, suspects=suspects, contained=True,
-            pre_ranks=pre, post_ranks=post, tensors=bad[:20], policy=self.on_nonfinite,
+            kind,
+            "fail",
+            step=s,
+            suspects=suspects,
+            contained=True,
+            pre_ranks=pre,
+            post_ranks=post,
+            tensors=bad[:20],
+            policy=self.on_nonfinite,
         )
         self._zero_grad()
         self._fail(ev, msg + "; the update was not applied", policy="raise" if self.on_nonfinite == "raise" else "skip")
@@ -677,10 +699,20 @@ class Auditor:
         results: dict[tuple[int, int], str] = {}
         for origin, replayer, arbiter in arbitration_plan(self.world, failed):
             if self.rank == origin:
-                send_payload({"batch": batch, "rng": rng}, dist.get_global_rank(self.group, arbiter), group=self.group, wire_device=self.wire_device)
+                send_payload(
+                    {"batch": batch, "rng": rng},
+                    dist.get_global_rank(self.group, arbiter),
+                    group=self.group,
+                    wire_device=self.wire_device,
+                )
                 sig = torch.zeros_like(gathered[origin][1])
             elif self.rank == arbiter:
-                got = recv_payload(dist.get_global_rank(self.group, origin), group=self.group, wire_device=self.wire_device, out_device=self.device)
+                got = recv_payload(
+                    dist.get_global_rank(self.group, origin),
+                    group=self.group,
+                    wire_device=self.wire_device,
+                    out_device=self.device,
+                )
                 sig = self._replay(self.model.module, got["batch"], got["rng"], s).cpu()
             else:
                 sig = torch.zeros_like(gathered[origin][1])
@@ -734,7 +766,11 @@ class Auditor:
         )
         self._consensus = None
         minority = list(verdict.minority_ranks) if verdict.majority is not None else "no majority"
-        self._fail(ev, f"weights differ across replicas after step {s} (minority: {minority}; tensors {names[:3]})", policy=self.on_fault)
+        self._fail(
+            ev,
+            f"weights differ across replicas after step {s} (minority: {minority}; tensors {names[:3]})",
+            policy=self.on_fault,
+        )
         return False
 
     # --- checkpoints --------------------------------------------------------------------------
@@ -792,11 +828,18 @@ class Auditor:
                 self.sink.flush()  # the events up to this checkpoint reach the ledger before its commit record
                 if self.ledger is not None:
                     self.ledger.commit_checkpoint(
-                        branch=self.branch, step=s, location=str(f), run=self.run, parent=self.parent,
-                        consensus_fp=self._consensus[2] if self._consensus else None, state_fp=result.state_fp,
-                        header_digest=result.header_digest, step_range=[first, s], nbytes=result.nbytes,
+                        branch=self.branch,
+                        step=s,
+                        location=str(f),
+                        run=self.run,
+                        parent=self.parent,
+                        consensus_fp=self._consensus[2] if self._consensus else None,
+                        state_fp=result.state_fp,
+                        header_digest=result.header_digest,
+                        step_range=[first, s],
+                        nbytes=result.nbytes,
                     )
-            except Exception as e:  # noqa: BLE001 - re-raised below, after telling the other ranks
+            except Exception as e:
                 error = e
         # Every rank learns whether rank 0's write succeeded, so all raise (or go on) together
         # instead of the others hanging in the next collective.
@@ -805,7 +848,9 @@ class Auditor:
         if error is not None:
             raise error
         if int(status) != 0:
-            raise CertckptError(f"rank {self.rank}: rank 0 could not write checkpoint {f!s} at step {s}; see rank 0's error")
+            raise CertckptError(
+                f"rank {self.rank}: rank 0 could not write checkpoint {f!s} at step {s}; see rank 0's error"
+            )
         self.last_checkpoint_step = s
         self._events = []
         return result
@@ -815,4 +860,3 @@ class Auditor:
         if self.injector is not None:
             self.injector.remove()
         self.sink.flush()
-

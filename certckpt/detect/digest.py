@@ -44,7 +44,9 @@ class _Tables32:
         self.buf = torch.empty((_BLOCK_CHUNKS, FP_CHUNK_WORDS), dtype=torch.int32, device=device)
         probe = torch.tensor([0x7FFFFFFF, -(2**31), 0x12345679], dtype=torch.int32, device=device)
         got = (probe * self.table[:3]).tolist()
-        want = [_low32_signed(torch.tensor(int(a) * int(b))).item() for a, b in zip(probe.tolist(), self.table[:3].tolist())]
+        want = [
+            _low32_signed(torch.tensor(int(a) * int(b))).item() for a, b in zip(probe.tolist(), self.table[:3].tolist())
+        ]
         if got != want:
             raise PlatformError("torch int32 multiplication does not wrap mod 2**32 on this build; cannot digest")
 

@@ -61,9 +61,7 @@ def _model(seed: int):
     import torch
 
     torch.manual_seed(seed)
-    return torch.nn.Sequential(
-        torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Dropout(0.1), torch.nn.Linear(32, 8)
-    )
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Dropout(0.1), torch.nn.Linear(32, 8))
 
 
 def make_model():
@@ -146,7 +144,11 @@ def run_cases_on_rank(args: dict[str, Any]) -> list[dict[str, Any]]:
             scale=case.get("scale", args.get("scale", 0.05)),
         )
         # rank 0 keeps the events twice: in the ledger (for status / latest-good) and as plain JSON lines
-        sink = _Tee(LedgerSink(Ledger(store)), JsonlSink(os.path.join(store, "events.jsonl"))) if rank == 0 else MemorySink()
+        sink = (
+            _Tee(LedgerSink(Ledger(store)), JsonlSink(os.path.join(store, "events.jsonl")))
+            if rank == 0
+            else MemorySink()
+        )
         auditor = Auditor(
             ddp,
             opt,
@@ -167,23 +169,27 @@ def run_cases_on_rank(args: dict[str, Any]) -> list[dict[str, Any]]:
                 break
             if step % args["ckpt_every"] == 0:
                 try:
-                    auditor.save({"model": model.state_dict(), "optim": opt.state_dict(), "step": step},
-                                 os.path.join(store, f"step{step:06d}.safetensors"))
+                    auditor.save(
+                        {"model": model.state_dict(), "optim": opt.state_dict(), "step": step},
+                        os.path.join(store, f"step{step:06d}.safetensors"),
+                    )
                 except FaultDetectedError as e:
                     detected = e.event
                     break
         auditor.close()
         if isinstance(sink, _Tee):
             sink.close()
-        results.append({
-            **case,
-            "caught_by": _CAUGHT_BY.get(detected.kind) if detected else None,
-            "detected_step": detected.step if detected else None,
-            "suspect_ranks": detected.suspect_ranks if detected else [],
-            "notes": detected.details.get("notes", []) if detected else [],
-            "store": f"file://{os.path.abspath(store)}" if args.get("keep") else None,
-            "fired": len(auditor.injector.fired) if auditor.injector else 0,
-        })
+        results.append(
+            {
+                **case,
+                "caught_by": _CAUGHT_BY.get(detected.kind) if detected else None,
+                "detected_step": detected.step if detected else None,
+                "suspect_ranks": detected.suspect_ranks if detected else [],
+                "notes": detected.details.get("notes", []) if detected else [],
+                "store": f"file://{os.path.abspath(store)}" if args.get("keep") else None,
+                "fired": len(auditor.injector.fired) if auditor.injector else 0,
+            }
+        )
         dist.barrier()
     return results
 
@@ -210,9 +216,18 @@ def run_matrix(
         os.makedirs(root, exist_ok=True)
         taken = [c["name"] for c in cases if os.path.exists(os.path.join(root, c["name"]))]
         if taken:
-            raise FileExistsError(f"{root} already holds drill results ({', '.join(taken[:3])}); choose an empty directory")
-        args = {"cases": cases, "audit_every": audit_every, "ckpt_every": ckpt_every, "steps": steps,
-                "dir": root, "keep": directory is not None, "mode": mode}
+            raise FileExistsError(
+                f"{root} already holds drill results ({', '.join(taken[:3])}); choose an empty directory"
+            )
+        args = {
+            "cases": cases,
+            "audit_every": audit_every,
+            "ckpt_every": ckpt_every,
+            "steps": steps,
+            "dir": root,
+            "keep": directory is not None,
+            "mode": mode,
+        }
         per_rank = run_ranks("certckpt.detect.drill:run_cases_on_rank", ranks, args, timeout=timeout)
     out = []
     for i, res in enumerate(per_rank[0]):

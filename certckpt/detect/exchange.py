@@ -111,7 +111,10 @@ class RingShift:
         self._payload_works: list | None = None
 
     def _swap(self, out: torch.Tensor, inp: torch.Tensor, tag: int) -> list:
-        ops = [dist.P2POp(dist.isend, out, self._next, self.group, tag), dist.P2POp(dist.irecv, inp, self._prev, self.group, tag)]
+        ops = [
+            dist.P2POp(dist.isend, out, self._next, self.group, tag),
+            dist.P2POp(dist.irecv, inp, self._prev, self.group, tag),
+        ]
         return dist.batch_isend_irecv(ops)
 
     def advance(self) -> None:

@@ -58,7 +58,9 @@ class Fault:
         if self.kind not in FAULT_KINDS:
             raise ConfigurationError(f"fault kind must be one of {FAULT_KINDS}, got {self.kind!r}")
         if self.step < 1 or self.rank < -1 or (self.rank == -1 and self.kind != "reduction"):
-            raise ConfigurationError("fault step must be >= 1 and rank >= 0 (-1, every rank, only for reduction faults)")
+            raise ConfigurationError(
+                "fault step must be >= 1 and rank >= 0 (-1, every rank, only for reduction faults)"
+            )
         if self.value not in ("nan", "inf"):
             raise ConfigurationError("value must be 'nan' or 'inf'")
 

@@ -38,7 +38,15 @@ def _aborted_after_result(p: subprocess.Popen, d: str, rank: int) -> bool:
     return p.returncode == -6 and os.path.exists(os.path.join(d, f"out{rank}.json"))
 
 
-def run_ranks(target: str, world: int, args: dict[str, Any], *, timeout: float = 300, threads: int = 1, extra_path: str | None = None) -> list[Any]:
+def run_ranks(
+    target: str,
+    world: int,
+    args: dict[str, Any],
+    *,
+    timeout: float = 300,
+    threads: int = 1,
+    extra_path: str | None = None,
+) -> list[Any]:
     """Run ``target`` (``"module:function"``, called as ``function(args)``) on ``world`` ranks.
 
     Returns:
@@ -59,10 +67,24 @@ def run_ranks(target: str, world: int, args: dict[str, Any], *, timeout: float =
         for r in range(world):
             log = open(os.path.join(d, f"rank{r}.log"), "w+b")  # noqa: SIM115 - closed below
             logs.append(log)
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "certckpt.detect.launch", target, str(r), str(world), str(port), args_path, os.path.join(d, f"out{r}.json")],
-                env=env, stdout=log, stderr=subprocess.STDOUT,
-            ))
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "certckpt.detect.launch",
+                        target,
+                        str(r),
+                        str(world),
+                        str(port),
+                        args_path,
+                        os.path.join(d, f"out{r}.json"),
+                    ],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
         deadline = time.monotonic() + timeout
         try:
             while any(p.poll() is None for p in procs):
@@ -112,7 +134,6 @@ def _worker(target: str, rank: int, world: int, port: int, args_path: str, out_p
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
-
 
 
 def follow(path: str, stop: threading.Event, emit: Callable[[str], None], *, interval: float = 0.25) -> None:

@@ -52,7 +52,6 @@ FP_CHUNK_WORDS = 1 << 16  # C: multiplier table length, part of the specificatio
 _BLOCK_CHUNKS = 16  # implementation choice: 16 chunks (1 Mi words, 8 MiB of int64) per eager pass
 
 
-
 def splitmix64(x: int) -> int:
     """The splitmix64 output function (Steele, Lea, Flood 2014) on a 64-bit integer."""
     z = (x + 0x9E3779B97F4A7C15) & M64
@@ -188,7 +187,7 @@ def enable_compile(on: bool = True) -> bool:
             v = tabs.chunk_multipliers(0, _BLOCK_CHUNKS)
             if int(fn(blk, tabs.table, v)) != int(_block_sum(blk, tabs.table, v)):
                 raise PlatformError("compiled fingerprint kernel disagrees with the eager one")
-        except Exception as e:  # noqa: BLE001 - any compiler failure means: stay eager
+        except Exception as e:
             warnings.warn(f"certckpt: compiled fingerprint disabled, using eager ({e})", RuntimeWarning, stacklevel=2)
             _compiled, _compile_checked = None, True
             return False

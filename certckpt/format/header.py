@@ -171,7 +171,9 @@ def read_header_length(prefix: bytes, *, file_length: int | None, source: str) -
 def _as_nonneg_int(value: object, what: str, source: str) -> int:
     # bool is an int subclass; JSON `true` must not pass as 1.
     if type(value) is not int or value < 0:
-        raise CorruptCheckpointError(f"{source}: malformed header: {what} must be a non-negative integer, found {value!r:.80}")
+        raise CorruptCheckpointError(
+            f"{source}: malformed header: {what} must be a non-negative integer, found {value!r:.80}"
+        )
     return value
 
 
@@ -187,7 +189,9 @@ def parse_header(raw: bytes, *, source: str, file_length: int | None) -> Header:
         text = raw.decode("utf-8")
         doc = strict_json_loads(text)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise CorruptCheckpointError(f"{source}: malformed header: not valid UTF-8 JSON ({e.__class__.__name__})") from e
+        raise CorruptCheckpointError(
+            f"{source}: malformed header: not valid UTF-8 JSON ({e.__class__.__name__})"
+        ) from e
     if not isinstance(doc, dict):
         raise CorruptCheckpointError(f"{source}: malformed header: expected a JSON object, found {type(doc).__name__}")
 
@@ -212,7 +216,9 @@ def parse_header(raw: bytes, *, source: str, file_length: int | None) -> Header:
             raise CorruptCheckpointError(f"{source}: malformed header: {where} has unknown dtype {dtype!r:.40}")
         shape = spec["shape"]
         if not isinstance(shape, list) or len(shape) > MAX_DIMS:
-            raise CorruptCheckpointError(f"{source}: malformed header: {where} shape must be a list of at most {MAX_DIMS} sizes")
+            raise CorruptCheckpointError(
+                f"{source}: malformed header: {where} shape must be a list of at most {MAX_DIMS} sizes"
+            )
         dims = tuple(_as_nonneg_int(d, f"{where} shape entry", source) for d in shape)
         if any(d > MAX_DIM for d in dims):
             raise CorruptCheckpointError(f"{source}: malformed header: {where} has a dimension above 2**63 - 1")

@@ -26,7 +26,15 @@ from .header import (
     strict_json_loads,
 )
 
-__all__ = ["SCHEMA_VERSION", "RECORD_KEY", "CheckpointRecord", "build_header", "parse_record", "check_header", "state_fingerprint"]
+__all__ = [
+    "SCHEMA_VERSION",
+    "RECORD_KEY",
+    "CheckpointRecord",
+    "build_header",
+    "parse_record",
+    "check_header",
+    "state_fingerprint",
+]
 
 SCHEMA_VERSION = 1
 RECORD_KEY = "certckpt"
@@ -171,9 +179,15 @@ def _validate(record: CheckpointRecord, header: Header, source: str) -> None:
         ("run", record.run is None or isinstance(record.run, str)),
         ("branch", record.branch is None or isinstance(record.branch, str)),
         ("step", record.step is None or type(record.step) is int),
-        ("step_range", record.step_range is None or (
-            isinstance(record.step_range, list) and len(record.step_range) == 2
-            and all(type(x) is int for x in record.step_range))),
+        (
+            "step_range",
+            record.step_range is None
+            or (
+                isinstance(record.step_range, list)
+                and len(record.step_range) == 2
+                and all(type(x) is int for x in record.step_range)
+            ),
+        ),
         ("parent", record.parent is None or isinstance(record.parent, str)),
         ("lineage", record.lineage is None or isinstance(record.lineage, dict)),
         ("consensus_fp", record.consensus_fp is None or _is_hex(record.consensus_fp, FP_HEX)),
@@ -181,7 +195,9 @@ def _validate(record: CheckpointRecord, header: Header, source: str) -> None:
         ("user", isinstance(record.user, dict) and all(isinstance(v, str) for v in record.user.values())),
     ):
         if not ok:
-            raise CorruptCheckpointError(f"{source}: malformed header: the certckpt record's `{name}` has the wrong type")
+            raise CorruptCheckpointError(
+                f"{source}: malformed header: the certckpt record's `{name}` has the wrong type"
+            )
 
 
 def check_header(header: Header, record: CheckpointRecord) -> str | None:

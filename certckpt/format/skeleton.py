@@ -35,9 +35,7 @@ from .tensors import ST_TO_TORCH, TORCH_TO_ST
 __all__ = ["Flattened", "StoredTensor", "flatten", "rebuild"]
 
 MAX_DEPTH = 200
-_DTYPE_BY_NAME = {
-    str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)
-}
+_DTYPE_BY_NAME = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
 
 
 @dataclass(slots=True)
@@ -72,17 +70,31 @@ def _refuse(path: tuple, what: str, fix: str) -> UnsupportedObjectError:
 
 def _check_tensor(t: torch.Tensor, path: tuple) -> None:
     if type(t) not in (torch.Tensor, torch.nn.Parameter):
-        raise _refuse(path, f"tensor subclass {type(t).__name__} cannot be stored without pickle", "convert it with .as_subclass(torch.Tensor)")
+        raise _refuse(
+            path,
+            f"tensor subclass {type(t).__name__} cannot be stored without pickle",
+            "convert it with .as_subclass(torch.Tensor)",
+        )
     if t.layout != torch.strided:
-        raise _refuse(path, f"{t.layout} tensors are not supported", "convert with .to_dense() (or store indices and values as separate tensors)")
+        raise _refuse(
+            path,
+            f"{t.layout} tensors are not supported",
+            "convert with .to_dense() (or store indices and values as separate tensors)",
+        )
     if t.is_quantized:
-        raise _refuse(path, "quantized tensors are not supported", "store .int_repr() with its scale and zero_point, or .dequantize()")
+        raise _refuse(
+            path,
+            "quantized tensors are not supported",
+            "store .int_repr() with its scale and zero_point, or .dequantize()",
+        )
     if t.device.type == "meta":
         raise _refuse(path, "meta tensors have no data to save", "materialize the tensor first")
     if getattr(t, "is_nested", False):
         raise _refuse(path, "nested tensors are not supported", "unbind it into a list of tensors")
     if t.dtype not in TORCH_TO_ST:
-        raise _refuse(path, f"dtype {t.dtype} cannot be stored in safetensors", "cast it (e.g. complex128 to two float64 tensors)")
+        raise _refuse(
+            path, f"dtype {t.dtype} cannot be stored in safetensors", "cast it (e.g. complex128 to two float64 tensors)"
+        )
 
 
 class _Flattener:
@@ -127,15 +139,27 @@ class _Flattener:
                     elif type(k) is int:
                         key = ["i", hex(k)]
                     else:
-                        raise _refuse(path, f"dict key {k!r:.60} of type {type(k).__name__} is not supported", "use str or int keys")
+                        raise _refuse(
+                            path,
+                            f"dict key {k!r:.60} of type {type(k).__name__} is not supported",
+                            "use str or int keys",
+                        )
                     items.append([key, self.walk(v, path + (k,))])
                 return ["d" if tp is dict else "od", items]
             finally:
                 self._active.discard(id(obj))
         if isinstance(obj, (int, float, str)):
-            raise _refuse(path, f"{tp.__name__} (a subclass of {tp.__mro__[1].__name__}) cannot be stored without pickle", f"convert it with {tp.__mro__[1].__name__}(...)")
+            raise _refuse(
+                path,
+                f"{tp.__name__} (a subclass of {tp.__mro__[1].__name__}) cannot be stored without pickle",
+                f"convert it with {tp.__mro__[1].__name__}(...)",
+            )
         what = "a function" if callable(obj) else f"an object of type {tp.__module__}.{tp.__qualname__}"
-        raise _refuse(path, f"{what} cannot be stored without pickle", "store its state (tensors, numbers, strings) instead, e.g. its state_dict()")
+        raise _refuse(
+            path,
+            f"{what} cannot be stored without pickle",
+            "store its state (tensors, numbers, strings) instead, e.g. its state_dict()",
+        )
 
 
 def _unique_name(path: tuple, taken: set[str]) -> str:
@@ -197,7 +221,9 @@ def flatten(obj: Any) -> Flattened:
             base = _plain(fl.tensors[base_i][1])
             name = _unique_name(fl.tensors[base_i][0], taken)
         else:
-            base = torch.empty(0, dtype=torch.uint8, device=first.device).set_(first.untyped_storage(), lo, (hi - lo,), (1,))
+            base = torch.empty(0, dtype=torch.uint8, device=first.device).set_(
+                first.untyped_storage(), lo, (hi - lo,), (1,)
+            )
             name = _unique_name(first_path + ("storage",), taken)
         out.stored.append(StoredTensor(name, base))
         for i in idxs:
@@ -205,7 +231,10 @@ def flatten(obj: Any) -> Flattened:
             start = _byte_extent(t)[0] - lo
             es = t.element_size()
             if base_i is not None and (t.dtype, t.storage_offset(), tuple(t.shape), t.stride()) == (
-                base.dtype, base.storage_offset(), tuple(base.shape), base.stride()
+                base.dtype,
+                base.storage_offset(),
+                tuple(base.shape),
+                base.stride(),
             ):
                 _fill_leaf(leaf, t, name, view=None)
             elif start % es == 0:
@@ -261,7 +290,9 @@ def resolve_device(recorded: str, map_location: Any) -> torch.device:
         return torch.device(map_location)
     if isinstance(map_location, dict):
         return torch.device(map_location.get(recorded, recorded))
-    raise ArgumentTypeError("map_location must be None, a str, a torch.device or a dict of device strings (callables are not supported)")
+    raise ArgumentTypeError(
+        "map_location must be None, a str, a torch.device or a dict of device strings (callables are not supported)"
+    )
 
 
 class _Rebuilder:

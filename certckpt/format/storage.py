@@ -23,9 +23,26 @@ from certckpt.errors import (
     StorageError,
 )
 
-__all__ = ["Target", "resolve", "open_read", "commit_local", "commit_remote", "temp_name", "fsync_dir", "put_once", "join", "write_atomic"]
+__all__ = [
+    "Target",
+    "resolve",
+    "open_read",
+    "commit_local",
+    "commit_remote",
+    "temp_name",
+    "fsync_dir",
+    "put_once",
+    "join",
+    "write_atomic",
+]
 
-_BACKEND_PIP = {"s3": "pip install 'certckpt[s3]'  (installs s3fs)", "gs": "pip install gcsfs", "gcs": "pip install gcsfs", "az": "pip install adlfs", "abfs": "pip install adlfs"}
+_BACKEND_PIP = {
+    "s3": "pip install 'certckpt[s3]'  (installs s3fs)",
+    "gs": "pip install gcsfs",
+    "gcs": "pip install gcsfs",
+    "az": "pip install adlfs",
+    "abfs": "pip install adlfs",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +65,10 @@ class Target:
 def resolve(f: Any) -> Target:
     """Classify what the caller passed, as ``torch.save`` / ``torch.load`` accept it."""
     if hasattr(f, "read") or hasattr(f, "write"):
-        return Target(display=getattr(f, "name", None) if isinstance(getattr(f, "name", None), str) else "<file object>", fileobj=f)
+        return Target(
+            display=getattr(f, "name", None) if isinstance(getattr(f, "name", None), str) else "<file object>",
+            fileobj=f,
+        )
     if isinstance(f, os.PathLike):
         f = os.fspath(f)
     if isinstance(f, bytes):
@@ -182,7 +202,13 @@ def is_s3(fs: Any) -> bool:
 
 
 def commit_remote(
-    tmp: str, url: str, *, overwrite: bool, display: str, put_options: dict[str, Any] | None = None, callback: Any = None
+    tmp: str,
+    url: str,
+    *,
+    overwrite: bool,
+    display: str,
+    put_options: dict[str, Any] | None = None,
+    callback: Any = None,
 ) -> None:
     """Upload a finished local temp file to an fsspec URL with a create-only PUT where supported.
 
@@ -211,9 +237,13 @@ def commit_remote(
     except PermissionError as e:
         raise StorageError(f"{display}: permission denied by the store; check credentials and bucket policy") from e
     except OSError as e:
-        raise StorageError(f"{display}: upload failed ({remote_error_text(e)}); nothing was published under this name") from e
+        raise StorageError(
+            f"{display}: upload failed ({remote_error_text(e)}); nothing was published under this name"
+        ) from e
     except Exception as e:  # botocore raises its own types for unreachable endpoints and missing credentials
-        raise StorageError(f"{display}: upload failed ({remote_error_text(e)}); nothing was published under this name") from e
+        raise StorageError(
+            f"{display}: upload failed ({remote_error_text(e)}); nothing was published under this name"
+        ) from e
 
 
 def remote_error_text(e: BaseException) -> str:
@@ -222,8 +252,19 @@ def remote_error_text(e: BaseException) -> str:
     text = str(e).splitlines()[0] if str(e) else name
     if name in ("NoCredentialsError", "PartialCredentialsError") or "Unable to locate credentials" in text:
         return "no credentials: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE"
-    if name in ("EndpointConnectionError", "ConnectTimeoutError", "ConnectionClosedError", "ClientConnectorError",
-                "ServerDisconnectedError", "ReadTimeoutError") or "Could not connect" in text or "Connect call failed" in text:
+    if (
+        name
+        in (
+            "EndpointConnectionError",
+            "ConnectTimeoutError",
+            "ConnectionClosedError",
+            "ClientConnectorError",
+            "ServerDisconnectedError",
+            "ReadTimeoutError",
+        )
+        or "Could not connect" in text
+        or "Connect call failed" in text
+    ):
         return f"cannot reach the endpoint ({text}); check AWS_ENDPOINT_URL / --endpoint and the network"
     if "NoSuchBucket" in text or "bucket does not exist" in text.lower():
         return f"the bucket does not exist ({text}); create it first (with Object Lock enabled for a vault)"

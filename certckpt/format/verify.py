@@ -271,7 +271,9 @@ def verify(f: Any, *, deep: bool = False, progress: Progress | None = None) -> V
         if problem:
             report.fail("header", f"{target.display}: {problem}")
         if state_fingerprint({k: v["fp"] for k, v in info.record.tensors.items()}) != info.record.state_fp:
-            report.fail("state", f"{target.display}: whole-state fingerprint does not match the per-tensor fingerprints")
+            report.fail(
+                "state", f"{target.display}: whole-state fingerprint does not match the per-tensor fingerprints"
+            )
         (_check_deep if deep else _check_data)(fh, info, report, progress)
         report.nbytes = info.header.file_length
     report.seconds = time.perf_counter() - t0

@@ -170,9 +170,7 @@ class _Job:
         return s.tensor if s.tensor.device.type == "cpu" else s.tensor.cpu()
 
     def finish(self, fps: list[int], digests: list[str]) -> bytes:
-        self.record.tensors = {
-            s.name: {"fp": f"{fp:016x}", "xxh3": d} for s, fp, d in zip(self.stored, fps, digests)
-        }
+        self.record.tensors = {s.name: {"fp": f"{fp:016x}", "xxh3": d} for s, fp, d in zip(self.stored, fps, digests)}
         self.record.state_fp = state_fingerprint({k: v["fp"] for k, v in self.record.tensors.items()})
         header = build_header(self.entries, self.record)
         if len(header) != self.header_length:  # would silently corrupt the data region

@@ -230,7 +230,9 @@ class RollbackFacts:
     max_certification_delay: int
 
 
-def rollback_facts(*, audit_every: int, ckpt_every: int, step_time: float | None = None, gpus: int | None = None) -> RollbackFacts:
+def rollback_facts(
+    *, audit_every: int, ckpt_every: int, step_time: float | None = None, gpus: int | None = None
+) -> RollbackFacts:
     """Worst and expected rollback of audits every K and checkpoints every C (module docstring)."""
     _check_policy(audit_every, ckpt_every)
     k, c = audit_every, ckpt_every
@@ -317,29 +319,59 @@ def plan_warnings(*, audit_every: int, ckpt_every: int, keep: int, run_steps: in
     out: list[PlanWarning] = []
     if not rb.aligned:
         below, above = _aligned_alternatives(k, c)
-        out.append(PlanWarning(code="not-aligned", indefensible=True, message=(
-            f"checkpoints every {c} steps are not aligned with audits every {k} (neither divides the other): "
-            f"a checkpoint waits up to {rb.max_certification_delay} steps to be certified and the worst rollback "
-            f"grows by {c - rb.gcd} to {rb.worst_steps} steps; use --ckpt-every {below} or {above}"
-        )))
+        out.append(
+            PlanWarning(
+                code="not-aligned",
+                indefensible=True,
+                message=(
+                    f"checkpoints every {c} steps are not aligned with audits every {k} (neither divides the other): "
+                    f"a checkpoint waits up to {rb.max_certification_delay} steps to be certified and the worst rollback "
+                    f"grows by {c - rb.gcd} to {rb.worst_steps} steps; use --ckpt-every {below} or {above}"
+                ),
+            )
+        )
     if not ret.keeps_known_good:
-        out.append(PlanWarning(code="keep-too-small", indefensible=True, message=(
-            f"keeping {keep} checkpoint(s) is too few: a detected fault can leave no known-good checkpoint on node "
-            f"storage (up to {ret.needed} are written from the rollback target on); keep at least {ret.needed}"
-        )))
+        out.append(
+            PlanWarning(
+                code="keep-too-small",
+                indefensible=True,
+                message=(
+                    f"keeping {keep} checkpoint(s) is too few: a detected fault can leave no known-good checkpoint on node "
+                    f"storage (up to {ret.needed} are written from the rollback target on); keep at least {ret.needed}"
+                ),
+            )
+        )
     if k > run_steps:
-        out.append(PlanWarning(code="audit-beyond-run", indefensible=True, message=(
-            f"audits every {k} steps never run in a {run_steps}-step run: no checkpoint can ever be certified"
-        )))
+        out.append(
+            PlanWarning(
+                code="audit-beyond-run",
+                indefensible=True,
+                message=(
+                    f"audits every {k} steps never run in a {run_steps}-step run: no checkpoint can ever be certified"
+                ),
+            )
+        )
     if c >= SPARSE_RATIO * k:
-        out.append(PlanWarning(code="ckpt-sparse", indefensible=False, message=(
-            f"checkpoints every {c} steps are {c / k:.3g}x sparser than audits: the rollback (worst {rb.worst_steps} steps) "
-            f"is dominated by the checkpoint spacing; checkpointing every {k} steps cuts it to {k}"
-        )))
+        out.append(
+            PlanWarning(
+                code="ckpt-sparse",
+                indefensible=False,
+                message=(
+                    f"checkpoints every {c} steps are {c / k:.3g}x sparser than audits: the rollback (worst {rb.worst_steps} steps) "
+                    f"is dominated by the checkpoint spacing; checkpointing every {k} steps cuts it to {k}"
+                ),
+            )
+        )
     if c > run_steps:
-        out.append(PlanWarning(code="ckpt-beyond-run", indefensible=False, message=(
-            f"no checkpoint is written in a {run_steps}-step run (every {c} steps): a detected fault restarts the run"
-        )))
+        out.append(
+            PlanWarning(
+                code="ckpt-beyond-run",
+                indefensible=False,
+                message=(
+                    f"no checkpoint is written in a {run_steps}-step run (every {c} steps): a detected fault restarts the run"
+                ),
+            )
+        )
     return out
 
 
@@ -391,7 +423,9 @@ def expected_cost(*, audit_every: int, ckpt_every: int, costs: CostInputs = DEFA
         "undetected_defects": faults * costs.transient_fraction * (k - 1) / k * costs.defect_cost,
     }
     total = sum(parts.values())
-    return CostBreakdown(**parts, total=total, per_1000_steps=total / costs.run_steps * 1000, gpu_hours=h, expected_faults=faults)
+    return CostBreakdown(
+        **parts, total=total, per_1000_steps=total / costs.run_steps * 1000, gpu_hours=h, expected_faults=faults
+    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -433,7 +467,9 @@ class Plan:
         }
 
 
-def plan(*, audit_every: int, ckpt_every: int, keep: int, costs: CostInputs = DEFAULT_COSTS, hardware_known: bool = True) -> Plan:
+def plan(
+    *, audit_every: int, ckpt_every: int, keep: int, costs: CostInputs = DEFAULT_COSTS, hardware_known: bool = True
+) -> Plan:
     """Plan one combination.
 
     Args:
@@ -454,7 +490,9 @@ def plan(*, audit_every: int, ckpt_every: int, keep: int, costs: CostInputs = DE
         detection=detection_facts(audit_every=audit_every),
         rollback=rollback_facts(audit_every=audit_every, ckpt_every=ckpt_every, **hw),
         retention=retention_facts(audit_every=audit_every, ckpt_every=ckpt_every, keep=keep),
-        warnings=tuple(plan_warnings(audit_every=audit_every, ckpt_every=ckpt_every, keep=keep, run_steps=costs.run_steps)),
+        warnings=tuple(
+            plan_warnings(audit_every=audit_every, ckpt_every=ckpt_every, keep=keep, run_steps=costs.run_steps)
+        ),
         cost=expected_cost(audit_every=audit_every, ckpt_every=ckpt_every, costs=costs),
     )
 
@@ -526,7 +564,9 @@ def resolve_inputs(*, flags: Mapping[str, Any], found: Iterable[FoundPolicy] = (
         elif name in POLICY_NAMES:
             option = "--" + {"audit_every": "audit-every", "ckpt_every": "ckpt-every", "keep": "keep"}[name]
             why = "; ".join(f"{f.origin}: {f.missing[name]}" for f in found if name in f.missing)
-            raise ConfigurationError(f"{option} is needed: give it, or --from a run store that records it" + (f" ({why})" if why else ""))
+            raise ConfigurationError(
+                f"{option} is needed: give it, or --from a run store that records it" + (f" ({why})" if why else "")
+            )
         else:
             out[name] = Input(value=getattr(DEFAULT_COSTS, name), source="default")
     return out
@@ -580,7 +620,9 @@ def policy_from_snapshot(snapshot: Any, *, origin: str) -> FoundPolicy:
         found.values["audit_every"] = k
         found.notes["audit_every"] = f"most common gap between passing replay audits ({_describe(gaps)})"
     else:
-        found.missing["audit_every"] = f"{sum(map(len, replays.values()))} passing replay audit(s), need two on one branch"
+        found.missing["audit_every"] = (
+            f"{sum(map(len, replays.values()))} passing replay audit(s), need two on one branch"
+        )
     ckpts: dict[str, list[int]] = {}
     for c in snapshot.checkpoints:
         ckpts.setdefault(c.branch, []).append(int(c.step))
@@ -603,10 +645,18 @@ def overhead_from_envelope(report: Any, *, origin: str) -> FoundPolicy:
     """X from an envelope report ``{"combinations": [{"premium": fraction, ...}, ...]}``: the largest
     premium measured, so the planner charges the worst measured overhead rather than the mean."""
     combos = report.get("combinations") if isinstance(report, dict) else None
-    premiums = [c["premium"] for c in combos or () if isinstance(c, dict) and isinstance(c.get("premium"), (int, float))
-                and not isinstance(c.get("premium"), bool) and math.isfinite(c["premium"])]
+    premiums = [
+        c["premium"]
+        for c in combos or ()
+        if isinstance(c, dict)
+        and isinstance(c.get("premium"), (int, float))
+        and not isinstance(c.get("premium"), bool)
+        and math.isfinite(c["premium"])
+    ]
     if not premiums:
-        raise ConfigurationError(f"{origin}: not an envelope report (expected {{\"combinations\": [{{\"premium\": number, ...}}]}})")
+        raise ConfigurationError(
+            f'{origin}: not an envelope report (expected {{"combinations": [{{"premium": number, ...}}]}})'
+        )
     x = max(premiums)
     note = f"largest premium of {len(premiums)} measured combination(s)"
     if x < 0:  # every audited run timed faster than plain: measurement noise, not a negative cost
@@ -640,7 +690,9 @@ def read_policy(url: str) -> FoundPolicy:
         try:
             report = json.loads(data)
         except ValueError as e:
-            raise ConfigurationError(f"{url}: neither a run store nor a JSON envelope report ({e.__class__.__name__})") from e
+            raise ConfigurationError(
+                f"{url}: neither a run store nor a JSON envelope report ({e.__class__.__name__})"
+            ) from e
         return overhead_from_envelope(report, origin=url)
 
     from certckpt.trust.ledger import Ledger

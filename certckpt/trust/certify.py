@@ -24,7 +24,15 @@ from typing import Any
 
 __all__ = ["CheckpointEntry", "Revocation", "Verdict", "Detection", "Certification", "certify", "REASONS"]
 
-REASONS = ("corrupt", "fingerprint-mismatch", "no-consensus", "awaiting-audit", "after-fault", "tainted-parent", "revoked")
+REASONS = (
+    "corrupt",
+    "fingerprint-mismatch",
+    "no-consensus",
+    "awaiting-audit",
+    "after-fault",
+    "tainted-parent",
+    "revoked",
+)
 _FULL = ("replay", "nonfinite", "consensus")
 
 
@@ -187,10 +195,18 @@ def certify(
     for name, b in sorted(branches.items()):
         for step, kind, suspects, contained in sorted(b.failures):
             c = b.last_clean_before(step)
-            out.detections.append(Detection(
-                branch=name, step=step, kind=kind, suspect_ranks=suspects, contained=contained, last_clean=c,
-                interval=None if contained else (c, step), rollback_window=0 if contained else step - c,
-            ))
+            out.detections.append(
+                Detection(
+                    branch=name,
+                    step=step,
+                    kind=kind,
+                    suspect_ranks=suspects,
+                    contained=contained,
+                    last_clean=c,
+                    interval=None if contained else (c, step),
+                    rollback_window=0 if contained else step - c,
+                )
+            )
 
     revoked = {r.ckpt_id for r in revocations}
     corrupt = set(corrupt)
@@ -208,7 +224,8 @@ def certify(
     tainted: dict[str, bool] = {}
     # the first revoked checkpoint of each branch: every later one on the branch descends from it
     first_revoked = {
-        name: next(((c.step, c.committed_at) for c in lst if c.ckpt_id in revoked), None) for name, lst in by_branch.items()
+        name: next(((c.step, c.committed_at) for c in lst if c.ckpt_id in revoked), None)
+        for name, lst in by_branch.items()
     }
 
     def lineage_tainted(cid: str, seen: frozenset = frozenset()) -> bool:

@@ -73,7 +73,14 @@ def _signature(ev: Mapping[str, Any]) -> dict[str, Any]:
     return {"check": ev["kind"], "tensors": tensors, "details": details}
 
 
-def build_opening(ev: Mapping[str, Any], *, latest_good: str | None, made_suspect: Sequence[str], interval: Sequence[int] | None, now: float) -> dict[str, Any]:
+def build_opening(
+    ev: Mapping[str, Any],
+    *,
+    latest_good: str | None,
+    made_suspect: Sequence[str],
+    interval: Sequence[int] | None,
+    now: float,
+) -> dict[str, Any]:
     """The opening record of an incident (pure), from the failed check's event record."""
     inventory = ev.get("inventory") or {}
     suspects = list(ev.get("suspect_ranks") or [])
@@ -129,9 +136,14 @@ class Incident:
         return [d for d in self.decisions if d["action"] in _NEEDS_APPROVAL and d["decision_id"] not in approved]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"incident_id": self.incident_id, "status": self.status, "rollback_to": self.rollback_to,
-                "pending_approvals": [d["decision_id"] for d in self.pending_approvals()],
-                "opened": self.opened, "decisions": self.decisions}
+        return {
+            "incident_id": self.incident_id,
+            "status": self.status,
+            "rollback_to": self.rollback_to,
+            "pending_approvals": [d["decision_id"] for d in self.pending_approvals()],
+            "opened": self.opened,
+            "decisions": self.decisions,
+        }
 
 
 def incident_state(records: Iterable[Mapping[str, Any]]) -> dict[str, Incident]:
@@ -174,12 +186,16 @@ def check_decision(
         if not ckpt:
             raise IncidentError("a rollback decision must name the checkpoint to restart from (--ckpt ID)")
         if ckpt not in set(trusted):
-            raise IncidentError(f"{ckpt} is not a trusted checkpoint of this run; roll back to one (see `certckpt latest-good`)")
+            raise IncidentError(
+                f"{ckpt} is not a trusted checkpoint of this run; roll back to one (see `certckpt latest-good`)"
+            )
     if action == "approve":
         target = next((d for d in incident.decisions if d["decision_id"] == decision.get("approves")), None)
         if target is None or target["action"] not in _NEEDS_APPROVAL:
             pending = ", ".join(d["decision_id"] for d in incident.pending_approvals()) or "none"
-            raise IncidentError(f"--approves must name a pending replace or return-to-service decision (pending: {pending})")
+            raise IncidentError(
+                f"--approves must name a pending replace or return-to-service decision (pending: {pending})"
+            )
         if target["by"].strip().lower() == str(decision["by"]).strip().lower():
             raise IncidentError(f"{target['decision_id']} was proposed by {target['by']}; someone else must approve it")
     if action == "resolve":
@@ -190,17 +206,25 @@ def check_decision(
             )
         pending = incident.pending_approvals()
         if pending:
-            raise IncidentError(f"{incident.incident_id} cannot be resolved: {', '.join(d['decision_id'] for d in pending)} await approval")
+            raise IncidentError(
+                f"{incident.incident_id} cannot be resolved: {', '.join(d['decision_id'] for d in pending)} await approval"
+            )
     if action == "close":
         if incident.status != "resolved":
             raise IncidentError(f"{incident.incident_id} is {incident.status}; resolve it before closing")
         drill = next((d for d in drills if d.get("drill_id") == decision.get("drill")), None)
         if drill is None:
-            raise IncidentError("closing needs a restore drill of the recovered run: run `certckpt drill restore VAULT ...` and pass --drill ID --vault VAULT")
+            raise IncidentError(
+                "closing needs a restore drill of the recovered run: run `certckpt drill restore VAULT ...` and pass --drill ID --vault VAULT"
+            )
         if drill.get("at", 0) < incident.opened.get("opened_at", 0):
-            raise IncidentError(f"drill {decision.get('drill')} ran before the incident opened; run a new one on the recovered run")
+            raise IncidentError(
+                f"drill {decision.get('drill')} ran before the incident opened; run a new one on the recovered run"
+            )
         if drill.get("outcome") != "pass" or not (drill.get("stages", {}).get("metrics") or {}).get("ok"):
-            raise IncidentError(f"drill {decision.get('drill')} did not pass against a clean reference (outcome {drill.get('outcome')})")
+            raise IncidentError(
+                f"drill {decision.get('drill')} did not pass against a clean reference (outcome {drill.get('outcome')})"
+            )
 
 
 def dumps_record(doc: Mapping[str, Any]) -> bytes:

@@ -39,7 +39,17 @@ __all__ = ["Ledger", "LedgerSink", "LedgerSnapshot", "ckpt_id_for", "LEDGER_DIR"
 
 LEDGER_DIR = "_ledger"
 VAULT_MARK = "vault.json"  # marks a vault's ledger: {"kind": "certckpt-vault", "run", "source"}
-_KINDS = ("checkpoints", "branches", "events", "revocations", "certificates", "holdings", "retired", "drills", "incidents")
+_KINDS = (
+    "checkpoints",
+    "branches",
+    "events",
+    "revocations",
+    "certificates",
+    "holdings",
+    "retired",
+    "drills",
+    "incidents",
+)
 _NAME = re.compile(r"^[A-Za-z0-9._-]{1,100}$")
 
 
@@ -141,7 +151,9 @@ class Ledger:
 
     def append_events(self, events: Iterable[Any]) -> str | None:
         """Write one segment holding these events; returns its name (None when there were none)."""
-        lines = [json.dumps(e if isinstance(e, dict) else e.to_dict(), separators=(",", ":"), sort_keys=True) for e in events]
+        lines = [
+            json.dumps(e if isinstance(e, dict) else e.to_dict(), separators=(",", ":"), sort_keys=True) for e in events
+        ]
         if not lines:
             return None
         name = f"{time.time_ns():020d}-{secrets.token_hex(4)}.jsonl"
@@ -154,25 +166,34 @@ class Ledger:
         if not self._exists(join(self.root, "checkpoints", f"{ckpt_id}.json")):
             raise CheckpointNotFoundError(f"{self.store}: no committed checkpoint {ckpt_id!r} (see `certckpt status`)")
         rev = Revocation(ckpt_id=ckpt_id, reason=reason, by=by, at=time.time())
-        put_once(join(self.root, "revocations", f"{ckpt_id}--{time.time_ns()}.json"),
-                 _dumps({"ckpt_id": ckpt_id, "reason": reason, "by": by, "at": rev.at}))
+        put_once(
+            join(self.root, "revocations", f"{ckpt_id}--{time.time_ns()}.json"),
+            _dumps({"ckpt_id": ckpt_id, "reason": reason, "by": by, "at": rev.at}),
+        )
         return rev
 
     def record_certificate(self, ckpt_id: str, *, verdict: str, reasons: list[str], record: dict[str, Any]) -> None:
-        put_once(join(self.root, "certificates", f"{ckpt_id}--{time.time_ns()}.json"), _dumps({
-            "ckpt_id": ckpt_id,
-            "verdict": verdict,
-            "reasons": reasons,
-            "state_fp": record.get("state_fp"),
-            "header_digest": record.get("header_digest"),
-            "consensus_fp": record.get("consensus_fp"),
-            "at": time.time(),
-        }))
+        put_once(
+            join(self.root, "certificates", f"{ckpt_id}--{time.time_ns()}.json"),
+            _dumps(
+                {
+                    "ckpt_id": ckpt_id,
+                    "verdict": verdict,
+                    "reasons": reasons,
+                    "state_fp": record.get("state_fp"),
+                    "header_digest": record.get("header_digest"),
+                    "consensus_fp": record.get("consensus_fp"),
+                    "at": time.time(),
+                }
+            ),
+        )
 
     def retire(self, ckpt_id: str, *, reason: str, policy: str = "") -> None:
         """Record that a retention policy deleted this checkpoint's file (written after the delete)."""
-        put_once(join(self.root, "retired", f"{ckpt_id}.json"),
-                 _dumps({"ckpt_id": ckpt_id, "reason": reason, "policy": policy, "at": time.time()}))
+        put_once(
+            join(self.root, "retired", f"{ckpt_id}.json"),
+            _dumps({"ckpt_id": ckpt_id, "reason": reason, "policy": policy, "at": time.time()}),
+        )
 
     def record_drill(self, doc: dict[str, Any]) -> str:
         name = f"{time.time_ns():020d}-{secrets.token_hex(4)}.json"
@@ -238,7 +259,7 @@ class Ledger:
             d, name = os.path.split(os.path.abspath(loc.local))
             return name if d == os.path.abspath(store.local) else os.path.abspath(loc.local)
         prefix = self.store + "/"
-        rest = location[len(prefix):] if location.startswith(prefix) else None
+        rest = location[len(prefix) :] if location.startswith(prefix) else None
         return rest if rest and "/" not in rest else location
 
     def url_of(self, record: dict[str, Any], *, base: str | None = None) -> str:
@@ -260,8 +281,12 @@ class Ledger:
                     raise CheckpointNotFoundError(f"{self.store}: no such run store")
                 return LedgerSnapshot()
             # Hidden names are other writers' temp files, about to be linked and removed: not records.
-            files = {k: sorted(p for p in fs.find(f"{root}/{k}") if not p.rsplit("/", 1)[-1].startswith("."))
-                     if fs.exists(f"{root}/{k}") else [] for k in _KINDS}
+            files = {
+                k: sorted(p for p in fs.find(f"{root}/{k}") if not p.rsplit("/", 1)[-1].startswith("."))
+                if fs.exists(f"{root}/{k}")
+                else []
+                for k in _KINDS
+            }
             contents = fs.cat([p for v in files.values() for p in v]) if any(files.values()) else {}
         except (CertckptError, FileNotFoundError) as e:
             if isinstance(e, CertckptError):
@@ -274,7 +299,9 @@ class Ledger:
             try:
                 return json.loads(contents[path])
             except (KeyError, ValueError) as e:
-                raise CertckptError(f"{self.store}: ledger record {path.rsplit('/', 1)[-1]} is unreadable ({e.__class__.__name__})") from e
+                raise CertckptError(
+                    f"{self.store}: ledger record {path.rsplit('/', 1)[-1]} is unreadable ({e.__class__.__name__})"
+                ) from e
 
         mark = None
         if files["holdings"] or fs.exists(f"{root}/{VAULT_MARK}"):
@@ -298,18 +325,26 @@ class Ledger:
             b = load(p)
             snap.branch_parents[b["branch"]] = b["parent"]
         for r in snap.records.values():
-            snap.checkpoints.append(CheckpointEntry(
-                ckpt_id=r["ckpt_id"], branch=r["branch"], step=r["step"],
-                parent=r.get("parent") or snap.branch_parents.get(r["branch"]),
-                consensus_fp=r.get("consensus_fp"), committed_at=r.get("committed_at", 0.0),
-                url=self.url_of(snap.holdings[r["ckpt_id"]]) if r["ckpt_id"] in snap.holdings
-                else self.url_of(r, base=(mark or {}).get("source")),
-            ))
+            snap.checkpoints.append(
+                CheckpointEntry(
+                    ckpt_id=r["ckpt_id"],
+                    branch=r["branch"],
+                    step=r["step"],
+                    parent=r.get("parent") or snap.branch_parents.get(r["branch"]),
+                    consensus_fp=r.get("consensus_fp"),
+                    committed_at=r.get("committed_at", 0.0),
+                    url=self.url_of(snap.holdings[r["ckpt_id"]])
+                    if r["ckpt_id"] in snap.holdings
+                    else self.url_of(r, base=(mark or {}).get("source")),
+                )
+            )
         for p in files["events"]:
             snap.events.extend(json.loads(line) for line in contents[p].decode("utf-8").splitlines() if line.strip())
         for p in files["revocations"]:
             d = load(p)
-            snap.revocations.append(Revocation(ckpt_id=d["ckpt_id"], reason=d["reason"], by=d.get("by", ""), at=d.get("at", 0.0)))
+            snap.revocations.append(
+                Revocation(ckpt_id=d["ckpt_id"], reason=d["reason"], by=d.get("by", ""), at=d.get("at", 0.0))
+            )
         for p in files["certificates"]:
             d = load(p)
             prev = snap.certificates.get(d["ckpt_id"])

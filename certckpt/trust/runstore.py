@@ -66,16 +66,26 @@ class StoreStatus:
     @property
     def latest_good(self) -> str | None:
         """The newest trusted checkpoint this store still holds (bytes not re-verified)."""
-        return next((c for c in self.certification.order if self.snapshot.available(c) and c not in self.problems), None)
+        return next(
+            (c for c in self.certification.order if self.snapshot.available(c) and c not in self.problems), None
+        )
 
     def entry(self, ckpt_id: str):
         return next(c for c in self.snapshot.checkpoints if c.ckpt_id == ckpt_id)
 
     def suspect_intervals(self) -> list[dict[str, Any]]:
         return [
-            {"branch": d.branch, "from": d.interval[0], "to": d.interval[1], "detected_step": d.step, "kind": d.kind,
-             "suspect_ranks": list(d.suspect_ranks), "rollback_window": d.rollback_window}
-            for d in self.certification.detections if d.interval is not None
+            {
+                "branch": d.branch,
+                "from": d.interval[0],
+                "to": d.interval[1],
+                "detected_step": d.step,
+                "kind": d.kind,
+                "suspect_ranks": list(d.suspect_ranks),
+                "rollback_window": d.rollback_window,
+            }
+            for d in self.certification.detections
+            if d.interval is not None
         ]
 
 
@@ -108,7 +118,9 @@ def _record_changes(ledger: Ledger, status: StoreStatus) -> None:
             continue  # a vault certifies what it holds; lineage-only and pruned ones keep their last word
         prev = status.snapshot.certificates.get(cid)
         if prev is None or prev["verdict"] != v.label or list(prev["reasons"]) != list(v.reasons):
-            ledger.record_certificate(cid, verdict=v.label, reasons=list(v.reasons), record=status.snapshot.records[cid])
+            ledger.record_certificate(
+                cid, verdict=v.label, reasons=list(v.reasons), record=status.snapshot.records[cid]
+            )
 
 
 def certify_store(store: str, *, verify_bytes: bool = False, write_certificates: bool = True) -> StoreStatus:
@@ -129,8 +141,12 @@ def certify_store(store: str, *, verify_bytes: bool = False, write_certificates:
             p = _check(snap, cid)
             if p:
                 problems[cid] = p
-    cert = certify(snap.checkpoints, snap.events, snap.revocations, corrupt=problems, branch_parents=snap.branch_parents)
-    status = StoreStatus(store=store, snapshot=snap, certification=cert, problems=problems, uncommitted=ledger.uncommitted(snap))
+    cert = certify(
+        snap.checkpoints, snap.events, snap.revocations, corrupt=problems, branch_parents=snap.branch_parents
+    )
+    status = StoreStatus(
+        store=store, snapshot=snap, certification=cert, problems=problems, uncommitted=ledger.uncommitted(snap)
+    )
     if write_certificates:
         _record_changes(ledger, status)
         if not snap.is_vault:  # a vault mirrors its run's incidents; it never opens its own
@@ -139,7 +155,9 @@ def certify_store(store: str, *, verify_bytes: bool = False, write_certificates:
     return status
 
 
-def find_latest_good(store: str, *, verify_bytes: bool = True, write_certificates: bool = True) -> tuple[StoreStatus, str | None]:
+def find_latest_good(
+    store: str, *, verify_bytes: bool = True, write_certificates: bool = True
+) -> tuple[StoreStatus, str | None]:
     """The newest trusted checkpoint whose bytes verify now, falling back along the trusted order."""
     ledger = Ledger(store)
     status = certify_store(store, write_certificates=False)
@@ -179,8 +197,13 @@ def open_incident(ledger: Ledger, ev: Mapping[str, Any], *, status: StoreStatus 
     cert = st.certification
     det = next((d for d in cert.detections if d.branch == ev["branch"] and d.step == ev["step"] and d.interval), None)
     made = [c.ckpt_id for c in st.snapshot.checkpoints if c.branch == ev["branch"] and det and c.step > det.interval[0]]
-    doc = build_opening(ev, latest_good=st.latest_good, made_suspect=sorted(made, key=lambda x: int(x.rpartition("@")[2])),
-                        interval=det.interval if det else None, now=time.time())
+    doc = build_opening(
+        ev,
+        latest_good=st.latest_good,
+        made_suspect=sorted(made, key=lambda x: int(x.rpartition("@")[2])),
+        interval=det.interval if det else None,
+        now=time.time(),
+    )
     try:
         ledger.put_raw("incidents", f"{iid}--{OPENED_SUFFIX}.json", dumps_record(doc))
     except CheckpointExistsError:
@@ -241,11 +264,20 @@ def decide(
     if action == "close":
         source = Ledger(vault) if vault else Ledger(store)
         names = source.list_raw("drills")
-        drills = [dict(json.loads(v), drill_id=k.removesuffix(".json")) for k, v in source.read_raw("drills", names).items()]
+        drills = [
+            dict(json.loads(v), drill_id=k.removesuffix(".json")) for k, v in source.read_raw("drills", names).items()
+        ]
     now = time.time()
     decision_id = f"{incident_id}--{time.time_ns():020d}-{action}"
-    doc = {"incident_id": incident_id, "record": "decision", "decision_id": decision_id, "action": action, "by": by,
-           "reason": reason, "at": now}
+    doc = {
+        "incident_id": incident_id,
+        "record": "decision",
+        "decision_id": decision_id,
+        "action": action,
+        "by": by,
+        "reason": reason,
+        "at": now,
+    }
     if ckpt:
         doc["ckpt"] = ckpt
     if action in ("quarantine", "replace", "return-to-service"):
@@ -257,6 +289,8 @@ def decide(
         doc["drill_vault"] = vault or store
     if drill == "latest" and drills:
         doc["drill"] = max(drills, key=lambda d: d.get("at", 0))["drill_id"]
-    check_decision(inc, doc, trusted=[c for c in status.certification.order if status.snapshot.available(c)], drills=drills)
+    check_decision(
+        inc, doc, trusted=[c for c in status.certification.order if status.snapshot.available(c)], drills=drills
+    )
     Ledger(store).put_raw("incidents", f"{decision_id}.json", dumps_record(doc))
     return doc

@@ -62,8 +62,9 @@ def tiny_transformer(*, vocab: int = 256, d_model: int = 64, heads: int = 4, lay
         @staticmethod
         def positions(n: int, device, dtype):
             pos = torch.arange(n, device=device, dtype=torch.float32)[:, None]
-            inv = torch.exp(torch.arange(0, d_model, 2, device=device, dtype=torch.float32)
-                            * (-math.log(10000.0) / d_model))
+            inv = torch.exp(
+                torch.arange(0, d_model, 2, device=device, dtype=torch.float32) * (-math.log(10000.0) / d_model)
+            )
             pe = torch.zeros(n, d_model, device=device, dtype=torch.float32)
             pe[:, 0::2] = torch.sin(pos * inv)
             pe[:, 1::2] = torch.cos(pos * inv)

@@ -41,18 +41,37 @@ def _header(report: Mapping[str, Any]) -> list[str]:
 
 
 def _rows(report: Mapping[str, Any]) -> list[str]:
-    head = ("seq", "mb", "K", "trials", "plain ms", "audited ms", "premium", "replay", "consensus", "nonfinite",
-            "floor", "")
+    head = (
+        "seq",
+        "mb",
+        "K",
+        "trials",
+        "plain ms",
+        "audited ms",
+        "premium",
+        "replay",
+        "consensus",
+        "nonfinite",
+        "floor",
+        "",
+    )
     rows = []
     for c in report["combinations"]:
         sh = c["shares"] or {}
-        rows.append((
-            str(c["seq_len"]), str(c["micro_batch"]), str(c["audit_every"]), str(c.get("trials", "")),
-            f"{c['plain_s'] * 1e3:.2f}", f"{c['audited_s'] * 1e3:.2f}",
-            _pct(c["premium"]) + se_text(c.get("premium_se")),
-            *(f"{sh[n]:.0%}" if n in sh else "-" for n in ("replay", "consensus", "nonfinite")),
-            _pct(c["replay_floor"]), "OVER" if c["over_budget"] else "",
-        ))
+        rows.append(
+            (
+                str(c["seq_len"]),
+                str(c["micro_batch"]),
+                str(c["audit_every"]),
+                str(c.get("trials", "")),
+                f"{c['plain_s'] * 1e3:.2f}",
+                f"{c['audited_s'] * 1e3:.2f}",
+                _pct(c["premium"]) + se_text(c.get("premium_se")),
+                *(f"{sh[n]:.0%}" if n in sh else "-" for n in ("replay", "consensus", "nonfinite")),
+                _pct(c["replay_floor"]),
+                "OVER" if c["over_budget"] else "",
+            )
+        )
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
     last = len(head) - 1  # every column is right-aligned but the OVER flag
 
@@ -69,8 +88,10 @@ def _verdict(report: Mapping[str, Any]) -> list[str]:
         lines.append("shares '-': premium at or below zero (within measurement noise)")
     ob = report["over_budget"]
     if ob:
-        lines.append(f"OVER BUDGET (premium > {report['max_premium']:.1%}): "
-                     + "; ".join(f"{describe(c)} ({_pct(c['premium'])})" for c in ob))
+        lines.append(
+            f"OVER BUDGET (premium > {report['max_premium']:.1%}): "
+            + "; ".join(f"{describe(c)} ({_pct(c['premium'])})" for c in ob)
+        )
     else:
         lines.append(f"every premium within {report['max_premium']:.1%}")
     lines.append(f"measured in {report['elapsed_s']:.0f} s")
@@ -120,14 +141,26 @@ def plot(report: Mapping[str, Any], out_path: str | os.PathLike) -> str:
     for c in report["combinations"]:
         se = c.get("premium_se")
         shapes.setdefault((c["seq_len"], c["micro_batch"]), []).append(
-            (c["audit_every"], c["premium"], se if se is not None else 0.0))
+            (c["audit_every"], c["premium"], se if se is not None else 0.0)
+        )
     ks = sorted({c["audit_every"] for c in report["combinations"]})
     for (s, b), pts in shapes.items():
         pts.sort()
-        ax.errorbar([k for k, _, _ in pts], [p * 100 for _, p, _ in pts], yerr=[e * 100 for _, _, e in pts],
-                    marker="o", capsize=3, label=f"seq {s} x mb {b}")
-    ax.axhline(report["max_premium"] * 100, color="red", linestyle="--", linewidth=1,
-               label=f"budget {report['max_premium']:.1%}")
+        ax.errorbar(
+            [k for k, _, _ in pts],
+            [p * 100 for _, p, _ in pts],
+            yerr=[e * 100 for _, _, e in pts],
+            marker="o",
+            capsize=3,
+            label=f"seq {s} x mb {b}",
+        )
+    ax.axhline(
+        report["max_premium"] * 100,
+        color="red",
+        linestyle="--",
+        linewidth=1,
+        label=f"budget {report['max_premium']:.1%}",
+    )
     ax.axhline(0, color="grey", linewidth=0.5)
     if ks and ks[-1] / max(ks[0], 1) >= 10:
         ax.set_xscale("log")

@@ -90,15 +90,35 @@ def setup(args: Mapping[str, Any]) -> Rig:
     model, batch_fn, loss_fn = load_factory(args["model"])()
     model = model.to(device)
     plain, plain_opt = _ddp_copy(model, group=group, device=device)
-    auditors = {k: Auditor(*_ddp_copy(model, group=group, device=device), loss_fn=loss_fn, run="envelope",
-                           audit_every=k, mode=mode, sink=MemorySink())
-                for k in args["audit_every"]}
+    auditors = {
+        k: Auditor(
+            *_ddp_copy(model, group=group, device=device),
+            loss_fn=loss_fn,
+            run="envelope",
+            audit_every=k,
+            mode=mode,
+            sink=MemorySink(),
+        )
+        for k in args["audit_every"]
+    }
     params = [p for p in plain.module.parameters() if p.requires_grad]
-    rig = Rig(rank=rank, device=device, log=log, plain=plain, plain_opt=plain_opt, params=params, auditors=auditors,
-              batch_fn=batch_fn, loss_fn=loss_fn, t_start=t_start)
+    rig = Rig(
+        rank=rank,
+        device=device,
+        log=log,
+        plain=plain,
+        plain_opt=plain_opt,
+        params=params,
+        auditors=auditors,
+        batch_fn=batch_fn,
+        loss_fn=loss_fn,
+        t_start=t_start,
+    )
     n_params = sum(p.numel() for p in rig.params)
-    log(f"built {1 + len(auditors)} DDP copies of {n_params:,} parameters on {dist.get_world_size()} rank(s) "
-        f"({backend}, {device})")
+    log(
+        f"built {1 + len(auditors)} DDP copies of {n_params:,} parameters on {dist.get_world_size()} rank(s) "
+        f"({backend}, {device})"
+    )
     return rig
 
 
@@ -214,8 +234,9 @@ def warm_up(rig: Rig, *, seq_len: int, micro_batch: int, trials: int, block_s: f
     return block
 
 
-def timed_trials(rig: Rig, args: Mapping[str, Any], *, seq_len: int, micro_batch: int, block: int, first: int,
-                 shape_t0: float) -> dict[str, list[float]]:
+def timed_trials(
+    rig: Rig, args: Mapping[str, Any], *, seq_len: int, micro_batch: int, block: int, first: int, shape_t0: float
+) -> dict[str, list[float]]:
     """The kept trials: ``args["steps"]`` at least, more up to ``args["max_trials"]`` while the shape has used
     less than ``args["min_shape_s"]`` seconds since ``shape_t0``.
 
@@ -238,8 +259,9 @@ def timed_trials(rig: Rig, args: Mapping[str, Any], *, seq_len: int, micro_batch
             raw[n].append(v)
         trial += 1
         kept = trial - first
-        more = kept < args["steps"] or (kept < args["max_trials"]
-                                        and time.perf_counter() - shape_t0 < args["min_shape_s"])
+        more = kept < args["steps"] or (
+            kept < args["max_trials"] and time.perf_counter() - shape_t0 < args["min_shape_s"]
+        )
         if not _rank0_decides(rig, int(more)):
             return raw
 
@@ -253,21 +275,32 @@ def measure_shape(rig: Rig, args: Mapping[str, Any], *, index: int, seq_len: int
     warmup = args["warmup"] + (1 if index == 0 else 0)
     shape_t0 = time.perf_counter()
     block = warm_up(rig, seq_len=seq_len, micro_batch=micro_batch, trials=warmup, block_s=args["block_s"])
-    raw = timed_trials(rig, args, seq_len=seq_len, micro_batch=micro_batch, block=block, first=warmup,
-                       shape_t0=shape_t0)
+    raw = timed_trials(
+        rig, args, seq_len=seq_len, micro_batch=micro_batch, block=block, first=warmup, shape_t0=shape_t0
+    )
     kept = len(raw["plain"])
     ks = list(rig.auditors)
     samples = step_samples(raw, audit_every=ks, block=block)
     mean = {n: trimmed_mean(v) for n, v in samples.items()}
     combos = shape_figures(samples, mean=mean, seq_len=seq_len, micro_batch=micro_batch, audit_every=ks)
     for j, c in enumerate(combos):
-        rig.log(f"{index * len(ks) + j + 1}/{len(args['shapes']) * len(ks)}  {describe(c)}: plain "
-                f"{c['plain_s'] * 1e3:.2f} ms, audited {c['audited_s'] * 1e3:.2f} ms, premium {c['premium']:+.1%}"
-                f"{se_text(c['premium_se'])} ({kept} trials of {block}-step blocks, {warmup} warm-up)")
-    return {"seq_len": seq_len, "micro_batch": micro_batch, "trials": kept, "warmup": warmup, "block": block,
-            "seconds": time.perf_counter() - shape_t0, "mean_s": mean,
-            "untrimmed_mean_s": {n: statistics.fmean(v) for n, v in samples.items()},
-            "samples_s": samples, "combinations": combos}
+        rig.log(
+            f"{index * len(ks) + j + 1}/{len(args['shapes']) * len(ks)}  {describe(c)}: plain "
+            f"{c['plain_s'] * 1e3:.2f} ms, audited {c['audited_s'] * 1e3:.2f} ms, premium {c['premium']:+.1%}"
+            f"{se_text(c['premium_se'])} ({kept} trials of {block}-step blocks, {warmup} warm-up)"
+        )
+    return {
+        "seq_len": seq_len,
+        "micro_batch": micro_batch,
+        "trials": kept,
+        "warmup": warmup,
+        "block": block,
+        "seconds": time.perf_counter() - shape_t0,
+        "mean_s": mean,
+        "untrimmed_mean_s": {n: statistics.fmean(v) for n, v in samples.items()},
+        "samples_s": samples,
+        "combinations": combos,
+    }
 
 
 def result(rig: Rig, shapes: list[dict[str, Any]]) -> dict[str, Any]:

@@ -27,8 +27,9 @@ TRIM = 0.1
 """Each figure is the mean of its trials after dropping this fraction at each end (see :func:`trimmed_mean`)."""
 
 
-def figures(*, plain_s: float, nonaudit_s: float, audit_s: float, consensus_s: float, fb_s: float,
-            audit_every: int) -> dict[str, Any]:
+def figures(
+    *, plain_s: float, nonaudit_s: float, audit_s: float, consensus_s: float, fb_s: float, audit_every: int
+) -> dict[str, Any]:
     """The reported figures of one combination from its measured mean times (see the package docstring).
 
     Args:
@@ -49,8 +50,13 @@ def figures(*, plain_s: float, nonaudit_s: float, audit_s: float, consensus_s: f
     """
     if isinstance(audit_every, bool) or not isinstance(audit_every, int) or audit_every < 1:
         raise ConfigurationError(f"audit_every must be an integer >= 1, got {audit_every!r}")
-    times = (("plain_s", plain_s), ("nonaudit_s", nonaudit_s), ("audit_s", audit_s), ("consensus_s", consensus_s),
-             ("fb_s", fb_s))
+    times = (
+        ("plain_s", plain_s),
+        ("nonaudit_s", nonaudit_s),
+        ("audit_s", audit_s),
+        ("consensus_s", consensus_s),
+        ("fb_s", fb_s),
+    )
     for name, v in times:
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
             raise ConfigurationError(f"{name} must be a finite time >= 0, got {v!r}")
@@ -91,11 +97,12 @@ def trimmed_mean(xs: Sequence[float], trim: float = TRIM) -> float:
         raise ConfigurationError(f"trim must be in [0, 0.5), got {trim!r}")
     v = sorted(xs)
     cut = math.floor(trim * len(v) + 1e-9)
-    return statistics.fmean(v[cut: len(v) - cut] if cut else v)
+    return statistics.fmean(v[cut : len(v) - cut] if cut else v)
 
 
-def premium_se(*, plain: Sequence[float], nonaudit: Sequence[float], audit: Sequence[float],
-               audit_every: int) -> float | None:
+def premium_se(
+    *, plain: Sequence[float], nonaudit: Sequence[float], audit: Sequence[float], audit_every: int
+) -> float | None:
     """Standard error of the premium from per-trial samples, paired by trial (index i of each list
     was measured in trial i, under the same machine load).
 
@@ -135,8 +142,14 @@ def step_samples(raw: Mapping[str, list[float]], *, audit_every: Sequence[int], 
     return samples
 
 
-def shape_figures(samples: Mapping[str, list[float]], *, mean: Mapping[str, float], seq_len: int, micro_batch: int,
-                  audit_every: Sequence[int]) -> list[dict[str, Any]]:
+def shape_figures(
+    samples: Mapping[str, list[float]],
+    *,
+    mean: Mapping[str, float],
+    seq_len: int,
+    micro_batch: int,
+    audit_every: Sequence[int],
+) -> list[dict[str, Any]]:
     """One combination per K of a shape: its :func:`figures` from the means, plus ``premium_se``.
 
     Shares are dropped when the premium is within two standard errors of zero: a premium within
@@ -151,10 +164,17 @@ def shape_figures(samples: Mapping[str, list[float]], *, mean: Mapping[str, floa
     """
     combos = []
     for k in audit_every:
-        f = figures(plain_s=mean["plain"], nonaudit_s=mean[f"nonaudit/{k}"], audit_s=mean[f"audit/{k}"],
-                    consensus_s=mean[f"consensus/{k}"], fb_s=mean["fb"], audit_every=k)
-        f["premium_se"] = premium_se(plain=samples["plain"], nonaudit=samples[f"nonaudit/{k}"],
-                                     audit=samples[f"audit/{k}"], audit_every=k)
+        f = figures(
+            plain_s=mean["plain"],
+            nonaudit_s=mean[f"nonaudit/{k}"],
+            audit_s=mean[f"audit/{k}"],
+            consensus_s=mean[f"consensus/{k}"],
+            fb_s=mean["fb"],
+            audit_every=k,
+        )
+        f["premium_se"] = premium_se(
+            plain=samples["plain"], nonaudit=samples[f"nonaudit/{k}"], audit=samples[f"audit/{k}"], audit_every=k
+        )
         if f["premium_se"] is not None and f["premium"] <= 2 * f["premium_se"]:
             f["shares"] = None
         combos.append({"seq_len": seq_len, "micro_batch": micro_batch, "audit_every": k, **f})
@@ -164,8 +184,12 @@ def shape_figures(samples: Mapping[str, list[float]], *, mean: Mapping[str, floa
 def over_budget(combinations: Iterable[Mapping[str, Any]], max_premium: float) -> list[dict[str, Any]]:
     """The combinations whose premium exceeds ``max_premium`` (strictly), named by their shape and K."""
     return [
-        {"seq_len": c["seq_len"], "micro_batch": c["micro_batch"], "audit_every": c["audit_every"],
-         "premium": c["premium"]}
+        {
+            "seq_len": c["seq_len"],
+            "micro_batch": c["micro_batch"],
+            "audit_every": c["audit_every"],
+            "premium": c["premium"],
+        }
         for c in combinations
         if c["premium"] > max_premium
     ]

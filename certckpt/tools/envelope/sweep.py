@@ -19,10 +19,20 @@ from .stats import TRIM, over_budget
 
 __all__ = ["BLOCK_S", "FULL", "MAX_TRIALS", "QUICK", "RANK_TARGET", "EnvelopeConfig", "build_report", "run_envelope"]
 
-FULL: dict[str, Any] = {"seq_lens": (128, 512, 2048), "micro_batches": (1, 4, 16), "audit_every": (10, 100),
-                        "steps": 5, "min_shape_s": 30.0}
-QUICK: dict[str, Any] = {"seq_lens": (64, 256), "micro_batches": (1, 4), "audit_every": (10, 100),
-                         "steps": 10, "min_shape_s": 15.0}
+FULL: dict[str, Any] = {
+    "seq_lens": (128, 512, 2048),
+    "micro_batches": (1, 4, 16),
+    "audit_every": (10, 100),
+    "steps": 5,
+    "min_shape_s": 30.0,
+}
+QUICK: dict[str, Any] = {
+    "seq_lens": (64, 256),
+    "micro_batches": (1, 4),
+    "audit_every": (10, 100),
+    "steps": 10,
+    "min_shape_s": 15.0,
+}
 """Default sweeps. ``steps``: trials per shape at least; more while the shape has used less than
 ``min_shape_s`` seconds, up to :data:`MAX_TRIALS`."""
 
@@ -66,8 +76,10 @@ class EnvelopeConfig:
             if not vals or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in vals):
                 raise ConfigurationError(f"{name}: expected positive integers, got {vals!r}")
         if any(k < 2 for k in self.audit_every):
-            raise ConfigurationError("audit_every: every K must be >= 2 (with K = 1 every step is an audit step; "
-                                     "there is no non-audit step to separate the non-finite checks' share)")
+            raise ConfigurationError(
+                "audit_every: every K must be >= 2 (with K = 1 every step is an audit step; "
+                "there is no non-audit step to separate the non-finite checks' share)"
+            )
         if self.ranks < 1:
             raise ConfigurationError(f"ranks must be >= 1, got {self.ranks}")
         if self.steps < 1 or self.warmup < 1:
@@ -127,8 +139,13 @@ def run_envelope(config: EnvelopeConfig, *, progress: Callable[[str], None] | No
         if tail:
             tail.start()
         try:
-            per_rank = run_ranks(RANK_TARGET, config.ranks, rank_args(config, progress_path=prog),
-                                 timeout=config.timeout_s, extra_path=config.extra_path)
+            per_rank = run_ranks(
+                RANK_TARGET,
+                config.ranks,
+                rank_args(config, progress_path=prog),
+                timeout=config.timeout_s,
+                extra_path=config.extra_path,
+            )
         finally:
             stop.set()
             if tail:
@@ -160,9 +177,18 @@ def build_report(config: EnvelopeConfig, r0: Mapping[str, Any], *, elapsed_s: fl
             c["over_budget"] = c["premium"] > config.max_premium
             c["trials"] = shape["trials"]
             combos.append(c)
-    means = [{"seq_len": s["seq_len"], "micro_batch": s["micro_batch"], "trials": s["trials"], "warmup": s["warmup"],
-              "block": s["block"], "mean_s": s["mean_s"], "untrimmed_mean_s": s["untrimmed_mean_s"]}
-             for s in r0["shapes"]]
+    means = [
+        {
+            "seq_len": s["seq_len"],
+            "micro_batch": s["micro_batch"],
+            "trials": s["trials"],
+            "warmup": s["warmup"],
+            "block": s["block"],
+            "mean_s": s["mean_s"],
+            "untrimmed_mean_s": s["untrimmed_mean_s"],
+        }
+        for s in r0["shapes"]
+    ]
     return {
         "ranks": config.ranks,
         "model": config.model,
