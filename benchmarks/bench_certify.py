@@ -162,20 +162,25 @@ def main() -> None:
     }
     print(
         f"ledger scale: {a.steps:,} steps, full audit every {a.audit_every}, checkpoint every {a.ckpt_every} "
-        f"({res['checkpoints']} checkpoints, {n_events:,} events in {res['segments']} segments; built in {build_s:.1f} s)"
+        f"({res['checkpoints']} checkpoints, {n_events:,} events in {res['segments']} segments; "
+        f"built in {build_s:.1f} s)"
     )
     print(
-        f"  ledger size                        {size / 1e6:8.1f} MB   target < 100 MB   {'PASS' if size < 100e6 else 'MISS'}"
+        f"  ledger size                        {size / 1e6:8.1f} MB   target < 100 MB   "
+        f"{'PASS' if size < 100e6 else 'MISS'}"
     )
     print(
-        f"  certify (read + verdicts), in-proc {res['certify_in_process_s']:8.3f} s    target < 2 s      {'PASS' if res['certify_in_process_s'] < 2 else 'MISS'}"
+        f"  certify (read + verdicts), in-proc {res['certify_in_process_s']:8.3f} s    target < 2 s      "
+        f"{'PASS' if res['certify_in_process_s'] < 2 else 'MISS'}"
     )
     print(
-        f"  certckpt status --json (process)   {res['status_process_s']:8.3f} s    target < 2 s      {'PASS' if res['status_process_s'] < 2 else 'MISS'}"
+        f"  certckpt status --json (process)   {res['status_process_s']:8.3f} s    target < 2 s      "
+        f"{'PASS' if res['status_process_s'] < 2 else 'MISS'}"
     )
     print(f"  certckpt latest-good --no-verify   {res['latest_good_process_s']:8.3f} s")
     print(
-        f"  first certify writing {res['checkpoints']} certificates {first_cert:.2f} s (once; later runs write only changes)"
+        f"  first certify writing {res['checkpoints']} certificates {first_cert:.2f} s "
+        "(once; later runs write only changes)"
     )
     print(f"  verdicts: latest-good {res['latest_good']}, {res['suspect']} suspect (one injected detection)")
     if a.json:

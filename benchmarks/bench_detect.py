@@ -28,9 +28,9 @@ exactly one per 10 steps: the audit counts are recorded and printed, not assumed
 ``--slice`` steps (default 10) interleaved with the other configurations' slices in an order that
 rotates every slice, so that they share the machine's noise (``--slice 100``: one block per
 configuration per trial). A timed slice is: barrier, ``perf_counter``, the steps, barrier,
-``perf_counter``; the figure is rank 0's wall time for a trial's slices divided by their steps. Batches (32 x 1024 ``randn``, MSE loss
-against a seeded random target, different on every rank and at every step, the same for every
-configuration) are generated before each block, untimed.
+``perf_counter``; the figure is rank 0's wall time for a trial's slices divided by their steps.
+Batches (32 x 1024 ``randn``, MSE loss against a seeded random target, different on every rank and
+at every step, the same for every configuration) are generated before each block, untimed.
 
 A last phase shows where the extra time goes. Single steps, each between two barriers, interleaved
 step by step: audit/10 (audit and non-audit steps), plain DDP, and a fifth DDP copy with torch's own
@@ -160,7 +160,8 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
             auditors[name] = aud
             runners[name] = aud.train_step
     log(
-        f"built {len(configs)} DDP models of {sum(p.numel() for p in models['plain'][0].module.parameters()):,} parameters"
+        f"built {len(configs)} DDP models of "
+        f"{sum(p.numel() for p in models['plain'][0].module.parameters()):,} parameters"
     )
 
     def batches_for(name: str, n: int) -> list:
@@ -447,12 +448,19 @@ def print_report(R: dict[str, Any]) -> None:
     c, S = R["config"], R["summary"]
     print()
     print(
-        f"certckpt detection-overhead benchmark ({'quick' if c['quick'] else 'full'}): {c['trials']} interleaved trials "
+        f"certckpt detection-overhead benchmark ({'quick' if c['quick'] else 'full'}): "
+        f"{c['trials']} interleaved trials "
         f"x {c['steps']} steps per configuration, {c['warmup']} warm-up steps each (discarded)"
     )
+    cores = (
+        "OVERSUBSCRIBED (ranks and gloo threads share cores), expected here"
+        if (c["cpus"] or 0) < WORLD
+        else "one core per rank"
+    )
     print(
-        f"torch {c['torch']}, python {c['python']}, {c['cpus']} CPUs; {WORLD} gloo ranks x {c['rank_threads']} torch thread"
-        f" on {c['cpus']} cores: {'OVERSUBSCRIBED (ranks and gloo threads share cores), expected here' if (c['cpus'] or 0) < WORLD else 'one core per rank'}"
+        f"torch {c['torch']}, python {c['python']}, {c['cpus']} CPUs; "
+        f"{WORLD} gloo ranks x {c['rank_threads']} torch thread"
+        f" on {c['cpus']} cores: {cores}"
     )
     print(
         f"deterministic algorithms: {c['deterministic']}; load average {c['loadavg_start']} at start, "
@@ -461,16 +469,19 @@ def print_report(R: dict[str, Any]) -> None:
     ob, oc = c.get("others_busy_cores_before"), c.get("others_cpu_s_during_run")
     if ob is not None and oc is not None:
         print(
-            f"CPU used outside this benchmark: {ob:.2f} cores just before it; {oc:.1f} CPU-s during its {R['elapsed_s']:.0f} s"
+            f"CPU used outside this benchmark: {ob:.2f} cores just before it; "
+            f"{oc:.1f} CPU-s during its {R['elapsed_s']:.0f} s"
         )
     print(
         f"model: MLP {'-'.join(map(str, c['widths']))} (GELU between Linears), {c['params']:,} parameters "
-        f"({c['params'] * 4 / 2**20:.1f} MiB float32, {c['ddp_buckets'] if c['ddp_buckets'] is not None else '?'} DDP buckets); "
+        f"({c['params'] * 4 / 2**20:.1f} MiB float32, "
+        f"{c['ddp_buckets'] if c['ddp_buckets'] is not None else '?'} DDP buckets); "
         f"batch {c['batch']} x {c['widths'][0]} per rank, MSE; SGD momentum 0.9"
         + ("; gradient_as_bucket_view=True on every DDP copy" if c.get("bucket_view") else "")
     )
     print(
-        f"figure: rank 0's wall time over a trial's interleaved slices of {c['slice']} steps (each barrier to barrier) / steps; median across trials [min-max]"
+        f"figure: rank 0's wall time over a trial's interleaved slices of {c['slice']} steps "
+        "(each barrier to barrier) / steps; median across trials [min-max]"
     )
     print()
     head = (
@@ -520,7 +531,8 @@ def print_report(R: dict[str, Any]) -> None:
         "Where the extra time goes: rank 0, single steps, each between two barriers, the three models interleaved step"
     )
     print(
-        f"by step ({bd['plain_step']['n']} plain, {bd['nonaudit_step']['n']} non-audit and {bd['audit_step']['n']} audit steps);"
+        f"by step ({bd['plain_step']['n']} plain, {bd['nonaudit_step']['n']} non-audit and "
+        f"{bd['audit_step']['n']} audit steps);"
         " ms, median [min-max], and rank 0's process CPU ms (all its threads)"
     )
     print(f"   {'':<50} {'wall':<26} {'CPU':>7}")
@@ -533,12 +545,14 @@ def print_report(R: dict[str, Any]) -> None:
     line(
         "audit/10, non-audit step",
         "nonaudit_step",
-        f"{m['nonaudit_step'] - m['plain_step']:+.2f} wall vs plain; in situ: flag sums {ins['nonaudit'].get('nonfinite_flags', 0.0):.2f}",
+        f"{m['nonaudit_step'] - m['plain_step']:+.2f} wall vs plain; in situ: flag sums "
+        f"{ins['nonaudit'].get('nonfinite_flags', 0.0):.2f}",
     )
     line("audit/10, audit step", "audit_step", f"{m['audit_step'] - m['nonaudit_step']:+.2f} wall vs non-audit step")
     extra = m["audit_step"] - m["nonaudit_step"]
     print(
-        "   inside the audit steps (rank 0's clock around the auditor's own calls, median per audit step; the collective"
+        "   inside the audit steps (rank 0's clock around the auditor's own calls, "
+        "median per audit step; the collective"
     )
     print("   ones include waiting for the other ranks):")
     total = 0.0
@@ -547,7 +561,8 @@ def print_report(R: dict[str, Any]) -> None:
         share = f"{v / extra * 100:5.0f}% of the extra" if extra > 0 else ""
         print(f"     {label:<48} {v:8.2f}   {share}")
     print(
-        f"     {'sum':<48} {total:8.2f}   (measured extra {extra:.2f}; that step's flag sums {ins['audit'].get('nonfinite_flags', 0.0):.2f})"
+        f"     {'sum':<48} {total:8.2f}   (measured extra {extra:.2f}; "
+        f"that step's flag sums {ins['audit'].get('nonfinite_flags', 0.0):.2f})"
     )
     print(f"   alone between two barriers, every rank doing the same (median of {bd['consensus']['n']}):")
     line("  bare barrier pair", "barrier_only")
@@ -558,7 +573,8 @@ def print_report(R: dict[str, Any]) -> None:
     hook_cost = m["nonaudit_step"] - m["plain_step"]
     print(f"   dominant part of an audit: {rk[0][1]} ({rk[0][0]:.1f} ms), then {rk[1][1]} ({rk[1][0]:.1f} ms)")
     print(
-        f"   predicted from these single steps: audit/10 {(m['plain_step'] + hook_cost + extra / 10) / m['plain_step']:.3f}x"
+        "   predicted from these single steps: audit/10 "
+        f"{(m['plain_step'] + hook_cost + extra / 10) / m['plain_step']:.3f}x"
         f" (hook {hook_cost / m['plain_step'] * 100:+.1f}% + audits {extra / 10 / m['plain_step'] * 100:+.1f}%),"
         f" audit/100 {(m['plain_step'] + hook_cost + extra / 100) / m['plain_step']:.3f}x,"
         f" non-finite alone {(m['plain_step'] + hook_cost) / m['plain_step']:.3f}x"
@@ -571,7 +587,8 @@ def print_report(R: dict[str, Any]) -> None:
     )
     bk = R["per_rank"][0]["bookkeeping"]
     print(
-        "   info, auditor bookkeeping on rank 0 at the end (steps since the last audit, lineage entries since the last checkpoint, sink): "
+        "   info, auditor bookkeeping on rank 0 at the end "
+        "(steps since the last audit, lineage entries since the last checkpoint, sink): "
         + "; ".join(
             f"{n}: {v['since_audit']}, {v['events_since_checkpoint']}, {v['sink_events']}" for n, v in bk.items()
         )
@@ -669,7 +686,8 @@ def main() -> None:
         )
         tail.start()
         print(
-            f"running {WORLD} ranks: {P['trials']} trials x {len(configs_for(args.bucket_view))} configurations x {P['steps']} steps "
+            f"running {WORLD} ranks: {P['trials']} trials x {len(configs_for(args.bucket_view))} configurations "
+            f"x {P['steps']} steps "
             f"of a {n_params(P['widths']):,}-parameter MLP",
             file=sys.stderr,
         )

@@ -614,20 +614,24 @@ def print_report(R: dict) -> None:
         e = fp["eager"]["median"]
         gbps = lambda t: fp["nbytes"] / GB / t  # noqa: E731
         print(
-            f"3. FINGERPRINT THROUGHPUT, one core (torch threads = {fp['threads']}), one {fp['nbytes'] / MiB:.0f} MiB float32 tensor"
+            f"3. FINGERPRINT THROUGHPUT, one core (torch threads = {fp['threads']}), "
+            f"one {fp['nbytes'] / MiB:.0f} MiB float32 tensor"
         )
         cu = fp["cores_used"]
         print(f"   xxhash.xxh3_64_digest          {gbps(e['xxh3_64']):6.2f} GB/s   (reference)")
         print(
-            f"   certckpt.fingerprint, eager    {gbps(e['eager']):6.2f} GB/s   target {target_str('fp_eager_gbps')} GB/s   "
+            f"   certckpt.fingerprint, eager    {gbps(e['eager']):6.2f} GB/s   "
+            f"target {target_str('fp_eager_gbps')} GB/s   "
             f"{judge('fp_eager_gbps', gbps(e['eager']))}   (cpu/wall {cu['eager']:.2f})"
         )
         if fp["compile_active"]:
             c = fp["compiled"]["median"]
             print(
-                f"   certckpt.fingerprint, compiled {gbps(c['compiled']):6.2f} GB/s   target {target_str('fp_compiled_gbps')} GB/s   "
+                f"   certckpt.fingerprint, compiled {gbps(c['compiled']):6.2f} GB/s   "
+                f"target {target_str('fp_compiled_gbps')} GB/s   "
                 f"{judge('fp_compiled_gbps', gbps(c['compiled']))}   (cpu/wall {cu['compiled']:.2f}; "
-                f"same value as eager: {fp['compiled_matches_eager']}; xxh3_64 in those rounds {gbps(c['xxh3_64']):.2f} GB/s)"
+                f"same value as eager: {fp['compiled_matches_eager']}; "
+                f"xxh3_64 in those rounds {gbps(c['xxh3_64']):.2f} GB/s)"
             )
             print(
                 f"   info: enable_compile() took {fp['compile_seconds']:.1f} s, first compiled call "
@@ -751,7 +755,10 @@ def main() -> None:
             log(f"state {kind}: building {describe_state(kind, args.quick)}")
             state = build_state(kind, args.quick)
             S = R["states"][kind] = {
-                "label": f"{sum(_nbytes(dt, sh) for _, dt, sh in state_layout(kind, args.quick)) / MiB:.0f} MiB, {len(state)} tensors",
+                "label": (
+                    f"{sum(_nbytes(dt, sh) for _, dt, sh in state_layout(kind, args.quick)) / MiB:.0f} MiB, "
+                    f"{len(state)} tensors"
+                ),
                 "desc": describe_state(kind, args.quick),
             }
             log(f"state {kind}: save x{trials + 1} rounds")

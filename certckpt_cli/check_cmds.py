@@ -52,7 +52,8 @@ def verify(location: str, deep: bool, ledger_url: str | None, as_json: bool) -> 
             click.echo(f"    verdict: {verdict['verdict']} ({verdict['ckpt_id']})")
     elif verdict is not None and not report.problems:
         click.echo(
-            f"SUSPECT  {location}  bytes verify, but {verdict['ckpt_id'] or 'it'} is certified suspect: {', '.join(verdict['reasons'])}"
+            f"SUSPECT  {location}  bytes verify, but {verdict['ckpt_id'] or 'it'} is certified suspect: "
+            f"{', '.join(verdict['reasons'])}"
         )
     else:
         click.echo(f"FAILED  {location}")

@@ -46,7 +46,8 @@ def run_demo(directory: str, *, echo: Callable[[str], None] = print, ranks: int 
 
     stage(
         1,
-        f"training on {ranks} gloo ranks (CPU): audit every {s['audit_every']} steps, checkpoint every {s['ckpt_every']}; "
+        f"training on {ranks} gloo ranks (CPU): audit every {s['audit_every']} steps, "
+        f"checkpoint every {s['ckpt_every']}; "
         f"a persistent fault is planted on rank {s['fault_rank']} from step {s['fault_step']}",
     )
     res = run_ranks("certckpt.tools.demo:train_faulty", ranks, {"store": store, "schedule": s}, timeout=300)[0]
@@ -68,7 +69,8 @@ def run_demo(directory: str, *, echo: Callable[[str], None] = print, ranks: int 
     o = inc.opened
     c, d = o["suspect_interval"]
     echo(
-        f"  check {o['signature']['check']} at step {o['detected_step']}; suspect rank(s) {o['suspect_ranks']} on node(s) "
+        f"  check {o['signature']['check']} at step {o['detected_step']}; "
+        f"suspect rank(s) {o['suspect_ranks']} on node(s) "
         f"{', '.join(o['suspect_nodes']) or '?'}; tensors {', '.join(o['signature']['tensors'][:4])}"
     )
     echo(f"  suspect steps ({c}, {d}]; made suspect: {', '.join(o['checkpoints']['made_suspect']) or 'none'}")

@@ -48,7 +48,8 @@ def drill_faults(ranks: int, audit_every: int, ckpt_every: int, directory: str |
 
     if not as_json:
         click.echo(
-            f"running 12 fault cases on {ranks} gloo ranks (audit every {audit_every}, checkpoint every {ckpt_every})...",
+            f"running 12 fault cases on {ranks} gloo ranks "
+            f"(audit every {audit_every}, checkpoint every {ckpt_every})...",
             err=True,
         )
     matrix = run_matrix(ranks=ranks, audit_every=audit_every, ckpt_every=ckpt_every, directory=directory)
@@ -81,7 +82,8 @@ def drill_faults(ranks: int, audit_every: int, ckpt_every: int, directory: str |
         escapes = [c for c in matrix["cases"] if c["caught_by"] is None]
         if escapes:
             click.echo(
-                f"{len(escapes)} escape(s): a one-time finite fault between audits is averaged into every replica; no later check can see it."
+                f"{len(escapes)} escape(s): a one-time finite fault between audits is averaged into every replica; "
+                "no later check can see it."
             )
         notes = {n for c in matrix["cases"] for n in c["notes"]}
         for n in sorted(notes):

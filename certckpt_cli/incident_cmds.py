@@ -89,7 +89,8 @@ def incident_show(store: str, incident_id: str, as_json: bool) -> None:
         extra = " ".join(f"{k}={d[k]}" for k in ("ckpt", "approves", "drill") if d.get(k))
         nodes = f" nodes={','.join(d['nodes'])}" if d.get("nodes") else ""
         click.echo(
-            f"  decision        {d['action']} by {d['by']}: {d['reason']}{(' ' + extra) if extra else ''}{nodes}  [{d['decision_id']}]"
+            f"  decision        {d['action']} by {d['by']}: {d['reason']}"
+            f"{(' ' + extra) if extra else ''}{nodes}  [{d['decision_id']}]"
         )
     for d in i.pending_approvals():
         click.echo(f"  awaiting approval: {d['decision_id']}")

@@ -149,8 +149,10 @@ def _print(inputs, p) -> None:
     click.echo("")
     click.echo("detection")
     click.echo(
-        f"  a persistent fault is caught by the next replay audit: at most {d.max_contaminated_updates} update(s) "
-        f"contaminated (mean {_num(d.mean_contaminated_updates)}), suspect interval {d.suspect_interval_updates} update(s)"
+        "  a persistent fault is caught by the next replay audit: "
+        f"at most {d.max_contaminated_updates} update(s) "
+        f"contaminated (mean {_num(d.mean_contaminated_updates)}), "
+        f"suspect interval {d.suspect_interval_updates} update(s)"
     )
     click.echo(f"  a one-time fault escapes on {d.transient_escape_fraction:.0%} of steps (those no audit replays)")
 

@@ -157,7 +157,8 @@ def status_lines(st: StoreStatus) -> list[str]:
         where = f"step {d.step} on {d.branch}: {d.kind} failed, suspect rank(s) {list(d.suspect_ranks) or 'unknown'}"
         if d.interval:
             out.append(
-                f"detection: {where}; suspect interval ({d.interval[0]}, {d.interval[1]}], rollback window {d.rollback_window} updates"
+                f"detection: {where}; suspect interval ({d.interval[0]}, {d.interval[1]}], "
+                f"rollback window {d.rollback_window} updates"
             )
         else:
             out.append(f"detection: {where}; contained (the update never reached the weights)")

@@ -63,7 +63,7 @@ def s3_server():
         except Exception:
             if time.time() > deadline or proc.poll() is not None:
                 proc.kill()
-                raise RuntimeError("moto_server did not start")
+                raise RuntimeError("moto_server did not start") from None
             time.sleep(0.1)
     saved = {
         k: os.environ.get(k)

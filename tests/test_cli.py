@@ -105,7 +105,8 @@ def test_progress_reports_large_files_on_a_terminal(monkeypatch, capsys):
 def test_public_front_door_is_complete_and_light():
     code = (
         "import sys, certckpt\n"
-        "light = [certckpt.verify, certckpt.inspect, certckpt.Ledger, certckpt.certify_store, certckpt.find_latest_good]\n"
+        "light = [certckpt.verify, certckpt.inspect, certckpt.Ledger, "
+        "certckpt.certify_store, certckpt.find_latest_good]\n"
         "assert 'torch' not in sys.modules\n"
         "assert all(hasattr(certckpt, n) for n in certckpt.__all__)\n"
         "assert callable(certckpt.fingerprint) and callable(certckpt.save) and certckpt.Auditor.__name__ == 'Auditor'\n"

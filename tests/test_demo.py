@@ -66,7 +66,8 @@ def test_readme_integration_example_runs_as_written(tmp_path):
     from certckpt.detect.launch import free_port
     from certckpt.trust.runstore import certify_store
 
-    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")) as fh:
+        readme = fh.read()
     start = readme.index("```python", readme.index("## Integration")) + len("```python\n")
     code = readme[start : readme.index("```", start)]
     assert len(code.strip().splitlines()) <= 18  # short enough to read at a glance

@@ -166,7 +166,7 @@ def test_every_step_flag_exchange_contains_a_reduction_fault_seen_by_one_rank():
 
 def test_setup_errors_are_clear_and_early():
     out = ranks("setup_errors", 3)
-    for r, res in enumerate(out):
+    for res in out:
         assert "DistributedDataParallel" in res["not_ddp"]
         assert "disagree on parameters or audit settings" in res["mismatch"]
         assert (

@@ -157,7 +157,8 @@ def test_latest_good_on_unreadable_or_empty_store(tmp_path):
 def test_latest_good_does_not_import_torch(drill_stores):
     code = (
         "import sys\nfrom certckpt_cli.main import main\n"
-        f"try:\n    main(['latest-good', {str(drill_stores / 'backward-persistent')!r}])\nexcept SystemExit as e:\n    print('exit', e.code)\n"
+        f"try:\n    main(['latest-good', {str(drill_stores / 'backward-persistent')!r}])\n"
+        "except SystemExit as e:\n    print('exit', e.code)\n"
         "assert 'torch' not in sys.modules"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -21,7 +21,8 @@ Usage (every rank)::
     for batch in loader:
         loss = auditor.train_step(batch)        # zero_grad, forward, backward, checks, step
         if auditor.step % 100 == 0:
-            auditor.save({"model": model.state_dict(), "optim": optimizer.state_dict()}, f"ckpt/{auditor.step}.safetensors")
+            auditor.save({"model": model.state_dict(), "optim": optimizer.state_dict()},
+                         f"ckpt/{auditor.step}.safetensors")
 """
 
 from __future__ import annotations
@@ -470,7 +471,8 @@ class Auditor:
         self._scaled(loss).backward()
         if self._hook.hand_over and not self._hook.handed_over_intact():
             raise AuditSetupError(
-                f"rank {self.rank}: after backward, .grad no longer views DDP's reduced bucket (torch {torch.__version__}"
+                f"rank {self.rank}: after backward, .grad no longer views DDP's reduced bucket "
+                f"(torch {torch.__version__}"
                 " changed how DDP finalizes gradients); construct the Auditor with hand_over_grads=False"
             )
         flags = self._read_flags()

@@ -1,9 +1,9 @@
 """Gradient signatures for the replay audit, and how two of them are compared.
 
 Deterministic mode: the 32-bit audit digest of each gradient (``digest.py``; bit-exact comparison:
-a difference confined to one word always changes it, others collide with probability 2**-32). Tolerance mode, for kernels that are not
-deterministic: per gradient its norm and a fixed random projection of a strided sample, compared
-within a relative tolerance.
+a difference confined to one word always changes it, others collide with probability 2**-32).
+Tolerance mode, for kernels that are not deterministic: per gradient its norm and a fixed random
+projection of a strided sample, compared within a relative tolerance.
 """
 
 from __future__ import annotations

@@ -124,9 +124,15 @@ def canonical_json(obj: object) -> str:
 def sniff_foreign_format(prefix: bytes) -> str | None:
     """Name the format of a file that is clearly not safetensors, from its first bytes."""
     if prefix.startswith(b"PK\x03\x04"):
-        return "a torch.save zip archive (pickle-based); load it with torch.load(weights_only=True) and re-save with certckpt.save"
+        return (
+            "a torch.save zip archive (pickle-based); "
+            "load it with torch.load(weights_only=True) and re-save with certckpt.save"
+        )
     if len(prefix) >= 2 and prefix[0] == 0x80 and 2 <= prefix[1] <= 5:
-        return "a raw pickle (legacy torch.save); certckpt never unpickles — convert it with torch.load(weights_only=True) and certckpt.save"
+        return (
+            "a raw pickle (legacy torch.save); certckpt never unpickles — "
+            "convert it with torch.load(weights_only=True) and certckpt.save"
+        )
     if prefix.startswith(b"\x1f\x8b"):
         return "a gzip archive"
     return None
@@ -247,7 +253,8 @@ def parse_header(raw: bytes, *, source: str, file_length: int | None) -> Header:
         if e.begin != cursor:
             kind = "overlaps the previous tensor" if e.begin < cursor else "leaves a hole before it"
             raise CorruptCheckpointError(
-                f"{source}: malformed header: tensor `{printable(e.name)}` at offset {e.begin} {kind} (expected {cursor})"
+                f"{source}: malformed header: tensor `{printable(e.name)}` at offset {e.begin} {kind} "
+                f"(expected {cursor})"
             )
         cursor = e.end
     data_start = 8 + n

@@ -231,7 +231,8 @@ def _check_deep(fh: IO[bytes], info: CheckpointInfo, report: VerifyReport, progr
         if fp.hexdigest() != rec["fp"]:
             report.fail(
                 "fingerprint",
-                f"tensor `{printable(e.name)}`: device fingerprint mismatch (expected {rec['fp']}, found {fp.hexdigest()});"
+                f"tensor `{printable(e.name)}`: device fingerprint mismatch "
+                f"(expected {rec['fp']}, found {fp.hexdigest()});"
                 " the stored values differ from those fingerprinted when saving",
                 e.name,
             )

@@ -245,7 +245,8 @@ def _write_temp(job: _Job, tmp: str, display: str) -> None:
             pass
         if isinstance(e, OSError) and not isinstance(e, StorageError):
             raise StorageError(
-                f"{display}: write failed ({e.strerror or e}); nothing was published, the previous checkpoint is untouched"
+                f"{display}: write failed ({e.strerror or e}); "
+                "nothing was published, the previous checkpoint is untouched"
             ) from e
         raise
 
@@ -280,7 +281,8 @@ def save(
         StorageError: the store refused the write; nothing was published.
 
     Example:
-        >>> certckpt.save({"model": model.state_dict(), "optim": opt.state_dict()}, "ckpt/step100.safetensors", step=100)
+        >>> certckpt.save({"model": model.state_dict(), "optim": opt.state_dict()},
+        ...               "ckpt/step100.safetensors", step=100)
     """
     return save_certified(obj, f, step=step, run=run, metadata=metadata, overwrite=overwrite)
 

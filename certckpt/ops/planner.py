@@ -325,8 +325,9 @@ def plan_warnings(*, audit_every: int, ckpt_every: int, keep: int, run_steps: in
                 indefensible=True,
                 message=(
                     f"checkpoints every {c} steps are not aligned with audits every {k} (neither divides the other): "
-                    f"a checkpoint waits up to {rb.max_certification_delay} steps to be certified and the worst rollback "
-                    f"grows by {c - rb.gcd} to {rb.worst_steps} steps; use --ckpt-every {below} or {above}"
+                    f"a checkpoint waits up to {rb.max_certification_delay} steps to be certified "
+                    f"and the worst rollback grows by {c - rb.gcd} to {rb.worst_steps} steps; "
+                    f"use --ckpt-every {below} or {above}"
                 ),
             )
         )
@@ -336,8 +337,9 @@ def plan_warnings(*, audit_every: int, ckpt_every: int, keep: int, run_steps: in
                 code="keep-too-small",
                 indefensible=True,
                 message=(
-                    f"keeping {keep} checkpoint(s) is too few: a detected fault can leave no known-good checkpoint on node "
-                    f"storage (up to {ret.needed} are written from the rollback target on); keep at least {ret.needed}"
+                    f"keeping {keep} checkpoint(s) is too few: "
+                    "a detected fault can leave no known-good checkpoint on node storage "
+                    f"(up to {ret.needed} are written from the rollback target on); keep at least {ret.needed}"
                 ),
             )
         )
@@ -357,7 +359,8 @@ def plan_warnings(*, audit_every: int, ckpt_every: int, keep: int, run_steps: in
                 code="ckpt-sparse",
                 indefensible=False,
                 message=(
-                    f"checkpoints every {c} steps are {c / k:.3g}x sparser than audits: the rollback (worst {rb.worst_steps} steps) "
+                    f"checkpoints every {c} steps are {c / k:.3g}x sparser than audits: "
+                    f"the rollback (worst {rb.worst_steps} steps) "
                     f"is dominated by the checkpoint spacing; checkpointing every {k} steps cuts it to {k}"
                 ),
             )
@@ -368,7 +371,8 @@ def plan_warnings(*, audit_every: int, ckpt_every: int, keep: int, run_steps: in
                 code="ckpt-beyond-run",
                 indefensible=False,
                 message=(
-                    f"no checkpoint is written in a {run_steps}-step run (every {c} steps): a detected fault restarts the run"
+                    f"no checkpoint is written in a {run_steps}-step run (every {c} steps): "
+                    "a detected fault restarts the run"
                 ),
             )
         )

@@ -207,7 +207,8 @@ def check_decision(
         pending = incident.pending_approvals()
         if pending:
             raise IncidentError(
-                f"{incident.incident_id} cannot be resolved: {', '.join(d['decision_id'] for d in pending)} await approval"
+                f"{incident.incident_id} cannot be resolved: "
+                f"{', '.join(d['decision_id'] for d in pending)} await approval"
             )
     if action == "close":
         if incident.status != "resolved":
@@ -215,7 +216,8 @@ def check_decision(
         drill = next((d for d in drills if d.get("drill_id") == decision.get("drill")), None)
         if drill is None:
             raise IncidentError(
-                "closing needs a restore drill of the recovered run: run `certckpt drill restore VAULT ...` and pass --drill ID --vault VAULT"
+                "closing needs a restore drill of the recovered run: "
+                "run `certckpt drill restore VAULT ...` and pass --drill ID --vault VAULT"
             )
         if drill.get("at", 0) < incident.opened.get("opened_at", 0):
             raise IncidentError(

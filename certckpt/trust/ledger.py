@@ -14,8 +14,8 @@ Layout under ``<store>/_ledger/``::
 
 A vault's ledger mirrors its source run's records (commit records keep pointing at the source, as
 evidence of lineage) and adds a holding per checkpoint it keeps; only held, unretired checkpoints are
-candidates for latest-good there. Every object is written once (create-only: a hard link locally, ``If-None-Match`` on S3) and never
-edited. No torch import.
+candidates for latest-good there. Every object is written once (create-only: a hard link locally,
+``If-None-Match`` on S3) and never edited. No torch import.
 """
 
 from __future__ import annotations

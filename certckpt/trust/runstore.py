@@ -102,7 +102,10 @@ def check_file(url: str, header_digest: str | None, *, progress=None) -> str | N
     if not report.ok:
         return report.problems[0].message
     if header_digest and report.info.record.header_digest != header_digest:
-        return f"{url}: not the file that was committed (header digest {report.info.record.header_digest}, committed {header_digest})"
+        return (
+            f"{url}: not the file that was committed "
+            f"(header digest {report.info.record.header_digest}, committed {header_digest})"
+        )
     return None
 
 
@@ -149,9 +152,9 @@ def certify_store(store: str, *, verify_bytes: bool = False, write_certificates:
     )
     if write_certificates:
         _record_changes(ledger, status)
-        if not snap.is_vault:  # a vault mirrors its run's incidents; it never opens its own
-            if open_missing_incidents(ledger, status):
-                status.snapshot = ledger.snapshot()
+        # a vault mirrors its run's incidents; it never opens its own
+        if not snap.is_vault and open_missing_incidents(ledger, status):
+            status.snapshot = ledger.snapshot()
     return status
 
 
