@@ -147,3 +147,30 @@ def test_expected_matrix_is_what_the_design_says():
     assert exp[("forward", "one-time-between-audits")] == (None, None)
     assert exp[("post-optimizer", "one-time-between-audits")] == ("consensus", 15)
     assert exp[("non-finite", "one-time-audit-step")] == ("nonfinite-pre", 20)
+
+
+def _draws_after(state: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
+    from certckpt.detect.auditor import restore_rng
+
+    restore_rng(state, device)
+    return torch.rand(4, device=device)
+
+
+def test_restore_rng_replays_the_draws_from_a_shipped_state():
+    # A state that travelled as a tensor of another width (as a generic exchange may deliver it)
+    # still restores exactly the draws the origin made.
+    state = {"cpu": torch.get_rng_state()}
+    first = torch.rand(4)
+    shipped = {"cpu": state["cpu"].to(torch.int64)}
+    assert torch.equal(_draws_after(shipped, torch.device("cpu")), first)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_restore_rng_accepts_states_that_arrive_on_the_gpu():
+    # Under NCCL, and with gloo on a CUDA model, the neighbour's RNG states arrive on the GPU;
+    # torch's setters take only a CPU ByteTensor (issue 15: every audited multi-GPU run died at step K).
+    device = torch.device("cuda", 0)
+    state = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(device)}
+    first = torch.rand(4, device=device)
+    shipped = {k: v.to(device) for k, v in state.items()}
+    assert torch.equal(_draws_after(shipped, device), first)

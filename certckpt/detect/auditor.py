@@ -131,6 +131,17 @@ class _HookState:
         return True
 
 
+def restore_rng(state: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Set the RNG states a micro-batch was computed with (as ``Auditor._rng_state`` took them).
+
+    The neighbour's states travel with its micro-batch and arrive on the wire device (CUDA under
+    NCCL, the model's device under gloo); torch's setters accept only a CPU ByteTensor.
+    """
+    torch.set_rng_state(state["cpu"].to(device="cpu", dtype=torch.uint8))
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"].to(device="cpu", dtype=torch.uint8), device)
+
+
 def nonfinite_flag(buf: torch.Tensor) -> torch.Tensor:
     # One fused reduction instead of isfinite().all(): NaN and Inf propagate through a sum (a sum
     # that overflows to Inf is flagged too, and means the gradients are unusable anyway).
@@ -618,9 +629,7 @@ class Auditor:
         handles = [p.register_hook(signer(i)) for i, p in enumerate(self.params)]
         try:
             with torch.random.fork_rng(devices=devices):
-                torch.set_rng_state(rng["cpu"])
-                if "cuda" in rng and self.device.type == "cuda":
-                    torch.cuda.set_rng_state(rng["cuda"], self.device)
+                restore_rng(rng, self.device)
                 if self.injector is not None:
                     self.injector.begin(s, "replay")
                 loss = self.loss_fn(module, batch)
