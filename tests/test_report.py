@@ -1,26 +1,42 @@
 """``certckpt report``: the run timeline (pure), its picture (PNG, SVG, HTML) and the command."""
 
 import json
+import re
 import struct
 import subprocess
 import sys
+import textwrap
+import xml.etree.ElementTree as ET
 
 import pytest
 from click.testing import CliRunner
 
 from certckpt.errors import MissingDependencyError
+from certckpt.ops.report import CheckpointMark, DetectionMark, DrillMark, Lane, Timeline, render, timeline
+from certckpt.ops.timeline_svg import svg
 from certckpt.trust.ledger import Ledger
-from certckpt.ops.report import render, timeline
 from certckpt.trust.runstore import certify_store
 from certckpt_cli.main import main
 
 RANKS = [0, 1, 2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+SVG_NS = "{http://www.w3.org/2000/svg}"
+HOSTILE = '<script>&"'
 
 
 def _ev(branch, step, kind, outcome="pass", *, suspects=(), contained=False, details=None, run="tiny-gpt"):
-    return {"run": run, "branch": branch, "step": step, "kind": kind, "outcome": outcome, "ranks": RANKS,
-            "suspect_ranks": list(suspects), "contained": contained, "details": details or {}, "inventory": {}}
+    return {
+        "run": run,
+        "branch": branch,
+        "step": step,
+        "kind": kind,
+        "outcome": outcome,
+        "ranks": RANKS,
+        "suspect_ranks": list(suspects),
+        "contained": contained,
+        "details": details or {},
+        "inventory": {},
+    }
 
 
 def _fp(branch, step):
@@ -28,9 +44,13 @@ def _fp(branch, step):
 
 
 def _full_audit(branch, step, *, replay="pass", suspects=()):
-    return [_ev(branch, step, "nonfinite-pre"), _ev(branch, step, "nonfinite-post"), _ev(branch, step, "nonfinite"),
-            _ev(branch, step, "replay", replay, suspects=suspects),
-            _ev(branch, step, "consensus", details={"fp": _fp(branch, step)})]
+    return [
+        _ev(branch, step, "nonfinite-pre"),
+        _ev(branch, step, "nonfinite-post"),
+        _ev(branch, step, "nonfinite"),
+        _ev(branch, step, "replay", replay, suspects=suspects),
+        _ev(branch, step, "consensus", details={"fp": _fp(branch, step)}),
+    ]
 
 
 def build_store(root, *, run="tiny-gpt"):
@@ -44,8 +64,13 @@ def build_store(root, *, run="tiny-gpt"):
     ledger = Ledger(str(root))
     events = []
     for s in (5, 10, 15, 20):
-        ledger.commit_checkpoint(branch="main", step=s, location=str(root / f"main-{s:06d}.safetensors"), run=run,
-                                 consensus_fp=_fp("main", s))
+        ledger.commit_checkpoint(
+            branch="main",
+            step=s,
+            location=str(root / f"main-{s:06d}.safetensors"),
+            run=run,
+            consensus_fp=_fp("main", s),
+        )
         if s % 10:
             events.append(_ev("main", s, "consensus", details={"fp": _fp("main", s)}))
     events += _full_audit("main", 10) + _full_audit("main", 20, replay="fail", suspects=[1])
@@ -54,8 +79,14 @@ def build_store(root, *, run="tiny-gpt"):
     ledger.start_branch("b2", parent="main@10")
     events = [_ev("b2", 13, "nonfinite-pre", "fail", suspects=[2], contained=True)]
     for s in (15, 20, 25, 30, 35):
-        ledger.commit_checkpoint(branch="b2", step=s, location=str(root / f"b2-{s:06d}.safetensors"), run=run,
-                                 parent="main@10", consensus_fp=_fp("b2", s))
+        ledger.commit_checkpoint(
+            branch="b2",
+            step=s,
+            location=str(root / f"b2-{s:06d}.safetensors"),
+            run=run,
+            parent="main@10",
+            consensus_fp=_fp("b2", s),
+        )
         if s % 10:
             events.append(_ev("b2", s, "consensus", details={"fp": _fp("b2", s)}))
     events += _full_audit("b2", 20) + _full_audit("b2", 30)
@@ -92,7 +123,14 @@ def test_timeline_verdicts_interval_fork_and_latest_good(store):
 
     assert main_lane.intervals == [(10, 20)] and b2.intervals == []
     (d,) = main_lane.detections
-    assert (d.step, d.kind, d.suspect_ranks, d.contained, d.interval, d.rollback_window) == (20, "replay", (1,), False, (10, 20), 10)
+    assert (d.step, d.kind, d.suspect_ranks, d.contained, d.interval, d.rollback_window) == (
+        20,
+        "replay",
+        (1,),
+        False,
+        (10, 20),
+        10,
+    )
     (c,) = b2.detections
     assert c.contained and c.interval is None and c.suspect_ranks == (2,) and c.kind == "nonfinite-pre"
 
@@ -144,7 +182,9 @@ def test_width_grows_with_the_steps_within_bounds(tmp_path):
         ledger = Ledger(str(root))
         events = []
         for s in range(1, n + 1):
-            ledger.commit_checkpoint(branch="main", step=s, location=str(root / f"{s}.safetensors"), consensus_fp=_fp("main", s))
+            ledger.commit_checkpoint(
+                branch="main", step=s, location=str(root / f"{s}.safetensors"), consensus_fp=_fp("main", s)
+            )
             events += _full_audit("main", s)
         ledger.append_events(events)
         out = tmp_path / f"t{n}.png"
@@ -157,14 +197,17 @@ def test_width_grows_with_the_steps_within_bounds(tmp_path):
 
 def test_svg_and_html(store, tmp_path):
     tl = timeline(certify_store(str(store), write_certificates=False))
-    svg = tmp_path / "t.svg"
-    render(tl, svg)
-    text = svg.read_text()
-    assert text.lstrip().startswith("<?xml") and "<svg" in text
+    out = tmp_path / "t.svg"
+    assert render(tl, out) == ".svg"
+    text = out.read_text(encoding="utf-8")
+    assert text.startswith('<?xml version="1.0" encoding="UTF-8"?>') and text == svg(tl)
     page = tmp_path / "t.html"
     render(tl, page)
     doc = page.read_text()
-    assert doc.startswith("<!DOCTYPE html>") and "data:image/png;base64," in doc
+    assert doc.startswith("<!DOCTYPE html>") and "data:image/png" not in doc and "<?xml" not in doc
+    # the picture is inline: the same SVG element, without the XML declaration a page cannot carry
+    (inline,) = re.findall(r"<svg .*?</svg>", doc, flags=re.S)
+    assert inline == svg(tl, standalone=False).strip() and ET.fromstring(inline).tag == f"{SVG_NS}svg"
     for cid in ("main@5", "main@20", "b2@30", "b2@35"):
         assert f"<td>{cid}" in doc
     assert "after-fault" in doc and "awaiting-audit" in doc and "(10, 20]" in doc and "forked from main@10" in doc
@@ -172,6 +215,285 @@ def test_svg_and_html(store, tmp_path):
         render(tl, tmp_path / "t.pdf")
     with pytest.raises(ValueError):
         render(tl, tmp_path / "t")
+
+
+def _svg_doc(tl) -> ET.Element:
+    return ET.fromstring(svg(tl).encode("utf-8"))
+
+
+def _groups(root: ET.Element, cls: str) -> list[ET.Element]:
+    """The <g> elements whose class list names ``cls``."""
+    return [g for g in root.iter(f"{SVG_NS}g") if cls in g.get("class", "").split()]
+
+
+def _title(el: ET.Element) -> str:
+    return el.findtext(f"{SVG_NS}title") or ""
+
+
+def _texts(root: ET.Element) -> list[str]:
+    """What the <text> elements show (a tooltip's <title> child is not shown)."""
+    return [(t.text or "") + "".join(child.tail or "" for child in t) for t in root.iter(f"{SVG_NS}text")]
+
+
+def test_svg_draws_the_timeline(store):
+    tl = timeline(certify_store(str(store), write_certificates=False))
+    root = _svg_doc(tl)
+    assert root.tag == f"{SVG_NS}svg"
+    w, h = int(root.get("width")), int(root.get("height"))
+    assert root.get("viewBox") == f"0 0 {w} {h}" and 1000 <= w <= 2400 and 300 < h < w
+    assert _title(root) == "certckpt timeline — run tiny-gpt"
+
+    # every checkpoint, with its id in a tooltip and its verdict as the mark's class
+    marks = {_title(g).split(" ")[0]: g.get("class").split() for g in _groups(root, "checkpoint")}
+    assert sorted(marks) == sorted(c.ckpt_id for c in tl.checkpoints)
+    trusted = {"main@5", "main@10", "b2@15", "b2@20", "b2@25", "b2@30"}
+    assert {cid for cid, cls in marks.items() if "trusted" in cls} == trusted
+    assert {cid for cid, cls in marks.items() if "suspect" in cls} == {"main@15", "main@20"}
+    assert {cid for cid, cls in marks.items() if "pending" in cls} == {"b2@35"}
+    assert "after-fault" in next(_title(g) for g in _groups(root, "checkpoint") if _title(g).startswith("main@20 "))
+
+    (lg,) = _groups(root, "latest-good")
+    assert _title(lg) == "latest-good b2@30" and lg.find(f"{SVG_NS}polygon") is not None
+    assert "latest-good b2@30" in _texts(root)
+
+    # the suspect interval is shaded from main@10 to main@20 and labelled
+    (band,) = _groups(root, "interval")
+    rect = band.find(f"{SVG_NS}rect")
+    cx = {_title(g).split(" ")[0]: float(g.find(f"{SVG_NS}circle").get("cx")) for g in _groups(root, "checkpoint")}
+    assert float(rect.get("x")) == pytest.approx(cx["main@10"], abs=0.01)
+    assert float(rect.get("x")) + float(rect.get("width")) == pytest.approx(cx["main@20"], abs=0.01)
+    assert "suspect (10, 20]: 10 updates" in _texts(root)
+    assert cx["main@5"] < cx["main@10"] < cx["main@15"] < cx["main@20"] == pytest.approx(cx["b2@20"])
+
+    assert len(_groups(root, "detection")) == 2 and len(_groups(root, "contained")) == 1
+    assert {"replay fail, rank 1", "nonfinite-pre fail, rank 2, contained", "forked from main@10"} <= set(_texts(root))
+    (fork,) = _groups(root, "fork")
+    assert _title(fork) == "b2 resumed from main@10"
+    assert {"main", "b2", "optimizer step", "latest-good", "check failed"} <= set(_texts(root))
+
+    # the step axis: integer ticks, evenly spaced, spanning the run
+    ticks = [int(t) for t in _texts(_groups(root, "axis")[0]) if t.isdigit()]
+    assert 4 <= len(ticks) <= 20 and ticks[0] <= 5 and ticks[-1] >= 35
+    assert len({b - a for a, b in zip(ticks, ticks[1:])}) == 1
+    assert svg(tl) == svg(tl)  # deterministic
+
+
+def test_svg_shows_pruned_revoked_and_drills(store):
+    ledger = Ledger(str(store))
+    ledger.retire("main@5", reason="keep-last", policy="keep-last-2")
+    ledger.revoke("b2@30", reason="bad data shard", by="ops")
+    ledger.record_drill({"kind": "restore-drill", "ckpt_id": "b2@25", "step": 25, "outcome": "pass", "passed": True})
+    root = _svg_doc(timeline(certify_store(str(store), write_certificates=False)))
+    marks = {_title(g).split(" ")[0]: (g.get("class").split(), _title(g)) for g in _groups(root, "checkpoint")}
+    assert "pruned" in marks["main@5"][0] and marks["main@5"][1].endswith("file pruned")
+    assert marks["main@5"][0][1] == "trusted"
+    assert "suspect" in marks["b2@30"][0] and "bad data shard" in marks["b2@30"][1]
+    (drill,) = _groups(root, "drill")
+    assert "pass" in drill.get("class").split() and _title(drill) == "restore drill pass on b2@25"
+    assert _title(_groups(root, "latest-good")[0]) == "latest-good b2@25"
+    assert "restore drill (blue: passed, black: failed)" in _texts(root)
+
+
+def _hostile_store(root):
+    """A store whose records an attacker wrote: a checkpoint id, a branch and a note with markup in them."""
+    ledger = build_store(root, run=f"run {HOSTILE}")
+    ledger.revoke("main@10", reason=f"note {HOSTILE}</text><script>alert(1)</script>", by=HOSTILE)
+    evil = f"x{HOSTILE}"
+    (root / "_ledger" / "checkpoints" / "evil.json").write_text(
+        json.dumps(
+            {
+                "ckpt_id": f"{evil}@7",
+                "run": None,
+                "branch": evil,
+                "step": 7,
+                "url": "x.safetensors",
+                "parent": None,
+                "committed_at": 1.0,
+            }
+        )
+    )
+    ledger.append_events([_ev(evil, 7, "replay", "fail", suspects=[0])])
+
+
+def test_svg_escapes_hostile_text(tmp_path):
+    root = tmp_path / "run"
+    root.mkdir()
+    _hostile_store(root)
+    tl = timeline(certify_store(str(root), write_certificates=False))
+    assert f"x{HOSTILE}@7" in [c.ckpt_id for c in tl.checkpoints]
+    text = svg(tl)
+    assert "<script" not in text and HOSTILE not in text
+    root_el = ET.fromstring(text.encode("utf-8"))  # well-formed: nothing broke out of its string
+    tags = {el.tag for el in root_el.iter()}
+    assert tags <= {f"{SVG_NS}{t}" for t in ("svg", "title", "g", "rect", "line", "circle", "polygon", "path", "text")}
+    # the hostile strings survive as text: ids in tooltips, names and notes as drawn
+    titles = [_title(g) for g in root_el.iter() if _title(g)]
+    assert any(t.startswith(f"x{HOSTILE}@7 at step 7") for t in titles)
+    assert any(f"note {HOSTILE}</text><script>alert(1)</script>" in t for t in titles)
+    assert _title(root_el) == f"certckpt timeline — run run {HOSTILE}"
+    assert f"x{HOSTILE}" in _texts(root_el)  # the lane's name
+
+
+def test_svg_survives_characters_xml_cannot_carry():
+    lane = Lane(
+        branch="a\x00b\x1bc",
+        start=1,
+        end=9,
+        detections=[DetectionMark(step=5, kind="replay\ufffe", suspect_ranks=(1,), interval=(1, 5))],
+        intervals=[(1, 5)],
+    )
+    root = ET.fromstring(svg(Timeline(store="s\x07", run=None, latest_good=None, lanes=[lane])).encode("utf-8"))
+    assert "a\ufffdb\ufffdc" in _texts(root) and "replay\ufffd fail, rank 1" in _texts(root)
+
+
+def test_svg_of_an_empty_timeline_is_a_document():
+    root = ET.fromstring(svg(Timeline(store="/x/run", run=None, latest_good=None)).encode("utf-8"))
+    assert _title(root) == "certckpt timeline — run run" and "nothing recorded" in _texts(root)
+
+
+def _crowded_timeline() -> Timeline:
+    """Three lanes of 12 checkpoints, detections a step or two apart, two intervals, drills, forks."""
+
+    def lane(branch, first, *, parent=None, dets=(), intervals=(), latest=None):
+        steps = range(first, first + 120, 10)
+        fork = first - 5 if parent else None
+        marks = [
+            CheckpointMark(
+                ckpt_id=f"{branch}@{s}",
+                step=s,
+                verdict="trusted" if s < first + 60 else "suspect",
+                latest_good=f"{branch}@{s}" == latest,
+            )
+            for s in steps
+        ]
+        return Lane(
+            branch=branch,
+            parent=parent,
+            fork_step=fork,
+            start=fork or first,
+            end=steps[-1],
+            checkpoints=marks,
+            intervals=list(intervals),
+            detections=[DetectionMark(**d) for d in dets],
+            drills=[DrillMark(ckpt_id=f"{branch}@{first + 10}", step=first + 10, outcome="pass")],
+        )
+
+    main = lane(
+        "main",
+        10,
+        dets=[
+            dict(step=41, kind="nonfinite-pre", suspect_ranks=(5,), contained=True),
+            dict(step=43, kind="nonfinite-post", suspect_ranks=(5, 6), contained=True),
+            dict(step=90, kind="replay", suspect_ranks=(3,), interval=(80, 90)),
+            dict(step=92, kind="consensus", suspect_ranks=(3, 4), interval=(80, 92)),
+        ],
+        intervals=[(80, 90), (80, 92)],
+        latest="main@40",
+    )
+    b2 = lane(
+        "b2",
+        65,
+        parent="main@60",
+        dets=[dict(step=s, kind="replay", suspect_ranks=(1,), interval=(s - 10, s)) for s in (125, 127, 135)],
+        intervals=[(115, 125), (117, 127)],
+    )
+    b3 = lane("b3", 85, parent="main@80", latest="b3@125")
+    return Timeline(store="s", run="crowded", latest_good="b3@125", lanes=[main, b2, b3])
+
+
+def test_svg_labels_do_not_overlap():
+    root = ET.fromstring(svg(_crowded_timeline()).encode("utf-8"))
+    lanes = _groups(root, "lane")
+    assert len(lanes) == 3
+    shown = set()
+    for lane in lanes:
+        boxes = []
+        for t in lane.iter(f"{SVG_NS}text"):
+            size, text = float(t.get("font-size")), (t.text or "") + "".join(c.tail or "" for c in t)
+            w = 0.5 * size * len(text)  # narrower than any of the fonts named: a real overlap shows
+            cx, cy = float(t.get("x")), float(t.get("y")) - 0.35 * size
+            boxes.append((text, cx - w / 2, cy - size / 2, cx + w / 2, cy + size / 2))
+            shown.add(text)
+        for i, a in enumerate(boxes):
+            for b in boxes[i + 1 :]:
+                assert not (a[1] < b[3] and b[1] < a[3] and a[2] < b[4] and b[2] < a[4]), (a, b)
+    assert {
+        "nonfinite-post fail, ranks 5,6, contained",
+        "consensus fail, ranks 3,4",
+        "suspect (117, 127]: 10 updates",
+        "latest-good main@40",
+        "latest-good b3@125",
+        "forked from main@80",
+    } <= shown
+    assert not [t for t in _texts(root) if "left out" in t]
+
+
+def test_svg_leaves_out_labels_it_has_no_room_for_and_says_so():
+    dets = [DetectionMark(step=s, kind="replay", suspect_ranks=(s % 4,), interval=(s - 1, s)) for s in range(1, 200)]
+    lane = Lane(branch="main", start=0, end=200, detections=dets)
+    root = ET.fromstring(svg(Timeline(store="s", run="r", latest_good=None, lanes=[lane])).encode("utf-8"))
+    labels = [t for t in _texts(root) if t.startswith("replay fail")]
+    assert 20 < len(labels) < len(dets) and len(_groups(root, "detection")) == len(dets)
+    (note,) = [t for t in _texts(root) if "left out for room" in t]
+    assert note.startswith(f"{len(dets) - len(labels)} labels left out")
+
+
+def test_svg_sizes_follow_the_run(tmp_path):
+    sizes = []
+    for n in (4, 60, 400):
+        lane = Lane(branch="main", start=1, end=n)
+        lane.checkpoints = [CheckpointMark(ckpt_id=f"main@{s}", step=s, verdict="trusted") for s in range(1, n + 1)]
+        root = ET.fromstring(svg(Timeline(store="s", run="r", latest_good=None, lanes=[lane])).encode("utf-8"))
+        r = float(_groups(root, "checkpoint")[0].find(f"{SVG_NS}circle").get("r"))
+        sizes.append((int(root.get("width")), r))
+    assert sizes[0][0] == 1000 < sizes[1][0] < sizes[2][0] == 2400
+    assert sizes[0][1] > sizes[2][1] >= 2.5  # crowded lanes get smaller marks
+
+
+BLOCKER = textwrap.dedent("""
+    import importlib.abc, json, sys
+
+    class Block(importlib.abc.MetaPathFinder):  # as if none of these were installed
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in ("matplotlib", "numpy", "PIL", "torch"):
+                raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+    sys.meta_path.insert(0, Block())
+    from certckpt.errors import MissingDependencyError
+    from certckpt.ops.report import render, timeline
+    from certckpt.trust.runstore import certify_store
+
+    store, out = sys.argv[1], sys.argv[2]
+    tl = timeline(certify_store(store, write_certificates=False))
+    written = [render(tl, f"{out}/t.svg"), render(tl, f"{out}/t.html")]
+    try:
+        render(tl, f"{out}/t.png")
+        error = None
+    except MissingDependencyError as e:
+        error = str(e)
+    loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("matplotlib", "numpy", "PIL", "torch"))
+    print(json.dumps({"written": written, "png_error": error, "loaded": loaded}))
+""")
+
+
+def test_svg_and_html_need_no_matplotlib_png_names_the_extra(store, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    r = subprocess.run(
+        [sys.executable, "-c", BLOCKER, str(store), str(out)], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert res["written"] == [".svg", ".html"] and res["loaded"] == []
+    assert res["png_error"] is not None and "\n" not in res["png_error"]
+    assert res["png_error"].startswith("a .png report needs matplotlib: pip install 'certckpt[report]'")
+    assert not (out / "t.png").exists()
+    root = ET.parse(out / "t.svg").getroot()
+    assert {"main@5", "b2@30", "b2@35"} <= {_title(g).split(" ")[0] for g in _groups(root, "checkpoint")}
+    assert _title(_groups(root, "latest-good")[0]) == "latest-good b2@30"
+    assert "suspect (10, 20]: 10 updates" in _texts(root)
+    page = (out / "t.html").read_text()
+    assert "<td>b2@30 &#9733;</td>" in page and ET.fromstring(re.search(r"<svg .*?</svg>", page, re.S)[0]) is not None
 
 
 def test_html_escapes_hostile_text(tmp_path):
@@ -202,6 +524,8 @@ def test_missing_matplotlib_names_the_extra(store, tmp_path, monkeypatch):
     with pytest.raises(MissingDependencyError, match=r"pip install 'certckpt\[report\]'"):
         render(tl, tmp_path / "t.png")
     assert not (tmp_path / "t.png").exists()
+    assert render(tl, tmp_path / "t.svg") == ".svg" and render(tl, tmp_path / "t.html") == ".html"
+    assert "b2@30" in (tmp_path / "t.svg").read_text() and "b2@30" in (tmp_path / "t.html").read_text()
 
 
 def test_cli_writes_and_refuses_to_overwrite(store, tmp_path):

@@ -1,0 +1,326 @@
+"""The run timeline as data, and the words and colours every drawing of it uses.
+
+``timeline(status)`` is a pure function from a certified store (``runstore.certify_store``) to a
+``Timeline``: per branch, its checkpoints with their verdicts, the audits, the detections, the
+suspect intervals, the fork point and any restore drills. ``certckpt.ops.timeline_svg`` and the
+matplotlib figure in ``certckpt.ops.report`` draw it. No torch, no matplotlib.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = [
+    "Timeline",
+    "Lane",
+    "CheckpointMark",
+    "AuditMark",
+    "DetectionMark",
+    "DrillMark",
+    "timeline",
+    "headline",
+    "detection_label",
+    "interval_label",
+    "ranks_text",
+    "GREEN",
+    "RED",
+    "ORANGE",
+    "GREY",
+    "GOLD",
+    "DRILL",
+]
+
+# The palette, shared with the matplotlib figure.
+GREEN, RED, ORANGE, GREY, GOLD = "#2e9e44", "#d62728", "#f39c12", "#9a9a9a", "#f5c400"
+DRILL = {"pass": "#1f77b4", "fail": "#000000"}  # fill by outcome; anything else (incomplete) is hollow
+_PENDING = frozenset({"awaiting-audit", "no-consensus"})  # suspect for want of evidence, not for a fault
+_AUDIT_KINDS = {"nonfinite-pre": "nonfinite", "nonfinite-post": "nonfinite"}
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointMark:
+    """One committed checkpoint on its lane.
+
+    Attributes:
+        held: this store still holds the file (not pruned by retention; in a vault, promoted here).
+        pruned: a retention policy deleted the file (its verdict is still shown).
+    """
+
+    ckpt_id: str
+    step: int
+    verdict: str  # "trusted" | "suspect"
+    reasons: tuple[str, ...] = ()
+    held: bool = True
+    pruned: bool = False
+    latest_good: bool = False
+    note: str = ""  # why, in words: the revocation's reason, the byte problem
+
+    @property
+    def pending(self) -> bool:
+        """Suspect only for want of evidence (awaiting its audit, no consensus recorded)."""
+        return self.verdict == "suspect" and bool(self.reasons) and set(self.reasons) <= _PENDING
+
+
+@dataclass(kw_only=True, slots=True)
+class AuditMark:
+    """The checks of one kind at one step, summarised: a failure wins over any pass."""
+
+    step: int
+    kind: str  # nonfinite (pre and post folded in) | replay | consensus
+    outcome: str  # pass | fail
+
+
+@dataclass(kw_only=True, slots=True)
+class DetectionMark:
+    step: int
+    kind: str
+    suspect_ranks: tuple[int, ...] = ()
+    contained: bool = False
+    interval: tuple[int, int] | None = None  # (c, d]; None when contained
+    rollback_window: int = 0
+
+
+@dataclass(kw_only=True, slots=True)
+class DrillMark:
+    ckpt_id: str | None
+    step: int | None
+    outcome: str  # pass | fail | incomplete
+
+
+@dataclass(kw_only=True, slots=True)
+class Lane:
+    """One branch: a line of training from ``start`` to ``end``.
+
+    Attributes:
+        parent: the checkpoint the branch resumed from (None for a first branch).
+        fork_step: that checkpoint's step (where the lane starts); None for a first branch.
+        intervals: suspect intervals ``(from, to]`` of its uncontained detections.
+    """
+
+    branch: str
+    parent: str | None = None
+    fork_step: int | None = None
+    start: int = 0
+    end: int = 0
+    checkpoints: list[CheckpointMark] = field(default_factory=list)
+    audits: list[AuditMark] = field(default_factory=list)
+    detections: list[DetectionMark] = field(default_factory=list)
+    intervals: list[tuple[int, int]] = field(default_factory=list)
+    drills: list[DrillMark] = field(default_factory=list)
+
+
+@dataclass(kw_only=True, slots=True)
+class Timeline:
+    store: str
+    run: str | None
+    latest_good: str | None
+    lanes: list[Lane] = field(default_factory=list)
+
+    def lane(self, branch: str) -> Lane:
+        return next(lane for lane in self.lanes if lane.branch == branch)
+
+    @property
+    def checkpoints(self) -> list[CheckpointMark]:
+        return [c for lane in self.lanes for c in lane.checkpoints]
+
+    @property
+    def detections(self) -> list[DetectionMark]:
+        return [d for lane in self.lanes for d in lane.detections]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def summary(self) -> str:
+        n, m = len(self.checkpoints), len(self.detections)
+        lanes = len(self.lanes)
+        return (
+            f"{n} checkpoint{'s' * (n != 1)} on {lanes} branch{'es' * (lanes != 1)}, "
+            f"{m} detection{'s' * (m != 1)}, latest-good {self.latest_good or 'none'}"
+        )
+
+
+# --- the pure part -------------------------------------------------------------------------------
+
+
+def _step_of(ckpt_id: str) -> int | None:
+    _, sep, step = ckpt_id.rpartition("@")
+    try:
+        return int(step) if sep else None
+    except ValueError:
+        return None
+
+
+def timeline(status: Any) -> Timeline:
+    """The timeline of a certified store (a ``runstore.StoreStatus``). Pure: reads nothing."""
+    snap, cert = status.snapshot, status.certification
+    by_id = {c.ckpt_id: c for c in snap.checkpoints}
+    latest = status.latest_good
+    problems = getattr(status, "problems", {}) or {}
+
+    names: set[str] = (
+        {c.branch for c in snap.checkpoints} | {e["branch"] for e in snap.events} | set(snap.branch_parents)
+    )
+    names |= {d.branch for d in cert.detections}
+    lanes = {b: Lane(branch=b) for b in names}
+
+    # fork points: the branch record, else a checkpoint whose parent lies on another branch
+    for b, lane in lanes.items():
+        parent = snap.branch_parents.get(b)
+        if parent is None:
+            parent = next(
+                (
+                    c.parent
+                    for c in sorted(snap.checkpoints, key=lambda c: c.step)
+                    if c.branch == b and c.parent and (c.parent not in by_id or by_id[c.parent].branch != b)
+                ),
+                None,
+            )
+        if parent is not None:
+            lane.parent = parent
+            lane.fork_step = by_id[parent].step if parent in by_id else _step_of(parent)
+
+    revoked: dict[str, list[str]] = {}
+    for r in snap.revocations:
+        revoked.setdefault(r.ckpt_id, []).append(f"revoked{' by ' + r.by if r.by else ''}: {r.reason}")
+    for c in sorted(snap.checkpoints, key=lambda c: (c.step, c.committed_at)):
+        v = cert.verdicts[c.ckpt_id]
+        reasons = tuple(v.reasons)
+        if c.ckpt_id in problems and "corrupt" not in reasons:
+            reasons = ("corrupt", *reasons)
+        notes = revoked.get(c.ckpt_id, []) + ([problems[c.ckpt_id]] if c.ckpt_id in problems else [])
+        lanes[c.branch].checkpoints.append(
+            CheckpointMark(
+                ckpt_id=c.ckpt_id,
+                step=c.step,
+                verdict=v.label,
+                reasons=reasons,
+                held=snap.available(c.ckpt_id),
+                pruned=c.ckpt_id in snap.retired,
+                latest_good=c.ckpt_id == latest,
+                note="; ".join(notes),
+            )
+        )
+
+    audits: dict[tuple[str, int, str], str] = {}
+    for e in snap.events:
+        kind = _AUDIT_KINDS.get(e["kind"], e["kind"])
+        key = (e["branch"], int(e["step"]), kind)
+        if audits.get(key) != "fail":
+            audits[key] = "fail" if e.get("outcome") == "fail" else "pass"
+    for (b, step, kind), outcome in sorted(audits.items(), key=lambda kv: (kv[0][1], kv[0][2])):
+        lanes[b].audits.append(AuditMark(step=step, kind=kind, outcome=outcome))
+
+    for d in sorted(cert.detections, key=lambda d: (d.step, d.kind)):
+        lane = lanes[d.branch]
+        lane.detections.append(
+            DetectionMark(
+                step=d.step,
+                kind=d.kind,
+                suspect_ranks=tuple(d.suspect_ranks),
+                contained=d.contained,
+                interval=tuple(d.interval) if d.interval else None,
+                rollback_window=d.rollback_window,
+            )
+        )
+        if d.interval and tuple(d.interval) not in lane.intervals:
+            lane.intervals.append(tuple(d.interval))
+
+    for doc in snap.drills:
+        cid = doc.get("ckpt_id")
+        b = by_id[cid].branch if cid in by_id else (cid.rpartition("@")[0] if cid and "@" in cid else None)
+        if b is None:
+            continue
+        step = doc.get("step")
+        if step is None and cid:
+            step = by_id[cid].step if cid in by_id else _step_of(cid)
+        lane = lanes.setdefault(b, Lane(branch=b))
+        lane.drills.append(
+            DrillMark(
+                ckpt_id=cid, step=step, outcome=str(doc.get("outcome") or ("pass" if doc.get("passed") else "fail"))
+            )
+        )
+
+    for lane in lanes.values():
+        steps = [c.step for c in lane.checkpoints] + [a.step for a in lane.audits] + [d.step for d in lane.detections]
+        steps += [s for iv in lane.intervals for s in iv] + [d.step for d in lane.drills if d.step is not None]
+        if lane.fork_step is not None:
+            lane.start = lane.fork_step
+            steps.append(lane.fork_step)
+        else:
+            lane.start = min(steps, default=0)
+        lane.end = max(steps, default=lane.start)
+
+    run = next((r.get("run") for r in snap.records.values() if r.get("run")), None)
+    run = run or next((e.get("run") for e in snap.events if e.get("run")), None)
+    return Timeline(store=status.store, run=run, latest_good=latest, lanes=_ordered(lanes, by_id))
+
+
+def _ordered(lanes: dict[str, Lane], by_id: dict[str, Any]) -> list[Lane]:
+    """First branches first, each followed by the branches forked from it (by fork step)."""
+    children: dict[str | None, list[Lane]] = {}
+    for lane in lanes.values():
+        parent_branch = None
+        if lane.parent is not None:
+            parent_branch = by_id[lane.parent].branch if lane.parent in by_id else lane.parent.rpartition("@")[0]
+            if parent_branch not in lanes or parent_branch == lane.branch:
+                parent_branch = None
+        children.setdefault(parent_branch, []).append(lane)
+    out: list[Lane] = []
+    seen: set[str] = set()
+
+    def visit(parent: str | None) -> None:
+        for lane in sorted(
+            children.get(parent, []),
+            key=lambda ln: (ln.fork_step if ln.fork_step is not None else -1, ln.branch != "main", ln.branch),
+        ):
+            if lane.branch not in seen:
+                seen.add(lane.branch)
+                out.append(lane)
+                visit(lane.branch)
+
+    visit(None)
+    for lane in sorted(lanes.values(), key=lambda ln: ln.branch):  # cycles in bad data: still shown
+        if lane.branch not in seen:
+            seen.add(lane.branch)
+            out.append(lane)
+            visit(lane.branch)
+    return out
+
+
+# --- drawing with matplotlib (.png) ----------------------------------------------------------------
+
+
+def headline(tl: Timeline) -> tuple[str, str]:
+    """The title and the subtitle of the picture (plain text, not escaped)."""
+    title = f"certckpt timeline — run {tl.run or os.path.basename(tl.store.rstrip('/')) or tl.store}"
+    n_ck, dets, n_lanes = len(tl.checkpoints), tl.detections, len(tl.lanes)
+    contained = sum(d.contained for d in dets)
+    sub = (
+        f"latest-good: {tl.latest_good or 'none'}   ·   {n_ck} checkpoint{'s' * (n_ck != 1)} on {n_lanes} "
+        f"branch{'es' * (n_lanes != 1)}   ·   {len(dets)} detection{'s' * (len(dets) != 1)}"
+        + (f" ({contained} contained)" if contained else "")
+    )
+    return title, sub
+
+
+def ranks_text(ranks: Sequence[int]) -> str:
+    if not ranks:
+        return "rank ?"
+    return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(map(str, ranks))
+
+
+def detection_label(d: DetectionMark) -> str:
+    """What a detection's label says: the check that failed and the ranks it named."""
+    return f"{d.kind} fail, {ranks_text(d.suspect_ranks)}" + (", contained" if d.contained else "")
+
+
+def interval_label(a: int, b: int) -> str:
+    """What a suspect interval's label says."""
+    return f"suspect ({a}, {b}]: {b - a} updates"
