@@ -36,8 +36,11 @@ def start_moto() -> tuple[subprocess.Popen, str]:
     from certckpt.detect.launch import free_port
 
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     endpoint = f"http://127.0.0.1:{port}"
     for _ in range(300):
         try:
@@ -58,10 +61,15 @@ def main() -> int:
     import torch
 
     import certckpt
-    from certckpt.vault.site import copy_once
+    from certckpt.vault import copy_once
 
     proc, endpoint = start_moto()
-    os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1")
+    os.environ.update(
+        AWS_ENDPOINT_URL=endpoint,
+        AWS_ACCESS_KEY_ID="bench",
+        AWS_SECRET_ACCESS_KEY="bench",
+        AWS_DEFAULT_REGION="us-east-1",
+    )
     import s3fs
 
     fs = s3fs.S3FileSystem()
@@ -84,31 +92,43 @@ def main() -> int:
 
                 rows.setdefault("local: copyfile + fsync", []).append(timed(plain_local))
                 rows.setdefault("local: certckpt copy_once", []).append(
-                    timed(lambda: copy_once(src, os.path.join(d, "vault", f"c-{t}.safetensors"), header_digest=res.header_digest)))
+                    timed(
+                        lambda: copy_once(
+                            src, os.path.join(d, "vault", f"c-{t}.safetensors"), header_digest=res.header_digest
+                        )
+                    )
+                )
                 os.unlink(dst_plain)
                 key = f"{bucket}/plain-{t}.safetensors"
                 rows.setdefault("S3 promote: s3fs put_file", []).append(timed(lambda: fs.put_file(src, key)))
                 url = f"s3://{bucket}/vault/c-{t}.safetensors"
                 rows.setdefault("S3 promote: certckpt copy_once (+ read-back verify)", []).append(
-                    timed(lambda: copy_once(src, url, header_digest=res.header_digest)))
+                    timed(lambda: copy_once(src, url, header_digest=res.header_digest))
+                )
                 got = os.path.join(d, f"got-{t}.safetensors")
                 rows.setdefault("S3 restore: s3fs get_file", []).append(timed(lambda: fs.get_file(key, got)))
                 back = os.path.join(d, f"back-{t}.safetensors")
                 rows.setdefault("S3 restore: certckpt copy_once (verify before publish)", []).append(
-                    timed(lambda: copy_once(url, back, header_digest=res.header_digest, read_only=False)))
+                    timed(lambda: copy_once(url, back, header_digest=res.header_digest, read_only=False))
+                )
                 for p in (got, back):
                     os.unlink(p)
     finally:
         os.kill(proc.pid, signal.SIGTERM)
         proc.wait(timeout=10)
-    print(f"certckpt vault copies: one {size / 2**20:.0f} MiB checkpoint, {a.trials} interleaved trials, medians; S3 = moto on 127.0.0.1")
+    print(
+        f"certckpt vault copies: one {size / 2**20:.0f} MiB checkpoint, {a.trials} interleaved trials, medians; "
+        "S3 = moto on 127.0.0.1"
+    )
     med = {k: statistics.median(v) for k, v in rows.items()}
     width = max(map(len, med))
     for k, v in med.items():
         print(f"  {k:<{width}}  {v:7.3f} s  {size / v / 1e6:8.1f} MB/s")
-    for label, base, ours in (("local vault", "local: copyfile + fsync", "local: certckpt copy_once"),
-                              ("S3 promote", "S3 promote: s3fs put_file", "S3 promote: certckpt copy_once (+ read-back verify)"),
-                              ("S3 restore", "S3 restore: s3fs get_file", "S3 restore: certckpt copy_once (verify before publish)")):
+    for label, base, ours in (
+        ("local vault", "local: copyfile + fsync", "local: certckpt copy_once"),
+        ("S3 promote", "S3 promote: s3fs put_file", "S3 promote: certckpt copy_once (+ read-back verify)"),
+        ("S3 restore", "S3 restore: s3fs get_file", "S3 restore: certckpt copy_once (verify before publish)"),
+    ):
         print(f"ratio {label}: certckpt / plain = {med[ours] / med[base]:.2f}x")
     return 0
 

@@ -27,8 +27,7 @@ def run_demo(directory: str, *, echo: Callable[[str], None] = print, ranks: int 
     from certckpt.ops.report import render, timeline
     from certckpt.tools.demo import SCHEDULE
     from certckpt.trust.runstore import certify_store, decide, find_latest_good, get_incident
-    from certckpt.vault.drill import drill_restore
-    from certckpt.vault.site import promote
+    from certckpt.vault import drill_restore, promote
 
     from .store_cmds import status_lines
 
@@ -123,7 +122,7 @@ def run_demo(directory: str, *, echo: Callable[[str], None] = print, ranks: int 
     echo(f"  incident {iid}: {get_incident(store, iid).status}")
 
     stage(7, "timeline picture")
-    picture = os.path.join(root, "timeline.png")
+    picture = os.path.join(root, "timeline.svg")  # the base install draws SVG; PNG needs matplotlib
     render(timeline(certify_store(store, write_certificates=False)), picture)
     echo(f"  {picture}")
 

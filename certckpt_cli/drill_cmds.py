@@ -130,7 +130,7 @@ def drill_restore_cmd(
     Exit 0 when all four pass; 1 when a stage fails or there is no reference to compare with.
     The drill is recorded in the vault's ledger.
     """
-    from certckpt.vault.drill import drill_restore, load_callable
+    from certckpt.vault import drill_restore, load_callable
 
     result = drill_restore(
         vault_url,

@@ -24,7 +24,8 @@ from .common import expected_errors
 def report(store: str, out: str, as_json: bool, force: bool) -> None:
     """Draw the timeline of the run store STORE: per branch, its checkpoints with their verdicts,
     the audits, the detections with the ranks they name, the suspect intervals, the forks, and
-    latest-good. Needs matplotlib (pip install 'certckpt[report]'). Reads the store, writes nothing there.
+    latest-good. A .png needs matplotlib (pip install 'certckpt[report]'); .svg and .html need nothing
+    more. Reads the store, writes nothing there.
 
     Exit 0 when written; 2 when the store cannot be read or the file cannot be written.
     """

@@ -1,5 +1,4 @@
-"""``certckpt vault ...`` and ``certckpt drill restore``: thin wrappers over certckpt.vault.site and
-certckpt.vault.drill (print, map errors to exit codes)."""
+"""``certckpt vault ...``: thin wrappers over certckpt.vault (print, map errors to exit codes)."""
 
 from __future__ import annotations
 
@@ -64,7 +63,7 @@ def vault_promote(
 
     Exit 0 when done (also when there was nothing new); 1 when a requested checkpoint is suspect.
     """
-    from certckpt.vault.site import promote
+    from certckpt.vault import promote
 
     done = promote(
         run_url,
@@ -113,7 +112,7 @@ def vault_promote(
 @expected_errors
 def vault_ls(vault_url: str, as_json: bool) -> None:
     """What VAULT_URL holds, with each checkpoint's verdict now (* marks latest-good)."""
-    from certckpt.vault.site import holdings
+    from certckpt.vault import holdings
 
     status, rows = holdings(vault_url)
     if as_json:
@@ -140,7 +139,7 @@ def vault_ls(vault_url: str, as_json: bool) -> None:
 
 
 def _policy(keep_last: int | None, keep_every: int | None, keep_days: float | None, keep_best: tuple[str, ...]):
-    from certckpt.vault.retention import AnyOf, KeepBest, KeepEvery, KeepFor, KeepLatest
+    from certckpt.vault import AnyOf, KeepBest, KeepEvery, KeepFor, KeepLatest
 
     parts = []
     if keep_last is not None:
@@ -185,7 +184,7 @@ def vault_prune(vault_url: str, keep_last, keep_every, keep_days, keep_best, app
     Policies combine: a checkpoint stays when any of them keeps it. Latest-good, the rollback target
     before an open suspect interval, and everything while an incident is open are always kept.
     """
-    from certckpt.vault.site import prune
+    from certckpt.vault import prune
 
     result = prune(vault_url, _policy(keep_last, keep_every, keep_days, keep_best), apply=apply)
     if as_json:
@@ -230,7 +229,7 @@ def vault_restore(vault_url: str, ckpt: str, dest: str, allow_suspect: bool, as_
     DEST is a file path or URL, or a directory (ending in / or existing) to put it in; an existing
     file is never overwritten.
     """
-    from certckpt.vault.site import restore
+    from certckpt.vault import restore
 
     r = restore(
         vault_url,

@@ -7,6 +7,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
+rm -rf build  # setuptools would reuse a stale build/lib (modules since removed)
 "$PY" -m pip wheel --disable-pip-version-check -q --no-deps -w "$work/dist" .
 "$PY" -m venv "$work/venv"
 vpip() { "$work/venv/bin/python" -m pip install --disable-pip-version-check -q "$@"; }

@@ -17,6 +17,8 @@ from hypothesis import strategies as st
 import certckpt
 from certckpt.errors import CheckpointExistsError, CheckpointNotFoundError, UntrustedCheckpointError
 from certckpt.trust.ledger import Ledger
+from certckpt.trust.runstore import find_latest_good
+from certckpt.vault import holdings, promote, prune, restore
 from certckpt.vault.drill import compare_metrics, drill_restore, pick_reference
 from certckpt.vault.retention import (
     AnyOf,
@@ -28,15 +30,19 @@ from certckpt.vault.retention import (
     plan_prune,
     protected_checkpoints,
 )
-from certckpt.trust.runstore import find_latest_good
-from certckpt.vault.site import holdings, promote, prune, restore
 
 DAY = 86400.0
 
 
 def entry(step, *, branch="main", trusted=True, at=None, **metrics):
-    return RetentionEntry(ckpt_id=f"{branch}@{step}", branch=branch, step=step, trusted=trusted,
-                          committed_at=float(step if at is None else at), metrics=metrics)
+    return RetentionEntry(
+        ckpt_id=f"{branch}@{step}",
+        branch=branch,
+        step=step,
+        trusted=trusted,
+        committed_at=float(step if at is None else at),
+        metrics=metrics,
+    )
 
 
 # --- retention policies (pure) -------------------------------------------------------------------
@@ -50,7 +56,13 @@ def test_each_policy_keeps_what_it_says():
     assert set(KeepEvery(25).keeps(es, now=0)) == {"main@20", "main@30", "main@60"}
     # younger than one day at now = 60 + 1 day - 1 s: committed_at 60 only... and anything after
     assert set(KeepFor(1).keeps(es, now=DAY + 45)) == {"main@50", "main@60"}
-    best = [entry(10, loss=0.5), entry(20, loss=0.2), entry(30, loss=0.3), entry(40, trusted=False, loss=0.1), entry(50)]
+    best = [
+        entry(10, loss=0.5),
+        entry(20, loss=0.2),
+        entry(30, loss=0.3),
+        entry(40, trusted=False, loss=0.1),
+        entry(50),
+    ]
     assert set(KeepBest("loss").keeps(best, now=0)) == {"main@20"}  # the suspect one never ranks
     assert set(KeepBest("loss", n=2, higher_is_better=True).keeps(best, now=0)) == {"main@10", "main@30"}
 
@@ -79,11 +91,19 @@ def test_rollback_target_is_protected_until_a_recovery_branch_passes_the_interva
 
 
 entries_st = st.lists(
-    st.tuples(st.integers(1, 200), st.booleans(), st.floats(0, 30 * DAY)), min_size=0, max_size=25, unique_by=lambda t: t[0]
+    st.tuples(st.integers(1, 200), st.booleans(), st.floats(0, 30 * DAY)),
+    min_size=0,
+    max_size=25,
+    unique_by=lambda t: t[0],
 ).map(lambda xs: [entry(s, trusted=t, at=a) for s, t, a in xs])
 policy_st = st.lists(
-    st.one_of(st.builds(KeepLatest, st.integers(0, 4)), st.builds(KeepEvery, st.integers(1, 80)), st.builds(KeepFor, st.floats(0, 40))),
-    min_size=1, max_size=3,
+    st.one_of(
+        st.builds(KeepLatest, st.integers(0, 4)),
+        st.builds(KeepEvery, st.integers(1, 80)),
+        st.builds(KeepFor, st.floats(0, 40)),
+    ),
+    min_size=1,
+    max_size=3,
 ).map(lambda ps: AnyOf(*ps))
 
 
@@ -128,7 +148,9 @@ def _reference(clean_run, step):
 
 
 @pytest.mark.slow
-def test_after_an_injected_fault_only_trusted_checkpoints_enter_the_vault_and_latest_good_restores(copy_run, drill_runs, tmp_path):
+def test_after_an_injected_fault_only_trusted_checkpoints_enter_the_vault_and_latest_good_restores(
+    copy_run, drill_runs, tmp_path
+):
     run, vault = copy_run("faulty"), str(tmp_path / "vault")
     done = promote(run, vault)
     assert [p.ckpt_id for p in done] == ["main@5", "main@10"] and all(p.written for p in done)
@@ -195,10 +217,12 @@ def test_write_once_different_content_under_a_vaulted_name_is_refused_and_change
     os.makedirs(vault)
     squatter = os.path.join(vault, "main@5.safetensors")
     certckpt.save({"x": __import__("torch").zeros(3)}, squatter)
-    before = open(squatter, "rb").read()
+    with open(squatter, "rb") as fh:
+        before = fh.read()
     with pytest.raises(CheckpointExistsError, match="already holds different content"):
         promote(run, vault, ckpts=["main@5"])
-    assert open(squatter, "rb").read() == before
+    with open(squatter, "rb") as fh:
+        assert fh.read() == before
     assert "main@5" not in Ledger(vault).snapshot().holdings  # never recorded as held
     # another run cannot share the vault: checkpoint ids are only unique within a run
     promote(run, vault, ckpts=["main@10"])
@@ -218,11 +242,17 @@ def test_prune_keeps_latest_good_is_a_dry_run_by_default_and_records_what_it_del
     # keep-last 1 keeps main@30; keep-every 20 keeps the newest trusted in [0, 20) and [20, 40): 15 and 30
     done = prune(vault, KeepLatest(1) | KeepEvery(20), apply=True)
     assert done.deleted == ["main@5", "main@10", "main@20", "main@25"] and done.refused == {}
-    assert sorted(n for n in os.listdir(vault) if n.endswith(".safetensors")) == ["main@15.safetensors", "main@30.safetensors"]
+    assert sorted(n for n in os.listdir(vault) if n.endswith(".safetensors")) == [
+        "main@15.safetensors",
+        "main@30.safetensors",
+    ]
     _, rows = holdings(vault)
     assert {r["ckpt_id"] for r in rows if r["pruned"]} == {"main@5", "main@10", "main@20", "main@25"}
     retired = Ledger(vault).snapshot().retired
-    assert set(retired) == {"main@5", "main@10", "main@20", "main@25"} and retired["main@5"]["policy"] == "keep-last 1 | keep-every 20 steps"
+    assert (
+        set(retired) == {"main@5", "main@10", "main@20", "main@25"}
+        and retired["main@5"]["policy"] == "keep-last 1 | keep-every 20 steps"
+    )
     with pytest.raises(CheckpointNotFoundError, match="was pruned"):
         restore(vault, "main@10", str(tmp_path / "x.safetensors"))
     assert find_latest_good(vault)[1] == "main@30"
@@ -263,7 +293,7 @@ def test_fsspec_url_vaults_promote_restore_and_drill(scheme, copy_run, drill_run
 
 def _promote_in_process(args):
     run, vault = args
-    from certckpt.vault.site import promote as p
+    from certckpt.vault import promote as p
 
     return [(x.ckpt_id, x.written) for x in p(run, vault, ckpts=["main@10"])]
 
@@ -294,12 +324,18 @@ def test_cli_vault_promote_ls_prune_restore_and_drill(copy_run, drill_runs, tmp_
     run, vault = copy_run("faulty"), str(tmp_path / "vault")
     r = cli("vault", "promote", run, vault)
     assert r.returncode == 0, r.stderr
-    assert "main@5" in r.stdout and "main@10" in r.stdout and "copied, verified" in r.stdout and "main@15" not in r.stdout
+    assert (
+        "main@5" in r.stdout and "main@10" in r.stdout and "copied, verified" in r.stdout and "main@15" not in r.stdout
+    )
     r = cli("vault", "promote", run, vault, "--ckpt", "main@15")
     assert r.returncode == 1 and r.stderr.count("\n") == 1 and "suspect" in r.stderr and "Traceback" not in r.stderr
     r = cli("vault", "ls", vault, "--json")
     doc = json.loads(r.stdout)
-    assert r.returncode == 0 and doc["latest_good"] == "main@10" and [c["ckpt_id"] for c in doc["checkpoints"]] == ["main@5", "main@10"]
+    assert (
+        r.returncode == 0
+        and doc["latest_good"] == "main@10"
+        and [c["ckpt_id"] for c in doc["checkpoints"]] == ["main@5", "main@10"]
+    )
     r = cli("latest-good", vault)
     assert r.returncode == 0 and r.stdout.strip() == os.path.join(vault, "main@10.safetensors")
     # the training job opened an incident for the detection: nothing is deleted while it is open
@@ -325,7 +361,15 @@ def test_cli_vault_promote_ls_prune_restore_and_drill(copy_run, drill_runs, tmp_
     assert r.returncode == 2 and "holds no checkpoint 'main@99'" in r.stderr
     ref = tmp_path / "ref.json"
     ref.write_text(json.dumps(_reference(drill_runs["clean"], 10)))
-    args = ["drill", "restore", vault, "--model", "certckpt.detect.drill:make_model", "--eval", "certckpt.detect.drill:evaluate"]
+    args = [
+        "drill",
+        "restore",
+        vault,
+        "--model",
+        "certckpt.detect.drill:make_model",
+        "--eval",
+        "certckpt.detect.drill:evaluate",
+    ]
     r = cli(*args, "--reference", str(ref))
     assert r.returncode == 0 and "outcome: PASS" in r.stdout
     for stage in ("bytes", "fingerprints", "load", "metrics"):
@@ -338,7 +382,9 @@ def test_cli_vault_promote_ls_prune_restore_and_drill(copy_run, drill_runs, tmp_
 
 def test_cli_vault_errors_are_one_line(tmp_path):
     r = cli("vault", "ls", str(tmp_path / "nope"))
-    assert r.returncode == 2 and r.stderr.strip() == f"certckpt: {tmp_path / 'nope'}: no such vault (directory not found)"
+    assert (
+        r.returncode == 2 and r.stderr.strip() == f"certckpt: {tmp_path / 'nope'}: no such vault (directory not found)"
+    )
     r = cli("vault", "promote", str(tmp_path / "norun"), str(tmp_path / "v"))
     assert r.returncode == 2 and "no such run store" in r.stderr and r.stderr.count("\n") == 1
     (tmp_path / "empty-run").mkdir()
@@ -349,7 +395,7 @@ def test_cli_vault_errors_are_one_line(tmp_path):
 
 
 def test_vault_modules_import_without_torch():
-    code = "import sys, certckpt.vault.site, certckpt.vault.retention, certckpt_cli.main; assert 'torch' not in sys.modules"
+    code = "import sys, certckpt.vault, certckpt_cli.main; assert 'torch' not in sys.modules"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 

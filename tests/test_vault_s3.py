@@ -17,9 +17,9 @@ from conftest import console_script
 import certckpt
 from certckpt.errors import CheckpointExistsError, StorageError
 from certckpt.trust.ledger import Ledger
-from certckpt.vault.retention import KeepLatest
 from certckpt.trust.runstore import find_latest_good
-from certckpt.vault.site import copy_once, holdings, promote, prune, restore
+from certckpt.vault import copy_once, holdings, promote, prune, restore
+from certckpt.vault.retention import KeepLatest
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +50,11 @@ def test_promote_locks_objects_refuses_overwrite_and_locked_deletes(copy_run, lo
     head = fs.call_s3("head_object", Bucket=bucket, Key=key)
     assert head["ObjectLockMode"] == "GOVERNANCE"
     until = head["ObjectLockRetainUntilDate"]
-    assert datetime.timedelta(days=6.9) < until - datetime.datetime.now(datetime.timezone.utc) < datetime.timedelta(days=7.1)
+    assert (
+        datetime.timedelta(days=6.9)
+        < until - datetime.datetime.now(datetime.timezone.utc)
+        < datetime.timedelta(days=7.1)
+    )
     assert done[1].lock["version_id"] == head["VersionId"]
     # overwrite refused by the server (create-only PUT)
     stranger = tmp_path / "other.bin"
@@ -78,7 +82,9 @@ def test_prune_deletes_every_version_once_retention_expires_and_never_a_locked_o
     promote(run, vault, retain_days=2 / 86400)  # the others: two seconds
     time.sleep(2.5)
     res = prune(vault, KeepLatest(0), apply=True)
-    assert res.deleted == ["main@10", "main@15", "main@20", "main@25"] and res.plan.guarded == {"main@30": "latest-good"}
+    assert res.deleted == ["main@10", "main@15", "main@20", "main@25"] and res.plan.guarded == {
+        "main@30": "latest-good"
+    }
     # what Object Lock still protects is reported, kept, and not marked pruned
     assert "Object Lock GOVERNANCE retention until" in res.refused["main@5"]
     assert versions(fs, bucket, "run1/main@5.safetensors")
@@ -101,8 +107,13 @@ def test_promoting_different_content_under_a_locked_name_fails_and_changes_nothi
 
 def _promote_in_process(args):
     run, vault, endpoint = args
-    os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
-    from certckpt.vault.site import promote as p
+    os.environ.update(
+        AWS_ENDPOINT_URL=endpoint,
+        AWS_ACCESS_KEY_ID="testing",
+        AWS_SECRET_ACCESS_KEY="testing",
+        AWS_DEFAULT_REGION="us-east-1",
+    )
+    from certckpt.vault import promote as p
 
     return [(x.ckpt_id, x.written) for x in p(run, vault, ckpts=["main@10"])]
 
@@ -168,7 +179,9 @@ class CuttingProxy:
                 pass
 
 
-def test_server_dying_mid_upload_gives_a_clear_error_no_object_and_a_retry_succeeds(copy_run, lock_bucket, s3_server, monkeypatch):
+def test_server_dying_mid_upload_gives_a_clear_error_no_object_and_a_retry_succeeds(
+    copy_run, lock_bucket, s3_server, monkeypatch
+):
     import s3fs
 
     bucket, fs = lock_bucket
@@ -200,8 +213,12 @@ def test_copy_once_uploads_large_files_in_parts_with_progress(lock_bucket, tmp_p
     src = tmp_path / "big.safetensors"
     res = certckpt.save({"w": torch.randn(30 << 20)}, str(src))  # 120 MB: a multipart upload
     seen = []
-    written, n = copy_once(str(src), f"s3://{bucket}/big.safetensors", header_digest=res.header_digest,
-                           progress=lambda done, total: seen.append((done, total)))
+    written, n = copy_once(
+        str(src),
+        f"s3://{bucket}/big.safetensors",
+        header_digest=res.header_digest,
+        progress=lambda done, total: seen.append((done, total)),
+    )
     assert written and n == os.path.getsize(src)
     assert seen and seen[-1] == (n, n)
     assert fs.cat_file(f"{bucket}/big.safetensors", start=0, end=64) == src.read_bytes()[:64]
@@ -209,25 +226,47 @@ def test_copy_once_uploads_large_files_in_parts_with_progress(lock_bucket, tmp_p
 
 def cli_env(**overrides):
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    env.update(AWS_SHARED_CREDENTIALS_FILE="/nonexistent", AWS_CONFIG_FILE="/nonexistent", AWS_EC2_METADATA_DISABLED="true")
+    env.update(
+        AWS_SHARED_CREDENTIALS_FILE="/nonexistent", AWS_CONFIG_FILE="/nonexistent", AWS_EC2_METADATA_DISABLED="true"
+    )
     env.update(overrides)
     return env
 
 
-def test_missing_credentials_wrong_endpoint_missing_bucket_one_line_each_nothing_written(copy_run, lock_bucket, s3_server, tmp_path):
+def test_missing_credentials_wrong_endpoint_missing_bucket_one_line_each_nothing_written(
+    copy_run, lock_bucket, s3_server, tmp_path
+):
     import s3fs
 
     bucket, fs = lock_bucket
     run = copy_run("faulty")
     creds = dict(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
     cases = {
-        "no credentials": (cli_env(AWS_ENDPOINT_URL=s3_server, AWS_DEFAULT_REGION="us-east-1"), f"s3://{bucket}/v", "no credentials: set AWS_ACCESS_KEY_ID"),
-        "wrong endpoint": (cli_env(AWS_ENDPOINT_URL="http://127.0.0.1:9", **creds), f"s3://{bucket}/v", "cannot reach the endpoint"),
-        "missing bucket": (cli_env(AWS_ENDPOINT_URL=s3_server, **creds), "s3://no-such-vault-bucket/v", "bucket 'no-such-vault-bucket' does not exist"),
+        "no credentials": (
+            cli_env(AWS_ENDPOINT_URL=s3_server, AWS_DEFAULT_REGION="us-east-1"),
+            f"s3://{bucket}/v",
+            "no credentials: set AWS_ACCESS_KEY_ID",
+        ),
+        "wrong endpoint": (
+            cli_env(AWS_ENDPOINT_URL="http://127.0.0.1:9", **creds),
+            f"s3://{bucket}/v",
+            "cannot reach the endpoint",
+        ),
+        "missing bucket": (
+            cli_env(AWS_ENDPOINT_URL=s3_server, **creds),
+            "s3://no-such-vault-bucket/v",
+            "bucket 'no-such-vault-bucket' does not exist",
+        ),
     }
     ledger_before = sorted(os.walk(os.path.join(run, "_ledger")))
     for what, (env, url, expected) in cases.items():
-        r = subprocess.run([console_script("certckpt"), "vault", "promote", run, url], capture_output=True, text=True, env=env, timeout=120)
+        r = subprocess.run(
+            [console_script("certckpt"), "vault", "promote", run, url],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
         assert r.returncode == 2, (what, r.stderr)
         assert r.stderr.count("\n") == 1 and expected in r.stderr and "Traceback" not in r.stderr, (what, r.stderr)
     s3fs.S3FileSystem.clear_instance_cache()

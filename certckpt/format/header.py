@@ -11,7 +11,7 @@ import json
 import struct
 from dataclasses import dataclass
 
-from certckpt.errors import CorruptCheckpointError, NotACheckpointError
+from certckpt.errors import CorruptCheckpointError, NotACheckpointError, UnsupportedObjectError
 
 __all__ = [
     "DTYPE_SIZES",
@@ -287,7 +287,7 @@ def encode_header(doc: dict) -> bytes:
     """Serialize a header document canonically, padded with spaces to a multiple of 8 bytes."""
     body = padded_json(doc)
     if len(body) > MAX_WRITTEN_HEADER_BYTES:
-        raise ValueError(
+        raise UnsupportedObjectError(
             f"the checkpoint header would be {len(body)} bytes (limit {MAX_WRITTEN_HEADER_BYTES}); "
             "the object has too many tensors or too large a skeleton — save large parts separately"
         )

@@ -16,7 +16,7 @@ import io
 import os
 from typing import Any
 
-from certckpt.errors import MissingDependencyError
+from certckpt.errors import ConfigurationError, MissingDependencyError
 from certckpt.format.storage import write_atomic
 
 from .timeline import (
@@ -430,12 +430,12 @@ latest-good: <strong>{e(tl.latest_good or "none")}</strong><br>{e(tl.summary())}
 
 
 def check_format(out_path: str | os.PathLike) -> str:
-    """The output format for a path (``.png``, ``.svg``, ``.html``); ValueError for anything else."""
+    """The output format for a path (``.png``, ``.svg``, ``.html``); ConfigurationError for anything else."""
     suffix = os.path.splitext(os.fspath(out_path))[1].lower()
     if suffix == ".htm":
         suffix = ".html"
     if suffix not in FORMATS:
-        raise ValueError(
+        raise ConfigurationError(
             f"{os.fspath(out_path)}: unsupported report format {suffix or '(none)'!r}; use .png, .svg or .html"
         )
     return suffix

@@ -32,7 +32,9 @@ def make_model():
     import torch
 
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
+    return torch.nn.Sequential(
+        torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 8)
+    )
 
 
 def _batch(rank: int, step: int):
@@ -68,15 +70,30 @@ def _setup(*, lr: float = 3e-3):
     return model, DDP(model), opt
 
 
-def _train(auditor, model, opt, *, first: int, last: int, ckpt_every: int, store: str | None, rank: int,
-           metrics: dict[str, Any] | None = None) -> dict[str, Any]:
+def _train(
+    auditor,
+    model,
+    opt,
+    *,
+    first: int,
+    last: int,
+    ckpt_every: int,
+    store: str | None,
+    rank: int,
+    metrics: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     from certckpt.detect.auditor import FaultDetectedError
 
     for step in range(first, last + 1):
         try:
             auditor.train_step(_batch(rank, step))
         except FaultDetectedError as e:
-            return {"stopped_at": step, "incident": e.incident_id, "kind": e.event.kind, "suspect_ranks": e.event.suspect_ranks}
+            return {
+                "stopped_at": step,
+                "incident": e.incident_id,
+                "kind": e.event.kind,
+                "suspect_ranks": e.event.suspect_ranks,
+            }
         if step % ckpt_every == 0:
             if metrics is not None and rank == 0:
                 metrics[str(step)] = evaluate(model)
@@ -99,8 +116,18 @@ def train_faulty(args: dict[str, Any]) -> dict[str, Any]:
     s = args["schedule"]
     model, ddp, opt = _setup()
     fault = Fault(kind="backward", rank=s["fault_rank"], step=s["fault_step"], persistent=True, scale=0.05)
-    auditor = Auditor(ddp, opt, loss_fn=_loss, run="demo", audit_every=s["audit_every"], ledger=Ledger(args["store"]), injector_faults=[fault])
-    out = _train(auditor, model, opt, first=1, last=s["steps"], ckpt_every=s["ckpt_every"], store=args["store"], rank=rank)
+    auditor = Auditor(
+        ddp,
+        opt,
+        loss_fn=_loss,
+        run="demo",
+        audit_every=s["audit_every"],
+        ledger=Ledger(args["store"]),
+        injector_faults=[fault],
+    )
+    out = _train(
+        auditor, model, opt, first=1, last=s["steps"], ckpt_every=s["ckpt_every"], store=args["store"], rank=rank
+    )
     auditor.close()
     dist.barrier()
     return out
@@ -110,9 +137,9 @@ def train_recovery(args: dict[str, Any]) -> dict[str, Any]:
     """Launch 2, per rank: the clean reference run, then branch b2 resumed from latest-good."""
     import torch.distributed as dist
 
-    from certckpt import load
     from certckpt.detect.auditor import Auditor
     from certckpt.detect.events import MemorySink
+    from certckpt.format.reader import load
     from certckpt.trust.ledger import Ledger
 
     rank = dist.get_rank()
@@ -120,8 +147,20 @@ def train_recovery(args: dict[str, Any]) -> dict[str, Any]:
     # the clean reference: the same job without the fault (its metrics, not its files, are kept)
     model, ddp, opt = _setup()
     reference: dict[str, Any] = {}
-    ref_auditor = Auditor(ddp, opt, loss_fn=_loss, run="demo-reference", audit_every=s["audit_every"], sink=MemorySink())
-    _train(ref_auditor, model, opt, first=1, last=s["steps"], ckpt_every=s["ckpt_every"], store=None, rank=rank, metrics=reference)
+    ref_auditor = Auditor(
+        ddp, opt, loss_fn=_loss, run="demo-reference", audit_every=s["audit_every"], sink=MemorySink()
+    )
+    _train(
+        ref_auditor,
+        model,
+        opt,
+        first=1,
+        last=s["steps"],
+        ckpt_every=s["ckpt_every"],
+        store=None,
+        rank=rank,
+        metrics=reference,
+    )
     ref_auditor.close()
     if rank == 0:
         with open(args["reference_out"], "w", encoding="utf-8") as f:
@@ -136,9 +175,27 @@ def train_recovery(args: dict[str, Any]) -> dict[str, Any]:
     ledger = Ledger(args["store"])
     if rank == 0:
         ledger.start_branch("b2", parent=args["parent"])
-    auditor = Auditor(ddp, opt, loss_fn=_loss, run="demo", branch="b2", audit_every=s["audit_every"], ledger=ledger,
-                      parent=args["parent"], start_step=start)
-    out = _train(auditor, model, opt, first=start + 1, last=s["steps"], ckpt_every=s["ckpt_every"], store=args["store"], rank=rank)
+    auditor = Auditor(
+        ddp,
+        opt,
+        loss_fn=_loss,
+        run="demo",
+        branch="b2",
+        audit_every=s["audit_every"],
+        ledger=ledger,
+        parent=args["parent"],
+        start_step=start,
+    )
+    out = _train(
+        auditor,
+        model,
+        opt,
+        first=start + 1,
+        last=s["steps"],
+        ckpt_every=s["ckpt_every"],
+        store=args["store"],
+        rank=rank,
+    )
     auditor.close()
     dist.barrier()
     return out

@@ -25,8 +25,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from certckpt.errors import CertckptError
+from certckpt.errors import CertckptError, ConfigurationError
+from certckpt.format.verify import verify
 from certckpt.trust.ledger import Ledger
+
+from .restoration import restore
 
 __all__ = ["DrillResult", "drill_restore", "load_callable", "pick_reference", "compare_metrics", "STAGES"]
 
@@ -63,31 +66,43 @@ class DrillResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "kind": "restore-drill", "vault": self.vault, "ckpt_id": self.ckpt_id, "step": self.step, "outcome": self.outcome,
-            "passed": self.passed, "stages": self.stages, "seconds": round(self.seconds, 3),
+            "kind": "restore-drill",
+            "vault": self.vault,
+            "ckpt_id": self.ckpt_id,
+            "step": self.step,
+            "outcome": self.outcome,
+            "passed": self.passed,
+            "stages": self.stages,
+            "seconds": round(self.seconds, 3),
             "time_to_model_s": None if self.time_to_model_s is None else round(self.time_to_model_s, 3),
-            "metrics": self.metrics, "reference": self.reference, "restored": self.restored, "drill_id": self.drill_id,
+            "metrics": self.metrics,
+            "reference": self.reference,
+            "restored": self.restored,
+            "drill_id": self.drill_id,
         }
 
 
 def load_callable(spec: str) -> Callable[..., Any]:
-    """``module:attr`` (dots allowed in attr) → the object; the current directory is importable, as with ``python -m``."""
+    """``module:attr`` (dots allowed in attr) → the object.
+
+    The current directory is importable, as with ``python -m``.
+    """
     module, sep, attr = spec.partition(":")
     if not sep or not module or not attr:
-        raise ValueError(f"{spec!r}: expected module:callable, e.g. mypkg.models:build")
+        raise ConfigurationError(f"{spec!r}: expected module:callable, e.g. mypkg.models:build")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
         obj: Any = importlib.import_module(module)
     except ImportError as e:
-        raise ValueError(f"{spec!r}: cannot import {module} ({e})") from e
+        raise ConfigurationError(f"{spec!r}: cannot import {module} ({e})") from e
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)
         except AttributeError:
-            raise ValueError(f"{spec!r}: {module} has no attribute {attr}") from None
+            raise ConfigurationError(f"{spec!r}: {module} has no attribute {attr}") from None
     if not callable(obj):
-        raise ValueError(f"{spec!r}: not callable")
+        raise ConfigurationError(f"{spec!r}: not callable")
     return obj
 
 
@@ -102,7 +117,9 @@ def pick_reference(reference: Mapping[str, Any], *, ckpt_id: str | None, step: i
     return None
 
 
-def compare_metrics(values: Mapping[str, float], reference: Mapping[str, float], *, rtol: float, atol: float) -> tuple[bool, list[str]]:
+def compare_metrics(
+    values: Mapping[str, float], reference: Mapping[str, float], *, rtol: float, atol: float
+) -> tuple[bool, list[str]]:
     """Every reference metric must be present and within ``atol + rtol * |ref|``; returns (ok, problems)."""
     problems = []
     for name, ref in sorted(reference.items()):
@@ -124,7 +141,8 @@ def _as_metrics(out: Any) -> dict[str, float]:
 def _model_state(obj: Any, key: str | None) -> Any:
     if key is not None:
         if not isinstance(obj, Mapping) or key not in obj:
-            raise KeyError(f"the checkpoint has no {key!r} entry (top-level keys: {', '.join(map(str, obj)) if isinstance(obj, Mapping) else type(obj).__name__})")
+            keys = ", ".join(map(str, obj)) if isinstance(obj, Mapping) else type(obj).__name__
+            raise ConfigurationError(f"the checkpoint has no {key!r} entry (top-level keys: {keys})")
         return obj[key]
     if isinstance(obj, Mapping) and isinstance(obj.get("model"), Mapping):
         return obj["model"]
@@ -156,15 +174,17 @@ def drill_restore(
         record: write the result to the vault's ledger.
         progress: ``progress(done, total)`` while the checkpoint is copied out of the vault.
     """
-    from certckpt import load, verify
-    from .site import restore
+    # Imported here, not at the top: the reader imports torch, and importing ``certckpt.vault`` must not.
+    from certckpt.format.reader import load
 
     t0 = time.perf_counter()
     if isinstance(reference, str):
         with open(reference, encoding="utf-8") as f:
             reference = json.load(f)
     stages: dict[str, dict[str, Any]] = {s: {"ok": None, "detail": "not run"} for s in STAGES}
-    result = DrillResult(vault=vault, ckpt_id=None, step=None, outcome="fail", stages=stages, seconds=0.0, time_to_model_s=None)
+    result = DrillResult(
+        vault=vault, ckpt_id=None, step=None, outcome="fail", stages=stages, seconds=0.0, time_to_model_s=None
+    )
     tmp = None if scratch else tempfile.mkdtemp(prefix="certckpt-drill-")
     where = scratch or tmp
     try:
@@ -172,15 +192,23 @@ def drill_restore(
             os.makedirs(where, exist_ok=True)
             r = restore(vault, "latest-good", where + "/", progress=progress)
             result.ckpt_id, result.restored = r.ckpt_id, r.dest
-            stages["bytes"] = {"ok": True, "detail": f"{r.nbytes} bytes restored and verified at {r.bytes_per_s / 1e6:.1f} MB/s",
-                               "bytes": r.nbytes, "bytes_per_s": round(r.bytes_per_s)}
+            stages["bytes"] = {
+                "ok": True,
+                "detail": f"{r.nbytes} bytes restored and verified at {r.bytes_per_s / 1e6:.1f} MB/s",
+                "bytes": r.nbytes,
+                "bytes_per_s": round(r.bytes_per_s),
+            }
         except CertckptError as e:
             stages["bytes"] = {"ok": False, "detail": str(e)}
             return result
         rep = verify(r.dest, deep=True)
         result.step = rep.info.record.step if rep.info else None
-        stages["fingerprints"] = {"ok": rep.ok, "detail": f"{rep.tensors} tensor fingerprints recomputed and matched" if rep.ok
-                                  else "; ".join(p.message for p in rep.problems[:3])}
+        stages["fingerprints"] = {
+            "ok": rep.ok,
+            "detail": f"{rep.tensors} tensor fingerprints recomputed and matched"
+            if rep.ok
+            else "; ".join(p.message for p in rep.problems[:3]),
+        }
         if not rep.ok:
             return result
         try:
@@ -204,11 +232,17 @@ def drill_restore(
         ref = pick_reference(reference, ckpt_id=result.ckpt_id, step=result.step) if reference else None
         result.reference = ref
         if ref is None:
-            stages["metrics"] = {"ok": None, "detail": "no reference metrics for this step: pass --reference to compare with a clean run"}
+            stages["metrics"] = {
+                "ok": None,
+                "detail": "no reference metrics for this step: pass --reference to compare with a clean run",
+            }
             result.outcome = "incomplete"
             return result
         ok, problems = compare_metrics(result.metrics, ref, rtol=rtol, atol=atol)
-        stages["metrics"] = {"ok": ok, "detail": f"{len(ref)} metric(s) within tolerance of the clean reference" if ok else "; ".join(problems)}
+        stages["metrics"] = {
+            "ok": ok,
+            "detail": f"{len(ref)} metric(s) within tolerance of the clean reference" if ok else "; ".join(problems),
+        }
         result.outcome = "pass" if ok else "fail"
         return result
     finally:

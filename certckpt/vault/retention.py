@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from certckpt.errors import ConfigurationError
+
 __all__ = [
     "RetentionEntry",
     "RetentionPolicy",
@@ -72,7 +74,7 @@ class KeepLatest(RetentionPolicy):
 
     def __post_init__(self) -> None:
         if self.n < 0:
-            raise ValueError("KeepLatest: n must be >= 0")
+            raise ConfigurationError("KeepLatest: n must be >= 0")
 
     def keeps(self, entries, *, now):
         trusted = [e for e in _newest_first(entries) if e.trusted][: self.n]
@@ -90,14 +92,16 @@ class KeepEvery(RetentionPolicy):
 
     def __post_init__(self) -> None:
         if self.steps < 1:
-            raise ValueError("KeepEvery: steps must be >= 1")
+            raise ConfigurationError("KeepEvery: steps must be >= 1")
 
     def keeps(self, entries, *, now):
         chosen: dict[int, RetentionEntry] = {}
         for e in _newest_first(entries):
             if e.trusted:
                 chosen.setdefault(e.step // self.steps, e)
-        return {e.ckpt_id: f"newest trusted in steps [{w * self.steps}, {(w + 1) * self.steps})" for w, e in chosen.items()}
+        return {
+            e.ckpt_id: f"newest trusted in steps [{w * self.steps}, {(w + 1) * self.steps})" for w, e in chosen.items()
+        }
 
     def __str__(self) -> str:
         return f"keep-every {self.steps} steps"
@@ -111,10 +115,12 @@ class KeepFor(RetentionPolicy):
 
     def __post_init__(self) -> None:
         if not self.days >= 0:
-            raise ValueError("KeepFor: days must be >= 0")
+            raise ConfigurationError("KeepFor: days must be >= 0")
 
     def keeps(self, entries, *, now):
-        return {e.ckpt_id: f"younger than {self.days:g} days" for e in entries if now - e.committed_at < self.days * _DAY}
+        return {
+            e.ckpt_id: f"younger than {self.days:g} days" for e in entries if now - e.committed_at < self.days * _DAY
+        }
 
     def __str__(self) -> str:
         return f"keep-days {self.days:g}"
@@ -226,7 +232,11 @@ def protected_checkpoints(
 
     for branch, c, d in intervals:
         recovered = any(
-            e.trusted and e.step > d and e.branch != branch and (fs := fork_step(e.branch, branch)) is not None and fs <= c
+            e.trusted
+            and e.step > d
+            and e.branch != branch
+            and (fs := fork_step(e.branch, branch)) is not None
+            and fs <= c
             for e in entries
         )
         if recovered:

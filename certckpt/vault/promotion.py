@@ -1,0 +1,236 @@
+"""Promotion: trusted checkpoints of a run enter the vault with the evidence that certifies them; and
+``holdings``, what the vault holds with its verdicts now.
+
+The vault's ledger mirrors the run's evidence, so the vault re-derives every verdict without the run
+store; a checkpoint is held once its holding record exists, written only after its copy verified.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from certckpt.errors import (
+    CertckptError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    UntrustedCheckpointError,
+)
+from certckpt.format.storage import join, resolve
+from certckpt.format.verify import inspect
+from certckpt.trust.ledger import VAULT_MARK, Ledger
+from certckpt.trust.runstore import StoreStatus, certify_store, check_file
+
+from .site import lock_of, lock_options, open_vault
+from .transfer import Progress, copy_once
+
+__all__ = ["Promotion", "holdings", "promote"]
+
+_MIRRORED = ("checkpoints", "branches", "events", "revocations", "incidents")
+
+
+@dataclass(kw_only=True, slots=True)
+class Promotion:
+    """One checkpoint promoted (or found already promoted)."""
+
+    ckpt_id: str
+    url: str
+    written: bool
+    nbytes: int
+    seconds: float
+    lock: dict[str, Any] | None = None
+
+    @property
+    def bytes_per_s(self) -> float:
+        # a clock tick as the floor: an instant copy still has a finite rate that JSON can carry
+        return self.nbytes / max(self.seconds, 1e-9)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ckpt_id": self.ckpt_id,
+            "url": self.url,
+            "written": self.written,
+            "bytes": self.nbytes,
+            "seconds": round(self.seconds, 4),
+            "bytes_per_s": round(self.bytes_per_s),
+            "lock": self.lock,
+        }
+
+
+def _mirror(src: Ledger, dst: Ledger, cert_ids: Sequence[str]) -> int:
+    """Copy the run's evidence into the vault's ledger, byte for byte; returns records written."""
+    written = 0
+    for kind in _MIRRORED:
+        have = set(dst.list_raw(kind))
+        want = [n for n in src.list_raw(kind) if n not in have]
+        for name, data in src.read_raw(kind, want).items():
+            written += dst.put_raw(kind, name, data)
+    prefixes = tuple(f"{c}--" for c in cert_ids)
+    have = set(dst.list_raw("certificates"))
+    want = [n for n in src.list_raw("certificates") if n.startswith(prefixes) and n not in have]
+    for name, data in src.read_raw("certificates", want).items():
+        written += dst.put_raw("certificates", name, data)
+    return written
+
+
+def _claim(vault: Ledger, run: str | None, source: str) -> None:
+    """Tie the vault to one run (checkpoint ids are only unique within a run)."""
+    if resolve(source).local is not None:
+        source = os.path.abspath(resolve(source).local)
+    mark = {"kind": "certckpt-vault", "run": run, "source": source}
+    try:
+        vault.put_raw("", VAULT_MARK, (json.dumps(mark, sort_keys=True) + "\n").encode())
+    except CheckpointExistsError:
+        existing = json.loads(vault.read_raw("", [VAULT_MARK])[VAULT_MARK])
+        if existing.get("run") != run:
+            raise CertckptError(
+                f"{vault.store}: this vault holds run {existing.get('run')!r}, not {run!r}; "
+                "use one vault prefix per run"
+            ) from None
+
+
+def _metrics(user: dict[str, str]) -> dict[str, float]:
+    out = {}
+    for k, v in user.items():
+        try:
+            f = float(v)
+        except ValueError:
+            continue
+        if math.isfinite(f):
+            out[k] = f
+    return out
+
+
+def promote(
+    run: str,
+    vault: str,
+    *,
+    ckpts: Sequence[str] | None = None,
+    lock_mode: str = "auto",
+    retain_days: float = 30.0,
+    progress: Progress | None = None,
+) -> list[Promotion]:
+    """Copy trusted checkpoints of a run store into a vault, with the evidence that certifies them.
+
+    Args:
+        run: the run store's path or URL.
+        vault: the vault's path or URL (one per run).
+        ckpts: checkpoint ids to promote; default every trusted checkpoint the vault lacks.
+        lock_mode: S3 Object Lock mode: ``auto`` (GOVERNANCE when the bucket has Object Lock),
+            ``none``, ``GOVERNANCE`` or ``COMPLIANCE`` (the last two require Object Lock).
+        retain_days: Object Lock retention from now.
+        progress: ``progress(done, total)`` during each copy.
+
+    Raises:
+        UntrustedCheckpointError: a requested checkpoint is not trusted (nothing copied for it).
+        CheckpointExistsError: the vault holds different content under a promoted name.
+    """
+    site = open_vault(vault, create=True)
+    put_options = lock_options(site, mode=lock_mode, retain_days=retain_days)
+    source = Ledger(run)
+    status = certify_store(run)
+    cert, snap = status.certification, status.snapshot
+    dest = Ledger(vault)
+    try:
+        held = dest.snapshot().holdings
+    except CheckpointNotFoundError:  # a new vault: an S3 prefix exists only once something is in it
+        held = {}
+    if ckpts is None:
+        chosen = [c for c in reversed(cert.order) if snap.available(c) and c not in held]
+    else:
+        chosen = list(dict.fromkeys(ckpts))
+        for cid in chosen:
+            if cid not in snap.records:
+                raise CheckpointNotFoundError(f"{run}: no committed checkpoint {cid!r} (see `certckpt status {run}`)")
+            v = cert.verdicts[cid]
+            if not v.trusted:
+                raise UntrustedCheckpointError(
+                    f"{cid} is suspect ({', '.join(v.reasons)}); only trusted checkpoints enter the vault"
+                )
+            if not snap.available(cid):
+                raise CheckpointNotFoundError(f"{run}: {cid} is no longer held there (pruned)")
+    if not chosen and not held:
+        return []
+    runs = {snap.records[c].get("run") for c in chosen or held if c in snap.records}
+    _claim(dest, runs.pop() if len(runs) == 1 else None, run)
+    # Always bring the evidence up to date, even with nothing new to copy: a revocation or a
+    # detection recorded since the last promotion must reach the vault's verdicts.
+    _mirror(source, dest, chosen)
+    if not chosen:
+        certify_store(vault)
+        return []
+    # The vault must reach the same verdict from the evidence it now holds, without the run store.
+    vcert = certify_store(vault, write_certificates=False).certification
+    out = []
+    for cid in chosen:
+        entry = status.entry(cid)
+        rec = snap.records[cid]
+        if not vcert.verdicts.get(cid) or not vcert.verdicts[cid].trusted:
+            raise UntrustedCheckpointError(f"{cid}: the evidence copied to {vault} does not certify it; not promoted")
+        name = f"{cid}.safetensors"
+        url = join(vault, name)
+        if not site.local:
+            # A remote name is write-once (and may be locked): check the source before it can land
+            # there. Local copies are verified before they are published, so a second read is waste.
+            problem = check_file(entry.url, rec.get("header_digest"))
+            if problem:
+                raise CorruptCheckpointError(f"{cid}: the run's copy does not verify now ({problem}); not promoted")
+        t0 = time.perf_counter()
+        written, nbytes = copy_once(
+            entry.url, url, header_digest=rec.get("header_digest"), put_options=put_options, progress=progress
+        )
+        seconds = time.perf_counter() - t0
+        lock = lock_of(site, url)
+        v = cert.verdicts[cid]
+        dest.record_holding(
+            {
+                "ckpt_id": cid,
+                "url": name,
+                "run": rec.get("run"),
+                "branch": rec["branch"],
+                "step": rec["step"],
+                "header_digest": rec.get("header_digest"),
+                "state_fp": rec.get("state_fp"),
+                "bytes": nbytes,
+                "source": entry.url,
+                "certificate": {"verdict": v.label, "reasons": list(v.reasons)},
+                "lock": lock,
+                "metrics": _metrics(inspect(url).record.user),
+            }
+        )
+        out.append(Promotion(ckpt_id=cid, url=url, written=written, nbytes=nbytes, seconds=seconds, lock=lock))
+    certify_store(vault)  # the vault's own certificates for what it now holds
+    return out
+
+
+def holdings(vault: str) -> tuple[StoreStatus, list[dict[str, Any]]]:
+    """Every checkpoint the vault holds or held, with its verdict now."""
+    open_vault(vault)
+    status = certify_store(vault, write_certificates=False)
+    snap, cert = status.snapshot, status.certification
+    rows = []
+    order = sorted(snap.holdings.items(), key=lambda kv: (kv[1]["branch"] != "main", kv[1]["branch"], kv[1]["step"]))
+    for cid, h in order:
+        v = cert.verdicts.get(cid)
+        rows.append(
+            {
+                "ckpt_id": cid,
+                "branch": h["branch"],
+                "step": h["step"],
+                "url": join(vault, h["url"]),
+                "bytes": h.get("bytes"),
+                "verdict": v.label if v else "suspect",
+                "reasons": list(v.reasons) if v else ["uncommitted"],
+                "latest_good": cid == cert.latest_good,
+                "pruned": cid in snap.retired,
+                "lock": h.get("lock"),
+                "metrics": h.get("metrics", {}),
+            }
+        )
+    return status, rows

@@ -1,0 +1,131 @@
+"""Pruning: carry out what a retention plan allows, deleting every stored version of each file it lets go.
+
+The only code that deletes from a vault; the policies and the guards no policy overrides are in ``retention``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from certckpt.format.storage import filesystem, join, remote_error_text, resolve
+from certckpt.trust.ledger import Ledger
+from certckpt.trust.runstore import find_latest_good
+
+from .retention import PrunePlan, RetentionEntry, RetentionPolicy, plan_prune, protected_checkpoints
+from .site import VaultSite, open_vault
+
+__all__ = ["PruneResult", "prune"]
+
+
+@dataclass(kw_only=True, slots=True)
+class PruneResult:
+    """What ``prune`` planned and, when applied, did.
+
+    Attributes:
+        deleted: checkpoints deleted and recorded as pruned.
+        refused: per checkpoint, why the store would not delete it (an Object Lock retention); still held.
+    """
+
+    policy: str
+    plan: PrunePlan
+    applied: bool
+    deleted: list[str] = field(default_factory=list)
+    refused: dict[str, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "policy": self.policy,
+            "applied": self.applied,
+            **self.plan.to_dict(),
+            "deleted": self.deleted,
+            "refused": self.refused,
+        }
+
+
+def prune(vault: str, policy: RetentionPolicy, *, apply: bool = False, now: float | None = None) -> PruneResult:
+    """Plan (and with ``apply``, carry out) the deletions a retention policy allows.
+
+    Latest-good, the rollback target before every open suspect interval, and everything while an
+    incident is open are kept whatever the policy says. A deletion the store refuses (an Object
+    Lock retention that has not expired) is reported, and the checkpoint stays held.
+    """
+    site = open_vault(vault)
+    now = time.time() if now is None else now
+    status, _ = find_latest_good(vault, verify_bytes=False, write_certificates=False)
+    snap, cert = status.snapshot, status.certification
+    live = [cid for cid in snap.holdings if snap.available(cid)]
+    latest = next((c for c in cert.order if snap.available(c)), None)
+    entries = [
+        RetentionEntry(
+            ckpt_id=cid,
+            branch=snap.holdings[cid]["branch"],
+            step=snap.holdings[cid]["step"],
+            trusted=cert.verdicts[cid].trusted if cid in cert.verdicts else False,
+            committed_at=snap.records.get(cid, {}).get("committed_at", 0.0),
+            metrics=snap.holdings[cid].get("metrics", {}),
+        )
+        for cid in live
+    ]
+    intervals = [(d.branch, d.interval[0], d.interval[1]) for d in cert.detections if d.interval is not None]
+    protected = protected_checkpoints(
+        entries, latest_good=latest, intervals=intervals, branch_parents=snap.branch_parents
+    )
+    plan = plan_prune(entries, policy, now=now, protected=protected, open_incidents=snap.open_incidents())
+    result = PruneResult(policy=str(policy), plan=plan, applied=apply)
+    if not apply:
+        return result
+    ledger = Ledger(vault)
+    for cid in plan.delete:
+        url = join(vault, snap.holdings[cid]["url"])
+        refused = _delete(site, url)
+        if refused:
+            result.refused[cid] = refused
+            continue
+        ledger.retire(cid, reason="no retention policy keeps it", policy=str(policy))
+        result.deleted.append(cid)
+    return result
+
+
+def _delete(site: VaultSite, url: str) -> str | None:
+    """Delete a vaulted file; returns why the store refused, or None when it is gone."""
+    target = resolve(url)
+    if target.local is not None:
+        try:
+            os.unlink(target.local)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            return f"cannot delete ({e.strerror or e})"
+        return None
+    fs, path = filesystem(url)
+    if not site.versioned:
+        try:
+            fs.rm_file(path)
+        except FileNotFoundError:
+            pass
+        except Exception as e:
+            return remote_error_text(e)
+        return None
+    # A versioned (Object Lock) bucket: deleting the key only hides it behind a delete marker and
+    # frees nothing; delete each version, which the server refuses while its retention holds.
+    bucket, key = path.split("/", 1)
+    try:
+        listing = fs.call_s3("list_object_versions", Bucket=bucket, Prefix=key)
+        versions = [v for v in listing.get("Versions", []) + listing.get("DeleteMarkers", []) if v["Key"] == key]
+        for v in versions:
+            try:
+                fs.call_s3("delete_object", Bucket=bucket, Key=key, VersionId=v["VersionId"])
+            except PermissionError:
+                head = fs.call_s3("head_object", Bucket=bucket, Key=key, VersionId=v["VersionId"])
+                until = head.get("ObjectLockRetainUntilDate")
+                return (
+                    f"Object Lock {head.get('ObjectLockMode', '')} retention until "
+                    f"{until.isoformat() if until else '?'}"
+                ).replace("  ", " ")
+    except Exception as e:
+        return remote_error_text(e)
+    fs.invalidate_cache(path)
+    return None

@@ -1,0 +1,105 @@
+"""Restore: copy a vaulted checkpoint (or latest-good) back out of the vault, verified, never over other content.
+
+A checkpoint that is suspect now (revoked since it was vaulted) is refused unless asked for explicitly.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from certckpt.errors import CheckpointNotFoundError, UntrustedCheckpointError
+from certckpt.format.storage import join, resolve
+from certckpt.trust.runstore import certify_store, find_latest_good
+
+from .site import open_vault
+from .transfer import Progress, copy_once
+
+__all__ = ["Restore", "restore"]
+
+
+@dataclass(kw_only=True, slots=True)
+class Restore:
+    """One checkpoint restored from a vault.
+
+    Attributes:
+        dest: the restored file's path or URL.
+        written: False when ``dest`` already held a verified copy of the same checkpoint.
+    """
+
+    ckpt_id: str
+    source: str
+    dest: str
+    nbytes: int
+    seconds: float
+    written: bool = True
+
+    @property
+    def bytes_per_s(self) -> float:
+        # a clock tick as the floor: an instant copy still has a finite rate that JSON can carry
+        return self.nbytes / max(self.seconds, 1e-9)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ckpt_id": self.ckpt_id,
+            "source": self.source,
+            "dest": self.dest,
+            "bytes": self.nbytes,
+            "seconds": round(self.seconds, 4),
+            "bytes_per_s": round(self.bytes_per_s),
+            "written": self.written,
+        }
+
+
+def restore(
+    vault: str,
+    ckpt: str,
+    dest: str,
+    *,
+    allow_suspect: bool = False,
+    progress: Progress | None = None,
+) -> Restore:
+    """Copy a vaulted checkpoint to ``dest`` (a file, or a directory to put it in) and verify it.
+
+    Args:
+        ckpt: a checkpoint id, or ``latest-good``.
+        allow_suspect: restore a checkpoint that is suspect now (revoked since), for investigation.
+
+    Raises:
+        CheckpointNotFoundError: the vault does not hold it (never promoted, or pruned).
+        UntrustedCheckpointError: it is suspect now and ``allow_suspect`` was not given.
+        CheckpointExistsError: ``dest`` already holds something else (nothing is overwritten).
+    """
+    open_vault(vault)
+    if ckpt == "latest-good":
+        status, chosen = find_latest_good(vault, write_certificates=False)
+        if chosen is None:
+            raise CheckpointNotFoundError(
+                f"{vault}: holds no trusted checkpoint to restore (see `certckpt vault ls {vault}`)"
+            )
+        ckpt = chosen
+    else:
+        status = certify_store(vault, write_certificates=False)
+    snap, cert = status.snapshot, status.certification
+    if ckpt not in snap.holdings:
+        raise CheckpointNotFoundError(f"{vault}: holds no checkpoint {ckpt!r} (see `certckpt vault ls {vault}`)")
+    if ckpt in snap.retired:
+        raise CheckpointNotFoundError(f"{vault}: {ckpt} was pruned ({snap.retired[ckpt].get('policy', '')})")
+    v = cert.verdicts.get(ckpt)
+    if not (v and v.trusted) and not allow_suspect:
+        raise UntrustedCheckpointError(
+            f"{ckpt} is suspect now ({', '.join(v.reasons) if v else 'uncommitted'}); pass allow_suspect=True "
+            "(--allow-suspect) to restore it for investigation"
+        )
+    h = snap.holdings[ckpt]
+    src = join(vault, h["url"])
+    target = resolve(dest)
+    into_dir = dest.endswith("/") or (target.local is not None and os.path.isdir(target.local))
+    final = join(dest, h["url"]) if into_dir else dest
+    t0 = time.perf_counter()
+    written, nbytes = copy_once(src, final, header_digest=h.get("header_digest"), read_only=False, progress=progress)
+    return Restore(
+        ckpt_id=ckpt, source=src, dest=final, nbytes=nbytes, seconds=time.perf_counter() - t0, written=written
+    )

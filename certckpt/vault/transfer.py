@@ -1,0 +1,159 @@
+"""Streaming write-once copies: a checkpoint copied under a name that is never replaced, and verified.
+
+Local and mounted file systems get a temp file verified *before* it is published with ``os.link``
+(which fails when the name exists) and a read-only mode; S3 gets create-only PUTs (``If-None-Match: *``),
+with Object Lock retention when the caller passes it, read back and verified after.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+from certckpt.errors import (
+    CertckptError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    StorageError,
+)
+from certckpt.format.storage import commit_local, commit_remote, filesystem, open_read, resolve, temp_name
+from certckpt.trust.runstore import check_file
+
+__all__ = ["Progress", "copy_once"]
+
+_CHUNK = 8 << 20
+Progress = Callable[[int, int], None]
+
+
+def _upload_callback(progress: Progress, total: int):
+    """An fsspec callback reporting ``(done, total)`` to a certckpt progress function."""
+    from fsspec.callbacks import Callback
+
+    class _Report(Callback):
+        def call(self, *args: Any, **kwargs: Any) -> None:
+            progress(min(self.value, total), total)
+
+    return _Report()
+
+
+def _stream(src_url: str, out, progress: Progress | None) -> int:
+    with open_read(resolve(src_url)) as (fh, size):
+        total, done = size or 0, 0
+        while chunk := fh.read(_CHUNK):
+            out.write(chunk)
+            done += len(chunk)
+            if progress:
+                progress(done, total)
+    return done
+
+
+def copy_once(
+    src_url: str,
+    dst: str,
+    *,
+    header_digest: str | None,
+    put_options: dict[str, Any] | None = None,
+    read_only: bool = True,
+    progress: Progress | None = None,
+) -> tuple[bool, int]:
+    """Copy a checkpoint under a name that must never be replaced, verifying the copy.
+
+    Local destinations are verified before the name is published (a bad copy never appears);
+    remote ones are read back after the upload. When the name already holds a verified copy of the
+    same checkpoint this is a no-op.
+
+    Returns:
+        ``(written, bytes)``: written is False when an identical copy was already there.
+
+    Raises:
+        CheckpointExistsError: the name holds different content (nothing was changed).
+        CorruptCheckpointError: the copy does not verify (local: nothing was published).
+    """
+    target = resolve(dst)
+    if target.local is not None:
+        final = os.path.abspath(target.local)
+        os.makedirs(os.path.dirname(final), exist_ok=True)
+        tmp = temp_name(final)
+        try:
+            with open(tmp, "xb") as out:
+                n = _stream(src_url, out, progress)
+                out.flush()
+                os.fsync(out.fileno())
+            if read_only:
+                os.chmod(tmp, 0o444)
+            problem = check_file(tmp, header_digest)
+            if problem:
+                raise CorruptCheckpointError(
+                    f"copy of {src_url} to {dst} does not verify ({problem}); nothing was published"
+                )
+            commit_local(tmp, final, overwrite=False, display=dst)
+            return True, n
+        except CheckpointExistsError:
+            return _already_there(dst, header_digest), os.path.getsize(final)
+        except OSError as e:
+            if isinstance(e, CertckptError):
+                raise
+            raise StorageError(f"{dst}: cannot write ({e.strerror or e}); nothing was published") from e
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    src = resolve(src_url)
+    spool = None
+    try:
+        if src.local is not None:
+            local = src.local
+        else:  # fsspec uploads from a local file: spool a remote source first
+            fd, spool = tempfile.mkstemp(prefix=".certckpt-copy-")
+            with os.fdopen(fd, "wb") as out:
+                _stream(src_url, out, None)
+            local = spool
+        size = os.path.getsize(local)
+        cb = _upload_callback(progress, size) if progress else None
+        for attempt in range(8):
+            try:
+                commit_remote(local, dst, overwrite=False, display=dst, put_options=put_options, callback=cb)
+                break
+            except CheckpointExistsError:
+                # A racing promoter's PUT may be refused (412/409) before its object is readable:
+                # wait for it; if it never appears (that promoter failed), upload again.
+                filesystem(dst)[0].invalidate_cache()
+                try:
+                    return _already_there(dst, header_digest), size
+                except CheckpointNotFoundError:
+                    time.sleep(0.1 * (attempt + 1))
+        else:
+            raise StorageError(f"{dst}: concurrent uploads under this name did not settle; retry")
+        problem = check_file(dst, header_digest)
+        if problem:
+            raise CorruptCheckpointError(
+                f"{dst}: the uploaded copy does not verify when read back ({problem}); it is not recorded as held"
+            )
+        return True, size
+    finally:
+        if spool and os.path.exists(spool):
+            os.unlink(spool)
+
+
+def _already_there(dst: str, header_digest: str | None) -> bool:
+    """True when ``dst`` holds a verified copy of this checkpoint; raises when it holds something else
+    (``CheckpointNotFoundError`` when nothing is readable there yet)."""
+    if not _exists(dst):
+        raise CheckpointNotFoundError(f"{dst}: not readable yet")
+    problem = check_file(dst, header_digest)
+    if problem:
+        raise CheckpointExistsError(
+            f"{dst}: already holds different content ({problem}); write-once: nothing was changed"
+        )
+    return False
+
+
+def _exists(url: str) -> bool:
+    target = resolve(url)
+    if target.local is not None:
+        return os.path.exists(target.local)
+    fs, path = filesystem(url)
+    return fs.exists(path)
