@@ -25,7 +25,7 @@ import os
 import re
 import secrets
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +35,7 @@ from certckpt.format.storage import filesystem, join, put_once, resolve
 from .certify import CheckpointEntry, Revocation
 from .incident import incident_state
 
-__all__ = ["Ledger", "LedgerSink", "LedgerSnapshot", "ckpt_id_for", "LEDGER_DIR", "VAULT_MARK"]
+__all__ = ["Ledger", "LedgerSink", "LedgerSnapshot", "ckpt_id_for", "is_ckpt_id", "LEDGER_DIR", "VAULT_MARK"]
 
 LEDGER_DIR = "_ledger"
 VAULT_MARK = "vault.json"  # marks a vault's ledger: {"kind": "certckpt-vault", "run", "source"}
@@ -51,6 +51,8 @@ _KINDS = (
     "incidents",
 )
 _NAME = re.compile(r"^[A-Za-z0-9._-]{1,100}$")
+_CKPT_ID = re.compile(r"^([A-Za-z0-9._-]{1,100})@([0-9]{1,18})$")
+_RECORD_FILE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._@-]{0,250}$")  # no separator, no leading dot
 
 
 def ckpt_id_for(branch: str, step: int) -> str:
@@ -58,9 +60,87 @@ def ckpt_id_for(branch: str, step: int) -> str:
 
 
 def _check_name(kind: str, name: str) -> str:
-    if not _NAME.match(name):
+    if not _NAME.match(name) or name in (".", ".."):
         raise ConfigurationError(f"{kind} {name!r}: use 1-100 letters, digits, '.', '_' or '-'")
     return name
+
+
+def is_ckpt_id(value: Any) -> bool:
+    """Whether ``value`` is a checkpoint id (``branch@step``) safe to use in a name or a path."""
+    m = _CKPT_ID.match(value) if isinstance(value, str) else None
+    return m is not None and m.group(1) not in (".", "..")
+
+
+def _record_name(name: str) -> str:
+    # Every record's file name passes here, whatever built it: ids read from a store are data an
+    # attacker may have written, and a separator or a `..` in them must never reach a path.
+    if not _RECORD_FILE.match(name) or ".." in name:
+        raise ConfigurationError(f"ledger record name {name!r} is not a plain file name; refused")
+    return name
+
+
+def _events_of(store: str, name: str, data: bytes) -> list[dict[str, Any]]:
+    """The audit events of one segment. An event that cannot be read could have been a failed check,
+    so it is never skipped: the whole store then cannot be certified until the segment is repaired."""
+    out = []
+    for n, line in enumerate(data.decode("utf-8", errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            ev = json.loads(line)
+        except (ValueError, RecursionError):
+            ev = None
+        ok = (
+            isinstance(ev, dict)
+            and isinstance(ev.get("branch"), str)
+            and isinstance(ev.get("step"), int)
+            and not isinstance(ev.get("step"), bool)
+            and isinstance(ev.get("kind"), str)
+            and isinstance(ev.get("outcome"), str)
+        )
+        if not ok:
+            raise CertckptError(
+                f"{store}: ledger event segment {name}, line {n}, is not a readable audit event; "
+                "the store cannot be certified until it is restored from a good copy"
+            )
+        out.append(ev)
+    return out
+
+
+def _why_invalid(kind: str, file: str, r: Any) -> str | None:
+    """Why a record read from the store cannot be used (None when it can). Checked like user input:
+    a record that fails is evidence of nothing, and never reaches a path, a verdict or a traceback."""
+    if not isinstance(r, dict):
+        return f"not a JSON object ({type(r).__name__})"
+    if kind in ("checkpoints", "holdings", "retired", "revocations", "certificates"):
+        cid = r.get("ckpt_id")
+        if not is_ckpt_id(cid):
+            return f"checkpoint id {str(cid)[:80]!r} is not branch@step"
+        if kind in ("checkpoints", "holdings", "retired") and file != f"{cid}.json":
+            return f"names {cid} but is stored as {file}"
+    if kind == "checkpoints":
+        step = r.get("step")
+        if not isinstance(step, int) or isinstance(step, bool) or f"{r.get('branch')}@{step}" != r["ckpt_id"]:
+            return f"branch and step ({r.get('branch')!r}, {step!r}) do not make its id {r['ckpt_id']}"
+        if not isinstance(r.get("url"), str) or not r["url"] or "\0" in r["url"]:
+            return "has no file location"
+    if kind == "holdings":
+        # A vault holds each copy under its plain name, in the vault itself.
+        if r.get("url") != f"{r['ckpt_id']}.safetensors":
+            return f"holds its copy at {str(r.get('url'))[:80]!r}, not {r['ckpt_id']}.safetensors"
+        if not isinstance(r.get("step"), int) or not isinstance(r.get("branch"), str):
+            return "has no branch and step"
+    if kind == "branches" and (
+        not isinstance(r.get("branch"), str) or not _NAME.match(r["branch"]) or not is_ckpt_id(r.get("parent"))
+    ):
+        return "branch or parent is not a valid name"
+    if kind == "incidents" and (not isinstance(r.get("incident_id"), str) or not _NAME.match(r["incident_id"])):
+        return f"incident id {str(r.get('incident_id'))[:80]!r} is not a plain name"
+    if kind == "revocations" and not isinstance(r.get("reason"), str):
+        return "has no reason"
+    if kind == "certificates" and not isinstance(r.get("at"), (int, float)):
+        return "has no time"
+    return None
 
 
 def _dumps(doc: dict) -> bytes:
@@ -83,6 +163,7 @@ class LedgerSnapshot:
     drills: list[dict[str, Any]] = field(default_factory=list)
     incident_records: list[dict[str, Any]] = field(default_factory=list)
     is_vault: bool = False
+    invalid: list[tuple[str, str]] = field(default_factory=list)  # (kind/file, why): records ignored
 
     def open_incidents(self) -> list[str]:
         """Ids of the incidents not closed yet."""
@@ -141,7 +222,7 @@ class Ledger:
             "bytes": nbytes,
             "committed_at": time.time(),
         }
-        put_once(join(self.root, "checkpoints", f"{cid}.json"), _dumps(doc))
+        put_once(join(self.root, "checkpoints", _record_name(f"{cid}.json")), _dumps(doc))
         return cid
 
     def start_branch(self, branch: str, *, parent: str) -> None:
@@ -174,7 +255,7 @@ class Ledger:
 
     def record_certificate(self, ckpt_id: str, *, verdict: str, reasons: list[str], record: dict[str, Any]) -> None:
         put_once(
-            join(self.root, "certificates", f"{ckpt_id}--{time.time_ns()}.json"),
+            join(self.root, "certificates", _record_name(f"{ckpt_id}--{time.time_ns()}.json")),
             _dumps(
                 {
                     "ckpt_id": ckpt_id,
@@ -191,7 +272,7 @@ class Ledger:
     def retire(self, ckpt_id: str, *, reason: str, policy: str = "") -> None:
         """Record that a retention policy deleted this checkpoint's file (written after the delete)."""
         put_once(
-            join(self.root, "retired", f"{ckpt_id}.json"),
+            join(self.root, "retired", _record_name(f"{ckpt_id}.json")),
             _dumps({"ckpt_id": ckpt_id, "reason": reason, "policy": policy, "at": time.time()}),
         )
 
@@ -203,12 +284,16 @@ class Ledger:
     def record_holding(self, doc: dict[str, Any]) -> bool:
         """Vaults: the record that makes a promoted copy exist here. Deterministic content, so a
         racing promoter of the same checkpoint finds it identical (returns False) instead of failing."""
-        _check_name("checkpoint id", doc["ckpt_id"].replace("@", "."))
-        return put_once(join(self.root, "holdings", f"{doc['ckpt_id']}.json"), _dumps(doc))
+        if not is_ckpt_id(doc["ckpt_id"]):
+            raise ConfigurationError(f"checkpoint id {doc['ckpt_id']!r} is not branch@step")
+        return put_once(join(self.root, "holdings", _record_name(f"{doc['ckpt_id']}.json")), _dumps(doc))
 
     def put_raw(self, kind: str, name: str, data: bytes) -> bool:
         """Mirror a record byte for byte (vault promotion); idempotent like every ledger write.
         ``kind=""`` addresses the ledger's top level."""
+        _record_name(name)
+        if kind and kind not in _KINDS:
+            raise ConfigurationError(f"ledger record kind {kind!r}: one of {', '.join(_KINDS)}")
         return put_once(join(self.root, kind, name) if kind else join(self.root, name), data)
 
     def list_raw(self, kind: str) -> list[str]:
@@ -298,10 +383,20 @@ class Ledger:
         def load(path: str) -> Any:
             try:
                 return json.loads(contents[path])
-            except (KeyError, ValueError) as e:
+            except (KeyError, ValueError, RecursionError) as e:
                 raise CertckptError(
                     f"{self.store}: ledger record {path.rsplit('/', 1)[-1]} is unreadable ({e.__class__.__name__})"
                 ) from e
+
+        def valid(kind: str) -> Iterator[tuple[str, dict[str, Any]]]:
+            for p in files[kind]:
+                name = p.rsplit("/", 1)[-1]
+                r = load(p)
+                why = _why_invalid(kind, name, r)
+                if why is None:
+                    yield name, r
+                else:
+                    snap.invalid.append((f"{kind}/{name}", why))
 
         mark = None
         if files["holdings"] or fs.exists(f"{root}/{VAULT_MARK}"):
@@ -310,19 +405,15 @@ class Ledger:
             except (OSError, ValueError):
                 mark = {}
         snap = LedgerSnapshot(segments=len(files["events"]), is_vault=mark is not None)
-        for p in files["checkpoints"]:
-            r = load(p)
+        for _, r in valid("checkpoints"):
             snap.records[r["ckpt_id"]] = r
-        for p in files["holdings"]:
-            h = load(p)
+        for _, h in valid("holdings"):
             snap.holdings[h["ckpt_id"]] = h
-        for p in files["retired"]:
-            r = load(p)
+        for _, r in valid("retired"):
             snap.retired[r["ckpt_id"]] = r
-        snap.drills = [dict(load(p), drill_id=p.rsplit("/", 1)[-1].removesuffix(".json")) for p in files["drills"]]
-        snap.incident_records = [load(p) for p in files["incidents"]]
-        for p in files["branches"]:
-            b = load(p)
+        snap.drills = [dict(d, drill_id=name.removesuffix(".json")) for name, d in valid("drills")]
+        snap.incident_records = [r for _, r in valid("incidents")]
+        for _, b in valid("branches"):
             snap.branch_parents[b["branch"]] = b["parent"]
         for r in snap.records.values():
             snap.checkpoints.append(
@@ -339,14 +430,12 @@ class Ledger:
                 )
             )
         for p in files["events"]:
-            snap.events.extend(json.loads(line) for line in contents[p].decode("utf-8").splitlines() if line.strip())
-        for p in files["revocations"]:
-            d = load(p)
+            snap.events.extend(_events_of(self.store, p.rsplit("/", 1)[-1], contents[p]))
+        for _, d in valid("revocations"):
             snap.revocations.append(
                 Revocation(ckpt_id=d["ckpt_id"], reason=d["reason"], by=d.get("by", ""), at=d.get("at", 0.0))
             )
-        for p in files["certificates"]:
-            d = load(p)
+        for _, d in valid("certificates"):
             prev = snap.certificates.get(d["ckpt_id"])
             if prev is None or d["at"] >= prev["at"]:
                 snap.certificates[d["ckpt_id"]] = d

@@ -10,9 +10,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from certckpt.errors import CorruptCheckpointError
 from certckpt.format.storage import filesystem, join, remote_error_text, resolve
 from certckpt.trust.ledger import Ledger
-from certckpt.trust.runstore import find_latest_good
+from certckpt.trust.runstore import StoreStatus, check_file, find_latest_good
 
 from .retention import PrunePlan, RetentionEntry, RetentionPolicy, plan_prune, protected_checkpoints
 from .site import VaultSite, open_vault
@@ -27,6 +28,8 @@ class PruneResult:
     Attributes:
         deleted: checkpoints deleted and recorded as pruned.
         refused: per checkpoint, why the store would not delete it (an Object Lock retention); still held.
+        damaged: per checkpoint, why its copy failed verification (a dry run reports them; ``apply``
+            refuses while there are any).
     """
 
     policy: str
@@ -34,6 +37,7 @@ class PruneResult:
     applied: bool
     deleted: list[str] = field(default_factory=list)
     refused: dict[str, str] = field(default_factory=dict)
+    damaged: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -42,6 +46,7 @@ class PruneResult:
             **self.plan.to_dict(),
             "deleted": self.deleted,
             "refused": self.refused,
+            "damaged": self.damaged,
         }
 
 
@@ -51,32 +56,41 @@ def prune(vault: str, policy: RetentionPolicy, *, apply: bool = False, now: floa
     Latest-good, the rollback target before every open suspect interval, and everything while an
     incident is open are kept whatever the policy says. A deletion the store refuses (an Object
     Lock retention that has not expired) is reported, and the checkpoint stays held.
+
+    Every copy the plan keeps is read back and verified first: a damaged copy is not good, so it
+    neither counts as latest-good nor as what a policy keeps, and the plan is made again without it.
+    With ``apply``, any damaged copy makes prune refuse and delete nothing.
+
+    Raises:
+        CorruptCheckpointError: ``apply`` and a copy the plan relies on is damaged (named, with how to
+            repair it); nothing was deleted.
     """
     site = open_vault(vault)
     now = time.time() if now is None else now
     status, _ = find_latest_good(vault, verify_bytes=False, write_certificates=False)
-    snap, cert = status.snapshot, status.certification
-    live = [cid for cid in snap.holdings if snap.available(cid)]
-    latest = next((c for c in cert.order if snap.available(c)), None)
-    entries = [
-        RetentionEntry(
-            ckpt_id=cid,
-            branch=snap.holdings[cid]["branch"],
-            step=snap.holdings[cid]["step"],
-            trusted=cert.verdicts[cid].trusted if cid in cert.verdicts else False,
-            committed_at=snap.records.get(cid, {}).get("committed_at", 0.0),
-            metrics=snap.holdings[cid].get("metrics", {}),
-        )
-        for cid in live
-    ]
-    intervals = [(d.branch, d.interval[0], d.interval[1]) for d in cert.detections if d.interval is not None]
-    protected = protected_checkpoints(
-        entries, latest_good=latest, intervals=intervals, branch_parents=snap.branch_parents
-    )
-    plan = plan_prune(entries, policy, now=now, protected=protected, open_incidents=snap.open_incidents())
-    result = PruneResult(policy=str(policy), plan=plan, applied=apply)
+    snap = status.snapshot
+    damaged: dict[str, str] = {}
+    checked: set[str] = set()
+    while True:
+        plan = _plan(status, policy, now=now, damaged=damaged)
+        unchecked = [cid for cid in plan.keep if cid not in checked]
+        if not unchecked:
+            break
+        for cid in unchecked:  # each copy is read at most once, whatever the number of rounds
+            checked.add(cid)
+            problem = check_file(join(vault, snap.holdings[cid]["url"]), snap.header_digest(cid))
+            if problem is not None:
+                damaged[cid] = problem
+    result = PruneResult(policy=str(policy), plan=plan, applied=apply, damaged=damaged)
     if not apply:
         return result
+    if damaged:
+        which = "; ".join(f"{cid}: {why}" for cid, why in damaged.items())
+        raise CorruptCheckpointError(
+            f"{vault}: nothing pruned: {len(damaged)} cop{'y' if len(damaged) == 1 else 'ies'} retention relies on "
+            f"{'is' if len(damaged) == 1 else 'are'} damaged ({which}); replace each with a good copy of the "
+            "same checkpoint (the run store's file, checked with `certckpt verify`), then prune again"
+        )
     ledger = Ledger(vault)
     for cid in plan.delete:
         url = join(vault, snap.holdings[cid]["url"])
@@ -87,6 +101,29 @@ def prune(vault: str, policy: RetentionPolicy, *, apply: bool = False, now: floa
         ledger.retire(cid, reason="no retention policy keeps it", policy=str(policy))
         result.deleted.append(cid)
     return result
+
+
+def _plan(status: StoreStatus, policy: RetentionPolicy, *, now: float, damaged: dict[str, str]) -> PrunePlan:
+    """The retention plan over what the vault holds, counting damaged copies as not good."""
+    snap, cert = status.snapshot, status.certification
+    live = [cid for cid in snap.holdings if snap.available(cid)]
+    latest = next((c for c in cert.order if snap.available(c) and c not in damaged), None)
+    entries = [
+        RetentionEntry(
+            ckpt_id=cid,
+            branch=snap.holdings[cid]["branch"],
+            step=snap.holdings[cid]["step"],
+            trusted=cid in cert.verdicts and cert.verdicts[cid].trusted and cid not in damaged,
+            committed_at=snap.records.get(cid, {}).get("committed_at", 0.0),
+            metrics=snap.holdings[cid].get("metrics", {}),
+        )
+        for cid in live
+    ]
+    intervals = [(d.branch, d.interval[0], d.interval[1]) for d in cert.detections if d.interval is not None]
+    protected = protected_checkpoints(
+        entries, latest_good=latest, intervals=intervals, branch_parents=snap.branch_parents
+    )
+    return plan_prune(entries, policy, now=now, protected=protected, open_incidents=snap.open_incidents())
 
 
 def _delete(site: VaultSite, url: str) -> str | None:

@@ -1,0 +1,177 @@
+"""A store someone edited: ids, names and URLs read from records are validated like user input, a
+malformed record is evidence of nothing, and nothing read from a store escapes its directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+from conftest import console_script
+
+from certckpt.errors import CertckptError, ConfigurationError
+from certckpt.trust.ledger import Ledger, is_ckpt_id
+from certckpt.trust.runstore import certify_store, find_latest_good
+
+
+def _ev(branch, step, kind, outcome="pass", **details):
+    return {
+        "run": "r",
+        "branch": branch,
+        "step": step,
+        "kind": kind,
+        "outcome": outcome,
+        "ranks": [0, 1, 2],
+        "suspect_ranks": [],
+        "contained": False,
+        "details": details,
+        "inventory": {},
+    }
+
+
+def _store(root) -> Ledger:
+    """main@10 trusted (full audit passed at 10 with its consensus), main@15 awaiting its audit."""
+    led = Ledger(str(root))
+    for s in (10, 15):
+        led.commit_checkpoint(
+            branch="main", step=s, location=str(root / f"main-{s}.safetensors"), run="r", consensus_fp=f"fp{s}"
+        )
+    led.append_events(
+        [_ev("main", 10, k) for k in ("nonfinite-pre", "nonfinite-post", "replay")]
+        + [_ev("main", 10, "consensus", fp="fp10"), _ev("main", 15, "consensus", fp="fp15")]
+    )
+    return led
+
+
+def _write_record(root, kind, name, doc):
+    d = root / "_ledger" / kind
+    d.mkdir(parents=True, exist_ok=True)
+    (d / name).write_text(json.dumps(doc))
+
+
+def test_checkpoint_ids_are_branch_at_step_and_never_a_path():
+    assert is_ckpt_id("main@10") and is_ckpt_id("b2.resume_1@0")
+    for bad in ("../../ESCAPED@60", "main@-1", "main@", "@5", "..@5", "main@5/x", "main", 5, None, "a/b@1", "m@1e3"):
+        assert not is_ckpt_id(bad), bad
+
+
+@pytest.mark.parametrize(
+    ("name", "doc", "why"),
+    [
+        (
+            "ESCAPED@60.json",
+            {"ckpt_id": "../../ESCAPED@60", "branch": "../..", "step": 60, "url": "x"},
+            "is not branch@step",
+        ),
+        (
+            "main@20b.json",
+            {"ckpt_id": "main@20", "branch": "main", "step": 20, "url": "main-15.safetensors"},
+            "stored as main@20b.json",
+        ),
+        (
+            "main@20.json",
+            {"ckpt_id": "main@20", "branch": "main", "step": "20", "url": "main-15.safetensors"},
+            "do not make its id",
+        ),
+        ("main@30.json", {"ckpt_id": "main@30", "branch": "main", "step": 30}, "no file location"),
+        ("main@40.json", ["not", "an", "object"], "not a JSON object"),
+    ],
+)
+def test_a_forged_commit_record_is_ignored_and_named(tmp_path, name, doc, why):
+    led = _store(tmp_path)
+    _write_record(tmp_path, "checkpoints", name, doc)
+    snap = led.snapshot()
+    assert sorted(snap.records) == ["main@10", "main@15"]
+    assert len(snap.invalid) == 1 and snap.invalid[0][0] == f"checkpoints/{name}" and why in snap.invalid[0][1]
+    status, good = find_latest_good(str(tmp_path), verify_bytes=False, write_certificates=True)
+    assert good == "main@10"
+    # certificates were written for real checkpoints only, inside the certificates folder
+    written = sorted(os.listdir(tmp_path / "_ledger" / "certificates"))
+    assert written and all(n.startswith(("main@10--", "main@15--")) for n in written)
+    assert not (tmp_path.parent / "ESCAPED@60.json").exists()
+
+
+def test_records_of_every_kind_are_checked(tmp_path):
+    led = _store(tmp_path)
+    _write_record(
+        tmp_path,
+        "holdings",
+        "main@10.json",
+        {"ckpt_id": "main@10", "branch": "main", "step": 10, "url": "../elsewhere/main@10.safetensors"},
+    )
+    _write_record(tmp_path, "incidents", "x.json", {"incident_id": "../../x", "record": "opened"})
+    _write_record(tmp_path, "branches", "b2.json", {"branch": "b2/../..", "parent": "main@10"})
+    _write_record(tmp_path, "revocations", "r.json", {"ckpt_id": "main@10/..", "reason": "x"})
+    snap = led.snapshot()
+    kinds = sorted(k.split("/")[0] for k, _ in snap.invalid)
+    assert kinds == ["branches", "holdings", "incidents", "revocations"]
+    assert snap.holdings == {} and snap.incident_records == [] and snap.branch_parents == {}
+    assert snap.revocations == []
+
+
+def test_an_unreadable_event_stops_certification_with_one_line_naming_it(tmp_path):
+    _store(tmp_path)
+    seg = tmp_path / "_ledger" / "events" / "zz-forged.jsonl"
+    seg.write_text(json.dumps(_ev("main", 20, "replay")) + '\n{"branch": "main", "step": "20"}\n')
+    with pytest.raises(CertckptError, match="segment zz-forged.jsonl, line 2, is not a readable audit event"):
+        certify_store(str(tmp_path), write_certificates=False)
+    r = subprocess.run(
+        [console_script("certckpt"), "latest-good", str(tmp_path)], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "zz-forged.jsonl" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_writers_refuse_names_that_are_not_plain(tmp_path):
+    led = Ledger(str(tmp_path))
+    for kind, name in (
+        ("incidents", "../../x.json"),
+        ("incidents", "a/b.json"),
+        ("incidents", ".hidden.json"),
+        ("nope", "a.json"),
+    ):
+        with pytest.raises(ConfigurationError):
+            led.put_raw(kind, name, b"{}")
+    with pytest.raises(ConfigurationError):
+        led.commit_checkpoint(branch="..", step=1, location=str(tmp_path / "x.safetensors"))
+    with pytest.raises(ConfigurationError):
+        led.record_holding({"ckpt_id": "../x@1", "url": "x"})
+    assert not (tmp_path.parent / "x.json").exists()
+
+
+def _flip_byte(path: str, offset_from_end: int = 100) -> None:
+    os.chmod(path, 0o644)  # vault copies are read-only; an attacker with write access changes that
+    with open(path, "r+b") as fh:
+        fh.seek(-offset_from_end, os.SEEK_END)
+        b = fh.read(1)
+        fh.seek(-offset_from_end, os.SEEK_END)
+        fh.write(bytes([b[0] ^ 0x01]))
+
+
+@pytest.mark.slow
+def test_prune_never_deletes_good_copies_while_keeping_a_damaged_one(copy_run, tmp_path):
+    from certckpt.errors import CorruptCheckpointError
+    from certckpt.vault import KeepLatest, promote, prune
+
+    run, vault = copy_run("clean"), str(tmp_path / "vault")
+    promote(run, vault)
+    before = sorted(n for n in os.listdir(vault) if n.endswith(".safetensors"))
+    _flip_byte(os.path.join(vault, "main@30.safetensors"))  # the newest copy: latest-good until re-read
+    dry = prune(vault, KeepLatest(1))
+    # the damaged copy is not good: the plan keeps the newest copy that verifies instead
+    assert set(dry.damaged) == {"main@30"} and "digest mismatch" in dry.damaged["main@30"]
+    assert "main@25" in dry.plan.keep and "main@25" not in dry.plan.delete
+    with pytest.raises(
+        CorruptCheckpointError, match=r"nothing pruned: 1 copy retention relies on is damaged \(main@30"
+    ):
+        prune(vault, KeepLatest(1), apply=True)
+    assert sorted(n for n in os.listdir(vault) if n.endswith(".safetensors")) == before
+    r = subprocess.run(
+        [console_script("certckpt"), "vault", "prune", vault, "--keep-last", "1", "--apply"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 1 and "main@30" in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    assert sorted(n for n in os.listdir(vault) if n.endswith(".safetensors")) == before
