@@ -183,13 +183,14 @@ def vault_prune(vault_url: str, keep_last, keep_every, keep_days, keep_best, app
 
     Policies combine: a checkpoint stays when any of them keeps it. Latest-good, the rollback target
     before an open suspect interval, and everything while an incident is open are always kept.
+    Every copy kept is read back first; a damaged one is reported (exit 1) and --apply deletes nothing.
     """
     from certckpt.vault import prune
 
     result = prune(vault_url, _policy(keep_last, keep_every, keep_days, keep_best), apply=apply)
     if as_json:
         click.echo(json.dumps({"vault": vault_url, **result.to_dict()}, indent=2))
-        sys.exit(EXIT_FAILED if result.refused else EXIT_OK)
+        sys.exit(EXIT_FAILED if result.refused or result.damaged else EXIT_OK)
     plan = result.plan
     rows = [(cid, "keep", why) for cid, why in plan.keep.items()]
     for cid in plan.delete:
@@ -209,11 +210,13 @@ def vault_prune(vault_url: str, keep_last, keep_every, keep_days, keep_best, app
     click.echo(f"policy: {result.policy}")
     if plan.blocked_by:
         click.echo(f"incident(s) open ({', '.join(plan.blocked_by)}): nothing is deleted until they close")
+    for cid, why in result.damaged.items():
+        click.echo(f"DAMAGED copy {cid}: {why}; --apply refuses until it is replaced with a good copy")
     if not apply and plan.delete:
         click.echo(f"dry run: pass --apply to delete {len(plan.delete)} checkpoint(s)")
     elif not plan.delete:
         click.echo("nothing to delete")
-    sys.exit(EXIT_FAILED if result.refused else EXIT_OK)
+    sys.exit(EXIT_FAILED if result.refused or result.damaged else EXIT_OK)
 
 
 @vault.command("restore")
