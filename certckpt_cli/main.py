@@ -37,6 +37,9 @@ COMMANDS: dict[str, Entry] = {
         "latest_good",
         "Print the newest trusted checkpoint of STORE that precedes every open suspect interval.",
     ),
+    "keygen": Entry(
+        "keygen_cmd", "keygen", "Write a new private signing key to PATH (mode 0600) and its public key to PATH.pub."
+    ),
     "revoke": Entry(
         "store_cmds",
         "revoke",

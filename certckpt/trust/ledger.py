@@ -34,6 +34,7 @@ from certckpt.format.storage import filesystem, join, put_once, resolve
 
 from .certify import CheckpointEntry, Revocation
 from .incident import incident_state
+from .signing import SigningKey, TrustedKeys, signing_key_from_env, trusted_keys_from_env
 
 __all__ = ["Ledger", "LedgerSink", "LedgerSnapshot", "ckpt_id_for", "is_ckpt_id", "LEDGER_DIR", "VAULT_MARK"]
 
@@ -52,6 +53,11 @@ _KINDS = (
 )
 _NAME = re.compile(r"^[A-Za-z0-9._-]{1,100}$")
 _CKPT_ID = re.compile(r"^([A-Za-z0-9._-]{1,100})@([0-9]{1,18})$")
+# Records that can move a verdict toward trusted (or make a copy count as held); with trusted keys they
+# need a trusted signature. Revocations, retirements and incident records only count against trust
+# or for caution, and are kept unsigned.
+_SIGNED_KINDS = ("checkpoints", "holdings", "branches", "drills", "certificates")
+FROM_ENV = "from-env"  # the default of Ledger's key options: read the environment
 _RECORD_FILE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._@-]{0,250}$")  # no separator, no leading dot
 
 
@@ -185,9 +191,26 @@ class Ledger:
         >>> snap = ledger.snapshot()
     """
 
-    def __init__(self, store: str):
+    def __init__(
+        self,
+        store: str,
+        *,
+        signing_key: SigningKey | None | str = FROM_ENV,
+        trusted_keys: TrustedKeys | None | str = FROM_ENV,
+    ):
+        """Args:
+        store: the run store's (or vault's) path or URL.
+        signing_key: signs every record written (default: ``$CERTCKPT_SIGNING_KEY``, else none).
+        trusted_keys: when set, records that could move a verdict toward trusted count only when
+            one of these keys signed them (default: ``$CERTCKPT_TRUSTED_KEYS``, else none).
+        """
         self.store = store.rstrip("/") if "://" in store else store.rstrip("/") or "/"
         self.root = join(self.store, LEDGER_DIR)
+        self.signing_key = signing_key_from_env() if signing_key == FROM_ENV else signing_key
+        self.trusted_keys = trusted_keys_from_env() if trusted_keys == FROM_ENV else trusted_keys
+
+    def _dumps(self, doc: dict[str, Any]) -> bytes:
+        return _dumps(self.signing_key.sign(doc) if self.signing_key is not None else doc)
 
     # --- writing ------------------------------------------------------------------------------
 
@@ -222,19 +245,20 @@ class Ledger:
             "bytes": nbytes,
             "committed_at": time.time(),
         }
-        put_once(join(self.root, "checkpoints", _record_name(f"{cid}.json")), _dumps(doc))
+        put_once(join(self.root, "checkpoints", _record_name(f"{cid}.json")), self._dumps(doc))
         return cid
 
     def start_branch(self, branch: str, *, parent: str) -> None:
         """Record that ``branch`` resumes from checkpoint ``parent`` (a rollback)."""
         _check_name("branch", branch)
-        put_once(join(self.root, "branches", f"{branch}.json"), _dumps({"branch": branch, "parent": parent}))
+        put_once(join(self.root, "branches", f"{branch}.json"), self._dumps({"branch": branch, "parent": parent}))
 
     def append_events(self, events: Iterable[Any]) -> str | None:
         """Write one segment holding these events; returns its name (None when there were none)."""
-        lines = [
-            json.dumps(e if isinstance(e, dict) else e.to_dict(), separators=(",", ":"), sort_keys=True) for e in events
-        ]
+        docs = [e if isinstance(e, dict) else e.to_dict() for e in events]
+        if self.signing_key is not None:
+            docs = [self.signing_key.sign(d) for d in docs]
+        lines = [json.dumps(d, separators=(",", ":"), sort_keys=True) for d in docs]
         if not lines:
             return None
         name = f"{time.time_ns():020d}-{secrets.token_hex(4)}.jsonl"
@@ -249,14 +273,14 @@ class Ledger:
         rev = Revocation(ckpt_id=ckpt_id, reason=reason, by=by, at=time.time())
         put_once(
             join(self.root, "revocations", f"{ckpt_id}--{time.time_ns()}.json"),
-            _dumps({"ckpt_id": ckpt_id, "reason": reason, "by": by, "at": rev.at}),
+            self._dumps({"ckpt_id": ckpt_id, "reason": reason, "by": by, "at": rev.at}),
         )
         return rev
 
     def record_certificate(self, ckpt_id: str, *, verdict: str, reasons: list[str], record: dict[str, Any]) -> None:
         put_once(
             join(self.root, "certificates", _record_name(f"{ckpt_id}--{time.time_ns()}.json")),
-            _dumps(
+            self._dumps(
                 {
                     "ckpt_id": ckpt_id,
                     "verdict": verdict,
@@ -273,12 +297,12 @@ class Ledger:
         """Record that a retention policy deleted this checkpoint's file (written after the delete)."""
         put_once(
             join(self.root, "retired", _record_name(f"{ckpt_id}.json")),
-            _dumps({"ckpt_id": ckpt_id, "reason": reason, "policy": policy, "at": time.time()}),
+            self._dumps({"ckpt_id": ckpt_id, "reason": reason, "policy": policy, "at": time.time()}),
         )
 
     def record_drill(self, doc: dict[str, Any]) -> str:
         name = f"{time.time_ns():020d}-{secrets.token_hex(4)}.json"
-        put_once(join(self.root, "drills", name), _dumps(doc))
+        put_once(join(self.root, "drills", name), self._dumps(doc))
         return name
 
     def record_holding(self, doc: dict[str, Any]) -> bool:
@@ -286,7 +310,7 @@ class Ledger:
         racing promoter of the same checkpoint finds it identical (returns False) instead of failing."""
         if not is_ckpt_id(doc["ckpt_id"]):
             raise ConfigurationError(f"checkpoint id {doc['ckpt_id']!r} is not branch@step")
-        return put_once(join(self.root, "holdings", _record_name(f"{doc['ckpt_id']}.json")), _dumps(doc))
+        return put_once(join(self.root, "holdings", _record_name(f"{doc['ckpt_id']}.json")), self._dumps(doc))
 
     def put_raw(self, kind: str, name: str, data: bytes) -> bool:
         """Mirror a record byte for byte (vault promotion); idempotent like every ledger write.
@@ -393,6 +417,8 @@ class Ledger:
                 name = p.rsplit("/", 1)[-1]
                 r = load(p)
                 why = _why_invalid(kind, name, r)
+                if why is None and self.trusted_keys is not None and kind in _SIGNED_KINDS:
+                    why = self.trusted_keys.problem(r)
                 if why is None:
                     yield name, r
                 else:
@@ -430,7 +456,15 @@ class Ledger:
                 )
             )
         for p in files["events"]:
-            snap.events.extend(_events_of(self.store, p.rsplit("/", 1)[-1], contents[p]))
+            name = p.rsplit("/", 1)[-1]
+            for n, ev in enumerate(_events_of(self.store, name, contents[p]), 1):
+                # A failed check counts signed or not (it can only count against trust); a passing
+                # one is evidence for trust and needs a trusted signature when keys are configured.
+                why = None if self.trusted_keys is None or ev["outcome"] == "fail" else self.trusted_keys.problem(ev)
+                if why is None:
+                    snap.events.append(ev)
+                else:
+                    snap.invalid.append((f"events/{name}#{n}", why))
         for _, d in valid("revocations"):
             snap.revocations.append(
                 Revocation(ckpt_id=d["ckpt_id"], reason=d["reason"], by=d.get("by", ""), at=d.get("at", 0.0))

@@ -1,0 +1,162 @@
+"""Ed25519 signatures over ledger records, so that write access to a store is not enough to forge trust.
+
+Without keys, anyone who can write the store can write records (and recompute unkeyed digests). With
+a signing key, every record a writer puts in the ledger carries ``"sig": {"key": KEY_ID, "ed25519":
+BASE64}`` over the record's canonical bytes (``signed_bytes``: the record without ``sig``, as sorted,
+compact, ASCII JSON). A reader given trusted public keys drops every record that could move a verdict
+toward trusted unless a trusted key signed it (``certckpt.trust.ledger`` decides which kinds those
+are); records that can only count against trust are kept, signed or not.
+
+Keys: ``generate_key(path)`` writes the private key (PEM, mode 0600) and ``path.pub`` (PEM). The
+environment variables ``CERTCKPT_SIGNING_KEY`` (a private key file) and ``CERTCKPT_TRUSTED_KEYS``
+(public key files, separated by ``,`` or ``os.pathsep``) configure every ledger without code changes.
+
+Needs the ``cryptography`` package (``pip install 'certckpt[sign]'``), imported only when keys are used.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from certckpt.errors import ConfigurationError, MissingDependencyError
+
+__all__ = [
+    "SIGNING_KEY_ENV",
+    "TRUSTED_KEYS_ENV",
+    "SigningKey",
+    "TrustedKeys",
+    "generate_key",
+    "signed_bytes",
+    "signing_key_from_env",
+    "trusted_keys_from_env",
+]
+
+SIGNING_KEY_ENV = "CERTCKPT_SIGNING_KEY"
+TRUSTED_KEYS_ENV = "CERTCKPT_TRUSTED_KEYS"
+
+
+def _crypto():
+    try:
+        from cryptography.exceptions import InvalidSignature
+        from cryptography.hazmat.primitives import serialization
+        from cryptography.hazmat.primitives.asymmetric import ed25519
+    except ImportError as e:
+        raise MissingDependencyError(
+            f"signatures need the cryptography package: pip install 'certckpt[sign]' ({e})"
+        ) from e
+    return ed25519, serialization, InvalidSignature
+
+
+def signed_bytes(doc: Mapping[str, Any]) -> bytes:
+    """The bytes a record's signature covers: the record without ``sig``, canonical JSON."""
+    body = {k: v for k, v in doc.items() if k != "sig"}
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+
+
+def _key_id(raw_public: bytes) -> str:
+    return hashlib.sha256(raw_public).hexdigest()[:16]
+
+
+@dataclass(frozen=True, slots=True)
+class SigningKey:
+    """A private Ed25519 key and its id (the first 16 hex digits of SHA-256 of the raw public key)."""
+
+    key_id: str
+    _private: Any
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> SigningKey:
+        ed25519, serialization, _ = _crypto()
+        try:
+            with open(path, "rb") as fh:
+                key = serialization.load_pem_private_key(fh.read(), password=None)
+        except (OSError, ValueError, TypeError) as e:
+            raise ConfigurationError(f"{os.fspath(path)}: not a readable Ed25519 private key ({e})") from e
+        if not isinstance(key, ed25519.Ed25519PrivateKey):
+            raise ConfigurationError(f"{os.fspath(path)}: not an Ed25519 private key")
+        raw = key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+        return cls(key_id=_key_id(raw), _private=key)
+
+    def sign(self, doc: Mapping[str, Any]) -> dict[str, Any]:
+        """A copy of the record with its signature."""
+        sig = base64.b64encode(self._private.sign(signed_bytes(doc))).decode("ascii")
+        return {**{k: v for k, v in doc.items() if k != "sig"}, "sig": {"key": self.key_id, "ed25519": sig}}
+
+
+@dataclass(frozen=True, slots=True)
+class TrustedKeys:
+    """Public keys whose signatures count, by key id."""
+
+    keys: Mapping[str, Any]
+
+    @classmethod
+    def load(cls, paths: Iterable[str | os.PathLike]) -> TrustedKeys:
+        ed25519, serialization, _ = _crypto()
+        keys = {}
+        for path in paths:
+            try:
+                with open(path, "rb") as fh:
+                    key = serialization.load_pem_public_key(fh.read())
+            except (OSError, ValueError, TypeError) as e:
+                raise ConfigurationError(f"{os.fspath(path)}: not a readable Ed25519 public key ({e})") from e
+            if not isinstance(key, ed25519.Ed25519PublicKey):
+                raise ConfigurationError(f"{os.fspath(path)}: not an Ed25519 public key")
+            raw = key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+            keys[_key_id(raw)] = key
+        if not keys:
+            raise ConfigurationError("no trusted public key given")
+        return cls(keys=keys)
+
+    def problem(self, doc: Mapping[str, Any]) -> str | None:
+        """Why the record's signature does not count (None when a trusted key signed these bytes)."""
+        _, _, invalid_signature = _crypto()
+        sig = doc.get("sig")
+        if not isinstance(sig, dict):
+            return "unsigned"
+        key = self.keys.get(sig.get("key")) if isinstance(sig.get("key"), str) else None
+        if key is None:
+            return f"signed by key {str(sig.get('key'))[:32]!r}, which is not trusted"
+        try:
+            key.verify(base64.b64decode(str(sig.get("ed25519")), validate=True), signed_bytes(doc))
+        except (invalid_signature, ValueError):
+            return f"bad signature (key {sig['key']}): the record changed after it was signed"
+        return None
+
+
+def generate_key(path: str | os.PathLike) -> tuple[str, str]:
+    """Write a new private key to ``path`` (mode 0600, never replacing a file) and its public key to
+    ``path.pub``; returns ``(private path, public path)``."""
+    ed25519, serialization, _ = _crypto()
+    key = ed25519.Ed25519PrivateKey.generate()
+    private = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    public = key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    path = os.fspath(path)
+    pub = path + ".pub"
+    for p in (path, pub):
+        if os.path.exists(p):
+            raise ConfigurationError(f"{p} exists; keys are never replaced (choose another path)")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(private)
+    with open(pub, "xb") as fh:
+        fh.write(public)
+    return path, pub
+
+
+def signing_key_from_env() -> SigningKey | None:
+    path = os.environ.get(SIGNING_KEY_ENV)
+    return SigningKey.load(path) if path else None
+
+
+def trusted_keys_from_env() -> TrustedKeys | None:
+    raw = os.environ.get(TRUSTED_KEYS_ENV, "")
+    paths = [p for chunk in raw.split(",") for p in chunk.split(os.pathsep) if p.strip()]
+    return TrustedKeys.load(p.strip() for p in paths) if paths else None

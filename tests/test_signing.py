@@ -1,0 +1,159 @@
+"""Signed ledgers: with trusted keys, no edit, addition or deletion of records short of the private
+key makes a suspect checkpoint latest-good; without keys everything works as before."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import console_script
+
+pytest.importorskip("cryptography")
+
+from certckpt.errors import ConfigurationError
+from certckpt.trust.ledger import Ledger
+from certckpt.trust.runstore import certify_store
+from certckpt.trust.signing import SigningKey, TrustedKeys, generate_key
+
+
+def _ev(branch, step, kind, outcome="pass", **details):
+    return {
+        "run": "r",
+        "branch": branch,
+        "step": step,
+        "kind": kind,
+        "outcome": outcome,
+        "ranks": [0, 1, 2],
+        "suspect_ranks": [1] if outcome == "fail" else [],
+        "contained": False,
+        "details": details,
+        "inventory": {},
+    }
+
+
+def _audit(step, *, replay="pass"):
+    return [_ev("main", step, k) for k in ("nonfinite-pre", "nonfinite-post")] + [
+        _ev("main", step, "replay", replay),
+        _ev("main", step, "consensus", fp=f"fp{step}"),
+    ]
+
+
+@pytest.fixture
+def keys(tmp_path):
+    (tmp_path / "keys").mkdir()
+    priv, pub = generate_key(tmp_path / "keys" / "k")
+    return {"priv": priv, "pub": pub, "signing": SigningKey.load(priv), "trusted": TrustedKeys.load([pub])}
+
+
+def _signed_run(root, keys) -> None:
+    """main@10 and main@20 trusted (audits pass at 10 and 20); main@30 fails its audit at 30."""
+    led = Ledger(str(root), signing_key=keys["signing"], trusted_keys=None)
+    for s in (10, 20, 30):
+        led.commit_checkpoint(
+            branch="main", step=s, location=str(root / f"s{s}.safetensors"), run="r", consensus_fp=f"fp{s}"
+        )
+    led.append_events(_audit(10) + _audit(20) + _audit(30, replay="fail"))
+
+
+def _verdicts(root, monkeypatch, pub=None):
+    if pub:
+        monkeypatch.setenv("CERTCKPT_TRUSTED_KEYS", str(pub))
+    else:
+        monkeypatch.delenv("CERTCKPT_TRUSTED_KEYS", raising=False)
+    st = certify_store(str(root), write_certificates=False)
+    return st.latest_good, {c: v.label for c, v in st.certification.verdicts.items()}, st.snapshot.invalid
+
+
+def test_keygen_writes_a_private_key_only_its_owner_reads_and_never_replaces_one(tmp_path):
+    priv, pub = generate_key(tmp_path / "k")
+    assert stat.S_IMODE(os.stat(priv).st_mode) == 0o600 and Path(pub).read_text().startswith("-----BEGIN PUBLIC KEY")
+    with pytest.raises(ConfigurationError, match="never replaced"):
+        generate_key(tmp_path / "k")
+    with pytest.raises(ConfigurationError, match="not a readable Ed25519 private key"):
+        SigningKey.load(pub)
+
+
+def test_a_signed_run_certifies_the_same_with_and_without_trusted_keys(tmp_path, keys, monkeypatch):
+    _signed_run(tmp_path, keys)
+    plain = _verdicts(tmp_path, monkeypatch)
+    checked = _verdicts(tmp_path, monkeypatch, keys["pub"])
+    assert plain[:2] == checked[:2] and checked[0] == "main@20" and checked[2] == []
+
+
+def _edit(path, **changes):
+    doc = json.loads(Path(path).read_text())
+    doc.update(changes)
+    Path(path).write_text(json.dumps(doc))
+
+
+def test_forged_records_move_nothing_toward_trusted_with_trusted_keys(tmp_path, keys, monkeypatch):
+    _signed_run(tmp_path, keys)
+    ckpts = tmp_path / "_ledger" / "checkpoints"
+    # 1. edit main@30's record to look like a step that passed its audit (the signature breaks)
+    _edit(ckpts / "main@30.json", step=20, ckpt_id="main@20")
+    os.rename(ckpts / "main@30.json", ckpts / "main@20x.json")
+    # 2. add a new unsigned record pointing at main@30's file
+    (ckpts / "main@25.json").write_text(
+        json.dumps(
+            {"ckpt_id": "main@25", "branch": "main", "step": 25, "url": "s30.safetensors", "consensus_fp": "fp20"}
+        )
+    )
+    # 3. flip the failing replay at 30 into a pass, in place (bad signature) and 4. append unsigned passes
+    seg = next((tmp_path / "_ledger" / "events").iterdir())
+    seg.write_text(seg.read_text().replace('"outcome":"fail"', '"outcome":"pass"'))
+    (tmp_path / "_ledger" / "events" / "zz.jsonl").write_text(
+        "\n".join(json.dumps(e) for e in _audit(30) + [_ev("main", 25, "consensus", fp="fp20")]) + "\n"
+    )
+    good, verdicts, invalid = _verdicts(tmp_path, monkeypatch, keys["pub"])
+    assert good in ("main@10", "main@20") and "main@25" not in verdicts and "main@20x" not in verdicts
+    whys = {w for _, w in invalid}
+    assert any(w == "unsigned" for w in whys) and any(w.startswith("bad signature") for w in whys)
+    # without keys the same edits do fool the ledger: which is what the README warns about
+    assert _verdicts(tmp_path, monkeypatch)[0] == "main@25"
+
+
+def test_an_unsigned_failure_still_counts(tmp_path, keys, monkeypatch):
+    _signed_run(tmp_path, keys)
+    (tmp_path / "_ledger" / "events" / "zz.jsonl").write_text(json.dumps(_ev("main", 20, "replay", "fail")) + "\n")
+    good, verdicts, _ = _verdicts(tmp_path, monkeypatch, keys["pub"])
+    assert verdicts["main@20"] == "suspect" and good == "main@10"
+
+
+def test_another_key_is_not_trusted(tmp_path, keys, monkeypatch):
+    _signed_run(tmp_path, keys)
+    _, other = generate_key(tmp_path / "other")
+    good, verdicts, invalid = _verdicts(tmp_path, monkeypatch, other)
+    assert good is None and verdicts == {} and all("not trusted" in w for _, w in invalid)
+
+
+def test_the_cli_honours_trusted_keys_from_the_environment(tmp_path, keys):
+    _signed_run(tmp_path, keys)
+    (tmp_path / "_ledger" / "checkpoints" / "main@25.json").write_text(
+        json.dumps(
+            {"ckpt_id": "main@25", "branch": "main", "step": 25, "url": "s30.safetensors", "consensus_fp": "fp25"}
+        )
+    )
+    env = dict(os.environ, CERTCKPT_TRUSTED_KEYS=str(keys["pub"]))
+    r = subprocess.run(
+        [console_script("certckpt"), "latest-good", "--no-verify", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert r.returncode == 0 and r.stdout.strip().endswith("s20.safetensors"), r.stderr
+
+
+def test_keygen_command(tmp_path):
+    r = subprocess.run(
+        [console_script("certckpt"), "keygen", str(tmp_path / "w")], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 0 and (tmp_path / "w.pub").exists() and "CERTCKPT_TRUSTED_KEYS=" in r.stdout
+    r = subprocess.run(
+        [console_script("certckpt"), "keygen", str(tmp_path / "w")], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 2 and "never replaced" in r.stderr and r.stderr.count("\n") == 1
