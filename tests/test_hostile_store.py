@@ -175,3 +175,37 @@ def test_prune_never_deletes_good_copies_while_keeping_a_damaged_one(copy_run, t
     )
     assert r.returncode == 1 and "main@30" in r.stderr and r.stderr.count("\n") == 1, r.stderr
     assert sorted(n for n in os.listdir(vault) if n.endswith(".safetensors")) == before
+
+
+@pytest.mark.slow
+def test_a_commit_record_rewritten_to_name_another_file_is_caught_by_its_embedded_record(copy_run):
+    run = copy_run("faulty")  # main@5, main@10 trusted; main@15 suspect (after the fault)
+    ckpts = os.path.join(run, "_ledger", "checkpoints")
+    with open(os.path.join(ckpts, "main@15.json")) as fh:
+        suspect = json.load(fh)
+    # main@10's record, rewritten to name main@15's file (with that file's header digest): every
+    # field that could be checked without the file now agrees with the bytes
+    path = os.path.join(ckpts, "main@10.json")
+    with open(path) as fh:
+        doc = json.load(fh)
+    doc.update(url=suspect["url"], header_digest=suspect["header_digest"], state_fp=suspect["state_fp"])
+    os.chmod(path, 0o644)
+    with open(path, "w") as fh:
+        json.dump(doc, fh)
+    os.unlink(os.path.join(ckpts, "main@15.json"))  # and the suspect checkpoint's own record is gone
+    status, good = find_latest_good(run, write_certificates=False)
+    assert good == "main@5"
+    assert "the file's own record says step 15, its commit record 10" in status.problems["main@10"]
+
+
+def test_two_commit_records_for_one_file_trust_neither(tmp_path):
+    _store(tmp_path)
+    _write_record(
+        tmp_path,
+        "checkpoints",
+        "main@12.json",
+        {"ckpt_id": "main@12", "branch": "main", "step": 12, "url": "main-10.safetensors", "consensus_fp": "fp10"},
+    )
+    status = certify_store(str(tmp_path), write_certificates=False)
+    assert {"main@10", "main@12"} <= set(status.problems) and "named by 2 commit records" in status.problems["main@10"]
+    assert not status.certification.verdicts["main@10"].trusted

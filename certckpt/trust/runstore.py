@@ -89,8 +89,15 @@ class StoreStatus:
         ]
 
 
-def check_file(url: str, header_digest: str | None, *, progress=None) -> str | None:
+def check_file(
+    url: str, header_digest: str | None, *, progress=None, committed: Mapping[str, Any] | None = None
+) -> str | None:
     """Verify a committed checkpoint's bytes, and that it is the very file that was committed.
+
+    Args:
+        committed: the commit record; the file's own embedded record must agree with it (run,
+            branch, step, state and consensus fingerprints): a record edited or added in the
+            store to point at another file is caught here.
 
     Returns:
         None when it verifies, else one line saying what is wrong.
@@ -106,13 +113,42 @@ def check_file(url: str, header_digest: str | None, *, progress=None) -> str | N
             f"{url}: not the file that was committed "
             f"(header digest {report.info.record.header_digest}, committed {header_digest})"
         )
+    return _disagreement(url, report.info.record, committed) if committed is not None else None
+
+
+def _disagreement(url: str, embedded: Any, committed: Mapping[str, Any]) -> str | None:
+    """Where the file's embedded record and its commit record disagree (None when they agree)."""
+    for key in ("run", "branch", "step", "state_fp", "consensus_fp"):
+        want, have = committed.get(key), getattr(embedded, key, None)
+        if want is None:
+            continue
+        if have != want and (have is not None or key == "step"):
+            return f"{url}: the file's own record says {key} {have!r}, its commit record {want!r}; not this checkpoint"
     return None
 
 
 def _check(status_or_snap, cid: str) -> str | None:
     snap = getattr(status_or_snap, "snapshot", status_or_snap)
     entry = next(c for c in snap.checkpoints if c.ckpt_id == cid)
-    return check_file(entry.url, snap.header_digest(cid))
+    shared = _shared_files(snap).get(cid)
+    if shared:
+        return shared
+    return check_file(entry.url, snap.header_digest(cid), committed=snap.records[cid])
+
+
+def _shared_files(snap: LedgerSnapshot) -> dict[str, str]:
+    """Commit records that name a file another record names too: one file is one checkpoint, so
+    neither can be trusted (one of them was written by someone other than the training job)."""
+    by_url: dict[str, list[str]] = {}
+    for c in snap.checkpoints:
+        if snap.available(c.ckpt_id):
+            by_url.setdefault(c.url, []).append(c.ckpt_id)
+    return {
+        cid: f"{url}: named by {len(ids)} commit records ({', '.join(sorted(ids))}); one file is one checkpoint"
+        for url, ids in by_url.items()
+        if len(ids) > 1
+        for cid in ids
+    }
 
 
 def _record_changes(ledger: Ledger, status: StoreStatus) -> None:
@@ -136,10 +172,10 @@ def certify_store(store: str, *, verify_bytes: bool = False, write_certificates:
     """
     ledger = Ledger(store)
     snap = ledger.snapshot()
-    problems = {}
+    problems = dict(_shared_files(snap))
     if verify_bytes:
         for cid in snap.records:
-            if not snap.available(cid):
+            if not snap.available(cid) or cid in problems:
                 continue
             p = _check(snap, cid)
             if p:
