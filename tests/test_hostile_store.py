@@ -209,3 +209,36 @@ def test_two_commit_records_for_one_file_trust_neither(tmp_path):
     status = certify_store(str(tmp_path), write_certificates=False)
     assert {"main@10", "main@12"} <= set(status.problems) and "named by 2 commit records" in status.problems["main@10"]
     assert not status.certification.verdicts["main@10"].trusted
+
+
+@pytest.fixture
+def read_only(tmp_path):
+    """``read_only(path)`` → the same directory mounted read-only (root and mount(8) needed)."""
+    mounts = []
+
+    def make(src) -> str:
+        dst = tmp_path / f"ro-{len(mounts)}"
+        dst.mkdir()
+        for cmd in (["mount", "--bind", str(src), str(dst)], ["mount", "-o", "remount,ro,bind", str(dst)]):
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            if r.returncode != 0:
+                if mounts or cmd[1] != "--bind":
+                    subprocess.run(["umount", str(dst)], capture_output=True)
+                pytest.skip(f"cannot make a read-only mount here: {r.stderr.strip()}")
+        mounts.append(dst)
+        return str(dst)
+
+    yield make
+    for m in mounts:
+        subprocess.run(["umount", str(m)], capture_output=True)
+
+
+def test_status_and_latest_good_answer_on_a_read_only_store(tmp_path, read_only):
+    src = tmp_path / "run"
+    src.mkdir()
+    _store(src)
+    ro = read_only(src)
+    for args, want in ((["latest-good", "--no-verify", ro], "main-10.safetensors"), (["status", ro], "main@10")):
+        r = subprocess.run([console_script("certckpt"), *args], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and want in r.stdout and r.stderr == "", (args, r.stderr)
+    assert not (src / "_ledger" / "certificates").exists()  # nothing could be cached, nothing was

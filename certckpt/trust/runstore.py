@@ -6,13 +6,14 @@ No torch import.
 
 from __future__ import annotations
 
+import errno
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from certckpt.errors import CertckptError, CheckpointExistsError, CheckpointNotFoundError
+from certckpt.errors import CertckptError, CheckpointExistsError, CheckpointNotFoundError, StorageError
 from certckpt.format.verify import verify
 
 from .certify import Certification, certify
@@ -186,12 +187,25 @@ def certify_store(store: str, *, verify_bytes: bool = False, write_certificates:
     status = StoreStatus(
         store=store, snapshot=snap, certification=cert, problems=problems, uncommitted=ledger.uncommitted(snap)
     )
-    if write_certificates:
-        _record_changes(ledger, status)
-        # a vault mirrors its run's incidents; it never opens its own
-        if not snap.is_vault and open_missing_incidents(ledger, status):
-            status.snapshot = ledger.snapshot()
+    wrote = write_certificates and _writable(lambda: _record_changes(ledger, status))
+    # a vault mirrors its run's incidents; it never opens its own
+    if wrote and not snap.is_vault and open_missing_incidents(ledger, status):
+        status.snapshot = ledger.snapshot()
     return status
+
+
+def _writable(write: Callable[[], Any]) -> bool:
+    """Run a write that only caches what reading already derived (certificates, the incidents
+    `status` opens); a read-only store still gets its answer. Returns whether the write went through."""
+    try:
+        write()
+    except (PermissionError, StorageError):
+        return False
+    except OSError as e:
+        if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            return False
+        raise
+    return True
 
 
 def find_latest_good(
@@ -217,7 +231,7 @@ def find_latest_good(
             snap.checkpoints, snap.events, snap.revocations, corrupt=status.problems, branch_parents=snap.branch_parents
         )
     if write_certificates:
-        _record_changes(ledger, status)
+        _writable(lambda: _record_changes(ledger, status))
     return status, chosen
 
 
