@@ -37,6 +37,11 @@ COMMANDS: dict[str, Entry] = {
         "latest_good",
         "Print the newest trusted checkpoint of STORE that precedes every open suspect interval.",
     ),
+    "gc": Entry(
+        "gc_cmd",
+        "gc",
+        "Temp files of killed writers in STORE (never a checkpoint or a record): list, or remove with --apply.",
+    ),
     "keygen": Entry(
         "keygen_cmd", "keygen", "Write a new private signing key to PATH (mode 0600) and its public key to PATH.pub."
     ),

@@ -242,3 +242,29 @@ def test_status_and_latest_good_answer_on_a_read_only_store(tmp_path, read_only)
         r = subprocess.run([console_script("certckpt"), *args], capture_output=True, text=True, timeout=60)
         assert r.returncode == 0 and want in r.stdout and r.stderr == "", (args, r.stderr)
     assert not (src / "_ledger" / "certificates").exists()  # nothing could be cached, nothing was
+
+
+def test_gc_lists_and_removes_only_stale_temp_files_of_killed_writers(tmp_path):
+    _store(tmp_path)
+    old = [
+        tmp_path / ".main-20.safetensors.certckpt-tmp-4242-deadbeef",
+        tmp_path / "_ledger" / "checkpoints" / ".main@20.json.certckpt-tmp-4242-cafebabe",
+    ]
+    young = tmp_path / ".main-25.safetensors.certckpt-tmp-4343-0badf00d"
+    for p in (*old, young):
+        p.write_bytes(b"x" * 1000)
+    for p in old:
+        os.utime(p, (0, 0))
+    lookalike = tmp_path / ".notes"  # hidden, but not ours
+    lookalike.write_text("keep")
+    records = sorted(os.listdir(tmp_path / "_ledger" / "checkpoints"))
+    cli = console_script("certckpt")
+    r = subprocess.run([cli, "gc", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "dry run: pass --apply to remove 2 temp file(s), 2.0 kB" in r.stdout
+    assert all(p.exists() for p in old)
+    r = subprocess.run([cli, "gc", str(tmp_path), "--apply", "--json"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and sorted(json.loads(r.stdout)["removed"]) == sorted(map(str, old))
+    assert not any(p.exists() for p in old) and young.exists() and lookalike.exists()
+    assert sorted(os.listdir(tmp_path / "_ledger" / "checkpoints")) == [n for n in records if not n.startswith(".")]
+    r = subprocess.run([cli, "gc", str(tmp_path / "nope")], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "no such run store" in r.stderr and r.stderr.count("\n") == 1
