@@ -268,3 +268,24 @@ def test_gc_lists_and_removes_only_stale_temp_files_of_killed_writers(tmp_path):
     assert sorted(os.listdir(tmp_path / "_ledger" / "checkpoints")) == [n for n in records if not n.startswith(".")]
     r = subprocess.run([cli, "gc", str(tmp_path / "nope")], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "no such run store" in r.stderr and r.stderr.count("\n") == 1
+
+
+def test_a_header_listing_too_many_tensors_is_refused_before_it_is_parsed(tmp_path):
+    import struct
+    import time
+
+    from certckpt.errors import UnsupportedObjectError
+    from certckpt.format.header import MAX_TENSORS, encode_header
+
+    n = 1_000_000
+    doc = {f"t{i}": {"dtype": "U8", "shape": [1], "data_offsets": [i, i + 1]} for i in range(n)}
+    body = json.dumps(doc).encode()
+    body += b" " * (-len(body) % 8)
+    path = tmp_path / "wide.safetensors"
+    path.write_bytes(struct.pack("<Q", len(body)) + body + b"\0" * n)
+    t0 = time.perf_counter()
+    r = subprocess.run([console_script("certckpt"), "verify", str(path)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and f"more than {MAX_TENSORS:,} tensors" in r.stdout + r.stderr
+    assert time.perf_counter() - t0 < 10  # a scan, not a 20-second parse
+    with pytest.raises(UnsupportedObjectError, match="save large states in shards"):
+        encode_header({k: doc[k] for k in list(doc)[: MAX_TENSORS + 1]})

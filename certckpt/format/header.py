@@ -16,6 +16,7 @@ from certckpt.errors import CorruptCheckpointError, NotACheckpointError, Unsuppo
 __all__ = [
     "DTYPE_SIZES",
     "MAX_HEADER_BYTES",
+    "MAX_TENSORS",
     "TensorEntry",
     "Header",
     "canonical_json",
@@ -56,6 +57,10 @@ DTYPE_SIZES: dict[str, int] = {
 # without allocating, and our writer refuses to produce a header above the latter.
 MAX_HEADER_BYTES = 100_000_000
 MAX_WRITTEN_HEADER_BYTES = 25_000_000
+# Tensors per file. Validating an entry costs ~10-20 us of Python, so this bounds what a header can
+# cost a reader (about 2 s and 150 MB); the writer refuses more, so certckpt never writes a file it
+# would refuse to read. Real states that large are saved in shards.
+MAX_TENSORS = 100_000
 MAX_DIMS = 64
 MAX_DIM = 2**63 - 1  # torch sizes and file offsets are int64
 METADATA_KEY = "__metadata__"
@@ -191,6 +196,12 @@ def parse_header(raw: bytes, *, source: str, file_length: int | None) -> Header:
     or overlaps; the file length equals ``8 + N + data length`` when known.
     """
     n = len(raw)
+    # Counted on the raw bytes, before the JSON parse: a hostile header costs one scan, not a parse.
+    if raw.count(b'"data_offsets"') > MAX_TENSORS:
+        raise CorruptCheckpointError(
+            f"{source}: the header lists more than {MAX_TENSORS:,} tensors, more than certckpt writes or reads in "
+            "one file; a certckpt checkpoint never has that many (save large states in shards)"
+        )
     try:
         text = raw.decode("utf-8")
         doc = strict_json_loads(text)
@@ -285,6 +296,11 @@ def padded_json(doc: dict) -> bytes:
 
 def encode_header(doc: dict) -> bytes:
     """Serialize a header document canonically, padded with spaces to a multiple of 8 bytes."""
+    if len(doc) - (METADATA_KEY in doc) > MAX_TENSORS:
+        raise UnsupportedObjectError(
+            f"the checkpoint would hold {len(doc) - (METADATA_KEY in doc):,} tensors (limit {MAX_TENSORS:,} per file); "
+            "save large states in shards (one file per part of the state)"
+        )
     body = padded_json(doc)
     if len(body) > MAX_WRITTEN_HEADER_BYTES:
         raise UnsupportedObjectError(
