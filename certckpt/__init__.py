@@ -31,6 +31,7 @@ from .errors import (
     MissingDependencyError,
     NotACheckpointError,
     PlatformError,
+    ProtectedCheckpointError,
     RanksFailedError,
     StorageError,
     UnsupportedObjectError,
@@ -43,6 +44,8 @@ _LAZY = {
     "save": "format.writer",
     "SaveResult": "format.writer",
     "load": "format.reader",
+    "register_type": "format.registry",
+    "unregister_type": "format.registry",
     "verify": "format.verify",
     "inspect": "format.verify",
     "VerifyReport": "format.verify",
@@ -64,6 +67,8 @@ __all__ = [
     "__version__",
     "save",
     "load",
+    "register_type",
+    "unregister_type",
     "verify",
     "inspect",
     "fingerprint",
@@ -97,6 +102,7 @@ __all__ = [
     "AuditSetupError",
     "FaultDetectedError",
     "RanksFailedError",
+    "ProtectedCheckpointError",
 ]
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -109,6 +115,7 @@ if TYPE_CHECKING:  # pragma: no cover
         fingerprint_state,
     )
     from .format.reader import load
+    from .format.registry import register_type, unregister_type
     from .format.verify import CheckpointInfo, Problem, VerifyReport, inspect, verify
     from .format.writer import SaveResult, save
     from .trust.certify import certify

@@ -28,6 +28,7 @@ __all__ = [
     "AuditSetupError",
     "FaultDetectedError",
     "RanksFailedError",
+    "ProtectedCheckpointError",
 ]
 
 
@@ -124,3 +125,8 @@ class FaultDetectedError(CertckptError, RuntimeError):
 
 class RanksFailedError(CertckptError, RuntimeError):
     """A rank exited with an error or the group timed out; the message carries each rank's stderr tail."""
+
+
+class ProtectedCheckpointError(CheckpointExistsError):
+    """A plain ``save`` would replace a certified file (a vault copy, a file a ledger's commit record
+    names) or a read-only one; these are never replaced, whatever ``overwrite`` says."""

@@ -69,7 +69,7 @@ def test_existing_name_is_refused_and_unchanged(tmp_path):
     certckpt.save({"a": torch.ones(2)}, p)
     before = p.read_bytes()
     with pytest.raises(certckpt.CheckpointExistsError) as ei:
-        certckpt.save({"a": torch.zeros(2)}, p)
+        certckpt.save({"a": torch.zeros(2)}, p, overwrite=False)
     assert isinstance(ei.value, FileExistsError) and "overwrite=True" in str(ei.value)
     assert p.read_bytes() == before
     assert [f for f in os.listdir(tmp_path)] == ["ck.safetensors"]  # no temp file left behind
@@ -86,7 +86,7 @@ FULL_DISK = textwrap.dedent(
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG, like a full disk
     resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
     try:
-        certckpt.save({"big": torch.randn(1_000_000)}, sys.argv[1], overwrite=True)
+        certckpt.save({"big": torch.randn(1_000_000)}, sys.argv[1])  # replaces by default
     except certckpt.StorageError as e:
         print("StorageError:", e)
     """

@@ -14,10 +14,27 @@ def test_s3_roundtrip_and_create_only(s3_bucket):
     assert torch.equal(out["w"], state["w"]) and out["step"] == 10
     report = certckpt.verify(url, deep=True)
     assert report.ok and report.info.record.step == 10
-    # create-only PUT: the server refuses an existing key, and the object is unchanged
+    # overwrite=False: a create-only PUT, the server refuses an existing key, the object is unchanged
     with pytest.raises(certckpt.CheckpointExistsError, match="overwrite=True"):
-        certckpt.save({"w": torch.zeros(1)}, url)
+        certckpt.save({"w": torch.zeros(1)}, url, overwrite=False)
     assert torch.equal(certckpt.load(url)["w"], state["w"])
+    # a plain save replaces, like torch.save
+    certckpt.save({"w": torch.zeros(1)}, url)
+    assert torch.equal(certckpt.load(url)["w"], torch.zeros(1))
+
+
+def test_s3_plain_save_never_replaces_a_vault_copy(s3_bucket):
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
+    fs = s3fs.S3FileSystem()
+    base = s3_bucket.removeprefix("s3://")
+    fs.pipe_file(f"{base}/vault1/_ledger/vault.json", b'{"kind": "certckpt-vault"}')
+    url = f"{s3_bucket}/vault1/copies/main@10.safetensors"
+    certckpt.save({"w": torch.ones(2)}, url)  # a new name: nothing to replace
+    with pytest.raises(certckpt.ProtectedCheckpointError, match="inside the vault"):
+        certckpt.save({"w": torch.zeros(2)}, url)
+    assert torch.equal(certckpt.load(url)["w"], torch.ones(2))
 
 
 def test_s3_missing_bucket_is_one_clear_error_and_creates_nothing(s3_server):

@@ -7,32 +7,85 @@ rebuilt. Nothing is unpickled, whatever the file holds.
 
 from __future__ import annotations
 
+import os
+import warnings
 from typing import Any
 
 import torch
 import xxhash
 
-from certckpt.errors import CorruptCheckpointError
+from certckpt.errors import ConfigurationError, CorruptCheckpointError
 
+from .header import TensorEntry
 from .record import check_header
 from .skeleton import check_map_location, rebuild
 from .storage import open_read, resolve
-from .verify import digest_problem, read_checkpoint_header, read_tensor
+from .tensors import ST_TO_TORCH, host_bytes
+from .verify import CheckpointInfo, digest_problem, read_checkpoint_header, read_tensor
 
 __all__ = ["load"]
 
+_warned: set[str] = set()
 
-def load(f: Any, *, map_location: Any = None, verify: bool = True, weights_only: bool = True) -> Any:
-    """Load an object saved with ``certckpt.save``.
+
+def warn_ignored(names: list[str], *, function: str) -> None:
+    """One warning per process and argument: torch's pickle options mean nothing to certckpt."""
+    fresh = [n for n in names if n not in _warned]
+    if fresh:
+        _warned.update(fresh)
+        warnings.warn(
+            f"certckpt.{function}: {', '.join(fresh)} accepted for torch.{function} compatibility and ignored"
+            " (certckpt never pickles)",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def _mapped(storage: torch.UntypedStorage, info: CheckpointInfo, e: TensorEntry) -> torch.Tensor | None:
+    """A tensor backed by the mapped file, or None when its offset is not a multiple of its element size."""
+    dtype = ST_TO_TORCH[e.dtype]
+    probe = torch.empty(0, dtype=dtype)
+    start = info.header.data_start + e.begin
+    if start % probe.element_size():
+        return None
+    stride, acc = [], 1
+    for d in reversed(e.shape):
+        stride.append(acc)
+        acc *= d
+    return probe.set_(storage, start // probe.element_size(), list(e.shape), stride[::-1])
+
+
+def load(
+    f: Any,
+    map_location: Any = None,
+    pickle_module: Any = None,
+    *,
+    weights_only: bool | None = True,
+    mmap: bool | None = None,
+    verify: bool = True,
+    **pickle_load_args: Any,
+) -> Any:
+    """Load an object saved with ``certckpt.save``; ``torch.load``'s signature, without pickle.
 
     Args:
         f: a path, ``os.PathLike``, fsspec URL or readable binary file object.
-        map_location: as in ``torch.load``: None (each tensor to the device it was saved from),
-            a device string or ``torch.device``, or a dict mapping saved to target device strings.
-        verify: check the header digest and every tensor's xxh3-128 digest while reading (cheap:
-            xxh3 runs at tens of GB/s). Device fingerprints are checked by ``verify(deep=True)``.
+        map_location: as in ``torch.load``: None (each tensor to the device it was saved from), a
+            device string or ``torch.device``, a dict mapping saved to target device strings, or a
+            callable ``fn(tensor, saved_location)`` called once per stored tensor with the tensor
+            on the CPU; it returns the tensor moved, a storage (its device is used), or None (the
+            saved device). numpy arrays always stay on the CPU.
+        pickle_module: accepted for ``torch.load`` compatibility and ignored (with one warning).
         weights_only: accepted for ``torch.load`` compatibility; certckpt never unpickles, so it is
             always weights-only.
+        mmap: map a local file instead of reading it: CPU tensors are backed by the file's pages
+            (copy-on-write: changing a tensor never changes the file). With ``verify=True`` every
+            digest is still checked here, by reading the mapped pages once (they stay file-backed, so
+            the kernel may drop them again); ``verify=False`` skips that and leaves the check to
+            ``certckpt.verify``. Bytes changed on disk after loading may show through.
+        verify: check the header digest and every tensor's xxh3-128 digest while reading (cheap:
+            xxh3 runs at tens of GB/s). Device fingerprints are checked by ``verify(deep=True)``.
+        **pickle_load_args: ``torch.load``'s unpickler options (``encoding=``...): ignored, with one
+            warning.
 
     Returns:
         The saved object: same containers, key types, values; shared tensors shared again.
@@ -40,24 +93,41 @@ def load(f: Any, *, map_location: Any = None, verify: bool = True, weights_only:
     Raises:
         CorruptCheckpointError: truncated, malformed or tampered bytes (nothing is returned).
         NotACheckpointError: a ``torch.save`` archive, a pickle or plain safetensors.
+        ConfigurationError: ``mmap=True`` for something that is not a local file.
         CheckpointNotFoundError, StorageError
 
     Example:
-        >>> state = certckpt.load("ckpt/step100.safetensors", map_location="cpu")
+        >>> state = certckpt.load("ckpt/step100.safetensors", "cpu")
         >>> model.load_state_dict(state["model"])
     """
     del weights_only  # always true: there is no pickle path to enable
+    ignored = (["pickle_module"] if pickle_module is not None else []) + sorted(pickle_load_args)
+    if ignored:
+        warn_ignored(ignored, function="load")
     check_map_location(map_location)
     target = resolve(f)
+    if mmap and target.local is None:
+        raise ConfigurationError(
+            f"{target.display}: mmap=True needs a local file path (not a URL or a file object); drop mmap"
+        )
     with open_read(target) as (fh, size):
         info = read_checkpoint_header(fh, size, target.display)
         if verify:
             problem = check_header(info.header, info.record)
             if problem:
                 raise CorruptCheckpointError(f"{target.display}: {problem}")
+        storage = None
+        if mmap and info.header.data_length:
+            storage = torch.UntypedStorage.from_file(os.path.abspath(target.local), False, size)
         tensors: dict[str, torch.Tensor] = {}
         for e in info.header.entries:
-            t, view = read_tensor(fh, e, target.display)
+            t = _mapped(storage, info, e) if storage is not None else None
+            if t is None:
+                if storage is not None:
+                    fh.seek(info.header.data_start + e.begin)
+                t, view = read_tensor(fh, e, target.display)
+            else:
+                view = host_bytes(t)
             if verify:
                 expected = info.record.tensors[e.name]["xxh3"]
                 found = xxhash.xxh3_128_hexdigest(view)

@@ -11,6 +11,8 @@ Skeleton nodes (JSON): ``null``, ``true``/``false``, a JSON string for ``str``, 
 ``["d", [[key, value], ...]]`` dict, ``["od", ...]`` OrderedDict, ``["l", [...]]`` list,
 ``["t", [...]]`` tuple, ``["dtype", "float32"]``, ``["size", [2, 3]]``, ``["dev", "cuda:0"]``,
 ``["T", {"e": entry, "v": [dtype, offset, size, stride], "d": device, "p": 1, "g": 1}]`` tensor.
+numpy and everyday Python values (sets, paths, datetimes, namedtuples, dataclasses...) have their own
+tags, encoded and decoded by ``leaves``; every refusal of one ``flatten`` is reported in one error.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from certckpt.errors import (
@@ -30,6 +33,7 @@ from certckpt.errors import (
     UnsupportedObjectError,
 )
 
+from . import leaves
 from .tensors import ST_TO_TORCH, TORCH_TO_ST
 
 __all__ = ["Flattened", "StoredTensor", "flatten", "rebuild"]
@@ -64,47 +68,81 @@ def _fmt_path(path: tuple) -> str:
     return "obj" + "".join(f"[{k!r}]" for k in path)
 
 
-def _refuse(path: tuple, what: str, fix: str) -> UnsupportedObjectError:
-    return UnsupportedObjectError(f"{_fmt_path(path)}: {what}; {fix}. Nothing was written.")
-
-
-def _check_tensor(t: torch.Tensor, path: tuple) -> None:
+def _tensor_problem(t: torch.Tensor) -> tuple[str, str] | None:
+    """``(what, fix)`` when ``t`` cannot be stored, else None."""
     if type(t) not in (torch.Tensor, torch.nn.Parameter):
-        raise _refuse(
-            path,
+        return (
             f"tensor subclass {type(t).__name__} cannot be stored without pickle",
             "convert it with .as_subclass(torch.Tensor)",
         )
     if t.layout != torch.strided:
-        raise _refuse(
-            path,
+        return (
             f"{t.layout} tensors are not supported",
             "convert with .to_dense() (or store indices and values as separate tensors)",
         )
     if t.is_quantized:
-        raise _refuse(
-            path,
+        return (
             "quantized tensors are not supported",
             "store .int_repr() with its scale and zero_point, or .dequantize()",
         )
     if t.device.type == "meta":
-        raise _refuse(path, "meta tensors have no data to save", "materialize the tensor first")
+        return ("meta tensors have no data to save", "materialize the tensor first")
     if getattr(t, "is_nested", False):
-        raise _refuse(path, "nested tensors are not supported", "unbind it into a list of tensors")
+        return ("nested tensors are not supported", "unbind it into a list of tensors")
     if t.dtype not in TORCH_TO_ST:
-        raise _refuse(
-            path, f"dtype {t.dtype} cannot be stored in safetensors", "cast it (e.g. complex128 to two float64 tensors)"
+        return (
+            f"dtype {t.dtype} cannot be stored in safetensors",
+            "cast it (e.g. complex128 to two float64 tensors, or store it as a numpy array)",
         )
+    return None
+
+
+MAX_LISTED = 25  # refusals spelled out in one error; the rest are counted
 
 
 class _Flattener:
+    """Walks the object once, collecting every refusal so that one error lists them all."""
+
     def __init__(self) -> None:
         self.tensors: list[tuple[tuple, torch.Tensor, dict]] = []  # (path, tensor, leaf dict to fill)
         self._active: set[int] = set()
+        self.problems: list[str] = []
+
+    def refuse(self, path: tuple, what: str, fix: str) -> None:
+        self.problems.append(f"{_fmt_path(path)}: {what}; {fix}")
+        return None
+
+    def add_tensor(self, t: torch.Tensor, path: tuple) -> Any:
+        problem = _tensor_problem(t)
+        if problem is not None:
+            return self.refuse(path, *problem)
+        leaf: dict[str, Any] = {}
+        self.tensors.append((path, t, leaf))
+        return leaf
+
+    def dict_items(self, obj: Any, path: tuple) -> list:
+        items = []
+        for k, v in obj.items():
+            if type(k) is str:
+                key: Any = k
+            elif type(k) is int:
+                key = ["i", hex(k)]
+            elif isinstance(k, (torch.Tensor, np.ndarray)):
+                self.refuse(path, f"dict key {k!r:.60} is a tensor", "use str, int, float, bool, None or tuple keys")
+                continue
+            else:
+                before = len(self.tensors)
+                key = self.walk(k, path + (k,))
+                if len(self.tensors) != before:
+                    del self.tensors[before:]
+                    self.refuse(path, f"dict key {k!r:.60} holds a tensor", "use keys without tensors")
+                    continue
+            items.append([key, self.walk(v, path + (k,))])
+        return items
 
     def walk(self, obj: Any, path: tuple) -> Any:
         if len(path) > MAX_DEPTH:
-            raise _refuse(path, f"nesting deeper than {MAX_DEPTH} levels", "flatten the structure")
+            return self.refuse(path, f"nesting deeper than {MAX_DEPTH} levels", "flatten the structure")
         tp = type(obj)
         if obj is None or tp is bool:
             return obj
@@ -121,45 +159,36 @@ class _Flattener:
         if tp is torch.device:
             return ["dev", str(obj)]
         if isinstance(obj, torch.Tensor):
-            _check_tensor(obj, path)
-            leaf: dict[str, Any] = {}
-            self.tensors.append((path, obj, leaf))
-            return ["T", leaf]
-        if tp in (dict, collections.OrderedDict, list, tuple):
-            if id(obj) in self._active:
-                raise _refuse(path, "the object contains itself", "break the reference cycle")
-            self._active.add(id(obj))
-            try:
-                if tp in (list, tuple):
-                    return ["l" if tp is list else "t", [self.walk(v, path + (i,)) for i, v in enumerate(obj)]]
-                items = []
-                for k, v in obj.items():
-                    if type(k) is str:
-                        key: Any = k
-                    elif type(k) is int:
-                        key = ["i", hex(k)]
-                    else:
-                        raise _refuse(
-                            path,
-                            f"dict key {k!r:.60} of type {type(k).__name__} is not supported",
-                            "use str or int keys",
-                        )
-                    items.append([key, self.walk(v, path + (k,))])
-                return ["d" if tp is dict else "od", items]
-            finally:
-                self._active.discard(id(obj))
-        if isinstance(obj, (int, float, str)):
-            raise _refuse(
-                path,
-                f"{tp.__name__} (a subclass of {tp.__mro__[1].__name__}) cannot be stored without pickle",
-                f"convert it with {tp.__mro__[1].__name__}(...)",
-            )
-        what = "a function" if callable(obj) else f"an object of type {tp.__module__}.{tp.__qualname__}"
-        raise _refuse(
-            path,
-            f"{what} cannot be stored without pickle",
-            "store its state (tensors, numbers, strings) instead, e.g. its state_dict()",
+            leaf = self.add_tensor(obj, path)
+            return None if leaf is None else ["T", leaf]
+        if id(obj) in self._active:
+            return self.refuse(path, "the object contains itself", "break the reference cycle")
+        self._active.add(id(obj))
+        try:
+            if tp in (list, tuple):
+                return ["l" if tp is list else "t", [self.walk(v, path + (i,)) for i, v in enumerate(obj)]]
+            if tp in (dict, collections.OrderedDict):
+                return ["d" if tp is dict else "od", self.dict_items(obj, path)]
+            node = leaves.encode(obj, path, self)
+            if node is not leaves.NOT_A_LEAF:
+                return node
+        finally:
+            self._active.discard(id(obj))
+        what, fix = leaves.refusal_advice(obj)
+        return self.refuse(path, f"{what} cannot be stored without pickle", fix)
+
+
+def _refusal(problems: list[str]) -> UnsupportedObjectError:
+    if len(problems) == 1:
+        err = UnsupportedObjectError(f"{problems[0]}. Nothing was written.")
+    else:
+        listed = "\n".join(f"  - {p}" for p in problems[:MAX_LISTED])
+        more = f"\n  ... and {len(problems) - MAX_LISTED} more" if len(problems) > MAX_LISTED else ""
+        err = UnsupportedObjectError(
+            f"{len(problems)} values cannot be stored without pickle. Nothing was written.\n{listed}{more}"
         )
+    err.problems = list(problems)  # every refusal, for callers that fix them programmatically
+    return err
 
 
 def _unique_name(path: tuple, taken: set[str]) -> str:
@@ -185,10 +214,13 @@ def flatten(obj: Any) -> Flattened:
     """Split ``obj`` into a JSON skeleton and the tensors to store; refuse anything unsupported.
 
     Raises:
-        UnsupportedObjectError: names where in ``obj`` the offending value sits.
+        UnsupportedObjectError: names where in ``obj`` every offending value sits (all of them, in
+            one error; ``.problems`` lists them), with a fix for each.
     """
     fl = _Flattener()
     skeleton = fl.walk(obj, ())
+    if fl.problems:
+        raise _refusal(fl.problems)
     out = Flattened(skeleton=skeleton)
     taken: set[str] = set()
 
@@ -275,23 +307,33 @@ def _bad(msg: str) -> CorruptCheckpointError:
     return CorruptCheckpointError(f"malformed skeleton: {msg}")
 
 
+_MAP_LOCATION_FORMS = (
+    "map_location must be None, a str, a torch.device, a dict of device strings, or a callable"
+    " fn(tensor, location) -> tensor (as torch.load calls it)"
+)
+
+
 def check_map_location(map_location: Any) -> None:
-    if map_location is not None and not isinstance(map_location, (str, torch.device, dict)):
-        raise ArgumentTypeError(
-            "map_location must be None, a str, a torch.device or a dict of device strings (callables are not supported)"
-        )
+    if map_location is not None and not (isinstance(map_location, (str, torch.device, dict)) or callable(map_location)):
+        raise ArgumentTypeError(_MAP_LOCATION_FORMS)
 
 
 def resolve_device(recorded: str, map_location: Any) -> torch.device:
-    """Where a tensor saved on ``recorded`` goes, following ``torch.load``'s map_location forms."""
+    """Where a tensor saved on ``recorded`` goes, for the non-callable ``torch.load`` map_location forms."""
     if map_location is None:
         return torch.device(recorded)
     if isinstance(map_location, (str, torch.device)):
         return torch.device(map_location)
     if isinstance(map_location, dict):
         return torch.device(map_location.get(recorded, recorded))
-    raise ArgumentTypeError(
-        "map_location must be None, a str, a torch.device or a dict of device strings (callables are not supported)"
+    raise ArgumentTypeError(_MAP_LOCATION_FORMS)
+
+
+def _unavailable(entry: str, where: Any, e: BaseException) -> DeviceUnavailableError:
+    why = str(e).splitlines()[0][:100] if str(e) else repr(e)
+    return DeviceUnavailableError(
+        f"tensor `{entry}` goes to {where}, which is not available here ({why});"
+        " pass map_location='cpu' (or a dict mapping devices)"
     )
 
 
@@ -299,58 +341,97 @@ class _Rebuilder:
     def __init__(self, tensors: dict[str, torch.Tensor], map_location: Any):
         self.tensors = tensors
         self.map_location = map_location
-        self._moved: dict[tuple[str, torch.device], torch.Tensor] = {}
+        self._moved: dict[tuple[str, str], torch.Tensor] = {}
 
-    def base(self, entry: str, device: torch.device) -> torch.Tensor:
-        key = (entry, device)
+    def _source(self, entry: str) -> torch.Tensor:
+        if entry not in self.tensors:
+            raise _bad(f"refers to missing tensor {entry!r:.80}")
+        return self.tensors[entry]
+
+    def _place(self, entry: str, recorded: str) -> torch.Tensor:
+        src = self._source(entry)
+        fn = self.map_location
+        if callable(fn) and not isinstance(fn, (str, torch.device, dict)):
+            # torch.load's callable form: fn(storage on the CPU, saved location) -> storage, None
+            # meaning "where it was saved"; here the storage is the loaded CPU tensor, once per entry.
+            try:
+                out = fn(src, recorded)
+                if out is None:
+                    return src.to(torch.device(recorded))
+                if isinstance(out, (torch.UntypedStorage, torch.TypedStorage)):
+                    return src.to(out.device)
+            except (RuntimeError, AssertionError) as e:
+                raise _unavailable(entry, f"the device map_location({recorded!r}) chose", e) from e
+            if not isinstance(out, torch.Tensor) or out.dtype != src.dtype or out.shape != src.shape:
+                raise ArgumentTypeError(
+                    f"map_location returned {type(out).__name__} for tensor `{entry}`; it must return the tensor it"
+                    " was given (moved to a device), a storage, or None"
+                )
+            return out
+        device = resolve_device(recorded, fn)
+        try:
+            return src.to(device)
+        except (RuntimeError, AssertionError) as e:  # torch raises AssertionError when CUDA is absent
+            raise _unavailable(entry, device, e) from e
+
+    def base(self, entry: str, recorded: str) -> torch.Tensor:
+        key = (entry, recorded)
         t = self._moved.get(key)
         if t is None:
-            if entry not in self.tensors:
-                raise _bad(f"refers to missing tensor {entry!r:.80}")
-            try:
-                t = self._moved[key] = self.tensors[entry].to(device)
-            except (RuntimeError, AssertionError) as e:  # torch raises AssertionError when CUDA is absent
-                raise DeviceUnavailableError(
-                    f"tensor `{entry}` goes to {device}, which is not available here ({str(e).splitlines()[0][:100]});"
-                    " pass map_location='cpu' (or a dict mapping devices)"
-                ) from e
+            t = self._moved[key] = self._place(entry, recorded)
         return t
+
+    def _view(self, leaf: dict, base: torch.Tensor) -> torch.Tensor:
+        view = leaf.get("v")
+        if view is None:
+            return base
+        if not (isinstance(view, list) and len(view) == 4 and view[0] in ST_TO_TORCH):
+            raise _bad(f"bad view of {leaf['e']!r:.80}")
+        dtype = ST_TO_TORCH[view[0]]
+        offset, size, stride = view[1], view[2], view[3]
+        probe = torch.empty(0, dtype=dtype, device=base.device)
+        if not (
+            type(offset) is int
+            and isinstance(size, list)
+            and isinstance(stride, list)
+            and len(size) == len(stride) <= 64
+            and all(type(x) is int for x in size + stride)
+        ):
+            raise _bad(f"bad view of {leaf['e']!r:.80}")
+        need = (offset + sum((s - 1) * st for s, st in zip(size, stride)) + 1) * probe.element_size()
+        if offset < 0 or min(size + stride + [0]) < 0 or (all(size) and need > base.untyped_storage().nbytes()):
+            raise _bad(f"view of {leaf['e']!r:.80} reaches outside its storage")
+        return probe.set_(base.untyped_storage(), offset, size, stride)
 
     def tensor(self, leaf: Any) -> torch.Tensor:
         if not isinstance(leaf, dict) or not isinstance(leaf.get("e"), str):
             raise _bad("tensor leaf without an entry name")
         recorded = leaf.get("d", "cpu")
+        if not isinstance(recorded, str):
+            raise _bad(f"bad device for {leaf['e']!r:.80}")
         try:
-            device = resolve_device(recorded if isinstance(recorded, str) else "?", self.map_location)
+            base = self.base(leaf["e"], recorded)
         except RuntimeError as e:
+            if isinstance(e, CertckptError):
+                raise
             raise _bad(f"bad device {recorded!r:.40} for {leaf['e']!r:.80}") from e
-        base = self.base(leaf["e"], device)
-        view = leaf.get("v")
-        if view is None:
-            t = base
-        else:
-            if not (isinstance(view, list) and len(view) == 4 and view[0] in ST_TO_TORCH):
-                raise _bad(f"bad view of {leaf['e']!r:.80}")
-            dtype = ST_TO_TORCH[view[0]]
-            offset, size, stride = view[1], view[2], view[3]
-            probe = torch.empty(0, dtype=dtype, device=device)
-            if not (
-                type(offset) is int
-                and isinstance(size, list)
-                and isinstance(stride, list)
-                and len(size) == len(stride) <= 64
-                and all(type(x) is int for x in size + stride)
-            ):
-                raise _bad(f"bad view of {leaf['e']!r:.80}")
-            need = (offset + sum((s - 1) * st for s, st in zip(size, stride)) + 1) * probe.element_size()
-            if offset < 0 or min(size + stride + [0]) < 0 or (all(size) and need > base.untyped_storage().nbytes()):
-                raise _bad(f"view of {leaf['e']!r:.80} reaches outside its storage")
-            t = probe.set_(base.untyped_storage(), offset, size, stride)
+        t = self._view(leaf, base)
         if leaf.get("p"):
             return torch.nn.Parameter(t, requires_grad=bool(leaf.get("g")))
         if leaf.get("g"):
             t = t.detach().requires_grad_(True)
         return t
+
+    def cpu_tensor(self, leaf: Any) -> torch.Tensor:
+        """A numpy array's tensor: always on the CPU, whatever map_location says."""
+        if not isinstance(leaf, dict) or not isinstance(leaf.get("e"), str):
+            raise _bad("tensor leaf without an entry name")
+        return self._view(leaf, self._source(leaf["e"]))
+
+    def items(self, val: Any, depth: int) -> list[tuple[Any, Any]]:
+        # A key is a JSON string, or a node (int, float, bool, None, tuple...: files before the
+        # numpy/everyday-values tags only ever wrote ["i", hex] here).
+        return [(k if isinstance(k, str) else self.node(k, depth + 1), self.node(v, depth + 1)) for k, v in val]
 
     def node(self, n: Any, depth: int = 0) -> Any:
         if depth > MAX_DEPTH + 2:
@@ -380,16 +461,22 @@ class _Rebuilder:
                 return items if tag == "l" else tuple(items)
             if tag in ("d", "od"):
                 out = {} if tag == "d" else collections.OrderedDict()
-                for k, v in val:
-                    out[self.node(k, depth + 1) if isinstance(k, list) else k] = self.node(v, depth + 1)
+                out.update(self.items(val, depth))
                 return out
+            if tag in leaves.DECODERS:
+                return leaves.decode(tag, val, self, depth)
         except CertckptError:
             raise
-        except (TypeError, ValueError, KeyError, RuntimeError, OverflowError) as e:
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError, RuntimeError, OverflowError) as e:
             raise _bad(f"bad {tag!r} node ({e.__class__.__name__}: {str(e)[:80]})") from e
-        raise _bad(f"unknown node tag {tag!r:.20}")
+        raise _bad(f"unknown node tag {tag!r:.20} (written by a newer certckpt? pip install -U certckpt)")
 
 
 def rebuild(skeleton: Any, tensors: dict[str, torch.Tensor], *, map_location: Any = None) -> Any:
-    """Rebuild the saved object from its skeleton and the loaded (CPU) tensors."""
+    """Rebuild the saved object from its skeleton and the loaded (CPU) tensors.
+
+    Args:
+        map_location: any ``torch.load`` form; a callable is called once per stored tensor as
+            ``fn(cpu_tensor, saved_location)`` and returns the tensor moved, a storage, or None.
+    """
     return _Rebuilder(tensors, map_location).node(skeleton)

@@ -8,6 +8,7 @@ fails with the pip command that fixes it. No torch import here.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import time
@@ -20,6 +21,7 @@ from certckpt.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     MissingDependencyError,
+    ProtectedCheckpointError,
     StorageError,
 )
 
@@ -34,7 +36,17 @@ __all__ = [
     "put_once",
     "join",
     "write_atomic",
+    "refuse_protected_local",
+    "refuse_protected_remote",
+    "LEDGER_DIR",
+    "VAULT_MARK",
 ]
+
+# The ledger's layout as far as the file layer must respect it (trust/ledger.py writes the ledger and
+# takes these names from here: the format layer cannot import upwards).
+LEDGER_DIR = "_ledger"
+VAULT_MARK = "vault.json"
+_PROTECT_FIX = "save under a new name (certified files are write-once)"
 
 _BACKEND_PIP = {
     "s3": "pip install 'certckpt[s3]'  (installs s3fs)",
@@ -351,3 +363,74 @@ def write_atomic(path: str, data: bytes) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def _committed_names(records: list[bytes]) -> set[str]:
+    names = set()
+    for data in records:
+        try:
+            url = json.loads(data).get("url")
+        except (ValueError, AttributeError):
+            continue  # an unreadable record protects nothing here; the certifier reports it
+        if isinstance(url, str):
+            names.add(url)
+    return names
+
+
+def refuse_protected_local(final: str, display: str) -> None:
+    """Raise ``ProtectedCheckpointError`` when replacing the existing local file ``final`` would
+    replace something certified (a vault copy, a committed checkpoint) or a read-only file.
+
+    A check before the atomic rename, not a lock: a vault's own copies are also written create-only.
+    """
+    try:
+        st = os.stat(final)
+    except FileNotFoundError:
+        return  # nothing to replace
+    except OSError:
+        return  # let the write itself report it
+    if not st.st_mode & 0o222:
+        raise ProtectedCheckpointError(
+            f"{display}: the file is read-only; it is not replaced; make it writable first or save under a new name"
+        )
+    d = os.path.dirname(final)
+    while True:
+        if os.path.exists(os.path.join(d, LEDGER_DIR, VAULT_MARK)):
+            raise ProtectedCheckpointError(f"{display}: the file is inside the vault {d}; {_PROTECT_FIX}")
+        parent = os.path.dirname(d)
+        if parent == d:
+            break
+        d = parent
+    records_dir = os.path.join(os.path.dirname(final), LEDGER_DIR, "checkpoints")
+    if os.path.isdir(records_dir):
+        records = []
+        for name in os.listdir(records_dir):
+            if name.endswith(".json") and not name.startswith("."):
+                with contextlib.suppress(OSError), open(os.path.join(records_dir, name), "rb") as fh:
+                    records.append(fh.read())
+        if {os.path.basename(final), final} & _committed_names(records):
+            raise ProtectedCheckpointError(
+                f"{display}: a commit record in {records_dir} names this file; {_PROTECT_FIX}"
+            )
+
+
+def refuse_protected_remote(url: str, display: str) -> None:
+    """``refuse_protected_local`` for an object store: the key's prefixes are checked for a vault
+    mark and its own prefix for commit records (only when the key exists)."""
+    fs, path = filesystem(url)
+    try:
+        if not fs.exists(path):
+            return
+        parts = path.rstrip("/").split("/")
+        for i in range(len(parts) - 1, 0, -1):
+            prefix = "/".join(parts[:i])
+            if fs.exists(f"{prefix}/{LEDGER_DIR}/{VAULT_MARK}"):
+                raise ProtectedCheckpointError(f"{display}: the object is inside the vault {prefix}; {_PROTECT_FIX}")
+        store = "/".join(parts[:-1])
+        records = [p for p in fs.find(f"{store}/{LEDGER_DIR}/checkpoints") if p.endswith(".json")]
+        if records and {parts[-1], url} & _committed_names(list(fs.cat(records).values())):
+            raise ProtectedCheckpointError(f"{display}: a commit record of {store} names this object; {_PROTECT_FIX}")
+    except (ProtectedCheckpointError, FileNotFoundError):
+        raise
+    except OSError as e:
+        raise StorageError(f"{display}: cannot check the store before replacing ({remote_error_text(e)})") from e

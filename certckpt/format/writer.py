@@ -27,9 +27,10 @@ from certckpt.errors import ArgumentTypeError, PlatformError, StorageError, Unsu
 from .fingerprinting import fingerprint_many
 from .header import TensorEntry
 from .inventory import writer_inventory
+from .reader import warn_ignored
 from .record import CheckpointRecord, build_header, state_fingerprint
 from .skeleton import StoredTensor, flatten
-from .storage import commit_local, commit_remote, resolve, temp_name
+from .storage import commit_local, commit_remote, refuse_protected_local, refuse_protected_remote, resolve, temp_name
 from .tensors import host_bytes
 
 __all__ = ["save", "save_certified", "SaveResult", "host_bytes"]
@@ -251,40 +252,71 @@ def _write_temp(job: _Job, tmp: str, display: str) -> None:
         raise
 
 
+_TORCH_DEFAULT = object()  # "not passed": torch.save's pickle options are only warned about when given
+
+
 def save(
     obj: Any,
     f: Any,
+    pickle_module: Any = _TORCH_DEFAULT,
+    pickle_protocol: Any = _TORCH_DEFAULT,
+    _use_new_zipfile_serialization: Any = _TORCH_DEFAULT,
+    _disable_byteorder_record: Any = _TORCH_DEFAULT,
     *,
     step: int | None = None,
     run: str | None = None,
     metadata: dict[str, str] | None = None,
-    overwrite: bool = False,
+    overwrite: bool = True,
 ) -> SaveResult:
-    """Save ``obj`` as a certified safetensors checkpoint; never pickles.
+    """Save ``obj`` as a certified safetensors checkpoint; ``torch.save``'s signature, never pickles.
+
+    Like ``torch.save``, an existing file is replaced, atomically: the new file is written and
+    fsync'd under a temp name beside it and renamed over the old one, so a crash or a full disk
+    leaves the previous file intact. What is certified stays create-only whatever ``overwrite``
+    says: a file inside a vault (a directory with ``_ledger/vault.json``), a file a ledger's commit
+    record names, and a read-only file are never replaced (``ProtectedCheckpointError``).
 
     Args:
-        obj: what ``torch.save`` takes in practice: nested dicts (str/int keys), lists, tuples,
-            tensors, numbers, strings, bools, None, ``torch.dtype``, ``torch.Size``, ``torch.device``.
+        obj: what ``torch.save`` takes in practice: nested dicts (str, int, float, bool, None, tuple
+            keys), lists, tuples, tensors, numbers, strings, numpy arrays and scalars, sets, paths,
+            datetimes, bytes, namedtuples, dataclasses, enums, ``argparse.Namespace``... (the full
+            list is in ``docs/format.md`` section 6).
         f: a path, ``os.PathLike``, fsspec URL (``file://``, ``memory://``, ``s3://``...) or a
             writable binary file object.
+        pickle_module, pickle_protocol, _use_new_zipfile_serialization, _disable_byteorder_record:
+            accepted for ``torch.save`` compatibility and ignored (one warning per process).
         step: the optimizer update count these weights follow.
         run: the training run's name.
         metadata: extra string metadata stored in the certckpt record.
-        overwrite: replace an existing checkpoint (refused by default).
+        overwrite: replace an existing file (default, as ``torch.save``); False makes the save
+            create-only (``CheckpointExistsError`` when the name is taken).
 
     Returns:
         A ``SaveResult``.
 
     Raises:
-        UnsupportedObjectError: before anything is written, naming where the value sits.
-        CheckpointExistsError: the name is taken and ``overwrite`` is False.
+        UnsupportedObjectError: before anything is written, listing every value it cannot store.
+        CheckpointExistsError: the name is taken and ``overwrite`` is False;
+            ``ProtectedCheckpointError`` (a subclass) when the file is certified or read-only.
         StorageError: the store refused the write; nothing was published.
 
     Example:
         >>> certckpt.save({"model": model.state_dict(), "optim": opt.state_dict()},
         ...               "ckpt/step100.safetensors", step=100)
     """
-    return save_certified(obj, f, step=step, run=run, metadata=metadata, overwrite=overwrite)
+    given = [
+        name
+        for name, value in (
+            ("pickle_module", pickle_module),
+            ("pickle_protocol", pickle_protocol),
+            ("_use_new_zipfile_serialization", _use_new_zipfile_serialization),
+            ("_disable_byteorder_record", _disable_byteorder_record),
+        )
+        if value is not _TORCH_DEFAULT
+    ]
+    if given:
+        warn_ignored(given, function="save")
+    return _save(obj, f, step=step, run=run, metadata=metadata, overwrite=overwrite)
 
 
 def save_certified(
@@ -306,8 +338,44 @@ def save_certified(
 
     ``known_fingerprints`` maps a tensor's identity ``(data_ptr, dtype, shape, stride, device)`` to
     ``(parameter name, fingerprint hex)``; those tensors are not fingerprinted again.
+
+    Certified files are create-only by default (``overwrite=False``), and even with
+    ``overwrite=True`` a vault copy, a committed or a read-only file is never replaced.
     """
+    return _save(
+        obj,
+        f,
+        step=step,
+        run=run,
+        metadata=metadata,
+        overwrite=overwrite,
+        branch=branch,
+        step_range=step_range,
+        parent=parent,
+        lineage=lineage,
+        consensus_fp=consensus_fp,
+        known_fingerprints=known_fingerprints,
+    )
+
+
+def _save(
+    obj: Any,
+    f: Any,
+    *,
+    step: int | None,
+    run: str | None,
+    metadata: dict[str, str] | None,
+    overwrite: bool,
+    branch: str | None = None,
+    step_range: list[int] | None = None,
+    parent: str | None = None,
+    lineage: dict[str, Any] | None = None,
+    consensus_fp: str | None = None,
+    known_fingerprints: dict[tuple, tuple[str, str]] | None = None,
+) -> SaveResult:
     t0 = time.perf_counter()
+    if type(overwrite) is not bool:
+        raise ArgumentTypeError(f"overwrite must be True or False, got {overwrite!r}")
     target = resolve(f)
     job = _Job(
         obj,
@@ -327,6 +395,8 @@ def save_certified(
         job.write_stream(target.fileobj)
     elif target.local is not None:
         final = os.path.abspath(target.local)
+        if overwrite:
+            refuse_protected_local(final, target.display)  # before writing: a refusal costs nothing
         tmp = temp_name(final)
         _write_temp(job, tmp, target.display)
         commit_local(tmp, final, overwrite=overwrite, display=target.display)
@@ -336,6 +406,8 @@ def save_certified(
         os.close(fd)
         os.unlink(tmp)
         try:
+            if overwrite:
+                refuse_protected_remote(target.url, target.display)
             _write_temp(job, tmp, target.display)
             commit_remote(tmp, target.url, overwrite=overwrite, display=target.display)
         finally:

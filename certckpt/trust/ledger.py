@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from certckpt.errors import CertckptError, CheckpointNotFoundError, ConfigurationError, StorageError
-from certckpt.format.storage import filesystem, join, put_once, resolve
+from certckpt.format.storage import LEDGER_DIR, VAULT_MARK, filesystem, join, put_once, resolve
 
 from .certify import CheckpointEntry, Revocation
 from .incident import incident_state
@@ -38,8 +38,8 @@ from .signing import SigningKey, TrustedKeys, signing_key_from_env, trusted_keys
 
 __all__ = ["Ledger", "LedgerSink", "LedgerSnapshot", "ckpt_id_for", "is_ckpt_id", "LEDGER_DIR", "VAULT_MARK"]
 
-LEDGER_DIR = "_ledger"
-VAULT_MARK = "vault.json"  # marks a vault's ledger: {"kind": "certckpt-vault", "run", "source"}
+# LEDGER_DIR and VAULT_MARK (a vault's ledger: {"kind": "certckpt-vault", "run", "source"}) are defined
+# by the file layer, which must respect them too (a plain save never replaces a vault copy).
 _KINDS = (
     "checkpoints",
     "branches",
