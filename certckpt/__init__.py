@@ -41,7 +41,7 @@ from .version import __version__
 
 # name -> module (relative to this package) that defines it
 _LAZY = {
-    "save": "format.writer",
+    "save": "trust.commit",
     "SaveResult": "format.writer",
     "load": "format.reader",
     "register_type": "format.registry",
@@ -117,8 +117,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from .format.reader import load
     from .format.registry import register_type, unregister_type
     from .format.verify import CheckpointInfo, Problem, VerifyReport, inspect, verify
-    from .format.writer import SaveResult, save
+    from .format.writer import SaveResult
     from .trust.certify import certify
+    from .trust.commit import save
     from .trust.ledger import Ledger
     from .trust.runstore import certify_store, find_latest_good
 

@@ -17,14 +17,21 @@ from .common import EXIT_FAILED, expected_errors, table_lines
 @click.argument("store")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON answer.")
 @click.option("--no-verify", is_flag=True, help="Do not re-verify the chosen checkpoint's bytes.")
+@click.option(
+    "--accept",
+    type=click.Choice(["trusted", "verified"]),
+    default="trusted",
+    show_default=True,
+    help="Lowest verdict taken: verified also answers a run without the auditor (a trusted one still wins).",
+)
 @expected_errors
-def latest_good(store: str, as_json: bool, no_verify: bool) -> None:
+def latest_good(store: str, as_json: bool, no_verify: bool, accept: str) -> None:
     """Print the newest trusted checkpoint of STORE that precedes every open suspect interval.
 
-    Exit 0 with its URL; 1 when no checkpoint is trusted (with the reason); 2 when the store
-    cannot be read.
+    Exit 0 with its URL; 1 when no checkpoint is trusted (or verified, with --accept verified),
+    with the reason; 2 when the store cannot be read.
     """
-    status, chosen = find_latest_good(store, verify_bytes=not no_verify)
+    status, chosen = find_latest_good(store, verify_bytes=not no_verify, accept=accept)
     for cid, problem in status.fallbacks:
         click.echo(f"certckpt: skipping {cid}: {problem}", err=True)
     intervals = status.suspect_intervals()
@@ -39,11 +46,18 @@ def latest_good(store: str, as_json: bool, no_verify: bool) -> None:
             for v in status.certification.verdicts.values():
                 for r in v.reasons:
                     counts[r] = counts.get(r, 0) + 1
+            wanted = "trusted" if accept == "trusted" else "trusted or verified"
             reason = (
-                f"none of {n} committed checkpoints is trusted ("
+                f"none of {n} committed checkpoints is {wanted} ("
                 + ", ".join(f"{k}: {c}" for k, c in sorted(counts.items()))
                 + ")"
             )
+            verified = [c for c in status.certification.verified_order if status.snapshot.available(c)]
+            if accept == "trusted" and verified:
+                reason += (
+                    f"; {len(verified)} verified without audit evidence (newest {verified[0]}):"
+                    " `--accept verified` takes it"
+                )
         if as_json:
             click.echo(
                 json.dumps({"url": None, "ckpt_id": None, "reason": reason, "suspect_intervals": intervals}, indent=2)
@@ -62,7 +76,7 @@ def latest_good(store: str, as_json: bool, no_verify: bool) -> None:
                     "run": rec.get("run"),
                     "branch": entry.branch,
                     "step": entry.step,
-                    "verdict": "trusted",
+                    "verdict": status.certification.verdicts[chosen].label,
                     "verified": not no_verify,
                     "suspect_intervals": intervals,
                 },
@@ -150,7 +164,16 @@ def status_lines(st: StoreStatus) -> list[str]:
     ]
     if table:
         out.extend(table_lines(head, table))
-        out.append(f"* latest-good: {st.latest_good}" if st.latest_good else "no trusted checkpoint")
+        verified = [c for c in cert.verified_order if st.snapshot.available(c) and c not in st.problems]
+        if st.latest_good:
+            out.append(f"* latest-good: {st.latest_good}")
+        elif verified:
+            out.append(
+                f"no trusted checkpoint; newest verified (no audit evidence): {verified[0]}"
+                " (`certckpt latest-good --accept verified` takes it)"
+            )
+        else:
+            out.append("no trusted checkpoint")
     else:
         out.append("no committed checkpoints")
     for d in cert.detections:

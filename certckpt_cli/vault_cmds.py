@@ -54,14 +54,28 @@ def _rate(nbytes: int, seconds: float) -> str:
     show_default=True,
     help="Object Lock retention from now.",
 )
+@click.option(
+    "--accept",
+    type=click.Choice(["trusted", "verified"]),
+    default="trusted",
+    show_default=True,
+    help="Lowest verdict promoted: verified also takes checkpoints of a run without the auditor.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @expected_errors
 def vault_promote(
-    run_url: str, vault_url: str, ckpts: tuple[str, ...], lock_mode: str, retain_days: float, as_json: bool
+    run_url: str,
+    vault_url: str,
+    ckpts: tuple[str, ...],
+    lock_mode: str,
+    retain_days: float,
+    accept: str,
+    as_json: bool,
 ) -> None:
     """Copy trusted checkpoints of RUN_URL into VAULT_URL, read them back and verify them.
 
-    Exit 0 when done (also when there was nothing new); 1 when a requested checkpoint is suspect.
+    Exit 0 when done (also when there was nothing new); 1 when a requested checkpoint is suspect
+    (or only verified, without --accept verified).
     """
     from certckpt.vault import promote
 
@@ -72,6 +86,7 @@ def vault_promote(
         lock_mode=lock_mode,
         retain_days=retain_days,
         progress=Progress(f"promoting to {vault_url}", threshold=COPY_PROGRESS),
+        accept=accept,
     )
     if as_json:
         click.echo(json.dumps({"run": run_url, "vault": vault_url, "promoted": [p.to_dict() for p in done]}, indent=2))
@@ -79,12 +94,13 @@ def vault_promote(
     if not done:
         from certckpt.trust.runstore import certify_store
 
-        if not certify_store(run_url, write_certificates=False).certification.order:
+        wanted = "trusted" if accept == "trusted" else "trusted or verified"
+        if not certify_store(run_url, write_certificates=False).certification.candidates(accept):
             click.echo(
-                f"nothing to promote: no checkpoint of {run_url} is trusted yet (see `certckpt status {run_url}`)"
+                f"nothing to promote: no checkpoint of {run_url} is {wanted} yet (see `certckpt status {run_url}`)"
             )
         else:
-            click.echo(f"nothing to promote: every trusted checkpoint of {run_url} is already in {vault_url}")
+            click.echo(f"nothing to promote: every {wanted} checkpoint of {run_url} is already in {vault_url}")
         return
     rows = []
     for p in done:

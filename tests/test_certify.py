@@ -239,3 +239,109 @@ def test_a_checkpoint_matches_the_fingerprint_consensus_beside_an_audits_digest_
     # a digest consensus alone names no fingerprint to vouch for the file with
     events = [ev(10, "replay"), ev(10, "nonfinite"), digest_pass] + full_audit(20)
     assert certify([ckpt(10)], events).verdicts["main@10"].reasons == ("no-consensus",)
+
+
+# --- verdict levels: trusted > verified > suspect ----------------------------------------------------
+
+
+def plain(step, branch="main", parent=None):
+    """A checkpoint committed without the auditor: no consensus fingerprint."""
+    return CheckpointEntry(
+        ckpt_id=f"{branch}@{step}", branch=branch, step=step, parent=parent, committed_at=float(step)
+    )
+
+
+def test_a_run_without_the_auditor_is_verified_never_trusted():
+    cert = certify([plain(10), plain(20), plain(30, "b2", parent="main@20")], [])
+    assert {cid: v.label for cid, v in cert.verdicts.items()} == dict.fromkeys(
+        ("main@10", "main@20", "b2@30"), "verified"
+    )
+    assert set(cert.verdicts["main@10"].reasons) == {"no-consensus", "awaiting-audit"}
+    assert cert.latest_good is None and cert.order == []
+    assert cert.candidates("verified") == ["b2@30", "main@20", "main@10"]
+    assert cert.candidates("trusted") == []
+
+
+def test_verified_needs_intact_bytes_lineage_and_no_revocation_or_fault():
+    events = [ev(25, "replay", "fail", suspects=[0])]
+    cks = [plain(10), plain(20), plain(30), plain(40, "b2", parent="main@30"), plain(50, "b3", parent="gone@1")]
+    cert = certify(cks, events, [Revocation(ckpt_id="main@10", reason="bad data")], corrupt=["main@20"])
+    assert cert.verdicts["main@10"].label == "suspect" and "revoked" in cert.verdicts["main@10"].reasons
+    assert cert.verdicts["main@20"].label == "suspect" and "corrupt" in cert.verdicts["main@20"].reasons
+    assert cert.verdicts["main@30"].label == "suspect" and "after-fault" in cert.verdicts["main@30"].reasons
+    assert cert.verdicts["b2@40"].label == "suspect"  # forked from a checkpoint after the fault
+    assert cert.verdicts["b3@50"].label == "suspect"  # descends from a checkpoint the store does not know
+    assert cert.candidates("verified") == []
+
+
+def test_a_trusted_checkpoint_beats_a_newer_verified_one():
+    events = full_audit(10)
+    cert = certify([ckpt(10), plain(20)], events)
+    assert cert.verdicts["main@10"].label == "trusted" and cert.verdicts["main@10"].verified
+    assert cert.verdicts["main@20"].label == "verified"
+    assert cert.candidates("verified") == ["main@10", "main@20"]
+
+
+def test_accept_takes_trusted_or_verified_only():
+    import pytest
+
+    from certckpt.errors import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match="'trusted'.*'verified'"):
+        certify([], []).candidates("suspect")
+
+
+def _full_audit_passed_at_or_after(events, branch, step):
+    parts = {}
+    for e in events:
+        if e["branch"] != branch or e["step"] < step or e["contained"]:
+            continue  # a contained failure never reached the weights: it fails no audit
+        kind = "nonfinite" if e["kind"].startswith("nonfinite") else e["kind"]
+        parts.setdefault(e["step"], {}).setdefault(kind, set()).add(e["outcome"])
+    return any(all(k in kinds and kinds[k] == {"pass"} for k in KINDS) for kinds in parts.values())
+
+
+@settings(max_examples=300, deadline=None)
+@given(histories(), st.lists(st.tuples(st.integers(1, 50), st.sampled_from(KINDS), st.booleans()), max_size=6))
+def test_nothing_is_trusted_without_a_passing_full_audit(h, extra):
+    cks, events, revs, _ = h
+    # any further events, passing or failing, but never all three parts of an audit at a new step
+    events = events + [ev(t, kind, "pass" if ok else "fail", fp=f"main{t}") for t, kind, ok in extra]
+    cert = certify(cks, events, revs)
+    for c in cks:
+        if cert.verdicts[c.ckpt_id].trusted:
+            assert _full_audit_passed_at_or_after(events, c.branch, c.step), c.ckpt_id
+    plain_cks = [plain(c.step) for c in cks]
+    no_audits = [e for e in events if e["kind"] != "replay"]  # without replays no audit is full
+    assert not certify(plain_cks, no_audits, revs).order
+
+
+@settings(max_examples=200, deadline=None)
+@given(histories(), st.booleans())
+def test_verified_never_outranks_trusted_and_trusted_implies_verified(h, mix_plain):
+    cks, events, revs, _ = h
+    if mix_plain:  # every other checkpoint saved without the auditor
+        cks = [plain(c.step) if i % 2 else c for i, c in enumerate(cks)]
+    cert = certify(cks, events, revs)
+    levels = [cert.verdicts[c].level.rank for c in cert.candidates("verified")]
+    assert levels == sorted(levels, reverse=True)  # every trusted one before every verified one
+    if cert.order:
+        assert cert.candidates("verified")[0] == cert.latest_good
+    for v in cert.verdicts.values():
+        assert not v.trusted or v.verified
+        assert v.label in ("trusted", "verified", "suspect")
+
+
+@settings(max_examples=200, deadline=None)
+@given(histories(), st.data())
+def test_a_failing_event_never_raises_a_level(h, data):
+    cks, events, revs, n = h
+    if data.draw(st.booleans()):
+        cks = [plain(c.step) if data.draw(st.booleans()) else c for c in cks]
+    before = certify(cks, events, revs)
+    t = data.draw(st.integers(1, n))
+    kind = data.draw(st.sampled_from(KINDS + ("nonfinite-pre",)))
+    contained = data.draw(st.booleans()) and kind == "nonfinite-pre"
+    after = certify(cks, events + [ev(t, kind, "fail", contained=contained, suspects=[0])], revs)
+    for cid, v in before.verdicts.items():
+        assert after.verdicts[cid].level.rank <= v.level.rank, (cid, v, after.verdicts[cid])

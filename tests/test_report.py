@@ -59,7 +59,7 @@ def build_store(root, *, run="tiny-gpt"):
     main: checkpoints 5..20; the replay audit at 20 fails naming rank 1 (last clean point 10):
     5 and 10 trusted, 15 and 20 suspect (after-fault), suspect interval (10, 20].
     b2 resumes from main@10: a contained non-finite at 13 (skipped), checkpoints 15..35 with passing
-    audits at 20 and 30: 15..30 trusted, 35 suspect (awaiting-audit); latest-good b2@30.
+    audits at 20 and 30: 15..30 trusted, 35 verified (awaiting-audit); latest-good b2@30.
     """
     ledger = Ledger(str(root))
     events = []
@@ -116,7 +116,8 @@ def test_timeline_verdicts_interval_fork_and_latest_good(store):
     assert verdicts["main@5"] == ("trusted", ()) and verdicts["main@10"] == ("trusted", ())
     assert verdicts["main@15"] == ("suspect", ("after-fault",)) and verdicts["main@20"] == ("suspect", ("after-fault",))
     assert all(verdicts[f"b2@{s}"] == ("trusted", ()) for s in (15, 20, 25, 30))
-    assert verdicts["b2@35"] == ("suspect", ("awaiting-audit",))
+    # intact and consistent, only its audit is still to come: verified, not trusted
+    assert verdicts["b2@35"] == ("verified", ("awaiting-audit",))
     assert [c.ckpt_id for c in tl.checkpoints if c.latest_good] == ["b2@30"]
     b2_35 = next(c for c in b2.checkpoints if c.step == 35)
     assert b2_35.pending and not next(c for c in main_lane.checkpoints if c.step == 20).pending
@@ -249,7 +250,7 @@ def test_svg_draws_the_timeline(store):
     trusted = {"main@5", "main@10", "b2@15", "b2@20", "b2@25", "b2@30"}
     assert {cid for cid, cls in marks.items() if "trusted" in cls} == trusted
     assert {cid for cid, cls in marks.items() if "suspect" in cls} == {"main@15", "main@20"}
-    assert {cid for cid, cls in marks.items() if "pending" in cls} == {"b2@35"}
+    assert {cid for cid, cls in marks.items() if "verified" in cls} == {"b2@35"}
     assert "after-fault" in next(_title(g) for g in _groups(root, "checkpoint") if _title(g).startswith("main@20 "))
 
     (lg,) = _groups(root, "latest-good")

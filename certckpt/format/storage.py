@@ -142,6 +142,8 @@ def open_read(target: Target) -> Iterator[tuple[IO[bytes], int | None]]:
             # s3fs get_file 4.7 s. Memory stays bounded by one block.
             fh = fs.open(path, "rb", block_size=32 << 20, cache_type="readahead")
     except FileNotFoundError as e:
+        if target.url is not None and _missing_bucket(e):
+            raise StorageError(f"{target.display}: {remote_error_text(e)}") from e
         raise CheckpointNotFoundError(f"{target.display}: no such checkpoint (file not found)") from e
     except IsADirectoryError as e:
         raise CheckpointNotFoundError(f"{target.display}: is a directory, not a checkpoint file") from e
@@ -150,9 +152,21 @@ def open_read(target: Target) -> Iterator[tuple[IO[bytes], int | None]]:
     except (MissingDependencyError, StorageError):
         raise
     except OSError as e:
+        if target.url is not None:
+            raise StorageError(f"{target.display}: cannot open ({remote_error_text(e)})") from e
         raise StorageError(f"{target.display}: cannot open ({e.strerror or e})") from e
+    except Exception as e:  # botocore raises its own types for missing credentials and unreachable endpoints
+        if target.url is None:
+            raise
+        raise StorageError(f"{target.display}: cannot open ({remote_error_text(e)})") from e
     with fh:
         yield fh, size
+
+
+def _missing_bucket(e: BaseException) -> bool:
+    """s3fs reports a missing bucket as FileNotFoundError; it is a store problem, not a missing file."""
+    text = str(e)
+    return "NoSuchBucket" in text or "bucket does not exist" in text.lower()
 
 
 def temp_name(final_path: str) -> str:
@@ -264,6 +278,8 @@ def remote_error_text(e: BaseException) -> str:
     text = str(e).splitlines()[0] if str(e) else name
     if name in ("NoCredentialsError", "PartialCredentialsError") or "Unable to locate credentials" in text:
         return "no credentials: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE"
+    if isinstance(e, ConnectionRefusedError) or "Connection refused" in text:
+        return f"connection refused by the endpoint ({text}); check AWS_ENDPOINT_URL / --endpoint and the network"
     if (
         name
         in (

@@ -26,6 +26,7 @@ from .timeline import (
     GREY,
     ORANGE,
     RED,
+    TEAL,
     AuditMark,
     CheckpointMark,
     DetectionMark,
@@ -194,7 +195,9 @@ def _figure(tl: Timeline):
         # checkpoints, coloured by verdict; hollow when the file is gone
         groups: dict[tuple[str, bool], list[int]] = {}
         for c in lane.checkpoints:
-            color = GREEN if c.verdict == "trusted" else ORANGE if c.pending else RED
+            color = (
+                GREEN if c.verdict == "trusted" else TEAL if c.verdict == "verified" else ORANGE if c.pending else RED
+            )
             groups.setdefault((color, c.held), []).append(c.step)
         for (color, held), xs in groups.items():
             ax.plot(
@@ -292,9 +295,9 @@ def _figure(tl: Timeline):
             linestyle="none",
             marker="o",
             markersize=9,
-            markerfacecolor=ORANGE,
+            markerfacecolor=TEAL,
             markeredgecolor="white",
-            label="suspect (awaiting evidence)",
+            label="verified (intact; no audit evidence yet)",
         ),
         Line2D(
             [],
@@ -368,7 +371,7 @@ def _html(tl: Timeline) -> str:
     for lane in tl.lanes:
         for c in lane.checkpoints:
             state = "pruned" if c.pruned else ("held" if c.held else "not held here")
-            cls = "ok" if c.verdict == "trusted" else "bad"
+            cls = {"trusted": "ok", "verified": "verified"}.get(c.verdict, "bad")
             star = " &#9733;" if c.latest_good else ""
             why = e(", ".join(c.reasons) or "-") + (f" ({e(c.note)})" if c.note else "")
             rows.append(
@@ -406,6 +409,7 @@ th, td {{ border: 1px solid #ccc; padding: 0.25em 0.6em; text-align: left; }}
 th {{ background: #f3f3f3; }}
 tr.ok td:nth-child(4) {{ color: #2e7d32; font-weight: bold; }}
 tr.bad td:nth-child(4) {{ color: #c62828; font-weight: bold; }}
+tr.verified td:nth-child(4) {{ color: #117a8b; font-weight: bold; }}
 </style></head><body>
 <h1>{e(title)}</h1>
 <p>store: <code>{e(tl.store)}</code><br>

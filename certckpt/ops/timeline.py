@@ -31,11 +31,13 @@ __all__ = [
     "ORANGE",
     "GREY",
     "GOLD",
+    "TEAL",
     "DRILL",
 ]
 
 # The palette, shared with the matplotlib figure.
 GREEN, RED, ORANGE, GREY, GOLD = "#2e9e44", "#d62728", "#f39c12", "#9a9a9a", "#f5c400"
+TEAL = "#17a2b8"  # verified: intact and committed, but no audit evidence (a run without the auditor)
 DRILL = {"pass": "#1f77b4", "fail": "#000000"}  # fill by outcome; anything else (incomplete) is hollow
 _PENDING = frozenset({"awaiting-audit", "no-consensus"})  # suspect for want of evidence, not for a fault
 _AUDIT_KINDS = {"nonfinite-pre": "nonfinite", "nonfinite-post": "nonfinite"}
@@ -52,7 +54,7 @@ class CheckpointMark:
 
     ckpt_id: str
     step: int
-    verdict: str  # "trusted" | "suspect"
+    verdict: str  # "trusted" | "verified" | "suspect"
     reasons: tuple[str, ...] = ()
     held: bool = True
     pruned: bool = False
@@ -61,8 +63,9 @@ class CheckpointMark:
 
     @property
     def pending(self) -> bool:
-        """Suspect only for want of evidence (awaiting its audit, no consensus recorded)."""
-        return self.verdict == "suspect" and bool(self.reasons) and set(self.reasons) <= _PENDING
+        """Short of trust only for want of evidence (awaiting its audit, no consensus recorded).
+        The certifier calls such a checkpoint verified when its bytes, records and lineage hold."""
+        return self.verdict != "trusted" and bool(self.reasons) and set(self.reasons) <= _PENDING
 
 
 @dataclass(kw_only=True, slots=True)

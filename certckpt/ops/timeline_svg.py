@@ -33,6 +33,7 @@ from .timeline import (
     GREY,
     ORANGE,
     RED,
+    TEAL,
     Lane,
     Timeline,
     detection_label,
@@ -405,6 +406,8 @@ def _checkpoint_color(c: Any) -> tuple[str, str]:
     """Fill colour and CSS class of a checkpoint mark."""
     if c.verdict == "trusted":
         return GREEN, "trusted"
+    if c.verdict == "verified":
+        return TEAL, "verified"
     return (ORANGE, "pending") if c.pending else (RED, "suspect")
 
 
@@ -732,7 +735,7 @@ def _legend_entries(tl: Timeline) -> list[tuple[str, str]]:
     entries = [
         (_circle(0, 0, 6.5, color=GREEN, held=True), "checkpoint: trusted"),
         (_circle(0, 0, 6.5, color=RED, held=True), "suspect (fault, lineage, revoked)"),
-        (_circle(0, 0, 6.5, color=ORANGE, held=True), "suspect (awaiting evidence)"),
+        (_circle(0, 0, 6.5, color=TEAL, held=True), "verified (intact; no audit evidence yet)"),
         (_circle(0, 0, 6.5, color=GREY, held=False), "hollow: file pruned / not held"),
         (_star(0, 0, 9), "latest-good"),
         (_line(0, -5, 0, 5, color=GREY, width=1.3), "audit passed"),

@@ -11,18 +11,37 @@ trusted only when all hold:
 4. no uncontained detection on b has its last clean audit point before s (``after-fault``);
 5. its parent lineage is trusted (``tainted-parent``), and it has not been revoked (``revoked``).
 
-Suspect is the default: nothing is trusted without evidence. No I/O, no torch: the ledger feeds it.
+Below trusted, a checkpoint is **verified** when nothing but missing audit evidence keeps it from
+trust: its only reasons of its own are ``no-consensus`` and ``awaiting-audit`` (rule 1 holds, no
+fingerprint disagrees, no failed check taints it), it is not revoked, and every fork point it
+descends from is verified too. A run without the auditor reaches verified at most. Trusted implies
+verified; suspect is the default: nothing is trusted without evidence. No I/O, no torch: the ledger
+feeds it.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
-__all__ = ["CheckpointEntry", "Revocation", "Verdict", "Detection", "Certification", "certify", "REASONS"]
+from certckpt.errors import ConfigurationError
+
+__all__ = [
+    "CheckpointEntry",
+    "Revocation",
+    "Verdict",
+    "Level",
+    "Detection",
+    "Certification",
+    "certify",
+    "accept_level",
+    "REASONS",
+    "PENDING_REASONS",
+]
 
 REASONS = (
     "corrupt",
@@ -33,7 +52,37 @@ REASONS = (
     "tainted-parent",
     "revoked",
 )
+# Reasons that only say audit evidence is missing (never that evidence speaks against the file):
+# a checkpoint whose own reasons are all among these can still be verified.
+PENDING_REASONS = frozenset({"no-consensus", "awaiting-audit"})
 _FULL = ("replay", "nonfinite", "consensus")
+
+
+class Level(str, Enum):
+    """How far a checkpoint got: ``trusted`` > ``verified`` > ``suspect`` (the default)."""
+
+    SUSPECT = "suspect"
+    VERIFIED = "verified"
+    TRUSTED = "trusted"
+
+    @property
+    def rank(self) -> int:
+        """0 suspect, 1 verified, 2 trusted: a higher rank is more evidence, never less."""
+        return _RANK[self]
+
+
+_RANK = {Level.SUSPECT: 0, Level.VERIFIED: 1, Level.TRUSTED: 2}
+
+
+def accept_level(accept: str | Level) -> Level:
+    """The lowest level a caller takes (``latest-good --accept``), checked like user input.
+
+    Raises:
+        ConfigurationError: not ``trusted`` or ``verified`` (suspect is never accepted).
+    """
+    if accept in (Level.TRUSTED, Level.VERIFIED):
+        return Level(accept)
+    raise ConfigurationError(f"accept {accept!r}: use 'trusted' (the default) or 'verified'")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -69,12 +118,32 @@ class Revocation:
 
 @dataclass(frozen=True, slots=True)
 class Verdict:
+    """One checkpoint's verdict.
+
+    Attributes:
+        trusted: rules 1-5 hold (audit evidence vouches for it).
+        reasons: why it is not trusted (empty when it is).
+        verified: at least verified (bytes, records and lineage intact, nothing against it);
+            always True when ``trusted``.
+    """
+
     trusted: bool
     reasons: tuple[str, ...] = ()
+    verified: bool = False
+
+    def __post_init__(self) -> None:
+        if self.trusted and not self.verified:  # trusted implies verified, whoever builds one
+            object.__setattr__(self, "verified", True)
+
+    @property
+    def level(self) -> Level:
+        if self.trusted:
+            return Level.TRUSTED
+        return Level.VERIFIED if self.verified else Level.SUSPECT
 
     @property
     def label(self) -> str:
-        return "trusted" if self.trusted else "suspect"
+        return self.level.value
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -102,10 +171,21 @@ class Certification:
     verdicts: dict[str, Verdict] = field(default_factory=dict)
     detections: list[Detection] = field(default_factory=list)
     order: list[str] = field(default_factory=list)  # trusted ids, best first (latest-good candidates)
+    verified_order: list[str] = field(default_factory=list)  # verified, not trusted, best first
 
     @property
     def latest_good(self) -> str | None:
         return self.order[0] if self.order else None
+
+    def candidates(self, accept: str | Level = Level.TRUSTED) -> list[str]:
+        """Latest-good candidates, best first, for the lowest level the caller accepts.
+
+        Every trusted checkpoint comes before every verified one, whatever their steps: accepting
+        verified widens the choice, it never lets a verified checkpoint outrank a trusted one.
+        """
+        if accept_level(accept) is Level.TRUSTED:
+            return list(self.order)
+        return [*self.order, *self.verified_order]
 
 
 def _ev(e: Any, key: str) -> Any:
@@ -221,43 +301,59 @@ def certify(
         by_branch[c.branch].append(c)
     for lst in by_branch.values():
         lst.sort(key=lambda c: (c.step, c.committed_at))
-    tainted: dict[str, bool] = {}
     # the first revoked checkpoint of each branch: every later one on the branch descends from it
     first_revoked = {
         name: next(((c.step, c.committed_at) for c in lst if c.ckpt_id in revoked), None)
         for name, lst in by_branch.items()
     }
 
-    def lineage_tainted(cid: str, seen: frozenset = frozenset()) -> bool:
-        """True when cid itself or an ancestor is revoked, or the fork point it descends from is suspect."""
-        if cid in tainted:
-            return tainted[cid]
-        if cid in seen:
-            return True
-        c = by_id[cid]
-        fr = first_revoked[c.branch]
-        result = cid in revoked or (fr is not None and fr < (c.step, c.committed_at))
-        if not result and c.parent:
-            p = by_id.get(c.parent)
-            if p is None:
-                result = True  # descends from a checkpoint the store does not know
-            else:
-                parent_bad = [r for r in own[p.ckpt_id] if r != "corrupt"]  # damage after the fork does not taint
-                result = bool(parent_bad) or lineage_tainted(p.ckpt_id, seen | {cid})
-        tainted[cid] = result
-        return result
+    def lineage(parent_ok: Callable[[list[str]], bool]) -> Callable[[str], bool]:
+        """Whether a checkpoint's lineage is tainted: itself or an earlier checkpoint of its branch
+        revoked, or a fork point it descends from failing ``parent_ok`` (on the fork point's own
+        reasons but ``corrupt``: damage after the fork did not feed the new branch)."""
+        memo: dict[str, bool] = {}
+
+        def tainted(cid: str, seen: frozenset = frozenset()) -> bool:
+            if cid in memo:
+                return memo[cid]
+            if cid in seen:
+                return True  # a cycle in bad data counts as tainted
+            c = by_id[cid]
+            fr = first_revoked[c.branch]
+            result = cid in revoked or (fr is not None and fr < (c.step, c.committed_at))
+            if not result and c.parent:
+                p = by_id.get(c.parent)
+                if p is None:
+                    result = True  # descends from a checkpoint the store does not know
+                else:
+                    result = not parent_ok([r for r in own[p.ckpt_id] if r != "corrupt"]) or tainted(
+                        p.ckpt_id, seen | {cid}
+                    )
+            memo[cid] = result
+            return result
+
+        return tainted
+
+    # Trust needs a trusted fork point; verified needs one with nothing against it but missing audits.
+    trust_tainted = lineage(lambda reasons: not reasons)
+    verify_tainted = lineage(lambda reasons: set(reasons) <= PENDING_REASONS)
 
     for c in checkpoints:
         reasons = list(own[c.ckpt_id])
+        verified = set(reasons) <= PENDING_REASONS and not verify_tainted(c.ckpt_id)
         if c.ckpt_id in revoked:
             reasons.append("revoked")
-        elif lineage_tainted(c.ckpt_id):
+        elif trust_tainted(c.ckpt_id):
             reasons.append("tainted-parent")
-        out.verdicts[c.ckpt_id] = Verdict(not reasons, tuple(dict.fromkeys(reasons)))
+        out.verdicts[c.ckpt_id] = Verdict(not reasons, tuple(dict.fromkeys(reasons)), verified)
 
-    trusted = [c for c in checkpoints if out.verdicts[c.ckpt_id].trusted]
-    trusted.sort(key=lambda c: (c.step, c.committed_at), reverse=True)
-    out.order = [c.ckpt_id for c in trusted]
+    def best_first(level: Level) -> list[str]:
+        chosen = [c for c in checkpoints if out.verdicts[c.ckpt_id].level is level]
+        chosen.sort(key=lambda c: (c.step, c.committed_at), reverse=True)
+        return [c.ckpt_id for c in chosen]
+
+    out.order = best_first(Level.TRUSTED)
+    out.verified_order = best_first(Level.VERIFIED)
     return out
 
 

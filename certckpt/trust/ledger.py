@@ -30,7 +30,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from certckpt.errors import CertckptError, CheckpointNotFoundError, ConfigurationError, StorageError
-from certckpt.format.storage import LEDGER_DIR, VAULT_MARK, filesystem, join, put_once, resolve
+from certckpt.format.storage import (
+    LEDGER_DIR,
+    VAULT_MARK,
+    filesystem,
+    join,
+    put_once,
+    remote_error_text,
+    resolve,
+)
 
 from .certify import CheckpointEntry, Revocation
 from .incident import incident_state
@@ -327,8 +335,8 @@ class Ledger:
             return sorted(n for n in (p.rsplit("/", 1)[-1] for p in fs.find(f"{root}/{kind}")) if not n.startswith("."))
         except FileNotFoundError:
             return []
-        except OSError as e:
-            raise StorageError(f"{self.store}: cannot list the ledger ({e})") from e
+        except Exception as e:  # OSError, and botocore's own types (no credentials, unreachable endpoint)
+            raise StorageError(f"{self.store}: cannot list the ledger ({remote_error_text(e)})") from e
 
     def read_raw(self, kind: str, names: list[str]) -> dict[str, bytes]:
         if not names:
@@ -337,8 +345,8 @@ class Ledger:
         base = f"{root}/{kind}" if kind else root
         try:
             got = fs.cat([f"{base}/{n}" for n in names])
-        except OSError as e:
-            raise StorageError(f"{self.store}: cannot read the ledger ({e})") from e
+        except Exception as e:  # OSError, and botocore's own types (no credentials, unreachable endpoint)
+            raise StorageError(f"{self.store}: cannot read the ledger ({remote_error_text(e)})") from e
         return {p.rsplit("/", 1)[-1]: v for p, v in got.items()}
 
     # --- reading ------------------------------------------------------------------------------
@@ -400,9 +408,11 @@ class Ledger:
         except (CertckptError, FileNotFoundError) as e:
             if isinstance(e, CertckptError):
                 raise
+            if "NoSuchBucket" in str(e) or "bucket does not exist" in str(e).lower():
+                raise StorageError(f"{self.store}: cannot read the ledger ({remote_error_text(e)})") from e
             raise CheckpointNotFoundError(f"{self.store}: no such run store") from e
-        except OSError as e:
-            raise StorageError(f"{self.store}: cannot read the ledger ({e})") from e
+        except Exception as e:  # OSError, and botocore's own types (no credentials, unreachable endpoint)
+            raise StorageError(f"{self.store}: cannot read the ledger ({remote_error_text(e)})") from e
 
         def load(path: str) -> Any:
             try:

@@ -16,7 +16,7 @@ from typing import Any
 from certckpt.errors import CertckptError, CheckpointExistsError, CheckpointNotFoundError, StorageError
 from certckpt.format.verify import verify
 
-from .certify import Certification, certify
+from .certify import Certification, Level, accept_level, certify
 from .incident import (
     OPENED_SUFFIX,
     Incident,
@@ -209,13 +209,26 @@ def _writable(write: Callable[[], Any]) -> bool:
 
 
 def find_latest_good(
-    store: str, *, verify_bytes: bool = True, write_certificates: bool = True
+    store: str, *, verify_bytes: bool = True, write_certificates: bool = True, accept: str | Level = Level.TRUSTED
 ) -> tuple[StoreStatus, str | None]:
-    """The newest trusted checkpoint whose bytes verify now, falling back along the trusted order."""
+    """The newest trusted checkpoint whose bytes verify now, falling back along the trusted order.
+
+    Args:
+        store: the run store's (or vault's) path or URL.
+        verify_bytes: re-verify the chosen checkpoint's bytes and that it is the committed file
+            (its embedded record against its commit record; one file named by two records fails).
+        write_certificates: record verdict changes in the ledger.
+        accept: ``"trusted"`` (default) or ``"verified"``: also take a verified checkpoint (a run
+            without the auditor), but only when no trusted one qualifies.
+
+    Example:
+        >>> status, cid = find_latest_good("runs/r1", accept="verified")
+    """
+    level = accept_level(accept)
     ledger = Ledger(store)
     status = certify_store(store, write_certificates=False)
     chosen = None
-    for cid in status.certification.order:
+    for cid in status.certification.candidates(level):
         if not status.snapshot.available(cid):
             status.unavailable.append(cid)
             continue

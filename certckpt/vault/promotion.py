@@ -24,6 +24,7 @@ from certckpt.errors import (
 )
 from certckpt.format.storage import join, resolve
 from certckpt.format.verify import inspect
+from certckpt.trust.certify import Level, accept_level
 from certckpt.trust.ledger import VAULT_MARK, Ledger
 from certckpt.trust.runstore import StoreStatus, certify_store, check_file
 
@@ -115,6 +116,7 @@ def promote(
     lock_mode: str = "auto",
     retain_days: float = 30.0,
     progress: Progress | None = None,
+    accept: str | Level = Level.TRUSTED,
 ) -> list[Promotion]:
     """Copy trusted checkpoints of a run store into a vault, with the evidence that certifies them.
 
@@ -126,11 +128,14 @@ def promote(
             ``none``, ``GOVERNANCE`` or ``COMPLIANCE`` (the last two require Object Lock).
         retain_days: Object Lock retention from now.
         progress: ``progress(done, total)`` during each copy.
+        accept: ``"trusted"`` (default) or ``"verified"``: also promote verified checkpoints (a
+            run without the auditor); the vault records and shows which level each one reached.
 
     Raises:
-        UntrustedCheckpointError: a requested checkpoint is not trusted (nothing copied for it).
+        UntrustedCheckpointError: a requested checkpoint is below ``accept`` (nothing copied for it).
         CheckpointExistsError: the vault holds different content under a promoted name.
     """
+    level = accept_level(accept)
     site = open_vault(vault, create=True)
     put_options = lock_options(site, mode=lock_mode, retain_days=retain_days)
     source = Ledger(run)
@@ -142,16 +147,18 @@ def promote(
     except CheckpointNotFoundError:  # a new vault: an S3 prefix exists only once something is in it
         held = {}
     if ckpts is None:
-        chosen = [c for c in reversed(cert.order) if snap.available(c) and c not in held]
+        chosen = [c for c in reversed(cert.candidates(level)) if snap.available(c) and c not in held]
     else:
         chosen = list(dict.fromkeys(ckpts))
         for cid in chosen:
             if cid not in snap.records:
                 raise CheckpointNotFoundError(f"{run}: no committed checkpoint {cid!r} (see `certckpt status {run}`)")
             v = cert.verdicts[cid]
-            if not v.trusted:
+            if v.level.rank < level.rank:
+                hint = "; `--accept verified` takes it" if v.verified else ""
                 raise UntrustedCheckpointError(
-                    f"{cid} is suspect ({', '.join(v.reasons)}); only trusted checkpoints enter the vault"
+                    f"{cid} is {v.label} ({', '.join(v.reasons)}); only {level.value} checkpoints"
+                    f"{' or better' if level is Level.VERIFIED else ''} enter the vault{hint}"
                 )
             if not snap.available(cid):
                 raise CheckpointNotFoundError(f"{run}: {cid} is no longer held there (pruned)")
@@ -171,7 +178,7 @@ def promote(
     for cid in chosen:
         entry = status.entry(cid)
         rec = snap.records[cid]
-        if not vcert.verdicts.get(cid) or not vcert.verdicts[cid].trusted:
+        if not vcert.verdicts.get(cid) or vcert.verdicts[cid].level.rank < level.rank:
             raise UntrustedCheckpointError(f"{cid}: the evidence copied to {vault} does not certify it; not promoted")
         name = f"{cid}.safetensors"
         url = join(vault, name)

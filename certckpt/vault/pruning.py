@@ -107,7 +107,8 @@ def _plan(status: StoreStatus, policy: RetentionPolicy, *, now: float, damaged: 
     """The retention plan over what the vault holds, counting damaged copies as not good."""
     snap, cert = status.snapshot, status.certification
     live = [cid for cid in snap.holdings if snap.available(cid)]
-    latest = next((c for c in cert.order if snap.available(c) and c not in damaged), None)
+    # with nothing trusted, the newest verified copy is the one to keep: never prune the last good one
+    latest = next((c for c in cert.candidates("verified") if snap.available(c) and c not in damaged), None)
     entries = [
         RetentionEntry(
             ckpt_id=cid,

@@ -1,0 +1,138 @@
+"""``certckpt.save`` with a ledger: save a checkpoint and commit it, without the auditor.
+
+A run without the auditor (one process, a Lightning or Hugging Face loop without audits, an
+imported file) still gets committed checkpoints: the file is written create-only, then its commit
+record (run, branch, step, state fingerprint, header digest) is written to the ledger, create-only,
+as the auditor does. Such a checkpoint can reach ``verified``, never ``trusted`` (no audit evidence;
+``docs/trust.md``). Without ``ledger`` this is ``certckpt.format.writer.save`` unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from certckpt.errors import ArgumentTypeError, CheckpointExistsError, ConfigurationError
+from certckpt.format.reader import warn_ignored
+from certckpt.format.storage import resolve
+from certckpt.format.writer import SaveResult, save_certified
+from certckpt.format.writer import save as plain_save
+
+from .ledger import Ledger, ckpt_id_for, is_ckpt_id
+
+__all__ = ["save", "commit_saved"]
+
+_NOT_GIVEN = object()  # torch.save's pickle options: forwarded only when the caller passed them
+
+
+def save(
+    obj: Any,
+    f: Any,
+    pickle_module: Any = _NOT_GIVEN,
+    pickle_protocol: Any = _NOT_GIVEN,
+    _use_new_zipfile_serialization: Any = _NOT_GIVEN,
+    _disable_byteorder_record: Any = _NOT_GIVEN,
+    *,
+    step: int | None = None,
+    run: str | None = None,
+    metadata: dict[str, str] | None = None,
+    overwrite: bool | None = None,
+    ledger: str | Ledger | None = None,
+    branch: str = "main",
+    parent: str | None = None,
+) -> SaveResult:
+    """Save ``obj`` as a certified safetensors checkpoint; with ``ledger``, also commit it there.
+
+    Without ``ledger`` this is ``torch.save``'s drop-in (see ``certckpt.format.writer.save``): an
+    existing file is replaced atomically unless it is certified. With ``ledger``, the file is
+    create-only and its commit record goes to that run store's ledger, so ``certckpt status`` lists
+    it and ``certckpt latest-good --accept verified`` can answer it.
+
+    Args:
+        obj: what ``torch.save`` takes (see ``certckpt.format.writer.save``).
+        f: a path or fsspec URL (a file object only without ``ledger``: a commit names a location).
+        pickle_module, pickle_protocol, _use_new_zipfile_serialization, _disable_byteorder_record:
+            accepted for ``torch.save`` compatibility and ignored (one warning per process).
+        step: the optimizer update count; required with ``ledger``.
+        run: the training run's name.
+        metadata: extra string metadata stored in the certckpt record.
+        overwrite: without ``ledger``, replace an existing file (default True, as ``torch.save``);
+            with ``ledger`` the save is create-only and ``overwrite=True`` is refused.
+        ledger: the run store (path, URL or ``Ledger``) whose ledger records the commit.
+        branch: the line of training (default ``main``).
+        parent: the checkpoint id this branch resumed from (recorded once per branch).
+
+    Returns:
+        A ``SaveResult``.
+
+    Raises:
+        CheckpointExistsError: the file name, or ``branch@step`` in the ledger, is taken.
+        ConfigurationError: ``ledger`` without ``step``, or with ``overwrite=True``.
+
+    Example:
+        >>> certckpt.save(model.state_dict(), "runs/r1/step100.safetensors",
+        ...               ledger="runs/r1", run="r1", step=100)
+    """
+    given = {
+        name: value
+        for name, value in (
+            ("pickle_module", pickle_module),
+            ("pickle_protocol", pickle_protocol),
+            ("_use_new_zipfile_serialization", _use_new_zipfile_serialization),
+            ("_disable_byteorder_record", _disable_byteorder_record),
+        )
+        if value is not _NOT_GIVEN
+    }
+    if ledger is None:
+        if branch != "main" or parent is not None:
+            raise ConfigurationError("branch and parent are recorded by a ledger commit: pass ledger=STORE too")
+        return plain_save(
+            obj, f, **given, step=step, run=run, metadata=metadata, overwrite=True if overwrite is None else overwrite
+        )
+    if given:
+        warn_ignored(list(given), function="save")
+    if overwrite:
+        raise ConfigurationError(
+            "overwrite=True with a ledger: a committed checkpoint is write-once; save under a new name"
+        )
+    if type(step) is not int or step < 0:
+        raise ConfigurationError(f"a ledger commit needs step=N (a non-negative int), got {step!r}")
+    if not isinstance(branch, str) or not is_ckpt_id(ckpt_id_for(branch, step)):
+        raise ConfigurationError(f"branch {branch!r}: use 1-100 letters, digits, '.', '_' or '-'")
+    led = ledger if isinstance(ledger, Ledger) else Ledger(ledger)
+    target = resolve(f)
+    if target.fileobj is not None:
+        raise ArgumentTypeError("a ledger commit names the file's location: pass a path or URL, not a file object")
+    result = save_certified(
+        obj, target.display, step=step, run=run, metadata=metadata, overwrite=False, branch=branch, parent=parent
+    )
+    commit_saved(led, result, run=run, branch=branch, step=step, parent=parent)
+    return result
+
+
+def commit_saved(
+    ledger: Ledger, result: SaveResult, *, run: str | None, branch: str, step: int, parent: str | None = None
+) -> str:
+    """Write the commit record of a checkpoint just saved (create-only); returns its id.
+
+    Raises:
+        CheckpointExistsError: ``branch@step`` is committed already (to another file); the file
+            just written stays uncommitted (``certckpt status`` lists it, ``certckpt gc`` ignores it).
+    """
+    if parent is not None:
+        ledger.start_branch(branch, parent=parent)  # idempotent for the same parent
+    try:
+        return ledger.commit_checkpoint(
+            branch=branch,
+            step=step,
+            location=result.location,
+            run=run,
+            parent=parent,
+            state_fp=result.state_fp,
+            header_digest=result.header_digest,
+            nbytes=result.nbytes,
+        )
+    except CheckpointExistsError as e:
+        raise CheckpointExistsError(
+            f"{ledger.store}: {ckpt_id_for(branch, step)} is committed already; {result.location} was written "
+            "but is not committed: save under a new step or branch"
+        ) from e
