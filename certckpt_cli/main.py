@@ -70,6 +70,9 @@ COMMANDS: dict[str, Entry] = {
     "envelope": Entry(
         "envelope_cmd", "envelope", "Measure the auditor's per-step premium over plain DDP, and gate on it."
     ),
+    "certify": Entry(
+        "certify_cmd", "certify", "Certify SRC (a torch.save file, a safetensors file or a model directory) into DEST."
+    ),
     "demo": Entry("demo", "demo", "The whole story on CPU: a planted fault caught, rolled back, vaulted, drilled."),
 }
 
