@@ -29,7 +29,9 @@ from .common import EXIT_FAILED, EXIT_OK, Progress, echo_table, expected_errors,
 @expected_errors
 def verify(location: str, deep: bool, ledger_url: str | None, as_json: bool) -> None:
     """Check every byte of the checkpoint at LOCATION (path or fsspec URL)."""
-    report = run_verify(location, deep=deep, progress=Progress(f"verifying {location}"))
+    # --deep reads at fingerprint speed (a few GB/s, not tens): show progress from 256 MB on
+    threshold = 256 << 20 if deep else 1 << 30
+    report = run_verify(location, deep=deep, progress=Progress(f"verifying {location}", threshold=threshold))
     verdict = _ledger_verdict(location, ledger_url, report) if ledger_url else None
     if verdict is not None and report.ok and not verdict["trusted"]:
         report.ok = False

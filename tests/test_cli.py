@@ -1,9 +1,11 @@
 """The certckpt CLI: exit codes, JSON, no torch import on the fast paths, the demo."""
 
 import json
+import os
 import subprocess
 import sys
 
+import pytest
 import torch
 from click.testing import CliRunner
 
@@ -114,3 +116,31 @@ def test_public_front_door_is_complete_and_light():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "ok", out.stderr
+
+
+@pytest.mark.slow
+def test_verify_deep_shows_progress_on_a_terminal_from_256_mb(tmp_path):
+    import pty
+
+    import torch
+    from conftest import console_script
+
+    import certckpt
+
+    path = str(tmp_path / "deep.safetensors")
+    certckpt.save({"w": torch.zeros(300 * 2**20 // 4)}, path)
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: certckpt with a terminal on stdout and stderr
+        os.execv(console_script("certckpt"), ["certckpt", "verify", "--deep", path])
+    out = b""
+    while True:
+        try:
+            chunk = os.read(fd, 4096)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        out += chunk
+    _, status = os.waitpid(pid, 0)
+    text = out.decode(errors="replace")
+    assert os.waitstatus_to_exitcode(status) == 0 and "100% of 314.6 MB" in text and "fingerprints recomputed" in text
