@@ -6,6 +6,8 @@ Run from the repository root:
     python benchmarks/bench_detect.py            # ~9.4M-parameter MLP, 7 trials of 100 steps (~7 min on 2 cores)
     python benchmarks/bench_detect.py --quick    # ~2.4M-parameter MLP, 2 trials of 100 steps (smoke run)
     python benchmarks/bench_detect.py --json     # also print every figure and raw sample as JSON
+    python benchmarks/bench_detect.py --micro 4  # gradient accumulation: 4 micro-batches per optimizer step
+    python benchmarks/bench_detect.py --micro 4 --replay-micro-batches 1   # audits replay 1 of the 4
 
 One job of 3 gloo ranks on this machine's CPUs (``certckpt.detect.launch.run_ranks``), one torch
 thread per rank, ``torch.use_deterministic_algorithms(True)``. Every rank builds, once, five
@@ -20,6 +22,12 @@ DDP copies of the same MLP (identical initialisation), each with its own SGD opt
                 but not the reduced bucket back into .grad: the same copies as the auditor, which
                 hands .grad its view of the reduced bucket. Against this line the auditor's ratios
                 are what its checks cost, with no copy saved on either side.
+
+With ``--micro N`` (N > 1) every configuration runs the accumulation loop shape instead: each
+optimizer step takes N micro-batches, plain DDP as its users write it (``loss / N`` backward per
+micro-batch, all but the last under ``no_sync``) and the auditor through
+``train_step(micro_batches=[...])``; a step's time is that of all N forward and backward passes, so
+the targets compare each auditor configuration against the same loop shape in plain DDP.
 
 Each configuration takes its untimed warm-up steps first (the Auditor's first step also runs its
 one-off determinism check there). Then, in every trial, each configuration runs the same number of
@@ -115,6 +123,36 @@ def _loss(model, batch):
     return F.mse_loss(model(x), y)
 
 
+def _item(rank: int, step: int, batch: int, widths: list[int], micro: int):
+    """One optimizer step's input: a batch, or a list of ``micro`` micro-batches."""
+    if micro <= 1:
+        return _batch(rank, step, batch, widths)
+    return [_batch(rank, step * 1000 + k, batch, widths) for k in range(micro)]
+
+
+def _plain_runner(ddp, opt, micro: int):
+    """A plain DDP optimizer step, with accumulation under no_sync when ``micro`` > 1."""
+    import contextlib
+
+    def step(item):
+        opt.zero_grad(set_to_none=True)
+        if micro <= 1:
+            loss = _loss(ddp, item)
+            loss.backward()
+        else:
+            total = 0.0
+            for k, mb in enumerate(item):
+                with ddp.no_sync() if k < micro - 1 else contextlib.nullcontext():
+                    loss = _loss(ddp, mb) / micro
+                    loss.backward()
+                total = total + loss.detach()
+            loss = total
+        opt.step()
+        return loss.detach()
+
+    return step
+
+
 def rank_main(args: dict[str, Any]) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
@@ -131,6 +169,7 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
     bucket_view = bool(args.get("bucket_view"))
     configs = configs_for(bucket_view)
     widths, bsz = args["widths"], args["batch"]
+    micro = int(args.get("micro") or 1)
     t_start = time.perf_counter()
     log = ProgressLog(args.get("progress"), rank=rank)
 
@@ -146,19 +185,18 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
         models[name] = (ddp, opt)
         steps_done[name] = 0
         if name.startswith("plain"):
-
-            def plain_step(batch, ddp=ddp, opt=opt):
-                opt.zero_grad(set_to_none=True)
-                loss = _loss(ddp, batch)
-                loss.backward()
-                opt.step()
-                return loss.detach()
-
-            runners[name] = plain_step
+            runners[name] = _plain_runner(ddp, opt, micro)
         else:
-            aud = Auditor(ddp, opt, loss_fn=_loss, run=f"bench-{name}", audit_every=AUDIT_EVERY[name])
+            aud = Auditor(
+                ddp,
+                opt,
+                loss_fn=_loss,
+                run=f"bench-{name}",
+                audit_every=AUDIT_EVERY[name],
+                replay_micro_batches=args.get("replay_micro_batches"),
+            )
             auditors[name] = aud
-            runners[name] = aud.train_step
+            runners[name] = aud.train_step if micro <= 1 else (lambda item, a=aud: a.train_step(micro_batches=item))
     log(
         f"built {len(configs)} DDP models of "
         f"{sum(p.numel() for p in models['plain'][0].module.parameters()):,} parameters"
@@ -166,7 +204,7 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
 
     def batches_for(name: str, n: int) -> list:
         first = steps_done[name] + 1
-        return [_batch(rank, s, bsz, widths) for s in range(first, first + n)]
+        return [_item(rank, s, bsz, widths, micro) for s in range(first, first + n)]
 
     def timed_block(name: str, n: int) -> dict[str, Any]:
         batches = batches_for(name, n)
@@ -229,6 +267,7 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
     # see below), plain DDP, and DDP with torch's own Python allreduce_hook (the cost of any Python
     # comm hook, without the non-finite flags).
     import certckpt.detect.auditor as auditor_mod
+    import certckpt.detect.hook as hook_mod
 
     reps = args["reps"]
 
@@ -265,14 +304,10 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
     hooked = DDP(_mlp(widths, seed=0))
     hooked.register_comm_hook(None, allreduce_hook)
     hooked_opt = torch.optim.SGD(hooked.module.parameters(), lr=1e-3, momentum=0.9)
-
-    def hooked_step(batch):
-        hooked_opt.zero_grad(set_to_none=True)
-        _loss(hooked, batch).backward()
-        hooked_opt.step()
+    hooked_step = _plain_runner(hooked, hooked_opt, micro)
 
     for i in range(3):  # warm-up of the extra model (untimed)
-        hooked_step(_batch(rank, i + 1, bsz, widths))
+        hooked_step(_item(rank, i + 1, bsz, widths, micro))
 
     # In-situ timers: wrap the auditor's parts (this process only; the trials are over).
     acc: dict[str, float] = {}
@@ -297,7 +332,7 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
     def sig_timed(*a, **k):
         return timed("replay_signature" if in_replay[0] else "hook_signature", sig_fn)(*a, **k)
 
-    auditor_mod.signature = sig_timed
+    auditor_mod.signature = hook_mod.signature = sig_timed
     ring_cls = auditor_mod.RingShift
 
     class TimedRingShift(ring_cls):  # its three calls: posting, posting the payload, the wait left at the end
@@ -311,7 +346,7 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
             return timed("ring_shift", super().finish)()
 
     auditor_mod.RingShift = TimedRingShift
-    auditor_mod.nonfinite_flag = timed("nonfinite_flags", auditor_mod.nonfinite_flag)
+    auditor_mod.nonfinite_flag = hook_mod.nonfinite_flag = timed("nonfinite_flags", auditor_mod.nonfinite_flag)
     wrapped = [("_replay", "replay"), ("_replay_audit", "replay_audit"), ("weight_consensus", "consensus")]
     for attr, key in wrapped:
         setattr(aud, attr, timed(key, getattr(aud, attr), in_replay if attr == "_replay" else None))
@@ -321,7 +356,7 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
         s = steps_done["audit/10"] + 1
         b = batches_for("audit/10", 1)[0]
         acc.clear()
-        dt, dc = between_barriers(lambda b=b: aud.train_step(b))
+        dt, dc = between_barriers(lambda b=b: runners["audit/10"](b))
         steps_done["audit/10"] += 1
         kind = "audit" if aud.last.audited else "nonaudit"
         assert aud.last.audited == (s % 10 == 0)
@@ -329,12 +364,13 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
         bd_cpu.setdefault(f"{kind}_step", []).append(dc)
         parts[kind].append({**acc, "step": dt})
         plain_b += 1
-        pb = _batch(rank, plain_b, bsz, widths)
+        pb = _item(rank, plain_b, bsz, widths, micro)
         record("plain_step", lambda pb=pb: runners["plain"](pb))
         hooked_b += 1
-        hb = _batch(rank, hooked_b, bsz, widths)
+        hb = _item(rank, hooked_b, bsz, widths, micro)
         record("torch_hook_step", lambda hb=hb: hooked_step(hb))
     auditor_mod.signature, auditor_mod.RingShift, auditor_mod.nonfinite_flag = sig_fn, ring_cls, nonfinite_flag
+    hook_mod.signature, hook_mod.nonfinite_flag = sig_fn, nonfinite_flag
     for attr, _ in wrapped:
         delattr(aud, attr)
     log(f"breakdown: {len(bd['audit_step'])} audit and {len(bd['nonaudit_step'])} non-audit steps timed one by one")
@@ -478,6 +514,16 @@ def print_report(R: dict[str, Any]) -> None:
         f"{c['ddp_buckets'] if c['ddp_buckets'] is not None else '?'} DDP buckets); "
         f"batch {c['batch']} x {c['widths'][0]} per rank, MSE; SGD momentum 0.9"
         + ("; gradient_as_bucket_view=True on every DDP copy" if c.get("bucket_view") else "")
+        + (
+            f"; accumulation: {c['micro']} micro-batches per optimizer step (no_sync / micro_batches=)"
+            + (
+                f", audits replay {c['replay_micro_batches']} of them"
+                if c.get("replay_micro_batches")
+                else ", audits replay all"
+            )
+            if c.get("micro", 1) > 1
+            else ""
+        )
     )
     print(
         f"figure: rank 0's wall time over a trial's interleaved slices of {c['slice']} steps "
@@ -628,6 +674,20 @@ def main() -> None:
         default=None,
         help="micro-batch rows per rank (default 32); larger batches give the compute-heavier steps of real training",
     )
+    ap.add_argument(
+        "--micro",
+        type=int,
+        default=1,
+        help="micro-batches per optimizer step (default 1; 4: the accumulation loop shape, no_sync in plain DDP,"
+        " train_step(micro_batches=...) in the auditor)",
+    )
+    ap.add_argument(
+        "--replay-micro-batches",
+        type=int,
+        default=None,
+        help="with --micro: Auditor(replay_micro_batches=K), an audit replays K of the step's micro-batches"
+        " (default: all)",
+    )
     args = ap.parse_args()
 
     from bench_format import cpu_busy_seconds, loadavg, others_busy_cores, own_cpu_seconds
@@ -641,6 +701,10 @@ def main() -> None:
         P["batch"] = args.batch
     P["slice"] = args.slice
     P["bucket_view"] = args.bucket_view
+    P["micro"] = args.micro
+    P["replay_micro_batches"] = args.replay_micro_batches
+    if args.micro < 1:
+        ap.error("--micro must be >= 1")
     if args.slice < 1 or P["steps"] % args.slice:
         ap.error("--slice must divide --steps")
     if P["steps"] % 100:

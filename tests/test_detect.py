@@ -173,7 +173,7 @@ def test_setup_errors_are_clear_and_early():
             "differ between two identical computations" in res["nondeterministic"]
             and "mode='tolerance'" in res["nondeterministic"]
         )
-        assert res["unshippable"].startswith("obj['batch']['sampler']:")
+        assert "obj['batch']['sampler']:" in res["unshippable"]
 
 
 def test_checkpoint_through_the_auditor_carries_lineage_and_reuses_fingerprints(tmp_path):

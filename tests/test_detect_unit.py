@@ -174,3 +174,55 @@ def test_restore_rng_accepts_states_that_arrive_on_the_gpu():
     first = torch.rand(4, device=device)
     shipped = {k: v.to(device) for k, v in state.items()}
     assert torch.equal(_draws_after(shipped, device), first)
+
+
+def test_overflow_is_an_event_kind_the_certifier_leaves_alone():
+    from certckpt.trust.certify import certify
+
+    ev = AuditEvent(run="r", branch="main", step=3, kind="overflow", outcome="pass", ranks=[0, 1, 2], contained=True)
+    assert AuditEvent.from_dict(json.loads(json.dumps(ev.to_dict()))) == ev
+    assert certify([], [ev.to_dict()]).detections == []  # an overflow is never a detection
+
+
+def test_consensus_buffers_leave_out_per_rank_statistics_only():
+    from certckpt.detect.auditor import consensus_buffers
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bn = torch.nn.BatchNorm1d(4)
+            self.frozen = torch.nn.BatchNorm1d(4, track_running_stats=False)
+            self.register_buffer("table", torch.ones(3))
+            self.register_buffer("ids", torch.arange(3))  # integer: out
+
+    names, tensors = consensus_buffers(Net(), broadcast=True)
+    assert names == ["table", "bn.running_mean", "bn.running_var"]
+    assert all(t.is_floating_point() for t in tensors)
+    # without DDP's broadcast each rank's BatchNorm statistics are its own: only the constant stays
+    assert consensus_buffers(Net(), broadcast=False)[0] == ["table"]
+
+
+def test_buffer_fault_perturbs_the_named_buffer_after_the_optimizer():
+    net = torch.nn.BatchNorm1d(4)
+    inj = Injector([Fault(kind="buffer", rank=0, step=2, scale=999.0, target="running_var")], rank=0)
+    inj.install(net)
+    named = list(net.named_buffers())
+    inj.begin(1, "train")
+    inj.after_optimizer_buffers(named)
+    assert torch.equal(net.running_var, torch.ones(4))
+    inj.begin(2, "train")
+    inj.after_optimizer_buffers(named)
+    assert float(net.running_var.max()) == 1999.0 and inj.fired == [("buffer", 2, "train")]
+
+
+def test_sampled_audit_blocks_move_along_and_stay_inside_the_step():
+    from types import SimpleNamespace
+
+    from certckpt.detect.auditor import Auditor
+
+    aud = SimpleNamespace(replay_micro_batches=2, audit_every=10)
+    blocks = [Auditor._sample_block(aud, s, 5) for s in range(10, 40, 10)]
+    assert all(0 <= a < b <= 5 and b - a == 2 for a, b in blocks)
+    assert {i for a, b in blocks for i in range(a, b)} == set(range(5))  # every position in ceil(5/2) audits
+    assert Auditor._sample_block(SimpleNamespace(replay_micro_batches=None, audit_every=10), 10, 5) is None
+    assert Auditor._sample_block(SimpleNamespace(replay_micro_batches=5, audit_every=10), 10, 5) is None

@@ -6,13 +6,19 @@ Per step, in this order:
    inside a DDP communication hook that performs the all-reduce itself (the averaging is folded into
    the loss); the flags stay on the device until one small read before ``optimizer.step()``. On CPU,
    where a flag can be read for free, the local gradients are checked only when their reduced bucket
-   comes back non-finite (``_lazy_pre_possible``): a clean step pays one pass over the gradients.
+   comes back non-finite (``hook.lazy_pre_possible``): a clean step pays one pass over the gradients.
    With DDP's gradient copies (any device) the callback then hands ``.grad`` its view of the reduced
-   bucket, which saves DDP's copy back into ``.grad`` (``_hand_over_possible``);
+   bucket, which saves DDP's copy back into ``.grad`` (``hook.hand_over_possible``);
 2. every ``audit_every`` steps, the ring replay audit: rank r recomputes rank r-1's micro-batch with
    its own weights and compares gradient signatures with those r-1 computed before the all-reduce;
 3. weight consensus after ``optimizer.step()`` at audit steps, checkpoint steps and every
    ``consensus_every`` steps: every rank's weight fingerprints, all-gathered and compared.
+
+The loop shapes users write are audited like plain DDP trains them: gradient accumulation
+(``train_step(micro_batches=[...])``), clipping (``clip_grad_norm=``, ``before_optimizer_step=``),
+fp16 with a gradient scaler (``grad_scaler=``), ``torch.compile`` in either order around DDP, and
+floating-point buffers in the consensus (``consensus_buffers``). Set-up refusals are collective
+(``agreement.refuse_together``): every rank raises the same error.
 
 Usage (every rank)::
 
@@ -27,9 +33,10 @@ Usage (every rank)::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,7 +45,13 @@ import torch.distributed as dist
 import xxhash
 from torch.nn.parallel import DistributedDataParallel
 
-from certckpt.errors import AuditSetupError, CertckptError, FaultDetectedError
+from certckpt.errors import (
+    AuditSetupError,
+    CertckptError,
+    ConfigurationError,
+    FaultDetectedError,
+    UnsupportedObjectError,
+)
 from certckpt.format.fingerprinting import as_words, finalize, raw_sum
 from certckpt.format.record import state_fingerprint
 from certckpt.format.writer import save_certified
@@ -46,10 +59,12 @@ from certckpt.trust.incident import incident_id_for
 from certckpt.trust.ledger import Ledger, LedgerSink
 from certckpt.trust.runstore import open_incident
 
+from .agreement import all_gather_bytes, refuse_together, wire_device_for
 from .attribution import arbitration_plan, attribute_replay, consensus_verdict, ring_pairs
 from .digest import digests
 from .events import AuditEvent, EventSink, MemorySink, rank_inventory
 from .exchange import RingShift, check_shippable, recv_payload, send_payload
+from .hook import HookState, comm_hook, hand_over_possible, lazy_pre_possible, nonfinite_flag
 from .inject import Injector
 from .signature import Probes, matches, signature
 
@@ -67,68 +82,7 @@ class StepOutcome:
     applied: bool = True
     audited: bool = False
     events: list[AuditEvent] = field(default_factory=list)
-
-
-class _HookState:
-    """State shared with the communication hook: per-bucket device flags, the bucket views, the
-    local gradients kept alive for the step and, on audit steps, their signatures."""
-
-    def __init__(self, auditor: Auditor, *, eager_pre: bool, hand_over: bool):
-        self.auditor = auditor
-        # Eager: flag every bucket's local gradients before the all-reduce (device-side, no sync).
-        # Lazy: flag them only when the reduced bucket is non-finite, from ``.grad``, which still
-        # holds the local gradients when the callback runs (see ``_lazy_pre_possible``).
-        self.eager_pre = eager_pre
-        # Hand-over: the callback points ``.grad`` at the reduced bucket (see ``_hand_over_possible``).
-        self.hand_over = hand_over
-        self.pre: list[torch.Tensor] = []
-        self.post: list[torch.Tensor] = []
-        self.local_sig: dict[int, torch.Tensor] = {}
-        self.audit = False
-        self.views: dict[int, tuple[tuple[int, int], list[torch.Tensor], list[torch.Tensor]]] = {}
-        self.kept: list[torch.Tensor] = []
-
-    def reset(self, *, audit: bool) -> None:
-        # Dropping the kept local gradients here, right after zero_grad, frees them when plain DDP
-        # frees its .grad tensors: freed any earlier, the allocator hands the block back to the
-        # system and the next backward pays a page fault per 4 KiB to get it again.
-        self.pre, self.post, self.local_sig, self.audit, self.kept = [], [], {}, audit, []
-
-    def bucket_views(self, bucket, buf: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The bucket's parameters and, for each, a view of its gradient in the bucket (cached).
-
-        ``GradBucket.gradients()`` views every gradient row-major, but DDP lays a dense
-        parameter's gradient out with the parameter's own strides (its "gradient layout
-        contract"): for a channels_last weight the row-major view reads the right bytes in the
-        wrong order. The views here follow DDP's layout, so they hold the gradient's true values.
-        """
-        key = (buf.data_ptr(), buf.numel())  # DDP rebuilds its buckets once, after the first step
-        hit = self.views.get(bucket.index())
-        if hit is not None and hit[0] == key:
-            return hit[1], hit[2]
-        params = list(bucket.parameters())
-        views = []
-        for p, g in zip(params, bucket.gradients()):
-            if _dense(p) and not p.is_contiguous():
-                g = buf.as_strided(p.size(), p.stride(), g.storage_offset())
-            views.append(g)
-        self.views[bucket.index()] = (key, params, views)
-        return params, views
-
-    def handed_over_intact(self) -> bool:
-        """Does each bucket's first gradient still view the reduced bucket after backward?
-
-        The hand-over relies on DDP leaving ``.grad`` alone once told an optimizer ran in backward
-        (a private switch); were a torch release to reset or copy the gradients there instead, the
-        optimizer would silently step on something else. One check per bucket per step catches it.
-        """
-        for _, params, views in self.views.values():
-            for p, v in zip(params, views):
-                if v.numel():
-                    if p.grad is None or p.grad.data_ptr() != v.data_ptr():
-                        return False
-                    break
-        return True
+    grad_norm: torch.Tensor | None = None  # the total norm before clipping, with clip_grad_norm
 
 
 def restore_rng(state: dict[str, torch.Tensor], device: torch.device) -> None:
@@ -142,116 +96,106 @@ def restore_rng(state: dict[str, torch.Tensor], device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"].to(device="cpu", dtype=torch.uint8), device)
 
 
-def nonfinite_flag(buf: torch.Tensor) -> torch.Tensor:
-    # One fused reduction instead of isfinite().all(): NaN and Inf propagate through a sum (a sum
-    # that overflows to Inf is flagged too, and means the gradients are unusable anyway).
-    return ~torch.isfinite(buf.sum(dtype=torch.float32))
+def _accumulator(acc: list, i: int):
+    """A tensor hook adding parameter i's gradient of each backward into ``acc[i]`` (as autograd
+    accumulates ``.grad``), leaving the gradient itself alone."""
+
+    def hook(grad: torch.Tensor) -> None:
+        if acc[i] is None:
+            acc[i] = grad.detach().clone()
+        else:
+            acc[i].add_(grad.detach())
+
+    return hook
 
 
-def _local_grads_flag(params: list[torch.Tensor]) -> torch.Tensor:
-    flags = [nonfinite_flag(p.grad) for p in params if p.grad is not None]
-    return torch.stack(flags).any() if flags else torch.zeros((), dtype=torch.bool)
+def unwrap_compiled(model: Any) -> tuple[bool, Any]:
+    """``(compiled, ddp)``: ``torch.compile(DDP(m))`` is an ``OptimizedModule`` around the DDP model.
 
-
-def _lazy_pre_possible(model: DistributedDataParallel, device: torch.device) -> bool:
-    """Can the pre-reduce check wait until the reduced bucket is known to be non-finite?
-
-    Only where reading a flag on the host is free (CPU tensors) and the local gradients survive the
-    all-reduce: DDP copies each gradient into its bucket and copies the reduced bucket back into
-    ``.grad`` only after every bucket's future (callback included) has completed, unless the
-    gradients *are* bucket views. A non-finite local gradient always makes the reduced bucket
-    non-finite (NaN and Inf survive a sum), so a clean step then pays one pass over the gradients
-    instead of two, and a failing step still learns which rank's local gradients were bad.
+    The wrapper is recognised by name and its ``_orig_mod`` (torch's attribute for the module it
+    compiles), so that this file need not import ``torch._dynamo``.
     """
-    return device.type == "cpu" and not getattr(model, "gradient_as_bucket_view", False)
+    inner = getattr(model, "_orig_mod", None)
+    if type(model).__name__ == "OptimizedModule" and isinstance(inner, DistributedDataParallel):
+        return True, inner
+    return False, model
 
 
-def _hand_over_possible(model: DistributedDataParallel) -> bool:
-    """Can the callback hand the reduced bucket to ``.grad`` instead of DDP copying it there?
+_PER_RANK_NORMS = (
+    torch.nn.BatchNorm1d,
+    torch.nn.BatchNorm2d,
+    torch.nn.BatchNorm3d,
+    torch.nn.InstanceNorm1d,
+    torch.nn.InstanceNorm2d,
+    torch.nn.InstanceNorm3d,
+)
 
-    With gradient copies, DDP copies every reduced bucket into ``.grad`` after the callbacks: a
-    pass that reads and writes all the gradients, costing more than the non-finite check's own
-    pass. Told that an optimizer ran in backward (``Reducer._set_optimizer_in_backward``), DDP
-    leaves ``.grad`` alone, and the callback points each ``.grad`` at its gradient's view of the
-    reduced bucket instead, as ``gradient_as_bucket_view=True`` would: the same values, no copy.
-    Only where that is exactly what DDP would have produced: every parameter gets a gradient each
-    step (no ``find_unused_parameters``, no static graph), the bucket has the parameters' dtype
-    (no mixed precision), and gradients are not bucket views already. (Every view is dropped by the
-    auditor's ``_zero_grad`` before the next backward, which would otherwise accumulate into it.)
+
+def consensus_buffers(module: torch.nn.Module, *, broadcast: bool) -> tuple[list[str], list[torch.Tensor]]:
+    """The floating-point buffers every replica must hold identically at a consensus step.
+
+    With DDP's ``broadcast_buffers=True`` all of them (the auditor broadcasts rank 0's copy first,
+    as DDP's next forward would). Without it, the running statistics of (non-synchronised) batch
+    and instance norms are each rank's own by design, so they stay out; ``SyncBatchNorm``'s
+    statistics are computed over all ranks and stay in, as do constant buffers.
     """
-    reducer = getattr(model, "reducer", None)
-    return (
-        hasattr(reducer, "_set_optimizer_in_backward")
-        and not getattr(model, "gradient_as_bucket_view", False)
-        and not getattr(model, "find_unused_parameters", True)
-        and not getattr(model, "static_graph", True)
-        and getattr(model, "mixed_precision", None) is None
-    )
+    per_rank: set[int] = set()
+    if not broadcast:
+        for m in module.modules():
+            if isinstance(m, _PER_RANK_NORMS) and getattr(m, "track_running_stats", False):
+                per_rank |= {id(m.running_mean), id(m.running_var)}
+    named = [(n, b) for n, b in module.named_buffers() if b.is_floating_point() and id(b) not in per_rank]
+    return [n for n, _ in named], [b for _, b in named]
 
 
-def _dense(t: torch.Tensor) -> bool:
-    """Is ``t`` non-overlapping and dense (some permutation of its dimensions is contiguous)?"""
-    expected = 1
-    for stride, size in sorted((t.stride(d), t.size(d)) for d in range(t.dim())):
-        if size == 1:
-            continue
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def _comm_hook(state, bucket):
-    # No annotations: DDP inspects them, and `from __future__ import annotations` turns them into
-    # strings it rejects ("bucket annotation should be dist.GradBucket").
-    aud = state.auditor
-    buf = bucket.buffer()
-    params, grads = state.bucket_views(bucket, buf)
-    if state.audit or aud.injector is not None:
-        idx = [aud._param_index[id(p)] for p in params]
-        if aud.injector is not None:
-            aud.injector.on_local_grads([aud.param_names[i] for i in idx], grads)
-            # A real fault in backward corrupts .grad, which DDP copied into the bucket: mirror an
-            # injected one there too, so that the lazy pre-reduce check sees what a real one would.
-            with torch.no_grad():
-                for p, g in zip(params, grads):
-                    if p.grad is not None and p.grad.data_ptr() != g.data_ptr():
-                        p.grad.copy_(g)
-    if state.eager_pre:
-        state.pre.append(nonfinite_flag(buf))
-    if state.audit:
-        probes = aud._probes.subset(idx) if aud._probes is not None else None
-        sig = signature(grads, mode=aud.mode, probes=probes)
-        for i, row in zip(idx, sig):
-            state.local_sig[i] = row
-    # No division here: the auditor folds DDP's averaging into the loss (loss / world before
-    # backward), so the sum this all-reduce computes is already the average. DDP's own hook fuses
-    # its division into the copy into the bucket; a hook's ``div_`` would be one more full pass.
-    fut = dist.all_reduce(buf, group=aud.group, async_op=True).get_future()
-
-    def post(f: torch.futures.Future) -> torch.Tensor:
-        out = f.value()[0]
-        if aud.injector is not None:
-            aud.injector.on_reduced(out)
-        flag = nonfinite_flag(out)
-        state.post.append(flag)
-        if not state.eager_pre and bool(flag):  # a CPU flag: reading it costs no device sync
-            state.pre.append(_local_grads_flag(params))
-        if state.hand_over:  # after the lazy check, which reads the local gradients from .grad
-            for p, g in zip(params, grads):
-                if p.grad is not None:
-                    state.kept.append(p.grad)
-                p.grad = g
-        return out
-
-    return fut.then(post)
+def _option_problem(
+    ddp: Any,
+    *,
+    mode: str,
+    on_nonfinite: str,
+    on_fault: str,
+    exchange_flags: str,
+    audit_every: int,
+    consensus_every: int | None,
+    clip_grad_norm: float | None,
+    before_optimizer_step: Any,
+    grad_scaler: Any,
+    replay_micro_batches: int | None,
+) -> str | None:
+    """What is wrong with the Auditor's arguments on this rank (None: nothing)."""
+    if not isinstance(ddp, DistributedDataParallel):
+        return (
+            f"model must be a DistributedDataParallel (or torch.compile of one), got {type(ddp).__name__};"
+            " wrap it: Auditor(DDP(model), ...)"
+        )
+    if mode not in ("deterministic", "tolerance"):
+        return f"mode must be 'deterministic' or 'tolerance', got {mode!r}"
+    if on_nonfinite not in ("raise", "skip") or on_fault not in ("raise", "continue"):
+        return "on_nonfinite must be 'raise' or 'skip'; on_fault 'raise' or 'continue'"
+    if exchange_flags not in ("on-failure", "every-step"):
+        return f"exchange_flags must be 'on-failure' or 'every-step', got {exchange_flags!r}"
+    if audit_every < 1 or (consensus_every is not None and consensus_every < 1):
+        return "audit_every and consensus_every must be >= 1"
+    if clip_grad_norm is not None and not (isinstance(clip_grad_norm, (int, float)) and clip_grad_norm > 0):
+        return f"clip_grad_norm must be a positive number (the max norm) or None, got {clip_grad_norm!r}"
+    if before_optimizer_step is not None and not callable(before_optimizer_step):
+        return "before_optimizer_step must be callable as fn(module, optimizer)"
+    if grad_scaler is not None and not all(
+        callable(getattr(grad_scaler, name, None)) for name in ("scale", "unscale_", "step", "update", "get_scale")
+    ):
+        return f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}"
+    if replay_micro_batches is not None and not (isinstance(replay_micro_batches, int) and replay_micro_batches >= 1):
+        return f"replay_micro_batches must be None (all) or an int >= 1, got {replay_micro_batches!r}"
+    return None
 
 
 class Auditor:
     """Wraps a DDP model and its optimizer; call ``train_step(batch)`` once per optimizer step.
 
     Args:
-        model: the ``DistributedDataParallel`` model (the hook is registered on it; register no other).
+        model: the ``DistributedDataParallel`` model (the hook is registered on it; register no other),
+            or ``torch.compile`` of one (training runs through the compiled wrapper, replays through
+            the eager module; ``DDP(torch.compile(m))`` replays through the compiled module).
         optimizer: its optimizer.
         loss_fn: ``loss_fn(model, batch) -> scalar loss``; called with the DDP model for training and
             with the bare module for replays. Must be a pure function of the weights, the batch and
@@ -268,14 +212,33 @@ class Auditor:
             delivering non-finite values to some ranks only is still a clean, contained detection).
         on_fault: ``"raise"`` or ``"continue"`` for replay and consensus failures (the failing step's
             update is dropped either way).
+        clip_grad_norm: clip the reduced gradients to this total 2-norm before the optimizer step,
+            as ``torch.nn.utils.clip_grad_norm_`` would after a plain DDP backward (every rank clips
+            the same averaged gradients identically); the norm is in ``auditor.last.grad_norm``.
+        before_optimizer_step: ``fn(module, optimizer)``, called on every rank after the checks
+            passed and after clipping, just before ``optimizer.step()``: a gradient transform
+            (clip by value, masking, ...). It sees the reduced gradients; it must treat them the
+            same on every rank (the weight consensus catches replicas that diverge).
+        replay_micro_batches: with ``train_step(micro_batches=...)``, replay at most this many
+            micro-batches of an audited step (a contiguous block; successive audits tile the step)
+            instead of all of them: an audit then costs k/n of a step's compute, and covers
+            k/n of a one-time fault within the step (a persistent one still shows in every block),
+            and not the accumulation of the micro-batches' gradients (see docs/detection.md).
+        grad_scaler: a ``torch.amp.GradScaler`` for fp16 autocast: the auditor scales the loss,
+            unscales before clipping, steps and updates it. A non-finite step is replayed on the
+            flagged ranks' neighbours: non-finite again, it is an overflow (skipped by the scaler,
+            scale backed off, an ``overflow`` event); finite, a ``nonfinite-pre`` detection naming
+            the rank.
         hand_over_grads: where DDP would copy each reduced bucket into ``.grad`` (gradient copies,
             its default), point ``.grad`` at the reduced bucket instead and skip that copy (default
-            True; see ``_hand_over_possible``). ``p.grad`` is then a view of DDP's bucket after each
+            True; see ``hook.hand_over_possible``). ``p.grad`` is then a view of DDP's bucket after each
             step, as with ``gradient_as_bucket_view=True``; False keeps DDP's copy.
         sink: where events go (rank 0 emits them); default an in-memory sink (``auditor.sink.events``).
         injector_faults: synthetic faults for drills (see ``certckpt.detect.inject``).
         check_determinism: at the first step, replay the rank's own batch twice and refuse a model
-            whose gradients differ (deterministic mode only).
+            whose gradients differ (deterministic mode only); and, in either mode, at the first
+            step with finite gradients, replay the step once and refuse when the replay does not
+            reproduce what training computed (every rank refuses together).
         start_step: the optimizer step count already done (when resuming).
         ledger: a ``certckpt.Ledger`` (or its store URL): rank 0 batches events into it and commits
             every checkpoint saved through the auditor (default sink then: the ledger).
@@ -299,6 +262,10 @@ class Auditor:
         exchange_flags: str = "on-failure",
         on_fault: str = "raise",
         hand_over_grads: bool = True,
+        clip_grad_norm: float | None = None,
+        before_optimizer_step: Callable[[torch.nn.Module, torch.optim.Optimizer], None] | None = None,
+        grad_scaler: Any = None,
+        replay_micro_batches: int | None = None,
         sink: EventSink | None = None,
         injector_faults: list | None = None,
         check_determinism: bool = True,
@@ -307,22 +274,47 @@ class Auditor:
         parent: str | None = None,
     ):
         if not dist.is_available() or not dist.is_initialized():
+            # No process group: nothing to agree with, and no rank can be waiting in a collective.
             raise AuditSetupError("torch.distributed is not initialized; call dist.init_process_group first")
-        if not isinstance(model, DistributedDataParallel):
-            raise AuditSetupError(f"model must be a DistributedDataParallel, got {type(model).__name__}")
-        if mode not in ("deterministic", "tolerance"):
-            raise AuditSetupError(f"mode must be 'deterministic' or 'tolerance', got {mode!r}")
-        if on_nonfinite not in ("raise", "skip") or on_fault not in ("raise", "continue"):
-            raise AuditSetupError("on_nonfinite must be 'raise' or 'skip'; on_fault 'raise' or 'continue'")
-        if exchange_flags not in ("on-failure", "every-step"):
-            raise AuditSetupError(f"exchange_flags must be 'on-failure' or 'every-step', got {exchange_flags!r}")
-        if audit_every < 1 or (consensus_every is not None and consensus_every < 1):
-            raise AuditSetupError("audit_every and consensus_every must be >= 1")
-        self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
+        compiled, ddp = unwrap_compiled(model)
+        group = ddp.process_group if isinstance(ddp, DistributedDataParallel) else dist.group.WORLD
+        first = next((p for p in ddp.parameters()), None) if isinstance(ddp, torch.nn.Module) else None
+        wire = wire_device_for(group, first.device if first is not None else torch.device("cpu"))
+        # Every rank validates, then all decide together: a refusal on some ranks only would leave
+        # the others waiting in the next collective.
+        refuse_together(
+            _option_problem(
+                ddp,
+                mode=mode,
+                on_nonfinite=on_nonfinite,
+                on_fault=on_fault,
+                exchange_flags=exchange_flags,
+                audit_every=audit_every,
+                consensus_every=consensus_every,
+                clip_grad_norm=clip_grad_norm,
+                before_optimizer_step=before_optimizer_step,
+                grad_scaler=grad_scaler,
+                replay_micro_batches=replay_micro_batches,
+            ),
+            group=group,
+            wire_device=wire,
+            what="Auditor set-up",
+        )
+        self.model, self.optimizer, self.loss_fn = ddp, optimizer, loss_fn
+        # The object the user passed: ``torch.compile(DDP(m))`` trains through the compiled wrapper.
+        self.train_model = model if compiled else ddp
         self.run, self.branch, self.mode, self.rtol = run, branch, mode, rtol
         self.audit_every, self.consensus_every = audit_every, consensus_every
         self.on_nonfinite, self.on_fault, self.exchange_flags = on_nonfinite, on_fault, exchange_flags
-        self.group = model.process_group
+        self.clip_grad_norm, self.before_optimizer_step = clip_grad_norm, before_optimizer_step
+        # A disabled scaler (GradScaler(enabled=False)) scales nothing and never overflows.
+        enabled = grad_scaler is not None and getattr(grad_scaler, "is_enabled", lambda: True)()
+        self.grad_scaler = grad_scaler if enabled else None
+        self._overflows = 0  # overflow steps since the last audit
+        self.replay_micro_batches = replay_micro_batches
+        self._sample_sig: torch.Tensor | None = None  # local signature of an audit's sampled micro-batches
+        self._audit_payload: dict[str, Any] = {}
+        self.group = group
         self.world = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
         self.step = start_step
@@ -333,24 +325,42 @@ class Auditor:
             sink = LedgerSink(ledger)
         self.sink = sink if sink is not None else MemorySink()
         self.check_determinism = check_determinism and mode == "deterministic"
-        named = [(n, p) for n, p in model.module.named_parameters() if p.requires_grad]
+        named = [(n, p) for n, p in ddp.module.named_parameters() if p.requires_grad]
         self.param_names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self._param_index = {id(p): i for i, p in enumerate(self.params)}
         owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
         self._not_in_optimizer = [p for p in self.params if id(p) not in owned]
         self.device = self.params[0].device if self.params else torch.device("cpu")
-        self.wire_device = self.device if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
+        self.wire_device = wire
+        # Buffers (see ``consensus_buffers``): with DDP's broadcast_buffers, every forward starts
+        # from rank 0's copy, so rank 0 seals its buffers after each forward and checks the seal
+        # before the next one: a change in between (stored state corrupted) would be broadcast to
+        # every replica and into the checkpoints, and is reported at the next consensus instead.
+        self._bcast_buffers = bool(getattr(ddp, "broadcast_buffers", False))
+        self.buffer_names, self.buffers = consensus_buffers(ddp.module, broadcast=self._bcast_buffers)
+        self._seal_source = self._bcast_buffers and bool(self.buffers) and self.rank == 0
+        self._seal: torch.Tensor | None = None
+        self._seal_bad: torch.Tensor | None = None
         self._probes = Probes(self.params) if mode == "tolerance" else None
         self.injector = Injector(injector_faults or [], rank=self.rank) if injector_faults else None
         if self.injector is not None:
-            self.injector.install(model.module)
+            self.injector.install(ddp.module)
         self._check_world_agrees()
-        hand_over = hand_over_grads and _hand_over_possible(model)
-        self._hook = _HookState(self, eager_pre=not _lazy_pre_possible(model, self.device), hand_over=hand_over)
-        model.register_comm_hook(self._hook, _comm_hook)
+        hand_over = hand_over_grads and hand_over_possible(ddp)
+        self._hook = HookState(
+            names=self.param_names,
+            index=self._param_index,
+            mode=mode,
+            probes=self._probes,
+            injector=self.injector,
+            group=self.group,
+            eager_pre=not lazy_pre_possible(ddp, self.device),
+            hand_over=hand_over,
+        )
+        ddp.register_comm_hook(self._hook, comm_hook)
         if hand_over:
-            model.reducer._set_optimizer_in_backward()
+            ddp.reducer._set_optimizer_in_backward()
         if ledger is not None and parent is not None and self.rank == 0:
             ledger.start_branch(branch, parent=parent)
         self.inventory = self._gather_inventory()
@@ -360,19 +370,32 @@ class Auditor:
         self.last_checkpoint_step: int | None = start_step if start_step else None
         self._consensus: tuple[int, dict[str, str], str] | None = None  # (step, {param: fp}, state fp)
         self._first = True
+        # At the first step whose gradients are finite, the rank replays its own step and compares
+        # with what training computed: a replay path that computes differently from training
+        # (torch.compile around DDP, a loss_fn that treats the bare module differently) is refused
+        # then, on every rank, instead of raising a false alarm at every audit.
+        self._path_check_pending = check_determinism
         self.last: StepOutcome | None = None
 
     # --- set-up checks ----------------------------------------------------------------------
 
     def _check_world_agrees(self) -> None:
-        """Every rank must have the same parameters and the same audit configuration."""
+        """Every rank must have the same parameters and the same audit configuration.
+
+        Every rank raises the same message, naming the groups of ranks that agree with each other.
+        """
         desc = json.dumps(
             [
                 self.audit_every,
                 self.consensus_every,
                 self.mode,
                 self.exchange_flags,
+                self.clip_grad_norm,
+                self.before_optimizer_step is not None,
+                self.grad_scaler is not None,
+                self.replay_micro_batches,
                 [(n, list(p.shape), str(p.dtype)) for n, p in zip(self.param_names, self.params)],
+                [(n, list(b.shape), str(b.dtype)) for n, b in zip(self.buffer_names, self.buffers)],
             ]
         ).encode()
         mine = torch.tensor(
@@ -382,10 +405,13 @@ class Auditor:
         dist.all_gather(allv, mine, group=self.group)
         values = [int(v) for v in allv]
         if len(set(values)) != 1:
-            odd = [r for r, v in enumerate(values) if v != values[self.rank]]
+            groups: dict[int, list[int]] = {}
+            for r, v in enumerate(values):
+                groups.setdefault(v, []).append(r)
+            sides = " vs ".join(str(g) for g in sorted(groups.values()))
             raise AuditSetupError(
-                f"rank {self.rank}: the ranks disagree on parameters or audit settings (differs from ranks {odd});"
-                " every rank must build the same model and Auditor(audit_every=..., mode=...)"
+                f"the ranks disagree on parameters or audit settings (ranks {sides});"
+                " every rank must build the same model and Auditor(audit_every=..., mode=..., clip_grad_norm=...)"
             )
 
     def _gather_inventory(self) -> dict[str, dict[str, Any]]:
@@ -394,15 +420,7 @@ class Auditor:
         return {str(r): json.loads(b) for r, b in enumerate(payloads)}
 
     def _all_gather_bytes(self, data: bytes) -> list[bytes]:
-        n = torch.tensor([len(data)], dtype=torch.int64, device=self.wire_device)
-        sizes = [torch.empty_like(n) for _ in range(self.world)]
-        dist.all_gather(sizes, n, group=self.group)
-        longest = max(int(s) for s in sizes)
-        buf = torch.zeros(longest, dtype=torch.uint8, device=self.wire_device)
-        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else buf[:0]
-        out = [torch.empty_like(buf) for _ in range(self.world)]
-        dist.all_gather(out, buf, group=self.group)
-        return [bytes(o[: int(s)].cpu().tolist()) for o, s in zip(out, sizes)]
+        return all_gather_bytes(data, group=self.group, wire_device=self.wire_device)
 
     # --- events -----------------------------------------------------------------------------
 
@@ -449,37 +467,62 @@ class Auditor:
     def is_audit_step(self, step: int) -> bool:
         return step % self.audit_every == 0
 
-    def train_step(self, batch: Any) -> torch.Tensor:
+    def train_step(self, batch: Any = None, *, micro_batches: Sequence[Any] | None = None) -> torch.Tensor:
         """One optimizer step with the checks; returns the (local) loss.
+
+        Pass one batch (``train_step(batch)``), or the micro-batches of one accumulated step
+        (``train_step(micro_batches=[mb1, mb2, ...])``). With micro-batches the step trains exactly
+        as plain DDP accumulation does: each micro-batch's ``loss / len(micro_batches)`` is
+        back-propagated in turn, all but the last under ``ddp.no_sync()`` (one graph alive at a
+        time), and the accumulated gradients are averaged over the ranks in the all-reduce as DDP
+        averages them; the returned loss is the mean of the micro-batches' losses.
+
+        Example::
+
+            for chunk in batched(loader, 4):
+                auditor.train_step(micro_batches=list(chunk))
 
         Raises:
             FaultDetectedError: a check failed and the policy is ``raise`` (the update was not applied).
+            ConfigurationError: neither or both of ``batch`` and ``micro_batches``, or no micro-batch.
         """
+        units, micro = self._units(batch, micro_batches)
         if self._first:
-            check_shippable(batch)
-            if self.check_determinism:
-                self._check_deterministic(batch)
+            self._first_step_checks(units, micro)
             self._first = False
         s = self.step + 1
         audit = self.is_audit_step(s)
         self.last = StepOutcome(step=s, audited=audit)
-        rng = self._rng_state() if audit else None
-        # The neighbour's micro-batch travels while this rank computes its own step.
+        # An audit of a sample of the micro-batches signs them in training (``_forward_backward``);
+        # otherwise the hook signs the local gradients, on audit steps and for the replay check.
+        block = self._sample_block(s, len(units)) if audit and micro else None
+        sign = (audit and block is None) or self._path_check_pending
+        # With a scaler, a non-finite step may be an overflow, told apart by a neighbour's replay
+        # of the step: the RNG state is kept at every step then (a small host copy).
+        rng = self._rng_state() if audit or sign or self.grad_scaler is not None else None
+        self._sample_sig = None
+        # What this rank ships for its audit (kept for an arbitration): its step, or a sample of
+        # it; it travels to the neighbour while this rank computes its own step.
+        self._audit_payload = {"units": units, "micro": micro, "n": len(units), "rng": rng}
         shift = (
             RingShift(
-                {"batch": batch, "rng": rng}, group=self.group, wire_device=self.wire_device, out_device=self.device
+                self._audit_payload,
+                group=self.group,
+                wire_device=self.wire_device,
+                out_device=self.device,
             )
-            if audit
+            if audit and block is None
             else None
         )
         self._zero_grad()
-        self._hook.reset(audit=audit)
+        self._hook.reset(audit=sign, average=1.0 / self.world if micro and self.world > 1 else None)
         if self.injector is not None:
             self.injector.begin(s, "train")
-        loss = self.loss_fn(self.model, batch)
-        if shift is not None:
-            shift.advance()
-        self._scaled(loss).backward()
+        if self._seal_source:
+            self._check_seal()  # before the forward, where DDP broadcasts rank 0's buffers
+        loss, shift = self._forward_backward(units, micro, shift, block)
+        if self._seal_source:
+            self._seal = digests(self.buffers)
         if self._hook.hand_over and not self._hook.handed_over_intact():
             raise AuditSetupError(
                 f"rank {self.rank}: after backward, .grad no longer views DDP's reduced bucket "
@@ -491,22 +534,189 @@ class Auditor:
         if flags is not None:  # the same on every rank: all drain the shift, so no message is left behind
             if shift is not None:
                 shift.finish()
-            self._nonfinite_detected(s, flags)
-            return loss.detach()
+            if self.grad_scaler is not None:
+                self._scaler_nonfinite(s, flags, units, micro, rng)
+            else:
+                self._nonfinite_detected(s, flags)
+            return loss
         self._checked_since_audit += 1
-        if audit and not self._replay_audit(s, batch, rng, shift.finish()):
-            return loss.detach()
-        self.optimizer.step()
+        if self._path_check_pending:
+            self._check_replay_path(s, units, micro, rng)
+        if audit and not self._replay_audit(s, units, micro, rng, shift.finish()):
+            return loss
+        self._before_optimizer()
+        if self.grad_scaler is not None:
+            # The scaler unscales (unless _before_optimizer did), finds the gradients finite, as the
+            # hook did, and steps; then it grows its scale on schedule, as in any AMP loop.
+            self.grad_scaler.step(self.optimizer)
+            self.grad_scaler.update()
+        else:
+            self.optimizer.step()
         if self.injector is not None:
             self.injector.after_optimizer(list(zip(self.param_names, self.params)))
+            self.injector.after_optimizer_buffers(list(zip(self.buffer_names, self.buffers)))
         due = audit or (self.consensus_every is not None and s % self.consensus_every == 0)
         consensus_ok = self.weight_consensus(s) if due else True
         if audit:
-            self._event("nonfinite", "pass", step=s, steps_checked=self._checked_since_audit)
+            extra = {"overflows": self._overflows} if self.grad_scaler is not None else {}
+            self._event("nonfinite", "pass", step=s, steps_checked=self._checked_since_audit, **extra)
             self._checked_since_audit = 0
+            self._overflows = 0
             if consensus_ok:
                 self.last_clean_audit = s
-        return loss.detach()
+        return loss
+
+    @staticmethod
+    def _units(batch: Any, micro_batches: Sequence[Any] | None) -> tuple[list[Any], bool]:
+        """The step's micro-batches as a list, and whether they were passed as micro-batches."""
+        if micro_batches is None:
+            if batch is None:
+                raise ConfigurationError(
+                    "train_step needs a batch: train_step(batch) or train_step(micro_batches=[...])"
+                )
+            return [batch], False
+        if batch is not None:
+            raise ConfigurationError("train_step takes a batch or micro_batches=[...], not both")
+        units = list(micro_batches)
+        if not units:
+            raise ConfigurationError("train_step(micro_batches=...) needs at least one micro-batch")
+        return units, True
+
+    def _forward_backward(
+        self, units: list[Any], micro: bool, shift: RingShift | None, block: tuple[int, int] | None
+    ) -> tuple[torch.Tensor, RingShift | None]:
+        """Forward and backward of every micro-batch, as plain DDP accumulation runs them.
+
+        All but the last backward run under ``no_sync`` (gradients accumulate in ``.grad``); the
+        last one triggers the all-reduce of the accumulated gradients. Each graph is freed before
+        the next forward. ``block`` (an audit that samples micro-batches ``[a, b)``): the ring shift
+        starts at micro-batch a with the RNG state of that moment, and tensor hooks add up those
+        micro-batches' own gradients (before autograd accumulates them), signed at b. Returns the
+        detached (mean) loss and the ring shift.
+        """
+        n = len(units)
+        total: torch.Tensor | None = None
+        acc: list[torch.Tensor | None] = []
+        handles: list = []
+        advanced = False
+        for k, unit in enumerate(units):
+            if block is not None and k == block[0]:
+                self._audit_payload = {
+                    "units": units[block[0] : block[1]],
+                    "micro": True,
+                    "n": n,
+                    "rng": self._rng_state(),
+                }
+                shift = RingShift(
+                    self._audit_payload,
+                    group=self.group,
+                    wire_device=self.wire_device,
+                    out_device=self.device,
+                )
+                acc = [None] * len(self.params)
+                handles = [p.register_hook(_accumulator(acc, i)) for i, p in enumerate(self.params)]
+            sync = k == n - 1
+            with contextlib.nullcontext() if sync else self.model.no_sync():
+                loss = self.loss_fn(self.train_model, unit)
+                if shift is not None and not advanced:
+                    shift.advance()
+                    advanced = True
+                self._scaled(loss, n=n, micro=micro).backward()
+            part = loss.detach() / n if micro and n > 1 else loss.detach()
+            total = part if total is None else total + part
+            del loss
+            if block is not None and k == block[1] - 1:
+                for h in handles:
+                    h.remove()
+                self._sample_sig = self._sign_accumulated(acc, phase="train")
+                acc = []
+        return total, shift
+
+    def _sample_block(self, s: int, n: int) -> tuple[int, int] | None:
+        """The micro-batches ``[a, b)`` an audit at step s replays, or None for all of them.
+
+        A contiguous block (the RNG state at its start is all a replay needs). Successive audits
+        tile the step, ``[0, k)``, ``[k, 2k)``, ... with the last block ending at n, so that every
+        micro-batch position is replayed once every ``ceil(n / k)`` audits; the same on every rank.
+        """
+        k = self.replay_micro_batches
+        if k is None or k >= n:
+            return None
+        tiles = -(-n // k)
+        start = min((s // self.audit_every) % tiles * k, n - k)
+        return start, start + k
+
+    def _sign_accumulated(self, acc: list[torch.Tensor | None], *, phase: str) -> torch.Tensor:
+        """Signatures of accumulated gradients (zeros for a parameter that got none), after a
+        drill's backward faults, which hit an accumulated gradient as they hit DDP's bucket."""
+        if self.injector is not None:
+            step = self.injector.step
+            self.injector.begin(step, phase)
+            present = [i for i, a in enumerate(acc) if a is not None]
+            self.injector.on_local_grads([self.param_names[i] for i in present], [acc[i] for i in present])
+            self.injector.begin(step, "train")
+        rows = []
+        for i, (a, p) in enumerate(zip(acc, self.params)):
+            probes = self._probes.subset([i]) if self._probes is not None else None
+            rows.append(signature([a if a is not None else torch.zeros_like(p)], mode=self.mode, probes=probes)[0])
+            acc[i] = None
+        return torch.stack(rows)
+
+    def _check_seal(self) -> None:
+        """On the broadcast source: flag every buffer that changed since the last forward sealed it
+        (device-side, no host synchronisation; the flags are read at the next consensus)."""
+        if self._seal is None:
+            return
+        bad = digests(self.buffers) != self._seal
+        self._seal_bad = bad if self._seal_bad is None else self._seal_bad | bad
+
+    def _broadcast_buffers(self) -> None:
+        """Rank 0's buffers to every rank, as DDP's next synced forward would broadcast them.
+
+        Done early at a consensus step, so that every replica holds the buffers the next step will
+        use and their agreement (and the fingerprints a checkpoint reuses) can be checked.
+        """
+        src = dist.get_global_rank(self.group, 0)
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for b in self.buffers:
+            by_dtype.setdefault(b.dtype, []).append(b)
+        for same in by_dtype.values():
+            flat = torch.cat([b.detach().reshape(-1) for b in same]).to(self.wire_device)
+            dist.broadcast(flat, src, group=self.group)
+            if self.rank != 0:
+                with torch.no_grad():
+                    offset = 0
+                    for b in same:
+                        b.copy_(flat[offset : offset + b.numel()].view_as(b))
+                        offset += b.numel()
+
+    def _before_optimizer(self) -> None:
+        """Clipping and the user's gradient transform, on the reduced gradients, on every rank."""
+        if self.grad_scaler is not None and (self.clip_grad_norm is not None or self.before_optimizer_step):
+            self.grad_scaler.unscale_(self.optimizer)  # clip true gradients, as AMP code must
+        if self.clip_grad_norm is not None:
+            # The same call, on the same averaged gradients in the same order, as a plain DDP loop
+            # makes after backward: every rank computes the same norm and the same scaling.
+            self.last.grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.clip_grad_norm)
+        if self.before_optimizer_step is not None:
+            self.before_optimizer_step(self.model.module, self.optimizer)
+
+    def _first_step_checks(self, units: list[Any], micro: bool) -> None:
+        """Refuse, on every rank together, a batch that cannot travel or a model that is not deterministic."""
+        reason = None
+        try:
+            check_shippable(units if micro else units[0])
+        except UnsupportedObjectError as e:
+            reason = str(e)
+        refuse_together(
+            reason,
+            group=self.group,
+            wire_device=self.wire_device,
+            what="the first step's batch",
+            error=UnsupportedObjectError,
+        )
+        if self.check_determinism:
+            self._check_deterministic(units, micro)
 
     def _read_flags(self) -> tuple[list[int], list[int]] | None:
         """None on a clean step; else per rank ``(pre-reduce flags, post-reduce flags)``.
@@ -550,14 +760,22 @@ class Auditor:
         for p in self._not_in_optimizer:
             p.grad = None
 
-    def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
-        """The loss whose gradients, summed over the ranks, are DDP's averaged gradients.
+    def _scaled(self, loss: torch.Tensor, *, n: int = 1, micro: bool = False) -> torch.Tensor:
+        """The loss to back-propagate, so that the reduced gradients are DDP's averaged ones.
 
-        Dividing the scalar loss by the world size costs nothing, where dividing the gradients in
-        the hook costs a pass over them. Replays scale the same way, so that a replayed gradient is
-        bit-for-bit the local one.
+        One batch: the loss divided by the world size, and the hook's all-reduce sums. Dividing
+        the scalar loss costs nothing, where dividing the gradients in the hook costs a pass over
+        them. Micro-batches: ``loss / n``, as plain DDP users accumulate, and the hook multiplies
+        the accumulated bucket by ``1 / world`` before the all-reduce, as DDP does: one pass per
+        optimizer step (amortised over n backward passes) buys weights bit-equal to plain DDP's.
+        Replays scale the same way, so that a replayed gradient is bit-for-bit the local one.
         """
-        return loss / self.world if self.world > 1 else loss
+        if micro:
+            out = loss / n if n > 1 else loss
+        else:
+            out = loss / self.world if self.world > 1 else loss
+        # As plain AMP code writes it: ``scaler.scale(loss / n).backward()``.
+        return self.grad_scaler.scale(out) if self.grad_scaler is not None else out
 
     def _rng_state(self) -> dict[str, torch.Tensor]:
         state = {"cpu": torch.get_rng_state()}
@@ -567,7 +785,71 @@ class Auditor:
 
     # --- check 1: non-finite ------------------------------------------------------------------
 
-    def _nonfinite_detected(self, s: int, flags: tuple[list[int], list[int]]) -> None:
+    def _scaler_nonfinite(
+        self, s: int, flags: tuple[list[int], list[int]], units: list[Any], micro: bool, rng: dict[str, torch.Tensor]
+    ) -> None:
+        """A non-finite step under a gradient scaler: an overflow (the scaler's business) or a fault.
+
+        Each rank whose local gradients were non-finite ships its micro-batches and RNG state to
+        the next rank, which recomputes them with its own copy of the weights and the same scale.
+        Non-finite again on every flagged rank's neighbour: the scale overflowed, as it does by
+        design; the scaler skips the update and backs its scale off, and an ``overflow`` event
+        (outcome pass) records it. Finite on a neighbour: that rank's own computation went wrong,
+        a ``nonfinite-pre`` detection naming it, the update dropped and the scale left alone.
+        Non-finite reduced gradients from finite local ones are a detection as without a scaler.
+        """
+        pre = [r for r, f in enumerate(flags[0]) if f]
+        if not pre:
+            self._nonfinite_detected(s, flags)
+            return
+        verdict = torch.zeros(self.world, dtype=torch.int64, device=self.wire_device)  # 1: finite on replay
+        for origin in pre:
+            replayer = (origin + 1) % self.world
+            payload = {"units": units, "micro": micro, "rng": rng}
+            if self.world == 1:
+                got = payload  # one rank: the same device recomputes (a transient fault only shows)
+            elif self.rank == origin:
+                send_payload(
+                    payload, dist.get_global_rank(self.group, replayer), group=self.group, wire_device=self.wire_device
+                )
+                continue
+            elif self.rank == replayer:
+                got = recv_payload(
+                    dist.get_global_rank(self.group, origin),
+                    group=self.group,
+                    wire_device=self.wire_device,
+                    out_device=self.device,
+                )
+            else:
+                continue
+            bad = self._replay(self.model.module, got["units"], bool(got["micro"]), got["rng"], s, finite=True)
+            verdict[origin] = 0 if bool(bad) else 1
+        dist.all_reduce(verdict, group=self.group)
+        faulty = [r for r in pre if int(verdict[r])]
+        if faulty:
+            self._nonfinite_detected(s, flags, faulty=faulty, overflow_replayed=[r for r in pre if r not in faulty])
+            return
+        scale = float(self.grad_scaler.get_scale())
+        self.grad_scaler.step(self.optimizer)  # finds the Inf/NaN itself and skips the update
+        self.grad_scaler.update()
+        self.last.applied = False
+        self._overflows += 1
+        self._event(
+            "overflow",
+            "pass",
+            step=s,
+            contained=True,
+            pre_ranks=pre,
+            replayed_by=[(r + 1) % self.world for r in pre],
+            scale=scale,
+            new_scale=float(self.grad_scaler.get_scale()),
+        )
+
+    def _nonfinite_detected(
+        self, s: int, flags: tuple[list[int], list[int]], *, faulty: list[int] | None = None, **extra: Any
+    ) -> None:
+        """Record (and, by policy, raise) a non-finite detection; ``faulty``: with a gradient scaler,
+        the flagged ranks whose micro-batches a neighbour recomputed finite (the others overflowed)."""
         self.last.applied = False
         pre = [r for r, f in enumerate(flags[0]) if f]
         post = [r for r, f in enumerate(flags[1]) if f]
@@ -575,8 +857,10 @@ class Auditor:
             n for n, p in zip(self.param_names, self.params) if p.grad is not None and not torch.isfinite(p.grad).all()
         ]
         if pre:
-            kind, suspects = "nonfinite-pre", pre
-            msg = f"non-finite local gradients on rank(s) {pre} before the all-reduce"
+            kind, suspects = "nonfinite-pre", pre if faulty is None else faulty
+            msg = f"non-finite local gradients on rank(s) {suspects} before the all-reduce"
+            if faulty is not None:
+                msg += " (a neighbour recomputed the same micro-batches with finite gradients: not an overflow)"
         else:
             kind, suspects = "nonfinite-post", []
             msg = (
@@ -593,35 +877,71 @@ class Auditor:
             post_ranks=post,
             tensors=bad[:20],
             policy=self.on_nonfinite,
+            **extra,
         )
         self._zero_grad()
         self._fail(ev, msg + "; the update was not applied", policy="raise" if self.on_nonfinite == "raise" else "skip")
 
     # --- check 2: ring replay -------------------------------------------------------------------
 
-    def _replay(self, module: torch.nn.Module, batch: Any, rng: dict[str, torch.Tensor], s: int) -> torch.Tensor:
-        """Gradient signature of ``batch`` recomputed on this rank, leaving .grad and buffers alone.
+    def _replay(
+        self,
+        module: torch.nn.Module,
+        units: list[Any],
+        micro: bool,
+        rng: dict[str, torch.Tensor],
+        s: int,
+        *,
+        finite: bool = False,
+        n_total: int | None = None,
+    ) -> torch.Tensor:
+        """Gradient signature of one step's micro-batches recomputed on this rank, leaving .grad and
+        buffers alone.
 
-        Each parameter's gradient is signed by a tensor hook as soon as backward produces it, and
-        the hook hands autograd a zero-stride placeholder instead, so the gradient is freed at once:
-        only one parameter's gradient is alive at a time. Keeping all of them until the end (as
-        ``autograd.grad`` would) means as much fresh memory as the model on every audit, which on
-        CPU costs a page fault per 4 KiB (about 12 ms per 36 MiB here) because the allocator hands
-        such a block back to the system after each audit.
+        One batch: each parameter's gradient is signed by a tensor hook as soon as backward
+        produces it, and the hook hands autograd a zero-stride placeholder instead, so the gradient
+        is freed at once: only one parameter's gradient is alive at a time. Keeping all of them
+        until the end (as ``autograd.grad`` would) means as much fresh memory as the model on every
+        audit, which on CPU costs a page fault per 4 KiB (about 12 ms per 36 MiB here) because the
+        allocator hands such a block back to the system after each audit.
+
+        Several micro-batches: the hook adds each gradient into a per-parameter accumulator, in
+        micro-batch order, as autograd accumulates ``.grad`` under ``no_sync`` (the same additions,
+        so the same bits), and the accumulators are signed at the end: one model's worth of memory
+        during the audit, one graph alive at a time.
+
+        ``finite=True`` (a gradient scaler's overflow check) returns one flag instead: True when
+        any recomputed gradient is non-finite. ``n_total``: the step's number of micro-batches when
+        ``units`` is a sample of them (each loss is divided by the step's count, as in training).
         """
         buffers = [b.detach().clone() for b in module.buffers()]
         devices = [self.device] if self.device.type == "cuda" else []
+        n = len(units)
+        scale_n = n_total or n
         rows: list[torch.Tensor | None] = [None] * len(self.params)
+        acc: list[torch.Tensor | None] | None = [None] * len(self.params) if n > 1 else None
+
+        def probes_of(i: int) -> Probes | None:
+            return self._probes.subset([i]) if self._probes is not None else None
+
+        def sign(i: int, g: torch.Tensor) -> torch.Tensor:
+            if finite:
+                return nonfinite_flag(g)
+            return signature([g], mode=self.mode, probes=probes_of(i))[0]
 
         def signer(i: int):
-            probes = self._probes.subset([i]) if self._probes is not None else None
-
             def hook(grad: torch.Tensor) -> torch.Tensor:
-                g = grad
-                if self.injector is not None:  # drills only: a persistent fault corrupts replays too
-                    g = grad.detach().clone()
-                    self.injector.on_local_grads([self.param_names[i]], [g])
-                rows[i] = signature([g.detach()], mode=self.mode, probes=probes)[0]
+                if acc is not None:
+                    if acc[i] is None:
+                        acc[i] = grad.detach().clone()
+                    else:
+                        acc[i].add_(grad.detach())
+                else:
+                    g = grad
+                    if self.injector is not None:  # drills only: a persistent fault corrupts replays too
+                        g = grad.detach().clone()
+                        self.injector.on_local_grads([self.param_names[i]], [g])
+                    rows[i] = sign(i, g.detach())
                 return torch.zeros((), dtype=grad.dtype, device=grad.device).expand_as(grad)
 
             return hook
@@ -632,8 +952,10 @@ class Auditor:
                 restore_rng(rng, self.device)
                 if self.injector is not None:
                     self.injector.begin(s, "replay")
-                loss = self.loss_fn(module, batch)
-                torch.autograd.grad(self._scaled(loss), self.params, allow_unused=True)
+                for unit in units:
+                    loss = self.loss_fn(module, unit)
+                    torch.autograd.grad(self._scaled(loss, n=scale_n, micro=micro), self.params, allow_unused=True)
+                    del loss
         finally:
             for h in handles:
                 h.remove()
@@ -642,29 +964,85 @@ class Auditor:
                     b.copy_(saved)
             if self.injector is not None:
                 self.injector.begin(s, "train")
+        if acc is not None:
+            if self.injector is not None:  # as in training: a backward fault hits the accumulated gradient
+                self.injector.begin(s, "replay")
+                present = [i for i, a in enumerate(acc) if a is not None]
+                self.injector.on_local_grads([self.param_names[i] for i in present], [acc[i] for i in present])
+                self.injector.begin(s, "train")
+            for i, a in enumerate(acc):
+                if a is not None:
+                    rows[i] = sign(i, a)
+                    acc[i] = None
         for i, p in enumerate(self.params):
             if rows[i] is None:  # unused in this forward: DDP's bucket holds zeros for it
-                probes = self._probes.subset([i]) if self._probes is not None else None
-                rows[i] = signature([torch.zeros_like(p)], mode=self.mode, probes=probes)[0]
-        return torch.stack(rows)
+                rows[i] = sign(i, torch.zeros_like(p))
+        return torch.stack(rows).any() if finite else torch.stack(rows)
 
-    def _check_deterministic(self, batch: Any) -> None:
+    def _check_deterministic(self, units: list[Any], micro: bool) -> None:
+        """Replay the rank's own first step twice; refuse (on every rank together) if they differ."""
         rng = self._rng_state()
         module = self.model.module
-        a, b = self._replay(module, batch, rng, 0), self._replay(module, batch, rng, 0)
+        a, b = self._replay(module, units, micro, rng, 0), self._replay(module, units, micro, rng, 0)
         same = matches(a.cpu(), b.cpu(), mode="deterministic", rtol=0)
+        reason = None
         if not all(same):
             names = [n for n, ok in zip(self.param_names, same) if not ok][:5]
-            raise AuditSetupError(
-                f"rank {self.rank}: the model's gradients differ between two identical computations (e.g. {names});"
-                " enable torch.use_deterministic_algorithms(True) or use Auditor(mode='tolerance')"
-            )
+            reason = f"gradients differ between two identical computations (e.g. {names})"
+        refuse_together(
+            reason,
+            group=self.group,
+            wire_device=self.wire_device,
+            what="the determinism check (deterministic mode)",
+            advice=(
+                "the replay restores torch's RNG state only, so the likely causes are: randomness drawn outside"
+                " torch inside the model or loss_fn (Python's random, numpy.random: draw from torch instead, e.g."
+                " torch.rand), state that changes between calls (a counter, a cache), or non-deterministic kernels"
+                " (enable torch.use_deterministic_algorithms(True)); Auditor(mode='tolerance') helps with the"
+                " last cause only"
+            ),
+        )
 
-    def _replay_audit(self, s: int, batch: Any, rng: dict[str, torch.Tensor], prev: dict[str, Any]) -> bool:
-        """Run the ring replay of ``prev`` (the previous rank's batch and RNG state); returns whether
-        the update may be applied."""
+    def _check_replay_path(self, s: int, units: list[Any], micro: bool, rng: dict[str, torch.Tensor]) -> None:
+        """Replay this rank's own step and compare with its training gradients (first clean step).
+
+        This is the comparison every audit makes between two ranks, made on one rank with the same
+        weights, so that a set-up the audits would always flag is refused at once, on every rank.
+        """
+        self._path_check_pending = False
         local = torch.stack([self._hook.local_sig[i] for i in range(len(self.params))])
-        replay = self._replay(self.model.module, prev["batch"], prev["rng"], s)
+        again = self._replay(self.model.module, units, micro, rng, s)
+        same = matches(again.cpu(), local.cpu(), mode=self.mode, rtol=self.rtol)
+        reason = None
+        if not all(same):
+            names = [n for n, ok in zip(self.param_names, same) if not ok][:5]
+            reason = f"the replay of the first step gives other gradients than training did (e.g. {names})"
+        refuse_together(
+            reason,
+            group=self.group,
+            wire_device=self.wire_device,
+            what="the replay check",
+            advice=(
+                "a replay calls loss_fn(model.module, batch) on the bare module, outside DDP and outside a"
+                " torch.compile wrapped around DDP; likely causes: a loss_fn that treats the bare module"
+                " differently, a compiler that changes the arithmetic (compile inside DDP instead,"
+                " DDP(torch.compile(model)), or use Auditor(mode='tolerance')), a forward that reads the buffers"
+                " it updates, or randomness drawn outside torch"
+            ),
+        )
+
+    def _replay_audit(
+        self, s: int, units: list[Any], micro: bool, rng: dict[str, torch.Tensor], prev: dict[str, Any]
+    ) -> bool:
+        """Run the ring replay of ``prev`` (the previous rank's micro-batches and RNG state); returns
+        whether the update may be applied."""
+        if self._sample_sig is not None:
+            local = self._sample_sig
+        else:
+            local = torch.stack([self._hook.local_sig[i] for i in range(len(self.params))])
+        replay = self._replay(
+            self.model.module, prev["units"], bool(prev["micro"]), prev["rng"], s, n_total=int(prev["n"])
+        )
         gathered = self._gather_rows(torch.stack([local, replay]))  # [W, 2, P, ...]
         failed, mismatched = [], {}
         for origin, replayer in ring_pairs(self.world):
@@ -673,14 +1051,21 @@ class Auditor:
                 failed.append((origin, replayer))
                 mismatched[f"{origin}->{replayer}"] = [n for n, good in zip(self.param_names, ok) if not good][:10]
         if not failed:
-            self._event("replay", "pass", step=s, comparisons=len(ring_pairs(self.world)), mode=self.mode)
+            self._event(
+                "replay",
+                "pass",
+                step=s,
+                comparisons=len(ring_pairs(self.world)),
+                mode=self.mode,
+                micro_batches=len(units),
+            )
             return True
         self.last.applied = False
         # A replay can only be trusted between replicas that hold the same weights: check first.
         if not self.weight_consensus(s - 1, found_by="replay precondition"):
             self._zero_grad()
             return False
-        arbitration = self._arbitrate(s, failed, batch, rng, gathered)
+        arbitration = self._arbitrate(s, failed, self._audit_payload, gathered)
         verdict = attribute_replay(self.world, failed, arbitration)
         ev = self._event(
             "replay",
@@ -689,6 +1074,7 @@ class Auditor:
             suspects=verdict.suspects,
             contained=False,
             mode=self.mode,
+            micro_batches=len(units),
             failed=[{"origin": o, "replayer": r} for o, r in failed],
             mismatched=mismatched,
             arbitration={f"{o}->{r}": v for (o, r), v in arbitration.items()},
@@ -705,13 +1091,13 @@ class Auditor:
         dist.all_gather(out, wire, group=self.group)
         return [o.cpu() for o in out]
 
-    def _arbitrate(self, s, failed, batch, rng, gathered) -> dict[tuple[int, int], str]:
+    def _arbitrate(self, s, failed, payload, gathered) -> dict[tuple[int, int], str]:
         """For each failed comparison no persistent fault explains, a third rank replays the batch."""
         results: dict[tuple[int, int], str] = {}
         for origin, replayer, arbiter in arbitration_plan(self.world, failed):
             if self.rank == origin:
                 send_payload(
-                    {"batch": batch, "rng": rng},
+                    payload,
                     dist.get_global_rank(self.group, arbiter),
                     group=self.group,
                     wire_device=self.wire_device,
@@ -724,7 +1110,9 @@ class Auditor:
                     wire_device=self.wire_device,
                     out_device=self.device,
                 )
-                sig = self._replay(self.model.module, got["batch"], got["rng"], s).cpu()
+                sig = self._replay(
+                    self.model.module, got["units"], bool(got["micro"]), got["rng"], s, n_total=int(got["n"])
+                ).cpu()
             else:
                 sig = torch.zeros_like(gathered[origin][1])
             wire = sig.to(self.wire_device)
@@ -744,24 +1132,45 @@ class Auditor:
         compares the 64-bit fingerprints instead, which the checkpoint writer then reuses, and its
         pass event carries the state fingerprint the certifier matches against the file.
         """
-        if not self.params:
+        state = [p.detach() for p in self.params]
+        names = list(self.param_names)
+        if self.buffers:
+            if self._seal_source:
+                self._check_seal()
+            if self._bcast_buffers:
+                self._broadcast_buffers()
+            state += [b.detach() for b in self.buffers]
+            names += self.buffer_names
+        if not state:
             raw = torch.zeros(0, dtype=torch.int64)
         elif fingerprints:
-            raw = torch.stack([raw_sum(as_words(p.detach())) for p in self.params])
+            raw = torch.stack([raw_sum(as_words(t)) for t in state])
         else:
-            raw = digests([p.detach() for p in self.params])
+            raw = digests(state)
+        columns = list(names)
+        if self._bcast_buffers and self.buffers:
+            # The broadcast source's seal flags vote too: only rank 0 can set them, so a broken seal
+            # makes rank 0 the minority, naming the buffer that changed outside a forward.
+            bad = self._seal_bad if self._seal_bad is not None else torch.zeros(len(self.buffers), dtype=torch.bool)
+            raw = torch.cat([raw, bad.to(device=raw.device, dtype=torch.int64)])
+            columns += [f"{n} (changed on the broadcast source outside a forward)" for n in self.buffer_names]
+            self._seal_bad = None  # reported once; the seal restarts from the values held now
+            if self._seal_source:
+                self._seal = digests(self.buffers)
         rows = [r.tolist() for r in self._gather_rows(raw)]
         verdict = consensus_verdict(rows)
         if verdict.agreed:
             details: dict[str, Any] = {"params": len(self.params)}
+            if self.buffers:
+                details["buffers"] = len(self.buffers)
             if fingerprints:
-                fps = {n: f"{finalize(r, p):016x}" for n, r, p in zip(self.param_names, rows[0], self.params)}
+                fps = {n: f"{finalize(r, t):016x}" for n, r, t in zip(names, rows[0], state)}
                 details["fp"] = state_fingerprint(fps)
                 self._consensus = (s, fps, details["fp"])
             if found_by is None:
                 self._event("consensus", "pass", step=s, **details)
             return True
-        names = [self.param_names[j] for j in verdict.mismatched][:20]
+        names = [columns[j] for j in verdict.mismatched][:20]
         if self.last is not None and found_by is None:
             self.last.applied = False
         ev = self._event(
@@ -819,7 +1228,7 @@ class Auditor:
         if self.rank == 0:
             known = {
                 (p.data_ptr(), p.dtype, tuple(p.shape), p.stride(), str(p.device)): (n, fps[n])
-                for n, p in zip(self.param_names, self.params)
+                for n, p in zip(self.param_names + self.buffer_names, self.params + self.buffers)
                 if n in fps
             }
             try:

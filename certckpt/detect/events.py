@@ -27,8 +27,10 @@ __all__ = [
 
 # nonfinite: the per-step checks since the previous audit, summarised at each audit step (and a
 # failure as soon as it happens); replay: ring replay of step s's local gradients; consensus:
-# weight fingerprints of W_s compared across replicas.
-KINDS = ("nonfinite-pre", "nonfinite-post", "nonfinite", "replay", "consensus")
+# weight fingerprints of W_s compared across replicas; overflow: a gradient scaler's overflow,
+# confirmed by a neighbour's replay (always outcome "pass": the scaler skipped the update by design,
+# and the certifier counts only the three audit kinds and failures, so it changes no verdict).
+KINDS = ("nonfinite-pre", "nonfinite-post", "nonfinite", "replay", "consensus", "overflow")
 
 # Environment variables that identify where a rank runs (Kubernetes, Slurm, clouds, torchrun).
 _NODE_ENV = (

@@ -8,7 +8,9 @@ A ``Fault`` hits one rank at one step (``persistent=False``) or at every step fr
 - ``post-optimizer``: perturbs one stored weight after the optimizer step;
 - ``non-finite``: writes NaN (or Inf) into one local gradient before the all-reduce;
 - ``reduction``: writes NaN (or Inf) into the reduced gradients one rank receives (a faulty
-  interconnect or reduction), to exercise the post-reduce check.
+  interconnect or reduction), to exercise the post-reduce check;
+- ``buffer``: perturbs one stored floating-point buffer (a BatchNorm running statistic) after the
+  optimizer step, as a memory fault in state outside the parameters would.
 
 The perturbation is a relative scale of the largest-magnitude element (``scale``) or one flipped bit
 of it (``bit``). A persistent fault also corrupts the replays its rank computes; a one-time fault hits
@@ -26,7 +28,7 @@ from certckpt.errors import ConfigurationError
 
 __all__ = ["Fault", "Injector", "FAULT_KINDS"]
 
-FAULT_KINDS = ("forward", "backward", "post-optimizer", "non-finite", "reduction")
+FAULT_KINDS = ("forward", "backward", "post-optimizer", "non-finite", "reduction", "buffer")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -41,7 +43,8 @@ class Fault:
         persistent: hit every step from ``step`` on, replays included.
         scale: relative perturbation of the largest-magnitude element (ignored when ``bit`` is set).
         bit: flip this bit of that element's raw bits instead.
-        target: module name (forward) or parameter name (others); default: the first one.
+        target: module name (forward), buffer name (buffer) or parameter name (others); default:
+            the first one (for buffer: the first floating-point buffer).
         value: for ``non-finite``: ``"nan"`` or ``"inf"``.
     """
 
@@ -101,10 +104,12 @@ class Injector:
         self._handles: list = []
         self.fired: list[tuple[str, int, str]] = []  # (kind, step, phase), for reports
         self.default_param: str | None = None  # the model's first parameter, set by install()
+        self.default_buffer: str | None = None  # its first floating-point buffer
 
     def install(self, module: torch.nn.Module) -> None:
         """Register forward hooks for this rank's forward faults; learn the default target parameter."""
         self.default_param = next((n for n, p in module.named_parameters() if p.requires_grad), None)
+        self.default_buffer = next((n for n, b in module.named_buffers() if b.is_floating_point()), None)
         mods = dict(module.named_modules())
         for f in self.faults:
             if f.kind != "forward":
@@ -157,6 +162,16 @@ class Injector:
         for f, i in self._pick(("post-optimizer",), names):
             perturb_(named_params[i][1].data, f)
             self.fired.append((f.kind, self.step, self.phase))
+
+    def after_optimizer_buffers(self, named_buffers: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Buffer faults: one stored buffer, after the optimizer step."""
+        names = [n for n, _ in named_buffers]
+        for f in self.faults:
+            if f.kind == "buffer" and f.active(self.step, self.phase):
+                target = f.target or self.default_buffer
+                if target in names:
+                    perturb_(named_buffers[names.index(target)][1], f)
+                    self.fired.append((f.kind, self.step, self.phase))
 
     def remove(self) -> None:
         for h in self._handles:

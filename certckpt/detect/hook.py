@@ -1,0 +1,216 @@
+"""The DDP communication hook behind the non-finite checks, and its per-step state.
+
+The hook performs each bucket's all-reduce itself: before it, the local gradients' non-finite flag
+(eagerly, or lazily from ``.grad`` once the reduced bucket comes back non-finite) and, on audit
+steps, their signatures; after it, the reduced bucket's flag and, where DDP would copy the reduced
+bucket into ``.grad``, the hand-over of ``.grad`` to its view of the bucket. The flags stay on the
+device; the auditor reads them once per step (``Auditor._read_flags``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from .inject import Injector
+from .signature import Probes, signature
+
+__all__ = [
+    "HookState",
+    "comm_hook",
+    "nonfinite_flag",
+    "local_grads_flag",
+    "lazy_pre_possible",
+    "hand_over_possible",
+]
+
+
+class HookState:
+    """State shared with the communication hook: per-bucket device flags, the bucket views, the
+    local gradients kept alive for the step and, on audit steps, their signatures."""
+
+    def __init__(
+        self,
+        *,
+        names: list[str],
+        index: dict[int, int],
+        mode: str,
+        probes: Probes | None,
+        injector: Injector | None,
+        group: Any,
+        eager_pre: bool,
+        hand_over: bool,
+    ):
+        # What the hook needs from the auditor: the trained parameters' names and their index by
+        # id(), the signature mode and probes, a drill's injector, the process group.
+        self.names, self.index, self.mode, self.probes = names, index, mode, probes
+        self.injector, self.group = injector, group
+        # Eager: flag every bucket's local gradients before the all-reduce (device-side, no sync).
+        # Lazy: flag them only when the reduced bucket is non-finite, from ``.grad``, which still
+        # holds the local gradients when the callback runs (see ``lazy_pre_possible``).
+        self.eager_pre = eager_pre
+        # Hand-over: the callback points ``.grad`` at the reduced bucket (see ``hand_over_possible``).
+        self.hand_over = hand_over
+        self.pre: list[torch.Tensor] = []
+        self.post: list[torch.Tensor] = []
+        self.local_sig: dict[int, torch.Tensor] = {}
+        self.audit = False
+        self.views: dict[int, tuple[tuple[int, int], list[torch.Tensor], list[torch.Tensor]]] = {}
+        self.kept: list[torch.Tensor] = []
+        # Micro-batch steps: the factor (1 / world) the hook applies to each bucket before its
+        # all-reduce, as DDP's own hook does; None when the loss already carries the averaging.
+        self.average: float | None = None
+
+    def reset(self, *, audit: bool, average: float | None = None) -> None:
+        # Dropping the kept local gradients here, right after zero_grad, frees them when plain DDP
+        # frees its .grad tensors: freed any earlier, the allocator hands the block back to the
+        # system and the next backward pays a page fault per 4 KiB to get it again.
+        self.pre, self.post, self.local_sig, self.audit, self.kept = [], [], {}, audit, []
+        self.average = average
+
+    def bucket_views(self, bucket, buf: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The bucket's parameters and, for each, a view of its gradient in the bucket (cached).
+
+        ``GradBucket.gradients()`` views every gradient row-major, but DDP lays a dense
+        parameter's gradient out with the parameter's own strides (its "gradient layout
+        contract"): for a channels_last weight the row-major view reads the right bytes in the
+        wrong order. The views here follow DDP's layout, so they hold the gradient's true values.
+        """
+        key = (buf.data_ptr(), buf.numel())  # DDP rebuilds its buckets once, after the first step
+        hit = self.views.get(bucket.index())
+        if hit is not None and hit[0] == key:
+            return hit[1], hit[2]
+        params = list(bucket.parameters())
+        views = []
+        for p, g in zip(params, bucket.gradients()):
+            if _dense(p) and not p.is_contiguous():
+                g = buf.as_strided(p.size(), p.stride(), g.storage_offset())
+            views.append(g)
+        self.views[bucket.index()] = (key, params, views)
+        return params, views
+
+    def handed_over_intact(self) -> bool:
+        """Does each bucket's first gradient still view the reduced bucket after backward?
+
+        The hand-over relies on DDP leaving ``.grad`` alone once told an optimizer ran in backward
+        (a private switch); were a torch release to reset or copy the gradients there instead, the
+        optimizer would silently step on something else. One check per bucket per step catches it.
+        """
+        for _, params, views in self.views.values():
+            for p, v in zip(params, views):
+                if v.numel():
+                    if p.grad is None or p.grad.data_ptr() != v.data_ptr():
+                        return False
+                    break
+        return True
+
+
+def nonfinite_flag(buf: torch.Tensor) -> torch.Tensor:
+    # One fused reduction instead of isfinite().all(): NaN and Inf propagate through a sum (a sum
+    # that overflows to Inf is flagged too, and means the gradients are unusable anyway).
+    return ~torch.isfinite(buf.sum(dtype=torch.float32))
+
+
+def local_grads_flag(params: list[torch.Tensor]) -> torch.Tensor:
+    flags = [nonfinite_flag(p.grad) for p in params if p.grad is not None]
+    return torch.stack(flags).any() if flags else torch.zeros((), dtype=torch.bool)
+
+
+def lazy_pre_possible(model: DistributedDataParallel, device: torch.device) -> bool:
+    """Can the pre-reduce check wait until the reduced bucket is known to be non-finite?
+
+    Only where reading a flag on the host is free (CPU tensors) and the local gradients survive the
+    all-reduce: DDP copies each gradient into its bucket and copies the reduced bucket back into
+    ``.grad`` only after every bucket's future (callback included) has completed, unless the
+    gradients *are* bucket views. A non-finite local gradient always makes the reduced bucket
+    non-finite (NaN and Inf survive a sum), so a clean step then pays one pass over the gradients
+    instead of two, and a failing step still learns which rank's local gradients were bad.
+    """
+    return device.type == "cpu" and not getattr(model, "gradient_as_bucket_view", False)
+
+
+def hand_over_possible(model: DistributedDataParallel) -> bool:
+    """Can the callback hand the reduced bucket to ``.grad`` instead of DDP copying it there?
+
+    With gradient copies, DDP copies every reduced bucket into ``.grad`` after the callbacks: a
+    pass that reads and writes all the gradients, costing more than the non-finite check's own
+    pass. Told that an optimizer ran in backward (``Reducer._set_optimizer_in_backward``), DDP
+    leaves ``.grad`` alone, and the callback points each ``.grad`` at its gradient's view of the
+    reduced bucket instead, as ``gradient_as_bucket_view=True`` would: the same values, no copy.
+    Only where that is exactly what DDP would have produced: every parameter gets a gradient each
+    step (no ``find_unused_parameters``, no static graph), the bucket has the parameters' dtype
+    (no mixed precision), and gradients are not bucket views already. (Every view is dropped by the
+    auditor's ``_zero_grad`` before the next backward, which would otherwise accumulate into it.)
+    """
+    reducer = getattr(model, "reducer", None)
+    return (
+        hasattr(reducer, "_set_optimizer_in_backward")
+        and not getattr(model, "gradient_as_bucket_view", False)
+        and not getattr(model, "find_unused_parameters", True)
+        and not getattr(model, "static_graph", True)
+        and getattr(model, "mixed_precision", None) is None
+    )
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Is ``t`` non-overlapping and dense (some permutation of its dimensions is contiguous)?"""
+    expected = 1
+    for stride, size in sorted((t.stride(d), t.size(d)) for d in range(t.dim())):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def comm_hook(state, bucket):
+    # No annotations: DDP inspects them, and `from __future__ import annotations` turns them into
+    # strings it rejects ("bucket annotation should be dist.GradBucket").
+    buf = bucket.buffer()
+    params, grads = state.bucket_views(bucket, buf)
+    if state.audit or state.injector is not None:
+        idx = [state.index[id(p)] for p in params]
+        if state.injector is not None:
+            state.injector.on_local_grads([state.names[i] for i in idx], grads)
+            # A real fault in backward corrupts .grad, which DDP copied into the bucket: mirror an
+            # injected one there too, so that the lazy pre-reduce check sees what a real one would.
+            with torch.no_grad():
+                for p, g in zip(params, grads):
+                    if p.grad is not None and p.grad.data_ptr() != g.data_ptr():
+                        p.grad.copy_(g)
+    if state.eager_pre:
+        state.pre.append(nonfinite_flag(buf))
+    if state.audit:
+        probes = state.probes.subset(idx) if state.probes is not None else None
+        sig = signature(grads, mode=state.mode, probes=probes)
+        for i, row in zip(idx, sig):
+            state.local_sig[i] = row
+    # No division here on a one-batch step: the auditor folds DDP's averaging into the loss (loss /
+    # world before backward), so the sum this all-reduce computes is already the average. DDP's
+    # own hook fuses its division into the copy into the bucket; a hook's ``div_`` would be one
+    # more full pass. A micro-batch step pays that pass once (after n backward passes), so that
+    # its weights are bit-equal to plain DDP accumulation: the same multiplication DDP makes.
+    if state.average is not None:
+        buf.mul_(state.average)
+    fut = dist.all_reduce(buf, group=state.group, async_op=True).get_future()
+
+    def post(f: torch.futures.Future) -> torch.Tensor:
+        out = f.value()[0]
+        if state.injector is not None:
+            state.injector.on_reduced(out)
+        flag = nonfinite_flag(out)
+        state.post.append(flag)
+        if not state.eager_pre and bool(flag):  # a CPU flag: reading it costs no device sync
+            state.pre.append(local_grads_flag(params))
+        if state.hand_over:  # after the lazy check, which reads the local gradients from .grad
+            for p, g in zip(params, grads):
+                if p.grad is not None:
+                    state.kept.append(p.grad)
+                p.grad = g
+        return out
+
+    return fut.then(post)
