@@ -22,6 +22,7 @@ LAYERS = {
     "certckpt.ops": 3,
     "certckpt.detect": 3,
     "certckpt.integrations": 4,
+    "certckpt.dcp": 4,
     "certckpt.tools": 5,
     "certckpt_cli": 6,
 }
