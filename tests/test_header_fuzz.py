@@ -23,8 +23,18 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 import certckpt
-from certckpt.errors import CertckptError, CorruptCheckpointError
-from certckpt.format.header import DTYPE_SIZES, MAX_HEADER_BYTES, encode_header, parse_header, read_header_length
+from certckpt.errors import CertckptError, CorruptCheckpointError, NotACheckpointError
+from certckpt.format.header import (
+    DTYPE_SIZES,
+    MAX_HEADER_BYTES,
+    METADATA_KEY,
+    canonical_json,
+    encode_header,
+    padded_json,
+    parse_header,
+    read_header_length,
+)
+from certckpt.format.record import RECORD_KEY, header_digest
 
 # database=None: nothing is written under the working directory.
 FUZZ = settings(deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
@@ -266,14 +276,54 @@ def test_verify_random_record_fields(small_ckpt, scratch, field, value):
 
 @pytest.mark.slow  # every bit of a small file: ~30 s on 2 cores
 def test_every_single_bit_flip_is_detected(small_ckpt, scratch):
-    """Exhaustive: each of the file's bits flipped in turn."""
+    """Exhaustive: each of the file's bits flipped in turn; a damaged certckpt file is a failure (exit 1),
+    never "not a certckpt checkpoint" or "upgrade certckpt" (exit 2): the opening brace, the record's
+    key, the metadata key and the schema number are all bits an accident can flip."""
     for i in range(len(small_ckpt)):
         for bit in range(8):
             data = bytearray(small_ckpt)
             data[i] ^= 1 << bit
             scratch.write_bytes(bytes(data))
-            report = check_verify(scratch)
+            try:
+                report = certckpt.verify(scratch)
+            except NotACheckpointError as e:
+                raise AssertionError(f"byte {i} bit {bit} flipped was called a foreign file: {e}") from None
+            except CertckptError:
+                report = None
             assert report is None or not report.ok, f"byte {i} bit {bit} flipped went unnoticed"
+
+
+def _with_record(path, edit) -> bytes:
+    """The file's bytes with its record edited and the header digest recomputed under the rule."""
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    doc = json.loads(data[8 : 8 + n])
+    rec = json.loads(doc[METADATA_KEY][RECORD_KEY])
+    edit(rec)
+    rec["header_digest"] = "0" * 32
+    doc[METADATA_KEY][RECORD_KEY] = canonical_json(rec)
+    rec["header_digest"] = header_digest(padded_json(doc))
+    doc[METADATA_KEY][RECORD_KEY] = canonical_json(rec)
+    body = padded_json(doc)
+    return struct.pack("<Q", len(body)) + body + data[8 + n :]
+
+
+def test_a_newer_schema_with_a_holding_digest_asks_for_an_upgrade(tmp_path):
+    """A file from a newer certckpt (its header digest holds) is exit 2 with "upgrade"; the same schema
+    number in a header whose digest does not hold is damage (exit 1)."""
+    p = tmp_path / "a.safetensors"
+    certckpt.save({"w": torch.ones(3)}, p)
+    newer = tmp_path / "newer.safetensors"
+    newer.write_bytes(_with_record(p, lambda r: r.update(schema=r["schema"] + 1, new_field="x")))
+    with pytest.raises(NotACheckpointError, match="upgrade certckpt"):
+        certckpt.verify(newer)
+    damaged = tmp_path / "damaged.safetensors"
+    raw = bytearray(newer.read_bytes())
+    at = raw.index(b"new_field") + 2
+    raw[at] ^= 1  # any byte the digest covers
+    damaged.write_bytes(bytes(raw))
+    report = certckpt.verify(damaged)
+    assert not report.ok and "header digest" in str(report.problems)
 
 
 def test_every_truncation_is_detected(small_ckpt, scratch):

@@ -125,6 +125,13 @@ def parse_record(header: Header, *, source: str) -> CheckpointRecord:
     """
     text = header.metadata.get(RECORD_KEY)
     if text is None:
+        if _holds_record_text(header.raw):
+            # The record's text is there under a damaged key (or the metadata map's own key is
+            # damaged): a damaged certckpt file, which is a failure (exit 1), not a foreign file.
+            raise CorruptCheckpointError(
+                f"{source}: malformed header: the certckpt record is present but its key is damaged;"
+                " restore the file from a good copy"
+            )
         raise NotACheckpointError(
             f"{source}: not a certckpt checkpoint: a plain safetensors file without certckpt metadata;"
             " open it with safetensors.safe_open, or re-save it with certckpt.save to certify it"
@@ -136,6 +143,14 @@ def parse_record(header: Header, *, source: str) -> CheckpointRecord:
     if not isinstance(doc, dict) or type(doc.get("schema")) is not int:
         raise CorruptCheckpointError(f"{source}: malformed header: the certckpt record has no schema version")
     if doc["schema"] > SCHEMA_VERSION:
+        if not _digest_holds(header, doc):
+            # Every schema keeps `header_digest` over the header with that field zeroed
+            # (docs/format.md), so a newer file still proves its own header: a schema number that
+            # does not is a damaged one, not a newer certckpt.
+            raise CorruptCheckpointError(
+                f"{source}: header digest mismatch: the record claims schema {doc['schema']} but its header"
+                " digest does not hold (the header is damaged); restore the file from a good copy"
+            )
         raise NotACheckpointError(
             f"{source}: written with certckpt record schema {doc['schema']}; this certckpt reads up to"
             f" schema {SCHEMA_VERSION} — upgrade certckpt (pip install -U certckpt)"
@@ -198,6 +213,25 @@ def _validate(record: CheckpointRecord, header: Header, source: str) -> None:
             raise CorruptCheckpointError(
                 f"{source}: malformed header: the certckpt record's `{name}` has the wrong type"
             )
+
+
+def _holds_record_text(raw: bytes) -> bool:
+    # Field names of every schema's record, as they appear escaped inside the metadata string.
+    return b'\\"header_digest\\"' in raw and b'\\"schema\\"' in raw
+
+
+def _digest_holds(header: Header, record_doc: dict) -> bool:
+    """Whether ``header_digest`` verifies under the rule every schema keeps: xxh3-128 of the canonical
+    header with the record's ``header_digest`` set to zeros."""
+    claimed = record_doc.get("header_digest")
+    if not _is_hex(claimed, DIGEST_HEX):
+        return False
+    try:
+        doc = strict_json_loads(header.raw)
+        doc[METADATA_KEY][RECORD_KEY] = canonical_json({**record_doc, "header_digest": _PLACEHOLDER_DIGEST})
+        return header_digest(padded_json(doc)) == claimed
+    except (ValueError, RecursionError, KeyError, TypeError):
+        return False
 
 
 def check_header(header: Header, record: CheckpointRecord) -> str | None:

@@ -8,6 +8,7 @@ raise.
 
 from __future__ import annotations
 
+import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -15,9 +16,17 @@ from typing import IO, Any
 
 import xxhash
 
-from certckpt.errors import CorruptCheckpointError
+from certckpt.errors import CorruptCheckpointError, NotACheckpointError
 
-from .header import Header, TensorEntry, parse_header, printable, read_header_length
+from .header import (
+    MAX_HEADER_BYTES,
+    Header,
+    TensorEntry,
+    parse_header,
+    printable,
+    read_header_length,
+    sniff_foreign_format,
+)
 from .record import CheckpointRecord, check_header, parse_record, state_fingerprint
 from .storage import open_read, resolve
 
@@ -111,6 +120,25 @@ def _read_exact(fh: IO[bytes], n: int) -> bytes:
     return b"".join(chunks)
 
 
+def _refuse_damaged_first_byte(fh: IO[bytes], prefix: bytes, size: int | None, source: str) -> None:
+    """A certckpt file whose header's opening ``{`` is damaged is corrupt (exit 1), not foreign (exit 2).
+
+    Only a length that fits the file is followed, and only a bounded read is made; the caller re-raises
+    "not a checkpoint" when the bytes hold no certckpt record.
+    """
+    if len(prefix) < 9 or sniff_foreign_format(prefix):
+        return
+    (n,) = struct.unpack("<Q", prefix[:8])
+    if not 2 <= n <= MAX_HEADER_BYTES or (size is not None and 8 + n > size):
+        return
+    rest = _read_exact(fh, n - 1)
+    if len(rest) == n - 1 and b'"__metadata__"' in rest and b"header_digest" in rest:
+        raise CorruptCheckpointError(
+            f"{source}: malformed header: the header's first byte is damaged (it is not '{{');"
+            " restore the file from a good copy"
+        )
+
+
 def read_checkpoint_header(fh: IO[bytes], size: int | None, source: str) -> CheckpointInfo:
     """Read, bound and validate the header and the certckpt record; the stream is left at the data.
 
@@ -118,7 +146,11 @@ def read_checkpoint_header(fh: IO[bytes], size: int | None, source: str) -> Chec
         CorruptCheckpointError, NotACheckpointError
     """
     prefix = _read_exact(fh, 9)
-    n = read_header_length(prefix, file_length=size, source=source)
+    try:
+        n = read_header_length(prefix, file_length=size, source=source)
+    except NotACheckpointError:
+        _refuse_damaged_first_byte(fh, prefix, size, source)
+        raise
     rest = _read_exact(fh, n - 1)
     if len(rest) != n - 1:
         raise CorruptCheckpointError(f"{source}: truncated: the header declares {n} bytes but the file ends early")
