@@ -16,7 +16,7 @@ def keygen(path: str) -> None:
     Writers sign with CERTCKPT_SIGNING_KEY=PATH; readers trust CERTCKPT_TRUSTED_KEYS=PATH.pub.
     Existing files are never replaced.
     """
-    from certckpt.trust.signing import generate_key
+    from certckpt.format.signing import generate_key
 
     private, public = generate_key(path)
     click.echo(f"private key: {private} (keep it on the writers; mode 0600)")

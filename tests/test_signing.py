@@ -15,9 +15,9 @@ from conftest import console_script
 pytest.importorskip("cryptography")
 
 from certckpt.errors import ConfigurationError
+from certckpt.format.signing import SigningKey, TrustedKeys, generate_key
 from certckpt.trust.ledger import Ledger
 from certckpt.trust.runstore import certify_store
-from certckpt.trust.signing import SigningKey, TrustedKeys, generate_key
 
 
 def _ev(branch, step, kind, outcome="pass", **details):

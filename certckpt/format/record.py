@@ -8,7 +8,7 @@ the data first and the header last. No torch import here.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 
@@ -26,9 +26,14 @@ from .header import (
     strict_json_loads,
 )
 
+if TYPE_CHECKING:  # the keys are duck-typed here; cryptography is imported only where keys are used
+    from .signing import SigningKey, TrustedKeys
+
 __all__ = [
     "SCHEMA_VERSION",
     "RECORD_KEY",
+    "SIG_KEY",
+    "signature_problem",
     "CheckpointRecord",
     "build_header",
     "parse_record",
@@ -41,6 +46,12 @@ RECORD_KEY = "certckpt"
 FP_HEX = 16  # 64-bit device fingerprint
 DIGEST_HEX = 32  # xxh3-128
 _PLACEHOLDER_DIGEST = "0" * DIGEST_HEX
+# A signed file's header holds one more metadata entry (docs/format.md, "Signed files"). Its values are
+# fixed-width too, so signing does not change the header's planned length.
+SIG_KEY = "certckpt.sig"
+SIGNATURE_DOMAIN = b"certckpt file signature v1\n"
+_PLACEHOLDER_SIG = "0" * 88  # base64 of a 64-byte Ed25519 signature
+_PLACEHOLDER_SHA256 = "0" * 64
 
 
 @dataclass(kw_only=True, slots=True)
@@ -89,8 +100,10 @@ def state_fingerprint(named_fps: dict[str, str]) -> str:
     return xxhash.xxh3_64_hexdigest("\n".join(lines).encode("utf-8"))
 
 
-def _header_doc(entries: list[TensorEntry], record: CheckpointRecord) -> dict:
+def _header_doc(entries: list[TensorEntry], record: CheckpointRecord, sig: dict[str, str] | None = None) -> dict:
     doc: dict[str, Any] = {METADATA_KEY: {"format": "pt", RECORD_KEY: record.to_json()}}
+    if sig is not None:
+        doc[METADATA_KEY][SIG_KEY] = canonical_json(sig)
     for e in entries:
         doc[e.name] = {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [e.begin, e.end]}
     return doc
@@ -100,15 +113,29 @@ def header_digest(header_bytes_without_digest: bytes) -> str:
     return xxhash.xxh3_128_hexdigest(header_bytes_without_digest)
 
 
-def build_header(entries: list[TensorEntry], record: CheckpointRecord) -> bytes:
-    """The complete header (8-byte length + padded JSON), with ``record.header_digest`` filled in.
+def build_header(
+    entries: list[TensorEntry],
+    record: CheckpointRecord,
+    *,
+    signer: SigningKey | None = None,
+    data_sha256: str | None = None,
+) -> bytes:
+    """The complete header (8-byte length + padded JSON), with ``record.header_digest`` filled in and,
+    with a ``signer``, signed over its own bytes and the data's SHA-256 (``data_sha256``).
 
-    The length does not depend on hash values: all are fixed-width hex strings.
+    The length does not depend on hash values: all are fixed-width strings.
     """
+    sig = None
+    if signer is not None:
+        sig = {"key": signer.key_id, "data_sha256": data_sha256 or _PLACEHOLDER_SHA256, "ed25519": _PLACEHOLDER_SIG}
     record.header_digest = _PLACEHOLDER_DIGEST
-    blank = encode_header(_header_doc(entries, record))
+    blank = encode_header(_header_doc(entries, record, sig))
     record.header_digest = header_digest(blank[8:])
-    final = encode_header(_header_doc(entries, record))
+    final = encode_header(_header_doc(entries, record, sig))
+    if signer is not None and sig is not None:
+        # Signed: the whole header as written, with only the signature itself blank.
+        sig = {**sig, "ed25519": signer.sign_bytes(SIGNATURE_DOMAIN + final[8:])}
+        final = encode_header(_header_doc(entries, record, sig))
     assert len(final) == len(blank)
     return final
 
@@ -227,11 +254,53 @@ def _digest_holds(header: Header, record_doc: dict) -> bool:
     if not _is_hex(claimed, DIGEST_HEX):
         return False
     try:
-        doc = strict_json_loads(header.raw)
+        doc = _blank_signature(strict_json_loads(header.raw))
         doc[METADATA_KEY][RECORD_KEY] = canonical_json({**record_doc, "header_digest": _PLACEHOLDER_DIGEST})
         return header_digest(padded_json(doc)) == claimed
     except (ValueError, RecursionError, KeyError, TypeError):
         return False
+
+
+def _signature_entry(doc: dict) -> dict[str, str] | None:
+    """The header's signature entry, or None when unsigned; ValueError when it is malformed."""
+    text = doc.get(METADATA_KEY, {}).get(SIG_KEY)
+    if text is None:
+        return None
+    sig = strict_json_loads(text) if isinstance(text, str) else None
+    if not (
+        isinstance(sig, dict)
+        and set(sig) == {"key", "data_sha256", "ed25519"}
+        and all(isinstance(v, str) for v in sig.values())
+        and len(sig["ed25519"]) == len(_PLACEHOLDER_SIG)
+        and _is_hex(sig["data_sha256"], 64)
+    ):
+        raise ValueError("malformed signature entry")
+    return sig
+
+
+def _blank_signature(doc: dict) -> dict:
+    """``doc`` with its signature (if any) replaced by the placeholder the signer signed over."""
+    sig = _signature_entry(doc)
+    if sig is not None:
+        doc[METADATA_KEY][SIG_KEY] = canonical_json({**sig, "ed25519": _PLACEHOLDER_SIG})
+    return doc
+
+
+def signature_problem(header: Header, trusted_keys: TrustedKeys) -> tuple[str | None, str | None]:
+    """Check the header's signature: ``(problem or None, the signed data SHA-256 or None)``.
+
+    The caller must still compare the data's SHA-256 with the second value: the signature covers the
+    data only through it.
+    """
+    try:
+        doc = strict_json_loads(header.raw)
+        sig = _signature_entry(doc)
+    except (ValueError, RecursionError, AttributeError) as e:
+        return f"the header's signature entry is malformed ({e})", None
+    if sig is None:
+        return "unsigned: the file carries no signature (it was saved without a signing key)", None
+    signed = padded_json(_blank_signature(doc))
+    return trusted_keys.bytes_problem(sig, SIGNATURE_DOMAIN + signed, what="the header"), sig["data_sha256"]
 
 
 def check_header(header: Header, record: CheckpointRecord) -> str | None:
@@ -239,7 +308,10 @@ def check_header(header: Header, record: CheckpointRecord) -> str | None:
     if not is_canonical(header) or header.metadata.get(RECORD_KEY) != record.to_json():
         return "header bytes are not in the form certckpt writes (whitespace, order or encoding changed)"
     blank = CheckpointRecord(**{**asdict(record), "header_digest": _PLACEHOLDER_DIGEST})
-    doc = strict_json_loads(header.raw)
+    try:
+        doc = _blank_signature(strict_json_loads(header.raw))
+    except (ValueError, AttributeError):
+        return "the header's signature entry is malformed"
     doc[METADATA_KEY][RECORD_KEY] = blank.to_json()
     found = header_digest(padded_json(doc))
     if found != record.header_digest:

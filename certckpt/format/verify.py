@@ -8,11 +8,12 @@ raise.
 
 from __future__ import annotations
 
+import hashlib
 import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import xxhash
 
@@ -27,8 +28,11 @@ from .header import (
     read_header_length,
     sniff_foreign_format,
 )
-from .record import CheckpointRecord, check_header, parse_record, state_fingerprint
+from .record import CheckpointRecord, check_header, parse_record, signature_problem, state_fingerprint
 from .storage import open_read, resolve
+
+if TYPE_CHECKING:
+    from .signing import TrustedKeys
 
 __all__ = ["verify", "inspect", "VerifyReport", "Problem", "CheckpointInfo", "read_checkpoint_header"]
 
@@ -193,7 +197,9 @@ def read_tensor(fh: IO[bytes], e: TensorEntry, source: str):
     return t, view
 
 
-def _check_data(fh: IO[bytes], info: CheckpointInfo, report: VerifyReport, progress: Progress | None) -> None:
+def _check_data(
+    fh: IO[bytes], info: CheckpointInfo, report: VerifyReport, progress: Progress | None, data_hash: Any = None
+) -> None:
     buf = bytearray(min(_CHUNK, max(info.header.data_length, 1)))
     mv = memoryview(buf)
     total, done = info.header.data_length, 0
@@ -206,6 +212,8 @@ def _check_data(fh: IO[bytes], info: CheckpointInfo, report: VerifyReport, progr
                 report.fail("truncated", _truncated(info.source, e, left), e.name)
                 return
             h.update(mv[:n])
+            if data_hash is not None:
+                data_hash.update(mv[:n])
             left -= n
             done += n
             if progress:
@@ -229,7 +237,9 @@ def _fill(fh: IO[bytes], view: memoryview) -> int:
     return got
 
 
-def _check_deep(fh: IO[bytes], info: CheckpointInfo, report: VerifyReport, progress: Progress | None) -> None:
+def _check_deep(
+    fh: IO[bytes], info: CheckpointInfo, report: VerifyReport, progress: Progress | None, data_hash: Any = None
+) -> None:
     import torch
 
     from .fingerprinting import StreamingFingerprint
@@ -251,6 +261,8 @@ def _check_deep(fh: IO[bytes], info: CheckpointInfo, report: VerifyReport, progr
                 report.fail("truncated", _truncated(info.source, e, left - n), e.name)
                 return
             h.update(mv[:n])
+            if data_hash is not None:
+                data_hash.update(mv[:n])
             fp.update(buf[:n])
             left -= n
             done += n
@@ -270,13 +282,18 @@ def _check_deep(fh: IO[bytes], info: CheckpointInfo, report: VerifyReport, progr
             )
 
 
-def verify(f: Any, *, deep: bool = False, progress: Progress | None = None) -> VerifyReport:
+def verify(
+    f: Any, *, deep: bool = False, progress: Progress | None = None, trusted_keys: TrustedKeys | None = None
+) -> VerifyReport:
     """Check every byte of a checkpoint against its embedded digests.
 
     Args:
         f: path, fsspec URL or readable binary file object.
         deep: also recompute each tensor's device fingerprint (imports torch; slower).
         progress: called as ``progress(bytes_done, bytes_total)`` while data is read.
+        trusted_keys: also require a signature by one of these keys over the header and the data's
+            SHA-256 (``docs/signing.md``): an unsigned file, or one forged with recomputed digests,
+            fails. Hashing the data with SHA-256 costs about one more pass.
 
     Returns:
         A ``VerifyReport``; ``report.ok`` is False for corrupt, truncated or tampered files.
@@ -307,7 +324,18 @@ def verify(f: Any, *, deep: bool = False, progress: Progress | None = None) -> V
             report.fail(
                 "state", f"{target.display}: whole-state fingerprint does not match the per-tensor fingerprints"
             )
-        (_check_deep if deep else _check_data)(fh, info, report, progress)
+        signed_sha256 = None
+        if trusted_keys is not None:
+            problem, signed_sha256 = signature_problem(info.header, trusted_keys)
+            if problem:
+                report.fail("signature", f"{target.display}: {problem}")
+        data_hash = hashlib.sha256() if signed_sha256 is not None else None
+        (_check_deep if deep else _check_data)(fh, info, report, progress, data_hash)
+        if data_hash is not None and report.ok and data_hash.hexdigest() != signed_sha256:
+            report.fail(
+                "signature",
+                f"{target.display}: the data's SHA-256 differs from the one signed: the tensors changed after signing",
+            )
         report.nbytes = info.header.file_length
     report.seconds = time.perf_counter() - t0
     return report

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import hashlib
 import os
 import sys
 import tempfile
@@ -29,6 +30,7 @@ from .header import TensorEntry
 from .inventory import writer_inventory
 from .reader import warn_ignored
 from .record import CheckpointRecord, build_header, state_fingerprint
+from .signing import SigningKey, signing_key_for
 from .skeleton import StoredTensor, flatten
 from .storage import commit_local, commit_remote, refuse_protected_local, refuse_protected_remote, resolve, temp_name
 from .tensors import host_bytes
@@ -130,7 +132,9 @@ class _Job:
         metadata: dict[str, str] | None,
         record_fields: dict[str, Any] | None = None,
         known_fingerprints: dict[tuple, tuple[str, str]] | None = None,
+        signer: SigningKey | None = None,
     ):
+        self.signer = signer
         if step is not None and (type(step) is not int or step < 0):
             raise ArgumentTypeError(f"step must be a non-negative int, got {step!r}")
         if run is not None and not isinstance(run, str):
@@ -165,15 +169,24 @@ class _Job:
             self.record.lineage["consensus"]["tensors"] = mapping
         # Header length is value-independent; build once with placeholders to learn it.
         self.record.tensors = {s.name: {"fp": "0" * 16, "xxh3": "0" * 32} for s in self.stored}
-        self.header_length = len(build_header(self.entries, self.record))
+        self.header_length = len(build_header(self.entries, self.record, signer=signer))
 
     def host(self, s: StoredTensor) -> torch.Tensor:
         return s.tensor if s.tensor.device.type == "cpu" else s.tensor.cpu()
 
-    def finish(self, fps: list[int], digests: list[str]) -> bytes:
+    def data_hasher(self) -> Any:
+        """SHA-256 over the data region, which a signature covers; None when unsigned (it costs)."""
+        return hashlib.sha256() if self.signer is not None else None
+
+    def finish(self, fps: list[int], digests: list[str], data_hash: Any = None) -> bytes:
         self.record.tensors = {s.name: {"fp": f"{fp:016x}", "xxh3": d} for s, fp, d in zip(self.stored, fps, digests)}
         self.record.state_fp = state_fingerprint({k: v["fp"] for k, v in self.record.tensors.items()})
-        header = build_header(self.entries, self.record)
+        header = build_header(
+            self.entries,
+            self.record,
+            signer=self.signer,
+            data_sha256=data_hash.hexdigest() if data_hash is not None else None,
+        )
         if len(header) != self.header_length:  # would silently corrupt the data region
             raise PlatformError("certckpt: header length changed between planning and writing")
         return header
@@ -197,6 +210,7 @@ class _Job:
         """Data first (hashes computed alongside on a worker thread), header last, fsync."""
         base = self.header_length
         host_digests: dict[int, str] = {}
+        data_hash = self.data_hasher()
         with _intraop_threads(1), ThreadPoolExecutor(max_workers=1, thread_name_prefix="certckpt-hash") as pool:
             hashed = pool.submit(self._hash_worker)
             for i, (s, e) in enumerate(zip(self.stored, self.entries)):
@@ -205,10 +219,12 @@ class _Job:
                 if h is not s.tensor:
                     host_digests[i] = xxhash.xxh3_128_hexdigest(view)
                 _pwrite_all(fd, view, base + e.begin)
+                if data_hash is not None:  # entries are contiguous and in data order
+                    data_hash.update(view)
                 del view, h
             fps, digests = hashed.result()
         digests = [d if d is not None else host_digests[i] for i, d in enumerate(digests)]
-        _pwrite_all(fd, memoryview(self.finish(fps, digests)), 0)
+        _pwrite_all(fd, memoryview(self.finish(fps, digests, data_hash)), 0)
         os.fsync(fd)
 
     def write_stream(self, f: IO[bytes]) -> None:
@@ -216,11 +232,14 @@ class _Job:
         fps = self.fingerprints()
         hosts = []
         digests = []
+        data_hash = self.data_hasher()
         for s in self.stored:
             h = self.host(s)
             digests.append(xxhash.xxh3_128_hexdigest(host_bytes(h)))
+            if data_hash is not None:
+                data_hash.update(host_bytes(h))
             hosts.append(h if h is s.tensor else None)  # keep only zero-copy views alive
-        f.write(self.finish(fps, digests))
+        f.write(self.finish(fps, digests, data_hash))
         for s, h in zip(self.stored, hosts):
             h = h if h is not None else self.host(s)
             f.write(host_bytes(h))
@@ -267,6 +286,7 @@ def save(
     run: str | None = None,
     metadata: dict[str, str] | None = None,
     overwrite: bool = True,
+    signing_key: SigningKey | str | os.PathLike | None = None,
 ) -> SaveResult:
     """Save ``obj`` as a certified safetensors checkpoint; ``torch.save``'s signature, never pickles.
 
@@ -290,6 +310,8 @@ def save(
         metadata: extra string metadata stored in the certckpt record.
         overwrite: replace an existing file (default, as ``torch.save``); False makes the save
             create-only (``CheckpointExistsError`` when the name is taken).
+        signing_key: sign the file (``docs/signing.md``): a ``SigningKey`` or a private key file;
+            by default the key named by ``CERTCKPT_SIGNING_KEY``, if set.
 
     Returns:
         A ``SaveResult``.
@@ -316,7 +338,7 @@ def save(
     ]
     if given:
         warn_ignored(given, function="save")
-    return _save(obj, f, step=step, run=run, metadata=metadata, overwrite=overwrite)
+    return _save(obj, f, step=step, run=run, metadata=metadata, overwrite=overwrite, signing_key=signing_key)
 
 
 def save_certified(
@@ -333,6 +355,7 @@ def save_certified(
     lineage: dict[str, Any] | None = None,
     consensus_fp: str | None = None,
     known_fingerprints: dict[tuple, tuple[str, str]] | None = None,
+    signing_key: SigningKey | str | os.PathLike | None = None,
 ) -> SaveResult:
     """``save`` plus the audit fields the auditor fills in (see ``docs/format.md``, section 2).
 
@@ -355,6 +378,7 @@ def save_certified(
         lineage=lineage,
         consensus_fp=consensus_fp,
         known_fingerprints=known_fingerprints,
+        signing_key=signing_key,
     )
 
 
@@ -372,6 +396,7 @@ def _save(
     lineage: dict[str, Any] | None = None,
     consensus_fp: str | None = None,
     known_fingerprints: dict[tuple, tuple[str, str]] | None = None,
+    signing_key: SigningKey | str | os.PathLike | None = None,
 ) -> SaveResult:
     t0 = time.perf_counter()
     if type(overwrite) is not bool:
@@ -390,6 +415,7 @@ def _save(
             "consensus_fp": consensus_fp,
         },
         known_fingerprints=known_fingerprints,
+        signer=signing_key_for(signing_key),
     )
     if target.fileobj is not None:
         job.write_stream(target.fileobj)

@@ -9,10 +9,12 @@ as the auditor does. Such a checkpoint can reach ``verified``, never ``trusted``
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from certckpt.errors import ArgumentTypeError, CheckpointExistsError, ConfigurationError
 from certckpt.format.reader import warn_ignored
+from certckpt.format.signing import SigningKey, signing_key_for
 from certckpt.format.storage import resolve
 from certckpt.format.writer import SaveResult, save_certified
 from certckpt.format.writer import save as plain_save
@@ -39,6 +41,7 @@ def save(
     ledger: str | Ledger | None = None,
     branch: str = "main",
     parent: str | None = None,
+    signing_key: SigningKey | str | os.PathLike | None = None,
 ) -> SaveResult:
     """Save ``obj`` as a certified safetensors checkpoint; with ``ledger``, also commit it there.
 
@@ -60,6 +63,8 @@ def save(
         ledger: the run store (path, URL or ``Ledger``) whose ledger records the commit.
         branch: the line of training (default ``main``).
         parent: the checkpoint id this branch resumed from (recorded once per branch).
+        signing_key: sign the file and the commit record (``docs/signing.md``); by default the key
+            ``CERTCKPT_SIGNING_KEY`` names, if set.
 
     Returns:
         A ``SaveResult``.
@@ -86,7 +91,14 @@ def save(
         if branch != "main" or parent is not None:
             raise ConfigurationError("branch and parent are recorded by a ledger commit: pass ledger=STORE too")
         return plain_save(
-            obj, f, **given, step=step, run=run, metadata=metadata, overwrite=True if overwrite is None else overwrite
+            obj,
+            f,
+            **given,
+            step=step,
+            run=run,
+            metadata=metadata,
+            overwrite=True if overwrite is None else overwrite,
+            signing_key=signing_key,
         )
     if given:
         warn_ignored(list(given), function="save")
@@ -98,12 +110,21 @@ def save(
         raise ConfigurationError(f"a ledger commit needs step=N (a non-negative int), got {step!r}")
     if not isinstance(branch, str) or not is_ckpt_id(ckpt_id_for(branch, step)):
         raise ConfigurationError(f"branch {branch!r}: use 1-100 letters, digits, '.', '_' or '-'")
-    led = ledger if isinstance(ledger, Ledger) else Ledger(ledger)
+    key = signing_key_for(signing_key)
+    led = ledger if isinstance(ledger, Ledger) else Ledger(ledger, signing_key=key)
     target = resolve(f)
     if target.fileobj is not None:
         raise ArgumentTypeError("a ledger commit names the file's location: pass a path or URL, not a file object")
     result = save_certified(
-        obj, target.display, step=step, run=run, metadata=metadata, overwrite=False, branch=branch, parent=parent
+        obj,
+        target.display,
+        step=step,
+        run=run,
+        metadata=metadata,
+        overwrite=False,
+        branch=branch,
+        parent=parent,
+        signing_key=key,
     )
     commit_saved(led, result, run=run, branch=branch, step=step, parent=parent)
     return result

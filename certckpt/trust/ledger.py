@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from certckpt.errors import CertckptError, CheckpointNotFoundError, ConfigurationError, StorageError
+from certckpt.format.signing import SigningKey, TrustedKeys, signing_key_from_env, trusted_keys_from_env
 from certckpt.format.storage import (
     LEDGER_DIR,
     VAULT_MARK,
@@ -42,7 +43,6 @@ from certckpt.format.storage import (
 
 from .certify import CheckpointEntry, Revocation
 from .incident import incident_state
-from .signing import SigningKey, TrustedKeys, signing_key_from_env, trusted_keys_from_env
 
 __all__ = ["Ledger", "LedgerSink", "LedgerSnapshot", "ckpt_id_for", "is_ckpt_id", "LEDGER_DIR", "VAULT_MARK"]
 

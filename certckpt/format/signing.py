@@ -1,4 +1,5 @@
-"""Ed25519 signatures over ledger records, so that write access to a store is not enough to forge trust.
+"""Ed25519 signatures over ledger records and checkpoint files, so that write access to a store is not
+enough to forge trust.
 
 Without keys, anyone who can write the store can write records (and recompute unkeyed digests). With
 a signing key, every record a writer puts in the ledger carries ``"sig": {"key": KEY_ID, "ed25519":
@@ -6,6 +7,10 @@ BASE64}`` over the record's canonical bytes (``signed_bytes``: the record withou
 compact, ASCII JSON). A reader given trusted public keys drops every record that could move a verdict
 toward trusted unless a trusted key signed it (``certckpt.trust.ledger`` decides which kinds those
 are); records that can only count against trust are kept, signed or not.
+
+A checkpoint file is signed in its header (``docs/format.md``, "Signed files"); the byte rules live in
+``certckpt.format.record``, the keys here. This module sits in the format layer so ``certckpt verify
+--trusted-keys`` needs nothing above it.
 
 Keys: ``generate_key(path)`` writes the private key (PEM, mode 0600) and ``path.pub`` (PEM). The
 environment variables ``CERTCKPT_SIGNING_KEY`` (a private key file) and ``CERTCKPT_TRUSTED_KEYS``
@@ -33,8 +38,10 @@ __all__ = [
     "TrustedKeys",
     "generate_key",
     "signed_bytes",
+    "signing_key_for",
     "signing_key_from_env",
     "trusted_keys_from_env",
+    "trusted_keys_from_spec",
 ]
 
 SIGNING_KEY_ENV = "CERTCKPT_SIGNING_KEY"
@@ -83,9 +90,13 @@ class SigningKey:
         raw = key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
         return cls(key_id=_key_id(raw), _private=key)
 
+    def sign_bytes(self, data: bytes) -> str:
+        """The base64 Ed25519 signature of ``data`` (88 characters)."""
+        return base64.b64encode(self._private.sign(data)).decode("ascii")
+
     def sign(self, doc: Mapping[str, Any]) -> dict[str, Any]:
         """A copy of the record with its signature."""
-        sig = base64.b64encode(self._private.sign(signed_bytes(doc))).decode("ascii")
+        sig = self.sign_bytes(signed_bytes(doc))
         return {**{k: v for k, v in doc.items() if k != "sig"}, "sig": {"key": self.key_id, "ed25519": sig}}
 
 
@@ -115,17 +126,25 @@ class TrustedKeys:
 
     def problem(self, doc: Mapping[str, Any]) -> str | None:
         """Why the record's signature does not count (None when a trusted key signed these bytes)."""
-        _, _, invalid_signature = _crypto()
         sig = doc.get("sig")
         if not isinstance(sig, dict):
             return "unsigned"
+        return self.bytes_problem(sig, signed_bytes(doc), what="the record")
+
+    def bytes_problem(self, sig: Mapping[str, Any], data: bytes, *, what: str) -> str | None:
+        """Why ``sig`` (``{"key": KEY_ID, "ed25519": BASE64}``) is not a trusted signature of ``data``."""
+        _, _, invalid_signature = _crypto()
         key = self.keys.get(sig.get("key")) if isinstance(sig.get("key"), str) else None
         if key is None:
             return f"signed by key {str(sig.get('key'))[:32]!r}, which is not trusted"
+        text = str(sig.get("ed25519"))
         try:
-            key.verify(base64.b64decode(str(sig.get("ed25519")), validate=True), signed_bytes(doc))
+            raw = base64.b64decode(text, validate=True)
+            if base64.b64encode(raw).decode("ascii") != text:  # padding bits are not free: one text per signature
+                raise ValueError("non-canonical base64")
+            key.verify(raw, data)
         except (invalid_signature, ValueError):
-            return f"bad signature (key {sig['key']}): the record changed after it was signed"
+            return f"bad signature (key {sig['key']}): {what} changed after it was signed"
         return None
 
 
@@ -156,7 +175,22 @@ def signing_key_from_env() -> SigningKey | None:
     return SigningKey.load(path) if path else None
 
 
+def signing_key_for(value: SigningKey | str | os.PathLike | None) -> SigningKey | None:
+    """A writer's ``signing_key=`` argument: a key, a private key file, or None for the environment's."""
+    if value is None:
+        return signing_key_from_env()
+    if isinstance(value, SigningKey):
+        return value
+    if isinstance(value, (str, os.PathLike)):
+        return SigningKey.load(value)
+    raise ConfigurationError(f"signing_key must be a SigningKey or a private key file, got {type(value).__name__}")
+
+
+def trusted_keys_from_spec(spec: str) -> TrustedKeys | None:
+    """Public key files named in ``spec``, separated by ``,`` or ``os.pathsep`` (None when empty)."""
+    paths = [p.strip() for chunk in spec.split(",") for p in chunk.split(os.pathsep) if p.strip()]
+    return TrustedKeys.load(paths) if paths else None
+
+
 def trusted_keys_from_env() -> TrustedKeys | None:
-    raw = os.environ.get(TRUSTED_KEYS_ENV, "")
-    paths = [p for chunk in raw.split(",") for p in chunk.split(os.pathsep) if p.strip()]
-    return TrustedKeys.load(p.strip() for p in paths) if paths else None
+    return trusted_keys_from_spec(os.environ.get(TRUSTED_KEYS_ENV, ""))
