@@ -11,6 +11,7 @@ Exit codes (documented in the README):
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn, TypeVar
@@ -18,6 +19,7 @@ from typing import Any, NoReturn, TypeVar
 import click
 
 from certckpt.errors import CertckptError, CorruptCheckpointError, UntrustedCheckpointError
+from certckpt.format.signing import TRUSTED_KEYS_ENV, trusted_keys_from_spec
 
 __all__ = [
     "EXIT_OK",
@@ -31,6 +33,7 @@ __all__ = [
     "echo_table",
     "Progress",
     "OneLineUsage",
+    "trusted_keys_option",
 ]
 
 EXIT_OK, EXIT_FAILED, EXIT_UNVERIFIABLE = 0, 1, 2
@@ -61,6 +64,32 @@ def expected_errors(fn: F) -> F:
             fail(str(e), EXIT_UNVERIFIABLE)
 
     return wrapper  # type: ignore[return-value]
+
+
+def trusted_keys_option(fn: F) -> F:
+    """``--trusted-keys PUB[,PUB...]``: require signatures by these public keys (docs/signing.md).
+
+    The option stands for ``CERTCKPT_TRUSTED_KEYS`` for this command (and overrides it): every
+    ledger the command opens reads its keys from there, so nothing is left unchecked. The keys are
+    loaded first, so a wrong path is one line and exit 2 before any work.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, trusted_keys: str | None = None, **kwargs: Any) -> Any:
+        if trusted_keys:
+            try:
+                trusted_keys_from_spec(trusted_keys)
+            except CertckptError as e:
+                fail(f"--trusted-keys: {e}", EXIT_UNVERIFIABLE)
+            os.environ[TRUSTED_KEYS_ENV] = trusted_keys
+        return fn(*args, **kwargs)
+
+    return click.option(
+        "--trusted-keys",
+        metavar="PUB[,PUB...]",
+        help="Public key files whose signatures count; records and files they did not sign count for nothing "
+        "(default: $CERTCKPT_TRUSTED_KEYS).",
+    )(wrapper)  # type: ignore[return-value]
 
 
 def human_bytes(n: float) -> str:

@@ -10,7 +10,7 @@ import click
 from certckpt.trust.ledger import Ledger
 from certckpt.trust.runstore import StoreStatus, certify_store, find_latest_good
 
-from .common import EXIT_FAILED, expected_errors, table_lines
+from .common import EXIT_FAILED, expected_errors, table_lines, trusted_keys_option
 
 
 @click.command("latest-good")
@@ -24,6 +24,7 @@ from .common import EXIT_FAILED, expected_errors, table_lines
     show_default=True,
     help="Lowest verdict taken: verified also answers a run without the auditor (a trusted one still wins).",
 )
+@trusted_keys_option
 @expected_errors
 def latest_good(store: str, as_json: bool, no_verify: bool, accept: str) -> None:
     """Print the newest trusted checkpoint of STORE that precedes every open suspect interval.
@@ -91,6 +92,7 @@ def latest_good(store: str, as_json: bool, no_verify: bool, accept: str) -> None
 @click.argument("store")
 @click.option("--verify-bytes", is_flag=True, help="Verify every checkpoint's bytes (slower).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@trusted_keys_option
 @expected_errors
 def status(store: str, verify_bytes: bool, as_json: bool) -> None:
     """Every checkpoint of STORE with its verdict and reasons, the detections, uncommitted files."""

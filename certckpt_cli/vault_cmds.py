@@ -15,6 +15,7 @@ from .common import (
     echo_table,
     expected_errors,
     human_bytes,
+    trusted_keys_option,
 )
 
 
@@ -62,6 +63,7 @@ def _rate(nbytes: int, seconds: float) -> str:
     help="Lowest verdict promoted: verified also takes checkpoints of a run without the auditor.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@trusted_keys_option
 @expected_errors
 def vault_promote(
     run_url: str,
@@ -125,6 +127,7 @@ def vault_promote(
 @vault.command("ls")
 @click.argument("vault_url")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@trusted_keys_option
 @expected_errors
 def vault_ls(vault_url: str, as_json: bool) -> None:
     """What VAULT_URL holds, with each checkpoint's verdict now (* marks latest-good)."""
@@ -193,6 +196,7 @@ def _policy(keep_last: int | None, keep_every: int | None, keep_days: float | No
 )
 @click.option("--apply", is_flag=True, help="Delete (without it: a dry run that only prints the plan).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@trusted_keys_option
 @expected_errors
 def vault_prune(vault_url: str, keep_last, keep_every, keep_days, keep_best, apply: bool, as_json: bool) -> None:
     """Delete what no retention policy keeps: a dry run unless --apply.
@@ -241,6 +245,7 @@ def vault_prune(vault_url: str, keep_last, keep_every, keep_days, keep_best, app
 @click.argument("dest")
 @click.option("--allow-suspect", is_flag=True, help="Restore a checkpoint that is suspect now (for investigation).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@trusted_keys_option
 @expected_errors
 def vault_restore(vault_url: str, ckpt: str, dest: str, allow_suspect: bool, as_json: bool) -> None:
     """Copy checkpoint CKPT (an id, or latest-good) from VAULT_URL to DEST and verify it.

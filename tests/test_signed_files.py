@@ -175,3 +175,48 @@ def test_a_ledger_save_signs_the_file_and_its_commit_record(tmp_path, keys):
     assert certckpt.verify(store / "main@5.safetensors", trusted_keys=keys["trusted"]).ok
     rec = json.loads((store / "_ledger" / "checkpoints" / "main@5.json").read_text())
     assert rec["sig"]["key"] == keys["signing"].key_id
+
+
+def _cli(*args, env=None):
+    import os
+    import subprocess
+
+    from conftest import console_script
+
+    return subprocess.run(
+        [console_script("certckpt"), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={k: v for k, v in (env or os.environ).items() if not k.startswith("CERTCKPT_")},
+    )
+
+
+def test_latest_good_with_trusted_keys_takes_only_signed_files(tmp_path, keys):
+    """Signed commit records over an unsigned file are not enough: with --trusted-keys the file must
+    carry a trusted signature too, so a file replaced by someone without the key is never the answer."""
+    from certckpt.trust.ledger import Ledger
+
+    pub = str(keys["priv"]) + ".pub"
+    store = tmp_path / "run"
+    store.mkdir()
+    led = Ledger(str(store), signing_key=keys["signing"], trusted_keys=None)
+    # main@5 signed file; main@10 unsigned file (a writer without the key), both verified
+    certckpt.save(_state(), store / "main@5.safetensors", ledger=led, run="r", step=5, signing_key=keys["signing"])
+    r = certckpt.save(_state(), store / "main@10.safetensors", run="r", step=10, signing_key=None, overwrite=False)
+    led.commit_checkpoint(
+        branch="main",
+        step=10,
+        location=str(store / "main@10.safetensors"),
+        run="r",
+        header_digest=r.header_digest,
+        state_fp=r.state_fp,
+    )
+    plain = _cli("latest-good", "--accept", "verified", "--json", str(store))
+    assert plain.returncode == 0 and json.loads(plain.stdout)["ckpt_id"] == "main@10", plain.stderr
+    keyed = _cli("latest-good", "--accept", "verified", "--json", "--trusted-keys", pub, str(store))
+    assert keyed.returncode == 0, keyed.stderr
+    assert json.loads(keyed.stdout)["ckpt_id"] == "main@5"
+    assert "unsigned" in keyed.stdout + keyed.stderr
+    bad = _cli("status", "--trusted-keys", str(tmp_path / "nope.pub"), str(store))
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--trusted-keys" in bad.stderr

@@ -178,6 +178,8 @@ class LedgerSnapshot:
     incident_records: list[dict[str, Any]] = field(default_factory=list)
     is_vault: bool = False
     invalid: list[tuple[str, str]] = field(default_factory=list)  # (kind/file, why): records ignored
+    # The keys this snapshot was read with: checkpoint files must be signed by one of them too.
+    trusted_keys: TrustedKeys | None = None
 
     def open_incidents(self) -> list[str]:
         """Ids of the incidents not closed yet."""
@@ -440,7 +442,7 @@ class Ledger:
                 mark = json.loads(fs.cat_file(f"{root}/{VAULT_MARK}"))
             except (OSError, ValueError):
                 mark = {}
-        snap = LedgerSnapshot(segments=len(files["events"]), is_vault=mark is not None)
+        snap = LedgerSnapshot(segments=len(files["events"]), is_vault=mark is not None, trusted_keys=self.trusted_keys)
         for _, r in valid("checkpoints"):
             snap.records[r["ckpt_id"]] = r
         for _, h in valid("holdings"):

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from certckpt.errors import CertckptError, CheckpointExistsError, CheckpointNotFoundError, StorageError
+from certckpt.format.signing import TrustedKeys
 from certckpt.format.verify import verify
 
 from .certify import Certification, Level, accept_level, certify
@@ -91,7 +92,12 @@ class StoreStatus:
 
 
 def check_file(
-    url: str, header_digest: str | None, *, progress=None, committed: Mapping[str, Any] | None = None
+    url: str,
+    header_digest: str | None,
+    *,
+    progress=None,
+    committed: Mapping[str, Any] | None = None,
+    trusted_keys: TrustedKeys | None = None,
 ) -> str | None:
     """Verify a committed checkpoint's bytes, and that it is the very file that was committed.
 
@@ -99,12 +105,14 @@ def check_file(
         committed: the commit record; the file's own embedded record must agree with it (run,
             branch, step, state and consensus fingerprints): a record edited or added in the
             store to point at another file is caught here.
+        trusted_keys: the file must also be signed by one of these keys (its header and its data's
+            SHA-256): with keys configured, unkeyed digests are never the last word.
 
     Returns:
         None when it verifies, else one line saying what is wrong.
     """
     try:
-        report = verify(url, progress=progress)
+        report = verify(url, progress=progress, trusted_keys=trusted_keys)
     except CertckptError as e:
         return str(e)
     if not report.ok:
@@ -134,7 +142,9 @@ def _check(status_or_snap, cid: str) -> str | None:
     shared = _shared_files(snap).get(cid)
     if shared:
         return shared
-    return check_file(entry.url, snap.header_digest(cid), committed=snap.records[cid])
+    return check_file(
+        entry.url, snap.header_digest(cid), committed=snap.records[cid], trusted_keys=snap.trusted_keys
+    )
 
 
 def _shared_files(snap: LedgerSnapshot) -> dict[str, str]:

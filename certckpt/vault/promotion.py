@@ -185,12 +185,17 @@ def promote(
         if not site.local:
             # A remote name is write-once (and may be locked): check the source before it can land
             # there. Local copies are verified before they are published, so a second read is waste.
-            problem = check_file(entry.url, rec.get("header_digest"))
+            problem = check_file(entry.url, rec.get("header_digest"), trusted_keys=source.trusted_keys)
             if problem:
                 raise CorruptCheckpointError(f"{cid}: the run's copy does not verify now ({problem}); not promoted")
         t0 = time.perf_counter()
         written, nbytes = copy_once(
-            entry.url, url, header_digest=rec.get("header_digest"), put_options=put_options, progress=progress
+            entry.url,
+            url,
+            header_digest=rec.get("header_digest"),
+            put_options=put_options,
+            progress=progress,
+            trusted_keys=source.trusted_keys,
         )
         seconds = time.perf_counter() - t0
         lock = lock_of(site, url)

@@ -78,7 +78,9 @@ def prune(vault: str, policy: RetentionPolicy, *, apply: bool = False, now: floa
             break
         for cid in unchecked:  # each copy is read at most once, whatever the number of rounds
             checked.add(cid)
-            problem = check_file(join(vault, snap.holdings[cid]["url"]), snap.header_digest(cid))
+            problem = check_file(
+                join(vault, snap.holdings[cid]["url"]), snap.header_digest(cid), trusted_keys=snap.trusted_keys
+            )
             if problem is not None:
                 damaged[cid] = problem
     result = PruneResult(policy=str(policy), plan=plan, applied=apply, damaged=damaged)

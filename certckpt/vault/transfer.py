@@ -20,6 +20,7 @@ from certckpt.errors import (
     CorruptCheckpointError,
     StorageError,
 )
+from certckpt.format.signing import TrustedKeys
 from certckpt.format.storage import commit_local, commit_remote, filesystem, open_read, resolve, temp_name
 from certckpt.trust.runstore import check_file
 
@@ -59,6 +60,7 @@ def copy_once(
     put_options: dict[str, Any] | None = None,
     read_only: bool = True,
     progress: Progress | None = None,
+    trusted_keys: TrustedKeys | None = None,
 ) -> tuple[bool, int]:
     """Copy a checkpoint under a name that must never be replaced, verifying the copy.
 
@@ -85,7 +87,7 @@ def copy_once(
                 os.fsync(out.fileno())
             if read_only:
                 os.chmod(tmp, 0o444)
-            problem = check_file(tmp, header_digest)
+            problem = check_file(tmp, header_digest, trusted_keys=trusted_keys)
             if problem:
                 raise CorruptCheckpointError(
                     f"copy of {src_url} to {dst} does not verify ({problem}); nothing was published"
@@ -127,7 +129,7 @@ def copy_once(
                     time.sleep(0.1 * (attempt + 1))
         else:
             raise StorageError(f"{dst}: concurrent uploads under this name did not settle; retry")
-        problem = check_file(dst, header_digest)
+        problem = check_file(dst, header_digest, trusted_keys=trusted_keys)
         if problem:
             raise CorruptCheckpointError(
                 f"{dst}: the uploaded copy does not verify when read back ({problem}); it is not recorded as held"
