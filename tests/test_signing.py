@@ -14,7 +14,7 @@ from conftest import console_script
 
 pytest.importorskip("cryptography")
 
-from certckpt.errors import ConfigurationError
+from certckpt.errors import ConfigurationError, IncidentError
 from certckpt.format.signing import SigningKey, TrustedKeys, generate_key
 from certckpt.trust.ledger import Ledger
 from certckpt.trust.runstore import certify_store
@@ -157,3 +157,46 @@ def test_keygen_command(tmp_path):
         [console_script("certckpt"), "keygen", str(tmp_path / "w")], capture_output=True, text=True, timeout=60
     )
     assert r.returncode == 2 and "never replaced" in r.stderr and r.stderr.count("\n") == 1
+
+
+def _incident_store(root, keys):
+    """A store with one opened incident (an opening counts unsigned: it only adds caution)."""
+    led = Ledger(str(root), signing_key=None, trusted_keys=None)
+    led.commit_checkpoint(branch="main", step=10, location=str(root / "s10.safetensors"), run="r")
+    led.write_record(
+        "incidents",
+        "inc-main-20-replay--opened.json",
+        {"incident_id": "inc-main-20-replay", "record": "opened", "opened_at": 1.0, "suspect_nodes": ["n7"]},
+    )
+    return "inc-main-20-replay"
+
+
+def test_incident_decisions_count_only_signed_with_trusted_keys(tmp_path, keys, monkeypatch):
+    from certckpt.trust.runstore import decide, get_incident
+
+    iid = _incident_store(tmp_path, keys)
+    second = tmp_path / "keys2"
+    second.mkdir()
+    bob_priv, bob_pub = generate_key(second / "bob")
+    monkeypatch.setenv("CERTCKPT_SIGNING_KEY", str(keys["priv"]))
+    proposal = decide(str(tmp_path), iid, action="return-to-service", by="alice", reason="swapped the GPU")
+    # An approval signed with the proposer's own key is refused, whatever name it gives
+    with pytest.raises(IncidentError, match="with their own key"):
+        decide(str(tmp_path), iid, action="approve", by="bob", reason="ok", approves=proposal["decision_id"])
+    # An unsigned approval written straight into the store (no key at all) counts for nothing
+    forged = {**proposal, "action": "approve", "by": "mallory", "approves": proposal["decision_id"], "at": 9e9}
+    forged["decision_id"] = f"{iid}--99999999999999999999-approve"
+    forged.pop("sig", None)
+    Ledger(str(tmp_path), signing_key=None, trusted_keys=None).write_record(
+        "incidents", f"{forged['decision_id']}.json", forged
+    )
+    monkeypatch.setenv("CERTCKPT_TRUSTED_KEYS", f"{keys['pub']},{bob_pub}")
+    inc = get_incident(str(tmp_path), iid)
+    assert [d["decision_id"] for d in inc.pending_approvals()] == [proposal["decision_id"]]
+    monkeypatch.delenv("CERTCKPT_TRUSTED_KEYS")
+    assert get_incident(str(tmp_path), iid).pending_approvals() == []  # without keys the forgery counts
+    # Bob, with his own key, approves: that counts with trusted keys
+    monkeypatch.setenv("CERTCKPT_TRUSTED_KEYS", f"{keys['pub']},{bob_pub}")
+    monkeypatch.setenv("CERTCKPT_SIGNING_KEY", str(bob_priv))
+    decide(str(tmp_path), iid, action="approve", by="bob", reason="checked", approves=proposal["decision_id"])
+    assert get_incident(str(tmp_path), iid).pending_approvals() == []

@@ -23,7 +23,6 @@ This module is the pure part (records in, decisions and records out); reading an
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -40,7 +39,6 @@ __all__ = [
     "incident_state",
     "check_decision",
     "node_of",
-    "dumps_record",
 ]
 
 # Exit status of a training job stopped by an uncontained detection. It tells a scheduler "this
@@ -132,7 +130,12 @@ class Incident:
         return named[-1] if named else None
 
     def pending_approvals(self) -> list[dict[str, Any]]:
-        approved = {d.get("approves") for d in self.decisions if d["action"] == "approve"}
+        by_id = {d["decision_id"]: d for d in self.decisions}
+        approved = {
+            d.get("approves")
+            for d in self.decisions
+            if d["action"] == "approve" and not _same_signer(d, by_id.get(d.get("approves")))
+        }
         return [d for d in self.decisions if d["action"] in _NEEDS_APPROVAL and d["decision_id"] not in approved]
 
     def to_dict(self) -> dict[str, Any]:
@@ -144,6 +147,17 @@ class Incident:
             "opened": self.opened,
             "decisions": self.decisions,
         }
+
+
+def _signer_of(record: Mapping[str, Any] | None) -> str | None:
+    sig = record.get("sig") if record is not None else None
+    return sig.get("key") if isinstance(sig, Mapping) and isinstance(sig.get("key"), str) else None
+
+
+def _same_signer(approval: Mapping[str, Any], proposal: Mapping[str, Any] | None) -> bool:
+    """An approval signed with the proposal's own key approves nothing (two people, two keys)."""
+    key = _signer_of(approval)
+    return key is not None and key == _signer_of(proposal)
 
 
 def incident_state(records: Iterable[Mapping[str, Any]]) -> dict[str, Incident]:
@@ -167,12 +181,15 @@ def check_decision(
     *,
     trusted: Iterable[str] = (),
     drills: Sequence[Mapping[str, Any]] = (),
+    signer: str | None = None,
 ) -> None:
     """The rule book: raise ``IncidentError`` (saying what is missing) when a decision is not allowed.
 
     Args:
         trusted: checkpoint ids trusted now (a rollback must name one).
         drills: restore-drill records available (a close must cite a passing one).
+        signer: the id of the key that will sign this decision, if any: an approval signed by the
+            key that signed the proposal is the same person, whatever ``by`` says.
     """
     action = decision["action"]
     if action not in ACTIONS:
@@ -198,6 +215,11 @@ def check_decision(
             )
         if target["by"].strip().lower() == str(decision["by"]).strip().lower():
             raise IncidentError(f"{target['decision_id']} was proposed by {target['by']}; someone else must approve it")
+        if signer is not None and signer == _signer_of(target):
+            raise IncidentError(
+                f"{target['decision_id']} was signed by key {signer}, the key signing this approval; "
+                "someone else, with their own key, must approve it"
+            )
     if action == "resolve":
         if incident.rollback_to is None:
             raise IncidentError(
@@ -227,8 +249,3 @@ def check_decision(
             raise IncidentError(
                 f"drill {decision.get('drill')} did not pass against a clean reference (outcome {drill.get('outcome')})"
             )
-
-
-def dumps_record(doc: Mapping[str, Any]) -> bytes:
-    """The bytes an incident record is stored as (canonical JSON, one line)."""
-    return (json.dumps(doc, sort_keys=True, separators=(",", ":")) + "\n").encode()

@@ -65,6 +65,14 @@ _CKPT_ID = re.compile(r"^([A-Za-z0-9._-]{1,100})@([0-9]{1,18})$")
 # need a trusted signature. Revocations, retirements and incident records only count against trust
 # or for caution, and are kept unsigned.
 _SIGNED_KINDS = ("checkpoints", "holdings", "branches", "drills", "certificates")
+
+
+def _needs_signature(kind: str, r: dict[str, Any]) -> bool:
+    # An incident's opening only adds caution; its decisions (rollback targets, approvals,
+    # returns to service, closing) steer what happens next, so with trusted keys they count signed only.
+    return kind in _SIGNED_KINDS or (kind == "incidents" and r.get("record") != "opened")
+
+
 FROM_ENV = "from-env"  # the default of Ledger's key options: read the environment
 _RECORD_FILE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._@-]{0,250}$")  # no separator, no leading dot
 
@@ -322,6 +330,10 @@ class Ledger:
             raise ConfigurationError(f"checkpoint id {doc['ckpt_id']!r} is not branch@step")
         return put_once(join(self.root, "holdings", _record_name(f"{doc['ckpt_id']}.json")), self._dumps(doc))
 
+    def write_record(self, kind: str, name: str, doc: dict[str, Any]) -> bool:
+        """Write one record create-only, signed when this ledger has a signing key; idempotent."""
+        return self.put_raw(kind, name, self._dumps(doc))
+
     def put_raw(self, kind: str, name: str, data: bytes) -> bool:
         """Mirror a record byte for byte (vault promotion); idempotent like every ledger write.
         ``kind=""`` addresses the ledger's top level."""
@@ -429,7 +441,7 @@ class Ledger:
                 name = p.rsplit("/", 1)[-1]
                 r = load(p)
                 why = _why_invalid(kind, name, r)
-                if why is None and self.trusted_keys is not None and kind in _SIGNED_KINDS:
+                if why is None and self.trusted_keys is not None and _needs_signature(kind, r):
                     why = self.trusted_keys.problem(r)
                 if why is None:
                     yield name, r

@@ -23,7 +23,6 @@ from .incident import (
     Incident,
     build_opening,
     check_decision,
-    dumps_record,
     incident_id_for,
     incident_state,
 )
@@ -142,9 +141,7 @@ def _check(status_or_snap, cid: str) -> str | None:
     shared = _shared_files(snap).get(cid)
     if shared:
         return shared
-    return check_file(
-        entry.url, snap.header_digest(cid), committed=snap.records[cid], trusted_keys=snap.trusted_keys
-    )
+    return check_file(entry.url, snap.header_digest(cid), committed=snap.records[cid], trusted_keys=snap.trusted_keys)
 
 
 def _shared_files(snap: LedgerSnapshot) -> dict[str, str]:
@@ -281,7 +278,7 @@ def open_incident(ledger: Ledger, ev: Mapping[str, Any], *, status: StoreStatus 
         now=time.time(),
     )
     try:
-        ledger.put_raw("incidents", f"{iid}--{OPENED_SUFFIX}.json", dumps_record(doc))
+        ledger.write_record("incidents", f"{iid}--{OPENED_SUFFIX}.json", doc)
     except CheckpointExistsError:
         pass  # opened already (by the training job or an earlier `status`): the first record stands
     return iid
@@ -365,8 +362,13 @@ def decide(
         doc["drill_vault"] = vault or store
     if drill == "latest" and drills:
         doc["drill"] = max(drills, key=lambda d: d.get("at", 0))["drill_id"]
+    ledger = Ledger(store)
     check_decision(
-        inc, doc, trusted=[c for c in status.certification.order if status.snapshot.available(c)], drills=drills
+        inc,
+        doc,
+        trusted=[c for c in status.certification.order if status.snapshot.available(c)],
+        drills=drills,
+        signer=ledger.signing_key.key_id if ledger.signing_key is not None else None,
     )
-    Ledger(store).put_raw("incidents", f"{decision_id}.json", dumps_record(doc))
+    ledger.write_record("incidents", f"{decision_id}.json", doc)
     return doc
