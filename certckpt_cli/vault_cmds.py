@@ -62,6 +62,11 @@ def _rate(nbytes: int, seconds: float) -> str:
     show_default=True,
     help="Lowest verdict promoted: verified also takes checkpoints of a run without the auditor.",
 )
+@click.option(
+    "--repair",
+    is_flag=True,
+    help="Also re-read every copy the vault holds and replace damaged or missing ones from RUN_URL.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @trusted_keys_option
 @expected_errors
@@ -72,6 +77,7 @@ def vault_promote(
     lock_mode: str,
     retain_days: float,
     accept: str,
+    repair: bool,
     as_json: bool,
 ) -> None:
     """Copy trusted checkpoints of RUN_URL into VAULT_URL, read them back and verify them.
@@ -89,6 +95,7 @@ def vault_promote(
         retain_days=retain_days,
         progress=Progress(f"promoting to {vault_url}", threshold=COPY_PROGRESS),
         accept=accept,
+        repair=repair,
     )
     if as_json:
         click.echo(json.dumps({"run": run_url, "vault": vault_url, "promoted": [p.to_dict() for p in done]}, indent=2))
@@ -116,7 +123,7 @@ def vault_promote(
             (
                 p.ckpt_id,
                 human_bytes(p.nbytes),
-                "copied, verified" if p.written else "already there",
+                "repaired (was: damaged)" if p.repaired else "copied, verified" if p.written else "already there",
                 _rate(p.nbytes, p.seconds),
                 lock_text,
             )
@@ -126,17 +133,23 @@ def vault_promote(
 
 @vault.command("ls")
 @click.argument("vault_url")
+@click.option(
+    "--verify",
+    is_flag=True,
+    help="Re-read every held copy and count its S3 versions and delete markers; exit 1 when one is wrong.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @trusted_keys_option
 @expected_errors
-def vault_ls(vault_url: str, as_json: bool) -> None:
+def vault_ls(vault_url: str, verify: bool, as_json: bool) -> None:
     """What VAULT_URL holds, with each checkpoint's verdict now (* marks latest-good)."""
     from certckpt.vault import holdings
 
-    status, rows = holdings(vault_url)
+    status, rows = holdings(vault_url, verify=verify)
+    wrong = [r for r in rows if verify and _copy_problem(r)]
     if as_json:
         click.echo(json.dumps({"vault": vault_url, "latest_good": status.latest_good, "checkpoints": rows}, indent=2))
-        return
+        sys.exit(EXIT_FAILED if wrong else EXIT_OK)
     if not rows:
         click.echo(f"{vault_url}: empty (promote with `certckpt vault promote RUN_URL {vault_url}`)")
         return
@@ -153,8 +166,38 @@ def vault_ls(vault_url: str, as_json: bool) -> None:
                 (lock.get("mode", "-") + (f" until {lock['retain_until'][:10]}" if lock.get("retain_until") else "")),
             )
         )
-    echo_table(("checkpoint", "step", "verdict", "reasons", "size", "protection"), table)
+        if verify:
+            table[-1] += (_copy_text(r),)
+    head = ("checkpoint", "step", "verdict", "reasons", "size", "protection")
+    echo_table(head + (("copy",) if verify else ()), table)
     click.echo(f"* latest-good: {status.latest_good}" if status.latest_good else "no trusted checkpoint held")
+    if wrong:
+        click.echo(
+            f"{len(wrong)} held cop{'y is' if len(wrong) == 1 else 'ies are'} not as promoted; repair with "
+            f"`certckpt vault promote RUN_STORE {vault_url} --repair`",
+            err=True,
+        )
+        sys.exit(EXIT_FAILED)
+
+
+def _copy_problem(row: dict) -> str | None:
+    """What is wrong with a held copy after ``--verify`` (None when its current bytes verify)."""
+    if row.get("pruned") or "copy" not in row:
+        return None
+    v = row.get("versions") or {}
+    if v.get("deleted"):
+        return f"deleted: a delete marker hides it ({v['versions']} older version(s) kept)"
+    return f"damaged: {row['copy']}" if row["copy"] != "ok" else None
+
+
+def _copy_text(row: dict) -> str:
+    v = row.get("versions") or {}
+    extra = []
+    if v.get("versions", 1) > 1:
+        extra.append(f"{v['versions']} versions")
+    if v.get("delete_markers") and not v.get("deleted"):
+        extra.append(f"{v['delete_markers']} delete marker(s)")
+    return (_copy_problem(row) or "ok") + (f" ({', '.join(extra)})" if extra else "")
 
 
 def _policy(keep_last: int | None, keep_every: int | None, keep_days: float | None, keep_best: tuple[str, ...]):

@@ -174,7 +174,42 @@ def test_prune_never_deletes_good_copies_while_keeping_a_damaged_one(copy_run, t
         timeout=120,
     )
     assert r.returncode == 1 and "main@30" in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    assert "--repair" in r.stderr
     assert sorted(n for n in os.listdir(vault) if n.endswith(".safetensors")) == before
+
+
+def _cli(*args):
+    return subprocess.run([console_script("certckpt"), *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.slow
+def test_vault_ls_verify_names_damaged_and_missing_copies_and_promote_repair_restores_them(copy_run, tmp_path):
+    from certckpt.vault import promote
+
+    run, vault = copy_run("clean"), str(tmp_path / "vault")
+    promote(run, vault)
+    clean = _cli("vault", "ls", "--verify", vault)
+    assert clean.returncode == 0 and "copy" in clean.stdout and "damaged" not in clean.stdout, clean.stderr
+    _flip_byte(os.path.join(vault, "main@30.safetensors"))
+    os.unlink(os.path.join(vault, "main@20.safetensors"))
+    plain = _cli("vault", "ls", vault)  # without --verify nothing is read: the holdings still say held
+    assert plain.returncode == 0
+    checked = _cli("vault", "ls", "--verify", "--json", vault)
+    assert checked.returncode == 1
+    rows = {r["ckpt_id"]: r for r in json.loads(checked.stdout)["checkpoints"]}
+    assert "digest mismatch" in rows["main@30"]["copy"] and "not found" in rows["main@20"]["copy"].lower()
+    assert rows["main@25"]["copy"] == "ok"
+    table = _cli("vault", "ls", "--verify", vault)
+    assert table.returncode == 1 and "2 held copies are not as promoted" in table.stderr and "--repair" in table.stderr
+    # a plain promote has nothing new to copy and does not look; --repair re-reads and replaces
+    assert "already in" in _cli("vault", "promote", run, vault).stdout
+    fixed = _cli("vault", "promote", "--repair", "--json", run, vault)
+    assert fixed.returncode == 0, fixed.stderr
+    repaired = {p["ckpt_id"]: p["repaired"] for p in json.loads(fixed.stdout)["promoted"]}
+    assert set(repaired) == {"main@20", "main@30"} and all(repaired.values())
+    assert _cli("vault", "ls", "--verify", vault).returncode == 0
+    assert not os.access(os.path.join(vault, "main@30.safetensors"), os.W_OK) or os.geteuid() == 0
+    assert oct(os.stat(os.path.join(vault, "main@30.safetensors")).st_mode & 0o777) == "0o444"
 
 
 @pytest.mark.slow

@@ -274,3 +274,31 @@ def test_missing_credentials_wrong_endpoint_missing_bucket_one_line_each_nothing
     assert not fs.exists("no-such-vault-bucket")  # and no bucket created on the way
     # the run store was not touched either: the vault is checked before anything is certified
     assert sorted(os.walk(os.path.join(run, "_ledger"))) == ledger_before
+
+
+def test_ls_verify_reports_a_deleted_copy_and_promote_repair_puts_it_back_locked(copy_run, lock_bucket):
+    """GOVERNANCE lets a plain delete add a delete marker (the locked version stays): `vault ls`
+    still lists the holding, `--verify` says it is deleted, and `--repair` uploads it again, locked."""
+    bucket, fs = lock_bucket
+    run, vault = copy_run("faulty"), f"s3://{bucket}/run1"
+    promote(run, vault, retain_days=7)
+    key = "run1/main@10.safetensors"
+    fs.call_s3("delete_object", Bucket=bucket, Key=key)  # no version id: a delete marker, allowed
+    fs.invalidate_cache()
+    _, rows = holdings(vault)
+    assert "copy" not in rows[1]  # without verify nothing is read
+    _, rows = holdings(vault, verify=True)
+    row = {r["ckpt_id"]: r for r in rows}["main@10"]
+    assert row["versions"] == {"versions": 1, "delete_markers": 1, "deleted": True}
+    assert row["copy"] != "ok"
+    r = subprocess.run(
+        [console_script("certckpt"), "vault", "ls", "--verify", vault], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 1 and "deleted: a delete marker hides it" in r.stdout, r.stdout + r.stderr
+    done = promote(run, vault, repair=True, retain_days=7)
+    assert [(p.ckpt_id, bool(p.repaired)) for p in done] == [("main@10", True)]
+    assert fs.call_s3("head_object", Bucket=bucket, Key=key)["ObjectLockMode"] == "GOVERNANCE"
+    fs.invalidate_cache()
+    _, rows = holdings(vault, verify=True)
+    row = {r["ckpt_id"]: r for r in rows}["main@10"]
+    assert row["copy"] == "ok" and row["versions"] == {"versions": 2, "delete_markers": 1, "deleted": False}

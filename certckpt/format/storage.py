@@ -246,7 +246,8 @@ def commit_remote(
     extra = {"callback": callback} if callback is not None else {}
     try:
         if overwrite:
-            fs.put_file(tmp, path, **extra)
+            # A versioned, locked bucket keeps the replaced version; the new one gets its own lock.
+            fs.put_file(tmp, path, **((put_options or {}) if is_s3(fs) else {}), **extra)
             return
         if is_s3(fs):
             # If-None-Match: * — the server refuses an existing key; s3fs aborts a failed multipart upload

@@ -28,8 +28,8 @@ from certckpt.trust.certify import Level, accept_level
 from certckpt.trust.ledger import VAULT_MARK, Ledger
 from certckpt.trust.runstore import StoreStatus, certify_store, check_file
 
-from .site import lock_of, lock_options, open_vault
-from .transfer import Progress, copy_once
+from .site import lock_of, lock_options, open_vault, versions_of
+from .transfer import Progress, copy_once, repair_copy
 
 __all__ = ["Promotion", "holdings", "promote"]
 
@@ -46,6 +46,7 @@ class Promotion:
     nbytes: int
     seconds: float
     lock: dict[str, Any] | None = None
+    repaired: str | None = None  # why the vault's copy was replaced (``repair=True``), else None
 
     @property
     def bytes_per_s(self) -> float:
@@ -57,6 +58,7 @@ class Promotion:
             "ckpt_id": self.ckpt_id,
             "url": self.url,
             "written": self.written,
+            "repaired": self.repaired,
             "bytes": self.nbytes,
             "seconds": round(self.seconds, 4),
             "bytes_per_s": round(self.bytes_per_s),
@@ -117,6 +119,7 @@ def promote(
     retain_days: float = 30.0,
     progress: Progress | None = None,
     accept: str | Level = Level.TRUSTED,
+    repair: bool = False,
 ) -> list[Promotion]:
     """Copy trusted checkpoints of a run store into a vault, with the evidence that certifies them.
 
@@ -130,6 +133,8 @@ def promote(
         progress: ``progress(done, total)`` during each copy.
         accept: ``"trusted"`` (default) or ``"verified"``: also promote verified checkpoints (a
             run without the auditor); the vault records and shows which level each one reached.
+        repair: also re-read every copy the vault holds and replace each damaged or missing one
+            from the run's copy, when that one verifies (``prune`` names such copies).
 
     Raises:
         UntrustedCheckpointError: a requested checkpoint is below ``accept`` (nothing copied for it).
@@ -162,8 +167,9 @@ def promote(
                 )
             if not snap.available(cid):
                 raise CheckpointNotFoundError(f"{run}: {cid} is no longer held there (pruned)")
+    repaired = _repair(source, status, vault, held, put_options) if repair else []
     if not chosen and not held:
-        return []
+        return repaired
     runs = {snap.records[c].get("run") for c in chosen or held if c in snap.records}
     _claim(dest, runs.pop() if len(runs) == 1 else None, run)
     # Always bring the evidence up to date, even with nothing new to copy: a revocation or a
@@ -171,7 +177,7 @@ def promote(
     _mirror(source, dest, chosen)
     if not chosen:
         certify_store(vault)
-        return []
+        return repaired
     # The vault must reach the same verdict from the evidence it now holds, without the run store.
     vcert = certify_store(vault, write_certificates=False).certification
     out = []
@@ -218,12 +224,55 @@ def promote(
         )
         out.append(Promotion(ckpt_id=cid, url=url, written=written, nbytes=nbytes, seconds=seconds, lock=lock))
     certify_store(vault)  # the vault's own certificates for what it now holds
+    return repaired + out
+
+
+def _repair(
+    source: Ledger, status: StoreStatus, vault: str, held: dict[str, dict[str, Any]], put_options: dict[str, Any]
+) -> list[Promotion]:
+    """Replace each held copy that no longer verifies with the run's copy (checked first)."""
+    snap = status.snapshot
+    out = []
+    for cid, h in sorted(held.items()):
+        url = join(vault, h["url"])
+        problem = check_file(url, h.get("header_digest"), trusted_keys=source.trusted_keys)
+        if problem is None:
+            continue
+        if cid not in snap.records or not snap.available(cid):
+            raise CorruptCheckpointError(
+                f"{cid}: the vault's copy is damaged ({problem}) and {source.store} no longer holds it; "
+                "restore it from another vault or a backup"
+            )
+        t0 = time.perf_counter()
+        nbytes = repair_copy(
+            status.entry(cid).url,
+            url,
+            header_digest=h.get("header_digest"),
+            put_options=put_options,
+            trusted_keys=source.trusted_keys,
+        )
+        out.append(
+            Promotion(
+                ckpt_id=cid,
+                url=url,
+                written=True,
+                nbytes=nbytes,
+                seconds=time.perf_counter() - t0,
+                lock=lock_of(open_vault(vault), url),
+                repaired=problem,
+            )
+        )
     return out
 
 
-def holdings(vault: str) -> tuple[StoreStatus, list[dict[str, Any]]]:
-    """Every checkpoint the vault holds or held, with its verdict now."""
-    open_vault(vault)
+def holdings(vault: str, *, verify: bool = False) -> tuple[StoreStatus, list[dict[str, Any]]]:
+    """Every checkpoint the vault holds or held, with its verdict now.
+
+    Args:
+        verify: also re-read every held copy (``"copy"``: ``"ok"`` or what is wrong) and, on a
+            versioned S3 bucket, count each copy's versions and delete markers (``"versions"``).
+    """
+    site = open_vault(vault)
     status = certify_store(vault, write_certificates=False)
     snap, cert = status.snapshot, status.certification
     rows = []
@@ -245,4 +294,8 @@ def holdings(vault: str) -> tuple[StoreStatus, list[dict[str, Any]]]:
                 "metrics": h.get("metrics", {}),
             }
         )
+        if verify and cid not in snap.retired:
+            url = rows[-1]["url"]
+            rows[-1]["copy"] = check_file(url, h.get("header_digest"), trusted_keys=snap.trusted_keys) or "ok"
+            rows[-1]["versions"] = versions_of(site, url)
     return status, rows

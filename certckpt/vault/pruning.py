@@ -90,8 +90,8 @@ def prune(vault: str, policy: RetentionPolicy, *, apply: bool = False, now: floa
         which = "; ".join(f"{cid}: {why}" for cid, why in damaged.items())
         raise CorruptCheckpointError(
             f"{vault}: nothing pruned: {len(damaged)} cop{'y' if len(damaged) == 1 else 'ies'} retention relies on "
-            f"{'is' if len(damaged) == 1 else 'are'} damaged ({which}); replace each with a good copy of the "
-            "same checkpoint (the run store's file, checked with `certckpt verify`), then prune again"
+            f"{'is' if len(damaged) == 1 else 'are'} damaged ({which}); repair them from the run store with "
+            f"`certckpt vault promote RUN_STORE {vault} --repair`, then prune again"
         )
     ledger = Ledger(vault)
     for cid in plan.delete:

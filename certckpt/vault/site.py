@@ -132,3 +132,31 @@ def lock_of(site: VaultSite, url: str) -> dict[str, Any] | None:
         "retain_until": until.astimezone(datetime.timezone.utc).isoformat() if until else None,
         "version_id": head.get("VersionId"),
     }
+
+
+def versions_of(site: VaultSite, url: str) -> dict[str, Any] | None:
+    """An S3 key's stored versions and delete markers, and whether a delete marker is current
+    (``deleted``); None off S3 or on an unversioned bucket.
+
+    A held copy normally has one version and no delete marker. More versions mean the name was
+    written again (a repair does that; so does someone with write access: the current bytes are
+    what ``--verify`` reads); a current delete marker means someone deleted it (no lock, or
+    GOVERNANCE bypassed with ``BypassGovernanceRetention``): the old versions are still there.
+    """
+    if not site.s3 or not site.versioned:
+        return None
+    fs, path = filesystem(url)
+    bucket, key = path.split("/", 1)
+    versions = markers = 0
+    deleted = False
+    kwargs: dict[str, str] = {}
+    while True:
+        out = fs.call_s3("list_object_versions", Bucket=bucket, Prefix=key, **kwargs)
+        versions += sum(1 for v in out.get("Versions", []) if v.get("Key") == key)
+        for m in out.get("DeleteMarkers", []):
+            if m.get("Key") == key:
+                markers += 1
+                deleted = deleted or bool(m.get("IsLatest"))
+        if not out.get("IsTruncated"):
+            return {"versions": versions, "delete_markers": markers, "deleted": deleted}
+        kwargs = {"KeyMarker": out.get("NextKeyMarker", ""), "VersionIdMarker": out.get("NextVersionIdMarker", "")}

@@ -159,3 +159,70 @@ def _exists(url: str) -> bool:
         return os.path.exists(target.local)
     fs, path = filesystem(url)
     return fs.exists(path)
+
+
+def repair_copy(
+    src_url: str,
+    dst: str,
+    *,
+    header_digest: str | None,
+    put_options: dict[str, Any] | None = None,
+    trusted_keys: TrustedKeys | None = None,
+) -> int:
+    """Replace a damaged or missing vault copy with a verified copy of ``src_url``; returns its bytes.
+
+    The one place a vault name is written twice, and only over a copy that no longer verifies: a
+    local copy is verified under a temp name, then renamed over the damaged one (read-only again);
+    an S3 copy is uploaded again (in a versioned, locked bucket the damaged version stays, locked,
+    and the new one becomes current) and read back.
+
+    Raises:
+        CorruptCheckpointError: the source or the new copy does not verify (a local vault is unchanged).
+    """
+    problem = check_file(src_url, header_digest, trusted_keys=trusted_keys)
+    if problem:
+        raise CorruptCheckpointError(f"{src_url}: the source does not verify ({problem}); nothing repaired")
+    target = resolve(dst)
+    if target.local is not None:
+        final = os.path.abspath(target.local)
+        os.makedirs(os.path.dirname(final), exist_ok=True)
+        tmp = temp_name(final)
+        try:
+            with open(tmp, "xb") as out:
+                n = _stream(src_url, out, None)
+                out.flush()
+                os.fsync(out.fileno())
+            os.chmod(tmp, 0o444)
+            problem = check_file(tmp, header_digest, trusted_keys=trusted_keys)
+            if problem:
+                raise CorruptCheckpointError(
+                    f"copy of {src_url} to {dst} does not verify ({problem}); nothing repaired"
+                )
+            commit_local(tmp, final, overwrite=True, display=dst)
+            return n
+        except OSError as e:
+            if isinstance(e, CertckptError):
+                raise
+            raise StorageError(f"{dst}: cannot write ({e.strerror or e}); nothing repaired") from e
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    src = resolve(src_url)
+    spool = None
+    try:
+        if src.local is not None:
+            local = src.local
+        else:
+            fd, spool = tempfile.mkstemp(prefix=".certckpt-copy-")
+            with os.fdopen(fd, "wb") as out:
+                _stream(src_url, out, None)
+            local = spool
+        commit_remote(local, dst, overwrite=True, display=dst, put_options=put_options)
+        filesystem(dst)[0].invalidate_cache()
+        problem = check_file(dst, header_digest, trusted_keys=trusted_keys)
+        if problem:
+            raise CorruptCheckpointError(f"{dst}: the repaired copy does not verify when read back ({problem})")
+        return os.path.getsize(local)
+    finally:
+        if spool and os.path.exists(spool):
+            os.unlink(spool)
