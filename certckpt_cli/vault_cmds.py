@@ -287,10 +287,17 @@ def vault_prune(vault_url: str, keep_last, keep_every, keep_days, keep_best, app
 @click.argument("ckpt")
 @click.argument("dest")
 @click.option("--allow-suspect", is_flag=True, help="Restore a checkpoint that is suspect now (for investigation).")
+@click.option(
+    "--accept",
+    type=click.Choice(["trusted", "verified"]),
+    default="trusted",
+    show_default=True,
+    help="Lowest verdict restored: verified also takes checkpoints of a run without the auditor.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @trusted_keys_option
 @expected_errors
-def vault_restore(vault_url: str, ckpt: str, dest: str, allow_suspect: bool, as_json: bool) -> None:
+def vault_restore(vault_url: str, ckpt: str, dest: str, allow_suspect: bool, accept: str, as_json: bool) -> None:
     """Copy checkpoint CKPT (an id, or latest-good) from VAULT_URL to DEST and verify it.
 
     DEST is a file path or URL, or a directory (ending in / or existing) to put it in; an existing
@@ -304,6 +311,7 @@ def vault_restore(vault_url: str, ckpt: str, dest: str, allow_suspect: bool, as_
         dest,
         allow_suspect=allow_suspect,
         progress=Progress(f"restoring {ckpt}", threshold=COPY_PROGRESS),
+        accept=accept,
     )
     if as_json:
         click.echo(json.dumps(r.to_dict(), indent=2))

@@ -129,6 +129,15 @@ def test_vault_promote_takes_verified_only_when_asked(plain_run, tmp_path):
     )
     r = _run("latest-good", vault, "--accept", "verified")
     assert r.exit_code == 0 and r.output.strip() == os.path.join(vault, "main@30.safetensors")
+    # restoring from that vault: a verified copy needs --accept verified, like everything else
+    dest = str(tmp_path / "node") + "/"
+    r = _run("vault", "restore", vault, "latest-good", dest)
+    assert r.exit_code == 2 and "--accept verified" in r.output
+    r = _run("vault", "restore", vault, "main@20", dest)
+    assert r.exit_code == 1 and "main@20 is verified, not trusted" in r.output
+    r = _run("vault", "restore", vault, "latest-good", dest, "--accept", "verified")
+    assert r.exit_code == 0 and "main@30" in r.output, r.output
+    assert os.path.exists(os.path.join(dest, "main@30.safetensors"))
 
 
 def test_report_draws_verified_checkpoints_distinctly(plain_run, tmp_path):
@@ -140,3 +149,10 @@ def test_report_draws_verified_checkpoints_distinctly(plain_run, tmp_path):
     assert {c.verdict for c in tl.checkpoints} == {"verified"}
     svg = render_svg(tl)
     assert svg.count('class="checkpoint verified') == 3 and "verified (intact; no audit evidence yet)" in svg
+
+
+def test_prune_counts_verified_copies_in_a_vault_without_trusted_ones(plain_run, tmp_path):
+    vault = str(tmp_path / "vault")
+    assert _run("vault", "promote", plain_run, vault, "--accept", "verified").exit_code == 0
+    doc = json.loads(_run("vault", "prune", vault, "--keep-last", "2", "--json").output)
+    assert sorted(doc["keep"]) == ["main@20", "main@30"] and doc["delete"] == ["main@10"]

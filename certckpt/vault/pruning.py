@@ -12,6 +12,7 @@ from typing import Any
 
 from certckpt.errors import CorruptCheckpointError
 from certckpt.format.storage import filesystem, join, remote_error_text, resolve
+from certckpt.trust.certify import Level
 from certckpt.trust.ledger import Ledger
 from certckpt.trust.runstore import StoreStatus, check_file, find_latest_good
 
@@ -111,12 +112,16 @@ def _plan(status: StoreStatus, policy: RetentionPolicy, *, now: float, damaged: 
     live = [cid for cid in snap.holdings if snap.available(cid)]
     # with nothing trusted, the newest verified copy is the one to keep: never prune the last good one
     latest = next((c for c in cert.candidates("verified") if snap.available(c) and c not in damaged), None)
+    # Policies count trusted copies; a vault of a run without the auditor (promoted with
+    # accept="verified") holds no trusted copy, so there they count the verified ones.
+    good = [c for c in live if c in cert.verdicts and c not in damaged]
+    level = Level.TRUSTED if any(cert.verdicts[c].trusted for c in good) else Level.VERIFIED
     entries = [
         RetentionEntry(
             ckpt_id=cid,
             branch=snap.holdings[cid]["branch"],
             step=snap.holdings[cid]["step"],
-            trusted=cid in cert.verdicts and cert.verdicts[cid].trusted and cid not in damaged,
+            trusted=cid in good and cert.verdicts[cid].level.rank >= level.rank,
             committed_at=snap.records.get(cid, {}).get("committed_at", 0.0),
             metrics=snap.holdings[cid].get("metrics", {}),
         )

@@ -12,6 +12,7 @@ from typing import Any
 
 from certckpt.errors import CheckpointNotFoundError, UntrustedCheckpointError
 from certckpt.format.storage import join, resolve
+from certckpt.trust.certify import Level, accept_level
 from certckpt.trust.runstore import certify_store, find_latest_good
 
 from .site import open_vault
@@ -60,24 +61,30 @@ def restore(
     *,
     allow_suspect: bool = False,
     progress: Progress | None = None,
+    accept: str | Level = Level.TRUSTED,
 ) -> Restore:
     """Copy a vaulted checkpoint to ``dest`` (a file, or a directory to put it in) and verify it.
 
     Args:
         ckpt: a checkpoint id, or ``latest-good``.
         allow_suspect: restore a checkpoint that is suspect now (revoked since), for investigation.
+        accept: ``"trusted"`` (default) or ``"verified"``: also restore a verified checkpoint (a
+            vault promoted with ``accept="verified"``), and let ``latest-good`` answer one when no
+            trusted checkpoint is held.
 
     Raises:
         CheckpointNotFoundError: the vault does not hold it (never promoted, or pruned).
         UntrustedCheckpointError: it is suspect now and ``allow_suspect`` was not given.
         CheckpointExistsError: ``dest`` already holds something else (nothing is overwritten).
     """
+    level = accept_level(accept)
     open_vault(vault)
     if ckpt == "latest-good":
-        status, chosen = find_latest_good(vault, write_certificates=False)
+        status, chosen = find_latest_good(vault, write_certificates=False, accept=level)
         if chosen is None:
+            hint = "" if level is Level.VERIFIED else "; `--accept verified` also takes a verified one"
             raise CheckpointNotFoundError(
-                f"{vault}: holds no trusted checkpoint to restore (see `certckpt vault ls {vault}`)"
+                f"{vault}: holds no trusted checkpoint to restore (see `certckpt vault ls {vault}`){hint}"
             )
         ckpt = chosen
     else:
@@ -88,7 +95,12 @@ def restore(
     if ckpt in snap.retired:
         raise CheckpointNotFoundError(f"{vault}: {ckpt} was pruned ({snap.retired[ckpt].get('policy', '')})")
     v = cert.verdicts.get(ckpt)
-    if not (v and v.trusted) and not allow_suspect:
+    if not (v and v.level.rank >= level.rank) and not allow_suspect:
+        if v is not None and v.verified:
+            raise UntrustedCheckpointError(
+                f"{ckpt} is verified, not trusted (no audit evidence: {', '.join(v.reasons)}); pass "
+                "accept='verified' (--accept verified) to restore it"
+            )
         raise UntrustedCheckpointError(
             f"{ckpt} is suspect now ({', '.join(v.reasons) if v else 'uncommitted'}); pass allow_suspect=True "
             "(--allow-suspect) to restore it for investigation"
