@@ -60,6 +60,8 @@ _LAZY = {
     "Ledger": "trust.ledger",
     "certify_store": "trust.runstore",
     "find_latest_good": "trust.runstore",
+    "plan_resume": "trust.resume",
+    "ResumePoint": "trust.resume",
     "Auditor": "detect.auditor",
 }
 
@@ -84,6 +86,8 @@ __all__ = [
     "Ledger",
     "certify_store",
     "find_latest_good",
+    "plan_resume",
+    "ResumePoint",
     "Auditor",
     "CertckptError",
     "CorruptCheckpointError",
@@ -121,6 +125,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .trust.certify import certify
     from .trust.commit import save
     from .trust.ledger import Ledger
+    from .trust.resume import ResumePoint, plan_resume
     from .trust.runstore import certify_store, find_latest_good
 
 

@@ -15,15 +15,19 @@ Below trusted, a checkpoint is **verified** when nothing but missing audit evide
 trust: its only reasons of its own are ``no-consensus`` and ``awaiting-audit`` (rule 1 holds, no
 fingerprint disagrees, no failed check taints it), it is not revoked, and every fork point it
 descends from is verified too. A run without the auditor reaches verified at most. Trusted implies
-verified; suspect is the default: nothing is trusted without evidence. No I/O, no torch: the ledger
-feeds it.
+verified; suspect is the default: nothing is trusted without evidence.
+
+A resume supersedes (``superseded``): once a branch forks from ``P@s``, a checkpoint of ``P``'s branch
+after ``s`` that was only awaiting evidence will never get its audit; it becomes suspect with that
+reason, never verified, so neither latest-good nor a promotion takes abandoned work. Trusted ones
+keep their verdict; suspect ones keep their own reasons. No I/O, no torch: the ledger feeds it.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -338,6 +342,7 @@ def certify(
     trust_tainted = lineage(lambda reasons: not reasons)
     verify_tainted = lineage(lambda reasons: set(reasons) <= PENDING_REASONS)
 
+    superseded = _superseded(by_branch, by_id, branch_parents or {})
     for c in checkpoints:
         reasons = list(own[c.ckpt_id])
         verified = set(reasons) <= PENDING_REASONS and not verify_tainted(c.ckpt_id)
@@ -345,6 +350,11 @@ def certify(
             reasons.append("revoked")
         elif trust_tainted(c.ckpt_id):
             reasons.append("tainted-parent")
+        if reasons and set(reasons) <= PENDING_REASONS and c.ckpt_id in superseded:
+            # abandoned work awaiting evidence that will never come: the run went on from an
+            # earlier checkpoint before this one was proven (one condemned already needs no more)
+            reasons.append("superseded")
+            verified = False
         out.verdicts[c.ckpt_id] = Verdict(not reasons, tuple(dict.fromkeys(reasons)), verified)
 
     def best_first(level: Level) -> list[str]:
@@ -354,6 +364,27 @@ def certify(
 
     out.order = best_first(Level.TRUSTED)
     out.verified_order = best_first(Level.VERIFIED)
+    return out
+
+
+def _superseded(
+    by_branch: Mapping[str, list[CheckpointEntry]],
+    by_id: Mapping[str, CheckpointEntry],
+    branch_parents: Mapping[str, str],
+) -> set[str]:
+    """Checkpoints a resume left behind (rule 6): a branch that forks from ``P@s`` supersedes every
+    checkpoint of ``P``'s branch after ``s``. Only those not trusted lose anything (the caller adds
+    the reason to checkpoints that have one already): their audit will never come."""
+    forks = dict(branch_parents)
+    for c in by_id.values():
+        if c.parent:
+            forks.setdefault(c.branch, c.parent)
+    out: set[str] = set()
+    for child, parent in forks.items():
+        p = by_id.get(parent)
+        if p is None or p.branch == child:
+            continue
+        out.update(c.ckpt_id for c in by_branch.get(p.branch, []) if c.step > p.step)
     return out
 
 
