@@ -46,7 +46,10 @@ with stop_on_fault(auditor, hard_exit=True):  # exit 86 on a detected fault
         x = torch.randn(16, 32, generator=g)
         loss = auditor.train_step((x, x[:, :8].sin()))  # checks + optimizer step
         if step % 20 == 0:  # checkpoint with audit lineage
-            auditor.save({"model": model.state_dict(), "optim": opt.state_dict()}, f"{args.dir}/step{step}.safetensors")
+            auditor.save(
+                {"model": model.state_dict(), "optim": opt.state_dict()},
+                f"{args.dir}/{auditor.branch}@{step}.safetensors",
+            )
 auditor.close()
 if dist.get_rank() == 0:
     print(f"trained {args.steps} steps; last clean audit at step {auditor.last_clean_audit}; files in {args.dir}/")

@@ -99,4 +99,4 @@ def test_readme_integration_example_runs_as_written(tmp_path):
     latest = subprocess.run(
         [console_script("certckpt"), "latest-good", "ckpt"], capture_output=True, text=True, cwd=str(tmp_path)
     )
-    assert latest.returncode == 0 and latest.stdout.strip() == "ckpt/step40.safetensors"
+    assert latest.returncode == 0 and latest.stdout.strip() == "ckpt/main@40.safetensors"
