@@ -171,3 +171,32 @@ def test_checkpoint_entry_from_snapshot_carries_branch_parent(tmp_path):
     led.commit_checkpoint(branch="b2", step=15, location=str(tmp_path / "b2-15.safetensors"))
     (c,) = led.snapshot().checkpoints
     assert isinstance(c, CheckpointEntry) and c.parent == "main@10" and c.url == str(tmp_path / "b2-15.safetensors")
+
+
+def test_files_in_subdirectories_are_recorded_relative_so_a_copied_store_still_finds_them(tmp_path):
+    import torch
+
+    from certckpt.trust.runstore import find_latest_good
+
+    store = tmp_path / "out"
+    (store / "checkpoint-5").mkdir(parents=True)
+    certckpt.save({"w": torch.ones(2)}, store / "checkpoint-5" / "m.safetensors", ledger=str(store), step=5)
+    rec = json.loads((store / "_ledger" / "checkpoints" / "main@5.json").read_text())
+    assert rec["url"] == "checkpoint-5/m.safetensors"
+    moved = tmp_path / "elsewhere"
+    shutil.copytree(store, moved)
+    shutil.rmtree(store)
+    _, good = find_latest_good(str(moved), accept="verified", write_certificates=False)
+    assert good == "main@5"
+
+
+def test_a_relative_file_location_that_climbs_out_of_the_store_is_invalid(tmp_path):
+    led = Ledger(str(tmp_path), signing_key=None, trusted_keys=None)
+    led.commit_checkpoint(branch="main", step=5, location=str(tmp_path / "a.safetensors"))
+    path = tmp_path / "_ledger" / "checkpoints" / "main@5.json"
+    doc = json.loads(path.read_text())
+    doc["url"] = "sub/../../outside.safetensors"
+    os.chmod(path, 0o644)
+    path.write_text(json.dumps(doc))
+    snap = led.snapshot()
+    assert snap.records == {} and "climbs out of the store" in snap.invalid[0][1]

@@ -146,6 +146,8 @@ def _why_invalid(kind: str, file: str, r: Any) -> str | None:
             return f"branch and step ({r.get('branch')!r}, {step!r}) do not make its id {r['ckpt_id']}"
         if not isinstance(r.get("url"), str) or not r["url"] or "\0" in r["url"]:
             return "has no file location"
+        if "://" not in r["url"] and not r["url"].startswith("/") and ".." in r["url"].split("/"):
+            return f"names its file {r['url'][:80]!r}, a path that climbs out of the store"
     if kind == "holdings":
         # A vault holds each copy under its plain name, in the vault itself.
         if r.get("url") != f"{r['ckpt_id']}.safetensors":
@@ -384,14 +386,17 @@ class Ledger:
         return fs, path
 
     def _relative(self, location: str) -> str:
-        """The file's name relative to the store when it lies directly in it, else its full location."""
+        """The file's path relative to the store when it lies inside it (``main@5.safetensors``,
+        ``checkpoint-5/trainer.safetensors``), else its full location: a store that is moved or
+        copied whole keeps finding its files."""
         store, loc = resolve(self.store), resolve(location)
         if store.local is not None and loc.local is not None:
-            d, name = os.path.split(os.path.abspath(loc.local))
-            return name if d == os.path.abspath(store.local) else os.path.abspath(loc.local)
+            root, path = os.path.abspath(store.local), os.path.abspath(loc.local)
+            inside = os.path.commonpath([root, path]) == root and path != root
+            return os.path.relpath(path, root).replace(os.sep, "/") if inside else path
         prefix = self.store + "/"
         rest = location[len(prefix) :] if location.startswith(prefix) else None
-        return rest if rest and "/" not in rest else location
+        return rest if rest and ".." not in rest.split("/") else location
 
     def url_of(self, record: dict[str, Any], *, base: str | None = None) -> str:
         """Where a record's file is; relative names are relative to ``base`` (default this store;

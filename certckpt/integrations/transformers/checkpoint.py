@@ -1,0 +1,280 @@
+"""The certified layout of a Hugging Face ``Trainer`` checkpoint directory, and its check.
+
+``checkpoint-N/`` holds, beside what ``save_pretrained`` writes as plain data (``config.json``,
+``generation_config.json``, tokenizer files)::
+
+    model.safetensors            certified (or model-0000k-of-0000n.safetensors + their index):
+                                 any safetensors reader, from_pretrained included, loads them
+    rng_state.safetensors        certified: Python, numpy, torch (and CUDA) RNG states; one per
+                                 process under DDP, rng_state_<rank>.safetensors
+    trainer_state.json           the Trainer's own JSON, unchanged (the Trainer reads it on resume)
+    training_args.json           TrainingArguments.to_json_string(): data, never pickled
+    trainer.safetensors          written last, and the file the ledger commits: the optimizer,
+                                 scheduler and gradient-scaler states, and in its certified record
+                                 the size and digest of every other file of the directory
+
+So one commit record covers the whole directory: the manifest's own bytes verify against its digests,
+and every other file must match the digest the manifest gives it (a certified file by its header
+digest, which covers each tensor's xxh3-128; any other file by the xxh3-128 of its bytes). Nothing
+here is pickled; a pickle in the directory is refused before the commit. No transformers import.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import xxhash
+
+from certckpt.errors import (
+    CertckptError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    NotACheckpointError,
+    UnsupportedObjectError,
+)
+from certckpt.format.verify import inspect, verify
+from certckpt.format.writer import SaveResult, save_certified
+
+__all__ = [
+    "MANIFEST_NAME",
+    "ARGS_NAME",
+    "LAYOUT",
+    "PICKLED_SUFFIXES",
+    "rng_file_name",
+    "file_entry",
+    "write_manifest",
+    "CheckpointReport",
+    "verify_checkpoint",
+    "require_intact",
+    "manifest_of",
+]
+
+MANIFEST_NAME = "trainer.safetensors"
+ARGS_NAME = "training_args.json"
+LAYOUT = "certckpt-hf-trainer/1"  # the record's ``user["layout"]``: what this directory is
+_FILES_KEY = "files"  # the record's ``user["files"]``: JSON {name: entry} of every other file
+PICKLED_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".pickle", ".ckpt")
+_CHUNK = 16 << 20
+# What the plain Trainer writes with torch.save: named when someone resumes from such a directory.
+_PLAIN_TRAINER_FILES = ("optimizer.pt", "scheduler.pt", "rng_state.pth", "training_args.bin")
+
+
+def rng_file_name(process_index: int, world_size: int) -> str:
+    """The RNG file of one process (the Trainer's own naming, with a certified suffix)."""
+    return "rng_state.safetensors" if world_size <= 1 else f"rng_state_{process_index}.safetensors"
+
+
+def _xxh3_of(path: str) -> str:
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def file_entry(path: str) -> dict[str, Any]:
+    """What the manifest records about one file: a certified file by its header digest, any other
+    file by the digest of its bytes.
+
+    Raises:
+        UnsupportedObjectError: the file is a pickle, or a safetensors file that is not certified.
+    """
+    name = os.path.basename(path)
+    size = os.path.getsize(path)
+    if name.endswith(PICKLED_SUFFIXES):
+        raise UnsupportedObjectError(
+            f"{path}: a pickled file in a certified checkpoint; whatever wrote it bypassed certckpt "
+            "(the certified Trainer writes none): remove what writes it, or save it as safetensors or JSON"
+        )
+    if name.endswith(".safetensors"):
+        try:
+            info = inspect(path)
+        except NotACheckpointError as e:
+            raise UnsupportedObjectError(
+                f"{path}: a safetensors file without a certckpt record in a certified checkpoint; write it "
+                "with certckpt.save (or certckpt.integrations.transformers.save_pretrained for a model)"
+            ) from e
+        return {"bytes": size, "header_digest": info.record.header_digest}
+    return {"bytes": size, "xxh3": _xxh3_of(path)}
+
+
+def write_manifest(
+    directory: str,
+    state: dict[str, Any],
+    *,
+    step: int,
+    run: str | None,
+    branch: str,
+    parent: str | None,
+    consensus_fp: str | None = None,
+    lineage: dict[str, Any] | None = None,
+    step_range: list[int] | None = None,
+) -> SaveResult:
+    """Describe every file of ``directory`` and write the manifest (create-only), holding ``state``.
+
+    Call it last: a file written after it is not covered (and not listed).
+
+    Raises:
+        UnsupportedObjectError: a pickle or an uncertified safetensors file is in the directory.
+        CheckpointExistsError: the manifest exists already.
+    """
+    files = {}
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        if name == MANIFEST_NAME or name.startswith(".") or not os.path.isfile(path):
+            continue  # hidden names are writers' temp files
+        files[name] = file_entry(path)
+    meta = {"layout": LAYOUT, _FILES_KEY: json.dumps(files, sort_keys=True, separators=(",", ":"))}
+    return save_certified(
+        state,
+        os.path.join(directory, MANIFEST_NAME),
+        step=step,
+        run=run,
+        branch=branch,
+        parent=parent,
+        consensus_fp=consensus_fp,
+        lineage=lineage,
+        step_range=step_range,
+        metadata=meta,
+        overwrite=False,
+    )
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointReport:
+    """The outcome of ``verify_checkpoint``.
+
+    Attributes:
+        directory: the checkpoint directory.
+        ok: every listed file is present and matches, and the manifest verifies.
+        step: the step the manifest records (None when it could not be read).
+        files: the names the manifest lists.
+        problems: one line per problem.
+    """
+
+    directory: str
+    ok: bool = True
+    step: int | None = None
+    files: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+    def fail(self, message: str) -> None:
+        self.ok = False
+        self.problems.append(message)
+
+
+def manifest_of(directory: str) -> tuple[str, dict[str, dict[str, Any]], int | None]:
+    """``(manifest path, files table, step)`` from the manifest's header (no data read).
+
+    Raises:
+        NotACheckpointError: no manifest (a plain Trainer checkpoint, or not a checkpoint at all), or
+            a certified file that is not a Trainer manifest.
+        CorruptCheckpointError: the manifest's header or its files table is damaged.
+    """
+    path = os.path.join(directory, MANIFEST_NAME)
+    if not os.path.isfile(path):
+        if not os.path.isdir(directory):
+            raise CheckpointNotFoundError(f"{directory}: no such checkpoint directory")
+        plain = [n for n in _PLAIN_TRAINER_FILES if os.path.exists(os.path.join(directory, n))]
+        what = (
+            f"it was written by the plain Trainer ({', '.join(plain)} are pickles)"
+            if plain
+            else "not a certified Trainer checkpoint"
+        )
+        raise NotACheckpointError(
+            f"{directory}: no {MANIFEST_NAME}: {what}; resume only from checkpoints written by "
+            "certckpt.integrations.transformers.CertifiedTrainer"
+        )
+    info = inspect(path)
+    user = info.record.user
+    if user.get("layout") != LAYOUT:
+        raise NotACheckpointError(
+            f"{path}: a certckpt file, but not a Trainer manifest (layout {user.get('layout')!r})"
+        )
+    try:
+        files = json.loads(user[_FILES_KEY])
+        ok = isinstance(files, dict) and all(
+            isinstance(k, str) and isinstance(v, dict) and isinstance(v.get("bytes"), int) for k, v in files.items()
+        )
+    except (KeyError, ValueError) as e:
+        raise CorruptCheckpointError(f"{path}: the manifest's files table is unreadable ({e})") from e
+    if not ok:
+        raise CorruptCheckpointError(f"{path}: the manifest's files table is malformed")
+    for name in files:
+        # Names read from a file are input: each must be a plain name inside this directory.
+        if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+            raise CorruptCheckpointError(f"{path}: the manifest lists {name[:80]!r}, which is not a plain file name")
+    return path, files, info.record.step
+
+
+def verify_checkpoint(directory: str) -> CheckpointReport:
+    """Check a certified Trainer checkpoint directory: the manifest's bytes, and every file it lists
+    (present, same size, same digest). Files added after the manifest are not checked.
+
+    Raises:
+        NotACheckpointError, CheckpointNotFoundError: there is nothing certified to check.
+
+    Example:
+        >>> report = verify_checkpoint("out/checkpoint-500")
+        >>> report.ok, report.problems
+    """
+    directory = os.fspath(directory)
+    report = CheckpointReport(directory=directory)
+    try:
+        path, files, report.step = manifest_of(directory)
+    except CorruptCheckpointError as e:
+        report.fail(str(e))
+        return report
+    report.files = sorted(files)
+    mine = verify(path)
+    for p in mine.problems:
+        report.fail(p.message if p.message.startswith(path) else f"{path}: {p.message}")
+    for name, want in sorted(files.items()):
+        member = os.path.join(directory, name)
+        if not os.path.isfile(member):
+            report.fail(f"{member}: missing (the manifest lists it)")
+            continue
+        size = os.path.getsize(member)
+        if size != want["bytes"]:
+            report.fail(f"{member}: {size} bytes, the manifest says {want['bytes']}; the file changed after the save")
+            continue
+        if "header_digest" in want:
+            try:
+                got = verify(member)
+            except CertckptError as e:
+                report.fail(str(e))
+                continue
+            if not got.ok:
+                report.fail(
+                    got.problems[0].message
+                    if got.problems[0].message.startswith(member)
+                    else f"{member}: {got.problems[0].message}"
+                )
+            elif got.info.record.header_digest != want["header_digest"]:
+                report.fail(
+                    f"{member}: another certified file than the one saved (header digest "
+                    f"{got.info.record.header_digest}, the manifest says {want['header_digest']})"
+                )
+        elif _xxh3_of(member) != want.get("xxh3"):
+            report.fail(f"{member}: xxh3 digest differs from the manifest's; the file changed after the save")
+    return report
+
+
+def require_intact(directory: str) -> CheckpointReport:
+    """``verify_checkpoint`` that raises on the first problem (one line, with the count of the others).
+
+    Raises:
+        CorruptCheckpointError: some file does not match the manifest.
+        NotACheckpointError, CheckpointNotFoundError: nothing certified there.
+    """
+    report = verify_checkpoint(directory)
+    if not report.ok:
+        more = f" (and {len(report.problems) - 1} more problem(s))" if len(report.problems) > 1 else ""
+        raise CorruptCheckpointError(
+            f"refusing to resume from {directory}: {report.problems[0]}{more}; "
+            "resume from another checkpoint (`certckpt latest-good STORE --accept verified`)"
+        )
+    return report

@@ -1,0 +1,563 @@
+"""``CertifiedTrainerMixin``: a Hugging Face ``Trainer`` whose checkpoints are certified and committed.
+
+What changes against the plain ``Trainer`` (private methods of transformers 5.x, each pinned by a test
+in ``tests/test_integration_transformers.py``):
+
+- ``_save``: weights through ``save_pretrained`` with certified shards; ``training_args.json``
+  (``TrainingArguments.to_json_string()``) instead of the pickled ``training_args.bin``;
+- ``_save_optimizer_and_scheduler``, ``_save_scaler``: write nothing; their states go into the
+  checkpoint's manifest (``trainer.safetensors``), written last;
+- ``_save_rng_state``: a certified RNG file per process instead of ``rng_state*.pth``;
+- ``_save_checkpoint``: the plain one, then the manifest over every file of ``checkpoint-N/``, then
+  its commit to the ledger beside the output (``OUTPUT_DIR/_ledger``), then a retirement record for
+  each checkpoint the Trainer's ``save_total_limit`` deleted;
+- ``_load_optimizer_and_scheduler``, ``_load_scaler``, ``_load_rng_state``: from those files;
+- ``_load_best_model``: the checkpoint is verified first;
+- ``_get_output_dir``: a resumed run trains on a new branch (``main-r1``...) and writes its
+  checkpoints under ``OUTPUT_DIR/<branch>/``: the interrupted branch's stay as they were;
+- ``train``: ``resume_from_checkpoint`` is verified (every file against the manifest) before
+  anything is loaded; ``True`` means the store's latest good checkpoint (trusted, else verified)
+  whose files all verify, not the newest directory; a fresh run refuses a store whose branch
+  holds checkpoints already;
+- ``training_step``: hands each micro-batch to the ``AuditCallback``, when there is one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import shutil
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import transformers
+from transformers.trainer_pt_utils import set_rng_state_for_device
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.training_args import ParallelMode
+from transformers.utils import is_sagemaker_mp_enabled, is_torch_xla_available
+
+from certckpt.detect.agreement import refuse_together, wire_device_for
+from certckpt.errors import (
+    CertckptError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    ConfigurationError,
+    CorruptCheckpointError,
+)
+from certckpt.format.reader import load
+from certckpt.format.storage import write_atomic
+from certckpt.format.verify import inspect
+from certckpt.format.writer import save_certified
+from certckpt.trust.ledger import Ledger, LedgerSnapshot, ckpt_id_for, is_ckpt_id
+from certckpt.trust.resume import next_branch
+from certckpt.trust.runstore import certify_store, check_file
+
+from .audit import AuditCallback
+from .checkpoint import (
+    ARGS_NAME,
+    MANIFEST_NAME,
+    manifest_of,
+    require_intact,
+    rng_file_name,
+    verify_checkpoint,
+    write_manifest,
+)
+from .saving import ShardWriter, save_pretrained
+
+__all__ = ["CertifiedTrainerMixin", "CertifiedTrainer", "CertifiedRun"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True, slots=True)
+class CertifiedRun:
+    """Where a certified Trainer commits, and as what (``trainer.certckpt``).
+
+    Attributes:
+        ledger: the run store whose ledger records every checkpoint (default: the output directory).
+        run: the run name in every record.
+        branch: the line of training, decided at ``train()``: ``main`` (or the name asked for) for
+            a fresh run; for a resume a new branch, ``<branch>-r<N>``.
+        parent: the checkpoint id this branch resumed from.
+        subdir: whether this branch's checkpoints go under ``OUTPUT_DIR/<branch>/`` (a resumed
+            branch: its checkpoint directories must not collide with the interrupted branch's).
+        requested: the branch name passed to the Trainer, if any.
+        audit: the bound ``AuditCallback``, if any.
+    """
+
+    ledger: Ledger
+    run: str
+    requested: str | None = None
+    branch: str | None = None
+    parent: str | None = None
+    subdir: bool = False
+    audit: AuditCallback | None = None
+    saving_step: int | None = None  # set while a checkpoint is written (its shards carry the step)
+    last_step: int | None = None  # the previous checkpoint's step on this branch (the record's step range)
+    resumed_state: dict[str, Any] | None = None  # the manifest's content, loaded once per resume
+
+
+class CertifiedTrainerMixin:
+    """Put it before the Trainer class: ``class MyTrainer(CertifiedTrainerMixin, Trainer)``.
+
+    Args:
+        run: the run name recorded in the ledger (default: the output directory's name).
+        branch: the branch to train on (default: ``main`` for a fresh run, ``<branch>-r<N>`` for a
+            resume).
+        ledger: the run store (default: ``args.output_dir``; ``certckpt status`` reads it).
+        *args, **kwargs: the Trainer's own.
+
+    Example:
+        >>> trainer = CertifiedTrainer(model=model, args=args, train_dataset=ds)
+        >>> trainer.train()                                # checkpoint-N/ certified and committed
+        >>> trainer.train(resume_from_checkpoint=True)     # from the latest good checkpoint
+    """
+
+    def __init__(
+        self, *args: Any, run: str | None = None, branch: str | None = None, ledger: str | None = None, **kwargs: Any
+    ):
+        super().__init__(*args, **kwargs)
+        _refuse_unsupported(self)
+        store = ledger or self.args.output_dir
+        name = run or os.path.basename(os.path.abspath(self.args.output_dir).rstrip("/")) or "run"
+        if branch is not None and not is_ckpt_id(ckpt_id_for(branch, 0)):
+            raise ConfigurationError(f"branch {branch!r}: use 1-100 letters, digits, '.', '_' or '-'")
+        self.certckpt = CertifiedRun(ledger=Ledger(os.fspath(store)), run=name, requested=branch)
+
+    # --- resuming -----------------------------------------------------------------------------
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
+        """``Trainer.train``; ``resume_from_checkpoint`` takes a checkpoint directory, its manifest, a
+        checkpoint id (``main@500``) or ``True`` (the store's latest good checkpoint, trusted or
+        verified). The checkpoint is verified on every rank before anything is loaded.
+
+        Raises:
+            CorruptCheckpointError: a file of the checkpoint does not match its manifest.
+            NotACheckpointError: the directory was not written by a certified Trainer.
+            CheckpointNotFoundError: ``True`` and the store holds no good checkpoint.
+            ConfigurationError: a fresh run into a store whose branch holds checkpoints already.
+        """
+        run = self.certckpt
+        run.audit = next((c for c in self.callback_handler.callbacks if isinstance(c, AuditCallback)), None)
+        if run.audit is not None:
+            run.audit.bind(self)
+        chosen: dict[str, str | None] = {"dir": None}
+
+        def prepare() -> None:
+            if resume_from_checkpoint is None or resume_from_checkpoint is False:
+                self._certckpt_prepare(None)
+            elif resume_from_checkpoint is True:
+                chosen["dir"] = self._certckpt_latest_good()
+                self._certckpt_prepare(chosen["dir"], verified=True)
+            else:
+                chosen["dir"] = self._certckpt_resolve(resume_from_checkpoint)
+                self._certckpt_prepare(chosen["dir"])
+
+        self._certckpt_together(prepare, what="resume")
+        if run.parent is not None:
+            # Written once every rank has decided: a rank still reading the ledger would otherwise see
+            # the new branch taken and name another.
+            self._certckpt_together(
+                lambda: run.ledger.start_branch(run.branch, parent=run.parent) if self.args.should_save else None,
+                what="resume",
+            )
+        run.resumed_state = None
+        try:
+            return super().train(chosen["dir"], *args, **kwargs)
+        finally:
+            run.resumed_state = None
+            if self.args.should_save:
+                self._certckpt_retire_deleted()
+
+    def _certckpt_latest_good(self) -> str:
+        """The newest good checkpoint (trusted first, then verified) whose every file verifies now.
+
+        ``certckpt latest-good`` re-verifies the committed file, the manifest; the other files of the
+        directory are checked here, and a checkpoint with a damaged one is skipped, with a warning.
+        """
+        ledger = self.certckpt.ledger
+        status = certify_store(ledger.store, write_certificates=self.args.should_save)
+        for cid in status.certification.candidates("verified"):
+            if not status.snapshot.available(cid):
+                continue
+            record = status.snapshot.records[cid]
+            manifest = ledger.url_of(record)
+            problem = check_file(manifest, record.get("header_digest"), committed=record)
+            if problem is None:
+                try:
+                    report = verify_checkpoint(os.path.dirname(manifest))
+                    problem = None if report.ok else report.problems[0]
+                except CertckptError as e:
+                    problem = str(e)
+            if problem is None:
+                return os.path.dirname(manifest)
+            logger.warning("certckpt: not resuming from %s: %s", cid, problem)
+        raise CheckpointNotFoundError(
+            f"{ledger.store}: no trusted or verified checkpoint to resume from whose files all verify "
+            f"(see `certckpt status {ledger.store}`)"
+        )
+
+    def _certckpt_resolve(self, value: Any) -> str:
+        ledger = self.certckpt.ledger
+        value = os.fspath(value)
+        if is_ckpt_id(value) and not os.path.exists(value):
+            rec = _snapshot(ledger).records.get(value)
+            if rec is None:
+                raise CheckpointNotFoundError(f"{ledger.store}: no committed checkpoint {value!r}")
+            return os.path.dirname(ledger.url_of(rec))
+        if os.path.isfile(value) and os.path.basename(value) == MANIFEST_NAME:
+            return os.path.dirname(os.path.abspath(value))
+        return value
+
+    def _certckpt_prepare(self, directory: str | None, *, verified: bool = False) -> None:
+        """Verify the checkpoint, then decide the branch (the same decision on every rank).
+
+        A fresh run trains on ``main`` (or the branch asked for), which must hold nothing yet. A
+        resume always opens a new branch forked from the checkpoint (``main`` -> ``main-r1`` ->
+        ``main-r2``, as ``certckpt.plan_resume`` names them): the interrupted branch may hold steps
+        after the checkpoint (checkpoints, audit events) that the new run does again; the branch
+        record supersedes what they left awaiting evidence (docs/trust.md, "Resuming").
+        """
+        run = self.certckpt
+        snap = _snapshot(run.ledger)
+        recorded = {n.removesuffix(".json") for n in run.ledger.list_raw("branches")} if snap.records else set()
+        taken = {r["branch"] for r in snap.records.values()} | set(snap.branch_parents) | recorded
+        if directory is None:
+            run.branch = run.requested or "main"
+            mine = sorted(r["step"] for r in snap.records.values() if r["branch"] == run.branch)
+            if mine:
+                raise ConfigurationError(
+                    f"{run.ledger.store}: the ledger holds checkpoints of branch {run.branch!r} already (newest "
+                    f"{ckpt_id_for(run.branch, mine[-1])}); resume with train(resume_from_checkpoint=True), train into "
+                    "another output_dir, or pass another branch name: CertifiedTrainer(..., branch=...)"
+                )
+            run.parent, run.subdir, run.last_step = None, False, None
+            return
+        if not verified:
+            require_intact(directory)
+        path, _, step = manifest_of(directory)
+        record = inspect(path).record
+        src_branch = record.branch or "main"
+        src_id = ckpt_id_for(src_branch, step or 0)
+        # The committed checkpoint is this very file when the header digests agree (wherever it lies now).
+        known = src_id in snap.records and snap.records[src_id].get("header_digest") == record.header_digest
+        if run.requested is not None and run.requested in taken:
+            raise ConfigurationError(
+                f"branch {run.requested!r} exists in {run.ledger.store} already; a resume opens a new branch: "
+                "pass a new name, or none (then it is named after the branch resumed from)"
+            )
+        branch = run.requested or next_branch(src_branch, taken)
+        if not known:
+            logger.warning(
+                "certckpt: %s is not a checkpoint committed to %s; branch %s starts without a parent",
+                directory,
+                run.ledger.store,
+                branch,
+            )
+        run.branch, run.parent, run.subdir, run.last_step = branch, src_id if known else None, True, step
+
+    def _certckpt_together(self, fn, *, what: str) -> None:
+        """Run ``fn`` on every rank; when it fails on any, every rank raises (none is left waiting in
+        the next collective): the failing rank its own error, the others a ``CertckptError`` naming it."""
+        if not _distributed():
+            fn()
+            return
+        error: BaseException | None = None
+        try:
+            fn()
+        except Exception as e:  # any failure, certckpt's or the file system's: the others must learn of it
+            error = e
+        wire = wire_device_for(dist.group.WORLD, self.args.device)
+        try:
+            refuse_together(None if error is None else str(error), group=dist.group.WORLD, wire_device=wire, what=what)
+        except CertckptError as together:
+            if error is not None:
+                raise error from None
+            raise CertckptError(str(together)) from None
+
+    # --- saving -------------------------------------------------------------------------------
+
+    def _get_output_dir(self, trial: Any) -> str:
+        base = super()._get_output_dir(trial)
+        run = self.certckpt
+        return os.path.join(base, run.branch) if run.subdir and run.branch else base
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if not self.args.should_save:
+            return
+        os.makedirs(output_dir, exist_ok=True)
+        run = self.certckpt
+        writer = ShardWriter(step=run.saving_step, run=run.run, overwrite=run.saving_step is None)
+        model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+        if isinstance(model, transformers.PreTrainedModel):
+            save_pretrained(model, output_dir, writer=writer, state_dict=state_dict, is_main_process=True)
+        else:
+            # The plain Trainer writes such a model's state dict as model.safetensors: so does this.
+            writer(
+                state_dict if state_dict is not None else self.model.state_dict(),
+                os.path.join(output_dir, "model.safetensors"),
+            )
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+        elif getattr(self.data_collator, "tokenizer", None) is not None:
+            self.data_collator.tokenizer.save_pretrained(output_dir)
+        write_atomic(os.path.join(output_dir, ARGS_NAME), self.args.to_json_string().encode("utf-8"))
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        pass  # held by the checkpoint's manifest, written at the end of _save_checkpoint
+
+    def _save_scaler(self, output_dir: str) -> None:
+        pass  # held by the manifest too
+
+    def _save_rng_state(self, output_dir: str) -> None:
+        states: dict[str, Any] = {
+            "python": random.getstate(),
+            "numpy": np.random.get_state(),
+            "cpu": torch.random.get_rng_state(),
+        }
+        if torch.cuda.is_available():
+            distributed = self.args.parallel_mode == ParallelMode.DISTRIBUTED
+            states["cuda"] = torch.cuda.random.get_rng_state_all() if distributed else torch.cuda.random.get_rng_state()
+        os.makedirs(output_dir, exist_ok=True)
+        name = rng_file_name(self.args.process_index, self.args.world_size)
+        save_certified(states, os.path.join(output_dir, name), step=self.state.global_step, run=self.certckpt.run)
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        run = self.certckpt
+        step = self.state.global_step
+        output_dir = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{step}")
+        self._certckpt_together(
+            lambda: self._certckpt_clear(output_dir, step) if self.args.should_save else None, what="checkpoint"
+        )
+        run.saving_step = step
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            run.saving_step = None
+        self._certckpt_commit(output_dir, step)
+
+    def _certckpt_clear(self, output_dir: str, step: int) -> None:
+        """A directory left by a save that never committed (a crash) is garbage: remove it. A committed
+        one is never written over."""
+        if not os.path.exists(output_dir):
+            return
+        cid = ckpt_id_for(self.certckpt.branch, step)
+        if cid in self.certckpt.ledger.snapshot().records:
+            raise CheckpointExistsError(f"{output_dir}: {cid} is committed already; it is never written over")
+        logger.warning("certckpt: removing %s, left uncommitted by an earlier save", output_dir)
+        shutil.rmtree(output_dir)
+
+    def _certckpt_commit(self, output_dir: str, step: int) -> None:
+        """Write the manifest and commit the checkpoint (rank 0); every rank raises if that fails."""
+        run = self.certckpt
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()  # every rank's RNG file is on disk
+        consensus = run.audit.checkpoint_consensus(step) if run.audit is not None else None
+
+        def commit() -> None:
+            if not self.args.should_save:
+                return
+            if consensus is not None:
+                _check_weights_match(output_dir, consensus[1])
+            state = {
+                "optimizer": None if self.args.save_only_model else self.optimizer.state_dict(),
+                "scheduler": None
+                if self.args.save_only_model or self.lr_scheduler is None
+                else self.lr_scheduler.state_dict(),
+                "scaler": _scaler_state(self),
+            }
+            first = (run.last_step or 0) + 1
+            result = write_manifest(
+                output_dir,
+                state,
+                step=step,
+                run=run.run,
+                branch=run.branch,
+                parent=run.parent,
+                consensus_fp=consensus[0] if consensus else None,
+                lineage=run.audit.lineage() if run.audit is not None else None,
+                step_range=[first, step],
+            )
+            if run.audit is not None:
+                run.audit.flush()  # the events up to this checkpoint reach the ledger before its commit
+            run.ledger.commit_checkpoint(
+                branch=run.branch,
+                step=step,
+                location=result.location,
+                run=run.run,
+                parent=run.parent,
+                consensus_fp=consensus[0] if consensus else None,
+                state_fp=result.state_fp,
+                header_digest=result.header_digest,
+                step_range=[first, step],
+                nbytes=result.nbytes,
+            )
+            self._certckpt_retire_deleted()
+
+        self._certckpt_together(commit, what="checkpoint commit")
+        run.last_step = step
+        if run.audit is not None:
+            run.audit.checkpoint_done()
+
+    def _certckpt_retire_deleted(self) -> None:
+        """Record each committed checkpoint of this store whose manifest the Trainer deleted
+        (``save_total_limit``), so that status and latest-good know it is gone, not damaged."""
+        ledger = self.certckpt.ledger
+        snap = _snapshot(ledger)
+        for cid, rec in snap.records.items():
+            if cid in snap.retired:
+                continue
+            url = ledger.url_of(rec)
+            if "://" not in url and not os.path.exists(url) and not os.path.exists(os.path.dirname(url)):
+                ledger.retire(
+                    cid,
+                    reason="checkpoint directory deleted (the Trainer's save_total_limit, or by hand)",
+                    policy="trainer",
+                )
+
+    # --- loading ------------------------------------------------------------------------------
+
+    def _certckpt_state(self, checkpoint: str) -> dict[str, Any]:
+        run = self.certckpt
+        if run.resumed_state is None:
+            device = self.args.device
+            where = device if self.args.world_size > 1 and device.type != "cpu" else "cpu"
+            run.resumed_state = load(os.path.join(checkpoint, MANIFEST_NAME), map_location=where)
+        return run.resumed_state
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        state = self._certckpt_state(checkpoint)
+        if state.get("optimizer") is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        if state.get("scheduler") is not None and self.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(state["scheduler"])
+
+    def _load_scaler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        state = self._certckpt_state(checkpoint)
+        scaler = getattr(self.accelerator, "scaler", None)
+        if state.get("scaler") is not None and scaler is not None:
+            scaler.load_state_dict(state["scaler"])
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        path = os.path.join(checkpoint, rng_file_name(self.args.process_index, self.args.world_size))
+        if not os.path.isfile(path):
+            logger.info(
+                "certckpt: no RNG file %s (saved with another world size?); reproducibility is not guaranteed", path
+            )
+            return
+        states = load(path, map_location="cpu")
+        random.setstate(states["python"])
+        np.random.set_state(states["numpy"])
+        torch.random.set_rng_state(states["cpu"])
+        if torch.cuda.is_available() and "cuda" in states:
+            distributed = self.args.parallel_mode == ParallelMode.DISTRIBUTED
+            set_rng_state_for_device("CUDA", torch.cuda, states, distributed)
+
+    def _load_best_model(self) -> None:
+        require_intact(self.state.best_model_checkpoint)
+        super()._load_best_model()
+
+    # --- the audit's hand-off -----------------------------------------------------------------
+
+    def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
+        audit = self.certckpt.audit
+        if audit is not None:
+            audit.before_micro_batch(inputs, num_items_in_batch)
+        return super().training_step(model, inputs, num_items_in_batch)
+
+    def certckpt_loss(
+        self, module: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any, accumulation: int
+    ) -> torch.Tensor:
+        """The loss ``training_step`` back-propagates for one micro-batch, computed on ``module``
+        (the bare model: the audit's replay). Mirrors ``Trainer.training_step`` of transformers 5.x."""
+        with self.compute_loss_context_manager():
+            loss = self.compute_loss(module, dict(inputs), num_items_in_batch=num_items_in_batch)
+        if self.args.n_gpu > 1:
+            loss = loss.mean()
+        scaled = self.loss_is_scaled_for_ga
+        if scaled is None:
+            scaled = (
+                self.model_accepts_loss_kwargs and num_items_in_batch is not None
+            ) or self.compute_loss_func is not None
+        if not scaled:
+            loss = loss / accumulation
+        return loss / self.accelerator.gradient_accumulation_steps  # as Accelerator.backward divides
+
+
+class CertifiedTrainer(CertifiedTrainerMixin, transformers.Trainer):
+    """``transformers.Trainer`` with certified, committed checkpoints (see ``CertifiedTrainerMixin``)."""
+
+
+def _refuse_unsupported(trainer: Any) -> None:
+    major = int(transformers.__version__.split(".")[0])
+    problems = []
+    if major < 5:
+        problems.append(f"transformers {transformers.__version__}: the certified Trainer overrides 5.x internals")
+    for flag, what in (
+        ("is_deepspeed_enabled", "DeepSpeed"),
+        ("is_fsdp_enabled", "FSDP"),
+        ("is_fsdp_xla_enabled", "FSDP on XLA"),
+        ("is_distributed_loading_by_transformers", "a model sharded at load time (tensor parallelism)"),
+    ):
+        if getattr(trainer, flag, False):
+            problems.append(f"{what} writes its own checkpoint files")
+    if is_torch_xla_available() or is_sagemaker_mp_enabled():
+        problems.append("XLA and SageMaker model parallelism write their own checkpoint files")
+    if trainer.args.save_on_each_node and trainer.args.world_size > 1:
+        problems.append("save_on_each_node=True: every node would commit its own copy to one ledger")
+    if type(trainer.model).__module__.startswith("peft."):
+        problems.append("a PEFT model saves its adapters through peft, not through save_pretrained's shard writer")
+    if problems:
+        raise ConfigurationError(
+            "CertifiedTrainer cannot certify this set-up: " + "; ".join(problems) + "; use the plain Trainer for it"
+        )
+
+
+def _snapshot(ledger: Ledger) -> LedgerSnapshot:
+    """The ledger's records; none yet when the output directory does not exist (a first run)."""
+    if "://" not in ledger.store and not os.path.isdir(ledger.store):
+        return LedgerSnapshot()
+    return ledger.snapshot()
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _scaler_state(trainer: Any) -> dict[str, Any] | None:
+    scaler = getattr(trainer.accelerator, "scaler", None)
+    return scaler.state_dict() if scaler is not None else None
+
+
+def _check_weights_match(directory: str, fingerprints: dict[str, str]) -> None:
+    """The weights written are the ones every replica agreed on: each model tensor's fingerprint in
+    its file's record equals the consensus fingerprint of the parameter of that name."""
+    compared = 0
+    for name in sorted(os.listdir(directory)):
+        if not (name.endswith(".safetensors") and name.startswith("model")):
+            continue
+        for tensor, entry in inspect(os.path.join(directory, name)).record.tensors.items():
+            want = fingerprints.get(tensor)
+            if want is None:
+                continue
+            compared += 1
+            if entry.get("fp") != want:
+                raise CorruptCheckpointError(
+                    f"{directory}/{name}: tensor `{tensor}` has fingerprint {entry.get('fp')}, every replica agreed on "
+                    f"{want}; the weights changed between the consensus and the write: not committed"
+                )
+    if not compared and fingerprints:
+        logger.warning(
+            "certckpt: %s: no model tensor name matches a trained parameter's; weights not cross-checked", directory
+        )

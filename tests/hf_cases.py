@@ -1,0 +1,148 @@
+"""A tiny Hugging Face training set-up for the Trainer integration tests, and its per-rank functions
+(run through certckpt.detect.launch: gloo ranks on 127.0.0.1, results as JSON).
+
+Everything is built from a config: no download (HF_HUB_OFFLINE=1), no tokenizer.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import torch
+
+VOCAB, SEQ = 64, 16
+
+
+def tiny_gpt2(seed: int = 0):
+    """A 2-layer GPT2 with hidden size 32 (dropout on: the RNG states matter on resume)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    cfg = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=32, bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(cfg)
+
+
+def tiny_bert(seed: int = 0):
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(seed)
+    cfg = BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=32,
+    )
+    return BertForMaskedLM(cfg)
+
+
+class TokenData(torch.utils.data.Dataset):
+    """Deterministic random token sequences (labels = inputs: causal LM)."""
+
+    def __init__(self, n: int = 96):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(i)
+        ids = torch.randint(0, VOCAB, (SEQ,), generator=g)
+        return {"input_ids": ids, "labels": ids}
+
+
+def training_args(out: str, **overrides):
+    from transformers import TrainingArguments
+
+    kw = dict(
+        output_dir=out,
+        max_steps=6,
+        save_steps=3,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        report_to="none",
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+        logging_steps=1,
+        save_strategy="steps",
+    )
+    kw.update(overrides)
+    return TrainingArguments(**kw)
+
+
+def stop_at(step: int | None):
+    """A callback that stops training after ``step`` (an interrupted run)."""
+    from transformers import TrainerCallback
+
+    class StopAt(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if step is not None and state.global_step >= step:
+                control.should_training_stop = True
+            return control
+
+    return StopAt()
+
+
+def certified_trainer(out: str, *, stop: int | None = None, callbacks=(), trainer_kwargs=None, **overrides):
+    from certckpt.integrations.transformers import CertifiedTrainer
+
+    return CertifiedTrainer(
+        model=tiny_gpt2(),
+        args=training_args(out, **overrides),
+        train_dataset=TokenData(),
+        callbacks=[stop_at(stop), *callbacks],
+        **(trainer_kwargs or {}),
+    )
+
+
+# --- per-rank functions (3 gloo ranks; certckpt.detect.launch initialised the process group) ----
+
+
+def _as_torchrun() -> None:
+    """The environment torchrun would give this rank: accelerate reads it to pick DDP over gloo."""
+    import torch.distributed as dist
+
+    r, w = dist.get_rank(), dist.get_world_size()
+    os.environ.update(RANK=str(r), WORLD_SIZE=str(w), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(w))
+
+
+def audited_run(args):
+    """Train with AuditCallback; returns what this rank saw (the fault, if one was detected)."""
+    _as_torchrun()
+    from certckpt.detect import Fault, FaultDetectedError
+    from certckpt.integrations.transformers import AuditCallback
+
+    faults = [Fault(**f) for f in args.get("faults", [])]
+    audit = AuditCallback(
+        audit_every=args.get("audit_every", 2), consensus_every=args.get("consensus_every"), injector_faults=faults
+    )
+    trainer = certified_trainer(
+        args["out"],
+        callbacks=[audit],
+        max_steps=args.get("max_steps", 8),
+        save_steps=args.get("save_steps", 2),
+        ddp_backend="gloo",
+        gradient_accumulation_steps=args.get("ga", 1),
+        logging_steps=100,
+    )
+    out = {"rank": int(os.environ["RANK"])}
+    try:
+        trainer.train(resume_from_checkpoint=args.get("resume"))
+    except FaultDetectedError as e:
+        out.update(
+            fault=str(e),
+            kind=e.event.kind,
+            step=e.event.step,
+            suspects=list(e.event.suspect_ranks),
+            incident=e.incident_id,
+            contained=e.event.contained,
+        )
+    out["global_step"] = trainer.state.global_step
+    out["branch"] = trainer.certckpt.branch
+    out["parent"] = trainer.certckpt.parent
+    return out
