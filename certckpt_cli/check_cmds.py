@@ -1,11 +1,14 @@
-"""``certckpt verify`` and ``certckpt inspect``: one checkpoint file, its bytes and its record.
+"""``certckpt verify`` and ``certckpt inspect``: one checkpoint file, its bytes and its record, or a
+sharded checkpoint directory (``certckpt.dcp``: its manifest and every shard file).
 
-Importing this module, ``verify`` (without ``--deep``) and ``inspect`` never import torch.
+Importing this module, ``verify`` (without ``--deep``) and ``inspect`` never import torch; the
+sharded-checkpoint checker is imported only when LOCATION is a directory.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import click
@@ -13,7 +16,43 @@ import click
 from certckpt.format.verify import inspect as run_inspect
 from certckpt.format.verify import verify as run_verify
 
-from .common import EXIT_FAILED, EXIT_OK, Progress, echo_table, expected_errors, human_bytes
+from .common import EXIT_FAILED, EXIT_OK, Progress, echo_table, expected_errors, fail, human_bytes
+
+
+def _is_directory(location: str) -> bool:
+    """A sharded checkpoint is a directory (or, on an object store, a prefix)."""
+    if "://" not in location or location.startswith("file://"):
+        return os.path.isdir(location.removeprefix("file://"))
+    from certckpt.format.storage import filesystem  # fsspec: only for URLs
+
+    fs, path = filesystem(location)
+    try:
+        return bool(fs.isdir(path))
+    except OSError:
+        return False
+
+
+def _verify_sharded(location: str, deep: bool, as_json: bool, progress: Progress) -> None:
+    from certckpt.dcp.check import verify_checkpoint  # only for directories: keeps the file path light
+
+    report = verify_checkpoint(location, deep=deep, progress=progress)
+    if as_json:
+        click.echo(json.dumps(report.to_dict(), indent=2))
+    elif report.ok:
+        rec = report.record
+        what = ", ".join(
+            x for x in (f"run {rec.run}" if rec.run else "", f"step {rec.step}" if rec.step is not None else "") if x
+        )
+        click.echo(
+            f"OK  {location}  sharded: {report.files} files, {report.tensors} tensors in {report.chunks} chunks,"
+            f" {human_bytes(report.nbytes)}{', ' + what if what else ''}, state fp {report.manifest.state_fp}"
+            f"{', fingerprints recomputed' if deep else ''} ({report.seconds:.2f} s)"
+        )
+    else:
+        click.echo(f"FAILED  {location}")
+        for p in report.problems:
+            click.echo(f"  {p.message}")
+    sys.exit(EXIT_OK if report.ok else EXIT_FAILED)
 
 
 @click.command()
@@ -31,6 +70,10 @@ def verify(location: str, deep: bool, ledger_url: str | None, as_json: bool) -> 
     """Check every byte of the checkpoint at LOCATION (path or fsspec URL)."""
     # --deep reads at fingerprint speed (a few GB/s, not tens): show progress from 256 MB on
     threshold = 256 << 20 if deep else 1 << 30
+    if _is_directory(location):
+        if ledger_url:
+            fail("verify --ledger takes a checkpoint file; for a sharded checkpoint use certckpt status", 2)
+        _verify_sharded(location, deep, as_json, Progress(f"verifying {location}", threshold=threshold))
     report = run_verify(location, deep=deep, progress=Progress(f"verifying {location}", threshold=threshold))
     verdict = _ledger_verdict(location, ledger_url, report) if ledger_url else None
     if verdict is not None and report.ok and not verdict["trusted"]:
@@ -97,6 +140,9 @@ def _ledger_verdict(location: str, ledger_url: str, report) -> dict:
 @expected_errors
 def inspect(location: str, as_json: bool) -> None:
     """Show the tensor table and certckpt record of LOCATION without reading the data."""
+    if _is_directory(location):
+        _inspect_sharded(location, as_json)
+        return
     info = run_inspect(location)
     rec = info.record
     if as_json:
@@ -142,3 +188,55 @@ def inspect(location: str, as_json: bool) -> None:
         for e in info.header.entries
     ]
     echo_table(("tensor", "dtype", "shape", "size", "fingerprint"), rows, indent="  ")
+
+
+def _inspect_sharded(location: str, as_json: bool) -> None:
+    from certckpt.dcp.check import inspect_checkpoint  # only for directories: keeps the file path light
+
+    m, rec = inspect_checkpoint(location)
+    if as_json:
+        doc = {
+            "source": location,
+            "sharded": True,
+            "run": rec.run,
+            "step": rec.step,
+            "state_fp": m.state_fp,
+            "writer": rec.writer,
+            "metadata": {k: v for k, v in rec.user.items() if not k.startswith("certckpt.")},
+            "files": [
+                {"name": f.name, "rank": f.rank, "bytes": f.nbytes, "header_digest": f.header_digest} for f in m.files
+            ],
+            "tensors": [
+                {
+                    "fqn": t.fqn,
+                    "dtype": t.dtype,
+                    "shape": list(t.shape),
+                    "bytes": t.nbytes,
+                    "chunks": len(t.chunks),
+                    "fp": t.fp,
+                }
+                for t in m.tensors
+            ],
+            "values": [v.fqn for v in m.values],
+        }
+        click.echo(json.dumps(doc, indent=2))
+        return
+    total = sum(f.nbytes for f in m.files)
+    click.echo(
+        f"{location}: sharded certckpt checkpoint, {len(m.files)} shard files, {len(m.tensors)} tensors,"
+        f" {len(m.values)} values, {human_bytes(total)}"
+    )
+    for label, value in (
+        ("run", rec.run),
+        ("step", rec.step),
+        ("state fp", m.state_fp),
+        ("written", f"{rec.writer.get('time')} on {rec.writer.get('host')} (torch {rec.writer.get('torch')})"),
+    ):
+        if value is not None:
+            click.echo(f"  {label:<16} {value}")
+    echo_table(("file", "rank", "size"), [(f.name, str(f.rank), human_bytes(f.nbytes)) for f in m.files], indent="  ")
+    rows = [
+        (t.fqn, t.dtype, "x".join(map(str, t.shape)) or "scalar", human_bytes(t.nbytes), str(len(t.chunks)), t.fp)
+        for t in m.tensors
+    ]
+    echo_table(("tensor", "dtype", "shape", "size", "chunks", "fingerprint"), rows, indent="  ")

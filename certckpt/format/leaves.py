@@ -8,6 +8,9 @@ refusals stay in one place (``skeleton``). Every encoding is specified in ``docs
 Classes (namedtuple, dataclass, Enum, custom) are rebuilt only when registered
 (``registry.register_type``); otherwise they come back as plain data with a warning. Nothing is
 imported by name and nothing is unpickled.
+
+Tensor subclasses go through ``plain_tensor``: a replicated ``DTensor`` is stored as the full tensor
+every rank holds (no communication); a sharded one is refused, pointing to ``certckpt.dcp``.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import json
 import math
 import pathlib
 import random
+import sys
 import types
 import warnings
 import zoneinfo
@@ -33,7 +37,16 @@ import torch
 from .registry import kind_of, lookup_class, lookup_name, type_name
 from .tensors import TORCH_TO_ST
 
-__all__ = ["NOT_A_LEAF", "EncodeContext", "DecodeContext", "encode", "decode", "refusal_advice", "DECODERS"]
+__all__ = [
+    "NOT_A_LEAF",
+    "EncodeContext",
+    "DecodeContext",
+    "encode",
+    "decode",
+    "refusal_advice",
+    "plain_tensor",
+    "DECODERS",
+]
 
 NOT_A_LEAF = object()
 
@@ -237,6 +250,41 @@ def encode(obj: Any, path: tuple, ctx: EncodeContext) -> Any:
     if kind is not None and not isinstance(obj, type):
         return _encode_class(obj, tp, kind, path, ctx)
     return NOT_A_LEAF
+
+
+def plain_tensor(t: torch.Tensor) -> tuple[torch.Tensor | None, tuple[str, str] | None]:
+    """A tensor subclass as the plain tensor certckpt stores: ``(tensor, None)``, or ``(None, (what, fix))``.
+
+    A ``DTensor`` whose placements are all ``Replicate`` holds the whole tensor on every rank: its
+    local tensor is stored (a plain tensor on load; no collective, so saving on one rank works). A
+    sharded or partial ``DTensor`` is refused: gathering it would be a collective that hangs when
+    only some ranks save (the usual ``if rank == 0: save``). Other subclasses come back unchanged
+    (the caller refuses them).
+    """
+    # torch.distributed.tensor costs a second to import: look it up only if the caller loaded it,
+    # which it must have to hold a DTensor.
+    dtensor_mod = sys.modules.get("torch.distributed.tensor")
+    dtensor = getattr(dtensor_mod, "DTensor", None)
+    if dtensor is None or not isinstance(t, dtensor):
+        return t, None
+    placements = tuple(t.placements)
+    if all(p.is_replicate() for p in placements):
+        local = t.to_local().detach()
+        if isinstance(t, torch.nn.Parameter):
+            return torch.nn.Parameter(local, requires_grad=t.requires_grad), None
+        return (local.requires_grad_(True) if t.requires_grad else local), None
+    shown = ", ".join(repr(p) for p in placements)
+    if any(p.is_partial() for p in placements):
+        return None, (
+            f"a DTensor with unreduced (Partial) values (placements {shown}) cannot be saved as one tensor",
+            "redistribute it to Replicate first, or save the sharded state with torch.distributed.checkpoint"
+            " and certckpt.dcp.CertifiedWriter",
+        )
+    return None, (
+        f"a DTensor sharded over a device mesh (placements {shown}) holds only this rank's shard",
+        "save the sharded state with torch.distributed.checkpoint and certckpt.dcp.CertifiedWriter (every rank"
+        " writes its own shards), or gather it on every rank with .full_tensor() before certckpt.save",
+    )
 
 
 def refusal_advice(obj: Any) -> tuple[str, str]:

@@ -113,6 +113,11 @@ class _Flattener:
         return None
 
     def add_tensor(self, t: torch.Tensor, path: tuple) -> Any:
+        if type(t) not in (torch.Tensor, torch.nn.Parameter):
+            plain, refused = leaves.plain_tensor(t)  # a replicated DTensor is stored as its full tensor
+            if refused is not None or plain is None:
+                return self.refuse(path, *(refused or ("an unknown tensor subclass", "convert it to a tensor")))
+            t = plain
         problem = _tensor_problem(t)
         if problem is not None:
             return self.refuse(path, *problem)

@@ -1,0 +1,309 @@
+"""Verify and inspect a sharded checkpoint directory: the manifest, every shard file, nothing missing,
+nothing extra, and (``deep``) every fingerprint recomputed.
+
+Without ``deep`` nothing here imports torch: the manifest and each shard file are checked with the
+format layer's streaming verifier (``certckpt verify DIR`` stays as light as ``verify FILE``).
+Corruption is reported in a ``ShardedReport``, one line per problem naming the file and tensor;
+only "could not verify" conditions (no directory, no manifest, store errors) raise.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import xxhash
+
+from certckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError
+from certckpt.format.header import DTYPE_SIZES, printable
+from certckpt.format.record import CheckpointRecord, check_header, state_fingerprint
+from certckpt.format.storage import open_read, resolve
+from certckpt.format.verify import Problem, digest_problem, read_checkpoint_header, verify
+
+from .composition import hex64
+from .layout import MANIFEST_NAME, exists, is_shard_name, join, list_directory
+from .manifest import Manifest, ShardFile, consistency_problems, read_manifest
+
+__all__ = ["ShardedReport", "verify_checkpoint", "inspect_checkpoint"]
+
+Progress = Callable[[int, int], None]
+_PIECE = 16 << 20  # streaming buffer for --deep: a multiple of the fingerprint's chunk (256 KiB)
+
+
+@dataclass(slots=True)
+class ShardedReport:
+    """The outcome of ``verify_checkpoint``.
+
+    Attributes:
+        source: the directory verified.
+        ok: True when every check passed.
+        deep: whether fingerprints were recomputed.
+        problems: one entry per problem (kinds as ``certckpt.verify``'s, plus ``manifest``,
+            ``missing``, ``extra`` and ``mismatch`` (a shard file that is not the one the manifest names)).
+        files: shard files checked.
+        tensors: global tensors in the manifest.
+        chunks: stored chunks.
+        nbytes: bytes read.
+        seconds: wall time.
+        manifest: the parsed manifest, when it could be read.
+        record: the manifest file's certckpt record (run, step), when it could be read.
+    """
+
+    source: str
+    ok: bool = True
+    deep: bool = False
+    problems: list[Problem] = field(default_factory=list)
+    files: int = 0
+    tensors: int = 0
+    chunks: int = 0
+    nbytes: int = 0
+    seconds: float = 0.0
+    manifest: Manifest | None = None
+    record: CheckpointRecord | None = None
+
+    def fail(self, kind: str, message: str, tensor: str | None = None) -> None:
+        self.ok = False
+        self.problems.append(Problem(kind, message, tensor))
+
+    def to_dict(self) -> dict[str, Any]:
+        m, rec = self.manifest, self.record
+        return {
+            "source": self.source,
+            "sharded": True,
+            "ok": self.ok,
+            "deep": self.deep,
+            "files": self.files,
+            "tensors": self.tensors,
+            "chunks": self.chunks,
+            "bytes": self.nbytes,
+            "seconds": round(self.seconds, 6),
+            "run": rec.run if rec else None,
+            "step": rec.step if rec else None,
+            "state_fp": m.state_fp if m else None,
+            "problems": [{"kind": p.kind, "tensor": p.tensor, "message": p.message} for p in self.problems],
+        }
+
+
+def _not_committed(location: str, listing=None) -> NotACheckpointError:
+    if exists(join(location, ".metadata")):
+        return NotACheckpointError(
+            f"{location}: a plain torch.distributed.checkpoint directory (its .metadata is a pickle);"
+            " certckpt never unpickles — save with certckpt.dcp.CertifiedWriter to certify it"
+        )
+    if listing is not None and not any(is_shard_name(n) for n in listing.files):
+        return NotACheckpointError(
+            f"{location}: a directory, neither a checkpoint file nor a sharded checkpoint (no {MANIFEST_NAME});"
+            " give the path of one checkpoint file"
+        )
+    return NotACheckpointError(
+        f"{location}: no {MANIFEST_NAME}: not a committed certified sharded checkpoint (a save that never"
+        " finished leaves shard files without a manifest)"
+    )
+
+
+def inspect_checkpoint(location: str) -> tuple[Manifest, CheckpointRecord]:
+    """The manifest (every byte of it checked) and its record; no shard data is read.
+
+    Raises:
+        NotACheckpointError: no manifest in the directory; CorruptCheckpointError: a damaged one;
+        CheckpointNotFoundError, StorageError.
+    """
+    try:
+        manifest, info = read_manifest(location)
+    except CheckpointNotFoundError:
+        listing = list_directory(location)  # raises when there is no directory at all
+        raise _not_committed(location, listing) from None
+    return manifest, info.record
+
+
+def _total(m: Manifest) -> int:
+    return sum(f.nbytes for f in m.files)
+
+
+def _chunks_by_file(m: Manifest) -> dict[int, list[tuple[str, int, Any]]]:
+    out: dict[int, list[tuple[str, int, Any]]] = {}
+    for ti, t in enumerate(m.tensors):
+        for c in t.chunks:
+            out.setdefault(c.file, []).append((t.fqn, ti, c))
+    return out
+
+
+def _check_entries(report: ShardedReport, m: Manifest, sf: ShardFile, info, chunks) -> None:
+    entries = {e.name: e for e in info.header.entries}
+    for fqn, ti, c in chunks:
+        e = entries.get(c.entry)
+        t = m.tensors[ti]
+        if e is None or e.dtype != t.dtype or e.shape != c.sizes:
+            found = "nothing" if e is None else f"{e.dtype} {list(e.shape)}"
+            report.fail(
+                "mismatch",
+                f"{sf.name}: tensor `{printable(c.entry)}` (chunk of `{printable(fqn)}`) should be {t.dtype}"
+                f" {list(c.sizes)}, found {found}",
+                fqn,
+            )
+
+
+def _deep_file(report: ShardedReport, location: str, sf: ShardFile, chunks, m: Manifest, progress) -> Any:
+    """One pass over a shard file: every tensor's xxh3, its own fingerprint, its chunk's contribution."""
+    import torch
+
+    from certckpt.format.fingerprinting import StreamingFingerprint
+    from certckpt.format.tensors import host_bytes
+
+    from .shardfp import contribution
+
+    target = resolve(join(location, sf.name))
+    by_entry: dict[str, list[tuple[str, int, Any]]] = {}  # tied weights: one stored tensor, two names
+    for fqn, ti, c in chunks:
+        by_entry.setdefault(c.entry, []).append((fqn, ti, c))
+    with open_read(target) as (fh, size):
+        try:
+            info = read_checkpoint_header(fh, size, target.display)
+        except CorruptCheckpointError as e:
+            report.fail("truncated" if "truncated" in str(e) else "malformed", str(e))
+            return None
+        problem = check_header(info.header, info.record)
+        if problem:
+            report.fail("header", f"{target.display}: {problem}")
+        if state_fingerprint({k: v["fp"] for k, v in info.record.tensors.items()}) != info.record.state_fp:
+            report.fail("state", f"{target.display}: whole-file fingerprint does not match its tensors' fingerprints")
+        buf = torch.empty(_PIECE, dtype=torch.uint8)
+        mv = host_bytes(buf)
+        for e in info.header.entries:
+            h = xxhash.xxh3_128()
+            fp = StreamingFingerprint(e.dtype, e.shape)
+            owners = by_entry.get(e.name, [])
+            owner = owners[0] if owners else None
+            raws = [0] * len(owners)  # each name's contribution (tied weights: one stored tensor, two names)
+            done, esize = 0, DTYPE_SIZES[e.dtype]
+            while done < e.nbytes:
+                want = min(e.nbytes - done, _PIECE)
+                got = 0
+                while got < want:
+                    n = fh.readinto(mv[got:want])
+                    if not n:
+                        report.fail(
+                            "truncated", f"{target.display}: truncated: tensor `{printable(e.name)}` ends early"
+                        )
+                        return info
+                    got += n
+                h.update(mv[:want])
+                fp.update(buf[:want])
+                for i, (_, ti, c) in enumerate(owners):
+                    raws[i] += contribution(
+                        buf[:want],
+                        elem_size=esize,
+                        offsets=c.offsets,
+                        sizes=c.sizes,
+                        global_shape=m.tensors[ti].shape,
+                        first_element=done // esize,
+                    )
+                done += want
+                if progress:
+                    progress(report.nbytes + info.header.data_start + e.begin + done, _total(m))
+            rec = info.record.tensors[e.name]
+            where = f"{target.display}: "
+            if h.hexdigest() != rec["xxh3"]:
+                report.fail("digest", where + digest_problem(e, rec["xxh3"], h.hexdigest()), owner and owner[0])
+            if fp.hexdigest() != rec["fp"]:
+                report.fail(
+                    "fingerprint",
+                    f"{where}tensor `{printable(e.name)}`: device fingerprint mismatch (expected {rec['fp']},"
+                    f" found {fp.hexdigest()})",
+                    owner and owner[0],
+                )
+            for (fqn, _, c), raw in zip(owners, raws):
+                if hex64(raw) != c.raw:
+                    report.fail(
+                        "fingerprint",
+                        f"{where}tensor `{printable(e.name)}`: its contribution to `{printable(fqn)}`'s fingerprint"
+                        f" is {hex64(raw)}, the manifest says {c.raw}",
+                        fqn,
+                    )
+    report.nbytes += info.nbytes
+    return info
+
+
+def verify_checkpoint(location: str, *, deep: bool = False, progress: Progress | None = None) -> ShardedReport:
+    """Check a sharded checkpoint directory: its manifest, every byte of every shard file, that no
+    listed file is missing and no other file is there, and (``deep``) every fingerprint recomputed.
+
+    Args:
+        location: the checkpoint directory (local path or fsspec URL).
+        deep: recompute every chunk's fingerprint and its contribution to the global ones (torch).
+        progress: called as ``progress(bytes_done, bytes_total)``.
+
+    Returns:
+        A ``ShardedReport``; ``report.ok`` is False when anything is damaged, missing or extra.
+
+    Raises:
+        NotACheckpointError: no manifest (nothing committed); CheckpointNotFoundError: no directory;
+        StorageError: the store could not be read.
+
+    Example:
+        >>> report = certckpt.dcp.verify_checkpoint("ckpt/step100")
+        >>> report.ok
+        True
+    """
+    t0 = time.perf_counter()
+    listing = list_directory(location)
+    report = ShardedReport(source=location, deep=deep)
+    if MANIFEST_NAME not in listing.files:
+        raise _not_committed(location, listing)
+    try:
+        manifest, info = read_manifest(location)
+    except CorruptCheckpointError as e:
+        report.fail("manifest", str(e))
+        report.seconds = time.perf_counter() - t0
+        return report
+    report.manifest, report.record = manifest, info.record
+    report.tensors = len(manifest.tensors)
+    report.chunks = sum(len(t.chunks) for t in manifest.tensors)
+    report.nbytes = info.nbytes
+    for p in consistency_problems(manifest):
+        report.fail("manifest", f"{location}/{MANIFEST_NAME}: {p}")
+    by_file = _chunks_by_file(manifest)
+    for i, sf in enumerate(manifest.files):
+        chunks = by_file.get(i, [])
+        if sf.name not in listing.files:
+            names = sorted({fqn for fqn, _, _ in chunks})
+            report.fail(
+                "missing",
+                f"shard file {sf.name} (rank {sf.rank}) is missing: it holds {len(chunks)} chunk(s) of"
+                f" {', '.join(f'`{printable(n)}`' for n in names[:3])}{' ...' if len(names) > 3 else ''}",
+            )
+            continue
+        report.files += 1
+        if deep:
+            finfo = _deep_file(report, location, sf, chunks, manifest, progress)
+        else:
+            done = report.nbytes
+            r = verify(
+                join(location, sf.name),
+                progress=(lambda d, _t, base=done: progress(base + d, _total(manifest))) if progress else None,
+            )
+            owners = {c.entry: fqn for fqn, _, c in chunks}
+            for p in r.problems:
+                msg = p.message if sf.name in p.message else f"{location}/{sf.name}: {p.message}"
+                report.fail(p.kind, msg, owners.get(p.tensor, p.tensor))
+            report.nbytes += r.nbytes
+            finfo = r.info
+        if finfo is None:
+            continue
+        if finfo.record.header_digest != sf.header_digest or finfo.nbytes != sf.nbytes:
+            report.fail(
+                "mismatch",
+                f"{location}/{sf.name}: not the shard file the manifest names (header digest"
+                f" {finfo.record.header_digest}, {finfo.nbytes} bytes; expected {sf.header_digest}, {sf.nbytes}"
+                " bytes): it was replaced after the checkpoint was committed",
+            )
+        _check_entries(report, manifest, sf, finfo, chunks)
+    listed = {f.name for f in manifest.files} | {MANIFEST_NAME}
+    for name in sorted(listing.files - listed):
+        report.fail("extra", f"{location}/{name}: not part of this checkpoint (the manifest does not list it)")
+    for name in sorted(listing.dirs):
+        report.fail("extra", f"{location}/{name}/: a directory inside the checkpoint (the manifest does not list it)")
+    report.seconds = time.perf_counter() - t0
+    return report
