@@ -33,7 +33,7 @@ def _is_directory(location: str) -> bool:
 
 
 def _verify_sharded(location: str, deep: bool, as_json: bool, progress: Progress) -> None:
-    from certckpt.dcp.check import verify_checkpoint  # only for directories: keeps the file path light
+    from certckpt.format.sharded.check import verify_checkpoint  # only for directories: keeps the file path light
 
     report = verify_checkpoint(location, deep=deep, progress=progress)
     if as_json:
@@ -191,7 +191,7 @@ def inspect(location: str, as_json: bool) -> None:
 
 
 def _inspect_sharded(location: str, as_json: bool) -> None:
-    from certckpt.dcp.check import inspect_checkpoint  # only for directories: keeps the file path light
+    from certckpt.format.sharded.check import inspect_checkpoint  # only for directories: keeps the file path light
 
     m, rec = inspect_checkpoint(location)
     if as_json:

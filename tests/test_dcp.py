@@ -23,9 +23,9 @@ from fpref import CHUNK, M64, SEED_T, SEED_V, splitmix64
 
 import certckpt
 from certckpt.dcp import CertifiedReader, CertifiedWriter, inspect_checkpoint, read_manifest, verify_checkpoint
-from certckpt.dcp.composition import compose, hex64
-from certckpt.dcp.shardfp import contribution, sum_plan, tensor_contribution, write_sums
 from certckpt.format.leaves import plain_tensor
+from certckpt.format.sharded.composition import compose, hex64
+from certckpt.format.sharded.shardfp import contribution, sum_plan, tensor_contribution, write_sums
 from certckpt.format.tensors import TORCH_TO_ST
 from certckpt_cli.main import main
 
@@ -178,7 +178,7 @@ def test_write_sums_give_the_shard_fingerprint_and_its_contribution_in_one_pass(
 
 
 def test_is_partition():
-    from certckpt.dcp.composition import is_partition
+    from certckpt.format.sharded.composition import is_partition
 
     grid = [((0, 0), (2, 3)), ((2, 0), (2, 3)), ((0, 3), (4, 2))]  # not a product grid: pairwise
     assert is_partition(grid, (4, 5))
@@ -391,6 +391,21 @@ def test_ledger_commit_names_the_directory(tmp_path):
     assert status.certification.verdicts["main@5"].label == "verified"
     with pytest.raises(certckpt.ConfigurationError, match="needs step=N"):
         CertifiedWriter(f"{store}/step6", ledger=store)
+
+
+def test_latest_good_answers_a_sharded_checkpoint_and_falls_back_past_a_damaged_shard(tmp_path):
+    from certckpt.trust.runstore import certify_store, find_latest_good
+
+    store = str(tmp_path / "run")
+    for step in (5, 10):
+        dcp.save(_state(), storage_writer=CertifiedWriter(f"{store}/step{step}", ledger=store, step=step), no_dist=True)
+    status, good = find_latest_good(store, accept="verified", write_certificates=False)
+    assert good == "main@10" and status.entry(good).url.rstrip("/").endswith("step10")
+    shard = next(p for p in os.listdir(f"{store}/step10") if p.startswith("shard-"))
+    _flip(f"{store}/step10/{shard}")
+    status, good = find_latest_good(store, accept="verified", write_certificates=False)
+    assert good == "main@5" and shard in status.problems["main@10"]
+    assert certify_store(store, verify_bytes=True, write_certificates=False).problems.keys() == {"main@10"}
 
 
 # --- the command line -------------------------------------------------------------------------------

@@ -241,8 +241,8 @@ def test_readme_example_runs_as_written(tmp_path):
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "last clean audit at step 40" in out.stdout
-    assert certckpt.verify(tmp_path / "run" / "step40.safetensors").ok
-    rec = certckpt.inspect(tmp_path / "run" / "step40.safetensors").record
+    assert certckpt.verify(tmp_path / "run" / "main@40.safetensors").ok
+    rec = certckpt.inspect(tmp_path / "run" / "main@40.safetensors").record
     assert rec.step_range == [21, 40] and rec.lineage["last_clean_audit"] == 40
 
 

@@ -21,15 +21,15 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-# name -> module (relative to this package) that defines it
+# name -> module that defines it (relative to this package, or the format layer's checker)
 _LAZY = {
     "CertifiedWriter": "writer",
     "CertifiedReader": "reader",
-    "verify_checkpoint": "check",
-    "inspect_checkpoint": "check",
-    "ShardedReport": "check",
-    "Manifest": "manifest",
-    "read_manifest": "manifest",
+    "verify_checkpoint": "certckpt.format.sharded.check",
+    "inspect_checkpoint": "certckpt.format.sharded.check",
+    "ShardedReport": "certckpt.format.sharded.check",
+    "Manifest": "certckpt.format.sharded.manifest",
+    "read_manifest": "certckpt.format.sharded.manifest",
     "state_fingerprints": "sharded",
     "StateFingerprints": "sharded",
 }
@@ -47,8 +47,9 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .check import ShardedReport, inspect_checkpoint, verify_checkpoint
-    from .manifest import Manifest, read_manifest
+    from certckpt.format.sharded.check import ShardedReport, inspect_checkpoint, verify_checkpoint
+    from certckpt.format.sharded.manifest import Manifest, read_manifest
+
     from .reader import CertifiedReader
     from .sharded import StateFingerprints, state_fingerprints
     from .writer import CertifiedWriter
@@ -58,7 +59,7 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'certckpt.dcp' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    value = getattr(importlib.import_module(module if "." in module else f".{module}", __name__), name)
     globals()[name] = value
     return value
 

@@ -25,10 +25,10 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from certckpt.errors import NotACheckpointError, PlatformError, UnsupportedObjectError
 from certckpt.format.header import printable
+from certckpt.format.sharded.composition import compose, hex64, state_fp
+from certckpt.format.sharded.manifest import Chunk, Manifest, ShardFile, TensorInfo, ValueInfo
 from certckpt.format.tensors import ST_TO_TORCH, TORCH_TO_ST
 
-from .composition import compose, hex64, state_fp
-from .manifest import Chunk, Manifest, ShardFile, TensorInfo, ValueInfo
 from .values import decode_value, encode_value
 
 __all__ = ["ShardRef", "ValueRef", "ChunkRef", "build_manifest", "to_metadata", "DCP_VERSION"]

@@ -39,14 +39,14 @@ from certckpt.errors import (
 )
 from certckpt.format.header import TensorEntry, printable
 from certckpt.format.record import check_header
+from certckpt.format.sharded.layout import join
+from certckpt.format.sharded.manifest import Manifest, ShardFile, ValueInfo, read_manifest
+from certckpt.format.sharded.shardfp import tensor_contribution
 from certckpt.format.storage import open_read, resolve
 from certckpt.format.tensors import ST_TO_TORCH, host_bytes
 from certckpt.format.verify import digest_problem, read_checkpoint_header, read_tensor
 
 from .dcpmeta import ChunkRef, to_metadata
-from .layout import join
-from .manifest import Manifest, ShardFile, ValueInfo, read_manifest
-from .shardfp import tensor_contribution
 from .statecheck import Region, compare, exchange
 from .values import decode_value, deliver_value
 

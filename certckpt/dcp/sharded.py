@@ -18,10 +18,10 @@ from torch.distributed.tensor import DTensor
 
 from certckpt.errors import ArgumentTypeError, ConfigurationError
 from certckpt.format.header import printable
+from certckpt.format.sharded.composition import compose, hex64, is_partition, state_fp
+from certckpt.format.sharded.shardfp import tensor_contribution
 from certckpt.format.tensors import TORCH_TO_ST
 
-from .composition import compose, hex64, is_partition, state_fp
-from .shardfp import tensor_contribution
 from .statecheck import exchange
 
 __all__ = ["StateFingerprints", "state_fingerprints"]

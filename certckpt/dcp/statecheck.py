@@ -17,9 +17,8 @@ import torch
 import torch.distributed as dist
 
 from certckpt.format.header import printable
-
-from .composition import compose, hex64, is_partition
-from .manifest import Manifest
+from certckpt.format.sharded.composition import compose, hex64, is_partition
+from certckpt.format.sharded.manifest import Manifest
 
 __all__ = ["Region", "exchange", "compare"]
 

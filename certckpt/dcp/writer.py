@@ -32,14 +32,8 @@ from torch.futures import Future
 
 from certckpt.errors import ArgumentTypeError, CheckpointExistsError, ConfigurationError, StorageError
 from certckpt.format.header import canonical_json
-from certckpt.format.tensors import TORCH_TO_ST
-from certckpt.format.verify import inspect
-from certckpt.format.writer import save_certified
-
-from .commit import check_commit_options, commit_checkpoint
-from .composition import finalize, hex64, raw_of
-from .dcpmeta import DCP_VERSION, ShardRef, ValueRef, build_manifest
-from .layout import (
+from certckpt.format.sharded.composition import finalize, hex64, raw_of
+from certckpt.format.sharded.layout import (
     MANIFEST_MARK,
     MANIFEST_NAME,
     MANIFEST_TENSOR,
@@ -51,8 +45,14 @@ from .layout import (
     remove,
     shard_name,
 )
-from .manifest import MANIFEST_VERSION, Manifest
-from .shardfp import sum_plan, tensor_contribution, write_sums
+from certckpt.format.sharded.manifest import MANIFEST_VERSION, Manifest
+from certckpt.format.sharded.shardfp import sum_plan, tensor_contribution, write_sums
+from certckpt.format.tensors import TORCH_TO_ST
+from certckpt.format.verify import inspect
+from certckpt.format.writer import save_certified
+
+from .commit import check_commit_options, commit_checkpoint
+from .dcpmeta import DCP_VERSION, ShardRef, ValueRef, build_manifest
 from .values import encode_value, value_of
 
 __all__ = ["CertifiedWriter", "SHARDS_KEY"]

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from certckpt.errors import CertckptError, CheckpointExistsError, CheckpointNotFoundError, StorageError
+from certckpt.format.sharded.check import verify_checkpoint
+from certckpt.format.sharded.layout import is_directory
 from certckpt.format.signing import TrustedKeys
 from certckpt.format.verify import verify
 
@@ -111,17 +113,22 @@ def check_file(
         None when it verifies, else one line saying what is wrong.
     """
     try:
-        report = verify(url, progress=progress, trusted_keys=trusted_keys)
+        # a sharded checkpoint (a directory): its manifest, every shard file, nothing extra
+        if not url.endswith(".safetensors") and is_directory(url):
+            report = verify_checkpoint(url, progress=progress, trusted_keys=trusted_keys)
+            record = report.record
+        else:
+            report = verify(url, progress=progress, trusted_keys=trusted_keys)
+            record = report.info.record if report.info is not None else None
     except CertckptError as e:
         return str(e)
-    if not report.ok:
-        return report.problems[0].message
-    if header_digest and report.info.record.header_digest != header_digest:
+    if not report.ok or record is None:
+        return report.problems[0].message if report.problems else f"{url}: unreadable"
+    if header_digest and record.header_digest != header_digest:
         return (
-            f"{url}: not the file that was committed "
-            f"(header digest {report.info.record.header_digest}, committed {header_digest})"
+            f"{url}: not the file that was committed (header digest {record.header_digest}, committed {header_digest})"
         )
-    return _disagreement(url, report.info.record, committed) if committed is not None else None
+    return _disagreement(url, record, committed) if committed is not None else None
 
 
 def _disagreement(url: str, embedded: Any, committed: Mapping[str, Any]) -> str | None:

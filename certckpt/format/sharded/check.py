@@ -19,6 +19,7 @@ import xxhash
 from certckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError
 from certckpt.format.header import DTYPE_SIZES, printable
 from certckpt.format.record import CheckpointRecord, check_header, state_fingerprint
+from certckpt.format.signing import TrustedKeys
 from certckpt.format.storage import open_read, resolve
 from certckpt.format.verify import Problem, digest_problem, read_checkpoint_header, verify
 
@@ -226,7 +227,9 @@ def _deep_file(report: ShardedReport, location: str, sf: ShardFile, chunks, m: M
     return info
 
 
-def verify_checkpoint(location: str, *, deep: bool = False, progress: Progress | None = None) -> ShardedReport:
+def verify_checkpoint(
+    location: str, *, deep: bool = False, progress: Progress | None = None, trusted_keys: TrustedKeys | None = None
+) -> ShardedReport:
     """Check a sharded checkpoint directory: its manifest, every byte of every shard file, that no
     listed file is missing and no other file is there, and (``deep``) every fingerprint recomputed.
 
@@ -234,6 +237,8 @@ def verify_checkpoint(location: str, *, deep: bool = False, progress: Progress |
         location: the checkpoint directory (local path or fsspec URL).
         deep: recompute every chunk's fingerprint and its contribution to the global ones (torch).
         progress: called as ``progress(bytes_done, bytes_total)``.
+        trusted_keys: also require the manifest and every shard file to be signed by one of these
+            keys (``docs/signing.md``); with ``deep`` the signed files are read a second time.
 
     Returns:
         A ``ShardedReport``; ``report.ok`` is False when anything is damaged, missing or extra.
@@ -259,6 +264,10 @@ def verify_checkpoint(location: str, *, deep: bool = False, progress: Progress |
         report.seconds = time.perf_counter() - t0
         return report
     report.manifest, report.record = manifest, info.record
+    if trusted_keys is not None:
+        signed = verify(join(location, MANIFEST_NAME), trusted_keys=trusted_keys)
+        for p in signed.problems:
+            report.fail(p.kind, p.message)
     report.tensors = len(manifest.tensors)
     report.chunks = sum(len(t.chunks) for t in manifest.tensors)
     report.nbytes = info.nbytes
@@ -278,11 +287,15 @@ def verify_checkpoint(location: str, *, deep: bool = False, progress: Progress |
         report.files += 1
         if deep:
             finfo = _deep_file(report, location, sf, chunks, manifest, progress)
+            if trusted_keys is not None:
+                for p in verify(join(location, sf.name), trusted_keys=trusted_keys).problems:
+                    report.fail(p.kind, p.message if sf.name in p.message else f"{location}/{sf.name}: {p.message}")
         else:
             done = report.nbytes
             r = verify(
                 join(location, sf.name),
                 progress=(lambda d, _t, base=done: progress(base + d, _total(manifest))) if progress else None,
+                trusted_keys=trusted_keys,
             )
             owners = {c.entry: fqn for fqn, _, c in chunks}
             for p in r.problems:
