@@ -11,6 +11,8 @@ from typing import Any
 
 _LAZY = {
     "Auditor": "auditor",
+    "AuditSession": "session",
+    "CheckpointEvidence": "session",
     "AuditSetupError": "auditor",
     "FaultDetectedError": "auditor",
     "StepOutcome": "auditor",

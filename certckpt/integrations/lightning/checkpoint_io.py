@@ -1,0 +1,406 @@
+"""``CertifiedCheckpointIO``: Lightning's checkpoints as certified files, committed to a ledger.
+
+``Trainer(plugins=[CertifiedCheckpointIO()])`` routes every checkpoint Lightning writes or reads
+through certckpt: ``ModelCheckpoint``'s files, ``trainer.save_checkpoint(path)``, resuming with
+``Trainer.fit(ckpt_path=...)``. Each file is a certified safetensors file (nothing pickled: the
+hyper-parameters, callback states, loops, optimizer and scheduler states all travel as data) whose
+record carries the global step and the epoch, and is committed to the ledger of its run store (by
+default the checkpoint's directory), so that ``certckpt status DIR`` and ``certckpt latest-good DIR``
+answer for it: ``verified`` on its own, ``trusted`` once ``AuditCallback``'s audits vouch for it.
+
+Lightning writes some names more than once (``last.ckpt`` at every save, a ``filename`` without the
+step in it) and deletes others (``save_top_k``). A committed file is never edited in place: the new
+file is written whole beside the old one, the old checkpoint is *retired* in the ledger (its file
+is gone; its evidence stays), and the new file takes the name atomically (on a local disk; on an
+object store the old object is deleted first). A second file at a step already committed (the
+``last.ckpt`` written right after a ``ModelCheckpoint`` file at the same step) is written certified
+but not committed: the ledger knows one checkpoint per step, and ``latest-good`` names the first.
+A removal that would delete the run's latest-good is refused (kept on disk, with a warning):
+Lightning's ``save_top_k`` then forgets it, certckpt does not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from certckpt.detect.session import CheckpointEvidence
+from certckpt.errors import ArgumentTypeError, CheckpointNotFoundError, ConfigurationError, NotACheckpointError
+from certckpt.format.reader import load
+from certckpt.format.storage import filesystem, fsync_dir, resolve, temp_name
+from certckpt.format.verify import inspect
+from certckpt.format.writer import SaveResult, save_certified
+from certckpt.trust.ledger import Ledger, LedgerSnapshot, ckpt_id_for, is_ckpt_id
+from certckpt.trust.resume import ResumePoint, next_branch
+from certckpt.trust.runstore import certify_store
+
+from .compat import CHECKPOINT_IO_BASES, version_text
+
+__all__ = ["CertifiedCheckpointIO"]
+
+
+def _location(path: Any) -> str:
+    if isinstance(path, os.PathLike):
+        path = os.fspath(path)
+    if not isinstance(path, str):
+        raise ArgumentTypeError(f"a checkpoint path must be a str or os.PathLike, got {type(path).__name__}")
+    return path
+
+
+def _key(location: str) -> str:
+    """One spelling per file: local paths absolute, URLs as given."""
+    target = resolve(location)
+    return os.path.abspath(target.local) if target.local is not None else location.rstrip("/")
+
+
+def _directory(location: str) -> str:
+    target = resolve(location)
+    if target.local is not None:
+        return os.path.dirname(os.path.abspath(target.local))
+    return location.rstrip("/").rsplit("/", 1)[0]
+
+
+def _exists(location: str) -> bool:
+    target = resolve(location)
+    if target.local is not None:
+        return os.path.exists(target.local)
+    fs, p = filesystem(target.url)
+    return fs.exists(p)
+
+
+@dataclass(kw_only=True, slots=True)
+class _Store:
+    """What this process knows of one run store's commits (read once, kept current by its writes).
+
+    Lightning writes checkpoints from one process (global rank 0), so the records it adds are the
+    only ones that change while it trains.
+    """
+
+    ledger: Ledger
+    committed: set[str] = field(default_factory=set)  # checkpoint ids with a commit record
+    named: dict[str, str] = field(default_factory=dict)  # file -> id of the unretired commit naming it
+    branches: set[str] = field(default_factory=set)  # branch records written by this process
+
+    @classmethod
+    def read(cls, ledger: Ledger) -> _Store:
+        try:
+            snap = ledger.snapshot()
+        except CheckpointNotFoundError:
+            snap = LedgerSnapshot()
+        store = cls(ledger=ledger, committed=set(snap.records))
+        for cid, record in snap.records.items():
+            if cid not in snap.retired:
+                store.named[_key(ledger.url_of(record))] = cid
+        return store
+
+
+class CertifiedCheckpointIO(*CHECKPOINT_IO_BASES):
+    """Lightning's ``CheckpointIO``, writing certified, ledger-committed checkpoints.
+
+    Args:
+        ledger: the run store to commit to (path or URL); default: each checkpoint's directory.
+            With ``AuditCallback`` the callback's store is used (they must be one store).
+        run: the run's name in records (default: the resumed checkpoint's, else the store's name).
+        branch: the branch to record on. Default ``main``; after resuming from a checkpoint, a new
+            branch forked from it, ``main-r1``, ``main-r2``, ... (``certckpt.trust.resume.next_branch``;
+            given, the resumed run's branch, which must be new to the store).
+        keep_latest_good: refuse to delete the run's latest-good when ``ModelCheckpoint`` rotates it
+            out (``save_top_k``); the file stays, with a warning.
+
+    Example:
+        >>> trainer = L.Trainer(plugins=[CertifiedCheckpointIO()],
+        ...                     callbacks=[ModelCheckpoint(dirpath="ckpt", every_n_train_steps=100)])
+        >>> trainer.fit(model)                         # then: certckpt status ckpt
+        >>> trainer.fit(model, ckpt_path=certckpt_latest_good)
+    """
+
+    def __init__(
+        self,
+        *,
+        ledger: str | None = None,
+        run: str | None = None,
+        branch: str | None = None,
+        keep_latest_good: bool = True,
+    ):
+        super().__init__()
+        if ledger is not None:
+            ledger = _location(ledger)
+        self.ledger_store = ledger
+        self._run = run
+        self._branch = branch
+        self.keep_latest_good = keep_latest_good
+        self.resume_point: ResumePoint | None = None  # set when a checkpoint is loaded
+        self._resumed_run: str | None = None
+        self._audit_store: str | None = None
+        self._flush: Callable[[], None] | None = None
+        self._evidence: CheckpointEvidence | None = None
+        self._stores: dict[str, _Store] = {}
+
+    # --- identity -----------------------------------------------------------------------------
+
+    @property
+    def branch(self) -> str:
+        """The branch new checkpoints are recorded on."""
+        if self.resume_point is not None:
+            return self.resume_point.branch
+        return self._branch or "main"
+
+    @property
+    def parent(self) -> str | None:
+        """The checkpoint the branch forked from (None for a first branch)."""
+        return self.resume_point.parent if self.resume_point is not None else None
+
+    def store_for(self, location: str) -> str:
+        """The run store whose ledger commits the checkpoint at ``location``."""
+        return self.ledger_store or self._audit_store or _directory(location)
+
+    def run_name(self, store: str) -> str:
+        if self._run:
+            return self._run
+        if self._resumed_run:
+            return self._resumed_run
+        return os.path.basename(store.rstrip("/")) or "run"
+
+    # --- the AuditCallback's side ----------------------------------------------------------------
+
+    def bind_audits(self, *, store: str, run: str, flush: Callable[[], None]) -> None:
+        """Called by ``AuditCallback`` on every rank at the start of training: commit to the audits'
+        store, under their run name, and flush their events before each commit."""
+        if self.ledger_store is not None and _key(self.ledger_store) != _key(store):
+            raise ConfigurationError(
+                f"CertifiedCheckpointIO(ledger={self.ledger_store!r}) and AuditCallback(ledger={store!r}) name two"
+                " run stores; checkpoints and audit events must share one: give the same ledger to both"
+            )
+        self._audit_store, self._run, self._flush = store, run, flush
+
+    def offer_evidence(self, evidence: CheckpointEvidence) -> None:
+        """Called by ``AuditCallback`` on every rank as Lightning builds a checkpoint: the consensus
+        fingerprints and lineage of the step the next file is written at."""
+        self._evidence = evidence
+
+    # --- CheckpointIO -----------------------------------------------------------------------------
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        """Write ``checkpoint`` (Lightning's dict) as a certified file at ``path`` and commit it.
+
+        Raises:
+            UnsupportedObjectError: something in the checkpoint cannot be stored without pickle
+                (every such value named, with its fix); nothing was written.
+            ArgumentTypeError: ``storage_options`` given (Lightning's own ``TorchCheckpointIO``
+                refuses them too).
+        """
+        if storage_options is not None:
+            raise ArgumentTypeError(
+                f"Trainer.save_checkpoint(..., storage_options=...) is not supported by {type(self).__name__}"
+            )
+        url = _location(path)
+        step = checkpoint.get("global_step")
+        if type(step) is not int or step < 0:
+            raise ConfigurationError(f"{url}: the checkpoint has no global_step (got {step!r}); is it Lightning's?")
+        self._makedirs(url)
+        store = self._store(self.store_for(url))
+        branch, parent, run = self.branch, self.parent, self.run_name(store.ledger.store)
+        cid, key = ckpt_id_for(branch, step), _key(url)
+        holder = store.named.get(key)
+        if holder == cid:
+            warnings.warn(
+                f"certckpt: {url} is committed as {cid} already; the file was kept (Lightning saved the same step"
+                " to the same name twice)",
+                UserWarning,
+                stacklevel=2,
+            )
+            return
+        evidence = self._evidence if self._evidence is not None and self._evidence.step == step else None
+        fields: dict[str, Any] = (
+            evidence.save_kwargs() if evidence is not None else {"step": step, "branch": branch, "parent": parent}
+        )
+        fields["run"] = run
+        metadata = {
+            "epoch": str(checkpoint.get("epoch")),
+            "global_step": str(step),
+            "framework": version_text(),
+        }
+        result = self._write(checkpoint, url, fields, metadata, store=store, replaces=holder, step=step)
+        if cid in store.committed:
+            return  # a second file at a committed step (last.ckpt after the ModelCheckpoint file): not committed
+        if evidence is not None and self._flush is not None:
+            self._flush()  # the audit events up to this checkpoint reach the ledger before its commit
+        if parent is not None and branch not in store.branches:
+            store.ledger.start_branch(branch, parent=parent)  # create-only: a no-op once written
+            store.branches.add(branch)
+        store.ledger.commit_checkpoint(
+            branch=branch,
+            step=step,
+            location=url,
+            run=run,
+            parent=parent,
+            consensus_fp=evidence.consensus_fp if evidence is not None else None,
+            state_fp=result.state_fp,
+            header_digest=result.header_digest,
+            step_range=list(evidence.step_range) if evidence is not None else None,
+            nbytes=result.nbytes,
+        )
+        store.committed.add(cid)
+        store.named[key] = cid
+
+    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: Any = None) -> dict[str, Any]:
+        """Read a certified checkpoint (digests checked; nothing unpickled) and plan where training
+        resumes (``resume_point``: new checkpoints go on a new branch forked from this one).
+
+        Args:
+            map_location: as ``torch.load``'s, Lightning's callable included; default: the CPU, as
+                Lightning's ``TorchCheckpointIO`` loads.
+            weights_only: accepted for Lightning's signature; a certified file is always data only.
+
+        Raises:
+            CheckpointNotFoundError: no such file (a ``FileNotFoundError``).
+            NotACheckpointError: not a certified file (a ``torch.save`` one: convert it with
+                ``certckpt certify``).
+            CorruptCheckpointError: its bytes do not verify.
+            ConfigurationError: ``branch=`` names a branch the run store already has.
+        """
+        del weights_only
+        url = _location(path)
+        try:
+            record = inspect(url).record
+        except NotACheckpointError as e:
+            raise NotACheckpointError(
+                f"{e}; CertifiedCheckpointIO reads certified files only: convert a torch.save checkpoint with"
+                f" `certckpt certify {url} NEW.ckpt` and resume from NEW.ckpt"
+            ) from e
+        checkpoint = load(url, map_location if map_location is not None else "cpu")
+        step = record.step if record.step is not None else checkpoint.get("global_step")
+        if type(step) is int:
+            self.resume_point = self._resume_point(url, record, step)
+            self._resumed_run = record.run
+        return checkpoint
+
+    def _resume_point(self, url: str, record: Any, step: int) -> ResumePoint:
+        """Where training goes on from the checkpoint at ``url``: always a new branch (as
+        ``certckpt.plan_resume`` decides for the auditor), so that no id or file name collides with
+        what the earlier run recorded after it, and what it left unproven there is superseded."""
+        store = self.store_for(url)
+        try:
+            status = certify_store(store, write_certificates=False)
+        except CheckpointNotFoundError:
+            status = None
+        snap = status.snapshot if status is not None else LedgerSnapshot()
+        recorded = {n.removesuffix(".json") for n in Ledger(store).list_raw("branches")} if status else set()
+        taken = {c.branch for c in snap.checkpoints} | set(snap.branch_parents) | recorded
+        taken |= {e.get("branch") for e in snap.events}
+        source = record.branch or "main"
+        parent = ckpt_id_for(source, step)
+        wanted = self._branch
+        if wanted is not None and (not is_ckpt_id(ckpt_id_for(wanted, 0)) or wanted in taken):
+            raise ConfigurationError(
+                f"CertifiedCheckpointIO(branch={wanted!r}): a resumed run needs a new branch name (letters, digits,"
+                f" '.', '_', '-'; not one of {sorted(t for t in taken if t)[:8]}); leave it out for the next free one"
+            )
+        branch = self._branch or next_branch(source, {t for t in taken if t})
+        verdict = status.certification.verdicts.get(parent) if status is not None else None
+        level = verdict.label if verdict is not None else "not committed in this store"
+        if level not in ("trusted", "verified"):
+            reasons = f" ({', '.join(verdict.reasons)})" if verdict is not None and verdict.reasons else ""
+            warnings.warn(
+                f"certckpt: resuming from {parent} ({url}), which is {level}{reasons}; its descendants cannot be"
+                f" trusted; `certckpt latest-good {store}` names the newest trusted checkpoint",
+                UserWarning,
+                stacklevel=3,
+            )
+        return ResumePoint(
+            parent=parent, url=url, step=step, branch=branch, consensus_fp=record.consensus_fp, level=level
+        )
+
+    def remove_checkpoint(self, path: Any) -> None:
+        """Delete a checkpoint Lightning no longer keeps, and retire its commit; the run's
+        latest-good is kept (with a warning) unless ``keep_latest_good=False``."""
+        url = _location(path)
+        if not _exists(url):
+            return
+        store = self._store(self.store_for(url))
+        cid = store.named.get(_key(url))
+        if cid is not None and self.keep_latest_good:
+            status = certify_store(store.ledger.store, write_certificates=False)
+            if status.latest_good == cid:
+                warnings.warn(
+                    f"certckpt: kept {url} ({cid}): it is the run's latest-good; Lightning's save_top_k no longer"
+                    " tracks it, delete it yourself once a newer checkpoint is trusted",
+                    UserWarning,
+                    stacklevel=2,
+                )
+                return
+        target = resolve(url)
+        if target.local is not None:
+            os.unlink(target.local)
+        else:
+            fs, p = filesystem(target.url)
+            fs.rm(p)
+        if cid is not None:
+            reason = "Lightning removed the file (ModelCheckpoint save_top_k)"
+            store.ledger.retire(cid, reason=reason, policy="lightning")
+            store.named.pop(_key(url), None)
+
+    # --- helpers ------------------------------------------------------------------------------
+
+    def _store(self, location: str) -> _Store:
+        key = _key(location)
+        if key not in self._stores:
+            self._stores[key] = _Store.read(Ledger(location))
+        return self._stores[key]
+
+    @staticmethod
+    def _makedirs(url: str) -> None:
+        target = resolve(url)
+        if target.local is not None:
+            os.makedirs(os.path.dirname(os.path.abspath(target.local)), exist_ok=True)
+        else:
+            fs, p = filesystem(target.url)
+            parent = p.rstrip("/").rsplit("/", 1)[0]
+            with contextlib.suppress(FileExistsError):
+                fs.makedirs(parent, exist_ok=True)
+
+    def _write(
+        self,
+        checkpoint: dict[str, Any],
+        url: str,
+        fields: dict[str, Any],
+        metadata: dict[str, str],
+        *,
+        store: _Store,
+        replaces: str | None,
+        step: int,
+    ) -> SaveResult:
+        """Write the file under ``url``: create-only when the name is free; otherwise the new file is
+        written whole first, the checkpoint that held the name (if committed) retired, then the name
+        taken over atomically (a local rename; on an object store, delete then create-only PUT)."""
+        if not _exists(url):
+            return save_certified(checkpoint, url, overwrite=False, metadata=metadata, **fields)
+        reason = f"superseded: Lightning saved step {step} under the same name"
+        target = resolve(url)
+        if target.local is None:
+            if replaces is not None:
+                store.ledger.retire(replaces, reason=reason, policy="lightning")
+                store.named.pop(_key(url), None)
+            fs, p = filesystem(target.url)
+            fs.rm(p)
+            return save_certified(checkpoint, url, overwrite=False, metadata=metadata, **fields)
+        final = os.path.abspath(target.local)
+        tmp = temp_name(final)
+        try:
+            result = save_certified(checkpoint, tmp, overwrite=False, metadata=metadata, **fields)
+            if replaces is not None:
+                store.ledger.retire(replaces, reason=reason, policy="lightning")
+                store.named.pop(_key(url), None)
+            # certckpt's own save never replaces a file a commit record names, retired or not; the
+            # ledger now says this one is gone, so the new file takes its name here, atomically.
+            os.replace(tmp, final)
+            fsync_dir(os.path.dirname(final))
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        return dataclasses.replace(result, location=url)
