@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from certckpt.errors import CertckptError, CheckpointExistsError, CheckpointNotFoundError, StorageError
-from certckpt.format.sharded.check import verify_checkpoint
+from certckpt.format.companions import companion_problems
+from certckpt.format.sharded.check import ShardedReport, verify_checkpoint
 from certckpt.format.sharded.layout import is_directory
 from certckpt.format.signing import TrustedKeys
 from certckpt.format.verify import verify
@@ -124,6 +125,10 @@ def check_file(
         return str(e)
     if not report.ok or record is None:
         return report.problems[0].message if report.problems else f"{url}: unreadable"
+    if not isinstance(report, ShardedReport):  # one committed file may certify its whole directory
+        companions = companion_problems(url, record, trusted_keys=trusted_keys)
+        if companions:
+            return companions[0]
     if header_digest and record.header_digest != header_digest:
         return (
             f"{url}: not the file that was committed (header digest {record.header_digest}, committed {header_digest})"

@@ -29,12 +29,12 @@ from typing import Any
 import xxhash
 
 from certckpt.errors import (
-    CertckptError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     NotACheckpointError,
     UnsupportedObjectError,
 )
+from certckpt.format.companions import FILES_KEY, LAYOUT_KEY, companion_problems
 from certckpt.format.verify import inspect, verify
 from certckpt.format.writer import SaveResult, save_certified
 
@@ -55,7 +55,7 @@ __all__ = [
 MANIFEST_NAME = "trainer.safetensors"
 ARGS_NAME = "training_args.json"
 LAYOUT = "certckpt-hf-trainer/1"  # the record's ``user["layout"]``: what this directory is
-_FILES_KEY = "files"  # the record's ``user["files"]``: JSON {name: entry} of every other file
+_FILES_KEY = FILES_KEY  # the record's ``user["files"]``: JSON {name: entry} of every other file
 PICKLED_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".pickle", ".ckpt")
 _CHUNK = 16 << 20
 # What the plain Trainer writes with torch.save: named when someone resumes from such a directory.
@@ -127,7 +127,7 @@ def write_manifest(
         if name == MANIFEST_NAME or name.startswith(".") or not os.path.isfile(path):
             continue  # hidden names are writers' temp files
         files[name] = file_entry(path)
-    meta = {"layout": LAYOUT, _FILES_KEY: json.dumps(files, sort_keys=True, separators=(",", ":"))}
+    meta = {LAYOUT_KEY: LAYOUT, _FILES_KEY: json.dumps(files, sort_keys=True, separators=(",", ":"))}
     return save_certified(
         state,
         os.path.join(directory, MANIFEST_NAME),
@@ -232,34 +232,9 @@ def verify_checkpoint(directory: str) -> CheckpointReport:
     mine = verify(path)
     for p in mine.problems:
         report.fail(p.message if p.message.startswith(path) else f"{path}: {p.message}")
-    for name, want in sorted(files.items()):
-        member = os.path.join(directory, name)
-        if not os.path.isfile(member):
-            report.fail(f"{member}: missing (the manifest lists it)")
-            continue
-        size = os.path.getsize(member)
-        if size != want["bytes"]:
-            report.fail(f"{member}: {size} bytes, the manifest says {want['bytes']}; the file changed after the save")
-            continue
-        if "header_digest" in want:
-            try:
-                got = verify(member)
-            except CertckptError as e:
-                report.fail(str(e))
-                continue
-            if not got.ok:
-                report.fail(
-                    got.problems[0].message
-                    if got.problems[0].message.startswith(member)
-                    else f"{member}: {got.problems[0].message}"
-                )
-            elif got.info.record.header_digest != want["header_digest"]:
-                report.fail(
-                    f"{member}: another certified file than the one saved (header digest "
-                    f"{got.info.record.header_digest}, the manifest says {want['header_digest']})"
-                )
-        elif _xxh3_of(member) != want.get("xxh3"):
-            report.fail(f"{member}: xxh3 digest differs from the manifest's; the file changed after the save")
+    if mine.info is not None:
+        for problem in companion_problems(path, mine.info.record):
+            report.fail(problem)
     return report
 
 
