@@ -4,9 +4,8 @@ The commit record names the checkpoint *directory*, with the manifest's header d
 every shard file's header digest, and through them every byte) and the manifest record's run,
 branch, step and state fingerprint, so that the certifier's cross-check of a commit record against
 the checkpoint's own record has something to compare. ``certckpt status`` lists such a checkpoint
-with its verdict. Answering it from ``latest-good`` and copying it into a vault need the trust and
-vault layers to verify a directory the way ``certckpt verify DIR`` does (see ``docs/format.md``,
-"Sharded checkpoints (DCP)"); until they do, ``latest-good`` passes over it saying it is a directory.
+with its verdict; ``latest-good`` verifies the directory as ``certckpt verify DIR`` does. The vault
+does not copy sharded checkpoints yet (see ``docs/format.md``, "Sharded checkpoints (DCP)").
 """
 
 from __future__ import annotations
