@@ -13,10 +13,13 @@ import sys
 
 import click
 
+from certckpt.format.header import printable
+from certckpt.format.record import check_header
+from certckpt.format.signing import trusted_keys_from_env
 from certckpt.format.verify import inspect as run_inspect
 from certckpt.format.verify import verify as run_verify
 
-from .common import EXIT_FAILED, EXIT_OK, Progress, echo_table, expected_errors, fail, human_bytes
+from .common import EXIT_FAILED, EXIT_OK, Progress, echo_table, expected_errors, fail, human_bytes, trusted_keys_option
 
 
 def _is_directory(location: str) -> bool:
@@ -32,10 +35,10 @@ def _is_directory(location: str) -> bool:
         return False
 
 
-def _verify_sharded(location: str, deep: bool, as_json: bool, progress: Progress) -> None:
+def _verify_sharded(location: str, deep: bool, as_json: bool, progress: Progress, keys) -> None:
     from certckpt.format.sharded.check import verify_checkpoint  # only for directories: keeps the file path light
 
-    report = verify_checkpoint(location, deep=deep, progress=progress)
+    report = verify_checkpoint(location, deep=deep, progress=progress, trusted_keys=keys)
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
     elif report.ok:
@@ -65,18 +68,22 @@ def _verify_sharded(location: str, deep: bool, as_json: bool, progress: Progress
     help="Run store whose ledger certifies it: adds the verdict (exit 1 when suspect).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON report.")
+@trusted_keys_option
 @expected_errors
 def verify(location: str, deep: bool, ledger_url: str | None, as_json: bool) -> None:
     """Check every byte of the checkpoint at LOCATION (path or fsspec URL)."""
     # --deep reads at fingerprint speed (a few GB/s, not tens): show progress from 256 MB on
     threshold = 256 << 20 if deep else 1 << 30
+    keys = trusted_keys_from_env()  # --trusted-keys stands for the variable (common.trusted_keys_option)
     if _is_directory(location):
         if ledger_url:
             fail("verify --ledger takes a checkpoint file; for a sharded checkpoint use certckpt status", 2)
-        _verify_sharded(location, deep, as_json, Progress(f"verifying {location}", threshold=threshold))
-    report = run_verify(location, deep=deep, progress=Progress(f"verifying {location}", threshold=threshold))
+        _verify_sharded(location, deep, as_json, Progress(f"verifying {location}", threshold=threshold), keys)
+    report = run_verify(
+        location, deep=deep, progress=Progress(f"verifying {location}", threshold=threshold), trusted_keys=keys
+    )
     verdict = _ledger_verdict(location, ledger_url, report) if ledger_url else None
-    if verdict is not None and report.ok and not verdict["trusted"]:
+    if verdict is not None and report.ok and verdict["verdict"] == "suspect":
         report.ok = False
     if as_json:
         doc = report.to_dict()
@@ -128,7 +135,7 @@ def _ledger_verdict(location: str, ledger_url: str, report) -> dict:
             return {
                 "ckpt_id": cid,
                 "trusted": v.trusted and report.ok,
-                "verdict": "trusted" if v.trusted and report.ok else "suspect",
+                "verdict": v.label if report.ok else "suspect",  # trusted, verified (no audit evidence), suspect
                 "reasons": reasons,
             }
     return {"ckpt_id": None, "trusted": False, "verdict": "suspect", "reasons": ["uncommitted"]}
@@ -145,6 +152,9 @@ def inspect(location: str, as_json: bool) -> None:
         return
     info = run_inspect(location)
     rec = info.record
+    # What verify would reject in the header is reported, and exits 1, here too: inspect shows a
+    # damaged header but never passes it off as sound.
+    problem = check_header(info.header, info.record)
     if as_json:
         doc = {
             "source": info.source,
@@ -164,11 +174,13 @@ def inspect(location: str, as_json: bool) -> None:
                 {"name": e.name, "dtype": e.dtype, "shape": list(e.shape), "bytes": e.nbytes, **rec.tensors[e.name]}
                 for e in info.header.entries
             ],
+            "problem": problem,
         }
         click.echo(json.dumps(doc, indent=2))
-        return
+        sys.exit(EXIT_FAILED if problem else EXIT_OK)
     click.echo(
-        f"{info.source}: certckpt schema {rec.schema}, {len(info.header.entries)} tensors, {human_bytes(info.nbytes)}"
+        f"{printable(info.source)}: certckpt schema {rec.schema}, {len(info.header.entries)} tensors,"
+        f" {human_bytes(info.nbytes)}"
     )
     for label, value in (
         ("run", rec.run),
@@ -182,12 +194,20 @@ def inspect(location: str, as_json: bool) -> None:
         ("written", f"{rec.writer.get('time')} on {rec.writer.get('host')} (torch {rec.writer.get('torch')})"),
     ):
         if value is not None:
-            click.echo(f"  {label:<16} {value}")
+            click.echo(f"  {label:<16} {printable(str(value))}")
     rows = [
-        (e.name, e.dtype, "x".join(map(str, e.shape)) or "scalar", human_bytes(e.nbytes), rec.tensors[e.name]["fp"])
+        (
+            printable(e.name),  # names come from the file: no newline or terminal escape reaches the screen
+            e.dtype,
+            "x".join(map(str, e.shape)) or "scalar",
+            human_bytes(e.nbytes),
+            rec.tensors[e.name]["fp"],
+        )
         for e in info.header.entries
     ]
     echo_table(("tensor", "dtype", "shape", "size", "fingerprint"), rows, indent="  ")
+    if problem:
+        fail(f"{info.source}: {problem}", EXIT_FAILED)
 
 
 def _inspect_sharded(location: str, as_json: bool) -> None:

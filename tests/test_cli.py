@@ -144,3 +144,25 @@ def test_verify_deep_shows_progress_on_a_terminal_from_256_mb(tmp_path):
     _, status = os.waitpid(pid, 0)
     text = out.decode(errors="replace")
     assert os.waitstatus_to_exitcode(status) == 0 and "100% of 314.6 MB" in text and "fingerprints recomputed" in text
+
+
+def test_inspect_escapes_names_and_exits_1_where_verify_would(tmp_path):
+    import struct
+
+    p = tmp_path / "odd.safetensors"
+    certckpt.save({"evil\nname\x1b[31m": torch.ones(2)}, p)
+    out = CliRunner().invoke(main, ["inspect", str(p)])
+    assert out.exit_code == 0 and "evil\\nname\\x1b[31m" in out.output and "\x1b" not in out.output
+    # the header changed after writing (a space of padding turned into another byte): verify says 1
+    data = bytearray(p.read_bytes())
+    (n,) = struct.unpack("<Q", data[:8])
+    doc = json.loads(bytes(data[8 : 8 + n]))
+    doc["__metadata__"]["format"] = "pT"
+    body = json.dumps(doc, separators=(",", ":")).encode()
+    body += b" " * (n - len(body))
+    assert len(body) == n
+    q = tmp_path / "edited.safetensors"
+    q.write_bytes(bytes(data[:8]) + body + bytes(data[8 + n :]))
+    assert CliRunner().invoke(main, ["verify", str(q)]).exit_code == 1
+    out = CliRunner().invoke(main, ["inspect", str(q)])
+    assert out.exit_code == 1 and "header digest mismatch" in out.output

@@ -220,3 +220,16 @@ def test_latest_good_with_trusted_keys_takes_only_signed_files(tmp_path, keys):
     assert "unsigned" in keyed.stdout + keyed.stderr
     bad = _cli("status", "--trusted-keys", str(tmp_path / "nope.pub"), str(store))
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--trusted-keys" in bad.stderr
+
+
+def test_cli_verify_trusted_keys_passes_the_signed_file_and_fails_the_forgery(tmp_path, keys):
+    p = tmp_path / "ck.safetensors"
+    certckpt.save(_state(), p, signing_key=keys["signing"])
+    forged = tmp_path / "forged.safetensors"
+    forged.write_bytes(_forge(p))
+    pub = str(keys["priv"]) + ".pub"
+    assert _cli("verify", str(forged)).returncode == 0  # unkeyed digests hold
+    ok = _cli("verify", "--trusted-keys", pub, str(p))
+    assert ok.returncode == 0 and ok.stdout.startswith("OK"), ok.stdout + ok.stderr
+    bad = _cli("verify", "--trusted-keys", pub, str(forged))
+    assert bad.returncode == 1 and "bad signature" in bad.stdout, bad.stdout + bad.stderr

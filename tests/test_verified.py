@@ -156,3 +156,10 @@ def test_prune_counts_verified_copies_in_a_vault_without_trusted_ones(plain_run,
     assert _run("vault", "promote", plain_run, vault, "--accept", "verified").exit_code == 0
     doc = json.loads(_run("vault", "prune", vault, "--keep-last", "2", "--json").output)
     assert sorted(doc["keep"]) == ["main@20", "main@30"] and doc["delete"] == ["main@10"]
+
+
+def test_verify_ledger_reports_the_verified_level(plain_run):
+    r = _run("verify", os.path.join(plain_run, "s20.safetensors"), "--ledger", plain_run)
+    assert r.exit_code == 0 and "verdict: verified (main@20)" in r.output, r.output
+    doc = json.loads(_run("verify", os.path.join(plain_run, "s20.safetensors"), "--ledger", plain_run, "--json").output)
+    assert doc["verdict"]["verdict"] == "verified" and not doc["verdict"]["trusted"]
