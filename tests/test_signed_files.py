@@ -233,3 +233,41 @@ def test_cli_verify_trusted_keys_passes_the_signed_file_and_fails_the_forgery(tm
     assert ok.returncode == 0 and ok.stdout.startswith("OK"), ok.stdout + ok.stderr
     bad = _cli("verify", "--trusted-keys", pub, str(forged))
     assert bad.returncode == 1 and "bad signature" in bad.stdout, bad.stdout + bad.stderr
+
+
+AUDITOR_SIGNS = """
+import json, os, sys, torch, torch.distributed as dist, torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from certckpt.detect import Auditor
+d, priv = sys.argv[1], sys.argv[2]
+dist.init_process_group("gloo", init_method=f"file://{d}/pg", rank=0, world_size=1)
+torch.manual_seed(0)
+m = torch.nn.Linear(4, 2)
+opt = torch.optim.SGD(m.parameters(), lr=0.1)
+a = Auditor(DDP(m), opt, loss_fn=lambda mm, b: F.mse_loss(mm(b[0]), b[1]), ledger=d + "/run", audit_every=2,
+            signing_key=priv)
+for s in range(4):
+    a.train_step((torch.randn(3, 4), torch.randn(3, 2)))
+a.save({"m": m.state_dict()}, d + "/run/main@4.safetensors")
+a.close()
+dist.destroy_process_group()
+"""
+
+
+def test_the_auditor_signs_its_checkpoints_and_records(tmp_path, keys):
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "run").mkdir()
+    r = subprocess.run(
+        [sys.executable, "-c", AUDITOR_SIGNS, str(tmp_path), str(keys["priv"])],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={k: v for k, v in os.environ.items() if not k.startswith("CERTCKPT_")},
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert certckpt.verify(tmp_path / "run" / "main@4.safetensors", trusted_keys=keys["trusted"]).ok
+    rec = json.loads((tmp_path / "run" / "_ledger" / "checkpoints" / "main@4.json").read_text())
+    assert rec["sig"]["key"] == keys["signing"].key_id

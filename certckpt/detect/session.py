@@ -40,6 +40,7 @@ from certckpt.errors import (
 )
 from certckpt.format.fingerprinting import as_words, finalize, raw_sum
 from certckpt.format.record import state_fingerprint
+from certckpt.format.signing import signing_key_for
 from certckpt.format.writer import save_certified
 from certckpt.trust.incident import incident_id_for
 from certckpt.trust.ledger import Ledger, LedgerSink
@@ -282,6 +283,8 @@ class AuditSession:
             every checkpoint saved through the auditor (default sink then: the ledger).
         parent: the checkpoint id this branch resumed from (a rollback); recorded in the ledger and in
             every checkpoint's record.
+        signing_key: sign every checkpoint file and ledger record written (``docs/signing.md``): a
+            ``SigningKey`` or a private key file; default ``$CERTCKPT_SIGNING_KEY``, if set.
     """
 
     def __init__(
@@ -310,6 +313,7 @@ class AuditSession:
         start_step: int = 0,
         ledger: Any = None,
         parent: str | None = None,
+        signing_key: Any = None,
     ):
         if not dist.is_available() or not dist.is_initialized():
             # No process group: nothing to agree with, and no rank can be waiting in a collective.
@@ -356,8 +360,9 @@ class AuditSession:
         self.world = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
         self.step = start_step
+        self.signing_key = signing_key_for(signing_key)  # a bad key file is refused before any step
         if isinstance(ledger, str):
-            ledger = Ledger(ledger)
+            ledger = Ledger(ledger, signing_key=self.signing_key)
         self.ledger, self.parent = ledger, parent
         if sink is None and ledger is not None:
             sink = LedgerSink(ledger)
@@ -1249,7 +1254,7 @@ class AuditSession:
         result, error = None, None
         if self.rank == 0:
             try:
-                result = save_certified(obj, f, **evidence.save_kwargs(), **kwargs)
+                result = save_certified(obj, f, **evidence.save_kwargs(), **{"signing_key": self.signing_key, **kwargs})
                 self.sink.flush()  # the events up to this checkpoint reach the ledger before its commit record
                 if self.ledger is not None:
                     self.ledger.commit_checkpoint(
