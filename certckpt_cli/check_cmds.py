@@ -23,15 +23,20 @@ from .common import EXIT_FAILED, EXIT_OK, Progress, echo_table, expected_errors,
 
 
 def _is_directory(location: str) -> bool:
-    """A sharded checkpoint is a directory (or, on an object store, a prefix)."""
+    """A sharded checkpoint is a directory (or, on an object store, a prefix holding a manifest).
+
+    A ``.safetensors`` name is a file without asking the store; a store that cannot be asked (no
+    credentials, no endpoint) answers "not a directory", and reading the file then says why in one line.
+    """
+    if location.endswith(".safetensors"):
+        return False
     if "://" not in location or location.startswith("file://"):
         return os.path.isdir(location.removeprefix("file://"))
-    from certckpt.format.storage import filesystem  # fsspec: only for URLs
+    from certckpt.format.sharded.layout import is_directory  # fsspec: only for URLs
 
-    fs, path = filesystem(location)
     try:
-        return bool(fs.isdir(path))
-    except OSError:
+        return is_directory(location)
+    except Exception:  # botocore's own types for missing credentials or an unreachable endpoint
         return False
 
 

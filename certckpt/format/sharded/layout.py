@@ -101,7 +101,7 @@ def is_directory(location: str) -> bool:
     fs, path = filesystem(target.url)
     try:
         return bool(fs.isdir(path)) or bool(fs.exists(join(path, MANIFEST_NAME)))
-    except OSError:
+    except Exception:  # OSError, and botocore's own types: then reading it says what is wrong, once
         return False
 
 
