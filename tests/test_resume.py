@@ -113,3 +113,57 @@ def test_plan_resume_without_a_good_checkpoint_is_a_clear_error(tmp_path):
     )
     with pytest.raises(certckpt.CheckpointNotFoundError, match="no trusted checkpoint to resume from"):
         plan_resume(str(tmp_path), verify_bytes=False)
+
+
+RESUME_CHECK = """
+import sys, torch, torch.distributed as dist, torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+import certckpt
+from certckpt.detect import Auditor
+from certckpt.errors import AuditSetupError
+d = sys.argv[1]
+dist.init_process_group("gloo", init_method=f"file://{d}/pg", rank=0, world_size=1)
+loss = lambda mm, b: F.mse_loss(mm(b[0]), b[1])
+torch.manual_seed(0)
+m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+opt = torch.optim.SGD(m.parameters(), lr=0.1)
+a = Auditor(DDP(m), opt, loss_fn=loss, ledger=d + "/run", audit_every=2)
+for s in range(4):
+    a.train_step((torch.randn(5, 4), torch.randn(5, 2)))
+a.save({"model": m.state_dict()}, f"{d}/run/{a.branch}@{a.step}.safetensors")
+a.close()
+rp = certckpt.plan_resume(d + "/run", accept="verified")
+fresh = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+try:  # the wrong weights (a fresh model): refused before a step, and no branch recorded
+    Auditor(DDP(fresh), torch.optim.SGD(fresh.parameters(), lr=0.1), loss_fn=loss, ledger=d + "/run",
+            branch=rp.branch, parent=rp.parent, start_step=rp.step, expect_consensus_fp=rp.consensus_fp)
+    print("NOT REFUSED")
+except AuditSetupError as e:
+    print("REFUSED", "consensus fingerprint" in str(e))
+fresh.load_state_dict(certckpt.load(rp.url)["model"])
+b = Auditor(DDP(fresh), torch.optim.SGD(fresh.parameters(), lr=0.1), loss_fn=loss, ledger=d + "/run",
+            branch=rp.branch, parent=rp.parent, start_step=rp.step, expect_consensus_fp=rp.consensus_fp)
+b.train_step((torch.randn(5, 4), torch.randn(5, 2)))
+b.close()
+print("RESUMED", rp.branch, rp.parent, b.step)
+dist.destroy_process_group()
+"""
+
+
+def test_a_resumed_auditor_refuses_weights_that_are_not_the_parent_checkpoint(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "run").mkdir()
+    r = subprocess.run(
+        [sys.executable, "-c", RESUME_CHECK, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={k: v for k, v in os.environ.items() if not k.startswith("CERTCKPT_")},
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "REFUSED True" in r.stdout and "RESUMED main-r1 main@4 5" in r.stdout, r.stdout
+    branches = os.listdir(tmp_path / "run" / "_ledger" / "branches")
+    assert branches == ["main-r1.json"]  # recorded once, by the auditor that started

@@ -285,6 +285,10 @@ class AuditSession:
             every checkpoint's record.
         signing_key: sign every checkpoint file and ledger record written (``docs/signing.md``): a
             ``SigningKey`` or a private key file; default ``$CERTCKPT_SIGNING_KEY``, if set.
+        expect_consensus_fp: when resuming, the consensus fingerprint of the checkpoint loaded
+            (``certckpt.plan_resume(...).consensus_fp``): the replicas' weights (and buffers) are
+            fingerprinted at the start and must agree on exactly it, else every rank refuses to
+            start (a wrong, partial or damaged load).
     """
 
     def __init__(
@@ -314,6 +318,7 @@ class AuditSession:
         ledger: Any = None,
         parent: str | None = None,
         signing_key: Any = None,
+        expect_consensus_fp: str | None = None,
     ):
         if not dist.is_available() or not dist.is_initialized():
             # No process group: nothing to agree with, and no rank can be waiting in a collective.
@@ -404,8 +409,6 @@ class AuditSession:
         ddp.register_comm_hook(self._hook, comm_hook)
         if hand_over:
             ddp.reducer._set_optimizer_in_backward()
-        if ledger is not None and parent is not None and self.rank == 0:
-            ledger.start_branch(branch, parent=parent)
         self.inventory = self._gather_inventory()
         self._checked_since_audit = 0  # steps whose non-finite checks passed since the last audit
         self._events: list[tuple[int, str, str]] = []  # (step, kind, outcome) since the last checkpoint (lineage)
@@ -422,6 +425,24 @@ class AuditSession:
         # A step run by someone else's loop (the hook points below): its micro-batches and the RNG
         # state each started with, collected until ``before_update``.
         self._open: dict[str, Any] | None = None
+        if expect_consensus_fp is not None:
+            self._check_resumed_weights(expect_consensus_fp)
+        # recorded only once the resumed weights are known to be the parent's
+        if ledger is not None and parent is not None and self.rank == 0:
+            ledger.start_branch(branch, parent=parent)
+
+    def _check_resumed_weights(self, expected: str) -> None:
+        """Every replica's weights at ``start_step`` must be the checkpoint resumed from: they agree
+        (a disagreement is a fault, as at any consensus) and their state fingerprint is ``expected``.
+        Every rank computes the same agreed value, so every rank refuses together."""
+        self.weight_consensus(self.step, found_by="resume", fingerprints=True)
+        agreed = self._consensus[2] if self._consensus and self._consensus[0] == self.step else None
+        if agreed != expected:
+            raise AuditSetupError(
+                f"the weights loaded for step {self.step} have consensus fingerprint {agreed}, but the checkpoint "
+                f"resumed from ({self.parent or 'the parent'}) recorded {expected}: load that checkpoint's state "
+                "(model and buffers) into every replica before creating the auditor"
+            )
 
     # --- set-up checks ----------------------------------------------------------------------
 
