@@ -8,7 +8,6 @@ raise.
 
 from __future__ import annotations
 
-import hashlib
 import struct
 import time
 from collections.abc import Callable
@@ -329,7 +328,11 @@ def verify(
             problem, signed_sha256 = signature_problem(info.header, trusted_keys)
             if problem:
                 report.fail("signature", f"{target.display}: {problem}")
-        data_hash = hashlib.sha256() if signed_sha256 is not None else None
+        data_hash = None
+        if signed_sha256 is not None:
+            import hashlib  # OpenSSL: loaded only for a signature check, off the light path
+
+            data_hash = hashlib.sha256()
         (_check_deep if deep else _check_data)(fh, info, report, progress, data_hash)
         if data_hash is not None and report.ok and data_hash.hexdigest() != signed_sha256:
             report.fail(
