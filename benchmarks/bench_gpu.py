@@ -1,0 +1,221 @@
+"""The GPU checks of issue 15, as one script for a session lent a GPU (CI never has one).
+
+Measures, side by side in one run, and writes a text report and JSON under ``--out`` (default
+``$OUT`` when set, else the working directory):
+
+1. agreement: certckpt fingerprints of the same tensors on the CPU and on the GPU (dtypes x shapes x
+   non-contiguous views), every case must agree bit for bit;
+2. fingerprint throughput on the GPU (eager) against a plain ``sum`` reading the same tensor, and
+   ``fingerprint_state`` over many mid-sized bf16 tensors;
+3. saving a CUDA state: ``certckpt.save`` vs ``torch.save`` vs ``safetensors.torch.save_file``
+   (all fsync'd), ratios;
+4. loading to the GPU: ``certckpt.load(map_location="cuda")`` (plain and ``mmap=True``) vs
+   ``torch.load(map_location="cuda", weights_only=True)`` vs ``safetensors.torch.load_file(device=
+   "cuda")``, ratios.
+
+Usage on the device machine (one call, a timeout that leaves room for a rerun)::
+
+    python benchmarks/bench_gpu.py --state-gib 3 --fp-gib 4 --out "$OUT"
+
+``--quick`` shrinks everything (a smoke run, also possible on a CPU-only machine with ``--device cpu``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+import certckpt
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn, device: torch.device, trials: int) -> list[float]:
+    fn()  # warm-up
+    _sync(device)
+    out = []
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def _med(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def agreement(device: torch.device) -> dict:
+    cases = ok = 0
+    bad = []
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int8, torch.uint8, torch.bool):
+        for shape in ((0,), (1,), (7,), (3, 5), (1000, 33), (65536 * 2 + 3,)):
+            base = torch.randn(shape, generator=g) * 10
+            t = base.to(dtype) if dtype is not torch.bool else base > 0
+            views = [t] + ([t.t()] if t.dim() == 2 else []) + ([t[::2]] if t.numel() > 1 else [])
+            for v in views:
+                cases += 1
+                a, b = certckpt.fingerprint(v), certckpt.fingerprint(v.to(device))
+                if a == b:
+                    ok += 1
+                else:
+                    bad.append(f"{dtype} {tuple(v.shape)} stride {v.stride()}")
+    return {"cases": cases, "agree": ok, "disagree": bad[:10]}
+
+
+def fingerprint_speed(device: torch.device, gib: float, trials: int) -> dict:
+    n = int(gib * (1 << 30)) // 4
+    t = torch.randn(n, device=device)
+    fp = _timed(lambda: certckpt.fingerprint(t), device, trials)
+    sm = _timed(lambda: t.sum(), device, trials)
+    many = [torch.randn(16 << 20, device=device, dtype=torch.bfloat16) for _ in range(max(4, int(gib * 24)))]
+    nbytes_many = sum(x.numel() * x.element_size() for x in many)
+    st = _timed(lambda: certckpt.fingerprint_state({str(i): x for i, x in enumerate(many)}), device, trials)
+    return {
+        "bytes": n * 4,
+        "fingerprint_GBps": n * 4 / _med(fp) / 1e9,
+        "sum_GBps": n * 4 / _med(sm) / 1e9,
+        "fraction_of_sum": _med(sm) / _med(fp),
+        "fingerprint_state_GBps": nbytes_many / _med(st) / 1e9,
+        "fingerprint_state_tensors": len(many),
+    }
+
+
+def _state(device: torch.device, gib: float) -> dict[str, torch.Tensor]:
+    each = 64 << 20  # 64 MiB bf16 tensors, as a large model's layers
+    count = max(2, int(gib * (1 << 30) // each))
+    return {f"layer{i}.weight": torch.randn(each // 2, device=device, dtype=torch.bfloat16) for i in range(count)}
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_and_load(device: torch.device, gib: float, trials: int, directory: str) -> dict:
+    from safetensors.torch import load_file, save_file
+
+    state = _state(device, gib)
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    paths = {k: os.path.join(directory, f"bench.{k}") for k in ("certckpt", "torch", "safetensors")}
+
+    def save_certckpt():
+        certckpt.save(state, paths["certckpt"])
+
+    def save_torch():
+        torch.save(state, paths["torch"])
+        _fsync(paths["torch"])
+
+    def save_st():
+        save_file(state, paths["safetensors"])
+        _fsync(paths["safetensors"])
+
+    saves = {
+        name: _timed(fn, device, trials)
+        for name, fn in (("certckpt", save_certckpt), ("torch", save_torch), ("safetensors", save_st))
+    }
+    where = str(device)
+    loads = {
+        "certckpt": _timed(lambda: certckpt.load(paths["certckpt"], map_location=where), device, trials),
+        "certckpt_mmap": _timed(
+            lambda: certckpt.load(paths["certckpt"], map_location=where, mmap=True), device, trials
+        ),
+        "torch": _timed(lambda: torch.load(paths["torch"], map_location=where, weights_only=True), device, trials),
+        "safetensors": _timed(lambda: load_file(paths["safetensors"], device=where), device, trials),
+    }
+    back = certckpt.load(paths["certckpt"], map_location=where)
+    equal = all(torch.equal(back[k], v) for k, v in state.items())
+    return {
+        "bytes": nbytes,
+        "save_s": {k: _med(v) for k, v in saves.items()},
+        "load_s": {k: _med(v) for k, v in loads.items()},
+        "save_ratio_vs_torch": _med(saves["certckpt"]) / _med(saves["torch"]),
+        "save_ratio_vs_safetensors": _med(saves["certckpt"]) / _med(saves["safetensors"]),
+        "load_ratio_vs_safetensors": _med(loads["certckpt"]) / _med(loads["safetensors"]),
+        "load_mmap_ratio_vs_safetensors": _med(loads["certckpt_mmap"]) / _med(loads["safetensors"]),
+        "load_ratio_vs_torch": _med(loads["certckpt"]) / _med(loads["torch"]),
+        "verify_after_gpu_save": certckpt.verify(paths["certckpt"], deep=True).ok,
+        "round_trip_equal": equal,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--state-gib", type=float, default=3.0, help="size of the saved/loaded bf16 state")
+    ap.add_argument("--fp-gib", type=float, default=4.0, help="size of the fingerprint throughput tensor")
+    ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--quick", action="store_true", help="0.25 GiB everywhere, 3 trials")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--dir", default=None, help="where the files go (a local disk)")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.state_gib = args.fp_gib = 0.25
+        args.trials = 3
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: run with --device cpu for a smoke run", file=sys.stderr)
+        return 2
+    report: dict = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "certckpt": certckpt.__version__,
+    }
+    report["agreement"] = agreement(device)
+    report["fingerprint"] = fingerprint_speed(device, args.fp_gib, args.trials)
+    with tempfile.TemporaryDirectory(dir=args.dir) as d:
+        report["save_load"] = save_and_load(device, args.state_gib, args.trials, d)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench_gpu.json"), "w") as fh:
+        json.dump(report, fh, indent=2)
+    a, f, s = report["agreement"], report["fingerprint"], report["save_load"]
+    fp_line = (
+        f"fingerprint {f['bytes'] / 2**30:.1f} GiB fp32: {f['fingerprint_GBps']:.1f} GB/s; "
+        f"sum {f['sum_GBps']:.1f} GB/s ({100 * f['fraction_of_sum']:.1f} % of read bandwidth); "
+        f"fingerprint_state of {f['fingerprint_state_tensors']} bf16 tensors {f['fingerprint_state_GBps']:.1f} GB/s"
+    )
+    save_line = (
+        f"save {s['bytes'] / 1e9:.2f} GB: "
+        + ", ".join(f"{k} {v:.2f} s" for k, v in s["save_s"].items())
+        + f"; ratio /torch.save {s['save_ratio_vs_torch']:.2f}x, /safetensors {s['save_ratio_vs_safetensors']:.2f}x"
+    )
+    load_line = (
+        "load to device: "
+        + ", ".join(f"{k} {v:.2f} s" for k, v in s["load_s"].items())
+        + f"; ratio /safetensors {s['load_ratio_vs_safetensors']:.2f}x"
+        + f" (mmap {s['load_mmap_ratio_vs_safetensors']:.2f}x), /torch.load {s['load_ratio_vs_torch']:.2f}x"
+    )
+    lines = [
+        f"bench_gpu on {report['device']} (torch {report['torch']}, certckpt {report['certckpt']})",
+        f"agreement CPU/GPU fingerprints: {a['agree']} of {a['cases']}"
+        + (f"  DISAGREE: {a['disagree']}" if a["disagree"] else ""),
+        fp_line,
+        save_line,
+        load_line,
+        f"verify --deep of the GPU-fingerprinted file: {s['verify_after_gpu_save']}; "
+        f"round trip equal: {s['round_trip_equal']}",
+    ]
+    text = "\n".join(lines)
+    print(text)
+    with open(os.path.join(args.out, "bench_gpu.txt"), "w") as fh:
+        fh.write(text + "\n")
+    return 0 if not a["disagree"] and s["round_trip_equal"] and s["verify_after_gpu_save"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
