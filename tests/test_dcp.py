@@ -406,6 +406,9 @@ def test_latest_good_answers_a_sharded_checkpoint_and_falls_back_past_a_damaged_
     status, good = find_latest_good(store, accept="verified", write_certificates=False)
     assert good == "main@5" and shard in status.problems["main@10"]
     assert certify_store(store, verify_bytes=True, write_certificates=False).problems.keys() == {"main@10"}
+    # a sharded checkpoint written without a ledger is listed as uncommitted, like a loose file
+    dcp.save(_state(), storage_writer=CertifiedWriter(f"{store}/loose"), no_dist=True)
+    assert certify_store(store, write_certificates=False).uncommitted == [f"{store}/loose"]
 
 
 # --- the command line -------------------------------------------------------------------------------

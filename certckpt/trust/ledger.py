@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from certckpt.errors import CertckptError, CheckpointNotFoundError, ConfigurationError, StorageError
+from certckpt.format.sharded.layout import MANIFEST_NAME
 from certckpt.format.signing import SigningKey, TrustedKeys, signing_key_from_env, trusted_keys_from_env
 from certckpt.format.storage import (
     LEDGER_DIR,
@@ -505,19 +506,28 @@ class Ledger:
         return snap
 
     def uncommitted(self, snap: LedgerSnapshot | None = None) -> list[str]:
-        """Checkpoint files directly in the store that no commit record names (ignored by latest-good)."""
+        """Checkpoints directly in the store that no commit record names (ignored by latest-good):
+        certified files, and sharded checkpoint directories whose manifest was written."""
         snap = snap or self.snapshot()
-        named = {r["url"] for r in (snap.holdings if snap.is_vault else snap.records).values()}
+        named = {r["url"].rstrip("/") for r in (snap.holdings if snap.is_vault else snap.records).values()}
         target = resolve(self.store)
         try:
             if target.local is not None:
                 names = os.listdir(target.local)
+                sharded = {n for n in names if os.path.isfile(os.path.join(target.local, n, MANIFEST_NAME))}
             else:
                 fs, path = filesystem(target.url)
-                names = [p.rsplit("/", 1)[-1] for p in fs.ls(path, detail=False)]
+                listing = fs.ls(path, detail=True)
+                names = [e["name"].rstrip("/").rsplit("/", 1)[-1] for e in listing]
+                dirs = [n for n, e in zip(names, listing) if e.get("type") == "directory"]
+                sharded = {n for n in dirs if fs.exists(f"{path}/{n}/{MANIFEST_NAME}")}
         except FileNotFoundError:
             return []
-        return sorted(join(self.store, n) for n in names if n.endswith(".safetensors") and n not in named)
+        return sorted(
+            join(self.store, n)
+            for n in names
+            if (n.endswith(".safetensors") or n in sharded) and n not in named and join(self.store, n) not in named
+        )
 
 
 class LedgerSink:
