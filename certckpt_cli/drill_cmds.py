@@ -120,15 +120,24 @@ def drill_faults(ranks: int, audit_every: int, ckpt_every: int, directory: str |
     default=None,
     help="Write this drill's metrics as a reference file.",
 )
+@click.option(
+    "--accept",
+    type=click.Choice(["trusted", "verified"]),
+    default="trusted",
+    show_default=True,
+    help="Lowest verdict drilled: verified takes the newest verified checkpoint when none is trusted.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @expected_errors
 def drill_restore_cmd(
-    vault_url, model_spec, eval_spec, reference, rtol, atol, key, scratch, save_metrics, as_json
+    vault_url, model_spec, eval_spec, reference, rtol, atol, key, scratch, save_metrics, accept, as_json
 ) -> None:
     """Restore latest-good from VAULT_URL and prove it: bytes, fingerprints, load, metrics.
 
     Exit 0 when all four pass; 1 when a stage fails or there is no reference to compare with.
-    The drill is recorded in the vault's ledger.
+    The drill is recorded in the vault's ledger. A sharded (DCP) checkpoint is put together from its
+    shards in this process (no torch.distributed) and its whole-tensor fingerprints matched before
+    it is loaded; a checkpoint directory with companions loads its model.safetensors.
     """
     from certckpt.vault import drill_restore, load_callable
 
@@ -142,6 +151,7 @@ def drill_restore_cmd(
         key=key,
         scratch=scratch,
         progress=Progress(f"restoring latest-good of {vault_url}", threshold=COPY_PROGRESS),
+        accept=accept,
     )
     if save_metrics and result.metrics and result.step is not None:
         with open(save_metrics, "w", encoding="utf-8") as f:

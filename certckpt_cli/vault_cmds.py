@@ -301,7 +301,9 @@ def vault_restore(vault_url: str, ckpt: str, dest: str, allow_suspect: bool, acc
     """Copy checkpoint CKPT (an id, or latest-good) from VAULT_URL to DEST and verify it.
 
     DEST is a file path or URL, or a directory (ending in / or existing) to put it in; an existing
-    file is never overwritten.
+    file is never overwritten. A sharded (DCP) checkpoint or a file with companions is a directory:
+    DEST is that directory (created), or an existing one to put CKPT/ in; every file is copied and
+    verified, the manifest or listing file last, then the whole is checked.
     """
     from certckpt.vault import restore
 

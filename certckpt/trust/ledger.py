@@ -61,6 +61,7 @@ _KINDS = (
     "incidents",
 )
 _NAME = re.compile(r"^[A-Za-z0-9._-]{1,100}$")
+_HELD_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,240}\.safetensors$")  # a plain file name
 _CKPT_ID = re.compile(r"^([A-Za-z0-9._-]{1,100})@([0-9]{1,18})$")
 # Records that can move a verdict toward trusted (or make a copy count as held); with trusted keys they
 # need a trusted signature. Revocations, retirements and incident records only count against trust
@@ -150,9 +151,15 @@ def _why_invalid(kind: str, file: str, r: Any) -> str | None:
         if "://" not in r["url"] and not r["url"].startswith("/") and ".." in r["url"].split("/"):
             return f"names its file {r['url'][:80]!r}, a path that climbs out of the store"
     if kind == "holdings":
-        # A vault holds each copy under its plain name, in the vault itself.
-        if r.get("url") != f"{r['ckpt_id']}.safetensors":
-            return f"holds its copy at {str(r.get('url'))[:80]!r}, not {r['ckpt_id']}.safetensors"
+        # A vault holds each copy under its plain name, in the vault itself: a file `<id>.safetensors`,
+        # a sharded checkpoint's directory `<id>`, or a file with companions as `<id>/NAME.safetensors`
+        # (its companions beside it): never a path that leaves `<id>/`.
+        url, cid = r.get("url"), r["ckpt_id"]
+        if not (
+            url in (f"{cid}.safetensors", cid)
+            or (isinstance(url, str) and url.startswith(f"{cid}/") and _HELD_NAME.match(url[len(cid) + 1 :]))
+        ):
+            return f"holds its copy at {str(url)[:80]!r}, not {cid}.safetensors, {cid} or {cid}/NAME.safetensors"
         if not isinstance(r.get("step"), int) or not isinstance(r.get("branch"), str):
             return "has no branch and step"
     if kind == "branches" and (

@@ -12,13 +12,20 @@ published with ``os.link`` (which fails when the name exists) and a read-only mo
 create-only PUTs (``If-None-Match: *``) and, when the bucket has Object Lock, retention on every
 object. Deleting is left to ``prune``, which only does what a retention plan says.
 
-The modules: ``site`` (the location and its Object Lock), ``transfer`` (write-once copies),
-``promotion`` (``promote``, ``holdings``), ``pruning``, ``restoration``, ``retention``, ``drill``.
+A checkpoint of several files (a sharded DCP directory, or a file certifying its companions) is held
+as the directory ``<ckpt_id>/``: copied member by member with the manifest or listing file last,
+checked whole, deleted manifest first (``bundles``).
+
+The modules: ``site`` (the location and its Object Lock), ``bundles`` (what a checkpoint's files are
+and where they are held), ``transfer`` (write-once copies), ``promotion`` (``promote``, ``holdings``),
+``pruning``, ``restoration``, ``retention``, ``drill`` (``assemble``: a sharded checkpoint's whole
+tensors for the drill, in one process).
 The names below are the API; import them from here.
 """
 
 from __future__ import annotations
 
+from .bundles import Bundle, Member, bundle_of
 from .drill import STAGES, DrillResult, compare_metrics, drill_restore, load_callable, pick_reference
 from .promotion import Promotion, holdings, promote
 from .pruning import PruneResult, prune
@@ -36,17 +43,19 @@ from .retention import (
     protected_checkpoints,
 )
 from .site import LOCK_MODES, VaultSite, open_vault
-from .transfer import copy_once
+from .transfer import copy_bundle, copy_once
 
 __all__ = [
     "LOCK_MODES",
     "STAGES",
     "AnyOf",
+    "Bundle",
     "DrillResult",
     "KeepBest",
     "KeepEvery",
     "KeepFor",
     "KeepLatest",
+    "Member",
     "Promotion",
     "PrunePlan",
     "PruneResult",
@@ -54,7 +63,9 @@ __all__ = [
     "RetentionEntry",
     "RetentionPolicy",
     "VaultSite",
+    "bundle_of",
     "compare_metrics",
+    "copy_bundle",
     "copy_once",
     "drill_restore",
     "holdings",

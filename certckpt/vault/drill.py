@@ -4,7 +4,9 @@ A restart that succeeds is not proof of an undamaged model, so a drill reports f
 
 * ``bytes``: latest-good copied out of the vault and every digest verified;
 * ``fingerprints``: every tensor's device fingerprint recomputed and matched;
-* ``load``: the state loads into a freshly built model with no missing or unexpected keys;
+* ``load``: the state loads into a freshly built model with no missing or unexpected keys (a sharded
+  checkpoint is put together from its shards in this process, without torch.distributed; a file with
+  companions gives its ``model.safetensors`` companion when it has one);
 * ``metrics``: the model's evaluation agrees with a clean reference run within a tolerance.
 
 The drill is recorded in the vault's ledger (incidents close on a passing drill).
@@ -26,14 +28,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from certckpt.errors import CertckptError, ConfigurationError
+from certckpt.format.sharded.check import verify_checkpoint
+from certckpt.format.storage import join
 from certckpt.format.verify import verify
 from certckpt.trust.ledger import Ledger
 
+from .bundles import Bundle, bundle_of
 from .restoration import restore
 
 __all__ = ["DrillResult", "drill_restore", "load_callable", "pick_reference", "compare_metrics", "STAGES"]
 
 STAGES = ("bytes", "fingerprints", "load", "metrics")
+_MODEL_FILE = "model.safetensors"  # a companion holding the model's own state (Hugging Face's name)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -149,6 +155,68 @@ def _model_state(obj: Any, key: str | None) -> Any:
     return obj
 
 
+@dataclass(slots=True)
+class _Deep:
+    ok: bool
+    step: int | None
+    tensors: int
+    problems: list[str]
+    what: str = ""
+
+
+def _deep_check(dest: str, bundle: Bundle) -> _Deep:
+    """Recompute every fingerprint of the restored checkpoint: the file; a sharded directory's every
+    chunk and their composition into the manifest's whole-tensor fingerprints; a file's certified
+    companions too."""
+    if bundle.kind == "sharded":
+        rep = verify_checkpoint(dest, deep=True)
+        return _Deep(
+            ok=rep.ok,
+            step=rep.record.step if rep.record else None,
+            tensors=rep.tensors,
+            problems=[p.message for p in rep.problems],
+            what=f"{rep.files} shard files, composed into the manifest's",
+        )
+    rep = verify(dest, deep=True)
+    out = _Deep(
+        ok=rep.ok,
+        step=rep.info.record.step if rep.info else None,
+        tensors=rep.tensors,
+        problems=[p.message for p in rep.problems],
+    )
+    certified = [m for m in bundle.members if m.header_digest is not None]
+    for m in certified:
+        mrep = verify(join(bundle.directory, m.name), deep=True)
+        out.ok, out.tensors = out.ok and mrep.ok, out.tensors + mrep.tensors
+        out.problems += [p.message for p in mrep.problems]
+    if certified:
+        out.what = f"the file and {len(certified)} certified companion(s)"
+    return out
+
+
+def _restored_state(dest: str, bundle: Bundle, key: str | None) -> tuple[Any, str]:
+    """The model's state from the restored checkpoint, and where it came from (for the report).
+
+    A sharded checkpoint is put together in this process (no torch.distributed); a file with
+    companions gives its ``model.safetensors`` companion (the Hugging Face Trainer's layout) unless
+    ``key`` names an entry of the file itself.
+    """
+    # Imported here, not at the top: they import torch, and importing ``certckpt.vault`` must not.
+    from certckpt.format.reader import load
+
+    if bundle.kind == "sharded":
+        from .assemble import assemble_sharded, model_entries
+
+        state = model_entries(assemble_sharded(dest), key)
+        if not state:
+            raise ConfigurationError(f"the sharded checkpoint has no {key!r} entries")
+        return state, " (assembled from its shards)"
+    names = {m.name for m in bundle.members if m.header_digest is not None}
+    if key is None and _MODEL_FILE in names:
+        return load(join(bundle.directory, _MODEL_FILE), map_location="cpu"), f" (from {_MODEL_FILE})"
+    return _model_state(load(dest, map_location="cpu"), key), ""
+
+
 def drill_restore(
     vault: str,
     *,
@@ -161,6 +229,7 @@ def drill_restore(
     scratch: str | None = None,
     record: bool = True,
     progress: Callable[[int, int], None] | None = None,
+    accept: str = "trusted",
 ) -> DrillResult:
     """Restore latest-good from ``vault`` into scratch space and check it stage by stage.
 
@@ -173,10 +242,9 @@ def drill_restore(
         scratch: directory to restore into (kept); default a temporary one, removed afterwards.
         record: write the result to the vault's ledger.
         progress: ``progress(done, total)`` while the checkpoint is copied out of the vault.
+        accept: ``"trusted"`` (default) or ``"verified"``: drill the newest verified checkpoint when
+            no trusted one is held (a run without the auditor).
     """
-    # Imported here, not at the top: the reader imports torch, and importing ``certckpt.vault`` must not.
-    from certckpt.format.reader import load
-
     t0 = time.perf_counter()
     if isinstance(reference, str):
         with open(reference, encoding="utf-8") as f:
@@ -190,7 +258,7 @@ def drill_restore(
     try:
         try:
             os.makedirs(where, exist_ok=True)
-            r = restore(vault, "latest-good", where + "/", progress=progress)
+            r = restore(vault, "latest-good", where + "/", progress=progress, accept=accept)
             result.ckpt_id, result.restored = r.ckpt_id, r.dest
             stages["bytes"] = {
                 "ok": True,
@@ -201,23 +269,32 @@ def drill_restore(
         except CertckptError as e:
             stages["bytes"] = {"ok": False, "detail": str(e)}
             return result
-        rep = verify(r.dest, deep=True)
-        result.step = rep.info.record.step if rep.info else None
+        try:
+            bundle = bundle_of(r.dest, header_digest=None)  # restore matched it against the holding already
+            deep = _deep_check(r.dest, bundle)
+        except CertckptError as e:
+            stages["fingerprints"] = {"ok": False, "detail": str(e)}
+            return result
+        result.step = deep.step
         stages["fingerprints"] = {
-            "ok": rep.ok,
-            "detail": f"{rep.tensors} tensor fingerprints recomputed and matched"
-            if rep.ok
-            else "; ".join(p.message for p in rep.problems[:3]),
+            "ok": deep.ok,
+            "detail": f"{deep.tensors} tensor fingerprints recomputed and matched"
+            + (f" ({deep.what})" if deep.what else "")
+            if deep.ok
+            else "; ".join(deep.problems[:3]),
         }
-        if not rep.ok:
+        if not deep.ok:
             return result
         try:
             model = model_factory()
-            state = _model_state(load(r.dest, map_location="cpu"), key)
+            state, source = _restored_state(r.dest, bundle, key)
             model.load_state_dict(state, strict=True)
             model.eval()
             result.time_to_model_s = time.perf_counter() - t0
-            stages["load"] = {"ok": True, "detail": f"{len(state)} entries loaded strictly into {type(model).__name__}"}
+            stages["load"] = {
+                "ok": True,
+                "detail": f"{len(state)} entries{source} loaded strictly into {type(model).__name__}",
+            }
         except Exception as e:  # the user's factory and torch's loader raise what they raise
             stages["load"] = {"ok": False, "detail": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
             return result

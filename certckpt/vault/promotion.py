@@ -20,16 +20,19 @@ from certckpt.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    NotACheckpointError,
     UntrustedCheckpointError,
 )
+from certckpt.format.sharded.layout import MANIFEST_NAME
 from certckpt.format.storage import join, resolve
 from certckpt.format.verify import inspect
 from certckpt.trust.certify import Level, accept_level
 from certckpt.trust.ledger import VAULT_MARK, Ledger
 from certckpt.trust.runstore import StoreStatus, certify_store, check_file
 
+from .bundles import Bundle, bundle_of, describe, held_name
 from .site import lock_of, lock_options, open_vault, versions_of
-from .transfer import Progress, copy_once, repair_copy
+from .transfer import Progress, copy_bundle, copy_once, repair_bundle, repair_copy
 
 __all__ = ["Promotion", "holdings", "promote"]
 
@@ -186,7 +189,8 @@ def promote(
         rec = snap.records[cid]
         if not vcert.verdicts.get(cid) or vcert.verdicts[cid].level.rank < level.rank:
             raise UntrustedCheckpointError(f"{cid}: the evidence copied to {vault} does not certify it; not promoted")
-        name = f"{cid}.safetensors"
+        bundle = _source_bundle(cid, entry.url, rec.get("header_digest"))
+        name = held_name(cid, bundle)
         url = join(vault, name)
         if not site.local:
             # A remote name is write-once (and may be locked): check the source before it can land
@@ -195,16 +199,28 @@ def promote(
             if problem:
                 raise CorruptCheckpointError(f"{cid}: the run's copy does not verify now ({problem}); not promoted")
         t0 = time.perf_counter()
-        written, nbytes = copy_once(
-            entry.url,
-            url,
-            header_digest=rec.get("header_digest"),
-            put_options=put_options,
-            progress=progress,
-            trusted_keys=source.trusted_keys,
-        )
+        if bundle.kind == "file":
+            written, nbytes = copy_once(
+                entry.url,
+                url,
+                header_digest=rec.get("header_digest"),
+                put_options=put_options,
+                progress=progress,
+                trusted_keys=source.trusted_keys,
+            )
+        else:  # every member first, the manifest or listing file last, then the whole copy checked
+            written, nbytes = copy_bundle(
+                bundle,
+                join(vault, cid),
+                header_digest=rec.get("header_digest"),
+                committed=rec,
+                put_options=put_options,
+                progress=progress,
+                trusted_keys=source.trusted_keys,
+            )
         seconds = time.perf_counter() - t0
-        lock = lock_of(site, url)
+        marker = join(vault, cid, MANIFEST_NAME) if bundle.kind == "sharded" else url
+        lock = lock_of(site, marker)
         v = cert.verdicts[cid]
         dest.record_holding(
             {
@@ -219,12 +235,29 @@ def promote(
                 "source": entry.url,
                 "certificate": {"verdict": v.label, "reasons": list(v.reasons)},
                 "lock": lock,
-                "metrics": _metrics(inspect(url).record.user),
+                "metrics": _metrics(inspect(marker).record.user),
+                **({} if bundle.kind == "file" else {"layout": describe(bundle)}),
             }
         )
         out.append(Promotion(ckpt_id=cid, url=url, written=written, nbytes=nbytes, seconds=seconds, lock=lock))
     certify_store(vault)  # the vault's own certificates for what it now holds
     return repaired + out
+
+
+def marker_url(vault: str, holding: dict[str, Any]) -> str:
+    """The held file that commits a holding: the file itself, or a held directory's manifest (its
+    Object Lock and versions stand for the whole copy, which was written before it)."""
+    if holding["url"] == holding["ckpt_id"]:
+        return join(vault, holding["url"], MANIFEST_NAME)
+    return join(vault, holding["url"])
+
+
+def _source_bundle(cid: str, url: str, header_digest: str | None) -> Bundle:
+    """The run's checkpoint as files to copy (one file, a sharded directory, or a file with companions)."""
+    try:
+        return bundle_of(url, header_digest=header_digest)
+    except (CorruptCheckpointError, NotACheckpointError) as e:  # missing or unreadable: their own error
+        raise CorruptCheckpointError(f"{cid}: the run's copy is not as committed ({e}); not promoted") from e
 
 
 def _repair(
@@ -244,13 +277,23 @@ def _repair(
                 "restore it from another vault or a backup"
             )
         t0 = time.perf_counter()
-        nbytes = repair_copy(
-            status.entry(cid).url,
-            url,
-            header_digest=h.get("header_digest"),
-            put_options=put_options,
-            trusted_keys=source.trusted_keys,
-        )
+        src = status.entry(cid).url
+        if h["url"] == f"{cid}.safetensors":
+            nbytes = repair_copy(
+                src,
+                url,
+                header_digest=h.get("header_digest"),
+                put_options=put_options,
+                trusted_keys=source.trusted_keys,
+            )
+        else:  # a held directory: only its damaged or missing files, members first, the marker last
+            nbytes = repair_bundle(
+                _source_bundle(cid, src, h.get("header_digest")),
+                join(vault, cid),
+                header_digest=h.get("header_digest"),
+                put_options=put_options,
+                trusted_keys=source.trusted_keys,
+            )
         out.append(
             Promotion(
                 ckpt_id=cid,
@@ -258,7 +301,7 @@ def _repair(
                 written=True,
                 nbytes=nbytes,
                 seconds=time.perf_counter() - t0,
-                lock=lock_of(open_vault(vault), url),
+                lock=lock_of(open_vault(vault), marker_url(vault, h)),
                 repaired=problem,
             )
         )
@@ -296,6 +339,9 @@ def holdings(vault: str, *, verify: bool = False) -> tuple[StoreStatus, list[dic
         )
         if verify and cid not in snap.retired:
             url = rows[-1]["url"]
-            rows[-1]["copy"] = check_file(url, h.get("header_digest"), trusted_keys=snap.trusted_keys) or "ok"
-            rows[-1]["versions"] = versions_of(site, url)
+            problem = check_file(url, h.get("header_digest"), trusted_keys=snap.trusted_keys)
+            if problem and h["url"] != f"{cid}.safetensors" and "/" in h["url"] and h["url"] not in problem:
+                problem = f"{url}: {problem}"  # a held directory: say which of its files is wrong
+            rows[-1]["copy"] = problem or "ok"
+            rows[-1]["versions"] = versions_of(site, marker_url(vault, h))
     return status, rows

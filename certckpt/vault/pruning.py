@@ -5,12 +5,14 @@ The only code that deletes from a vault; the policies and the guards no policy o
 
 from __future__ import annotations
 
+import datetime
 import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from certckpt.errors import CorruptCheckpointError
+from certckpt.errors import CertckptError, CorruptCheckpointError, StorageError
+from certckpt.format.sharded.layout import MANIFEST_NAME
 from certckpt.format.storage import filesystem, join, remote_error_text, resolve
 from certckpt.trust.certify import Level
 from certckpt.trust.ledger import Ledger
@@ -96,8 +98,9 @@ def prune(vault: str, policy: RetentionPolicy, *, apply: bool = False, now: floa
         )
     ledger = Ledger(vault)
     for cid in plan.delete:
-        url = join(vault, snap.holdings[cid]["url"])
-        refused = _delete(site, url)
+        h = snap.holdings[cid]
+        url = join(vault, h["url"])
+        refused = _delete(site, url) if h["url"] == f"{cid}.safetensors" else _delete_held_directory(site, vault, h)
         if refused:
             result.refused[cid] = refused
             continue
@@ -132,6 +135,73 @@ def _plan(status: StoreStatus, policy: RetentionPolicy, *, now: float, damaged: 
         entries, latest_good=latest, intervals=intervals, branch_parents=snap.branch_parents
     )
     return plan_prune(entries, policy, now=now, protected=protected, open_incidents=snap.open_incidents())
+
+
+def _delete_held_directory(site: VaultSite, vault: str, holding: dict[str, Any]) -> str | None:
+    """Delete a held directory: the file that commits it (manifest or listing file) FIRST, so that a
+    deletion cut short never leaves something taken for a whole checkpoint, then every other file in
+    it. Returns why the store refused (nothing is deleted when a lock still holds any file)."""
+    cid = holding["ckpt_id"]
+    directory = join(vault, cid)
+    marker = MANIFEST_NAME if holding["url"] == cid else holding["url"].rsplit("/", 1)[-1]
+    try:
+        names = sorted(_names_in(directory))
+    except CertckptError as e:
+        return str(e)
+    if site.versioned:
+        for name in [marker, *names]:  # refuse before deleting anything while a retention holds
+            locked = _locked(site, join(directory, name))
+            if locked:
+                return f"{name}: {locked}"
+    refused = _delete(site, join(directory, marker))
+    if refused:
+        return refused
+    for name in names:
+        if name != marker:
+            refused = _delete(site, join(directory, name))
+            if refused:
+                return f"{name}: {refused} (its {marker} is deleted: the copy is no longer a checkpoint)"
+    local = resolve(directory).local
+    if local is not None:
+        try:
+            os.rmdir(local)
+        except OSError:
+            pass  # a file that appeared meanwhile keeps the directory; the copy is gone either way
+    return None
+
+
+def _names_in(directory: str) -> list[str]:
+    """Every file name in a held directory, hidden ones (a writer's temp files) included."""
+    target = resolve(directory)
+    if target.local is not None:
+        try:
+            return [e.name for e in os.scandir(target.local) if not e.is_dir(follow_symlinks=False)]
+        except FileNotFoundError:
+            return []
+        except OSError as e:
+            raise StorageError(f"{directory}: cannot list ({e.strerror or e})") from e
+    fs, path = filesystem(target.url)
+    try:
+        entries = fs.ls(path, detail=True, refresh=True)
+    except FileNotFoundError:
+        return []
+    except Exception as e:
+        raise StorageError(f"{directory}: cannot list ({remote_error_text(e)})") from e
+    return [str(e["name"]).rstrip("/").rsplit("/", 1)[-1] for e in entries if e.get("type") != "directory"]
+
+
+def _locked(site: VaultSite, url: str) -> str | None:
+    """The Object Lock retention that still protects the current version of ``url``, else None."""
+    fs, path = filesystem(url)
+    bucket, key = path.split("/", 1)
+    try:
+        head = fs.call_s3("head_object", Bucket=bucket, Key=key)
+    except Exception:
+        return None  # gone or unreadable: the delete says what is wrong
+    until = head.get("ObjectLockRetainUntilDate")
+    if head.get("ObjectLockMode") and until is not None and until > datetime.datetime.now(datetime.timezone.utc):
+        return f"Object Lock {head['ObjectLockMode']} retention until {until.isoformat()}"
+    return None
 
 
 def _delete(site: VaultSite, url: str) -> str | None:

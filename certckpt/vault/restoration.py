@@ -10,13 +10,14 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from certckpt.errors import CheckpointNotFoundError, UntrustedCheckpointError
-from certckpt.format.storage import join, resolve
+from certckpt.errors import CheckpointExistsError, CheckpointNotFoundError, UntrustedCheckpointError
+from certckpt.format.storage import filesystem, join, resolve
 from certckpt.trust.certify import Level, accept_level
 from certckpt.trust.runstore import certify_store, find_latest_good
 
+from .bundles import Bundle, bundle_of
 from .site import open_vault
-from .transfer import Progress, copy_once
+from .transfer import Progress, copy_bundle, copy_once, whole_of
 
 __all__ = ["Restore", "restore"]
 
@@ -26,7 +27,8 @@ class Restore:
     """One checkpoint restored from a vault.
 
     Attributes:
-        dest: the restored file's path or URL.
+        dest: the restored file's path or URL (a sharded checkpoint: its directory; a file with
+            companions: that file, its companions beside it).
         written: False when ``dest`` already held a verified copy of the same checkpoint.
     """
 
@@ -64,6 +66,10 @@ def restore(
     accept: str | Level = Level.TRUSTED,
 ) -> Restore:
     """Copy a vaulted checkpoint to ``dest`` (a file, or a directory to put it in) and verify it.
+
+    A sharded checkpoint or a file with companions is a directory: ``dest`` is that directory, or an
+    existing directory (or one ending in ``/``) to put ``<ckpt_id>/`` in; every member is copied and
+    verified, the manifest or listing file last, and the restored whole is checked as committed.
 
     Args:
         ckpt: a checkpoint id, or ``latest-good``.
@@ -109,9 +115,53 @@ def restore(
     src = join(vault, h["url"])
     target = resolve(dest)
     into_dir = dest.endswith("/") or (target.local is not None and os.path.isdir(target.local))
-    final = join(dest, h["url"]) if into_dir else dest
     t0 = time.perf_counter()
-    written, nbytes = copy_once(src, final, header_digest=h.get("header_digest"), read_only=False, progress=progress)
+    if h["url"] == f"{ckpt}.safetensors":
+        final = join(dest, h["url"]) if into_dir else dest
+        written, nbytes = copy_once(
+            src, final, header_digest=h.get("header_digest"), read_only=False, progress=progress
+        )
+    else:
+        # A held directory: DEST is the checkpoint's directory (or, an existing directory, where
+        # to put ``<ckpt_id>/``). The held manifest or listing file says what to copy only once it
+        # is the committed one; members first, it last, then the restored whole is checked.
+        directory = join(dest.rstrip("/"), ckpt) if into_dir else dest.rstrip("/")
+        bundle = bundle_of(src, header_digest=h.get("header_digest"))
+        _refuse_other_files(directory, bundle)
+        written, nbytes = copy_bundle(
+            bundle,
+            directory,
+            header_digest=h.get("header_digest"),
+            committed=snap.records.get(ckpt),
+            read_only=False,
+            progress=progress,
+        )
+        final = whole_of(bundle, directory)
     return Restore(
         ckpt_id=ckpt, source=src, dest=final, nbytes=nbytes, seconds=time.perf_counter() - t0, written=written
     )
+
+
+def _refuse_other_files(directory: str, bundle: Bundle) -> None:
+    """A checkpoint directory is restored only where nothing else is (what is there must be its own
+    files: a restore cut short is resumed; anything else would be taken for part of it, or refused)."""
+    target = resolve(directory)
+    if target.local is not None:
+        try:
+            names = {e.name for e in os.scandir(target.local) if not e.name.startswith(".")}
+        except FileNotFoundError:
+            return
+        except NotADirectoryError:
+            raise CheckpointExistsError(f"{directory}: a file is there; nothing was overwritten") from None
+    else:
+        fs, path = filesystem(target.url)
+        try:
+            names = {str(p).rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False)}
+        except FileNotFoundError:
+            return
+    other = sorted(names - {m.name for m in bundle.members} - {bundle.marker})
+    if other:
+        raise CheckpointExistsError(
+            f"{directory}: holds other files ({', '.join(other[:3])}{' ...' if len(other) > 3 else ''}); restore "
+            "a checkpoint directory into an empty place — nothing was overwritten"
+        )

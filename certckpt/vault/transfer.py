@@ -21,13 +21,17 @@ from certckpt.errors import (
     StorageError,
 )
 from certckpt.format.signing import TrustedKeys
-from certckpt.format.storage import commit_local, commit_remote, filesystem, open_read, resolve, temp_name
+from certckpt.format.storage import commit_local, commit_remote, filesystem, join, open_read, resolve, temp_name
+from certckpt.format.verify import verify
 from certckpt.trust.runstore import check_file
 
-__all__ = ["Progress", "copy_once"]
+from .bundles import Bundle, member_check
+
+__all__ = ["Check", "Progress", "copy_once", "copy_bundle", "repair_copy", "repair_bundle", "whole_of"]
 
 _CHUNK = 8 << 20
 Progress = Callable[[int, int], None]
+Check = Callable[[str], "str | None"]  # check(url): None when the file there is the right copy, else why
 
 
 def _upload_callback(progress: Progress, total: int):
@@ -61,12 +65,18 @@ def copy_once(
     read_only: bool = True,
     progress: Progress | None = None,
     trusted_keys: TrustedKeys | None = None,
+    check: Check | None = None,
 ) -> tuple[bool, int]:
     """Copy a checkpoint under a name that must never be replaced, verifying the copy.
 
     Local destinations are verified before the name is published (a bad copy never appears);
     remote ones are read back after the upload. When the name already holds a verified copy of the
     same checkpoint this is a no-op.
+
+    Args:
+        check: ``check(url)`` → None when the file at ``url`` is the right copy, else why not
+            (default: it verifies as a checkpoint with ``header_digest``); a member of a multi-file
+            checkpoint that is not itself certified passes its own check (size and xxh3).
 
     Returns:
         ``(written, bytes)``: written is False when an identical copy was already there.
@@ -75,6 +85,8 @@ def copy_once(
         CheckpointExistsError: the name holds different content (nothing was changed).
         CorruptCheckpointError: the copy does not verify (local: nothing was published).
     """
+    checked = check or (lambda u: check_file(u, header_digest, trusted_keys=trusted_keys))
+    present = check or (lambda u: check_file(u, header_digest))
     target = resolve(dst)
     if target.local is not None:
         final = os.path.abspath(target.local)
@@ -87,7 +99,7 @@ def copy_once(
                 os.fsync(out.fileno())
             if read_only:
                 os.chmod(tmp, 0o444)
-            problem = check_file(tmp, header_digest, trusted_keys=trusted_keys)
+            problem = checked(tmp)
             if problem:
                 raise CorruptCheckpointError(
                     f"copy of {src_url} to {dst} does not verify ({problem}); nothing was published"
@@ -95,7 +107,7 @@ def copy_once(
             commit_local(tmp, final, overwrite=False, display=dst)
             return True, n
         except CheckpointExistsError:
-            return _already_there(dst, header_digest), os.path.getsize(final)
+            return _already_there(dst, present), os.path.getsize(final)
         except OSError as e:
             if isinstance(e, CertckptError):
                 raise
@@ -124,12 +136,12 @@ def copy_once(
                 # wait for it; if it never appears (that promoter failed), upload again.
                 filesystem(dst)[0].invalidate_cache()
                 try:
-                    return _already_there(dst, header_digest), size
+                    return _already_there(dst, present), size
                 except CheckpointNotFoundError:
                     time.sleep(0.1 * (attempt + 1))
         else:
             raise StorageError(f"{dst}: concurrent uploads under this name did not settle; retry")
-        problem = check_file(dst, header_digest, trusted_keys=trusted_keys)
+        problem = checked(dst)
         if problem:
             raise CorruptCheckpointError(
                 f"{dst}: the uploaded copy does not verify when read back ({problem}); it is not recorded as held"
@@ -140,12 +152,12 @@ def copy_once(
             os.unlink(spool)
 
 
-def _already_there(dst: str, header_digest: str | None) -> bool:
+def _already_there(dst: str, check: Check) -> bool:
     """True when ``dst`` holds a verified copy of this checkpoint; raises when it holds something else
     (``CheckpointNotFoundError`` when nothing is readable there yet)."""
     if not _exists(dst):
         raise CheckpointNotFoundError(f"{dst}: not readable yet")
-    problem = check_file(dst, header_digest)
+    problem = check(dst)
     if problem:
         raise CheckpointExistsError(
             f"{dst}: already holds different content ({problem}); write-once: nothing was changed"
@@ -168,6 +180,7 @@ def repair_copy(
     header_digest: str | None,
     put_options: dict[str, Any] | None = None,
     trusted_keys: TrustedKeys | None = None,
+    check: Check | None = None,
 ) -> int:
     """Replace a damaged or missing vault copy with a verified copy of ``src_url``; returns its bytes.
 
@@ -179,7 +192,8 @@ def repair_copy(
     Raises:
         CorruptCheckpointError: the source or the new copy does not verify (a local vault is unchanged).
     """
-    problem = check_file(src_url, header_digest, trusted_keys=trusted_keys)
+    checked = check or (lambda u: check_file(u, header_digest, trusted_keys=trusted_keys))
+    problem = checked(src_url)
     if problem:
         raise CorruptCheckpointError(f"{src_url}: the source does not verify ({problem}); nothing repaired")
     target = resolve(dst)
@@ -193,7 +207,7 @@ def repair_copy(
                 out.flush()
                 os.fsync(out.fileno())
             os.chmod(tmp, 0o444)
-            problem = check_file(tmp, header_digest, trusted_keys=trusted_keys)
+            problem = checked(tmp)
             if problem:
                 raise CorruptCheckpointError(
                     f"copy of {src_url} to {dst} does not verify ({problem}); nothing repaired"
@@ -219,10 +233,125 @@ def repair_copy(
             local = spool
         commit_remote(local, dst, overwrite=True, display=dst, put_options=put_options)
         filesystem(dst)[0].invalidate_cache()
-        problem = check_file(dst, header_digest, trusted_keys=trusted_keys)
+        problem = checked(dst)
         if problem:
             raise CorruptCheckpointError(f"{dst}: the repaired copy does not verify when read back ({problem})")
         return os.path.getsize(local)
     finally:
         if spool and os.path.exists(spool):
             os.unlink(spool)
+
+
+def whole_of(bundle: Bundle, directory: str) -> str:
+    """The url a check of the whole copy in ``directory`` takes: the directory itself (sharded) or
+    the marker file (whose check covers its companions)."""
+    return directory if bundle.kind == "sharded" else join(directory, bundle.marker)
+
+
+def _offset(progress: Progress | None, base: int, total: int) -> Progress | None:
+    if progress is None:
+        return None
+    return lambda done, _t: progress(base + done, max(total, base + done))
+
+
+def copy_bundle(
+    bundle: Bundle,
+    directory: str,
+    *,
+    header_digest: str | None,
+    committed: dict[str, Any] | None = None,
+    put_options: dict[str, Any] | None = None,
+    read_only: bool = True,
+    progress: Progress | None = None,
+    trusted_keys: TrustedKeys | None = None,
+) -> tuple[bool, int]:
+    """Copy a multi-file checkpoint into ``directory``: every member write-once and verified, the
+    marker (manifest or listing file) last, so that a copy cut short is never a committed checkpoint;
+    then the whole copy is checked as its commit record says.
+
+    Returns:
+        ``(written, bytes)``: written is False when every file was already there, verified.
+
+    Raises:
+        CheckpointExistsError: a name holds different content (nothing there was changed).
+        CorruptCheckpointError: a member or the whole copy does not verify.
+    """
+    total = sum(m.nbytes for m in bundle.members)
+    written, done = False, 0
+    for m in bundle.members:
+        w, n = copy_once(
+            join(bundle.directory, m.name),
+            join(directory, m.name),
+            header_digest=m.header_digest,
+            put_options=put_options,
+            read_only=read_only,
+            progress=_offset(progress, done, total),
+            check=member_check(m, trusted_keys=trusted_keys),
+        )
+        written, done = written or w, done + n
+    w, n = copy_once(
+        join(bundle.directory, bundle.marker),
+        join(directory, bundle.marker),
+        header_digest=header_digest,
+        put_options=put_options,
+        read_only=read_only,
+        progress=_offset(progress, done, total),
+        trusted_keys=trusted_keys,
+    )
+    written, done = written or w, done + n
+    whole = whole_of(bundle, directory)
+    problem = check_file(whole, header_digest, committed=committed, trusted_keys=trusted_keys)
+    if problem:
+        raise CorruptCheckpointError(f"{whole}: the copy does not verify as a whole checkpoint ({problem})")
+    return written, done
+
+
+def repair_bundle(
+    bundle: Bundle,
+    directory: str,
+    *,
+    header_digest: str | None,
+    put_options: dict[str, Any] | None = None,
+    trusted_keys: TrustedKeys | None = None,
+) -> int:
+    """Replace each damaged or missing file of a held multi-file copy from ``bundle`` (the run's
+    copy, each file checked first), members first and the marker last; returns the bytes written.
+
+    Raises:
+        CorruptCheckpointError: a source file, a new copy, or the repaired whole does not verify.
+    """
+    nbytes = 0
+    for m in bundle.members:
+        check = member_check(m, trusted_keys=trusted_keys)
+        dst = join(directory, m.name)
+        if check(dst) is not None:
+            nbytes += repair_copy(
+                join(bundle.directory, m.name), dst, header_digest=m.header_digest, put_options=put_options, check=check
+            )
+    marker = join(directory, bundle.marker)
+    # the marker alone: a file whose record matches (its companions were checked above)
+    if _marker_problem(marker, header_digest, trusted_keys) is not None:
+        nbytes += repair_copy(
+            join(bundle.directory, bundle.marker),
+            marker,
+            header_digest=header_digest,
+            put_options=put_options,
+            check=lambda u: _marker_problem(u, header_digest, trusted_keys),
+        )
+    whole = whole_of(bundle, directory)
+    problem = check_file(whole, header_digest, trusted_keys=trusted_keys)
+    if problem:
+        raise CorruptCheckpointError(f"{whole}: still does not verify after its files were repaired ({problem})")
+    return nbytes
+
+
+def _marker_problem(url: str, header_digest: str | None, trusted_keys: TrustedKeys | None) -> str | None:
+    try:
+        rep = verify(url, trusted_keys=trusted_keys)
+    except CertckptError as e:
+        return str(e)
+    if not rep.ok or rep.info is None:
+        return rep.problems[0].message if rep.problems else f"{url}: unreadable"
+    if header_digest and rep.info.record.header_digest != header_digest:
+        return f"{url}: not the committed file (header digest {rep.info.record.header_digest})"
+    return None
