@@ -5,7 +5,7 @@ every shard file's header digest, and through them every byte) and the manifest 
 branch, step and state fingerprint, so that the certifier's cross-check of a commit record against
 the checkpoint's own record has something to compare. ``certckpt status`` lists such a checkpoint
 with its verdict; ``latest-good`` verifies the directory as ``certckpt verify DIR`` does. The vault
-does not copy sharded checkpoints yet (see ``docs/format.md``, "Sharded checkpoints (DCP)").
+holds it as a directory (``docs/operations.md``).
 """
 
 from __future__ import annotations
