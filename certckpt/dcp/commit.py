@@ -39,6 +39,8 @@ def commit_checkpoint(
     branch: str,
     step: int,
     parent: str | None = None,
+    consensus_fp: str | None = None,
+    step_range: list[int] | None = None,
 ) -> str:
     """Write the commit record of the sharded checkpoint at ``location``; returns its id (``branch@step``).
 
@@ -48,6 +50,8 @@ def commit_checkpoint(
         manifest: what writing its manifest returned (header digest, state fingerprint).
         nbytes: the checkpoint's bytes (manifest and shard files).
         tensors: the number of global tensors.
+        consensus_fp, step_range: the state fingerprint every replica agreed on at ``step`` and the
+            updates since the previous checkpoint (from an audited run's evidence), or None.
 
     Raises:
         CheckpointExistsError: ``branch@step`` is committed already; the directory stays uncommitted.
@@ -60,4 +64,13 @@ def commit_checkpoint(
         seconds=manifest.seconds,
         header_digest=manifest.header_digest,
     )
-    return commit_saved(Ledger(store), result, run=run, branch=branch, step=step, parent=parent)
+    return commit_saved(
+        Ledger(store),
+        result,
+        run=run,
+        branch=branch,
+        step=step,
+        parent=parent,
+        consensus_fp=consensus_fp,
+        step_range=step_range,
+    )

@@ -135,8 +135,14 @@ class CertifiedWriter(StorageWriter):
             are write-once). Shard files left by an unfinished save (no manifest) are always replaced.
         ledger: a run store (path or URL) whose ledger records the checkpoint once its manifest is
             written (``branch@step``; needs ``step``): ``certckpt status STORE`` lists it.
-        branch: the line of training recorded with a ledger commit (default ``main``).
+        branch: the line of training recorded with a ledger commit (default ``main``, or the evidence's).
         parent: the checkpoint id this branch resumed from (a ledger commit records it once).
+        evidence: a ``certckpt.detect.CheckpointEvidence`` of this step (from
+            ``ShardedAuditSession.checkpoint_evidence(state)`` with the state being saved): the manifest's
+            record and the ledger commit carry its agreed ``consensus_fp``, step range and lineage, and
+            its run, step, branch and parent are the defaults of those arguments. The save is refused
+            (nothing committed) when the state written is not the state the replicas agreed on.
+        consensus_fp: the agreed state fingerprint alone, without the rest of the evidence.
 
     Non-tensor values (``lr``, ``betas``, ``params`` lists) are stored as data in the manifest, never
     pickled; what certckpt cannot store without pickle is refused, naming it (``docs/format.md``).
@@ -154,10 +160,39 @@ class CertifiedWriter(StorageWriter):
         metadata: dict[str, str] | None = None,
         overwrite: bool = False,
         ledger: str | os.PathLike | None = None,
-        branch: str = "main",
+        branch: str | None = None,
         parent: str | None = None,
+        evidence: Any = None,
+        consensus_fp: str | None = None,
     ) -> None:
         super().__init__()
+        self.step_range: list[int] | None = None
+        self.lineage: dict[str, Any] | None = None
+        self.tensor_fps: dict[str, str] = {}
+        if evidence is not None:
+            if not all(hasattr(evidence, a) for a in ("step", "consensus_fp", "step_range", "lineage")):
+                raise ArgumentTypeError(
+                    f"evidence must be a CheckpointEvidence (ShardedAuditSession.checkpoint_evidence), got"
+                    f" {type(evidence).__name__}"
+                )
+            if step is not None and step != evidence.step:
+                raise ConfigurationError(f"step={step} but the evidence is of step {evidence.step}")
+            if consensus_fp is not None and consensus_fp != evidence.consensus_fp:
+                raise ConfigurationError("consensus_fp differs from the evidence's; pass one of them")
+            step, consensus_fp = evidence.step, evidence.consensus_fp
+            run = evidence.run if run is None else run
+            branch = evidence.branch if branch is None else branch
+            parent = evidence.parent if parent is None else parent
+            self.step_range, self.lineage = list(evidence.step_range), dict(evidence.lineage)
+            self.tensor_fps = dict(getattr(evidence, "tensor_fps", None) or {})
+        if consensus_fp is not None and not (
+            isinstance(consensus_fp, str)
+            and len(consensus_fp) == 16
+            and all(c in "0123456789abcdef" for c in consensus_fp)
+        ):
+            raise ArgumentTypeError(f"consensus_fp must be 16 lowercase hex digits, got {consensus_fp!r:.40}")
+        self.consensus_fp = consensus_fp
+        branch = "main" if branch is None else branch
         if type(overwrite) is not bool:
             raise ArgumentTypeError(f"overwrite must be True or False, got {overwrite!r}")
         if step is not None and (type(step) is not int or step < 0):
@@ -237,6 +272,8 @@ class CertifiedWriter(StorageWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         metadata.version = metadata.version or DCP_VERSION
         manifest = build_manifest(metadata, results)
+        if self.consensus_fp is not None and manifest.state_fp != self.consensus_fp:
+            self._refuse_unagreed(manifest)
         listed = {f.name for f in manifest.files}
         # Shard files of an earlier, larger save in this directory are not part of this checkpoint.
         for name in list_directory(self.path).files:
@@ -252,6 +289,9 @@ class CertifiedWriter(StorageWriter):
             overwrite=False,
             branch=self.branch if self.ledger is not None else None,
             parent=self.parent if self.ledger is not None else None,
+            consensus_fp=self.consensus_fp,
+            step_range=self.step_range,
+            lineage=self.lineage,
         )
         metadata.storage_data = {wr.index: wr.storage_data for per_rank in results for wr in per_rank}
         self.manifest = manifest
@@ -267,7 +307,24 @@ class CertifiedWriter(StorageWriter):
                 branch=self.branch,
                 step=self.step,
                 parent=self.parent,
+                consensus_fp=self.consensus_fp,
+                step_range=self.step_range,
             )
+
+    def _refuse_unagreed(self, manifest: Manifest) -> None:
+        # The replicas agreed on one state and another is being written (changed in between, or a
+        # different state dict): a checkpoint carrying that agreement would be a false witness.
+        written = {t.fqn: t.fp for t in manifest.tensors}
+        differ = sorted(k for k in written.keys() & self.tensor_fps.keys() if written[k] != self.tensor_fps[k])
+        only = sorted(written.keys() ^ self.tensor_fps.keys()) if self.tensor_fps else []
+        named = (f"; tensors that differ: {differ[:5]}" if differ else "") + (
+            f"; tensors in one but not the other: {only[:5]}" if only else ""
+        )
+        raise ConfigurationError(
+            f"{self.path}: the state written (state fingerprint {manifest.state_fp}) is not the state the replicas"
+            f" agreed on ({self.consensus_fp}){named}; take the evidence from the very state passed to dcp.save,"
+            " right before saving"
+        )
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)

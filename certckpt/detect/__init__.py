@@ -13,6 +13,8 @@ _LAZY = {
     "Auditor": "auditor",
     "AuditSession": "session",
     "CheckpointEvidence": "session",
+    "ShardedAuditSession": "sharded",
+    "ShardConsensus": "sharded",
     "AuditSetupError": "auditor",
     "FaultDetectedError": "auditor",
     "StepOutcome": "auditor",

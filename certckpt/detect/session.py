@@ -91,6 +91,8 @@ class CheckpointEvidence:
         consensus_fp: the state fingerprint every replica agreed on at ``step`` (None: no agreement).
         known_fingerprints: tensor identity -> (name, fingerprint hex) of the agreed tensors, so that
             the writer does not fingerprint them again.
+        tensor_fps: ``{name: fingerprint hex}`` of the agreed tensors under the names the checkpoint
+            stores them (a sharded run's DCP names), so that a writer can name what differs.
     """
 
     step: int
@@ -101,6 +103,7 @@ class CheckpointEvidence:
     lineage: dict[str, Any]
     consensus_fp: str | None
     known_fingerprints: dict[tuple, tuple[str, str]]
+    tensor_fps: dict[str, str] = field(default_factory=dict)
 
     def save_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of ``certckpt.format.writer.save_certified`` for this checkpoint."""

@@ -131,7 +131,15 @@ def save(
 
 
 def commit_saved(
-    ledger: Ledger, result: SaveResult, *, run: str | None, branch: str, step: int, parent: str | None = None
+    ledger: Ledger,
+    result: SaveResult,
+    *,
+    run: str | None,
+    branch: str,
+    step: int,
+    parent: str | None = None,
+    consensus_fp: str | None = None,
+    step_range: list[int] | None = None,
 ) -> str:
     """Write the commit record of a checkpoint just saved (create-only); returns its id.
 
@@ -148,8 +156,10 @@ def commit_saved(
             location=result.location,
             run=run,
             parent=parent,
+            consensus_fp=consensus_fp,
             state_fp=result.state_fp,
             header_digest=result.header_digest,
+            step_range=step_range,
             nbytes=result.nbytes,
         )
     except CheckpointExistsError as e:

@@ -1,0 +1,122 @@
+"""Per-rank functions for the FSDP2 / HSDP detection tests (run through certckpt.detect.launch.run_ranks).
+
+One run of ``fully_shard`` on a CPU DeviceMesh over gloo (4 ranks; 2 x 2 HSDP, replicate x shard, or
+4 x 1) audited by ``ShardedAuditSession``: clean steps with the consensus compared against
+``certckpt.dcp.state_fingerprints`` and a certified DCP checkpoint carrying the agreed fingerprint,
+then a NaN planted in one rank's reduced gradient and a value flipped in one rank's weight shard.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import certckpt
+from certckpt.dcp import CertifiedWriter, state_fingerprints
+from certckpt.detect.sharded import ShardedAuditSession
+from certckpt.errors import AuditSetupError, FaultDetectedError
+
+
+def _model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(12, 34), torch.nn.GELU(), torch.nn.Linear(34, 5))
+    m.register_buffer("scale", torch.linspace(0, 1, 7))
+    return m
+
+
+def _shard(m: torch.nn.Module, mesh) -> torch.nn.Module:
+    for layer in m:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(m, mesh=mesh)
+    return m
+
+
+def _outcome(session, applied: bool, agreed: bool, m) -> dict:
+    c = session.last_consensus
+    return {
+        "step": session.step,
+        "applied": applied,
+        "agreed": agreed,
+        "state_fp": c.state_fp,
+        "live": state_fingerprints({"model": m.state_dict()}).state_fp,
+        "suspects": list(c.suspect_ranks),
+        "candidates": list(c.candidates),
+        "disputed": sorted(c.disputed),
+    }
+
+
+def hsdp_audit(args):
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", tuple(args["mesh"]), mesh_dim_names=("replicate", "shard"))
+    m = _shard(_model(0), mesh)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    on_fault = args.get("on_fault", "continue")
+    session = ShardedAuditSession(m, opt, run="t", ledger=args["store"], on_nonfinite="skip", on_fault=on_fault)
+    g = torch.Generator().manual_seed(100 + rank)  # every rank its own batch, as data parallelism does
+    out: dict = {"rank": rank, "steps": [], "placements": [str(p) for p in m[0].weight.placements]}
+    for step in range(1, args["steps"] + 1):
+        x = torch.randn(4, 12, generator=g)
+        F.mse_loss(m(x), x[:, :5].sin()).backward()
+        if step == args.get("nan_step") and rank == args["nan_rank"]:
+            m[2].weight.grad.to_local().view(-1)[3] = float("nan")  # after FSDP's reduce-scatter
+        applied = session.before_update()
+        if applied:
+            opt.step()
+        if step == args.get("flip_step") and rank == args["flip_rank"]:
+            with torch.no_grad():  # a planted fault in this replica's weight shard, after the update
+                local = m[0].weight.to_local().view(-1)
+                local.view(torch.int32)[5] ^= 1 << 20
+        try:
+            agreed = session.after_update()
+        except FaultDetectedError as e:  # on_fault="raise": every rank raises together
+            out["raised"] = {"message": str(e), "suspects": e.event.suspect_ranks, "incident": e.incident_id}
+            break
+        opt.zero_grad(set_to_none=True)
+        out["steps"].append(_outcome(session, applied, agreed, m))
+        if step == args.get("ckpt_step"):
+            out["ckpt"] = _checkpoint(session, m, opt, args)
+    session.close()
+    return out
+
+
+def _checkpoint(session, m, opt, args) -> dict:
+    msd, osd = get_state_dict(m, opt)
+    state = {"model": msd, "optim": osd}
+    ev = session.checkpoint_evidence(state)
+    writer = CertifiedWriter(args["dir"], evidence=ev, ledger=args["store"])
+    dcp.save(state, storage_writer=writer)
+    full = {
+        f"model.{k}": certckpt.fingerprint_hex(v.full_tensor() if hasattr(v, "full_tensor") else v)
+        for k, v in msd.items()
+    }
+    refused = None
+    try:  # the same evidence for another state (the optimizer's left out): refused, nothing committed
+        dcp.save({"model": msd}, storage_writer=CertifiedWriter(args["dir"] + "-other", evidence=ev))
+    except dcp.api.CheckpointException as e:
+        refused = str(e)
+    return {
+        "consensus_fp": ev.consensus_fp,
+        "step": ev.step,
+        "step_range": ev.step_range,
+        "tensor_fps": ev.tensor_fps,
+        "full": full,
+        "live": state_fingerprints(state).state_fp,
+        "ckpt_id": writer.ckpt_id,
+        "refused": refused,
+    }
+
+
+def plain_model_refused(args):
+    """A model that fully_shard never touched: every rank refuses together, naming every rank."""
+    m = _model(0)
+    try:
+        ShardedAuditSession(m, torch.optim.SGD(m.parameters(), lr=0.1))
+    except AuditSetupError as e:
+        return {"error": str(e)}
+    return {"error": None}
