@@ -56,6 +56,42 @@ def _stream(src_url: str, out, progress: Progress | None) -> int:
     return done
 
 
+def _verified_temp(
+    src_url: str,
+    tmp: str,
+    dst: str,
+    *,
+    read_only: bool,
+    progress: Progress | None,
+    check: Check,
+    what: str = "nothing was published",
+) -> int:
+    """Stream ``src_url`` into the new local file ``tmp`` (fsync'd, read-only if asked) and check it
+    before anyone can see it under its final name; returns its bytes."""
+    with open(tmp, "xb") as out:
+        n = _stream(src_url, out, progress)
+        out.flush()
+        os.fsync(out.fileno())
+    if read_only:
+        os.chmod(tmp, 0o444)
+    problem = check(tmp)
+    if problem:
+        raise CorruptCheckpointError(f"copy of {src_url} to {dst} does not verify ({problem}); {what}")
+    return n
+
+
+def _local_source(src_url: str) -> tuple[str, str | None]:
+    """A local path to upload from: the source itself, or a spooled copy of a remote one (fsspec
+    uploads from local files); the second value is the spool to delete afterwards."""
+    src = resolve(src_url)
+    if src.local is not None:
+        return src.local, None
+    fd, spool = tempfile.mkstemp(prefix=".certckpt-copy-")
+    with os.fdopen(fd, "wb") as out:
+        _stream(src_url, out, None)
+    return spool, spool
+
+
 def copy_once(
     src_url: str,
     dst: str,
@@ -93,17 +129,7 @@ def copy_once(
         os.makedirs(os.path.dirname(final), exist_ok=True)
         tmp = temp_name(final)
         try:
-            with open(tmp, "xb") as out:
-                n = _stream(src_url, out, progress)
-                out.flush()
-                os.fsync(out.fileno())
-            if read_only:
-                os.chmod(tmp, 0o444)
-            problem = checked(tmp)
-            if problem:
-                raise CorruptCheckpointError(
-                    f"copy of {src_url} to {dst} does not verify ({problem}); nothing was published"
-                )
+            n = _verified_temp(src_url, tmp, dst, read_only=read_only, progress=progress, check=checked)
             commit_local(tmp, final, overwrite=False, display=dst)
             return True, n
         except CheckpointExistsError:
@@ -115,16 +141,8 @@ def copy_once(
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-    src = resolve(src_url)
-    spool = None
+    local, spool = _local_source(src_url)
     try:
-        if src.local is not None:
-            local = src.local
-        else:  # fsspec uploads from a local file: spool a remote source first
-            fd, spool = tempfile.mkstemp(prefix=".certckpt-copy-")
-            with os.fdopen(fd, "wb") as out:
-                _stream(src_url, out, None)
-            local = spool
         size = os.path.getsize(local)
         cb = _upload_callback(progress, size) if progress else None
         for attempt in range(8):
@@ -202,16 +220,7 @@ def repair_copy(
         os.makedirs(os.path.dirname(final), exist_ok=True)
         tmp = temp_name(final)
         try:
-            with open(tmp, "xb") as out:
-                n = _stream(src_url, out, None)
-                out.flush()
-                os.fsync(out.fileno())
-            os.chmod(tmp, 0o444)
-            problem = checked(tmp)
-            if problem:
-                raise CorruptCheckpointError(
-                    f"copy of {src_url} to {dst} does not verify ({problem}); nothing repaired"
-                )
+            n = _verified_temp(src_url, tmp, dst, read_only=True, progress=None, check=checked, what="nothing repaired")
             commit_local(tmp, final, overwrite=True, display=dst)
             return n
         except OSError as e:
@@ -221,16 +230,8 @@ def repair_copy(
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-    src = resolve(src_url)
-    spool = None
+    local, spool = _local_source(src_url)
     try:
-        if src.local is not None:
-            local = src.local
-        else:
-            fd, spool = tempfile.mkstemp(prefix=".certckpt-copy-")
-            with os.fdopen(fd, "wb") as out:
-                _stream(src_url, out, None)
-            local = spool
         commit_remote(local, dst, overwrite=True, display=dst, put_options=put_options)
         filesystem(dst)[0].invalidate_cache()
         problem = checked(dst)
