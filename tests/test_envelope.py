@@ -354,17 +354,17 @@ def test_cli_real_sweep_gate_fails_plot_and_plan(tmp_path):
     # certckpt plan --from reads the same file: its premium becomes the audit overhead X
     path = tmp_path / "envelope.json"
     path.write_text(r.stdout)
-    if c["premium"] >= 0:  # a tiny step pays the hook's fixed cost: positive in every run seen
-        got = CliRunner().invoke(
-            main, ["plan", "--from", str(path), "--audit-every", "10", "--ckpt-every", "10", "--keep", "2", "--json"]
-        )
-        assert got.exit_code in (0, 1), got.output
-        inputs = json.loads(got.stdout)["inputs"]
-        assert inputs["audit_overhead"]["value"] == pytest.approx(c["premium"])
-        assert inputs["audit_overhead"]["source"] == "from"
-    else:
-        with pytest.raises(ValueError, match="premium"):
-            read_policy(str(path))
+    got = CliRunner().invoke(
+        main, ["plan", "--from", str(path), "--audit-every", "10", "--ckpt-every", "10", "--keep", "2", "--json"]
+    )
+    assert got.exit_code in (0, 1), got.output
+    inputs = json.loads(got.stdout)["inputs"]
+    assert inputs["audit_overhead"]["source"] == "from"
+    # a tiny step usually pays the hook's fixed cost (a positive premium); when noise makes the
+    # audited run time faster than plain, the planner takes the premium as 0, never as a negative cost
+    assert inputs["audit_overhead"]["value"] == pytest.approx(max(c["premium"], 0.0))
+    if c["premium"] < 0:
+        assert "within noise; taken as 0" in read_policy(str(path)).notes["audit_overhead"]
 
 
 @pytest.mark.slow
