@@ -10,11 +10,13 @@ import collections
 import json
 import os
 import socket
+import sys
 import threading
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
-from certckpt.errors import ConfigurationError
+from certckpt.errors import CertckptError, ConfigurationError
+from certckpt.trust.runstore import open_incident
 
 __all__ = [
     "AuditEvent",
@@ -23,6 +25,8 @@ __all__ = [
     "JsonlSink",
     "KINDS",
     "rank_inventory",
+    "make_event",
+    "publish",
 ]
 
 # nonfinite: the per-step checks since the previous audit, summarised at each audit step (and a
@@ -169,3 +173,48 @@ def rank_inventory(device: Any = None) -> dict[str, Any]:
     else:
         inv["device"] = "cpu"
     return inv
+
+
+def make_event(
+    *,
+    run: str,
+    branch: str,
+    world: int,
+    inventory: dict[str, Any],
+    step: int,
+    kind: str,
+    outcome: str,
+    suspects: Any = (),
+    contained: bool = False,
+    details: dict[str, Any],
+) -> AuditEvent:
+    """One check's event as every driver of the checks builds it (every rank builds the same one;
+    the ranks' inventory travels with failures only)."""
+    return AuditEvent(
+        run=run,
+        branch=branch,
+        step=step,
+        kind=kind,
+        outcome=outcome,
+        ranks=list(range(world)),
+        suspect_ranks=sorted(int(s) for s in suspects),
+        contained=contained,
+        details=details,
+        inventory=inventory if outcome == "fail" else {},
+    )
+
+
+def publish(ev: AuditEvent, *, sink: EventSink, ledger: Any = None) -> None:
+    """Rank 0's part of an event: into the sink; a failure is flushed at once and, when it reached the
+    weights (uncontained, not a replay's precondition check), opens an incident in ``ledger``. A ledger
+    that cannot be written must not hide the detection itself: ``certckpt status`` opens it later."""
+    sink.emit(ev)
+    if not ev.failed:
+        return
+    sink.flush()
+    if ev.contained or ledger is None or ev.details.get("found_by"):
+        return
+    try:
+        open_incident(ledger, ev.to_dict())
+    except (CertckptError, OSError) as e:
+        print(f"certckpt: could not record the incident in {getattr(ledger, 'store', ledger)}: {e}", file=sys.stderr)

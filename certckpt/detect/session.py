@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import json
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,12 +43,11 @@ from certckpt.format.signing import signing_key_for
 from certckpt.format.writer import save_certified
 from certckpt.trust.incident import incident_id_for
 from certckpt.trust.ledger import Ledger, LedgerSink
-from certckpt.trust.runstore import open_incident
 
 from .agreement import all_gather_bytes, refuse_together, wire_device_for
 from .attribution import arbitration_plan, attribute_replay, consensus_verdict, ring_pairs
 from .digest import digests
-from .events import AuditEvent, EventSink, MemorySink, rank_inventory
+from .events import AuditEvent, EventSink, MemorySink, make_event, publish, rank_inventory
 from .exchange import RingShift, check_shippable, recv_payload, send_payload
 from .hook import HookState, comm_hook, hand_over_possible, lazy_pre_possible, nonfinite_flag
 from .inject import Injector
@@ -495,37 +493,25 @@ class AuditSession:
     # --- events -----------------------------------------------------------------------------
 
     def _event(self, kind: str, outcome: str, *, step: int, suspects=(), contained=False, **details) -> AuditEvent:
-        ev = AuditEvent(
+        ev = make_event(
             run=self.run,
             branch=self.branch,
+            world=self.world,
+            inventory=self.inventory,
             step=step,
             kind=kind,
             outcome=outcome,
-            ranks=list(range(self.world)),
-            suspect_ranks=sorted(int(s) for s in suspects),
+            suspects=suspects,
             contained=contained,
             details=details,
-            inventory=self.inventory if outcome == "fail" else {},
         )
         if self.rank == 0:
-            self.sink.emit(ev)
-            if ev.failed:
-                self.sink.flush()
-                if not contained and self.ledger is not None and not details.get("found_by"):
-                    self._open_incident(ev)
+            publish(ev, sink=self.sink, ledger=self.ledger)
         if len(self._events) < _MAX_LINEAGE:
             self._events.append((ev.step, ev.kind, ev.outcome))
         if self.last is not None:
             self.last.events.append(ev)
         return ev
-
-    def _open_incident(self, ev: AuditEvent) -> None:
-        # Every uncontained detection opens an incident, written by rank 0 as soon as it is known;
-        # a ledger that cannot be written must not hide the detection itself (status opens it later).
-        try:
-            open_incident(self.ledger, ev.to_dict())
-        except (CertckptError, OSError) as e:
-            print(f"certckpt: could not record the incident in {self.ledger.store}: {e}", file=sys.stderr)
 
     def _fail(self, ev: AuditEvent, message: str, *, policy: str) -> None:
         if policy == "raise":

@@ -31,7 +31,6 @@ replay runs here (see ``docs/detection.md``, "Sharded training: FSDP2 and HSDP")
 from __future__ import annotations
 
 import json
-import sys
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -42,17 +41,16 @@ import torch.distributed as dist
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.tensor import DTensor
 
-from certckpt.errors import ArgumentTypeError, AuditSetupError, CertckptError, ConfigurationError, FaultDetectedError
+from certckpt.errors import ArgumentTypeError, AuditSetupError, ConfigurationError, FaultDetectedError
 from certckpt.format.header import printable
 from certckpt.format.sharded.composition import compose, hex64, is_partition, state_fp
 from certckpt.format.sharded.shardfp import tensor_contribution
 from certckpt.format.tensors import TORCH_TO_ST
 from certckpt.trust.incident import incident_id_for
 from certckpt.trust.ledger import Ledger, LedgerSink
-from certckpt.trust.runstore import open_incident
 
 from .agreement import all_gather_bytes, refuse_together, wire_device_for
-from .events import AuditEvent, EventSink, MemorySink, rank_inventory
+from .events import AuditEvent, EventSink, MemorySink, make_event, publish, rank_inventory
 from .session import CheckpointEvidence
 
 __all__ = ["ShardedAuditSession", "ShardConsensus", "local_regions"]
@@ -233,27 +231,20 @@ class ShardedAuditSession:
     # --- events ---------------------------------------------------------------------------------
 
     def _event(self, kind: str, outcome: str, *, step: int, suspects=(), contained=False, **details) -> AuditEvent:
-        ev = AuditEvent(
+        ev = make_event(
             run=self.run,
             branch=self.branch,
+            world=self.world,
+            inventory=self.inventory,
             step=step,
             kind=kind,
             outcome=outcome,
-            ranks=list(range(self.world)),
-            suspect_ranks=sorted(int(s) for s in suspects),
+            suspects=suspects,
             contained=contained,
             details=details,
-            inventory=self.inventory if outcome == "fail" else {},
         )
         if self.rank == 0:
-            self.sink.emit(ev)
-            if ev.failed:
-                self.sink.flush()
-                if not contained and self.ledger is not None:
-                    try:
-                        open_incident(self.ledger, ev.to_dict())
-                    except (CertckptError, OSError) as e:  # the detection itself must not be lost
-                        print(f"certckpt: could not record the incident: {e}", file=sys.stderr)
+            publish(ev, sink=self.sink, ledger=self.ledger)
         self._events.append((step, kind, outcome))
         return ev
 

@@ -28,7 +28,6 @@ first-step determinism check that replays a step twice (the replay-path check be
 from __future__ import annotations
 
 import json
-import sys
 from typing import Any
 
 import torch
@@ -40,17 +39,16 @@ from certckpt.detect.agreement import all_gather_bytes, refuse_together, wire_de
 from certckpt.detect.attribution import arbitration_plan, attribute_replay, consensus_verdict, ring_pairs
 from certckpt.detect.auditor import consensus_buffers
 from certckpt.detect.digest import digests
-from certckpt.detect.events import AuditEvent, MemorySink, rank_inventory
+from certckpt.detect.events import AuditEvent, MemorySink, make_event, publish, rank_inventory
 from certckpt.detect.exchange import RingShift, check_shippable, recv_payload, send_payload
 from certckpt.detect.hook import HookState, comm_hook, lazy_pre_possible
 from certckpt.detect.inject import Fault, Injector
 from certckpt.detect.signature import Probes, matches, signature
-from certckpt.errors import AuditSetupError, CertckptError, FaultDetectedError, UnsupportedObjectError
+from certckpt.errors import AuditSetupError, FaultDetectedError, UnsupportedObjectError
 from certckpt.format.fingerprinting import as_words, finalize, raw_sum
 from certckpt.format.record import state_fingerprint
 from certckpt.trust.incident import incident_id_for
 from certckpt.trust.ledger import LedgerSink
-from certckpt.trust.runstore import open_incident
 
 __all__ = ["AuditCallback"]
 
@@ -529,27 +527,20 @@ class AuditCallback(TrainerCallback):
     def _event(
         self, kind: str, outcome: str, *, step: int, suspects=(), contained: bool = False, **details
     ) -> AuditEvent:
-        ev = AuditEvent(
+        ev = make_event(
             run=self.run,
             branch=self.branch,
+            world=self.world,
+            inventory=self.inventory,
             step=step,
             kind=kind,
             outcome=outcome,
-            ranks=list(range(self.world)),
-            suspect_ranks=sorted(int(r) for r in suspects),
+            suspects=suspects,
             contained=contained,
             details=details,
-            inventory=self.inventory if outcome == "fail" else {},
         )
         if self.rank == 0:
-            self.sink.emit(ev)
-            if ev.failed:
-                self.sink.flush()
-                if not contained and not details.get("found_by"):
-                    try:  # a ledger that cannot be written must not hide the detection (status opens it later)
-                        open_incident(self.trainer.certckpt.ledger, ev.to_dict())
-                    except (CertckptError, OSError) as e:
-                        print(f"certckpt: could not record the incident: {e}", file=sys.stderr)
+            publish(ev, sink=self.sink, ledger=self.trainer.certckpt.ledger)
         if len(self.lineage_events) < _MAX_LINEAGE:
             self.lineage_events.append({"step": step, "kind": kind, "outcome": outcome})
         return ev
