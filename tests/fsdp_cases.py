@@ -19,7 +19,7 @@ from torch.distributed.fsdp import fully_shard
 import certckpt
 from certckpt.dcp import CertifiedWriter, state_fingerprints
 from certckpt.detect.sharded import ShardedAuditSession
-from certckpt.errors import AuditSetupError, FaultDetectedError
+from certckpt.errors import AuditSetupError, ConfigurationError, FaultDetectedError
 
 
 def _model(seed: int) -> torch.nn.Module:
@@ -118,5 +118,101 @@ def plain_model_refused(args):
     try:
         ShardedAuditSession(m, torch.optim.SGD(m.parameters(), lr=0.1))
     except AuditSetupError as e:
+        return {"error": str(e)}
+    return {"error": None}
+
+
+def _loss(m, u):
+    return F.mse_loss(m(u), u[:, :5].sin())
+
+
+def replay_audit(args):
+    """An FSDP2 / HSDP run with the ring replay audit, beside a plain FSDP copy of the same model fed
+    the same micro-batches: per step whether the update was applied, whether the weights equal the
+    plain run's; DCP checkpoints with consensus evidence at ``ckpt_steps``; planted faults."""
+    rank = dist.get_rank()
+    names = ("replicate", "shard")[-len(args["mesh"]) :]
+    mesh = init_device_mesh("cpu", tuple(args["mesh"]), mesh_dim_names=names)
+    m, plain = _shard(_model(0), mesh), _shard(_model(0), mesh)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    fault = args.get("fault") or {}
+    active = {"on": False}
+    if fault.get("kind") == "persistent" and rank == fault["rank"]:
+        # a rank whose arithmetic in layer 2 went wrong: every forward it computes, replays included
+        m[2].register_forward_hook(lambda mod, inp, out: out * (1 + 1e-3) if active["on"] else None)
+    out: dict = {"rank": rank, "steps": []}
+    try:
+        session = ShardedAuditSession(
+            m,
+            opt,
+            run="t",
+            ledger=args["store"],
+            loss_fn=args.get("replay_loss", _loss) if "replay_scale" not in args else _scaled_loss(args),
+            audit_every=args["audit_every"],
+            on_fault=args.get("on_fault", "continue"),
+        )
+    except AuditSetupError as e:
+        return {"setup_error": str(e)}
+    g = torch.Generator().manual_seed(100 + rank)
+    micro, nosync = args.get("micro", 1), args.get("nosync", False)
+    for step in range(1, args["steps"] + 1):
+        active["on"] = fault.get("kind") == "persistent" and step >= fault["step"]
+        units = [torch.randn(4, 12, generator=g) for _ in range(micro)]
+        for k, u in enumerate(units):
+            if nosync:  # accumulate without communication until the last micro-batch
+                m.set_requires_gradient_sync(k == micro - 1)
+                plain.set_requires_gradient_sync(k == micro - 1)
+            session.begin_micro_batch(u)
+            loss = _loss(m, u)
+            if fault.get("kind") == "transient" and step == fault["step"] and rank == fault["rank"]:
+                loss = loss * (1 + 1e-3)  # one wrong computation in training only
+            (loss / micro if micro > 1 else loss).backward()
+            plain_loss = _loss(plain, u)
+            (plain_loss / micro if micro > 1 else plain_loss).backward()
+        try:
+            applied = session.before_update()
+        except (FaultDetectedError, AuditSetupError) as e:
+            out["raised"] = {
+                "type": type(e).__name__,
+                "message": str(e),
+                "suspects": list(e.event.suspect_ranks) if hasattr(e, "event") else None,
+                "incident": getattr(e, "incident_id", None),
+            }
+            break
+        if applied:
+            opt.step()
+        plain_opt.step()
+        agreed = session.after_update()
+        opt.zero_grad(set_to_none=True)
+        plain_opt.zero_grad(set_to_none=True)
+        same = all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(m.parameters(), plain.parameters()))
+        out["steps"].append({"step": session.step, "applied": applied, "agreed": agreed, "as_plain": same})
+        if step in args.get("ckpt_steps", ()):
+            msd, osd = get_state_dict(m, opt)
+            state = {"model": msd, "optim": osd}
+            ev = session.checkpoint_evidence(state)
+            dcp.save(
+                state, storage_writer=CertifiedWriter(f"{args['store']}/step{step}", evidence=ev, ledger=args["store"])
+            )
+    session.close()
+    return out
+
+
+def _scaled_loss(args):
+    scale = args["replay_scale"]
+    return lambda m, u: _loss(m, u) * scale
+
+
+def forgotten_begin(args):
+    """A loop that never calls begin_micro_batch with a replaying session: refused at before_update."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    m = _shard(_model(0), mesh)
+    session = ShardedAuditSession(m, torch.optim.SGD(m.parameters(), lr=0.1), loss_fn=_loss, audit_every=1)
+    x = torch.randn(4, 12)
+    _loss(m, x).backward()
+    try:
+        session.before_update()
+    except ConfigurationError as e:
         return {"error": str(e)}
     return {"error": None}

@@ -1,4 +1,4 @@
-"""Detection under FSDP2 / HSDP: weight consensus per shard, non-finite reduced gradients.
+"""Detection under FSDP2 / HSDP: weight consensus per shard, non-finite reduced gradients, ring replay.
 
 Under FSDP2 (``fully_shard``) every rank holds a shard of each parameter as a ``DTensor``; under HSDP
 (a 2-D mesh, replicate x shard) each shard is held by one rank per replica group, and those replicas
@@ -24,8 +24,15 @@ contribution (a vote names the minority; two replicas that disagree are a tie th
 candidates but neither as suspect); the agreed contributions of the regions that partition a tensor
 compose to its full-tensor fingerprint, and those to the whole-state fingerprint that
 ``certckpt.dcp.CertifiedWriter``'s manifest records for the same state. Events are the DDP auditor's
-kinds (``nonfinite``, ``nonfinite-post``, ``consensus``), so the certifier reads them unchanged; no
-replay runs here (see ``docs/detection.md``, "Sharded training: FSDP2 and HSDP").
+kinds (``replay``, ``nonfinite``, ``nonfinite-post``, ``consensus``), so the certifier reads them
+unchanged.
+
+With ``loss_fn`` the session also runs the ring replay audit every ``audit_every`` steps
+(``sharded_replay.py``: each layer's local gradient is signed at its reduce-scatter, and every rank
+recomputes its predecessor's micro-batches through the sharded model); the loop then calls
+``begin_micro_batch(unit)`` before each micro-batch's forward. An audit step is a full audit (replay,
+non-finite, consensus), so DCP checkpoints of such a run become ``trusted`` once the next audit
+passes (see ``docs/detection.md``, "Sharded training: FSDP2 and HSDP").
 """
 
 from __future__ import annotations
@@ -41,7 +48,13 @@ import torch.distributed as dist
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.tensor import DTensor
 
-from certckpt.errors import ArgumentTypeError, AuditSetupError, ConfigurationError, FaultDetectedError
+from certckpt.errors import (
+    ArgumentTypeError,
+    AuditSetupError,
+    ConfigurationError,
+    FaultDetectedError,
+    UnsupportedObjectError,
+)
 from certckpt.format.header import printable
 from certckpt.format.sharded.composition import compose, hex64, is_partition, state_fp
 from certckpt.format.sharded.shardfp import tensor_contribution
@@ -50,8 +63,11 @@ from certckpt.trust.incident import incident_id_for
 from certckpt.trust.ledger import Ledger, LedgerSink
 
 from .agreement import all_gather_bytes, refuse_together, wire_device_for
+from .attribution import arbitration_plan, attribute_replay
 from .events import AuditEvent, EventSink, MemorySink, make_event, publish, rank_inventory
-from .session import CheckpointEvidence
+from .exchange import RingShift, check_shippable
+from .session import CheckpointEvidence, restore_rng
+from .sharded_replay import GradientRecorder, LayerDigest, arbitrate, compare_ring, shard_group_size, sync_pattern
 
 __all__ = ["ShardedAuditSession", "ShardConsensus", "local_regions"]
 
@@ -136,6 +152,31 @@ def _offsets(t: torch.Tensor) -> list[int] | None:
     return list(chunks[0].offsets) if chunks else None
 
 
+def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _replay_problem(model: torch.nn.Module, loss_fn: Any, audit_every: Any) -> str | None:
+    """Why the replay audit cannot run on this model (None: it can)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not callable(loss_fn):
+        return "loss_fn must be callable as loss_fn(model, unit) -> scalar loss"
+    if type(audit_every) is not int or audit_every < 1:
+        return f"audit_every must be an int >= 1, got {audit_every!r}"
+    if not any(isinstance(m, FSDPModule) for m in model.modules()):
+        return "the replay signs gradients at FSDP2's reduce-scatter: no module was fully_shard-ed"
+    if shard_group_size(model) < 2:
+        return (
+            "the parameters are not sharded over 2 or more ranks (a mesh's shard dimension of size 1 has no"
+            " reduce-scatter to sign at): that is plain data parallelism; audit it with DDP and AuditSession"
+        )
+    return None
+
+
 def _nonfinite_flags(grads: list[torch.Tensor]) -> torch.Tensor:
     # One reduction per gradient, no copy: NaN and Inf survive a sum (an overflow to Inf is flagged
     # too, and means the gradients are unusable anyway), as the DDP hook's check.
@@ -145,24 +186,45 @@ def _nonfinite_flags(grads: list[torch.Tensor]) -> torch.Tensor:
 
 
 class ShardedAuditSession:
-    """The non-finite check and the weight consensus of an FSDP2 / HSDP run (see the module docstring).
+    """The checks of an FSDP2 / HSDP run (see the module docstring).
 
     Every rank constructs one after ``fully_shard`` and before the first backward (a collective: the
     ranks agree on the set-up or all refuse together), and calls ``before_update()`` after the step's
     last backward (FSDP has reduce-scattered the gradients, and all-reduced them across replicas under
     HSDP), ``after_update()`` after the optimizer step (whether it ran or not), and
-    ``checkpoint_evidence(state)`` where a checkpoint is taken.
+    ``checkpoint_evidence(state)`` where a checkpoint is taken. With ``loss_fn`` (the replay audit),
+    also ``begin_micro_batch(unit)`` before each micro-batch's forward::
+
+        session = ShardedAuditSession(model, opt, loss_fn=lambda m, u: F.mse_loss(m(u[0]), u[1]),
+                                      audit_every=10, ledger="runs/exp1")
+        for batch in loader:
+            session.begin_micro_batch(batch)
+            F.mse_loss(model(batch[0]), batch[1]).backward()
+            if session.before_update():
+                opt.step()
+            session.after_update()
+            opt.zero_grad(set_to_none=True)
 
     Args:
         model: the ``fully_shard``-ed module (its parameters are DTensors).
         optimizer: its optimizer (its gradients are dropped when an update is refused).
         run, branch, parent: the run's identity, recorded in events and checkpoints.
-        consensus_every: compare the weights every N steps (default 1: every step).
+        loss_fn: ``loss_fn(model, unit) -> scalar loss``, what the loop back-propagates for one
+            micro-batch (before dividing by the accumulation count): enables the ring replay audit.
+            Called on the sharded model itself; it must be a pure function of the weights, the
+            batch and the RNG state. None: no replay (checkpoints reach ``verified`` at most).
+        audit_every: K, the replay-audit interval in steps (an audit step is a full audit).
+        check_determinism: at the first step, replay every rank's own micro-batches and refuse (on
+            every rank together) when the replay does not reproduce what training reduce-scattered:
+            a loss_fn that is not what the loop computes, a wrong ``loss_divisor``, nondeterministic
+            kernels. Without it such a set-up fails every audit instead.
+        consensus_every: compare the weights every N steps (default 1: every step; audit steps always).
         state_fn: what the per-step consensus covers, as a DCP state dict (default
             ``{"model": model.state_dict()}``: parameters and buffers).
         on_nonfinite: ``"raise"`` (``FaultDetectedError``) or ``"skip"`` (drop the update); a
             contained detection either way.
-        on_fault: ``"raise"`` or ``"continue"`` on a consensus failure.
+        on_fault: ``"raise"`` or ``"continue"`` on a replay or consensus failure (the update is
+            dropped either way when the replay fails).
         group: the process group of every rank of the mesh (default: the default group).
         sink: where rank 0 emits events (default: the ledger's, else in memory).
         ledger: a ``certckpt.Ledger`` or run store URL: events and incidents go there.
@@ -185,6 +247,9 @@ class ShardedAuditSession:
         sink: EventSink | None = None,
         ledger: Ledger | str | None = None,
         start_step: int = 0,
+        loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None,
+        audit_every: int = 10,
+        check_determinism: bool = True,
     ) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise AuditSetupError("torch.distributed is not initialized; call init_process_group first")
@@ -194,6 +259,7 @@ class ShardedAuditSession:
         first = next(iter(model.parameters()), None)
         self.wire_device = wire_device_for(self.group, first.device if first is not None else torch.device("cpu"))
         self.model, self.optimizer = model, optimizer
+        self.device = first.device if first is not None else torch.device("cpu")
         self.run, self.branch, self.parent = run, branch, parent
         self.consensus_every = consensus_every
         self.state_fn = state_fn or (lambda: {"model": model.state_dict()})
@@ -207,7 +273,18 @@ class ShardedAuditSession:
             problem = f"consensus_every must be an int >= 1, got {consensus_every!r}"
         elif not any(isinstance(p, DTensor) for _, p in self.params):
             problem = "no parameter is a DTensor: apply fully_shard (FSDP2) to the model first"
-        setup = json.dumps([consensus_every, on_nonfinite, on_fault, [n for n, _ in self.params]])
+        elif loss_fn is not None:
+            problem = _replay_problem(model, loss_fn, audit_every)
+        self.loss_fn, self.audit_every = loss_fn, audit_every
+        self._recorder: GradientRecorder | None = None
+        if problem is None and loss_fn is not None:
+            try:
+                self._recorder = GradientRecorder(model)
+            except ValueError as e:  # FSDP refuses a custom reduce-scatter with several param groups
+                problem = f"the replay cannot sign the local gradients: {e}"
+        setup = json.dumps(
+            [consensus_every, on_nonfinite, on_fault, loss_fn is not None, audit_every, [n for n, _ in self.params]]
+        )
         refuse_together(problem, group=self.group, wire_device=self.wire_device, what="sharded audit set-up")
         texts = all_gather_bytes(setup.encode(), group=self.group, wire_device=self.wire_device)
         odd = [r for r, t in enumerate(texts) if t != texts[0]]
@@ -227,6 +304,12 @@ class ShardedAuditSession:
         self._checked = 0  # steps whose non-finite check passed since the last summary
         self._first_checked: int | None = None
         self._events: list[tuple[int, str, str]] = []  # (step, kind, outcome) since the last checkpoint
+        self.last_clean_audit: int | None = start_step or None
+        # the step under way, from its first begin_micro_batch to after_update (replay audits only)
+        self._open: dict[str, Any] | None = None
+        self._path_check_pending = loss_fn is not None and check_determinism
+        self._first_batch = True
+        self._audited: tuple[int, bool] | None = None  # (audit step, replay passed) until after_update
 
     # --- events ---------------------------------------------------------------------------------
 
@@ -259,7 +342,86 @@ class ShardedAuditSession:
 
     # --- the non-finite check -------------------------------------------------------------------
 
-    def before_update(self) -> bool:
+    # --- hook points ------------------------------------------------------------------------------
+
+    def begin_micro_batch(self, unit: Any) -> None:
+        """Call on every rank before each micro-batch's forward pass (replay audits only).
+
+        Keeps ``unit`` (by reference: do not modify it in place) and, when the step will be replayed,
+        the RNG state it starts with; on an audit step, arms the signing of every layer's local
+        gradient at its reduce-scatter.
+
+        Raises:
+            ConfigurationError: the session has no ``loss_fn`` (nothing to replay).
+        """
+        if self._recorder is None:
+            raise ConfigurationError("begin_micro_batch is for the replay audit: construct the session with loss_fn=")
+        step = self._open
+        if step is None:
+            s = self.step + 1
+            audit = s % self.audit_every == 0
+            signed = audit or self._path_check_pending
+            step = self._open = {"s": s, "audit": audit, "signed": signed, "units": [], "rngs": []}
+            if signed:
+                self._recorder.arm("train")
+        if step["signed"]:
+            self._recorder.micro = len(step["units"])
+            step["rngs"].append(_rng_state(self.device))
+        step["units"].append(unit)
+
+    def before_update(self, *, loss_divisor: int | None = None) -> bool:
+        """Call on every rank after the step's last backward, before the optimizer step (collective).
+
+        Checks the reduced gradients for non-finite values and, on audit steps, runs the ring replay
+        audit with the weights before the update (``.grad`` is left as it is); returns whether the
+        update may be applied (a refused update's gradients are dropped).
+
+        Args:
+            loss_divisor: what the loop divided each micro-batch's loss by before its backward
+                (default: the number of micro-batches, as plain accumulation does; 1 leaves it).
+
+        Raises:
+            FaultDetectedError: a check failed and the policy is to raise.
+            AuditSetupError, UnsupportedObjectError: the first step's replay check refused, on every rank.
+            ConfigurationError: with ``loss_fn``, no ``begin_micro_batch`` since the last step.
+        """
+        s = self.step + 1
+        step, self._open = self._open, None
+        self._audited = None
+        if self._recorder is not None and step is None:
+            raise ConfigurationError(
+                "before_update without begin_micro_batch: with loss_fn (the replay audit), call"
+                " session.begin_micro_batch(unit) before each micro-batch's forward"
+            )
+        trained = self._recorder.take() if step is not None and step["signed"] else None
+        if not self._nonfinite_check(s):
+            return False
+        if trained is None:
+            return True
+        n = loss_divisor or len(step["units"])
+        if self._first_batch:
+            self._first_batch = False
+            reason = None
+            try:
+                check_shippable(step["units"])
+            except UnsupportedObjectError as e:
+                reason = str(e)
+            refuse_together(
+                reason,
+                group=self.group,
+                wire_device=self.wire_device,
+                what="the first step's batch",
+                error=UnsupportedObjectError,
+            )
+        if self._path_check_pending:
+            self._check_replay_path(step, trained, n)
+        if not step["audit"]:
+            return True
+        ok = self._replay_audit(s, step, trained, n)
+        self._audited = (s, ok)
+        return ok
+
+    def _nonfinite_check(self, s: int) -> bool:
         """Check the reduced gradients of the coming update (collective); returns whether to apply it.
 
         Every rank sums its local gradient shards (one reduction each), the ranks all-gather one flag
@@ -268,7 +430,6 @@ class ShardedAuditSession:
         holder of the region it came through the reduction from some rank's local gradient, which
         FSDP's reduce-scatter has consumed, and names nobody. A refused update's gradients are dropped.
         """
-        s = self.step + 1
         named = [(n, p.grad) for n, p in self.params if p.grad is not None]
         grads = [g.to_local() if isinstance(g, DTensor) else g for _, g in named]
         flags = _nonfinite_flags(grads)
@@ -299,8 +460,7 @@ class ShardedAuditSession:
                 flagged = [h for h in holders.get(region, [r]) if any(b == [n, off] for b in reports[h]["bad"])]
                 if len(flagged) < len(holders.get(region, [r])):
                     suspects.add(r)  # its replicas of the same region hold finite values
-        for _, p in self.params:
-            p.grad = None  # the update is dropped: it never reaches the weights (contained)
+        self._drop_grads()  # the update is dropped: it never reaches the weights (contained)
         ev = self._event(
             "nonfinite-post",
             "fail",
@@ -320,21 +480,127 @@ class ShardedAuditSession:
         )
         return False
 
+    def _drop_grads(self) -> None:
+        for _, p in self.params:
+            p.grad = None
+
+    # --- the ring replay ------------------------------------------------------------------------
+
+    def _replay(self, payload: dict[str, Any], trained: list[LayerDigest]) -> list[LayerDigest]:
+        return self._recorder.replay(
+            self.model,
+            self.loss_fn,
+            payload["units"],
+            payload["rngs"],
+            divisor=int(payload["n"]),
+            pattern=sync_pattern(trained),
+            restore_rng=lambda state: restore_rng(state, self.device),
+        )
+
+    def _gather_digests(self, *lists: list[LayerDigest]) -> list[list]:
+        """Every rank's digest lists, in rank order (one small all-gather)."""
+        mine = json.dumps([[d.as_list() for d in lst] for lst in lists]).encode()
+        return [json.loads(t) for t in all_gather_bytes(mine, group=self.group, wire_device=self.wire_device)]
+
+    def _check_replay_path(self, step: dict[str, Any], trained: list[LayerDigest], n: int) -> None:
+        """At the first step with finite gradients, every rank replays its own micro-batches and
+        must sign exactly what training reduce-scattered; else every rank refuses together (a
+        set-up the audits would always flag)."""
+        self._path_check_pending = False
+        reason = None
+        if not trained and any(p.grad is not None for _, p in self.params):
+            reason = (
+                "no reduce-scatter was signed: something replaced certckpt's reduce-scatter after the session"
+                " was created (call set_custom_reduce_scatter before creating it)"
+            )
+        else:
+            again = self._replay({"units": step["units"], "rngs": step["rngs"], "n": n}, trained)
+            if [d.as_list() for d in again] != [d.as_list() for d in trained]:
+                layers = sorted({d.layer for d, e in zip(again, trained) if d != e}) or ["*"]
+                reason = (
+                    f"the replay of the first step signs other local gradients than training did (layers {layers[:5]})"
+                )
+        refuse_together(
+            reason,
+            group=self.group,
+            wire_device=self.wire_device,
+            what="the replay check",
+            advice=(
+                "the replay calls loss_fn(model, unit) for each micro-batch given to begin_micro_batch and"
+                " back-propagates it divided by loss_divisor (default: the number of micro-batches); likely"
+                " causes: a loss_fn that is not what the loop computes, a loop that scales its loss otherwise"
+                " (pass before_update(loss_divisor=...)), nondeterministic kernels"
+                " (torch.use_deterministic_algorithms(True)), or randomness drawn outside torch"
+            ),
+        )
+
+    def _replay_audit(self, s: int, step: dict[str, Any], trained: list[LayerDigest], n: int) -> bool:
+        """Every rank replays its predecessor's micro-batches; returns whether the update may be applied."""
+        payload = {"units": step["units"], "rngs": step["rngs"], "n": n}
+        prev = RingShift(payload, group=self.group, wire_device=self.wire_device, out_device=self.device).finish()
+        replayed = self._replay(prev, trained)
+        docs = self._gather_digests(trained, replayed)
+        trained_all, replayed_all = [d[0] for d in docs], [d[1] for d in docs]
+        result = compare_ring(trained_all, replayed_all)
+        details = {"comparisons": self.world, "layers": len(trained), "micro_batches": len(step["units"])}
+        if result.passed:
+            self._event("replay", "pass", step=s, mode="deterministic", **details)
+            return True
+        # A replay can only be trusted between replicas holding the same weights: check them first.
+        if not self.weight_consensus(found_by="replay precondition").agreed:
+            self._drop_grads()
+            return False
+        arbitration: dict[tuple[int, int], str] = {}
+        if arbitrate_needed := bool(arbitration_plan(self.world, result.failed)):
+            # two hops round the ring: the rank after each replayer recomputes the origin's micro-batches
+            prev2 = RingShift(prev, group=self.group, wire_device=self.wire_device, out_device=self.device).finish()
+            arbiters = [d[0] for d in self._gather_digests(self._replay(prev2, trained))]
+            arbitration = arbitrate(self.world, result.failed, trained_all, replayed_all, arbiters)
+        verdict = attribute_replay(self.world, result.failed, arbitration)
+        ev = self._event(
+            "replay",
+            "fail",
+            step=s,
+            suspects=verdict.suspects,
+            mode="deterministic",
+            **details,
+            failed=[{"origin": o, "replayer": r} for o, r in result.failed],
+            mismatched=result.mismatched,
+            arbitration={f"{o}->{r}": v for (o, r), v in arbitration.items()},
+            arbitrated=arbitrate_needed,
+            notes=list(verdict.notes),
+        )
+        self._drop_grads()
+        who = f"rank(s) {list(verdict.suspects)}" if verdict.suspects else "no rank could be named"
+        self._fail(ev, f"replay audit failed ({who}); the update was not applied", policy=self.on_fault)
+        return False
+
     # --- the weight consensus -------------------------------------------------------------------
 
     def after_update(self) -> bool:
-        """Call on every rank after the optimizer step (or its refusal): counts the step and, every
-        ``consensus_every`` steps, runs the weight consensus. Returns False when the consensus failed
-        (policy ``on_fault="continue"``)."""
+        """Call on every rank after the optimizer step (or its refusal): counts the step and runs the
+        weight consensus at audit steps and every ``consensus_every`` steps. Returns False when the
+        consensus failed (policy ``on_fault="continue"``)."""
         self.step += 1
+        audited, self._audited = self._audited, None
+        if audited is not None and audited[0] == self.step:
+            agreed = self.weight_consensus().agreed
+            if audited[1]:
+                self._summarise_nonfinite(self.step)  # with the replay and the consensus: a full audit
+                if agreed:
+                    self.last_clean_audit = self.step
+            return agreed
         if self.step % self.consensus_every:
             return True
         return self.weight_consensus().agreed
 
-    def weight_consensus(self, state: dict[str, Any] | None = None, *, checkpoint: bool = False) -> ShardConsensus:
+    def weight_consensus(
+        self, state: dict[str, Any] | None = None, *, checkpoint: bool = False, found_by: str | None = None
+    ) -> ShardConsensus:
         """Compare every region of ``state`` (default ``state_fn()``) across the ranks that hold it
         (collective), compose the full-tensor and state fingerprints, and emit a ``consensus`` event
-        (with ``fp``, the state fingerprint a checkpoint's record must carry, when ``checkpoint``).
+        (with ``fp``, the state fingerprint a checkpoint's record must carry, when ``checkpoint``;
+        with ``found_by`` when it is another check's precondition, which the certifier skips).
 
         Raises:
             FaultDetectedError: replicas disagree and ``on_fault="raise"``.
@@ -387,6 +653,8 @@ class ShardedAuditSession:
             if checkpoint:
                 self._summarise_nonfinite(s)
             extra = {"fp": result.state_fp} if checkpoint else {"state_fp": result.state_fp}
+            if found_by:
+                extra["found_by"] = found_by
             self._event("consensus", "pass", step=s, **counts, **extra)
             return result
         note = None
@@ -402,6 +670,7 @@ class ShardedAuditSession:
             regions_disputed={k: {str(r): v for r, v in vals.items()} for k, vals in disputed.items()},
             candidates=list(result.candidates),
             note=note,
+            **({"found_by": found_by} if found_by else {}),
         )
         self._fail(
             ev,
@@ -437,9 +706,10 @@ class ShardedAuditSession:
         first = (self.last_checkpoint_step or 0) + 1
         lineage = {
             "world": self.world,
-            "mode": "sharded-consensus",
+            "mode": "sharded-replay" if self.loss_fn is not None else "sharded-consensus",
+            "audit_every": self.audit_every if self.loss_fn is not None else None,
             "audits": [{"step": st, "kind": k, "outcome": o} for st, k, o in self._events],
-            "last_clean_audit": None,
+            "last_clean_audit": self.last_clean_audit,
             "consensus": {"step": s, "fp": result.state_fp} if result.agreed else None,
         }
         self.flush()

@@ -1,0 +1,248 @@
+"""The ring replay audit under FSDP2 / HSDP: local gradients signed at each layer's reduce-scatter.
+
+Under FSDP a layer's local (unsharded, unreduced) gradient exists only between its backward and its
+reduce-scatter. FSDP2 lets a user replace that collective (``FSDPModule.set_custom_reduce_scatter``);
+its input is exactly the rank's local gradient of the layer's parameters, flattened, padded and laid
+out by destination shard, the same layout on every rank of the mesh. ``GradientRecorder`` installs a
+pass-through replacement that, when armed, takes the 32-bit audit digest (``digest.py``) of that input
+first: one digest per layer per reduce-scatter, in backward order.
+
+The replay is collective, because every layer's weights are all-gathered for it: on an audit step
+every rank replays its predecessor's micro-batches (they travel around the ring, as under DDP)
+through the same sharded model, with the step's weights (before the optimizer step). During the
+replay the recorder signs each layer's local gradient and *skips* the reduce-scatter (its output is
+zeros): no gradient moves, and the replay's sharded gradients, written into ``.grad`` slots emptied
+for it, are dropped afterwards, so the step's real gradients come back untouched and the update is
+bit-for-bit the one plain FSDP applies. A replayed layer digest equals the origin's training digest
+when both ranks computed correctly: same all-gathered weights, same data, same RNG state, same
+kernels (deterministic ones; the first step checks that). Comparison, attribution and arbitration
+then follow the DDP ring (``attribution.py``); an arbitration is one more collective replay, two
+hops round the ring, where the rank after each replayer recomputes the origin's micro-batches.
+
+Gradient accumulation: a step's micro-batches may reduce-scatter on every backward (FSDP2's default)
+or only on the last one (``set_requires_gradient_sync(False)`` before the others); the recorder
+notes which layers reduced after which micro-batch and the replay syncs the same way, so the
+accumulated input it signs is the one training reduced.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from .attribution import arbitration_plan, ring_pairs
+from .digest import digest
+
+try:  # the interface set_custom_reduce_scatter takes (documented there, defined in a private module)
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatterBase
+except ImportError:  # pragma: no cover - a torch that moved it: duck typing is all FSDP needs
+    _ReduceScatterBase = object  # type: ignore[assignment,misc]
+
+__all__ = [
+    "GradientRecorder",
+    "LayerDigest",
+    "ReplayComparison",
+    "arbitrate",
+    "compare_ring",
+    "shard_group_size",
+    "sync_pattern",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class LayerDigest:
+    """One reduce-scatter's input, signed: the micro-batch it followed, the layer, the digest."""
+
+    micro: int
+    layer: str
+    value: int
+
+    def as_list(self) -> list:
+        return [self.micro, self.layer, self.value]
+
+
+def shard_group_size(model: torch.nn.Module) -> int:
+    """How many ranks shard each parameter (the size of FSDP's reduce-scatter group); 0 without DTensors."""
+    for p in model.parameters():
+        if isinstance(p, DTensor):
+            mesh = p.device_mesh
+            return math.prod(mesh.size(i) for i, pl in enumerate(p.placements) if pl.is_shard())
+    return 0
+
+
+class _SigningReduceScatter(_ReduceScatterBase):
+    """FSDP's reduce-scatter of one module, with the recorder's digest taken first when armed."""
+
+    def __init__(self, layer: str, recorder: GradientRecorder, inner: Any):
+        self.layer, self.recorder, self.inner = layer, recorder, inner
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if self.inner is not None:
+            return self.inner.allocate(size, dtype=dtype, device=device)
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        rec = self.recorder
+        if rec.mode != "off":
+            rec.calls.append((rec.micro, self.layer, digest(input_tensor)))
+        if rec.mode == "replay":
+            output_tensor.zero_()  # nothing moves: the replay's gradients are dropped
+            return None
+        if self.inner is not None:
+            return self.inner(output_tensor, input_tensor, group, op, async_op)
+        return dist.reduce_scatter_single(output_tensor, input_tensor, group=group, op=op, async_op=async_op)
+
+
+def _current_reduce_scatter(module: Any) -> Any:
+    # A reduce-scatter the user installed before us keeps doing the communication. FSDP2 has no public
+    # getter; without one (or with several param groups) we fall back to the default collective.
+    try:
+        groups = module._get_fsdp_state()._fsdp_param_groups
+    except AttributeError:
+        return None
+    comm = getattr(groups[0], "_reduce_scatter_comm", None) if len(groups) == 1 else None
+    return None if type(comm).__name__ == "DefaultReduceScatter" else comm
+
+
+class GradientRecorder:
+    """Signs the input of every FSDP module's reduce-scatter while armed (see the module docstring).
+
+    ``mode``: ``"off"`` (pass through), ``"train"`` (sign, then reduce as usual) or ``"replay"`` (sign,
+    and skip the collective). ``micro`` is the index of the micro-batch whose backward runs.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        from torch.distributed.fsdp import FSDPModule
+
+        self.modules = [(name or "<root>", m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+        self.mode = "off"
+        self.micro = 0
+        self.calls: list[tuple[int, str, torch.Tensor]] = []
+        for name, m in self.modules:
+            m.set_custom_reduce_scatter(_SigningReduceScatter(name, self, _current_reduce_scatter(m)))
+
+    def arm(self, mode: str) -> None:
+        self.mode, self.micro, self.calls = mode, 0, []
+
+    def take(self) -> list[LayerDigest]:
+        """The digests signed since ``arm``, in call order (one host synchronisation), and disarm."""
+        calls, self.calls, self.mode = self.calls, [], "off"
+        if not calls:
+            return []
+        values = torch.stack([d for _, _, d in calls]).tolist()
+        return [LayerDigest(m, layer, int(v)) for (m, layer, _), v in zip(calls, values)]
+
+    def replay(
+        self,
+        model: torch.nn.Module,
+        loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
+        units: Sequence[Any],
+        rngs: Sequence[dict[str, torch.Tensor]],
+        *,
+        divisor: int,
+        pattern: dict[int, set[str]],
+        restore_rng: Callable[[dict[str, torch.Tensor]], None],
+    ) -> list[LayerDigest]:
+        """Recompute ``units`` through the sharded model, signing every layer's local gradient (collective).
+
+        ``.grad`` and the buffers are left as they were; no gradient is reduced. ``pattern``: per
+        micro-batch, the layers that reduce-scattered after it in training (the others accumulated
+        without sync), reproduced here so that the signed inputs are the ones training reduced.
+        """
+        params = list(model.parameters())
+        saved_grads = [p.grad for p in params]
+        saved_buffers = [b.detach().clone() for b in model.buffers()]
+        layers = {name for names in pattern.values() for name in names}
+        toggled = any(pattern.get(k, set()) != layers for k in range(len(units)))
+        by_name = dict(self.modules)
+        devices = [p.device for p in params[:1] if p.device.type == "cuda"]
+        for p in params:
+            p.grad = None
+        self.arm("replay")
+        try:
+            with torch.random.fork_rng(devices=devices):
+                for k, unit in enumerate(units):
+                    restore_rng(rngs[k])
+                    if toggled:
+                        for name in layers:
+                            by_name[name].set_requires_gradient_sync(name in pattern.get(k, set()), recurse=False)
+                    self.micro = k
+                    loss = loss_fn(model, unit)
+                    (loss / divisor if divisor > 1 else loss).backward()
+                    del loss
+            return self.take()
+        finally:
+            self.mode = "off"
+            if toggled:  # as the step's last micro-batch left them
+                last = pattern.get(len(units) - 1, set())
+                for name in layers:
+                    by_name[name].set_requires_gradient_sync(name in last, recurse=False)
+            for p, g in zip(params, saved_grads):
+                p.grad = g
+            with torch.no_grad():
+                for b, v in zip(model.buffers(), saved_buffers):
+                    b.copy_(v)
+
+
+def sync_pattern(calls: Sequence[LayerDigest]) -> dict[int, set[str]]:
+    """Per micro-batch, the layers that reduce-scattered after it."""
+    out: dict[int, set[str]] = {}
+    for c in calls:
+        out.setdefault(c.micro, set()).add(c.layer)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayComparison:
+    """The ring comparison of one audit: failed ``(origin, replayer)`` pairs and, per pair, the
+    layers whose digests differ (``"*"``: the sequences do not even line up)."""
+
+    failed: tuple[tuple[int, int], ...]
+    mismatched: dict[str, list[str]]
+
+    @property
+    def passed(self) -> bool:
+        return not self.failed
+
+
+def _differing(a: Sequence[Sequence], b: Sequence[Sequence]) -> list[str]:
+    if [x[:2] for x in a] != [y[:2] for y in b]:
+        return ["*"]
+    return list(dict.fromkeys(x[1] for x, y in zip(a, b) if x[2] != y[2]))
+
+
+def compare_ring(trained: Sequence[Sequence[Sequence]], replayed: Sequence[Sequence[Sequence]]) -> ReplayComparison:
+    """Compare every replayer's replay with its origin's training digests (pure: lists per rank)."""
+    failed, mismatched = [], {}
+    for origin, replayer in ring_pairs(len(trained)):
+        diff = _differing(replayed[replayer], trained[origin])
+        if diff:
+            failed.append((origin, replayer))
+            mismatched[f"{origin}->{replayer}"] = diff[:10]
+    return ReplayComparison(tuple(failed), mismatched)
+
+
+def arbitrate(
+    world: int,
+    failed: Sequence[tuple[int, int]],
+    trained: Sequence[Sequence[Sequence]],
+    replayed: Sequence[Sequence[Sequence]],
+    arbiters: Sequence[Sequence[Sequence]],
+) -> dict[tuple[int, int], str]:
+    """What each arbiter's replay (``arbiters[a]``: rank a's replay of rank a - 2) agreed with."""
+    results = {}
+    for origin, replayer, arbiter in arbitration_plan(world, failed):
+        arb = arbiters[arbiter]
+        if not _differing(arb, trained[origin]):
+            results[(origin, replayer)] = "origin"
+        elif not _differing(arb, replayed[replayer]):
+            results[(origin, replayer)] = "replayer"
+        else:
+            results[(origin, replayer)] = "neither"
+    return results
