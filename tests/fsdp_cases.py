@@ -216,3 +216,51 @@ def forgotten_begin(args):
     except ConfigurationError as e:
         return {"error": str(e)}
     return {"error": None}
+
+
+class _PassThroughReduceScatter:
+    """What a user's own reduce-scatter looks like to FSDP: allocate and call (counted)."""
+
+    calls = 0
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        _PassThroughReduceScatter.calls += 1
+        return dist.reduce_scatter_single(output_tensor, input_tensor, group=group, op=op, async_op=async_op)
+
+
+def _install_own_reduce_scatter(m):
+    from torch.distributed.fsdp import FSDPModule
+
+    for mod in m.modules():
+        if isinstance(mod, FSDPModule):
+            mod.set_custom_reduce_scatter(_PassThroughReduceScatter())
+
+
+def replaced_reduce_scatter(args):
+    """The user's own reduce-scatter, installed before the session (it keeps communicating, and the
+    audits pass) or after it (the next audit refuses instead of comparing two empty lists)."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    m = _shard(_model(0), mesh)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    if args["when"] == "before":
+        _install_own_reduce_scatter(m)
+    session = ShardedAuditSession(m, opt, loss_fn=_loss, audit_every=2)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    for step in (1, 2):
+        if step == 2 and args["when"] == "after":
+            _install_own_reduce_scatter(m)
+        x = torch.randn(4, 12, generator=g)
+        session.begin_micro_batch(x)
+        _loss(m, x).backward()
+        try:
+            session.before_update()
+        except AuditSetupError as e:
+            return {"step": step, "error": str(e)}
+        opt.step()
+        session.after_update()
+        opt.zero_grad(set_to_none=True)
+    replays = [e.outcome for e in session.sink.events if e.kind == "replay"]
+    return {"step": None, "error": None, "own_calls": _PassThroughReduceScatter.calls, "replays": replays}

@@ -111,11 +111,15 @@ def test_a_replay_that_cannot_reproduce_training_is_refused_at_the_first_step(tm
 
 
 @pytest.mark.slow
-def test_a_shard_dimension_of_one_and_a_loop_without_begin_micro_batch_are_refused(tmp_path):
+def test_a_shard_dimension_of_one_a_loop_without_begin_micro_batch_and_a_replaced_reduce_scatter_are_refused(tmp_path):
     out, _ = _run(tmp_path, mesh=[4, 1], audit_every=2, steps=1)
     assert all("not sharded over 2 or more ranks" in r["setup_error"] for r in out)
     out, _ = _run(tmp_path, world=2, target="fsdp_cases:forgotten_begin")
     assert all("call session.begin_micro_batch(unit) before each micro-batch" in r["error"] for r in out)
+    out, _ = _run(tmp_path, world=2, target="fsdp_cases:replaced_reduce_scatter", when="after")
+    for r in out:  # an audit with nothing signed would compare two empty lists and pass: refused
+        assert r["step"] == 2 and "the replay audit refused on every rank" in r["error"]
+        assert "no reduce-scatter was signed" in r["error"]
 
 
 # --- pure functions -------------------------------------------------------------------------------
@@ -149,3 +153,11 @@ def test_arbitrate_says_which_side_the_third_rank_agrees_with():
 def test_sync_pattern_lists_the_layers_that_reduced_after_each_micro_batch():
     calls = [LayerDigest(0, "2", 1), LayerDigest(2, "2", 5), LayerDigest(2, "0", 6)]
     assert sync_pattern(calls) == {0: {"2"}, 2: {"2", "0"}}
+
+
+@pytest.mark.slow
+def test_a_reduce_scatter_the_user_installed_before_the_session_keeps_communicating(tmp_path):
+    out, _ = _run(tmp_path, world=2, target="fsdp_cases:replaced_reduce_scatter", when="before")
+    for r in out:  # 2 layers x 2 steps through the user's collective (the replays communicate nothing)
+        assert r["error"] is None and r["own_calls"] == 4
+    assert out[0]["replays"] == ["pass"]  # rank 0 publishes the events

@@ -276,6 +276,7 @@ class ShardedAuditSession:
         elif loss_fn is not None:
             problem = _replay_problem(model, loss_fn, audit_every)
         self.loss_fn, self.audit_every = loss_fn, audit_every
+        self._not_replayed = [n for n, p in self.params if not isinstance(p, DTensor)]
         self._recorder: GradientRecorder | None = None
         if problem is None and loss_fn is not None:
             try:
@@ -507,13 +508,8 @@ class ShardedAuditSession:
         must sign exactly what training reduce-scattered; else every rank refuses together (a
         set-up the audits would always flag)."""
         self._path_check_pending = False
-        reason = None
-        if not trained and any(p.grad is not None for _, p in self.params):
-            reason = (
-                "no reduce-scatter was signed: something replaced certckpt's reduce-scatter after the session"
-                " was created (call set_custom_reduce_scatter before creating it)"
-            )
-        else:
+        reason = self._unsigned_problem(trained)
+        if reason is None:
             again = self._replay({"units": step["units"], "rngs": step["rngs"], "n": n}, trained)
             if [d.as_list() for d in again] != [d.as_list() for d in trained]:
                 layers = sorted({d.layer for d, e in zip(again, trained) if d != e}) or ["*"]
@@ -534,8 +530,21 @@ class ShardedAuditSession:
             ),
         )
 
+    def _unsigned_problem(self, trained: list[LayerDigest]) -> str | None:
+        # Gradients were reduced but nothing signed them: an audit would compare two empty lists and pass.
+        if trained or not any(p.grad is not None and isinstance(p, DTensor) for _, p in self.params):
+            return None
+        return (
+            "no reduce-scatter was signed: something replaced certckpt's reduce-scatter after the session was"
+            " created (FSDPModule.set_custom_reduce_scatter, set_symm_mem_for_comm, ...); set those up before"
+            " creating the session, which then signs around them"
+        )
+
     def _replay_audit(self, s: int, step: dict[str, Any], trained: list[LayerDigest], n: int) -> bool:
         """Every rank replays its predecessor's micro-batches; returns whether the update may be applied."""
+        refuse_together(
+            self._unsigned_problem(trained), group=self.group, wire_device=self.wire_device, what="the replay audit"
+        )
         payload = {"units": step["units"], "rngs": step["rngs"], "n": n}
         prev = RingShift(payload, group=self.group, wire_device=self.wire_device, out_device=self.device).finish()
         replayed = self._replay(prev, trained)
@@ -543,6 +552,8 @@ class ShardedAuditSession:
         trained_all, replayed_all = [d[0] for d in docs], [d[1] for d in docs]
         result = compare_ring(trained_all, replayed_all)
         details = {"comparisons": self.world, "layers": len(trained), "micro_batches": len(step["units"])}
+        if self._not_replayed:
+            details["params_not_replayed"] = self._not_replayed[:20]  # not fully_shard-ed: FSDP never reduces them
         if result.passed:
             self._event("replay", "pass", step=s, mode="deterministic", **details)
             return True
