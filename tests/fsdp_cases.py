@@ -22,9 +22,10 @@ from certckpt.detect.sharded import ShardedAuditSession
 from certckpt.errors import AuditSetupError, ConfigurationError, FaultDetectedError
 
 
-def _model(seed: int) -> torch.nn.Module:
+def _model(seed: int, *, dropout: float = 0.0) -> torch.nn.Module:
     torch.manual_seed(seed)
-    m = torch.nn.Sequential(torch.nn.Linear(12, 34), torch.nn.GELU(), torch.nn.Linear(34, 5))
+    act = torch.nn.Sequential(torch.nn.GELU(), torch.nn.Dropout(dropout)) if dropout else torch.nn.GELU()
+    m = torch.nn.Sequential(torch.nn.Linear(12, 34), act, torch.nn.Linear(34, 5))
     m.register_buffer("scale", torch.linspace(0, 1, 7))
     return m
 
@@ -133,7 +134,8 @@ def replay_audit(args):
     rank = dist.get_rank()
     names = ("replicate", "shard")[-len(args["mesh"]) :]
     mesh = init_device_mesh("cpu", tuple(args["mesh"]), mesh_dim_names=names)
-    m, plain = _shard(_model(0), mesh), _shard(_model(0), mesh)
+    dropout = args.get("dropout", 0.0)
+    m, plain = _shard(_model(0, dropout=dropout), mesh), _shard(_model(0, dropout=dropout), mesh)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
     plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
     fault = args.get("fault") or {}
@@ -164,11 +166,14 @@ def replay_audit(args):
                 m.set_requires_gradient_sync(k == micro - 1)
                 plain.set_requires_gradient_sync(k == micro - 1)
             session.begin_micro_batch(u)
+            rng = torch.get_rng_state()  # the plain copy draws the same dropout masks
             loss = _loss(m, u)
             if fault.get("kind") == "transient" and step == fault["step"] and rank == fault["rank"]:
                 loss = loss * (1 + 1e-3)  # one wrong computation in training only
             (loss / micro if micro > 1 else loss).backward()
-            plain_loss = _loss(plain, u)
+            with torch.random.fork_rng():
+                torch.set_rng_state(rng)
+                plain_loss = _loss(plain, u)
             (plain_loss / micro if micro > 1 else plain_loss).backward()
         try:
             applied = session.before_update()

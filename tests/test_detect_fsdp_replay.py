@@ -38,12 +38,13 @@ def _of(events, kind, outcome=None):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "mesh,micro,nosync",
-    [([2, 2], 2, True), ([4], 3, False)],
-    ids=["hsdp-2x2-accumulate-without-sync", "fsdp-4-sync-every-micro-batch"],
+    "mesh,micro,nosync,dropout",
+    [([2, 2], 2, True, 0.0), ([4], 3, False, 0.3)],
+    ids=["hsdp-2x2-accumulate-without-sync", "fsdp-4-sync-every-micro-batch-dropout"],
 )
-def test_audited_run_is_plain_fsdp_bit_for_bit_and_its_checkpoints_are_trusted(tmp_path, mesh, micro, nosync):
-    out, events = _run(tmp_path, mesh=mesh, micro=micro, nosync=nosync, audit_every=2, steps=6, ckpt_steps=[2, 3, 4])
+def test_audited_run_is_plain_fsdp_bit_for_bit_and_its_checkpoints_are_trusted(tmp_path, mesh, micro, nosync, dropout):
+    args = {"mesh": mesh, "micro": micro, "nosync": nosync, "dropout": dropout}
+    out, events = _run(tmp_path, **args, audit_every=2, steps=6, ckpt_steps=[2, 3, 4])
     for r in out:
         assert [s["applied"] and s["agreed"] and s["as_plain"] for s in r["steps"]] == [True] * 6
     replays = _of(events, "replay")
