@@ -56,6 +56,16 @@ def _tables32(device: torch.device) -> _Tables32:
 
 
 def _digest_words(words: torch.Tensor) -> torch.Tensor:
+    if words.device.type == "cuda":
+        from certckpt.format import fused
+
+        if fused.digest_ready(words.device, digest_words_eager):
+            return fused.digest_fused(words)
+    return digest_words_eager(words)
+
+
+def digest_words_eager(words: torch.Tensor) -> torch.Tensor:
+    """S32 of int32 words with torch ops (the reference the fused CUDA kernel is checked against)."""
     tabs = _tables32(words.device)
     c_words = FP_CHUNK_WORDS
     n = words.numel()

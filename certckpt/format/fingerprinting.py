@@ -73,7 +73,7 @@ def _signed(x: int) -> int:
     return x - (1 << 64) if x >= 1 << 63 else x
 
 
-def _torch_splitmix64(x: torch.Tensor) -> torch.Tensor:
+def torch_splitmix64(x: torch.Tensor) -> torch.Tensor:
     # int64 arithmetic wraps mod 2**64; `>>` is arithmetic on int64, so mask to make it logical.
     def lsr(z: torch.Tensor, k: int) -> torch.Tensor:
         return (z >> k) & ((1 << (64 - k)) - 1)
@@ -89,7 +89,7 @@ class FingerprintTables:
 
     def __init__(self, device: torch.device):
         j = torch.arange(FP_CHUNK_WORDS, dtype=torch.int64)
-        t = _torch_splitmix64(j ^ SEED_T) | 1
+        t = torch_splitmix64(j ^ SEED_T) | 1
         # Guard against a torch build whose int64 ops do not wrap: spot-check against Python ints.
         for idx in (0, 1, 12345, FP_CHUNK_WORDS - 1):
             if int(t[idx]) != _signed(splitmix64(idx ^ SEED_T) | 1):
@@ -209,7 +209,18 @@ def raw_sum(words: torch.Tensor, first_chunk: int = 0) -> torch.Tensor:
 
     ``words`` may be a piece of a longer word sequence that starts at chunk ``first_chunk`` (word
     index ``first_chunk * FP_CHUNK_WORDS``); the pieces' sums add up to the whole sequence's S.
+    On CUDA with Triton, one fused kernel (``fused.py``, checked against this eager path at first use).
     """
+    if words.device.type == "cuda":
+        from . import fused
+
+        if fused.ready(words.device):
+            return fused.raw_sum_fused(words, first_chunk)
+    return raw_sum_eager(words, first_chunk)
+
+
+def raw_sum_eager(words: torch.Tensor, first_chunk: int = 0) -> torch.Tensor:
+    """``raw_sum`` with torch ops in blocks of chunks (the reference every other path must match)."""
     tabs = tables_for(words.device)
     n = words.numel()
     c_words = FP_CHUNK_WORDS

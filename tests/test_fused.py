@@ -1,0 +1,94 @@
+"""The fused fingerprint and audit-digest kernels (certckpt/format/fused.py, Triton, for CUDA).
+
+Without a GPU their arithmetic is checked through Triton's interpreter (``TRITON_INTERPRET=1``, in a
+subprocess: the variable is read when the kernels are defined): the same bits as the eager paths for
+lengths around every boundary (a word, a program's columns, a chunk, many chunks per program), at a
+chunk offset (streamed pieces), for both sums; a kernel that disagrees is refused by the first-use
+check with a warning. The CPU paths never import Triton. On CUDA (skipped without): the dispatch
+serves CUDA tensors and agrees with the CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+INTERPRETED = textwrap.dedent(
+    """
+    import json, warnings
+    import torch
+    from certckpt.format import fused
+    from certckpt.format.fingerprinting import FP_CHUNK_WORDS as C, raw_sum_eager
+    from certckpt.detect.digest import digest_words_eager
+
+    g = torch.Generator().manual_seed(7)
+    out = {"cases": 0, "bad": []}
+    for n in [1, 3, 1023, 1024, 1025, C - 1, C, C + 1, 3 * C + 1234, 70 * C + 5]:
+        w = torch.randint(-(2**31), 2**31, (n,), dtype=torch.int32, generator=g)
+        for first in (0, 7):
+            out["cases"] += 1
+            if int(fused.raw_sum_fused(w, first)) != int(raw_sum_eager(w, first)):
+                out["bad"].append(["fingerprint", n, first])
+        out["cases"] += 1
+        if int(fused.digest_fused(w)) != int(digest_words_eager(w)):
+            out["bad"].append(["digest", n])
+    cpu = torch.device("cpu")
+    out["self_check"] = fused.self_check(cpu)
+    out["ready_cpu"] = fused.ready(cpu)  # CPU tensors never take the kernels outside this test
+    fused.raw_sum_fused = lambda w, first=0: raw_sum_eager(w, first) + 1  # a miscompiled kernel
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out["broken_check"] = fused.self_check(cpu)
+    out["warning"] = [str(c.message) for c in caught]
+    print(json.dumps(out))
+    """
+)
+
+
+@pytest.mark.slow
+def test_fused_kernels_compute_the_specified_bits_in_tritons_interpreter():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["cases"] == 30 and out["bad"] == []
+    assert out["self_check"] is True and out["ready_cpu"] is False
+    assert out["broken_check"] is False
+    assert any("fused fingerprint kernel off on cpu" in w and "disagrees" in w for w in out["warning"])
+
+
+def test_cpu_fingerprints_and_digests_never_import_triton():
+    code = (
+        "import sys, torch, certckpt\n"
+        "from certckpt.detect.digest import digest\n"
+        "certckpt.fingerprint(torch.arange(100000.0)); digest(torch.arange(10.0))\n"
+        "print('triton' in sys.modules, 'certckpt.format.fused' in sys.modules)"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["False", "False"]
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@needs_cuda
+def test_cuda_tensors_take_the_fused_kernels_and_agree_with_the_cpu():
+    pytest.importorskip("triton")
+    from certckpt.detect.digest import digest
+    from certckpt.format import fused
+    from certckpt.format.fingerprinting import fingerprint
+
+    dev = torch.device("cuda")
+    assert fused.ready(dev)
+    g = torch.Generator().manual_seed(3)
+    for n in (1, 65535, 65537, 5 * 65536 + 3, 300 * 65536):
+        t = torch.randn(n, generator=g)
+        assert fingerprint(t.to(dev)) == fingerprint(t)
+        assert int(digest(t.to(dev))) == int(digest(t))
