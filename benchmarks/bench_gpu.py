@@ -5,8 +5,11 @@ Measures, side by side in one run, and writes a text report and JSON under ``--o
 
 1. agreement: certckpt fingerprints of the same tensors on the CPU and on the GPU (dtypes x shapes x
    non-contiguous views), every case must agree bit for bit;
-2. fingerprint throughput on the GPU (eager) against a plain ``sum`` reading the same tensor, and
-   ``fingerprint_state`` over many mid-sized bf16 tensors;
+2. fingerprint and audit-digest throughput on the GPU, the fused Triton kernels
+   (``certckpt/format/fused.py``, what ``certckpt.fingerprint`` uses on CUDA once its first-use check
+   passed) and the eager torch path, against a plain ``sum`` reading the same tensor (64 MiB and
+   ``--fp-gib``), and ``fingerprint_state`` over many 32 MiB bf16 tensors; targets (issue 15): fused
+   >= 50 % of the read bandwidth from 64 MiB up, ``fingerprint_state`` >= 25 %;
 3. saving a CUDA state: ``certckpt.save`` vs ``torch.save`` vs ``safetensors.torch.save_file``
    (all fsync'd), ratios;
 4. loading to the GPU: ``certckpt.load(map_location="cuda")`` (plain and ``mmap=True``) vs
@@ -57,6 +60,8 @@ def _med(xs: list[float]) -> float:
 
 
 def agreement(device: torch.device) -> dict:
+    from certckpt.detect.digest import digest
+
     cases = ok = 0
     bad = []
     g = torch.Generator().manual_seed(0)
@@ -66,31 +71,51 @@ def agreement(device: torch.device) -> dict:
             t = base.to(dtype) if dtype is not torch.bool else base > 0
             views = [t] + ([t.t()] if t.dim() == 2 else []) + ([t[::2]] if t.numel() > 1 else [])
             for v in views:
-                cases += 1
+                cases += 2
                 a, b = certckpt.fingerprint(v), certckpt.fingerprint(v.to(device))
-                if a == b:
-                    ok += 1
-                else:
-                    bad.append(f"{dtype} {tuple(v.shape)} stride {v.stride()}")
+                da, db = int(digest(v)), int(digest(v.to(device)))
+                ok += (a == b) + (da == db)
+                if a != b:
+                    bad.append(f"fingerprint {dtype} {tuple(v.shape)} stride {v.stride()}")
+                if da != db:
+                    bad.append(f"digest {dtype} {tuple(v.shape)} stride {v.stride()}")
     return {"cases": cases, "agree": ok, "disagree": bad[:10]}
 
 
+def _speeds(t: torch.Tensor, device: torch.device, trials: int) -> dict:
+    from certckpt.detect.digest import digest, digest_words_eager
+    from certckpt.format.fingerprinting import as_words, raw_sum_eager
+
+    nbytes = t.numel() * t.element_size()
+    words = as_words(t)
+    timings = {
+        "sum": _timed(lambda: t.sum(), device, trials),
+        "fingerprint": _timed(lambda: certckpt.fingerprint(t), device, trials),  # fused where ready
+        "fingerprint_eager": _timed(lambda: int(raw_sum_eager(words)), device, trials),
+        "digest": _timed(lambda: int(digest(t)), device, trials),
+        "digest_eager": _timed(lambda: int(digest_words_eager(words)), device, trials),
+    }
+    gbps = {k: nbytes / _med(v) / 1e9 for k, v in timings.items()}
+    return {"bytes": nbytes, "GBps": gbps, "fraction_of_sum": {k: v / gbps["sum"] for k, v in gbps.items()}}
+
+
 def fingerprint_speed(device: torch.device, gib: float, trials: int) -> dict:
-    n = int(gib * (1 << 30)) // 4
-    t = torch.randn(n, device=device)
-    fp = _timed(lambda: certckpt.fingerprint(t), device, trials)
-    sm = _timed(lambda: t.sum(), device, trials)
+    from certckpt.format import fused
+
+    out = {"fused_active": fused.ready(device), "digest_fused_active": None}
+    sizes = sorted({64 << 20, int(gib * (1 << 30))})
+    out["sizes"] = [_speeds(torch.randn(n // 4, device=device), device, trials) for n in sizes]
     many = [torch.randn(16 << 20, device=device, dtype=torch.bfloat16) for _ in range(max(4, int(gib * 24)))]
     nbytes_many = sum(x.numel() * x.element_size() for x in many)
     st = _timed(lambda: certckpt.fingerprint_state({str(i): x for i, x in enumerate(many)}), device, trials)
-    return {
-        "bytes": n * 4,
-        "fingerprint_GBps": n * 4 / _med(fp) / 1e9,
-        "sum_GBps": n * 4 / _med(sm) / 1e9,
-        "fraction_of_sum": _med(sm) / _med(fp),
-        "fingerprint_state_GBps": nbytes_many / _med(st) / 1e9,
-        "fingerprint_state_tensors": len(many),
-    }
+    sm = _timed(lambda: [x.sum() for x in many], device, trials)
+    out["fingerprint_state_GBps"] = nbytes_many / _med(st) / 1e9
+    out["fingerprint_state_fraction_of_sum"] = _med(sm) / _med(st)
+    out["fingerprint_state_tensors"] = len(many)
+    from certckpt.detect.digest import digest_words_eager
+
+    out["digest_fused_active"] = fused.digest_ready(device, digest_words_eager)
+    return out
 
 
 def _state(device: torch.device, gib: float) -> dict[str, torch.Tensor]:
@@ -184,11 +209,20 @@ def main(argv: list[str] | None = None) -> int:
     with open(os.path.join(args.out, "bench_gpu.json"), "w") as fh:
         json.dump(report, fh, indent=2)
     a, f, s = report["agreement"], report["fingerprint"], report["save_load"]
-    fp_line = (
-        f"fingerprint {f['bytes'] / 2**30:.1f} GiB fp32: {f['fingerprint_GBps']:.1f} GB/s; "
-        f"sum {f['sum_GBps']:.1f} GB/s ({100 * f['fraction_of_sum']:.1f} % of read bandwidth); "
-        f"fingerprint_state of {f['fingerprint_state_tensors']} bf16 tensors {f['fingerprint_state_GBps']:.1f} GB/s"
+    fp_lines = [f"fused kernels active: fingerprint {f['fused_active']}, digest {f['digest_fused_active']}"]
+    for size in f["sizes"]:
+        g, fr = size["GBps"], size["fraction_of_sum"]
+        fp_lines.append(
+            f"{size['bytes'] / 2**20:.0f} MiB fp32: sum {g['sum']:.1f} GB/s; "
+            + ", ".join(f"{k} {g[k]:.1f} GB/s ({100 * fr[k]:.1f} %)" for k in g if k != "sum")
+            + f"  [target fused >= 50 %: {'met' if fr['fingerprint'] >= 0.5 and fr['digest'] >= 0.5 else 'MISSED'}]"
+        )
+    fp_lines.append(
+        f"fingerprint_state of {f['fingerprint_state_tensors']} bf16 32 MiB tensors: {f['fingerprint_state_GBps']:.1f}"
+        f" GB/s ({100 * f['fingerprint_state_fraction_of_sum']:.1f} % of their sums' bandwidth)"
+        f"  [target >= 25 %: {'met' if f['fingerprint_state_fraction_of_sum'] >= 0.25 else 'MISSED'}]"
     )
+    fp_line = "\n".join(fp_lines)
     save_line = (
         f"save {s['bytes'] / 1e9:.2f} GB: "
         + ", ".join(f"{k} {v:.2f} s" for k, v in s["save_s"].items())
@@ -202,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     lines = [
         f"bench_gpu on {report['device']} (torch {report['torch']}, certckpt {report['certckpt']})",
-        f"agreement CPU/GPU fingerprints: {a['agree']} of {a['cases']}"
+        f"agreement CPU/GPU fingerprints and digests: {a['agree']} of {a['cases']}"
         + (f"  DISAGREE: {a['disagree']}" if a["disagree"] else ""),
         fp_line,
         save_line,
