@@ -19,6 +19,7 @@ from certckpt.errors import ConfigurationError, CorruptCheckpointError
 from .header import TensorEntry
 from .record import check_header
 from .skeleton import check_map_location, rebuild
+from .staging import read_to_device
 from .storage import open_read, resolve
 from .tensors import ST_TO_TORCH, host_bytes
 from .verify import CheckpointInfo, digest_problem, read_checkpoint_header, read_tensor
@@ -116,6 +117,11 @@ def load(
             problem = check_header(info.header, info.record)
             if problem:
                 raise CorruptCheckpointError(f"{target.display}: {problem}")
+        device = staging_device(map_location, mmap=bool(mmap))
+        if device is not None:  # straight to the GPU through pinned buffers, every digest checked
+            expected = {e.name: info.record.tensors[e.name]["xxh3"] for e in info.header.entries} if verify else None
+            tensors = read_to_device(fh, info.header.entries, device, expected=expected, source=target.display)
+            return _rebuild(info, tensors, map_location, target.display)
         storage = None
         if mmap and info.header.data_length:
             storage = torch.UntypedStorage.from_file(os.path.abspath(target.local), False, size)
@@ -135,7 +141,22 @@ def load(
                     raise CorruptCheckpointError(f"{target.display}: {digest_problem(e, expected, found)}")
             del view
             tensors[e.name] = t
+    return _rebuild(info, tensors, map_location, target.display)
+
+
+def staging_device(map_location: Any, *, mmap: bool) -> torch.device | None:
+    """The CUDA device every tensor goes to when ``map_location`` names one (str or torch.device) and
+    the file is read rather than mapped: those loads take ``staging.read_to_device``."""
+    if mmap or not isinstance(map_location, (str, torch.device)):
+        return None
+    device = torch.device(map_location)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None  # (a missing device gets the regular path's DeviceUnavailableError)
+    return device if device.index is None or device.index < torch.cuda.device_count() else None
+
+
+def _rebuild(info: CheckpointInfo, tensors: dict[str, torch.Tensor], map_location: Any, display: str) -> Any:
     try:
         return rebuild(info.record.skeleton, tensors, map_location=map_location)
     except CorruptCheckpointError as e:
-        raise CorruptCheckpointError(f"{target.display}: {e}") from e
+        raise CorruptCheckpointError(f"{display}: {e}") from e

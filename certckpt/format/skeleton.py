@@ -428,10 +428,17 @@ class _Rebuilder:
         return t
 
     def cpu_tensor(self, leaf: Any) -> torch.Tensor:
-        """A numpy array's tensor: always on the CPU, whatever map_location says."""
+        """A numpy array's tensor: always on the CPU, whatever map_location says (a loader that read
+        every entry straight to a device hands it back here)."""
         if not isinstance(leaf, dict) or not isinstance(leaf.get("e"), str):
             raise _bad("tensor leaf without an entry name")
-        return self._view(leaf, self._source(leaf["e"]))
+        src = self._source(leaf["e"])
+        if src.device.type != "cpu":
+            key = (leaf["e"], "numpy:cpu")
+            if key not in self._moved:
+                self._moved[key] = src.cpu()
+            src = self._moved[key]
+        return self._view(leaf, src)
 
     def items(self, val: Any, depth: int) -> list[tuple[Any, Any]]:
         # A key is a JSON string, or a node (int, float, bool, None, tuple...: files before the

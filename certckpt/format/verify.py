@@ -168,7 +168,7 @@ def digest_problem(e: TensorEntry, expected: str, found: str) -> str:
     )
 
 
-def _truncated(source: str, e: TensorEntry, left: int) -> str:
+def truncated_problem(source: str, e: TensorEntry, left: int) -> str:
     return f"{source}: truncated: tensor `{printable(e.name)}` ends {left} bytes early"
 
 
@@ -191,7 +191,7 @@ def read_tensor(fh: IO[bytes], e: TensorEntry, source: str):
     while got < e.nbytes:
         n = fh.readinto(view[got:])
         if not n:
-            raise CorruptCheckpointError(_truncated(source, e, e.nbytes - got))
+            raise CorruptCheckpointError(truncated_problem(source, e, e.nbytes - got))
         got += n
     return t, view
 
@@ -208,7 +208,7 @@ def _check_data(
         while left:
             n = fh.readinto(mv[: min(left, len(buf))])
             if not n:
-                report.fail("truncated", _truncated(info.source, e, left), e.name)
+                report.fail("truncated", truncated_problem(info.source, e, left), e.name)
                 return
             h.update(mv[:n])
             if data_hash is not None:
@@ -257,7 +257,7 @@ def _check_deep(
             want = min(left, len(mv))
             n = _fill(fh, mv[:want])
             if n < want:
-                report.fail("truncated", _truncated(info.source, e, left - n), e.name)
+                report.fail("truncated", truncated_problem(info.source, e, left - n), e.name)
                 return
             h.update(mv[:n])
             if data_hash is not None:
