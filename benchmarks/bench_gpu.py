@@ -14,7 +14,12 @@ Measures, side by side in one run, and writes a text report and JSON under ``--o
    (all fsync'd), ratios;
 4. loading to the GPU: ``certckpt.load(map_location="cuda")`` (plain and ``mmap=True``) vs
    ``torch.load(map_location="cuda", weights_only=True)`` vs ``safetensors.torch.load_file(device=
-   "cuda")``, ratios.
+   "cuda")``, ratios (target: plain <= 1.3x safetensors);
+5. the fault drill on CUDA: ``certckpt drill faults --device cuda`` (12 cases, 3 gloo ranks sharing
+   the GPU), how many behaved as designed, then ``certckpt status --verify-bytes`` of one case's run
+   store and ``verify --deep`` of its checkpoints (fingerprints computed on the GPU);
+6. the per-step checks on CUDA: ``certckpt envelope --quick --backend nccl --device cuda --ranks 1``
+   (plain DDP against the auditor, premium per K beside the replay floor), its table as printed.
 
 Usage on the device machine (one call, a timeout that leaves room for a rerun)::
 
@@ -179,6 +184,61 @@ def save_and_load(device: torch.device, gib: float, trials: int, directory: str)
     }
 
 
+def gpu_drill(directory: str) -> dict:
+    import subprocess
+
+    from certckpt.detect.drill import run_matrix
+
+    t0 = time.perf_counter()
+    m = run_matrix(ranks=3, audit_every=10, ckpt_every=5, directory=directory, device="cuda")
+    elapsed = time.perf_counter() - t0
+    designed = [
+        (c["caught_by"], c["detected_step"]) == (c["expected"]["caught_by"], c["expected"]["detected_step"])
+        and (c["caught_by"] is None or c["suspect_ranks"] == [c["rank"]])
+        for c in m["cases"]
+    ]
+    rows = [
+        f"{c['fault']}/{c['timing']}: caught by {c['caught_by'] or 'ESCAPED'} at {c['detected_step']}"
+        f" naming {c['suspect_ranks']} ({'as designed' if ok else 'NOT as designed'})"
+        for c, ok in zip(m["cases"], designed)
+    ]
+    store = os.path.join(directory, "post-optimizer-persistent")
+    status = subprocess.run(
+        [sys.executable, "-m", "certckpt_cli.main", "status", store, "--verify-bytes"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    files = sorted(f for f in os.listdir(store) if f.endswith(".safetensors"))
+    deep = {f: certckpt.verify(os.path.join(store, f), deep=True).ok for f in files}
+    return {
+        "seconds": elapsed,
+        "cases": len(designed),
+        "as_designed": sum(designed),
+        "rows": rows,
+        "status_exit": status.returncode,
+        "status": status.stdout[-3000:],
+        "verify_deep": deep,
+    }
+
+
+def envelope_nccl(timeout: int) -> dict:
+    import subprocess
+
+    cmd = ["certckpt", "envelope", "--quick", "--backend", "nccl", "--device", "cuda", "--ranks", "1"]
+    t0 = time.perf_counter()
+    run = subprocess.run(
+        [sys.executable, "-m", "certckpt_cli.main", *cmd[1:]], capture_output=True, text=True, timeout=timeout
+    )
+    return {
+        "command": " ".join(cmd),
+        "exit": run.returncode,
+        "seconds": time.perf_counter() - t0,
+        "table": run.stdout[-4000:],
+        "stderr_tail": run.stderr[-1500:],
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda")
@@ -188,6 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="0.25 GiB everywhere, 3 trials")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--dir", default=None, help="where the files go (a local disk)")
+    ap.add_argument("--skip-drill", action="store_true", help="leave out the fault drill on CUDA (section 5)")
+    ap.add_argument("--skip-envelope", action="store_true", help="leave out the per-step checks (section 6)")
+    ap.add_argument("--envelope-timeout", type=int, default=240)
     args = ap.parse_args(argv)
     if args.quick:
         args.state_gib = args.fp_gib = 0.25
@@ -205,6 +268,12 @@ def main(argv: list[str] | None = None) -> int:
     report["fingerprint"] = fingerprint_speed(device, args.fp_gib, args.trials)
     with tempfile.TemporaryDirectory(dir=args.dir) as d:
         report["save_load"] = save_and_load(device, args.state_gib, args.trials, d)
+    cuda = device.type == "cuda"
+    if cuda and not args.skip_drill:
+        with tempfile.TemporaryDirectory(dir=args.dir) as d:
+            report["drill"] = gpu_drill(os.path.join(d, "drill"))
+    if cuda and not args.skip_envelope:
+        report["envelope"] = envelope_nccl(args.envelope_timeout)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_gpu.json"), "w") as fh:
         json.dump(report, fh, indent=2)
@@ -244,6 +313,18 @@ def main(argv: list[str] | None = None) -> int:
         f"verify --deep of the GPU-fingerprinted file: {s['verify_after_gpu_save']}; "
         f"round trip equal: {s['round_trip_equal']}",
     ]
+    if "drill" in report:
+        dr = report["drill"]
+        lines.append(
+            f"drill on CUDA (3 gloo ranks): {dr['as_designed']} of {dr['cases']} cases as designed"
+            f" in {dr['seconds']:.0f} s; status --verify-bytes exit {dr['status_exit']};"
+            f" verify --deep {sum(dr['verify_deep'].values())} of {len(dr['verify_deep'])} checkpoints"
+        )
+        lines += ["  " + r for r in dr["rows"]]
+    if "envelope" in report:
+        ev = report["envelope"]
+        lines.append(f"{ev['command']}: exit {ev['exit']} in {ev['seconds']:.0f} s")
+        lines += ["  " + r for r in ev["table"].splitlines()]
     text = "\n".join(lines)
     print(text)
     with open(os.path.join(args.out, "bench_gpu.txt"), "w") as fh:

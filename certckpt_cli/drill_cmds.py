@@ -17,9 +17,7 @@ def drill() -> None:
 
 
 @drill.command("faults")
-@click.option(
-    "--ranks", default=3, show_default=True, type=click.IntRange(1, 8), help="gloo ranks on this machine (CPU)."
-)
+@click.option("--ranks", default=3, show_default=True, type=click.IntRange(1, 8), help="gloo ranks on this machine.")
 @click.option(
     "--audit-every", default=10, show_default=True, type=click.IntRange(2, 1000), help="K: replay-audit interval."
 )
@@ -37,9 +35,18 @@ def drill() -> None:
     type=click.Path(file_okay=False),
     help="Keep each case's run store (checkpoints and events) here.",
 )
+@click.option(
+    "--device",
+    default="cpu",
+    show_default=True,
+    type=click.Choice(["cpu", "cuda"]),
+    help="Where the ranks train (cuda: round-robin over the visible GPUs, gloo between ranks).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the matrix as JSON.")
 @expected_errors
-def drill_faults(ranks: int, audit_every: int, ckpt_every: int, directory: str | None, as_json: bool) -> None:
+def drill_faults(
+    ranks: int, audit_every: int, ckpt_every: int, directory: str | None, device: str, as_json: bool
+) -> None:
     """Run the fault-injection matrix on a small model and print which check caught what.
 
     Exit 0 when every case behaved as designed (escapes included), 1 otherwise.
@@ -48,11 +55,11 @@ def drill_faults(ranks: int, audit_every: int, ckpt_every: int, directory: str |
 
     if not as_json:
         click.echo(
-            f"running 12 fault cases on {ranks} gloo ranks "
+            f"running 12 fault cases on {ranks} gloo ranks ({device}) "
             f"(audit every {audit_every}, checkpoint every {ckpt_every})...",
             err=True,
         )
-    matrix = run_matrix(ranks=ranks, audit_every=audit_every, ckpt_every=ckpt_every, directory=directory)
+    matrix = run_matrix(ranks=ranks, audit_every=audit_every, ckpt_every=ckpt_every, directory=directory, device=device)
     as_designed = all(
         (c["caught_by"], c["detected_step"]) == (c["expected"]["caught_by"], c["expected"]["detected_step"])
         and (c["caught_by"] is None or ranks < 3 or c["suspect_ranks"] == [c["rank"]])

@@ -267,3 +267,33 @@ def test_rollback_to_latest_good_continues_on_a_new_branch(tmp_path):
     assert (det["branch"], det["step"], det["suspect_interval"]) == ("main", 20, [10, 20])
     lg = CliRunner().invoke(main, ["latest-good", str(store)])
     assert lg.exit_code == 0 and lg.output.strip().endswith("b2-0030.safetensors")
+
+
+def test_the_drill_on_cuda_is_refused_in_one_line_without_a_gpu(tmp_path):
+    import subprocess
+    import sys
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: the drill runs there (test_the_drill_matrix_on_cuda)")
+    run = subprocess.run(
+        [sys.executable, "-m", "certckpt_cli.main", "drill", "faults", "--device", "cuda"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert "no CUDA device is available here" in run.stderr
+
+
+def test_the_drill_matrix_on_cuda(tmp_path):
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    m = run_matrix(ranks=3, audit_every=10, ckpt_every=5, directory=str(tmp_path / "drill"), device="cuda")
+    assert m["device"] == "cuda"
+    for c in m["cases"]:  # the same designed outcomes as on the CPU, gradients computed on the GPU
+        assert (c["caught_by"], c["detected_step"]) == (c["expected"]["caught_by"], c["expected"]["detected_step"]), c
+        assert c["caught_by"] is None or c["suspect_ranks"] == [1], c

@@ -1,4 +1,4 @@
-"""``certckpt drill faults``: the fault-injection matrix on a small model, 3 gloo ranks on CPU.
+"""``certckpt drill faults``: the fault-injection matrix on a small model, 3 gloo ranks (CPU, or CUDA).
 
 One case per fault kind x {persistent, one time on an audit step, one time between audits}; each case
 trains from scratch with the auditor, checkpointing as it goes, and records which check caught the
@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import tempfile
 from typing import Any
+
+from certckpt.errors import ConfigurationError, DeviceUnavailableError
 
 __all__ = ["run_matrix", "matrix_cases", "expected_catch", "make_model", "evaluate", "TIMINGS"]
 
@@ -78,12 +80,24 @@ def evaluate(model) -> dict[str, float]:
         return {"eval_loss": float(_loss(model, _batch(10_000, 0)))}
 
 
-def _batch(rank: int, step: int):
+def _batch(rank: int, step: int, device=None):
     import torch
 
     g = torch.Generator().manual_seed(rank * 100_003 + step)
     x = torch.randn(8, 16, generator=g)
-    return x, x[:, :8].sin() * 2
+    y = x[:, :8].sin() * 2
+    return (x, y) if device is None else (x.to(device), y.to(device))
+
+
+def _rank_device(kind: str, rank: int):
+    """This rank's device: the CPU, or a CUDA device (ranks share the GPUs round-robin, gloo between them)."""
+    import torch
+
+    if kind == "cpu":
+        return torch.device("cpu")
+    device = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
 
 
 def _loss(model, batch):
@@ -127,14 +141,15 @@ def run_cases_on_rank(args: dict[str, Any]) -> list[dict[str, Any]]:
     from .inject import Fault
 
     rank = dist.get_rank()
+    device = _rank_device(args.get("device", "cpu"), rank)
     results = []
     for case in args["cases"]:
         store = os.path.join(args["dir"], case["name"])
         if rank == 0:
             os.makedirs(store, exist_ok=True)
-        model = _model(0)
+        model = _model(0).to(device)
         torch.manual_seed(1000 + rank)  # each rank its own dropout stream, as in real training
-        ddp = DDP(model)
+        ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         fault = Fault(
             kind=case["fault"],
@@ -163,7 +178,7 @@ def run_cases_on_rank(args: dict[str, Any]) -> list[dict[str, Any]]:
         detected = None
         for step in range(1, args["steps"] + 1):
             try:
-                auditor.train_step(_batch(rank, step))
+                auditor.train_step(_batch(rank, step, device))
             except FaultDetectedError as e:
                 detected = e.event
                 break
@@ -203,9 +218,25 @@ def run_matrix(
     cases: list[dict[str, Any]] | None = None,
     mode: str = "deterministic",
     timeout: float = 600,
+    device: str = "cpu",
 ) -> dict[str, Any]:
-    """Run the fault matrix; returns ``{"ranks", "audit_every", "ckpt_every", "cases": [...]}``."""
+    """Run the fault matrix; returns ``{"ranks", "audit_every", "ckpt_every", "device", "cases": [...]}``.
+
+    ``device="cuda"``: every rank trains on a GPU (round-robin over the visible ones, so 3 ranks may
+    share one), still talking gloo.
+
+    Raises:
+        DeviceUnavailableError: ``device="cuda"`` without a CUDA device.
+    """
     from .launch import run_ranks
+
+    if device not in ("cpu", "cuda"):
+        raise ConfigurationError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise DeviceUnavailableError("the drill was asked to run on CUDA, but no CUDA device is available here")
 
     cases = cases if cases is not None else matrix_cases(audit_every=audit_every, ckpt_every=ckpt_every, rank=1 % ranks)
     for c in cases:
@@ -227,6 +258,7 @@ def run_matrix(
             "dir": root,
             "keep": directory is not None,
             "mode": mode,
+            "device": device,
         }
         per_rank = run_ranks("certckpt.detect.drill:run_cases_on_rank", ranks, args, timeout=timeout)
     out = []
@@ -238,4 +270,11 @@ def run_matrix(
         )
         res["expected"] = {"caught_by": exp_by, "detected_step": exp_step}
         out.append(res)
-    return {"ranks": ranks, "audit_every": audit_every, "ckpt_every": ckpt_every, "mode": mode, "cases": out}
+    return {
+        "ranks": ranks,
+        "audit_every": audit_every,
+        "ckpt_every": ckpt_every,
+        "mode": mode,
+        "device": device,
+        "cases": out,
+    }
