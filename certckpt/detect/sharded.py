@@ -659,6 +659,8 @@ class ShardedAuditSession:
             "tensor_count": len(fps),
             "regions": len(regions),
             "replicas": max(map(len, regions.values()), default=0),
+            # regions with one holder (every shard of a 1-D FSDP mesh) are compared with nothing
+            "min_replicas": min(map(len, regions.values()), default=0),
         }
         if result.agreed:
             if checkpoint:
