@@ -170,6 +170,8 @@ def replay_audit(args):
             loss = _loss(m, u)
             if fault.get("kind") == "transient" and step == fault["step"] and rank == fault["rank"]:
                 loss = loss * (1 + 1e-3)  # one wrong computation in training only
+            if fault.get("kind") == "nan" and step == fault["step"] and rank == fault["rank"]:
+                loss = loss * float("nan")  # this rank's local gradients go non-finite
             (loss / micro if micro > 1 else loss).backward()
             with torch.random.fork_rng():
                 torch.set_rng_state(rng)

@@ -102,6 +102,21 @@ def test_a_one_time_fault_is_arbitrated_by_a_third_rank_and_the_run_goes_on(tmp_
 
 
 @pytest.mark.slow
+def test_non_finite_local_gradients_are_named_before_the_reduce_scatter(tmp_path):
+    fault = {"kind": "nan", "rank": 3, "step": 2}
+    out, events = _run(tmp_path, mesh=[2, 2], audit_every=5, steps=3, fault=fault)
+    for r in out:  # every rank raised at step 2 (on_nonfinite="raise"), naming rank 3
+        assert [s["step"] for s in r["steps"]] == [1]
+        assert r["raised"]["type"] == "FaultDetectedError" and r["raised"]["suspects"] == [3]
+        assert "non-finite local gradients on rank(s) [3] before the reduce-scatter" in r["raised"]["message"]
+    (ev,) = [e for e in events if e["outcome"] == "fail"]
+    assert ev["kind"] == "nonfinite-pre" and ev["step"] == 2 and ev["contained"] is True
+    # the reduce-scatter spread rank 3's NaN into every rank's reduced shard; only rank 3's own was bad
+    assert ev["details"]["pre_ranks"] == [3] and ev["details"]["post_ranks"] == [0, 1, 2, 3]
+    assert not Ledger(str(tmp_path / "run")).snapshot().open_incidents()  # contained: the update was dropped
+
+
+@pytest.mark.slow
 def test_a_replay_that_cannot_reproduce_training_is_refused_at_the_first_step(tmp_path):
     out, events = _run(tmp_path, mesh=[4], audit_every=2, steps=2, replay_scale=2.0)
     for r in out:  # loss_fn computes twice the loss the loop back-propagates

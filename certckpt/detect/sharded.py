@@ -177,12 +177,22 @@ def _replay_problem(model: torch.nn.Module, loss_fn: Any, audit_every: Any) -> s
     return None
 
 
-def _nonfinite_flags(grads: list[torch.Tensor]) -> torch.Tensor:
-    # One reduction per gradient, no copy: NaN and Inf survive a sum (an overflow to Inf is flagged
-    # too, and means the gradients are unusable anyway), as the DDP hook's check.
-    if not grads:
-        return torch.zeros(0, dtype=torch.bool)
-    return ~torch.isfinite(torch.stack([g.sum(dtype=torch.float32) for g in grads]).cpu())
+def _nonfinite_flags(grads: list[torch.Tensor], pre_sums: torch.Tensor | None = None) -> tuple[torch.Tensor, bool]:
+    """``(per-gradient flags, any pre-reduce sum non-finite)`` on the host, in one synchronisation.
+
+    One reduction per gradient, no copy: NaN and Inf survive a sum (an overflow to Inf is flagged too,
+    and means the gradients are unusable anyway), as the DDP hook's check. ``pre_sums``: the sums of
+    this rank's local gradients taken at each reduce-scatter (``GradientRecorder``), if any.
+    """
+    sums = [g.sum(dtype=torch.float32) for g in grads]
+    if pre_sums is not None:
+        sums.append(pre_sums.to(sums[0].device if sums else pre_sums.device).sum())
+    if not sums:
+        return torch.zeros(0, dtype=torch.bool), False
+    bad = ~torch.isfinite(torch.stack(sums).cpu())
+    if pre_sums is None:
+        return bad, False
+    return bad[:-1], bool(bad[-1])
 
 
 class ShardedAuditSession:
@@ -363,6 +373,7 @@ class ShardedAuditSession:
             audit = s % self.audit_every == 0
             signed = audit or self._path_check_pending
             step = self._open = {"s": s, "audit": audit, "signed": signed, "units": [], "rngs": []}
+            self._recorder.new_step()
             if signed:
                 self._recorder.arm("train")
         if step["signed"]:
@@ -433,12 +444,14 @@ class ShardedAuditSession:
         """
         named = [(n, p.grad) for n, p in self.params if p.grad is not None]
         grads = [g.to_local() if isinstance(g, DTensor) else g for _, g in named]
-        flags = _nonfinite_flags(grads)
-        mine = torch.tensor([int(flags.any())], dtype=torch.int64, device=self.wire_device)
+        pre_sums = self._recorder.take_pre_sums() if self._recorder is not None else None
+        flags, pre_bad = _nonfinite_flags(grads, pre_sums)
+        mine = torch.tensor([int(flags.any()), int(pre_bad)], dtype=torch.int64, device=self.wire_device)
         everyone = [torch.empty_like(mine) for _ in range(self.world)]
         dist.all_gather(everyone, mine, group=self.group)
-        bad_ranks = [r for r, f in enumerate(everyone) if int(f)]
-        if not bad_ranks:
+        bad_ranks = [r for r, f in enumerate(everyone) if int(f[0])]
+        pre_ranks = [r for r, f in enumerate(everyone) if int(f[1])]
+        if not bad_ranks and not pre_ranks:
             self._checked += 1
             self._first_checked = s if self._first_checked is None else self._first_checked
             return True
@@ -462,23 +475,27 @@ class ShardedAuditSession:
                 if len(flagged) < len(holders.get(region, [r])):
                     suspects.add(r)  # its replicas of the same region hold finite values
         self._drop_grads()  # the update is dropped: it never reaches the weights (contained)
+        if pre_ranks:
+            # With the replay's reduce-scatter installed every rank knows whether its own local
+            # gradient was finite before the reduction, as under DDP: those ranks produced the values.
+            kind, suspects = "nonfinite-pre", set(pre_ranks)
+            message = f"non-finite local gradients on rank(s) {pre_ranks} before the reduce-scatter"
+        else:
+            kind = "nonfinite-post"
+            message = f"non-finite reduced gradients on rank(s) {bad_ranks} ({where})"
         ev = self._event(
-            "nonfinite-post",
+            kind,
             "fail",
             step=s,
             suspects=suspects,
             contained=True,
             post_ranks=bad_ranks,
-            pre_ranks=[],
+            pre_ranks=pre_ranks,
             tensors=where,
             where="reduced gradient shards (after FSDP's reduce-scatter and the replicas' all-reduce)",
             policy=self.on_nonfinite,
         )
-        self._fail(
-            ev,
-            f"non-finite reduced gradients on rank(s) {bad_ranks} ({where}); the update was dropped",
-            policy="raise" if self.on_nonfinite == "raise" else "skip",
-        )
+        self._fail(ev, message + "; the update was dropped", policy="raise" if self.on_nonfinite == "raise" else "skip")
         return False
 
     def _drop_grads(self) -> None:

@@ -94,6 +94,9 @@ class _SigningReduceScatter(_ReduceScatterBase):
         if rec.mode == "replay":
             output_tensor.zero_()  # nothing moves: the replay's gradients are dropped
             return None
+        # Every training reduce-scatter: is this rank's local gradient finite? (one sum on the device,
+        # no synchronisation: NaN and Inf survive it). Read at before_update, with the reduced flags.
+        rec.pre_flags.append(input_tensor.sum(dtype=torch.float32))
         if self.inner is not None:
             return self.inner(output_tensor, input_tensor, group, op, async_op)
         return dist.reduce_scatter_single(output_tensor, input_tensor, group=group, op=op, async_op=async_op)
@@ -124,11 +127,21 @@ class GradientRecorder:
         self.mode = "off"
         self.micro = 0
         self.calls: list[tuple[int, str, torch.Tensor]] = []
+        self.pre_flags: list[torch.Tensor] = []  # one sum per training reduce-scatter since new_step
         for name, m in self.modules:
             m.set_custom_reduce_scatter(_SigningReduceScatter(name, self, _current_reduce_scatter(m)))
 
     def arm(self, mode: str) -> None:
         self.mode, self.micro, self.calls = mode, 0, []
+
+    def new_step(self) -> None:
+        """Forget the previous step's pre-reduce sums (a step that failed before reading them)."""
+        self.pre_flags = []
+
+    def take_pre_sums(self) -> torch.Tensor | None:
+        """The sums of this step's local gradients, one per reduce-scatter, stacked (None: none ran)."""
+        sums, self.pre_flags = self.pre_flags, []
+        return torch.stack(sums) if sums else None
 
     def take(self) -> list[LayerDigest]:
         """The digests signed since ``arm``, in call order (one host synchronisation), and disarm."""
