@@ -189,6 +189,9 @@ def replay_audit(args):
             break
         if applied:
             opt.step()
+        if fault.get("kind") == "update" and step == fault["step"] and rank == fault["rank"]:
+            with torch.no_grad():  # this rank's optimizer step went wrong on one value of its shard
+                m[0].weight.to_local().view(-1).view(torch.int32)[2] ^= 1 << 12
         plain_opt.step()
         agreed = session.after_update()
         opt.zero_grad(set_to_none=True)
@@ -269,5 +272,5 @@ def replaced_reduce_scatter(args):
         opt.step()
         session.after_update()
         opt.zero_grad(set_to_none=True)
-    replays = [e.outcome for e in session.sink.events if e.kind == "replay"]
+    replays = [[e.details.get("phase", "gradients"), e.outcome] for e in session.sink.events if e.kind == "replay"]
     return {"step": None, "error": None, "own_calls": _PassThroughReduceScatter.calls, "replays": replays}

@@ -47,8 +47,11 @@ def test_audited_run_is_plain_fsdp_bit_for_bit_and_its_checkpoints_are_trusted(t
     out, events = _run(tmp_path, **args, audit_every=2, steps=6, ckpt_steps=[2, 3, 4])
     for r in out:
         assert [s["applied"] and s["agreed"] and s["as_plain"] for s in r["steps"]] == [True] * 6
-    replays = _of(events, "replay")
+    replays = [e for e in _of(events, "replay") if e["details"].get("phase") != "update"]
     assert [(e["step"], e["outcome"]) for e in replays] == [(2, "pass"), (4, "pass"), (6, "pass")]
+    updates = [(e["step"], e["outcome"]) for e in _of(events, "replay") if e["details"].get("phase") == "update"]
+    # the optimizer step is recomputed by the next rank where no replica can check it (1-D FSDP only)
+    assert updates == ([] if len(mesh) == 2 else [(2, "pass"), (4, "pass"), (6, "pass")])
     per_micro = 1 if nosync else micro  # layers reduce-scatter once per step, or after every micro-batch
     assert all(e["details"]["layers"] == 2 * per_micro and e["details"]["micro_batches"] == micro for e in replays)
     for step in (2, 4, 6):  # a full audit: replay, non-finite and consensus passed at the same step
@@ -99,6 +102,22 @@ def test_a_one_time_fault_is_arbitrated_by_a_third_rank_and_the_run_goes_on(tmp_
     # rank 0 (after the replayer) recomputed rank 2's micro-batch and agreed with rank 3's replay
     assert fail["details"]["arbitration"] == {"2->3": "replayer"} and fail["details"]["arbitrated"] is True
     assert later["step"] == 4 and later["outcome"] == "pass"
+
+
+@pytest.mark.slow
+def test_a_wrong_optimizer_step_on_a_1d_mesh_is_caught_by_the_update_replay_and_arbitrated(tmp_path):
+    # no replicas: the consensus compares nothing, and every rank all-gathers the wrong shard alike
+    fault = {"kind": "update", "rank": 1, "step": 4}
+    out, events = _run(tmp_path, mesh=[4], audit_every=2, steps=5, fault=fault)
+    assert all(all(s["agreed"] for s in r["steps"]) for r in out)  # the consensus never noticed
+    (ev,) = [e for e in events if e["outcome"] == "fail"]
+    assert ev["kind"] == "replay" and ev["details"]["phase"] == "update" and ev["step"] == 4
+    assert ev["suspect_ranks"] == [1] and ev["contained"] is False  # the update was applied
+    assert ev["details"]["failed"] == [{"origin": 1, "replayer": 2}]
+    assert ev["details"]["mismatched"] == {"1->2": ["0.weight"]}
+    # rank 3 recomputed rank 1's step too and agreed with rank 2's recomputation
+    assert ev["details"]["arbitration"] == {"1->2": "replayer"}
+    assert Ledger(str(tmp_path / "run")).snapshot().open_incidents()
 
 
 @pytest.mark.slow
@@ -176,4 +195,4 @@ def test_a_reduce_scatter_the_user_installed_before_the_session_keeps_communicat
     out, _ = _run(tmp_path, world=2, target="fsdp_cases:replaced_reduce_scatter", when="before")
     for r in out:  # 2 layers x 2 steps through the user's collective (the replays communicate nothing)
         assert r["error"] is None and r["own_calls"] == 4
-    assert out[0]["replays"] == ["pass"]  # rank 0 publishes the events
+    assert out[0]["replays"] == [["gradients", "pass"], ["update", "pass"]]  # rank 0 publishes the events

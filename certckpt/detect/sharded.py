@@ -63,11 +63,22 @@ from certckpt.trust.incident import incident_id_for
 from certckpt.trust.ledger import Ledger, LedgerSink
 
 from .agreement import all_gather_bytes, refuse_together, wire_device_for
-from .attribution import arbitration_plan, attribute_replay
+from .attribution import arbitration_plan, attribute_replay, ring_pairs
 from .events import AuditEvent, EventSink, MemorySink, make_event, publish, rank_inventory
 from .exchange import RingShift, check_shippable
 from .session import CheckpointEvidence, restore_rng
-from .sharded_replay import GradientRecorder, LayerDigest, arbitrate, compare_ring, shard_group_size, sync_pattern
+from .sharded_replay import (
+    GradientRecorder,
+    LayerDigest,
+    arbitrate,
+    compare_ring,
+    recompute_update,
+    shard_group_size,
+    sync_pattern,
+    update_digests,
+    update_inputs,
+    update_labels,
+)
 
 __all__ = ["ShardedAuditSession", "ShardConsensus", "local_regions"]
 
@@ -229,6 +240,12 @@ class ShardedAuditSession:
             a loss_fn that is not what the loop computes, a wrong ``loss_divisor``, nondeterministic
             kernels. Without it such a set-up fails every audit instead.
         consensus_every: compare the weights every N steps (default 1: every step; audit steps always).
+        audit_updates: at audit steps, the next rank also recomputes this rank's optimizer step on its
+            shard (weights, state and reduced gradient shipped to it) and the results must match
+            digest for digest. Default (None): on when the mesh has no replicas (1-D FSDP), where no
+            consensus can see a wrong update; needs ``loss_fn``. The loop must not change the
+            gradients between ``before_update()`` and ``opt.step()`` other than by clipping them, nor
+            drop them before ``after_update()``.
         state_fn: what the per-step consensus covers, as a DCP state dict (default
             ``{"model": model.state_dict()}``: parameters and buffers).
         on_nonfinite: ``"raise"`` (``FaultDetectedError``) or ``"skip"`` (drop the update); a
@@ -260,6 +277,7 @@ class ShardedAuditSession:
         loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None,
         audit_every: int = 10,
         check_determinism: bool = True,
+        audit_updates: bool | None = None,
     ) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise AuditSetupError("torch.distributed is not initialized; call init_process_group first")
@@ -285,8 +303,16 @@ class ShardedAuditSession:
             problem = "no parameter is a DTensor: apply fully_shard (FSDP2) to the model first"
         elif loss_fn is not None:
             problem = _replay_problem(model, loss_fn, audit_every)
+        elif audit_updates:
+            problem = "audit_updates=True needs loss_fn: the optimizer step is recomputed at the replay's audit steps"
         self.loss_fn, self.audit_every = loss_fn, audit_every
         self._not_replayed = [n for n, p in self.params if not isinstance(p, DTensor)]
+        if audit_updates is None:  # no replicas: nothing else checks the optimizer step
+            audit_updates = loss_fn is not None and problem is None and shard_group_size(model) == self.world
+        self.audit_updates = bool(audit_updates) and loss_fn is not None
+        self._names_by_id = {id(p): n for n, p in self.params}
+        self._update: tuple[dict[str, Any], list[torch.Tensor]] | None = None  # inputs of the audited step
+        self._update_checked = False  # the first update audit also recomputes the rank's own step
         self._recorder: GradientRecorder | None = None
         if problem is None and loss_fn is not None:
             try:
@@ -294,7 +320,15 @@ class ShardedAuditSession:
             except ValueError as e:  # FSDP refuses a custom reduce-scatter with several param groups
                 problem = f"the replay cannot sign the local gradients: {e}"
         setup = json.dumps(
-            [consensus_every, on_nonfinite, on_fault, loss_fn is not None, audit_every, [n for n, _ in self.params]]
+            [
+                consensus_every,
+                on_nonfinite,
+                on_fault,
+                loss_fn is not None,
+                audit_every,
+                audit_updates,
+                [n for n, _ in self.params],
+            ]
         )
         refuse_together(problem, group=self.group, wire_device=self.wire_device, what="sharded audit set-up")
         texts = all_gather_bytes(setup.encode(), group=self.group, wire_device=self.wire_device)
@@ -431,6 +465,8 @@ class ShardedAuditSession:
             return True
         ok = self._replay_audit(s, step, trained, n)
         self._audited = (s, ok)
+        if ok and self.audit_updates:
+            self._update = update_inputs(self.optimizer, self._names_by_id)  # copies, before the step
         return ok
 
     def _nonfinite_check(self, s: int) -> bool:
@@ -603,6 +639,87 @@ class ShardedAuditSession:
         self._fail(ev, f"replay audit failed ({who}); the update was not applied", policy=self.on_fault)
         return False
 
+    # --- the update replay ------------------------------------------------------------------------
+
+    def _update_audit(self, s: int, inputs: dict[str, Any], params: list[torch.Tensor]) -> bool:
+        """After the optimizer step: the next rank recomputes this rank's update (see
+        ``sharded_replay``); returns whether every recomputation matched (collective)."""
+        gone = any(p.grad is None for p in params)
+        flags = all_gather_bytes(b"1" if gone else b"0", group=self.group, wire_device=self.wire_device)
+        if b"1" in flags:  # zero_grad ran before after_update on some rank: nothing to recompute from
+            self._event("replay", "pass", step=s, phase="update", skipped="gradients dropped before after_update")
+            return True
+        items = [item for g in inputs["groups"] for item in g["params"]]
+        for item, p in zip(items, params):
+            item["g"] = (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).detach()
+        actual = update_digests(self.optimizer, params)
+        labels = update_labels(self.optimizer, params, self._names_by_id)
+        cls = type(self.optimizer)
+        prev = RingShift(inputs, group=self.group, wire_device=self.wire_device, out_device=self.device).finish()
+        recomputed = recompute_update(cls, prev, device=self.device)
+        if not self._update_checked:
+            self._update_checked = True
+            own = recompute_update(cls, inputs, device=self.device)
+            differ = sorted({lab for lab, a, b in zip(labels, own, actual) if a != b})
+            differ = differ or (["*"] if own != actual else [])
+            refuse_together(
+                f"recomputing this rank's own optimizer step gives other values ({differ[:5]})" if differ else None,
+                group=self.group,
+                wire_device=self.wire_device,
+                what="the update audit check",
+                advice=(
+                    f"the step is recomputed with a fresh {cls.__name__} over plain copies of the shards; a loop"
+                    " that changes the gradients between before_update() and opt.step() other than by clipping,"
+                    " an optimizer whose step depends on more than its param groups and state, or kernels that"
+                    " differ between DTensors and plain tensors make it differ: pass audit_updates=False"
+                ),
+            )
+        mine = json.dumps([actual, recomputed, labels]).encode()
+        docs = [json.loads(t) for t in all_gather_bytes(mine, group=self.group, wire_device=self.wire_device)]
+        failed, mismatched = [], {}
+        for origin, replayer in ring_pairs(self.world):
+            got, want, names = docs[replayer][1], docs[origin][0], docs[origin][2]
+            if got != want:
+                failed.append((origin, replayer))
+                diff = [n for n, a, b in zip(names, got, want) if a != b] if len(got) == len(want) else ["*"]
+                mismatched[f"{origin}->{replayer}"] = diff[:10]
+        details = {"phase": "update", "comparisons": self.world, "params": len(params), "optimizer": cls.__name__}
+        if not failed:
+            self._event("replay", "pass", step=s, **details)
+            return True
+        arbitration: dict[tuple[int, int], str] = {}
+        if arbitration_plan(self.world, failed):
+            # two hops round the ring: the rank after each replayer recomputes the origin's step too
+            prev2 = RingShift(prev, group=self.group, wire_device=self.wire_device, out_device=self.device).finish()
+            third = recompute_update(cls, prev2, device=self.device)
+            arb = [
+                json.loads(t)
+                for t in all_gather_bytes(json.dumps(third).encode(), group=self.group, wire_device=self.wire_device)
+            ]
+            for origin, replayer, arbiter in arbitration_plan(self.world, failed):
+                if arb[arbiter] == docs[origin][0]:
+                    arbitration[(origin, replayer)] = "origin"
+                elif arb[arbiter] == docs[replayer][1]:
+                    arbitration[(origin, replayer)] = "replayer"
+                else:
+                    arbitration[(origin, replayer)] = "neither"
+        verdict = attribute_replay(self.world, failed, arbitration)
+        ev = self._event(
+            "replay",
+            "fail",
+            step=s,
+            suspects=verdict.suspects,
+            **details,
+            failed=[{"origin": o, "replayer": r} for o, r in failed],
+            mismatched=mismatched,
+            arbitration={f"{o}->{r}": v for (o, r), v in arbitration.items()},
+            notes=list(verdict.notes),
+        )
+        who = f"rank(s) {list(verdict.suspects)}" if verdict.suspects else "no rank could be named"
+        message = f"the optimizer step's recomputation differs ({who}); the update was applied"
+        self._fail(ev, message, policy=self.on_fault)
+        return False
+
     # --- the weight consensus -------------------------------------------------------------------
 
     def after_update(self) -> bool:
@@ -612,8 +729,10 @@ class ShardedAuditSession:
         self.step += 1
         audited, self._audited = self._audited, None
         if audited is not None and audited[0] == self.step:
+            update, self._update = self._update, None
+            updated = self._update_audit(self.step, *update) if update is not None else True
             agreed = self.weight_consensus().agreed
-            if audited[1]:
+            if audited[1] and updated:
                 self._summarise_nonfinite(self.step)  # with the replay and the consensus: a full audit
                 if agreed:
                     self.last_clean_audit = self.step

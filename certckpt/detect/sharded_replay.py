@@ -27,6 +27,7 @@ accumulated input it signs is the one training reduced.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -52,6 +53,10 @@ __all__ = [
     "compare_ring",
     "shard_group_size",
     "sync_pattern",
+    "update_inputs",
+    "recompute_update",
+    "update_digests",
+    "update_labels",
 ]
 
 
@@ -259,3 +264,102 @@ def arbitrate(
         else:
             results[(origin, replayer)] = "neither"
     return results
+
+
+# --- the update replay: the optimizer step of a shard, recomputed by the next rank ----------------------
+#
+# On a 1-D FSDP mesh every shard has one holder: no replica can disagree with a wrong optimizer step.
+# At audit steps each rank ships what its step read (its local weights and optimizer state before the
+# step, its reduced gradient shard and the group's hyper-parameters) to the next rank, which runs a
+# fresh optimizer of the same class over plain copies; the digests of the weights and state it gets
+# must be the ones the origin's own step produced.
+
+_SIMPLE = (bool, int, float, str, type(None))
+
+
+def _plain(x: Any) -> Any:
+    """A hyper-parameter as it can travel (numbers, strings, tuples, tensors); None: it cannot."""
+    if isinstance(x, _SIMPLE):
+        return x
+    if isinstance(x, torch.Tensor):
+        return x.detach().clone()
+    if isinstance(x, (tuple, list)) and all(isinstance(v, _SIMPLE + (torch.Tensor,)) for v in x):
+        return type(x)(v.detach().clone() if isinstance(v, torch.Tensor) else v for v in x)
+    return None
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return (t.to_local() if isinstance(t, DTensor) else t).detach()
+
+
+def update_inputs(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """What the coming ``optimizer.step()`` reads, per parameter with a gradient: copies of its weights
+    and state taken now, before the step (the caller adds each item's gradient as ``g`` after the step,
+    which may clip it first); and those parameters, in the same order."""
+    groups, params = [], []
+    for g in optimizer.param_groups:
+        hyper = {k: v for k, v in ((k, _plain(v)) for k, v in g.items() if k != "params") if v is not None}
+        items = []
+        for p in g["params"]:
+            if p.grad is None:
+                continue
+            state = optimizer.state.get(p, {})
+            tensors = {k: _local(v).clone() for k, v in state.items() if isinstance(v, torch.Tensor)}
+            params.append(p)
+            items.append(
+                {
+                    "name": names.get(id(p), "?"),
+                    "w": _local(p).clone(),
+                    "state": tensors,
+                    "state_on_cpu": sorted(k for k, v in tensors.items() if state[k].device.type == "cpu"),
+                }
+            )
+        groups.append({"hyper": hyper, "params": items})
+    return {"groups": groups}, params
+
+
+def recompute_update(cls: type, inputs: dict[str, Any], *, device: torch.device) -> list[int]:
+    """Run ``cls``'s step over plain copies of ``inputs`` (``update_inputs`` plus each item's ``g``)
+    and return ``update_digests`` of the result: what the origin's own step must have produced."""
+    groups, params, kwargs = [], [], {}
+    accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "params"}
+    for gi, g in enumerate(inputs["groups"]):
+        hyper = dict(g["hyper"])
+        if gi == 0:  # the constructor checks its own arguments (SGD: nesterov needs momentum)
+            kwargs = {k: v for k, v in hyper.items() if k in accepted}
+        ps = []
+        for item in g["params"]:
+            p = torch.nn.Parameter(item["w"].to(device, copy=True), requires_grad=True)
+            p.grad = item["g"].to(device, copy=True)  # never the live gradient: an optimizer may write it
+            ps.append((p, item))
+        groups.append({**hyper, "params": [p for p, _ in ps]})
+        params += ps
+    if not params:
+        return []
+    opt = cls(groups, **kwargs)
+    for p, item in params:
+        on_cpu = set(item["state_on_cpu"])
+        # copies: the step updates its state in place, and the inputs may travel on to an arbiter
+        opt.state[p] = {k: v.to("cpu" if k in on_cpu else device, copy=True) for k, v in item["state"].items()}
+    opt.step()
+    return update_digests(opt, [p for p, _ in params])
+
+
+def update_digests(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> list[int]:
+    """Digests of each parameter's local weights and state tensors (sorted keys), after the step."""
+    out = []
+    for p in params:
+        out.append(digest(_local(p)))
+        state = optimizer.state.get(p, {})
+        out += [digest(_local(state[k])) for k in sorted(state) if isinstance(state[k], torch.Tensor)]
+    return torch.stack(out).tolist() if out else []
+
+
+def update_labels(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], names: dict[int, str]) -> list[str]:
+    """What each of ``update_digests``' values is: ``name`` for weights, ``name:key`` for state."""
+    out = []
+    for p in params:
+        name = names.get(id(p), "?")
+        state = optimizer.state.get(p, {})
+        out += [name] + [f"{name}:{k}" for k in sorted(state) if isinstance(state[k], torch.Tensor)]
+    return out
