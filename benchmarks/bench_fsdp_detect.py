@@ -150,9 +150,19 @@ def _runner(model, opt, session, micro: int, replay: bool):
 
 
 def _count(session, kind: str, outcome: str | None = None) -> int:
+    """Events of ``kind``; ``"replay"`` counts the gradient replays, ``"update"`` the optimizer-step
+    replays (``replay`` events with ``phase: update``, on meshes without replicas)."""
     if session is None:
         return 0
-    return sum(1 for e in session.sink.events if e.kind == kind and (outcome is None or e.outcome == outcome))
+    phase = "update" if kind == "update" else None
+    kind = "replay" if kind == "update" else kind
+    return sum(
+        1
+        for e in session.sink.events
+        if e.kind == kind
+        and (outcome is None or e.outcome == outcome)
+        and (kind != "replay" or e.details.get("phase") == phase)
+    )
 
 
 def rank_main(args: dict[str, Any]) -> dict[str, Any]:
@@ -261,6 +271,7 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
     # --- where the time goes: single steps between barriers, parts timed in place -------------------
     acc: dict[str, float] = {}
     in_replay = [False]
+    in_update = [False]  # the optimizer-step replay (meshes without replicas): its parts kept apart
 
     def timed(key: str, fn, flag=None):
         def wrapper(*a, **kw):
@@ -279,19 +290,23 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
     digest_fn = replay_mod.digest
 
     def digest_timed(*a, **kw):
-        return timed("replay_digest" if in_replay[0] else "train_digest", digest_fn)(*a, **kw)
+        key = "update_digest" if in_update[0] else "replay_digest" if in_replay[0] else "train_digest"
+        return timed(key, digest_fn)(*a, **kw)
 
     ring_cls = sharded_mod.RingShift
 
+    def ring_key() -> str:
+        return "update_ring_shift" if in_update[0] else "ring_shift"
+
     class TimedRingShift(ring_cls):
         def __init__(self, *a, **kw):
-            timed("ring_shift", super().__init__)(*a, **kw)
+            timed(ring_key(), super().__init__)(*a, **kw)
 
         def advance(self):
-            return timed("ring_shift", super().advance)()
+            return timed(ring_key(), super().advance)()
 
         def finish(self):
-            return timed("ring_shift", super().finish)()
+            return timed(ring_key(), super().finish)()
 
     replay_mod.digest = digest_timed
     sharded_mod.RingShift = TimedRingShift
@@ -300,6 +315,7 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
         ("_replay_audit", "replay_audit", None),
         ("_replay", "replay", in_replay),
         ("weight_consensus", "consensus", None),
+        ("_update_audit", "update_audit", in_update),
     ]
     for sess in (sessions["audit/10"], sessions["consensus/10"]):
         for attr, key, flag in wrapped:
@@ -354,6 +370,8 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
         n: {
             "replay_pass": _count(s, "replay", "pass"),
             "replay_fail": _count(s, "replay", "fail"),
+            "update_pass": _count(s, "update", "pass"),
+            "update_fail": _count(s, "update", "fail"),
             "consensus_pass": _count(s, "consensus", "pass"),
             "consensus_fail": _count(s, "consensus", "fail"),
             "nonfinite_fail": _count(s, "nonfinite-post", "fail"),
@@ -441,6 +459,7 @@ def summarise(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         - a.get("replay", 0.0)
         - a.get("ring_shift", 0.0),
         "weight consensus (incl. its all-gather)": a.get("consensus", 0.0),
+        "optimizer-step replay (no replicas: copy, ship, recompute, compare)": a.get("update_audit", 0.0),
     }
     return out
 
@@ -575,6 +594,7 @@ def print_report(R: dict[str, Any]) -> None:
         + "; ".join(
             f"{n}: {v['replay_pass']} replay pass / {v['replay_fail']} fail, {v['consensus_pass']} consensus pass /"
             f" {v['consensus_fail']} fail"
+            + (f", {v['update_pass']} update replay pass / {v['update_fail']} fail" if v["update_pass"] else "")
             for n, v in ev.items()
         )
     )
