@@ -11,16 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.tensor import DTensor
 
-from certckpt.errors import ArgumentTypeError, ConfigurationError
-from certckpt.format.header import printable
-from certckpt.format.sharded.composition import compose, hex64, is_partition, state_fp
-from certckpt.format.sharded.shardfp import tensor_contribution
-from certckpt.format.tensors import TORCH_TO_ST
+from certckpt.errors import ArgumentTypeError
+from certckpt.format.sharded.composition import state_fp
+from certckpt.format.sharded.regions import compose_tensors, local_regions
 
 from .statecheck import exchange
 
@@ -60,30 +55,7 @@ def state_fingerprints(state_dict: dict[str, Any], *, process_group: Any = None)
     """
     if not isinstance(state_dict, dict):
         raise ArgumentTypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
-    flat, _ = flatten_state_dict(state_dict)
-    mine, meta = [], {}
-    for fqn, v in flat.items():
-        if not isinstance(v, torch.Tensor):
-            continue
-        code = TORCH_TO_ST.get(v.dtype)
-        if code is None:
-            raise ArgumentTypeError(f"`{printable(fqn)}`: dtype {v.dtype} has no fingerprint (safetensors lacks it)")
-        shape = tuple(v.shape)
-        meta[fqn] = (code, shape)
-        if isinstance(v, DTensor):
-            if any(p.is_partial() for p in v.placements):
-                raise ArgumentTypeError(
-                    f"`{printable(fqn)}` is a DTensor with a Partial placement (unreduced values); redistribute it"
-                    " to Replicate or Shard first"
-                )
-            local = v.to_local()
-            for chunk in v.__create_chunk_list__():
-                offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
-                raw = tensor_contribution(local, offsets=offsets, global_shape=shape) if local.numel() else 0
-                mine.append([fqn, list(offsets), list(sizes), hex64(raw)])
-        else:
-            raw = tensor_contribution(v, offsets=(0,) * len(shape), global_shape=shape)
-            mine.append([fqn, [0] * len(shape), list(shape), hex64(raw)])
+    mine, meta = local_regions(state_dict)
     group = process_group
     if group is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         group = dist.group.WORLD
@@ -95,13 +67,5 @@ def state_fingerprints(state_dict: dict[str, Any], *, process_group: Any = None)
             held = boxes.setdefault(fqn, {}).setdefault((tuple(offsets), tuple(sizes)), raw)
             if held != raw:
                 split.add(fqn)
-    fps = {}
-    for fqn, (code, shape) in meta.items():
-        regions = boxes.get(fqn, {})
-        if not is_partition(list(regions), shape):
-            raise ConfigurationError(
-                f"`{printable(fqn)}`: the ranks' pieces do not cover it exactly once; call state_fingerprints on"
-                " every rank of the mesh that holds it"
-            )
-        fps[fqn] = hex64(compose((int(r, 16) for r in regions.values()), code, shape))
+    fps = compose_tensors(boxes, meta, advice="call state_fingerprints on every rank of the mesh that holds it")
     return StateFingerprints(tensors=fps, state_fp=state_fp(fps), disagreements=tuple(sorted(split)))

@@ -38,27 +38,20 @@ passes (see ``docs/detection.md``, "Sharded training: FSDP2 and HSDP").
 from __future__ import annotations
 
 import json
-from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.tensor import DTensor
 
 from certckpt.errors import (
-    ArgumentTypeError,
     AuditSetupError,
     ConfigurationError,
     FaultDetectedError,
     UnsupportedObjectError,
 )
-from certckpt.format.header import printable
-from certckpt.format.sharded.composition import compose, hex64, is_partition, state_fp
-from certckpt.format.sharded.shardfp import tensor_contribution
-from certckpt.format.tensors import TORCH_TO_ST
+from certckpt.format.sharded.regions import local_regions
 from certckpt.trust.incident import incident_id_for
 from certckpt.trust.ledger import Ledger, LedgerSink
 
@@ -67,6 +60,7 @@ from .attribution import arbitration_plan, attribute_replay, ring_pairs
 from .events import AuditEvent, EventSink, MemorySink, make_event, publish, rank_inventory
 from .exchange import RingShift, check_shippable
 from .session import CheckpointEvidence, restore_rng
+from .sharded_consensus import ShardConsensus, decide_consensus
 from .sharded_replay import (
     GradientRecorder,
     LayerDigest,
@@ -81,78 +75,6 @@ from .sharded_replay import (
 )
 
 __all__ = ["ShardedAuditSession", "ShardConsensus", "local_regions"]
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ShardConsensus:
-    """The outcome of one weight consensus (the same on every rank).
-
-    Attributes:
-        step: the optimizer step the weights follow.
-        agreed: every region's holders produced the same contribution.
-        tensors: ``{fqn: fingerprint hex}`` of the full tensors, composed from the agreed (or, for a
-            disputed region without a majority, the lowest rank's) contributions.
-        state_fp: the whole-state fingerprint over ``tensors`` (``certckpt.dcp``'s manifest rule).
-        disputed: per disputed region ``"fqn@offsets"``, each holder's contribution by rank.
-        suspect_ranks: ranks outvoted by a majority of their region's holders.
-        candidates: holders of a disputed region that no majority decides (a tie, as with 2 replicas).
-    """
-
-    step: int
-    agreed: bool
-    tensors: dict[str, str]
-    state_fp: str
-    disputed: dict[str, dict[int, str]] = field(default_factory=dict)
-    suspect_ranks: tuple[int, ...] = ()
-    candidates: tuple[int, ...] = ()
-
-
-def local_regions(state: dict[str, Any]) -> tuple[list[list[Any]], dict[str, tuple[str, tuple[int, ...]]]]:
-    """This rank's pieces of a (nested) state: ``[[fqn, offsets, sizes, contribution hex], ...]`` and
-    ``{fqn: (dtype code, global shape)}``, under DCP's flattened names.
-
-    A DTensor contributes its local shard at its global offsets (empty shards nothing); a plain
-    tensor is a whole copy (offsets 0). Non-tensor values are skipped.
-
-    Raises:
-        ArgumentTypeError: a dtype without a fingerprint, or a DTensor with a Partial placement.
-    """
-    flat, _ = flatten_state_dict(state)
-    regions: list[list[Any]] = []
-    meta: dict[str, tuple[str, tuple[int, ...]]] = {}
-    for fqn, v in flat.items():
-        if not isinstance(v, torch.Tensor):
-            continue
-        code = TORCH_TO_ST.get(v.dtype)
-        if code is None:
-            raise ArgumentTypeError(f"`{printable(fqn)}`: dtype {v.dtype} has no fingerprint")
-        shape = tuple(v.shape)
-        meta[fqn] = (code, shape)
-        if isinstance(v, DTensor):
-            if any(p.is_partial() for p in v.placements):
-                raise ArgumentTypeError(f"`{printable(fqn)}` is a DTensor with a Partial placement (unreduced)")
-            local = v.to_local()
-            for chunk in v.__create_chunk_list__():
-                offsets, sizes = list(chunk.offsets), list(chunk.sizes)
-                if not local.numel():
-                    continue
-                raw = tensor_contribution(local, offsets=offsets, global_shape=shape)
-                regions.append([fqn, offsets, sizes, hex64(raw)])
-        else:
-            raw = tensor_contribution(v.detach(), offsets=(0,) * len(shape), global_shape=shape)
-            regions.append([fqn, [0] * len(shape), list(shape), hex64(raw)])
-    return regions, meta
-
-
-def _vote(values: dict[int, str]) -> tuple[str | None, list[int]]:
-    """``(majority value or None on a tie, ranks outvoted)`` among one region's holders."""
-    counts = Counter(values.values()).most_common()
-    if len(counts) == 1:
-        return counts[0][0], []
-    top, n = counts[0]
-    if counts[1][1] == n:
-        return None, []
-    return top, sorted(r for r, v in values.items() if v != top)
 
 
 def _offsets(t: torch.Tensor) -> list[int] | None:
@@ -756,48 +678,8 @@ class ShardedAuditSession:
         s = self.step
         mine, meta = local_regions(self.state_fn() if state is None else state)
         texts = all_gather_bytes(json.dumps(mine).encode(), group=self.group, wire_device=self.wire_device)
-        regions: dict[tuple[str, tuple, tuple], dict[int, str]] = {}
-        for r, t in enumerate(texts):
-            for fqn, offsets, sizes, raw in json.loads(t):
-                regions.setdefault((fqn, tuple(offsets), tuple(sizes)), {})[r] = raw
-        disputed: dict[str, dict[int, str]] = {}
-        suspects: set[int] = set()
-        candidates: set[int] = set()
-        chosen: dict[str, dict[tuple, str]] = {}
-        for (fqn, offsets, sizes), values in regions.items():
-            top, outvoted = _vote(values)
-            if top is None or outvoted:
-                disputed[f"{fqn}@{','.join(map(str, offsets))}"] = dict(sorted(values.items()))
-                suspects.update(outvoted)
-                if top is None:
-                    candidates.update(values)
-            chosen.setdefault(fqn, {})[(offsets, sizes)] = top if top is not None else values[min(values)]
-        fps = {}
-        for fqn, (code, shape) in meta.items():
-            boxes = chosen.get(fqn, {})
-            if not is_partition(list(boxes), shape):
-                raise ConfigurationError(
-                    f"`{printable(fqn)}`: the ranks' pieces do not cover it exactly once; every rank of the mesh must"
-                    " take part in the consensus"
-                )
-            fps[fqn] = hex64(compose((int(v, 16) for v in boxes.values()), code, shape))
-        result = ShardConsensus(
-            step=s,
-            agreed=not disputed,
-            tensors=fps,
-            state_fp=state_fp(fps),
-            disputed=disputed,
-            suspect_ranks=tuple(sorted(suspects)),
-            candidates=tuple(sorted(candidates - suspects)),
-        )
+        result, counts = decide_consensus(s, [json.loads(t) for t in texts], meta)
         self.last_consensus = result
-        counts = {
-            "tensor_count": len(fps),
-            "regions": len(regions),
-            "replicas": max(map(len, regions.values()), default=0),
-            # regions with one holder (every shard of a 1-D FSDP mesh) are compared with nothing
-            "min_replicas": min(map(len, regions.values()), default=0),
-        }
         if result.agreed:
             if checkpoint:
                 self._summarise_nonfinite(s)
@@ -813,18 +695,18 @@ class ShardedAuditSession:
             "consensus",
             "fail",
             step=s,
-            suspects=suspects,
+            suspects=result.suspect_ranks,
             **counts,
-            tensors=sorted({k.rsplit("@", 1)[0] for k in disputed}),
-            regions_disputed={k: {str(r): v for r, v in vals.items()} for k, vals in disputed.items()},
+            tensors=sorted({k.rsplit("@", 1)[0] for k in result.disputed}),
+            regions_disputed={k: {str(r): v for r, v in vals.items()} for k, vals in result.disputed.items()},
             candidates=list(result.candidates),
             note=note,
             **({"found_by": found_by} if found_by else {}),
         )
         self._fail(
             ev,
-            f"replicas disagree after step {s} on {sorted(disputed)[:3]} (outvoted: {list(result.suspect_ranks)};"
-            f" undecided between: {list(result.candidates)})",
+            f"replicas disagree after step {s} on {sorted(result.disputed)[:3]}"
+            f" (outvoted: {list(result.suspect_ranks)}; undecided between: {list(result.candidates)})",
             policy=self.on_fault,
         )
         return result

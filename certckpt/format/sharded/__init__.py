@@ -3,5 +3,5 @@ written last (``docs/format.md``, "Sharded checkpoints (DCP)"). The layout, the 
 sharding-independent fingerprint rule and the checker live here, in the format layer, so that
 ``certckpt verify DIR``, the certifier (``latest-good``) and the vault check a sharded checkpoint the
 way they check a file; ``certckpt.dcp`` writes and reads them through ``torch.distributed.checkpoint``.
-Only ``shardfp`` imports torch.
+Only ``shardfp`` and ``regions`` import torch.
 """
