@@ -146,3 +146,62 @@ def audited_run(args):
     out["branch"] = trainer.certckpt.branch
     out["parent"] = trainer.certckpt.parent
     return out
+
+
+class _BatchNormRegressor(torch.nn.Module):
+    """A Trainer-compatible model with BatchNorm statistics (buffers every forward updates)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(8, 16)
+        self.bn = torch.nn.BatchNorm1d(16)
+        self.out = torch.nn.Linear(16, 1)
+
+    def forward(self, x, labels=None):
+        y = self.out(torch.relu(self.bn(self.lin(x)))).squeeze(-1)
+        return {"loss": torch.nn.functional.mse_loss(y, labels), "logits": y}
+
+
+class _Rows(torch.utils.data.Dataset):
+    def __len__(self):
+        return 96
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(i)
+        return {"x": torch.randn(8, generator=g), "labels": torch.randn((), generator=g)}
+
+
+def batchnorm_run(args):
+    """AuditCallback on a BatchNorm model under the Trainer's DDP (broadcast_buffers, its default)."""
+    _as_torchrun()
+    from transformers import TrainingArguments
+
+    from certckpt.detect import Fault, FaultDetectedError
+    from certckpt.integrations.transformers import AuditCallback, CertifiedTrainer
+
+    audit = AuditCallback(
+        audit_every=2, consensus_every=1, injector_faults=[Fault(**f) for f in args.get("faults", [])]
+    )
+    targs = TrainingArguments(
+        output_dir=args["out"],
+        max_steps=6,
+        save_steps=3,
+        save_strategy="steps",
+        per_device_train_batch_size=4,
+        learning_rate=1e-2,
+        report_to="none",
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+        ddp_backend="gloo",
+        logging_steps=100,
+    )
+    trainer = CertifiedTrainer(model=_BatchNormRegressor(), args=targs, train_dataset=_Rows(), callbacks=[audit])
+    out = {"rank": int(os.environ["RANK"]), "buffers": None}
+    try:
+        trainer.train()
+    except FaultDetectedError as e:
+        out.update(kind=e.event.kind, step=e.event.step, suspects=list(e.event.suspect_ranks))
+    out["buffers"] = list(audit.session.buffer_names)
+    return out

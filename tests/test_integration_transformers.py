@@ -409,3 +409,18 @@ def test_ddp_consensus_names_a_rank_whose_weights_diverge_with_accumulation(tmp_
     got = _ranks(args)
     assert [(g["kind"], g["step"], g["suspects"], g["contained"]) for g in got] == [("consensus", 3, [2], False)] * 3
     assert _verdicts(out) == {"main@2": "trusted"}  # audited at 2; nothing committed after the fault
+
+
+@pytest.mark.slow
+def test_batchnorm_statistics_are_in_the_consensus_and_a_corrupted_one_is_named(tmp_path):
+    # DDP broadcasts rank 0's buffers at every forward: the session seals them on rank 0 and compares
+    # every replica's, so the checkpoints' fingerprints cover them too.
+    clean = str(tmp_path / "clean")
+    got = run_ranks("hf_cases:batchnorm_run", 3, {"out": clean}, timeout=240, extra_path=TESTS)
+    assert all("kind" not in g and "bn.running_mean" in g["buffers"] for g in got)
+    assert _verdicts(clean) == {"main@3": "trusted", "main@6": "trusted"}
+    # rank 0 (the broadcast source) gets a value of its running statistics changed outside a forward
+    bad = str(tmp_path / "bad")
+    fault = {"kind": "buffer", "rank": 0, "step": 3}
+    got = run_ranks("hf_cases:batchnorm_run", 3, {"out": bad, "faults": [fault]}, timeout=240, extra_path=TESTS)
+    assert [(g["kind"], g["step"], g["suspects"]) for g in got] == [("consensus", 3, [0])] * 3
