@@ -324,3 +324,40 @@ def test_s3_vault_promotes_restores_and_prunes_both_kinds_under_object_lock(run_
             assert res.deleted == ["main@5"] and not res.refused
             assert not listing.get("Versions") and not listing.get("DeleteMarkers")
     s3fs.S3FileSystem.clear_instance_cache()
+
+
+@pytest.mark.slow
+def test_s3_prune_refuses_a_held_directory_whose_member_is_under_legal_hold_before_deleting_anything(run_of, s3_server):
+    import time
+    import uuid
+
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
+    fs = s3fs.S3FileSystem()
+    bucket = f"vault-{uuid.uuid4().hex[:12]}"
+    fs.call_s3("create_bucket", Bucket=bucket, ObjectLockEnabledForBucket=True)
+    run, vault = run_of("sharded"), f"s3://{bucket}/sharded"
+    promote(run, vault, ckpts=["main@5"], accept="verified", retain_days=2 / 86400)  # retention: 2 seconds
+    promote(run, vault, ckpts=["main@10"], accept="verified", retain_days=7)
+    listing = fs.call_s3("list_object_versions", Bucket=bucket, Prefix="sharded/main@5/")
+    member = next(v["Key"] for v in listing["Versions"] if not v["Key"].endswith("manifest.safetensors"))
+    # a legal hold on one shard file (no date: it outlives the retention)
+    fs.call_s3("put_object_legal_hold", Bucket=bucket, Key=member, LegalHold={"Status": "ON"})
+    time.sleep(2.5)
+    res = prune(vault, KeepLatest(0), apply=True)
+    assert "legal hold" in res.refused["main@5"] and member.rsplit("/", 1)[-1] in res.refused["main@5"]
+    assert not res.deleted
+    fs.invalidate_cache()
+    after = fs.call_s3("list_object_versions", Bucket=bucket, Prefix="sharded/main@5/")
+    assert len(after["Versions"]) == len(listing["Versions"]) and not after.get("DeleteMarkers")  # manifest kept
+    _, rows = holdings(vault, verify=True)
+    assert [(r["ckpt_id"], r["pruned"], r["copy"]) for r in rows] == [("main@5", False, "ok"), ("main@10", False, "ok")]
+    # the hold lifted, the same prune deletes the directory, every version of every file
+    fs.call_s3("put_object_legal_hold", Bucket=bucket, Key=member, LegalHold={"Status": "OFF"})
+    res = prune(vault, KeepLatest(0), apply=True)
+    assert res.deleted == ["main@5"] and not res.refused
+    fs.invalidate_cache()
+    gone = fs.call_s3("list_object_versions", Bucket=bucket, Prefix="sharded/main@5/")
+    assert not gone.get("Versions") and not gone.get("DeleteMarkers")
+    s3fs.S3FileSystem.clear_instance_cache()

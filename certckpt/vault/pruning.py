@@ -191,13 +191,16 @@ def _names_in(directory: str) -> list[str]:
 
 
 def _locked(site: VaultSite, url: str) -> str | None:
-    """The Object Lock retention that still protects the current version of ``url``, else None."""
+    """The Object Lock retention or legal hold that still protects the current version of ``url``,
+    else None (a legal hold has no date: it protects until someone with the right lifts it)."""
     fs, path = filesystem(url)
     bucket, key = path.split("/", 1)
     try:
         head = fs.call_s3("head_object", Bucket=bucket, Key=key)
     except Exception:
         return None  # gone or unreadable: the delete says what is wrong
+    if head.get("ObjectLockLegalHoldStatus") == "ON":
+        return "Object Lock legal hold (lift it with s3api put-object-legal-hold --legal-hold Status=OFF)"
     until = head.get("ObjectLockRetainUntilDate")
     if head.get("ObjectLockMode") and until is not None and until > datetime.datetime.now(datetime.timezone.utc):
         return f"Object Lock {head['ObjectLockMode']} retention until {until.isoformat()}"
