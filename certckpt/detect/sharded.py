@@ -38,6 +38,7 @@ passes (see ``docs/detection.md``, "Sharded training: FSDP2 and HSDP").
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -235,6 +236,7 @@ class ShardedAuditSession:
         self._names_by_id = {id(p): n for n, p in self.params}
         self._update: tuple[dict[str, Any], list[torch.Tensor]] | None = None  # inputs of the audited step
         self._update_checked = False  # the first update audit also recomputes the rank's own step
+        self._update_skip_warned = False
         self._recorder: GradientRecorder | None = None
         if problem is None and loss_fn is not None:
             try:
@@ -569,7 +571,14 @@ class ShardedAuditSession:
         gone = any(p.grad is None for p in params)
         flags = all_gather_bytes(b"1" if gone else b"0", group=self.group, wire_device=self.wire_device)
         if b"1" in flags:  # zero_grad ran before after_update on some rank: nothing to recompute from
-            self._event("replay", "pass", step=s, phase="update", skipped="gradients dropped before after_update")
+            if not self._update_skip_warned:
+                self._update_skip_warned = True
+                warnings.warn(
+                    f"certckpt: step {s}: the optimizer step could not be recomputed (its gradients were dropped"
+                    " before after_update()); call opt.zero_grad() after session.after_update()",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
             return True
         items = [item for g in inputs["groups"] for item in g["params"]]
         for item, p in zip(items, params):
