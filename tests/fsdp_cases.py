@@ -153,6 +153,7 @@ def replay_audit(args):
             loss_fn=args.get("replay_loss", _loss) if "replay_scale" not in args else _scaled_loss(args),
             audit_every=args["audit_every"],
             on_fault=args.get("on_fault", "continue"),
+            audit_updates=args.get("audit_updates"),
         )
     except AuditSetupError as e:
         return {"setup_error": str(e)}

@@ -110,7 +110,20 @@ def test_a_wrong_optimizer_step_on_a_1d_mesh_is_caught_by_the_update_replay_and_
     fault = {"kind": "update", "rank": 1, "step": 4}
     out, events = _run(tmp_path, mesh=[4], audit_every=2, steps=5, fault=fault)
     assert all(all(s["agreed"] for s in r["steps"]) for r in out)  # the consensus never noticed
-    (ev,) = [e for e in events if e["outcome"] == "fail"]
+    _check_update_failure(tmp_path, events)
+
+
+@pytest.mark.slow
+def test_on_two_replicas_the_update_replay_names_the_rank_a_consensus_tie_cannot(tmp_path):
+    fault = {"kind": "update", "rank": 1, "step": 4}
+    out, events = _run(tmp_path, mesh=[2, 2], audit_every=2, steps=4, fault=fault, audit_updates=True)
+    (tie,) = [e for e in events if e["kind"] == "consensus" and e["outcome"] == "fail"]
+    assert tie["step"] == 4 and tie["suspect_ranks"] == [] and tie["details"]["candidates"] == [1, 3]
+    _check_update_failure(tmp_path, events)
+
+
+def _check_update_failure(tmp_path, events):
+    (ev,) = [e for e in events if e["outcome"] == "fail" and e["kind"] == "replay"]
     assert ev["kind"] == "replay" and ev["details"]["phase"] == "update" and ev["step"] == 4
     assert ev["suspect_ranks"] == [1] and ev["contained"] is False  # the update was applied
     assert ev["details"]["failed"] == [{"origin": 1, "replayer": 2}]
