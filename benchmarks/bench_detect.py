@@ -268,7 +268,8 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
     # comm hook, without the non-finite flags).
     import certckpt.detect.auditor as auditor_mod
     import certckpt.detect.hook as hook_mod
-    import certckpt.detect.session as session_mod  # the replay and its signatures live here since AuditSession
+    import certckpt.detect.replay as replay_mod  # the replay and its signatures (AuditSession's RingReplay)
+    import certckpt.detect.session as session_mod  # the ring shift of the step's micro-batches
 
     reps = args["reps"]
 
@@ -333,7 +334,7 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
     def sig_timed(*a, **k):
         return timed("replay_signature" if in_replay[0] else "hook_signature", sig_fn)(*a, **k)
 
-    auditor_mod.signature = hook_mod.signature = session_mod.signature = sig_timed
+    auditor_mod.signature = hook_mod.signature = replay_mod.signature = sig_timed
     ring_cls = auditor_mod.RingShift
 
     class TimedRingShift(ring_cls):  # its three calls: posting, posting the payload, the wait left at the end
@@ -347,7 +348,7 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
             return timed("ring_shift", super().finish)()
 
     auditor_mod.RingShift = session_mod.RingShift = TimedRingShift
-    auditor_mod.nonfinite_flag = hook_mod.nonfinite_flag = session_mod.nonfinite_flag = timed(
+    auditor_mod.nonfinite_flag = hook_mod.nonfinite_flag = replay_mod.nonfinite_flag = timed(
         "nonfinite_flags", auditor_mod.nonfinite_flag
     )
     wrapped = [("_replay", "replay"), ("_replay_audit", "replay_audit"), ("weight_consensus", "consensus")]
@@ -373,7 +374,7 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
         hb = _item(rank, hooked_b, bsz, widths, micro)
         record("torch_hook_step", lambda hb=hb: hooked_step(hb))
     auditor_mod.signature, auditor_mod.RingShift, auditor_mod.nonfinite_flag = sig_fn, ring_cls, nonfinite_flag
-    session_mod.signature, session_mod.RingShift, session_mod.nonfinite_flag = sig_fn, ring_cls, nonfinite_flag
+    replay_mod.signature, session_mod.RingShift, replay_mod.nonfinite_flag = sig_fn, ring_cls, nonfinite_flag
     hook_mod.signature, hook_mod.nonfinite_flag = sig_fn, nonfinite_flag
     for attr, _ in wrapped:
         delattr(aud, attr)

@@ -15,19 +15,21 @@ A framework that owns the loop (Lightning, the Hugging Face ``Trainer``) calls t
 callbacks; its backward divides each micro-batch's loss by its accumulation count, so the hook
 averages the reduced buckets over the ranks as DDP does. ``certckpt.detect.auditor.Auditor`` is
 the loop certckpt runs itself (``train_step``), built on the same session.
+
+The checks themselves are mixins the session inherits, one module each: ``setup_checks``
+(the set-up refusals), ``nonfinite`` (check 1), ``replay`` (check 2, the ring replay) and
+``consensus`` (check 3, the weight consensus); ``evidence`` holds what the session reports.
+This module is their public home: it re-exports the names callers import from it.
 """
 
 from __future__ import annotations
 
-import copy
 import json
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import xxhash
 from torch.nn.parallel import DistributedDataParallel
 
 from certckpt.errors import (
@@ -35,23 +37,24 @@ from certckpt.errors import (
     CertckptError,
     ConfigurationError,
     FaultDetectedError,
-    UnsupportedObjectError,
 )
-from certckpt.format.fingerprinting import as_words, finalize, raw_sum
-from certckpt.format.record import state_fingerprint
 from certckpt.format.signing import signing_key_for
 from certckpt.format.writer import save_certified
 from certckpt.trust.incident import incident_id_for
 from certckpt.trust.ledger import Ledger, LedgerSink
 
 from .agreement import all_gather_bytes, refuse_together, wire_device_for
-from .attribution import arbitration_plan, attribute_replay, consensus_verdict, ring_pairs
+from .consensus import WeightConsensus, consensus_buffers
 from .digest import digests
 from .events import AuditEvent, EventSink, MemorySink, make_event, publish, rank_inventory
-from .exchange import RingShift, check_shippable, recv_payload, send_payload
-from .hook import HookState, comm_hook, hand_over_possible, lazy_pre_possible, nonfinite_flag
+from .evidence import CheckpointEvidence, StepOutcome
+from .exchange import RingShift
+from .hook import HookState, comm_hook, hand_over_possible, lazy_pre_possible
 from .inject import Injector
-from .signature import Probes, matches, signature
+from .nonfinite import NonFiniteCheck
+from .replay import RingReplay, restore_rng
+from .setup_checks import SetupChecks, option_problem
+from .signature import Probes
 
 __all__ = [
     "AuditSession",
@@ -66,68 +69,6 @@ __all__ = [
 _MAX_LINEAGE = 100_000  # audit results kept for one checkpoint's lineage (a bound, not a design limit)
 
 
-@dataclass(slots=True)
-class StepOutcome:
-    """What happened at one step (``auditor.last``)."""
-
-    step: int
-    applied: bool = True
-    audited: bool = False
-    events: list[AuditEvent] = field(default_factory=list)
-    grad_norm: torch.Tensor | None = None  # the total norm before clipping, with clip_grad_norm
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class CheckpointEvidence:
-    """What a checkpoint taken at ``step`` carries (``AuditSession.checkpoint_evidence``).
-
-    Attributes:
-        step: the optimizer step the weights follow.
-        run, branch, parent: the run's identity and the checkpoint this branch resumed from.
-        step_range: the steps since the previous checkpoint, ``[first, step]``.
-        lineage: the audits since the previous checkpoint (the record's ``lineage``).
-        consensus_fp: the state fingerprint every replica agreed on at ``step`` (None: no agreement).
-        known_fingerprints: tensor identity -> (name, fingerprint hex) of the agreed tensors, so that
-            the writer does not fingerprint them again.
-        tensor_fps: ``{name: fingerprint hex}`` of the agreed tensors under the names the checkpoint
-            stores them (a sharded run's DCP names), so that a writer can name what differs.
-    """
-
-    step: int
-    run: str
-    branch: str
-    parent: str | None
-    step_range: list[int]
-    lineage: dict[str, Any]
-    consensus_fp: str | None
-    known_fingerprints: dict[tuple, tuple[str, str]]
-    tensor_fps: dict[str, str] = field(default_factory=dict)
-
-    def save_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of ``certckpt.format.writer.save_certified`` for this checkpoint."""
-        return {
-            "step": self.step,
-            "run": self.run,
-            "branch": self.branch,
-            "parent": self.parent,
-            "step_range": list(self.step_range),
-            "lineage": copy.deepcopy(self.lineage),  # the writer adds to it; each file gets its own
-            "consensus_fp": self.consensus_fp,
-            "known_fingerprints": self.known_fingerprints,
-        }
-
-
-def restore_rng(state: dict[str, torch.Tensor], device: torch.device) -> None:
-    """Set the RNG states a micro-batch was computed with (as ``Auditor._rng_state`` took them).
-
-    The neighbour's states travel with its micro-batch and arrive on the wire device (CUDA under
-    NCCL, the model's device under gloo); torch's setters accept only a CPU ByteTensor.
-    """
-    torch.set_rng_state(state["cpu"].to(device="cpu", dtype=torch.uint8))
-    if "cuda" in state and device.type == "cuda":
-        torch.cuda.set_rng_state(state["cuda"].to(device="cpu", dtype=torch.uint8), device)
-
-
 def unwrap_compiled(model: Any) -> tuple[bool, Any]:
     """``(compiled, ddp)``: ``torch.compile(DDP(m))`` is an ``OptimizedModule`` around the DDP model.
 
@@ -140,75 +81,7 @@ def unwrap_compiled(model: Any) -> tuple[bool, Any]:
     return False, model
 
 
-_PER_RANK_NORMS = (
-    torch.nn.BatchNorm1d,
-    torch.nn.BatchNorm2d,
-    torch.nn.BatchNorm3d,
-    torch.nn.InstanceNorm1d,
-    torch.nn.InstanceNorm2d,
-    torch.nn.InstanceNorm3d,
-)
-
-
-def consensus_buffers(module: torch.nn.Module, *, broadcast: bool) -> tuple[list[str], list[torch.Tensor]]:
-    """The floating-point buffers every replica must hold identically at a consensus step.
-
-    With DDP's ``broadcast_buffers=True`` all of them (the auditor broadcasts rank 0's copy first,
-    as DDP's next forward would). Without it, the running statistics of (non-synchronised) batch
-    and instance norms are each rank's own by design, so they stay out; ``SyncBatchNorm``'s
-    statistics are computed over all ranks and stay in, as do constant buffers.
-    """
-    per_rank: set[int] = set()
-    if not broadcast:
-        for m in module.modules():
-            if isinstance(m, _PER_RANK_NORMS) and getattr(m, "track_running_stats", False):
-                per_rank |= {id(m.running_mean), id(m.running_var)}
-    named = [(n, b) for n, b in module.named_buffers() if b.is_floating_point() and id(b) not in per_rank]
-    return [n for n, _ in named], [b for _, b in named]
-
-
-def _option_problem(
-    ddp: Any,
-    *,
-    mode: str,
-    on_nonfinite: str,
-    on_fault: str,
-    exchange_flags: str,
-    audit_every: int,
-    consensus_every: int | None,
-    clip_grad_norm: float | None,
-    before_optimizer_step: Any,
-    grad_scaler: Any,
-    replay_micro_batches: int | None,
-) -> str | None:
-    """What is wrong with the Auditor's arguments on this rank (None: nothing)."""
-    if not isinstance(ddp, DistributedDataParallel):
-        return (
-            f"model must be a DistributedDataParallel (or torch.compile of one), got {type(ddp).__name__};"
-            " wrap it: Auditor(DDP(model), ...)"
-        )
-    if mode not in ("deterministic", "tolerance"):
-        return f"mode must be 'deterministic' or 'tolerance', got {mode!r}"
-    if on_nonfinite not in ("raise", "skip") or on_fault not in ("raise", "continue"):
-        return "on_nonfinite must be 'raise' or 'skip'; on_fault 'raise' or 'continue'"
-    if exchange_flags not in ("on-failure", "every-step"):
-        return f"exchange_flags must be 'on-failure' or 'every-step', got {exchange_flags!r}"
-    if audit_every < 1 or (consensus_every is not None and consensus_every < 1):
-        return "audit_every and consensus_every must be >= 1"
-    if clip_grad_norm is not None and not (isinstance(clip_grad_norm, (int, float)) and clip_grad_norm > 0):
-        return f"clip_grad_norm must be a positive number (the max norm) or None, got {clip_grad_norm!r}"
-    if before_optimizer_step is not None and not callable(before_optimizer_step):
-        return "before_optimizer_step must be callable as fn(module, optimizer)"
-    if grad_scaler is not None and not all(
-        callable(getattr(grad_scaler, name, None)) for name in ("scale", "unscale_", "step", "update", "get_scale")
-    ):
-        return f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}"
-    if replay_micro_batches is not None and not (isinstance(replay_micro_batches, int) and replay_micro_batches >= 1):
-        return f"replay_micro_batches must be None (all) or an int >= 1, got {replay_micro_batches!r}"
-    return None
-
-
-class AuditSession:
+class AuditSession(SetupChecks, NonFiniteCheck, RingReplay, WeightConsensus):
     """The checks of one DDP run, called at the hook points of a loop (see the module docstring).
 
     Every rank constructs one (a collective: the ranks agree on the set-up or all refuse together)
@@ -331,7 +204,7 @@ class AuditSession:
         # Every rank validates, then all decide together: a refusal on some ranks only would leave
         # the others waiting in the next collective.
         refuse_together(
-            _option_problem(
+            option_problem(
                 ddp,
                 mode=mode,
                 on_nonfinite=on_nonfinite,
@@ -432,55 +305,7 @@ class AuditSession:
         if ledger is not None and parent is not None and self.rank == 0:
             ledger.start_branch(branch, parent=parent)
 
-    def _check_resumed_weights(self, expected: str) -> None:
-        """Every replica's weights at ``start_step`` must be the checkpoint resumed from: they agree
-        (a disagreement is a fault, as at any consensus) and their state fingerprint is ``expected``.
-        Every rank computes the same agreed value, so every rank refuses together."""
-        self.weight_consensus(self.step, found_by="resume", fingerprints=True)
-        agreed = self._consensus[2] if self._consensus and self._consensus[0] == self.step else None
-        if agreed != expected:
-            raise AuditSetupError(
-                f"the weights loaded for step {self.step} have consensus fingerprint {agreed}, but the checkpoint "
-                f"resumed from ({self.parent or 'the parent'}) recorded {expected}: load that checkpoint's state "
-                "(model and buffers) into every replica before creating the auditor"
-            )
-
-    # --- set-up checks ----------------------------------------------------------------------
-
-    def _check_world_agrees(self) -> None:
-        """Every rank must have the same parameters and the same audit configuration.
-
-        Every rank raises the same message, naming the groups of ranks that agree with each other.
-        """
-        desc = json.dumps(
-            [
-                self.audit_every,
-                self.consensus_every,
-                self.mode,
-                self.exchange_flags,
-                self.clip_grad_norm,
-                self.before_optimizer_step is not None,
-                self.grad_scaler is not None,
-                self.replay_micro_batches,
-                [(n, list(p.shape), str(p.dtype)) for n, p in zip(self.param_names, self.params)],
-                [(n, list(b.shape), str(b.dtype)) for n, b in zip(self.buffer_names, self.buffers)],
-            ]
-        ).encode()
-        mine = torch.tensor(
-            [xxhash.xxh3_64_intdigest(desc) & ((1 << 62) - 1)], dtype=torch.int64, device=self.wire_device
-        )
-        allv = [torch.empty_like(mine) for _ in range(self.world)]
-        dist.all_gather(allv, mine, group=self.group)
-        values = [int(v) for v in allv]
-        if len(set(values)) != 1:
-            groups: dict[int, list[int]] = {}
-            for r, v in enumerate(values):
-                groups.setdefault(v, []).append(r)
-            sides = " vs ".join(str(g) for g in sorted(groups.values()))
-            raise AuditSetupError(
-                f"the ranks disagree on parameters or audit settings (ranks {sides});"
-                " every rank must build the same model and Auditor(audit_every=..., mode=..., clip_grad_norm=...)"
-            )
+    # --- gathering from every rank ----------------------------------------------------------
 
     def _gather_inventory(self) -> dict[str, dict[str, Any]]:
         mine = json.dumps(rank_inventory(self.device)).encode()
@@ -489,6 +314,12 @@ class AuditSession:
 
     def _all_gather_bytes(self, data: bytes) -> list[bytes]:
         return all_gather_bytes(data, group=self.group, wire_device=self.wire_device)
+
+    def _gather_rows(self, mine: torch.Tensor) -> list[torch.Tensor]:
+        wire = mine.to(self.wire_device)
+        out = [torch.empty_like(wire) for _ in range(self.world)]
+        dist.all_gather(out, wire, group=self.group)
+        return [o.cpu() for o in out]
 
     # --- events -----------------------------------------------------------------------------
 
@@ -638,82 +469,6 @@ class AuditSession:
             if consensus_ok:
                 self.last_clean_audit = s
 
-    def _check_seal(self) -> None:
-        """On the broadcast source: flag every buffer that changed since the last forward sealed it
-        (device-side, no host synchronisation; the flags are read at the next consensus)."""
-        if self._seal is None:
-            return
-        bad = digests(self.buffers) != self._seal
-        self._seal_bad = bad if self._seal_bad is None else self._seal_bad | bad
-
-    def _broadcast_buffers(self) -> None:
-        """Rank 0's buffers to every rank, as DDP's next synced forward would broadcast them.
-
-        Done early at a consensus step, so that every replica holds the buffers the next step will
-        use and their agreement (and the fingerprints a checkpoint reuses) can be checked.
-        """
-        src = dist.get_global_rank(self.group, 0)
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for b in self.buffers:
-            by_dtype.setdefault(b.dtype, []).append(b)
-        for same in by_dtype.values():
-            flat = torch.cat([b.detach().reshape(-1) for b in same]).to(self.wire_device)
-            dist.broadcast(flat, src, group=self.group)
-            if self.rank != 0:
-                with torch.no_grad():
-                    offset = 0
-                    for b in same:
-                        b.copy_(flat[offset : offset + b.numel()].view_as(b))
-                        offset += b.numel()
-
-    def _first_step_checks(self, units: list[Any], micro: bool) -> None:
-        """Refuse, on every rank together, a batch that cannot travel or a model that is not deterministic."""
-        reason = None
-        try:
-            check_shippable(units if micro else units[0])
-        except UnsupportedObjectError as e:
-            reason = str(e)
-        refuse_together(
-            reason,
-            group=self.group,
-            wire_device=self.wire_device,
-            what="the first step's batch",
-            error=UnsupportedObjectError,
-        )
-        if self.check_determinism:
-            self._check_deterministic(units, micro)
-
-    def _read_flags(self) -> tuple[list[int], list[int]] | None:
-        """None on a clean step; else per rank ``(pre-reduce flags, post-reduce flags)``.
-
-        A non-finite value in any rank's local gradients survives the averaging (NaN and Inf
-        propagate through a sum), so a post flag is set whenever any pre flag is; and it is equal on
-        every rank whenever the reduction delivers the same values to all. So by default
-        (``exchange_flags="on-failure"``) a clean step exchanges nothing: reading the post flags is
-        the step's only host synchronisation, and only a failing step all-reduces the flags to learn
-        which rank (if any) produced the bad values. A reduction that delivers non-finite values to
-        some ranks only breaks that assumption: those ranks enter an exchange the others never join
-        (gloo aborts on the mismatched collective, NCCL times out). ``exchange_flags="every-step"``
-        pays one small all-reduce per step so that every rank always learns every rank's flags, and
-        such a fault becomes a contained detection on all ranks.
-        """
-        hook = self._hook
-        post_local = bool(torch.stack(hook.post).any()) if hook.post else False
-        if not post_local and self.exchange_flags == "on-failure":
-            return None
-        flags = torch.zeros(2 * self.world, dtype=torch.int32, device=self.wire_device)
-        if post_local:
-            flags[self.world + self.rank] = 1
-            if hook.pre:  # eager: every bucket's; lazy: those of the buckets that came back non-finite
-                flags[self.rank] = torch.stack(hook.pre).any().to(self.wire_device)
-        elif hook.pre:  # every-step exchange with eager pre-checks
-            flags[self.rank] = torch.stack(hook.pre).any().to(self.wire_device)
-        dist.all_reduce(flags, group=self.group)
-        values = flags.tolist()
-        if not any(values):
-            return None
-        return values[: self.world], values[self.world :]
-
     def _zero_grad(self) -> None:
         """Drop every trained parameter's gradient, the optimizer's and any it does not own.
 
@@ -748,449 +503,7 @@ class AuditSession:
             state["cuda"] = torch.cuda.get_rng_state(self.device)
         return state
 
-    # --- check 1: non-finite ------------------------------------------------------------------
-
-    def _scaler_nonfinite(
-        self, s: int, flags: tuple[list[int], list[int]], units: list[Any], micro: bool, rng: dict[str, torch.Tensor]
-    ) -> None:
-        """A non-finite step under a gradient scaler: an overflow (the scaler's business) or a fault.
-
-        Each rank whose local gradients were non-finite ships its micro-batches and RNG state to
-        the next rank, which recomputes them with its own copy of the weights and the same scale.
-        Non-finite again on every flagged rank's neighbour: the scale overflowed, as it does by
-        design; the scaler skips the update and backs its scale off, and an ``overflow`` event
-        (outcome pass) records it. Finite on a neighbour: that rank's own computation went wrong,
-        a ``nonfinite-pre`` detection naming it, the update dropped and the scale left alone.
-        Non-finite reduced gradients from finite local ones are a detection as without a scaler.
-        """
-        pre = [r for r, f in enumerate(flags[0]) if f]
-        if not pre:
-            self._nonfinite_detected(s, flags)
-            return
-        verdict = torch.zeros(self.world, dtype=torch.int64, device=self.wire_device)  # 1: finite on replay
-        for origin in pre:
-            replayer = (origin + 1) % self.world
-            payload = {"units": units, "micro": micro, "rng": rng}
-            if self.world == 1:
-                got = payload  # one rank: the same device recomputes (a transient fault only shows)
-            elif self.rank == origin:
-                send_payload(
-                    payload, dist.get_global_rank(self.group, replayer), group=self.group, wire_device=self.wire_device
-                )
-                continue
-            elif self.rank == replayer:
-                got = recv_payload(
-                    dist.get_global_rank(self.group, origin),
-                    group=self.group,
-                    wire_device=self.wire_device,
-                    out_device=self.device,
-                )
-            else:
-                continue
-            bad = self._replay(self.model.module, got["units"], bool(got["micro"]), got["rng"], s, finite=True)
-            verdict[origin] = 0 if bool(bad) else 1
-        dist.all_reduce(verdict, group=self.group)
-        faulty = [r for r in pre if int(verdict[r])]
-        if faulty:
-            self._nonfinite_detected(s, flags, faulty=faulty, overflow_replayed=[r for r in pre if r not in faulty])
-            return
-        scale = float(self.grad_scaler.get_scale())
-        self.grad_scaler.step(self.optimizer)  # finds the Inf/NaN itself and skips the update
-        self.grad_scaler.update()
-        self.last.applied = False
-        self._overflows += 1
-        self._event(
-            "overflow",
-            "pass",
-            step=s,
-            contained=True,
-            pre_ranks=pre,
-            replayed_by=[(r + 1) % self.world for r in pre],
-            scale=scale,
-            new_scale=float(self.grad_scaler.get_scale()),
-        )
-
-    def _nonfinite_detected(
-        self, s: int, flags: tuple[list[int], list[int]], *, faulty: list[int] | None = None, **extra: Any
-    ) -> None:
-        """Record (and, by policy, raise) a non-finite detection; ``faulty``: with a gradient scaler,
-        the flagged ranks whose micro-batches a neighbour recomputed finite (the others overflowed)."""
-        self.last.applied = False
-        pre = [r for r, f in enumerate(flags[0]) if f]
-        post = [r for r, f in enumerate(flags[1]) if f]
-        bad = [
-            n for n, p in zip(self.param_names, self.params) if p.grad is not None and not torch.isfinite(p.grad).all()
-        ]
-        if pre:
-            kind, suspects = "nonfinite-pre", pre if faulty is None else faulty
-            msg = f"non-finite local gradients on rank(s) {suspects} before the all-reduce"
-            if faulty is not None:
-                msg += " (a neighbour recomputed the same micro-batches with finite gradients: not an overflow)"
-        else:
-            kind, suspects = "nonfinite-post", []
-            msg = (
-                f"gradients became non-finite in the all-reduce (seen on rank(s) {post}) while every rank's local"
-                " gradients were finite: suspect the reduction (interconnect, or a rank's reduction arithmetic)"
-            )
-        ev = self._event(
-            kind,
-            "fail",
-            step=s,
-            suspects=suspects,
-            contained=True,
-            pre_ranks=pre,
-            post_ranks=post,
-            tensors=bad[:20],
-            policy=self.on_nonfinite,
-            **extra,
-        )
-        self._zero_grad()
-        self._fail(ev, msg + "; the update was not applied", policy="raise" if self.on_nonfinite == "raise" else "skip")
-
-    # --- check 2: ring replay -------------------------------------------------------------------
-
-    def _replay(
-        self,
-        module: torch.nn.Module,
-        units: list[Any],
-        micro: bool,
-        rng: dict[str, torch.Tensor],
-        s: int,
-        *,
-        finite: bool = False,
-        n_total: int | None = None,
-        rngs: Sequence[dict[str, torch.Tensor]] | None = None,
-    ) -> torch.Tensor:
-        """Gradient signature of one step's micro-batches recomputed on this rank, leaving .grad and
-        buffers alone.
-
-        One batch: each parameter's gradient is signed by a tensor hook as soon as backward
-        produces it, and the hook hands autograd a zero-stride placeholder instead, so the gradient
-        is freed at once: only one parameter's gradient is alive at a time. Keeping all of them
-        until the end (as ``autograd.grad`` would) means as much fresh memory as the model on every
-        audit, which on CPU costs a page fault per 4 KiB (about 12 ms per 36 MiB here) because the
-        allocator hands such a block back to the system after each audit.
-
-        Several micro-batches: the hook adds each gradient into a per-parameter accumulator, in
-        micro-batch order, as autograd accumulates ``.grad`` under ``no_sync`` (the same additions,
-        so the same bits), and the accumulators are signed at the end: one model's worth of memory
-        during the audit, one graph alive at a time.
-
-        ``finite=True`` (a gradient scaler's overflow check) returns one flag instead: True when
-        any recomputed gradient is non-finite. ``n_total``: the step's number of micro-batches when
-        ``units`` is a sample of them (each loss is divided by the step's count, as in training).
-        ``rngs``: the RNG state each micro-batch started with (a loop someone else runs may draw
-        random numbers between micro-batches, e.g. in its data pipeline); default: ``rng`` once.
-        """
-        buffers = [b.detach().clone() for b in module.buffers()]
-        devices = [self.device] if self.device.type == "cuda" else []
-        n = len(units)
-        scale_n = n_total or n
-        rows: list[torch.Tensor | None] = [None] * len(self.params)
-        acc: list[torch.Tensor | None] | None = [None] * len(self.params) if n > 1 else None
-
-        def probes_of(i: int) -> Probes | None:
-            return self._probes.subset([i]) if self._probes is not None else None
-
-        def sign(i: int, g: torch.Tensor) -> torch.Tensor:
-            if finite:
-                return nonfinite_flag(g)
-            return signature([g], mode=self.mode, probes=probes_of(i))[0]
-
-        def signer(i: int):
-            def hook(grad: torch.Tensor) -> torch.Tensor:
-                if acc is not None:
-                    if acc[i] is None:
-                        acc[i] = grad.detach().clone()
-                    else:
-                        acc[i].add_(grad.detach())
-                else:
-                    g = grad
-                    if self.injector is not None:  # drills only: a persistent fault corrupts replays too
-                        g = grad.detach().clone()
-                        self.injector.on_local_grads([self.param_names[i]], [g])
-                    rows[i] = sign(i, g.detach())
-                return torch.zeros((), dtype=grad.dtype, device=grad.device).expand_as(grad)
-
-            return hook
-
-        handles = [p.register_hook(signer(i)) for i, p in enumerate(self.params)]
-        try:
-            with torch.random.fork_rng(devices=devices):
-                restore_rng(rng, self.device)
-                if self.injector is not None:
-                    self.injector.begin(s, "replay")
-                for k, unit in enumerate(units):
-                    if rngs is not None and k:
-                        restore_rng(rngs[k], self.device)
-                    loss = self.loss_fn(module, unit)
-                    torch.autograd.grad(self._scaled(loss, n=scale_n, micro=micro), self.params, allow_unused=True)
-                    del loss
-        finally:
-            for h in handles:
-                h.remove()
-            with torch.no_grad():
-                for b, saved in zip(module.buffers(), buffers):
-                    b.copy_(saved)
-            if self.injector is not None:
-                self.injector.begin(s, "train")
-        if acc is not None:
-            if self.injector is not None:  # as in training: a backward fault hits the accumulated gradient
-                self.injector.begin(s, "replay")
-                present = [i for i, a in enumerate(acc) if a is not None]
-                self.injector.on_local_grads([self.param_names[i] for i in present], [acc[i] for i in present])
-                self.injector.begin(s, "train")
-            for i, a in enumerate(acc):
-                if a is not None:
-                    rows[i] = sign(i, a)
-                    acc[i] = None
-        for i, p in enumerate(self.params):
-            if rows[i] is None:  # unused in this forward: DDP's bucket holds zeros for it
-                rows[i] = sign(i, torch.zeros_like(p))
-        return torch.stack(rows).any() if finite else torch.stack(rows)
-
-    def _check_deterministic(self, units: list[Any], micro: bool) -> None:
-        """Replay the rank's own first step twice; refuse (on every rank together) if they differ."""
-        rng = self._rng_state()
-        module = self.model.module
-        a, b = self._replay(module, units, micro, rng, 0), self._replay(module, units, micro, rng, 0)
-        same = matches(a.cpu(), b.cpu(), mode="deterministic", rtol=0)
-        reason = None
-        if not all(same):
-            names = [n for n, ok in zip(self.param_names, same) if not ok][:5]
-            reason = f"gradients differ between two identical computations (e.g. {names})"
-        refuse_together(
-            reason,
-            group=self.group,
-            wire_device=self.wire_device,
-            what="the determinism check (deterministic mode)",
-            advice=(
-                "the replay restores torch's RNG state only, so the likely causes are: randomness drawn outside"
-                " torch inside the model or loss_fn (Python's random, numpy.random: draw from torch instead, e.g."
-                " torch.rand), state that changes between calls (a counter, a cache), or non-deterministic kernels"
-                " (enable torch.use_deterministic_algorithms(True)); Auditor(mode='tolerance') helps with the"
-                " last cause only"
-            ),
-        )
-
-    def _check_replay_path(
-        self,
-        s: int,
-        units: list[Any],
-        micro: bool,
-        rng: dict[str, torch.Tensor],
-        *,
-        n_total: int | None = None,
-        rngs: Sequence[dict[str, torch.Tensor]] | None = None,
-    ) -> None:
-        """Replay this rank's own step and compare with its training gradients (first clean step).
-
-        This is the comparison every audit makes between two ranks, made on one rank with the same
-        weights, so that a set-up the audits would always flag is refused at once, on every rank.
-        """
-        self._path_check_pending = False
-        local = torch.stack([self._hook.local_sig[i] for i in range(len(self.params))])
-        again = self._replay(self.model.module, units, micro, rng, s, n_total=n_total, rngs=rngs)
-        same = matches(again.cpu(), local.cpu(), mode=self.mode, rtol=self.rtol)
-        reason = None
-        if not all(same):
-            names = [n for n, ok in zip(self.param_names, same) if not ok][:5]
-            reason = f"the replay of the first step gives other gradients than training did (e.g. {names})"
-        refuse_together(
-            reason,
-            group=self.group,
-            wire_device=self.wire_device,
-            what="the replay check",
-            advice=(
-                "a replay calls loss_fn(model.module, batch) on the bare module, outside DDP and outside a"
-                " torch.compile wrapped around DDP; likely causes: a loss_fn that treats the bare module"
-                " differently, a compiler that changes the arithmetic (compile inside DDP instead,"
-                " DDP(torch.compile(model)), or use Auditor(mode='tolerance')), a forward that reads the buffers"
-                " it updates, or randomness drawn outside torch"
-            ),
-        )
-
-    def _replay_audit(
-        self, s: int, units: list[Any], micro: bool, rng: dict[str, torch.Tensor], prev: dict[str, Any]
-    ) -> bool:
-        """Run the ring replay of ``prev`` (the previous rank's micro-batches and RNG state); returns
-        whether the update may be applied."""
-        if self._sample_sig is not None:
-            local = self._sample_sig
-        else:
-            local = torch.stack([self._hook.local_sig[i] for i in range(len(self.params))])
-        replay = self._replay(
-            self.model.module,
-            prev["units"],
-            bool(prev["micro"]),
-            prev["rng"],
-            s,
-            n_total=int(prev["n"]),
-            rngs=prev.get("rngs"),
-        )
-        gathered = self._gather_rows(torch.stack([local, replay]))  # [W, 2, P, ...]
-        failed, mismatched = [], {}
-        for origin, replayer in ring_pairs(self.world):
-            ok = matches(gathered[replayer][1], gathered[origin][0], mode=self.mode, rtol=self.rtol)
-            if not all(ok):
-                failed.append((origin, replayer))
-                mismatched[f"{origin}->{replayer}"] = [n for n, good in zip(self.param_names, ok) if not good][:10]
-        if not failed:
-            self._event(
-                "replay",
-                "pass",
-                step=s,
-                comparisons=len(ring_pairs(self.world)),
-                mode=self.mode,
-                micro_batches=len(units),
-            )
-            return True
-        self.last.applied = False
-        # A replay can only be trusted between replicas that hold the same weights: check first.
-        if not self.weight_consensus(s - 1, found_by="replay precondition"):
-            self._zero_grad()
-            return False
-        arbitration = self._arbitrate(s, failed, self._audit_payload, gathered)
-        verdict = attribute_replay(self.world, failed, arbitration)
-        ev = self._event(
-            "replay",
-            "fail",
-            step=s,
-            suspects=verdict.suspects,
-            contained=False,
-            mode=self.mode,
-            micro_batches=len(units),
-            failed=[{"origin": o, "replayer": r} for o, r in failed],
-            mismatched=mismatched,
-            arbitration={f"{o}->{r}": v for (o, r), v in arbitration.items()},
-            notes=list(verdict.notes),
-        )
-        self._zero_grad()
-        who = f"rank(s) {list(verdict.suspects)}" if verdict.suspects else "no rank could be named"
-        self._fail(ev, f"replay audit failed ({who}); the update was not applied", policy=self.on_fault)
-        return False
-
-    def _gather_rows(self, mine: torch.Tensor) -> list[torch.Tensor]:
-        wire = mine.to(self.wire_device)
-        out = [torch.empty_like(wire) for _ in range(self.world)]
-        dist.all_gather(out, wire, group=self.group)
-        return [o.cpu() for o in out]
-
-    def _arbitrate(self, s, failed, payload, gathered) -> dict[tuple[int, int], str]:
-        """For each failed comparison no persistent fault explains, a third rank replays the batch."""
-        results: dict[tuple[int, int], str] = {}
-        for origin, replayer, arbiter in arbitration_plan(self.world, failed):
-            if self.rank == origin:
-                send_payload(
-                    payload,
-                    dist.get_global_rank(self.group, arbiter),
-                    group=self.group,
-                    wire_device=self.wire_device,
-                )
-                sig = torch.zeros_like(gathered[origin][1])
-            elif self.rank == arbiter:
-                got = recv_payload(
-                    dist.get_global_rank(self.group, origin),
-                    group=self.group,
-                    wire_device=self.wire_device,
-                    out_device=self.device,
-                )
-                sig = self._replay(
-                    self.model.module,
-                    got["units"],
-                    bool(got["micro"]),
-                    got["rng"],
-                    s,
-                    n_total=int(got["n"]),
-                    rngs=got.get("rngs"),
-                ).cpu()
-            else:
-                sig = torch.zeros_like(gathered[origin][1])
-            wire = sig.to(self.wire_device)
-            dist.broadcast(wire, dist.get_global_rank(self.group, arbiter), group=self.group)
-            arb = wire.cpu()
-            with_origin = all(matches(arb, gathered[origin][0], mode=self.mode, rtol=self.rtol))
-            with_replayer = all(matches(arb, gathered[replayer][1], mode=self.mode, rtol=self.rtol))
-            results[(origin, replayer)] = "origin" if with_origin else "replayer" if with_replayer else "neither"
-        return results
-
-    # --- check 3: weight consensus ----------------------------------------------------------------
-
-    def weight_consensus(self, s: int, *, found_by: str | None = None, fingerprints: bool = False) -> bool:
-        """Compare every replica's weights; returns whether they agree.
-
-        Audits compare 32-bit audit digests (``digest.py``). A checkpoint step (``fingerprints=True``)
-        compares the 64-bit fingerprints instead, which the checkpoint writer then reuses, and its
-        pass event carries the state fingerprint the certifier matches against the file.
-        """
-        state = [p.detach() for p in self.params]
-        names = list(self.param_names)
-        if self.buffers:
-            if self._seal_source:
-                self._check_seal()
-            if self._bcast_buffers:
-                self._broadcast_buffers()
-            state += [b.detach() for b in self.buffers]
-            names += self.buffer_names
-        if not state:
-            raw = torch.zeros(0, dtype=torch.int64)
-        elif fingerprints:
-            raw = torch.stack([raw_sum(as_words(t)) for t in state])
-        else:
-            raw = digests(state)
-        columns = list(names)
-        if self._bcast_buffers and self.buffers:
-            # The broadcast source's seal flags vote too: only rank 0 can set them, so a broken seal
-            # makes rank 0 the minority, naming the buffer that changed outside a forward.
-            bad = self._seal_bad if self._seal_bad is not None else torch.zeros(len(self.buffers), dtype=torch.bool)
-            raw = torch.cat([raw, bad.to(device=raw.device, dtype=torch.int64)])
-            columns += [f"{n} (changed on the broadcast source outside a forward)" for n in self.buffer_names]
-            self._seal_bad = None  # reported once; the seal restarts from the values held now
-            if self._seal_source:
-                self._seal = digests(self.buffers)
-        rows = [r.tolist() for r in self._gather_rows(raw)]
-        verdict = consensus_verdict(rows)
-        if verdict.agreed:
-            details: dict[str, Any] = {"params": len(self.params)}
-            if self.buffers:
-                details["buffers"] = len(self.buffers)
-            if fingerprints:
-                fps = {n: f"{finalize(r, t):016x}" for n, r, t in zip(names, rows[0], state)}
-                details["fp"] = state_fingerprint(fps)
-                self._consensus = (s, fps, details["fp"])
-            if found_by is None:
-                self._event("consensus", "pass", step=s, **details)
-            return True
-        names = [columns[j] for j in verdict.mismatched][:20]
-        if self.last is not None and found_by is None:
-            self.last.applied = False
-        ev = self._event(
-            "consensus",
-            "fail",
-            step=s,
-            suspects=verdict.minority_ranks if verdict.majority is not None else (),
-            contained=False,
-            tensors=names,
-            majority=verdict.majority is not None,
-            **({"found_by": found_by} if found_by else {}),
-            **({} if verdict.majority is not None else {"note": "no majority: every rank differs (or a tie)"}),
-        )
-        self._consensus = None
-        minority = list(verdict.minority_ranks) if verdict.majority is not None else "no majority"
-        self._fail(
-            ev,
-            f"weights differ across replicas after step {s} (minority: {minority}; tensors {names[:3]})",
-            policy=self.on_fault,
-        )
-        return False
-
     # --- checkpoints --------------------------------------------------------------------------
-
-    def consensus_fingerprints(self) -> dict[str, str] | None:
-        """Per-parameter fingerprints every replica agreed on at the current step, if checked."""
-        if self._consensus and self._consensus[0] == self.step:
-            return dict(self._consensus[1])
-        return None
 
     def _evidence(self, s: int) -> CheckpointEvidence:
         """What a checkpoint at step s carries, from the consensus at s (run it first)."""

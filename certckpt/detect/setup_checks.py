@@ -1,0 +1,140 @@
+"""The set-up refusals of a DDP audit session, which every rank makes together.
+
+Before the first step can be trusted, the session checks that its options make sense
+(``option_problem``), that every rank built the same model with the same audit settings, that
+resumed weights are the checkpoint resumed from, and, at the first step, that the batch can travel
+to a neighbour and the model computes deterministically. A refusal is collective: every rank raises
+the same error, so that none is left waiting in the next collective. ``SetupChecks`` is a mixin of
+``session.AuditSession`` and works on the session's attributes.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import xxhash
+from torch.nn.parallel import DistributedDataParallel
+
+from certckpt.errors import AuditSetupError, UnsupportedObjectError
+
+from .agreement import refuse_together
+from .exchange import check_shippable
+
+__all__ = ["SetupChecks", "option_problem"]
+
+
+def option_problem(
+    ddp: Any,
+    *,
+    mode: str,
+    on_nonfinite: str,
+    on_fault: str,
+    exchange_flags: str,
+    audit_every: int,
+    consensus_every: int | None,
+    clip_grad_norm: float | None,
+    before_optimizer_step: Any,
+    grad_scaler: Any,
+    replay_micro_batches: int | None,
+) -> str | None:
+    """What is wrong with the Auditor's arguments on this rank (None: nothing)."""
+    if not isinstance(ddp, DistributedDataParallel):
+        return (
+            f"model must be a DistributedDataParallel (or torch.compile of one), got {type(ddp).__name__};"
+            " wrap it: Auditor(DDP(model), ...)"
+        )
+    if mode not in ("deterministic", "tolerance"):
+        return f"mode must be 'deterministic' or 'tolerance', got {mode!r}"
+    if on_nonfinite not in ("raise", "skip") or on_fault not in ("raise", "continue"):
+        return "on_nonfinite must be 'raise' or 'skip'; on_fault 'raise' or 'continue'"
+    if exchange_flags not in ("on-failure", "every-step"):
+        return f"exchange_flags must be 'on-failure' or 'every-step', got {exchange_flags!r}"
+    if audit_every < 1 or (consensus_every is not None and consensus_every < 1):
+        return "audit_every and consensus_every must be >= 1"
+    if clip_grad_norm is not None and not (isinstance(clip_grad_norm, (int, float)) and clip_grad_norm > 0):
+        return f"clip_grad_norm must be a positive number (the max norm) or None, got {clip_grad_norm!r}"
+    if before_optimizer_step is not None and not callable(before_optimizer_step):
+        return "before_optimizer_step must be callable as fn(module, optimizer)"
+    if grad_scaler is not None and not all(
+        callable(getattr(grad_scaler, name, None)) for name in ("scale", "unscale_", "step", "update", "get_scale")
+    ):
+        return f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}"
+    if replay_micro_batches is not None and not (isinstance(replay_micro_batches, int) and replay_micro_batches >= 1):
+        return f"replay_micro_batches must be None (all) or an int >= 1, got {replay_micro_batches!r}"
+    return None
+
+
+class SetupChecks:
+    """The set-up checks of ``AuditSession`` (a mixin: the session holds the state they read).
+
+    They read the session's configuration, parameters and buffers, and use its
+    ``weight_consensus`` (resumed weights) and ``_check_deterministic`` (the first step).
+    """
+
+    def _check_resumed_weights(self, expected: str) -> None:
+        """Every replica's weights at ``start_step`` must be the checkpoint resumed from: they agree
+        (a disagreement is a fault, as at any consensus) and their state fingerprint is ``expected``.
+        Every rank computes the same agreed value, so every rank refuses together."""
+        self.weight_consensus(self.step, found_by="resume", fingerprints=True)
+        agreed = self._consensus[2] if self._consensus and self._consensus[0] == self.step else None
+        if agreed != expected:
+            raise AuditSetupError(
+                f"the weights loaded for step {self.step} have consensus fingerprint {agreed}, but the checkpoint "
+                f"resumed from ({self.parent or 'the parent'}) recorded {expected}: load that checkpoint's state "
+                "(model and buffers) into every replica before creating the auditor"
+            )
+
+    def _check_world_agrees(self) -> None:
+        """Every rank must have the same parameters and the same audit configuration.
+
+        Every rank raises the same message, naming the groups of ranks that agree with each other.
+        """
+        desc = json.dumps(
+            [
+                self.audit_every,
+                self.consensus_every,
+                self.mode,
+                self.exchange_flags,
+                self.clip_grad_norm,
+                self.before_optimizer_step is not None,
+                self.grad_scaler is not None,
+                self.replay_micro_batches,
+                [(n, list(p.shape), str(p.dtype)) for n, p in zip(self.param_names, self.params)],
+                [(n, list(b.shape), str(b.dtype)) for n, b in zip(self.buffer_names, self.buffers)],
+            ]
+        ).encode()
+        mine = torch.tensor(
+            [xxhash.xxh3_64_intdigest(desc) & ((1 << 62) - 1)], dtype=torch.int64, device=self.wire_device
+        )
+        allv = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(allv, mine, group=self.group)
+        values = [int(v) for v in allv]
+        if len(set(values)) != 1:
+            groups: dict[int, list[int]] = {}
+            for r, v in enumerate(values):
+                groups.setdefault(v, []).append(r)
+            sides = " vs ".join(str(g) for g in sorted(groups.values()))
+            raise AuditSetupError(
+                f"the ranks disagree on parameters or audit settings (ranks {sides});"
+                " every rank must build the same model and Auditor(audit_every=..., mode=..., clip_grad_norm=...)"
+            )
+
+    def _first_step_checks(self, units: list[Any], micro: bool) -> None:
+        """Refuse, on every rank together, a batch that cannot travel or a model that is not deterministic."""
+        reason = None
+        try:
+            check_shippable(units if micro else units[0])
+        except UnsupportedObjectError as e:
+            reason = str(e)
+        refuse_together(
+            reason,
+            group=self.group,
+            wire_device=self.wire_device,
+            what="the first step's batch",
+            error=UnsupportedObjectError,
+        )
+        if self.check_determinism:
+            self._check_deterministic(units, micro)
