@@ -19,6 +19,7 @@ from certckpt.errors import CertckptError, ConfigurationError
 from certckpt.trust.runstore import open_incident
 
 __all__ = [
+    "emit_event",
     "AuditEvent",
     "EventSink",
     "MemorySink",
@@ -202,6 +203,28 @@ def make_event(
         details=details,
         inventory=inventory if outcome == "fail" else {},
     )
+
+
+def emit_event(
+    owner: Any, kind: str, outcome: str, *, step: int, suspects: Any = (), contained: bool = False, details: dict
+) -> AuditEvent:
+    """``make_event`` from a driver's identity (``owner.run``, ``branch``, ``world``, ``inventory``),
+    published by its rank 0 (``owner.rank``, ``sink``, ``ledger``): every session's events are built so."""
+    ev = make_event(
+        run=owner.run,
+        branch=owner.branch,
+        world=owner.world,
+        inventory=owner.inventory,
+        step=step,
+        kind=kind,
+        outcome=outcome,
+        suspects=suspects,
+        contained=contained,
+        details=details,
+    )
+    if owner.rank == 0:
+        publish(ev, sink=owner.sink, ledger=owner.ledger)
+    return ev
 
 
 def publish(ev: AuditEvent, *, sink: EventSink, ledger: Any = None) -> None:

@@ -15,15 +15,31 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from certckpt.errors import UnsupportedObjectError
 from certckpt.format.skeleton import flatten, rebuild
 from certckpt.format.tensors import ST_TO_TORCH, TORCH_TO_ST, host_bytes
 
-__all__ = ["encode_payload", "RingShift", "send_payload", "recv_payload", "check_shippable"]
+__all__ = ["encode_payload", "RingShift", "send_payload", "recv_payload", "check_shippable", "refuse_unshippable"]
 
 
 def check_shippable(batch: Any) -> None:
     """Raise ``UnsupportedObjectError`` (naming where) when the batch cannot be shipped."""
     flatten({"batch": batch})
+
+
+def refuse_unshippable(batch: Any, *, group: Any, wire_device: torch.device) -> None:
+    """``check_shippable`` on every rank, decided together: one rank's batch that cannot travel raises
+    ``UnsupportedObjectError`` on every rank (a refusal on some ranks only would hang the others)."""
+    from .agreement import refuse_together
+
+    reason = None
+    try:
+        check_shippable(batch)
+    except UnsupportedObjectError as e:
+        reason = str(e)
+    refuse_together(
+        reason, group=group, wire_device=wire_device, what="the first step's batch", error=UnsupportedObjectError
+    )
 
 
 def encode_payload(obj: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -46,7 +46,7 @@ from certckpt.trust.ledger import Ledger, LedgerSink
 from .agreement import all_gather_bytes, refuse_together, wire_device_for
 from .consensus import WeightConsensus, consensus_buffers
 from .digest import digests
-from .events import AuditEvent, EventSink, MemorySink, make_event, publish, rank_inventory
+from .events import AuditEvent, EventSink, MemorySink, emit_event, rank_inventory
 from .evidence import CheckpointEvidence, StepOutcome
 from .exchange import RingShift
 from .hook import HookState, comm_hook, hand_over_possible, lazy_pre_possible
@@ -324,20 +324,7 @@ class AuditSession(SetupChecks, NonFiniteCheck, RingReplay, WeightConsensus):
     # --- events -----------------------------------------------------------------------------
 
     def _event(self, kind: str, outcome: str, *, step: int, suspects=(), contained=False, **details) -> AuditEvent:
-        ev = make_event(
-            run=self.run,
-            branch=self.branch,
-            world=self.world,
-            inventory=self.inventory,
-            step=step,
-            kind=kind,
-            outcome=outcome,
-            suspects=suspects,
-            contained=contained,
-            details=details,
-        )
-        if self.rank == 0:
-            publish(ev, sink=self.sink, ledger=self.ledger)
+        ev = emit_event(self, kind, outcome, step=step, suspects=suspects, contained=contained, details=details)
         if len(self._events) < _MAX_LINEAGE:
             self._events.append((ev.step, ev.kind, ev.outcome))
         if self.last is not None:

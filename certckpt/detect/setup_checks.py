@@ -18,10 +18,9 @@ import torch.distributed as dist
 import xxhash
 from torch.nn.parallel import DistributedDataParallel
 
-from certckpt.errors import AuditSetupError, UnsupportedObjectError
+from certckpt.errors import AuditSetupError
 
-from .agreement import refuse_together
-from .exchange import check_shippable
+from .exchange import refuse_unshippable
 
 __all__ = ["SetupChecks", "option_problem"]
 
@@ -124,17 +123,6 @@ class SetupChecks:
 
     def _first_step_checks(self, units: list[Any], micro: bool) -> None:
         """Refuse, on every rank together, a batch that cannot travel or a model that is not deterministic."""
-        reason = None
-        try:
-            check_shippable(units if micro else units[0])
-        except UnsupportedObjectError as e:
-            reason = str(e)
-        refuse_together(
-            reason,
-            group=self.group,
-            wire_device=self.wire_device,
-            what="the first step's batch",
-            error=UnsupportedObjectError,
-        )
+        refuse_unshippable(units if micro else units[0], group=self.group, wire_device=self.wire_device)
         if self.check_determinism:
             self._check_deterministic(units, micro)

@@ -50,7 +50,6 @@ from certckpt.errors import (
     AuditSetupError,
     ConfigurationError,
     FaultDetectedError,
-    UnsupportedObjectError,
 )
 from certckpt.format.sharded.regions import local_regions
 from certckpt.trust.incident import incident_id_for
@@ -58,8 +57,8 @@ from certckpt.trust.ledger import Ledger, LedgerSink
 
 from .agreement import all_gather_bytes, refuse_together, wire_device_for
 from .attribution import arbitration_plan, attribute_replay, ring_pairs
-from .events import AuditEvent, EventSink, MemorySink, make_event, publish, rank_inventory
-from .exchange import RingShift, check_shippable
+from .events import AuditEvent, EventSink, MemorySink, emit_event, rank_inventory
+from .exchange import RingShift, refuse_unshippable
 from .session import CheckpointEvidence, restore_rng
 from .sharded_consensus import ShardConsensus, decide_consensus
 from .sharded_replay import (
@@ -283,20 +282,7 @@ class ShardedAuditSession:
     # --- events ---------------------------------------------------------------------------------
 
     def _event(self, kind: str, outcome: str, *, step: int, suspects=(), contained=False, **details) -> AuditEvent:
-        ev = make_event(
-            run=self.run,
-            branch=self.branch,
-            world=self.world,
-            inventory=self.inventory,
-            step=step,
-            kind=kind,
-            outcome=outcome,
-            suspects=suspects,
-            contained=contained,
-            details=details,
-        )
-        if self.rank == 0:
-            publish(ev, sink=self.sink, ledger=self.ledger)
+        ev = emit_event(self, kind, outcome, step=step, suspects=suspects, contained=contained, details=details)
         self._events.append((step, kind, outcome))
         return ev
 
@@ -371,18 +357,7 @@ class ShardedAuditSession:
         n = loss_divisor or len(step["units"])
         if self._first_batch:
             self._first_batch = False
-            reason = None
-            try:
-                check_shippable(step["units"])
-            except UnsupportedObjectError as e:
-                reason = str(e)
-            refuse_together(
-                reason,
-                group=self.group,
-                wire_device=self.wire_device,
-                what="the first step's batch",
-                error=UnsupportedObjectError,
-            )
+            refuse_unshippable(step["units"], group=self.group, wire_device=self.wire_device)
         if self._path_check_pending:
             self._check_replay_path(step, trained, n)
         if not step["audit"]:
