@@ -140,3 +140,19 @@ def copy_run(drill_runs, tmp_path):
         return str(dst)
 
     return copy
+
+
+def event_dict(branch, step, kind, outcome="pass", **details):
+    """An audit event as the ledger stores it (run "r", 3 ranks, nobody suspect, not contained)."""
+    return {
+        "run": "r",
+        "branch": branch,
+        "step": step,
+        "kind": kind,
+        "outcome": outcome,
+        "ranks": [0, 1, 2],
+        "suspect_ranks": [],
+        "contained": False,
+        "details": details,
+        "inventory": {},
+    }

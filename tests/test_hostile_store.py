@@ -8,26 +8,13 @@ import os
 import subprocess
 
 import pytest
-from conftest import console_script
+from conftest import console_script, event_dict
 
 from certckpt.errors import CertckptError, ConfigurationError
 from certckpt.trust.ledger import Ledger, is_ckpt_id
 from certckpt.trust.runstore import certify_store, find_latest_good
 
-
-def _ev(branch, step, kind, outcome="pass", **details):
-    return {
-        "run": "r",
-        "branch": branch,
-        "step": step,
-        "kind": kind,
-        "outcome": outcome,
-        "ranks": [0, 1, 2],
-        "suspect_ranks": [],
-        "contained": False,
-        "details": details,
-        "inventory": {},
-    }
+_ev = event_dict
 
 
 def _store(root) -> Ledger:

@@ -4,6 +4,7 @@ point is superseded by the branch record (never overwritten), and ids and file n
 from __future__ import annotations
 
 import pytest
+from conftest import event_dict
 
 import certckpt
 from certckpt.trust.certify import CheckpointEntry, certify
@@ -11,20 +12,7 @@ from certckpt.trust.ledger import Ledger
 from certckpt.trust.resume import next_branch, plan_resume
 from certckpt.trust.runstore import certify_store, find_latest_good
 
-
-def _ev(branch, step, kind, outcome="pass", **details):
-    return {
-        "run": "r",
-        "branch": branch,
-        "step": step,
-        "kind": kind,
-        "outcome": outcome,
-        "ranks": [0, 1, 2],
-        "suspect_ranks": [],
-        "contained": False,
-        "details": details,
-        "inventory": {},
-    }
+_ev = event_dict
 
 
 def _audit(branch, step):
@@ -121,6 +109,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import certckpt
 from certckpt.detect import Auditor
 from certckpt.errors import AuditSetupError
+from conftest import event_dict
 d = sys.argv[1]
 dist.init_process_group("gloo", init_method=f"file://{d}/pg", rank=0, world_size=1)
 loss = lambda mm, b: F.mse_loss(mm(b[0]), b[1])
