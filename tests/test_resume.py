@@ -109,7 +109,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import certckpt
 from certckpt.detect import Auditor
 from certckpt.errors import AuditSetupError
-from conftest import event_dict
 d = sys.argv[1]
 dist.init_process_group("gloo", init_method=f"file://{d}/pg", rank=0, world_size=1)
 loss = lambda mm, b: F.mse_loss(mm(b[0]), b[1])
