@@ -38,6 +38,7 @@ passes (see ``docs/detection.md``, "Sharded training: FSDP2 and HSDP").
 from __future__ import annotations
 
 import json
+import operator
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -598,17 +599,10 @@ class ShardedAuditSession:
             # two hops round the ring: the rank after each replayer recomputes the origin's step too
             prev2 = RingShift(prev, group=self.group, wire_device=self.wire_device, out_device=self.device).finish()
             third = recompute_update(cls, prev2, device=self.device)
-            arb = [
-                json.loads(t)
-                for t in all_gather_bytes(json.dumps(third).encode(), group=self.group, wire_device=self.wire_device)
-            ]
-            for origin, replayer, arbiter in arbitration_plan(self.world, failed):
-                if arb[arbiter] == docs[origin][0]:
-                    arbitration[(origin, replayer)] = "origin"
-                elif arb[arbiter] == docs[replayer][1]:
-                    arbitration[(origin, replayer)] = "replayer"
-                else:
-                    arbitration[(origin, replayer)] = "neither"
+            texts = all_gather_bytes(json.dumps(third).encode(), group=self.group, wire_device=self.wire_device)
+            actual_all, recomputed_all = [d[0] for d in docs], [d[1] for d in docs]
+            third_all = [json.loads(t) for t in texts]
+            arbitration = arbitrate(self.world, failed, actual_all, recomputed_all, third_all, same=operator.eq)
         verdict = attribute_replay(self.world, failed, arbitration)
         ev = self._event(
             "replay",

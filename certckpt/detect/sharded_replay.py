@@ -252,14 +252,20 @@ def arbitrate(
     trained: Sequence[Sequence[Sequence]],
     replayed: Sequence[Sequence[Sequence]],
     arbiters: Sequence[Sequence[Sequence]],
+    *,
+    same: Callable[[Any, Any], bool] | None = None,
 ) -> dict[tuple[int, int], str]:
-    """What each arbiter's replay (``arbiters[a]``: rank a's replay of rank a - 2) agreed with."""
+    """What each arbiter's replay (``arbiters[a]``: rank a's replay of rank a - 2) agreed with.
+
+    ``same(a, b)``: whether two ranks' results agree (default: layer digests line up and match; the
+    update replay passes plain equality of its digest lists)."""
+    same = same or (lambda a, b: not _differing(a, b))
     results = {}
     for origin, replayer, arbiter in arbitration_plan(world, failed):
         arb = arbiters[arbiter]
-        if not _differing(arb, trained[origin]):
+        if same(arb, trained[origin]):
             results[(origin, replayer)] = "origin"
-        elif not _differing(arb, replayed[replayer]):
+        elif same(arb, replayed[replayer]):
             results[(origin, replayer)] = "replayer"
         else:
             results[(origin, replayer)] = "neither"
