@@ -18,8 +18,16 @@ Measures, side by side in one run, and writes a text report and JSON under ``--o
 5. the fault drill on CUDA: ``certckpt drill faults --device cuda`` (12 cases, 3 gloo ranks sharing
    the GPU), how many behaved as designed, then ``certckpt status --verify-bytes`` of one case's run
    store and ``verify --deep`` of its checkpoints (fingerprints computed on the GPU);
-6. the per-step checks on CUDA: ``certckpt envelope --quick --backend nccl --device cuda --ranks 1``
-   (plain DDP against the auditor, premium per K beside the replay floor), its table as printed.
+6. the per-step checks on CUDA: ``certckpt envelope --quick --device cuda`` with one NCCL rank and with
+   3 gloo ranks sharing the GPU (plain DDP against the auditor, premium per K beside the replay floor),
+   their tables as printed;
+7. the fused kernels' launch choices (``fused.LAUNCH``: columns, warps, chunks per program), each
+   checked bit for bit, timed on one large tensor and on 32 tensors of 32 MiB;
+8. a profile of plain and audited non-audit steps (one NCCL rank): wall time, kernel launches, host
+   syncs and copies per step, and the profiler's tables in ``profile.txt``.
+
+Each section runs on its own (one that fails is reported, the rest still run) and the report is
+rewritten after each, so a run cut short still leaves what it measured.
 
 Usage on the device machine (one call, a timeout that leaves room for a rerun)::
 
@@ -222,21 +230,269 @@ def gpu_drill(directory: str) -> dict:
     }
 
 
-def envelope_nccl(timeout: int) -> dict:
+def tune_fused(device: torch.device, gib: float, trials: int) -> dict:
+    """The fused kernels' launch choices (``fused.LAUNCH``) timed on one large tensor and on many 32 MiB
+    ones; every choice's bits are checked against the eager path first. The shipped choice is the first row."""
+    from certckpt.detect.digest import digest_words_eager
+    from certckpt.format import fused
+    from certckpt.format.fingerprinting import as_words, raw_sum_eager
+
+    if not fused.ready(device):
+        return {"skipped": "fused kernels not active"}
+    big = as_words(torch.randn(int(gib * (1 << 28)), device=device))
+    many = [as_words(torch.randn(8 << 20, device=device)) for _ in range(32)]
+    ref_sum, ref_digest = int(raw_sum_eager(big)), int(digest_words_eager(big))
+    ref_many = [int(raw_sum_eager(w)) for w in many]
+    shipped = dict(fused.LAUNCH)
+    choices = [shipped] + [
+        {"cols": c, "num_warps": w, "chunks": k}
+        for c in (1024, 2048, 4096)
+        for w in (4, 8)
+        for k in (None, 16, 64)
+        if {"cols": c, "num_warps": w, "chunks": k} != shipped
+    ]
+    rows = []
+    nbytes = big.numel() * 4
+    sum_s = _med(_timed(lambda: big.sum(), device, trials))
+    many_sum_s = _med(_timed(lambda: [w.sum() for w in many], device, trials))
+    try:
+        for choice in choices:
+            fused.LAUNCH.update(choice)
+            try:
+                ok = int(fused.raw_sum_fused(big)) == ref_sum and int(fused.digest_fused(big)) == ref_digest
+                ok = ok and [int(fused.raw_sum_fused(w)) for w in many] == ref_many
+                fp = _med(_timed(lambda: fused.raw_sum_fused(big), device, trials))
+                dg = _med(_timed(lambda: fused.digest_fused(big), device, trials))
+                st = _med(_timed(lambda: [fused.raw_sum_fused(w) for w in many], device, trials))
+                rows.append(
+                    {
+                        **choice,
+                        "bits_ok": ok,
+                        "fingerprint_GBps": nbytes / fp / 1e9,
+                        "digest_GBps": nbytes / dg / 1e9,
+                        "fingerprint_fraction_of_sum": sum_s / fp,
+                        "digest_fraction_of_sum": sum_s / dg,
+                        "many_32MiB_fraction_of_sum": many_sum_s / st,
+                    }
+                )
+            except Exception as e:  # a choice Triton cannot compile here: say so, try the next
+                rows.append({**choice, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+    finally:
+        fused.LAUNCH.clear()
+        fused.LAUNCH.update(shipped)
+    good = [r for r in rows if r.get("bits_ok")]
+    best = max(good, key=lambda r: r["fingerprint_fraction_of_sum"]) if good else None
+    return {"bytes": nbytes, "sum_GBps": nbytes / sum_s / 1e9, "rows": rows, "best": best}
+
+
+def envelope_cuda(*, ranks: int, backend: str, timeout: int, seconds_per_shape: int) -> dict:
     import subprocess
 
-    cmd = ["certckpt", "envelope", "--quick", "--backend", "nccl", "--device", "cuda", "--ranks", "1"]
+    cmd = [
+        "certckpt", "envelope", "--quick", "--backend", backend, "--device", "cuda", "--ranks", str(ranks),
+        "--seconds-per-shape", str(seconds_per_shape),
+    ]  # fmt: skip
     t0 = time.perf_counter()
-    run = subprocess.run(
-        [sys.executable, "-m", "certckpt_cli.main", *cmd[1:]], capture_output=True, text=True, timeout=timeout
-    )
+    try:
+        run = subprocess.run(
+            [sys.executable, "-m", "certckpt_cli.main", *cmd[1:]], capture_output=True, text=True, timeout=timeout
+        )
+        code, out, err = run.returncode, run.stdout, run.stderr
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"").decode(errors="replace")
+        code, err = "timeout", (e.stderr or b"").decode(errors="replace")
     return {
         "command": " ".join(cmd),
-        "exit": run.returncode,
+        "exit": code,
         "seconds": time.perf_counter() - t0,
-        "table": run.stdout[-4000:],
-        "stderr_tail": run.stderr[-1500:],
+        "table": out[-4000:],
+        "stderr_tail": err[-2500:],
     }
+
+
+def profile_steps(device: torch.device, steps: int, out_dir: str) -> dict:
+    """Where a non-audit step's time goes on CUDA: plain DDP and the auditor's non-audit steps (one NCCL
+    rank, the envelope's tiny transformer), wall time per step, kernel launches and host syncs per
+    step from the profiler, and the profiler's op tables written to ``profile.txt``."""
+    import copy
+    import socket
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.profiler import ProfilerActivity, profile
+
+    from certckpt.detect.auditor import Auditor
+    from certckpt.detect.events import MemorySink
+    from certckpt.tools.envelope.models import tiny_transformer
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        cuda = device.type == "cuda"
+        group = dist.new_group(backend="nccl") if cuda else None
+        torch.use_deterministic_algorithms(True)
+        model, batch_fn, loss_fn = tiny_transformer()
+        model = model.to(device)
+        kw = {"device_ids": [device.index or 0], "process_group": group} if cuda else {}
+        plain = DDP(copy.deepcopy(model), **kw)
+        plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-4)
+        aud_model = DDP(copy.deepcopy(model), **kw)
+        aud = Auditor(
+            aud_model,
+            torch.optim.AdamW(aud_model.parameters(), lr=1e-4),
+            loss_fn=loss_fn,
+            run="profile",
+            audit_every=10**9,
+            sink=MemorySink(),
+        )
+        batches = [tuple(x.to(device) for x in batch_fn(0, i, 256, 4)) for i in range(steps)]
+
+        def plain_steps():
+            for b in batches:
+                plain_opt.zero_grad(set_to_none=True)
+                loss_fn(plain, b).backward()
+                plain_opt.step()
+
+        def audited_steps():
+            for b in batches:
+                aud.train_step(b)
+
+        results, tables = {}, []
+        for name, fn in (("plain", plain_steps), ("audited_nonaudit", audited_steps)):
+            fn()  # warm-up (the auditor's first step runs its set-up checks)
+            wall = _med(_timed(fn, device, 5)) / steps
+            with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+                fn()
+                _sync(device)
+            ka = prof.key_averages()
+            count = {e.key: e.count for e in ka}
+            launches = sum(v for k, v in count.items() if "LaunchKernel" in k or "cuLaunch" in k)
+            syncs = sum(v for k, v in count.items() if "Synchronize" in k)
+            copies = sum(v for k, v in count.items() if "Memcpy" in k and "cuda" in k.lower())
+            results[name] = {
+                "ms_per_step": wall * 1e3,
+                "launches_per_step": launches / steps,
+                "syncs_per_step": syncs / steps,
+                "memcpy_calls_per_step": copies / steps,
+            }
+            tables.append(f"== {name} ({steps} steps) ==\n" + ka.table(sort_by="self_cpu_time_total", row_limit=30))
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "profile.txt"), "w") as fh:
+            fh.write("\n\n".join(tables))
+        results["nonaudit_ratio"] = results["audited_nonaudit"]["ms_per_step"] / results["plain"]["ms_per_step"]
+        return results
+    finally:
+        torch.use_deterministic_algorithms(False)
+        dist.destroy_process_group()
+
+
+SECTIONS = ("agreement", "fingerprint", "drill", "save_load", "tune", "envelope_nccl", "profile", "envelope_gloo3")
+
+
+def _lines(report: dict) -> list[str]:
+    """The human-readable report of whatever sections have run so far."""
+    lines = [f"bench_gpu on {report['device']} (torch {report['torch']}, certckpt {report['certckpt']})"]
+    for name, err in report.get("errors", {}).items():
+        lines.append(f"{name}: FAILED: {err.splitlines()[-1] if err else ''}")
+    a = report.get("agreement")
+    if a:
+        lines.append(
+            f"agreement CPU/GPU fingerprints and digests: {a['agree']} of {a['cases']}"
+            + (f"  DISAGREE: {a['disagree']}" if a["disagree"] else "")
+        )
+    t = report.get("tune")
+    if t and "rows" in t:
+        lines.append(f"fused launch choices on {t['bytes'] / 2**30:.2f} GiB fp32 (sum {t['sum_GBps']:.0f} GB/s):")
+        for r in t["rows"]:
+            choice = f"cols {r['cols']} warps {r['num_warps']} chunks {r['chunks']}"
+            if "error" in r:
+                lines.append(f"  {choice}: {r['error']}")
+            else:
+                bits = "ok" if r["bits_ok"] else "WRONG"
+                lines.append(
+                    f"  {choice}: bits {bits}, fingerprint {r['fingerprint_GBps']:.0f} GB/s"
+                    f" ({100 * r['fingerprint_fraction_of_sum']:.0f} %), digest {r['digest_GBps']:.0f} GB/s"
+                    f" ({100 * r['digest_fraction_of_sum']:.0f} %),"
+                    f" 32x32 MiB {100 * r['many_32MiB_fraction_of_sum']:.0f} %"
+                )
+        if t.get("best"):
+            b = t["best"]
+            lines.append(f"  best: cols {b['cols']} warps {b['num_warps']} chunks {b['chunks']}")
+    elif t:
+        lines.append(f"fused launch choices: {t}")
+    f = report.get("fingerprint")
+    if f:
+        lines.append(f"fused kernels active: fingerprint {f['fused_active']}, digest {f['digest_fused_active']}")
+        for size in f["sizes"]:
+            g, fr = size["GBps"], size["fraction_of_sum"]
+            lines.append(
+                f"{size['bytes'] / 2**20:.0f} MiB fp32: sum {g['sum']:.1f} GB/s; "
+                + ", ".join(f"{k} {g[k]:.1f} GB/s ({100 * fr[k]:.1f} %)" for k in g if k != "sum")
+                + f"  [target fused >= 50 %: {'met' if fr['fingerprint'] >= 0.5 and fr['digest'] >= 0.5 else 'MISSED'}]"
+            )
+        lines.append(
+            f"fingerprint_state of {f['fingerprint_state_tensors']} bf16 32 MiB tensors:"
+            f" {f['fingerprint_state_GBps']:.1f} GB/s"
+            f" ({100 * f['fingerprint_state_fraction_of_sum']:.1f} % of their sums' bandwidth)"
+            f"  [target >= 25 %: {'met' if f['fingerprint_state_fraction_of_sum'] >= 0.25 else 'MISSED'}]"
+        )
+    s = report.get("save_load")
+    if s:
+        lines.append(
+            f"save {s['bytes'] / 1e9:.2f} GB: "
+            + ", ".join(f"{k} {v:.2f} s" for k, v in s["save_s"].items())
+            + f"; ratio /torch.save {s['save_ratio_vs_torch']:.2f}x, /safetensors {s['save_ratio_vs_safetensors']:.2f}x"
+        )
+        lines.append(
+            "load to device: "
+            + ", ".join(f"{k} {v:.2f} s" for k, v in s["load_s"].items())
+            + f"; ratio /safetensors {s['load_ratio_vs_safetensors']:.2f}x"
+            + f" (mmap {s['load_mmap_ratio_vs_safetensors']:.2f}x), /torch.load {s['load_ratio_vs_torch']:.2f}x"
+            + "  [target <= 1.3x: "
+            + ("met" if s["load_ratio_vs_safetensors"] <= 1.3 else "MISSED")
+            + "]"
+        )
+        lines.append(
+            f"verify --deep of the GPU-fingerprinted file: {s['verify_after_gpu_save']}; "
+            f"round trip equal: {s['round_trip_equal']}"
+        )
+    dr = report.get("drill")
+    if dr:
+        lines.append(
+            f"drill on CUDA (3 gloo ranks): {dr['as_designed']} of {dr['cases']} cases as designed"
+            f" in {dr['seconds']:.0f} s; status --verify-bytes exit {dr['status_exit']};"
+            f" verify --deep {sum(dr['verify_deep'].values())} of {len(dr['verify_deep'])} checkpoints"
+        )
+        lines += ["  " + r for r in dr["rows"]]
+    for key in ("envelope_nccl", "envelope_gloo3"):
+        ev = report.get(key)
+        if ev:
+            lines.append(f"{ev['command']}: exit {ev['exit']} in {ev['seconds']:.0f} s")
+            lines += ["  " + r for r in ev["table"].splitlines()]
+            if ev["exit"] not in (0, 1):
+                lines += ["  stderr: " + r for r in ev["stderr_tail"].splitlines()[-8:]]
+    pr = report.get("profile")
+    if pr:
+        for name in ("plain", "audited_nonaudit"):
+            r = pr[name]
+            lines.append(
+                f"profile {name}: {r['ms_per_step']:.2f} ms/step, {r['launches_per_step']:.0f} launches,"
+                f" {r['syncs_per_step']:.1f} syncs, {r['memcpy_calls_per_step']:.1f} copies per step"
+            )
+        lines.append(f"profile: non-audit step / plain step {pr['nonaudit_ratio']:.3f}x")
+    return lines
+
+
+def _write(report: dict, out: str) -> str:
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "bench_gpu.json"), "w") as fh:
+        json.dump(report, fh, indent=2, default=str)
+    text = "\n".join(_lines(report))
+    with open(os.path.join(out, "bench_gpu.txt"), "w") as fh:
+        fh.write(text + "\n")
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -248,9 +504,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="0.25 GiB everywhere, 3 trials")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--dir", default=None, help="where the files go (a local disk)")
-    ap.add_argument("--skip-drill", action="store_true", help="leave out the fault drill on CUDA (section 5)")
-    ap.add_argument("--skip-envelope", action="store_true", help="leave out the per-step checks (section 6)")
-    ap.add_argument("--envelope-timeout", type=int, default=240)
+    ap.add_argument("--only", default=",".join(SECTIONS), help=f"sections to run, of {','.join(SECTIONS)}")
+    ap.add_argument("--envelope-timeout", type=int, default=150)
+    ap.add_argument("--envelope-seconds", type=int, default=8, help="seconds per shape in each envelope")
     args = ap.parse_args(argv)
     if args.quick:
         args.state_gib = args.fp_gib = 0.25
@@ -259,77 +515,59 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: run with --device cpu for a smoke run", file=sys.stderr)
         return 2
+    wanted = [x for x in args.only.split(",") if x]
+    unknown = sorted(set(wanted) - set(SECTIONS))
+    if unknown:
+        ap.error(f"unknown sections: {', '.join(unknown)}")
+    cuda = device.type == "cuda"
     report: dict = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "device": torch.cuda.get_device_name(device) if cuda else "cpu",
         "torch": torch.__version__,
         "certckpt": certckpt.__version__,
+        "errors": {},
+        "seconds": {},
     }
-    report["agreement"] = agreement(device)
-    report["fingerprint"] = fingerprint_speed(device, args.fp_gib, args.trials)
-    with tempfile.TemporaryDirectory(dir=args.dir) as d:
-        report["save_load"] = save_and_load(device, args.state_gib, args.trials, d)
-    cuda = device.type == "cuda"
-    if cuda and not args.skip_drill:
-        with tempfile.TemporaryDirectory(dir=args.dir) as d:
-            report["drill"] = gpu_drill(os.path.join(d, "drill"))
-    if cuda and not args.skip_envelope:
-        report["envelope"] = envelope_nccl(args.envelope_timeout)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "bench_gpu.json"), "w") as fh:
-        json.dump(report, fh, indent=2)
-    a, f, s = report["agreement"], report["fingerprint"], report["save_load"]
-    fp_lines = [f"fused kernels active: fingerprint {f['fused_active']}, digest {f['digest_fused_active']}"]
-    for size in f["sizes"]:
-        g, fr = size["GBps"], size["fraction_of_sum"]
-        fp_lines.append(
-            f"{size['bytes'] / 2**20:.0f} MiB fp32: sum {g['sum']:.1f} GB/s; "
-            + ", ".join(f"{k} {g[k]:.1f} GB/s ({100 * fr[k]:.1f} %)" for k in g if k != "sum")
-            + f"  [target fused >= 50 %: {'met' if fr['fingerprint'] >= 0.5 and fr['digest'] >= 0.5 else 'MISSED'}]"
-        )
-    fp_lines.append(
-        f"fingerprint_state of {f['fingerprint_state_tensors']} bf16 32 MiB tensors: {f['fingerprint_state_GBps']:.1f}"
-        f" GB/s ({100 * f['fingerprint_state_fraction_of_sum']:.1f} % of their sums' bandwidth)"
-        f"  [target >= 25 %: {'met' if f['fingerprint_state_fraction_of_sum'] >= 0.25 else 'MISSED'}]"
-    )
-    fp_line = "\n".join(fp_lines)
-    save_line = (
-        f"save {s['bytes'] / 1e9:.2f} GB: "
-        + ", ".join(f"{k} {v:.2f} s" for k, v in s["save_s"].items())
-        + f"; ratio /torch.save {s['save_ratio_vs_torch']:.2f}x, /safetensors {s['save_ratio_vs_safetensors']:.2f}x"
-    )
-    load_line = (
-        "load to device: "
-        + ", ".join(f"{k} {v:.2f} s" for k, v in s["load_s"].items())
-        + f"; ratio /safetensors {s['load_ratio_vs_safetensors']:.2f}x"
-        + f" (mmap {s['load_mmap_ratio_vs_safetensors']:.2f}x), /torch.load {s['load_ratio_vs_torch']:.2f}x"
-    )
-    lines = [
-        f"bench_gpu on {report['device']} (torch {report['torch']}, certckpt {report['certckpt']})",
-        f"agreement CPU/GPU fingerprints and digests: {a['agree']} of {a['cases']}"
-        + (f"  DISAGREE: {a['disagree']}" if a["disagree"] else ""),
-        fp_line,
-        save_line,
-        load_line,
-        f"verify --deep of the GPU-fingerprinted file: {s['verify_after_gpu_save']}; "
-        f"round trip equal: {s['round_trip_equal']}",
-    ]
-    if "drill" in report:
-        dr = report["drill"]
-        lines.append(
-            f"drill on CUDA (3 gloo ranks): {dr['as_designed']} of {dr['cases']} cases as designed"
-            f" in {dr['seconds']:.0f} s; status --verify-bytes exit {dr['status_exit']};"
-            f" verify --deep {sum(dr['verify_deep'].values())} of {len(dr['verify_deep'])} checkpoints"
-        )
-        lines += ["  " + r for r in dr["rows"]]
-    if "envelope" in report:
-        ev = report["envelope"]
-        lines.append(f"{ev['command']}: exit {ev['exit']} in {ev['seconds']:.0f} s")
-        lines += ["  " + r for r in ev["table"].splitlines()]
-    text = "\n".join(lines)
-    print(text)
-    with open(os.path.join(args.out, "bench_gpu.txt"), "w") as fh:
-        fh.write(text + "\n")
-    return 0 if not a["disagree"] and s["round_trip_equal"] and s["verify_after_gpu_save"] else 1
+    work = {
+        "agreement": lambda: agreement(device),
+        "tune": lambda: tune_fused(device, max(args.fp_gib / 4, 0.25), args.trials),
+        "fingerprint": lambda: fingerprint_speed(device, args.fp_gib, args.trials),
+        "save_load": lambda: _in_tmp(args.dir, lambda d: save_and_load(device, args.state_gib, args.trials, d)),
+        "drill": lambda: _in_tmp(args.dir, lambda d: gpu_drill(os.path.join(d, "drill"))),
+        "envelope_nccl": lambda: envelope_cuda(
+            ranks=1, backend="nccl", timeout=args.envelope_timeout, seconds_per_shape=args.envelope_seconds
+        ),
+        "envelope_gloo3": lambda: envelope_cuda(
+            ranks=3, backend="gloo", timeout=args.envelope_timeout, seconds_per_shape=args.envelope_seconds
+        ),
+        "profile": lambda: profile_steps(device, 30, args.out),
+    }
+    gpu_only = {"drill", "envelope_nccl", "envelope_gloo3"}
+    for name in SECTIONS:
+        if name not in wanted or (name in gpu_only and not cuda):
+            continue
+        # Each section on its own: one that fails is reported and the others still run, and the
+        # report is rewritten after each, so that a run cut short still leaves what it measured.
+        t0 = time.perf_counter()
+        print(f"[bench_gpu] {name} ...", flush=True)
+        try:
+            report[name] = work[name]()
+        except Exception:
+            import traceback
+
+            report["errors"][name] = traceback.format_exc()[-3000:]
+        report["seconds"][name] = round(time.perf_counter() - t0, 1)
+        print(f"[bench_gpu] {name} done in {report['seconds'][name]:.0f} s", flush=True)
+        _write(report, args.out)
+    print(_write(report, args.out))
+    a, s = report.get("agreement"), report.get("save_load")
+    broken = s and not (s["round_trip_equal"] and s["verify_after_gpu_save"])
+    bad = report["errors"] or (a and a["disagree"]) or broken
+    return 1 if bad else 0
+
+
+def _in_tmp(where: str | None, fn):
+    with tempfile.TemporaryDirectory(dir=where) as d:
+        return fn(d)
 
 
 if __name__ == "__main__":

@@ -1,39 +1,47 @@
 #!/usr/bin/env bash
 # The one device call of a session lent a GPU (issue 15): the CUDA tests, then bench_gpu.py, all
-# output under $OUT. The device machine has torch with CUDA and Triton and no network; whatever else
-# certckpt and its tests import comes from a wheelhouse made here and carried along:
+# output under $OUT, in about 6 minutes on one H200:
 #
-#   pip download --only-binary=:all: --dest .gpu-wheels xxhash click fsspec safetensors pytest hypothesis
-#   echo /.gpu-wheels/ >> .git/info/exclude
-#   run(command="bash benchmarks/gpu_session.sh", carry=[".gpu-wheels"], timeout_s=540)
+#   run(command="bash benchmarks/gpu_session.sh", timeout_s=480)
+#
+# The device image has torch with CUDA, Triton and everything certckpt imports (safetensors, fsspec,
+# xxhash, click, numpy, pytest). Where a package is missing, carry wheels made here:
+#   pip download --only-binary=:all: --python-version 3.12 --dest .gpu-wheels NAME...
+#   echo /.gpu-wheels/ >> .git/info/exclude       # then carry=[".gpu-wheels"]
 #
 # GPU_SESSION_QUICK=1 shrinks the benchmark (a smoke run; with GPU_SESSION_DEVICE=cpu it runs anywhere).
+# GPU_SESSION_ONLY=a,b runs only those bench_gpu sections (see bench_gpu.py --only).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/bench-out}"
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+PY="$(command -v python3 || command -v python)"
 if [ -d .gpu-wheels ]; then
-    python -m pip install -q --no-index --find-links .gpu-wheels xxhash click fsspec safetensors pytest hypothesis \
-        2>&1 | tail -3
+    "$PY" -m pip install -q --no-index --no-deps --target /tmp/site .gpu-wheels/*.whl 2>&1 | tail -3
+    export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
-python - <<'PY' 2>&1 | tee "$OUT/env.txt"
-import torch
+"$PY" - <<'PY' 2>&1 | tee "$OUT/env.txt"
+import importlib, torch
 print("torch", torch.__version__, "cuda", torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
-try:
-    import triton
-    print("triton", triton.__version__)
-except Exception as e:
-    print("triton missing:", e)
+for name in ("triton", "safetensors", "fsspec", "xxhash", "click", "numpy", "pytest", "hypothesis"):
+    try:
+        print(name, importlib.import_module(name).__version__)
+    except Exception as e:
+        print(name, "MISSING:", e)
 PY
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | tee -a "$OUT/env.txt"
 # the tests that only run with CUDA (they skip without), with the CPU tests of the same files around them
-timeout 240 python -m pytest -q -p no:cacheprovider -x \
+timeout 150 "$PY" -m pytest -q -p no:cacheprovider -m "not slow" -o addopts="" \
     tests/test_fused.py tests/test_staging.py tests/test_digest.py tests/test_fingerprint.py \
-    tests/test_detect_unit.py tests/test_roundtrip.py -k "cuda or gpu or fused or staging" \
+    tests/test_detect_unit.py tests/test_roundtrip.py tests/test_torch_compat.py -k "cuda or gpu or fused or staging" \
     2>&1 | tee "$OUT/pytest-cuda.txt" | tail -15
 device="${GPU_SESSION_DEVICE:-cuda}"
+only=()
+[ -n "${GPU_SESSION_ONLY:-}" ] && only=(--only "$GPU_SESSION_ONLY")
 if [ "${GPU_SESSION_QUICK:-0}" = 1 ]; then
-    timeout 420 python benchmarks/bench_gpu.py --quick --device "$device" --out "$OUT" 2>&1 | tail -40
+    timeout 400 "$PY" benchmarks/bench_gpu.py --quick --device "$device" --out "$OUT" "${only[@]}" 2>&1 | tail -60
 else
-    timeout 420 python benchmarks/bench_gpu.py --state-gib 3 --fp-gib 4 --device "$device" --out "$OUT" 2>&1 | tail -40
+    timeout 400 "$PY" benchmarks/bench_gpu.py --state-gib 2 --fp-gib 4 --trials 4 --device "$device" --out "$OUT" \
+        "${only[@]}" 2>&1 | tail -80
 fi

@@ -3,12 +3,13 @@
 The hook performs each bucket's all-reduce itself: before it, the local gradients' non-finite flag
 (eagerly, or lazily from ``.grad`` once the reduced bucket comes back non-finite) and, on audit
 steps, their signatures; after it, the reduced bucket's flag and, where DDP would copy the reduced
-bucket into ``.grad``, the hand-over of ``.grad`` to its view of the bucket. The flags stay on the
-device; the auditor reads them once per step (``Auditor._read_flags``).
+bucket into ``.grad``, the hand-over of ``.grad`` to its view of the bucket. The sums stay on the
+device; the auditor tests them once per step (``Auditor._read_flags``).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -21,15 +22,17 @@ from .signature import Probes, signature
 __all__ = [
     "HookState",
     "comm_hook",
+    "any_nonfinite",
+    "finiteness_sum",
     "nonfinite_flag",
-    "local_grads_flag",
+    "local_grads_sum",
     "lazy_pre_possible",
     "hand_over_possible",
 ]
 
 
 class HookState:
-    """State shared with the communication hook: per-bucket device flags, the bucket views, the
+    """State shared with the communication hook: per-bucket device sums (``finiteness_sum``), the bucket views, the
     local gradients kept alive for the step and, on audit steps, their signatures."""
 
     def __init__(
@@ -108,15 +111,33 @@ class HookState:
         return True
 
 
+def finiteness_sum(buf: torch.Tensor) -> torch.Tensor:
+    """A float32 0-dim tensor that is non-finite exactly when ``buf`` holds a NaN or an Inf.
+
+    One reduction kernel instead of ``isfinite().all()``'s two: NaN and Inf propagate through a sum
+    (a sum that overflows to Inf is flagged too, and means the gradients are unusable anyway). The
+    hook keeps these sums and tests them once per step (``any_nonfinite``): on a GPU each kernel
+    launch costs host time comparable to the reduction itself.
+    """
+    return buf.sum(dtype=torch.float32)
+
+
+def any_nonfinite(sums: list[torch.Tensor]) -> torch.Tensor:
+    """Whether any of the ``finiteness_sum`` results is non-finite (a 0-dim bool tensor, no host sync)."""
+    if not sums:
+        return torch.zeros((), dtype=torch.bool)
+    both = sums[0] if len(sums) == 1 else torch.stack(sums)
+    return ~torch.isfinite(both).all()
+
+
 def nonfinite_flag(buf: torch.Tensor) -> torch.Tensor:
-    # One fused reduction instead of isfinite().all(): NaN and Inf propagate through a sum (a sum
-    # that overflows to Inf is flagged too, and means the gradients are unusable anyway).
-    return ~torch.isfinite(buf.sum(dtype=torch.float32))
+    return ~torch.isfinite(finiteness_sum(buf))
 
 
-def local_grads_flag(params: list[torch.Tensor]) -> torch.Tensor:
-    flags = [nonfinite_flag(p.grad) for p in params if p.grad is not None]
-    return torch.stack(flags).any() if flags else torch.zeros((), dtype=torch.bool)
+def local_grads_sum(params: list[torch.Tensor]) -> torch.Tensor:
+    """``finiteness_sum`` over the local gradients left in ``.grad`` (the lazy pre-reduce check)."""
+    sums = [finiteness_sum(p.grad) for p in params if p.grad is not None]
+    return torch.stack(sums).sum() if sums else torch.zeros((), dtype=torch.float32)
 
 
 def lazy_pre_possible(model: DistributedDataParallel, device: torch.device) -> bool:
@@ -183,7 +204,7 @@ def comm_hook(state, bucket):
                     if p.grad is not None and p.grad.data_ptr() != g.data_ptr():
                         p.grad.copy_(g)
     if state.eager_pre:
-        state.pre.append(nonfinite_flag(buf))
+        state.pre.append(finiteness_sum(buf))
     if state.audit:
         probes = state.probes.subset(idx) if state.probes is not None else None
         sig = signature(grads, mode=state.mode, probes=probes)
@@ -202,10 +223,11 @@ def comm_hook(state, bucket):
         out = f.value()[0]
         if state.injector is not None:
             state.injector.on_reduced(out)
-        flag = nonfinite_flag(out)
-        state.post.append(flag)
-        if not state.eager_pre and bool(flag):  # a CPU flag: reading it costs no device sync
-            state.pre.append(local_grads_flag(params))
+        total = finiteness_sum(out)
+        state.post.append(total)
+        # a CPU sum: reading it costs no device sync
+        if not state.eager_pre and not math.isfinite(float(total)):
+            state.pre.append(local_grads_sum(params))
         if state.hand_over:  # after the lazy check, which reads the local gradients from .grad
             for p, g in zip(params, grads):
                 if p.grad is not None:

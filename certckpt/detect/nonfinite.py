@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .exchange import recv_payload, send_payload
+from .hook import any_nonfinite
 
 __all__ = ["NonFiniteCheck"]
 
@@ -42,16 +43,14 @@ class NonFiniteCheck:
         such a fault becomes a contained detection on all ranks.
         """
         hook = self._hook
-        post_local = bool(torch.stack(hook.post).any()) if hook.post else False
+        post_local = bool(any_nonfinite(hook.post)) if hook.post else False  # the step's one host read
         if not post_local and self.exchange_flags == "on-failure":
             return None
         flags = torch.zeros(2 * self.world, dtype=torch.int32, device=self.wire_device)
         if post_local:
             flags[self.world + self.rank] = 1
-            if hook.pre:  # eager: every bucket's; lazy: those of the buckets that came back non-finite
-                flags[self.rank] = torch.stack(hook.pre).any().to(self.wire_device)
-        elif hook.pre:  # every-step exchange with eager pre-checks
-            flags[self.rank] = torch.stack(hook.pre).any().to(self.wire_device)
+        if hook.pre:  # eager: every bucket's; lazy: those of the buckets that came back non-finite
+            flags[self.rank] = any_nonfinite(hook.pre).to(self.wire_device)
         dist.all_reduce(flags, group=self.group)
         values = flags.tolist()
         if not any(values):

@@ -28,9 +28,12 @@ import torch
 
 from .fingerprinting import FP_CHUNK_WORDS, SEED_V, raw_sum_eager, tables_for, torch_splitmix64
 
-__all__ = ["ready", "digest_ready", "raw_sum_fused", "digest_fused", "self_check"]
+__all__ = ["LAUNCH", "ready", "digest_ready", "raw_sum_fused", "digest_fused", "self_check"]
 
-_COLS = 1024  # positions per program (a power of two dividing FP_CHUNK_WORDS)
+# How the kernel is launched: positions per program (a power of two dividing FP_CHUNK_WORDS), warps
+# per program, and chunks per program (None: by size, ``_chunks_per_program``). Any choice gives the
+# same bits; benchmarks/bench_gpu.py times the alternatives on a GPU.
+LAUNCH = {"cols": 1024, "num_warps": 4, "chunks": None}
 
 try:
     import triton
@@ -127,16 +130,19 @@ def _chunks_per_program(n_chunks: int) -> int:
 def _partials(words: torch.Tensor, first_chunk: int, *, wide: bool) -> torch.Tensor:
     n = words.numel()
     c_words = FP_CHUNK_WORDS
+    cols = LAUNCH["cols"]
     n_chunks = -(-n // c_words)
-    per = _chunks_per_program(n_chunks)
+    per = LAUNCH["chunks"] or _chunks_per_program(n_chunks)
     groups = -(-n_chunks // per)
     mult = _multipliers(words.device)
     acc = tl.int64 if wide else tl.int32
     table = tables_for(words.device).table if wide else mult.table32()
     v = mult.get(first_chunk, groups * per, wide=wide)
-    out = torch.empty(groups * (c_words // _COLS), dtype=torch.int64 if wide else torch.int32, device=words.device)
-    grid = (c_words // _COLS, groups)
-    _partials_kernel[grid](words, table, v, out, n, n_chunks, COLS=_COLS, CHUNKS=per, C=c_words, ACC=acc)
+    out = torch.empty(groups * (c_words // cols), dtype=torch.int64 if wide else torch.int32, device=words.device)
+    grid = (c_words // cols, groups)
+    _partials_kernel[grid](
+        words, table, v, out, n, n_chunks, COLS=cols, CHUNKS=per, C=c_words, ACC=acc, num_warps=LAUNCH["num_warps"]
+    )
     return out
 
 
