@@ -9,6 +9,8 @@ shared tensors shared, and refuses a damaged file."""
 
 from __future__ import annotations
 
+import io
+
 import numpy as np
 import pytest
 import torch
@@ -82,6 +84,40 @@ def test_a_flipped_bit_and_a_short_file_are_refused_naming_the_tensor(tmp_path):
     short.write_bytes(path.read_bytes()[:-100])
     with pytest.raises(CorruptCheckpointError, match="truncated|ends"):
         _read(short, expected=False)
+
+
+def test_the_reader_thread_ends_with_every_load_and_its_errors_reach_the_caller(tmp_path):
+    import threading
+
+    path = tmp_path / "s.safetensors"
+    certckpt.save({"a": torch.arange(4000.0), "b": torch.ones(50_000)}, path)
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x01  # in `b`, the last tensor: the consumer raises while the reader may still run
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(bytes(data))
+
+    def readers():
+        return [t for t in threading.enumerate() if t.name == "certckpt-staging-reader"]
+
+    _read(path, stage_bytes=256)
+    assert readers() == []
+    with pytest.raises(CorruptCheckpointError, match="`b`"):
+        _read(bad, stage_bytes=256)
+    assert readers() == []
+
+    class Failing(io.BufferedReader):
+        """A file whose reads fail after the header (a network file system going away)."""
+
+        def readinto(self, b):
+            if self.tell() > 200:
+                raise OSError(5, "Input/output error")
+            return super().readinto(b)
+
+    with Failing(io.FileIO(str(path))) as fh:
+        info = read_checkpoint_header(fh, None, "s")
+        with pytest.raises(OSError, match="Input/output"):
+            read_to_device(fh, info.header.entries, torch.device("cpu"), expected=None, source="s", stage_bytes=128)
+    assert readers() == []
 
 
 def test_which_map_locations_read_straight_to_the_device():
