@@ -411,3 +411,73 @@ def hand_over_conditions(args):
         p.grad = None
     out["guard"] = {"intact_after_step": intact_after_step, "intact_after_reset": aud._hook.handed_over_intact()}
     return out
+
+
+def deferred_read(args):
+    """``nonfinite_read="deferred"``: clean steps train bit-equal to immediate reads; a NaN is detected one
+    step late, naming the rank; a checkpoint over an unread step is refused before anything is written."""
+    view = args["view"]
+
+    def auditor(m, **kw):
+        return Auditor(
+            DDP(m, gradient_as_bucket_view=view),
+            torch.optim.SGD(m.parameters(), lr=0.05),
+            loss_fn=_loss,
+            audit_every=4,
+            sink=MemorySink(),
+            **kw,
+        )
+
+    out = {}
+    ms = [_model(), _model()]
+    clean = [auditor(m, nonfinite_read=r) for m, r in zip(ms, ("immediate", "deferred"))]
+    for s in range(1, 10):
+        for a in clean:
+            a.train_step(_batch(s))
+    for a in clean:
+        a.close()
+    out["equal"] = all(torch.equal(a, b) for a, b in zip(ms[0].parameters(), ms[1].parameters()))
+    out["checked"] = [
+        [(e.step, e.details.get("steps_checked")) for e in a.sink.events if e.kind == "nonfinite"] for a in clean
+    ]
+
+    m = _model()
+    late = auditor(m, nonfinite_read="deferred", injector_faults=[Fault(kind="non-finite", rank=1, step=6)])
+    for s in range(1, 7):
+        late.train_step(_batch(s))
+    out["step6_applied"] = late.last.applied
+    out["weights_finite_after_6"] = all(bool(torch.isfinite(p).all()) for p in m.parameters())
+    try:
+        late.train_step(_batch(7))
+        out["raised"] = None
+    except FaultDetectedError as e:
+        d = e.event.details
+        out["raised"] = [e.event.step, e.event.kind, e.event.suspect_ranks, d.get("read"), d.get("detected_at"), str(e)]
+    out["step7_applied"] = late.last.applied
+
+    m = _model()
+    ckpt = auditor(m, nonfinite_read="deferred", injector_faults=[Fault(kind="non-finite", rank=2, step=6)])
+    for s in range(1, 7):
+        ckpt.train_step(_batch(s))
+    path = os.path.join(args["dir"], f"view{int(view)}-step6.safetensors")
+    try:
+        ckpt.save(m.state_dict(), path)
+        out["save"] = "written"
+    except FaultDetectedError as e:
+        out["save"] = [e.event.step, e.event.suspect_ranks]
+    out["file_exists"] = os.path.exists(path)
+
+    refusals = []
+    for kw in (
+        {"on_nonfinite": "skip"},
+        {"grad_scaler": torch.amp.GradScaler("cpu")},
+        {"exchange_flags": "every-step"},
+        {"nonfinite_read": "later"},
+    ):
+        try:
+            auditor(_model(), **{"nonfinite_read": "deferred", **kw})
+            refusals.append(None)
+        except Exception as e:
+            refusals.append(f"{type(e).__name__}: {e}")
+    out["refusals"] = refusals
+    return out

@@ -206,6 +206,28 @@ def test_skip_policy_contains_a_non_finite_step():
     assert out[0]["events"] == [[3, "nonfinite-pre", "fail", [2], True]]
 
 
+@pytest.mark.parametrize("view", [False, True])  # lazy and eager pre-reduce checks
+def test_deferred_nonfinite_reads_detect_one_step_late_and_never_vouch_for_an_unread_step(tmp_path, view):
+    out = ranks("deferred_read", 3, {"view": view, "dir": str(tmp_path)})
+    immediate, deferred = out[0]["checked"]  # rank 0 emits the events
+    assert immediate == deferred == [[4, 4], [8, 4]]  # every step checked before each audit's evidence
+    for res in out:
+        assert res["equal"]  # a deferred read changes no clean step
+        # the NaN of rank 1's step 6 reaches the weights (the update was applied) ...
+        assert res["step6_applied"] is True and res["weights_finite_after_6"] is False
+        # ... and step 7 raises, naming rank 1 and step 6, and drops step 7's update
+        step, kind, suspects, read, detected_at, message = res["raised"]
+        assert (step, kind, suspects, read, detected_at) == (6, "nonfinite-pre", [1], "deferred", 7)
+        assert "step 6's update was applied" in message and "latest good checkpoint" in message
+        assert res["step7_applied"] is False
+        # a checkpoint right after an unread non-finite step: refused on every rank, nothing written
+        assert res["save"] == [6, [2]] and res["file_exists"] is False
+        assert res["refusals"][0] is not None and "on_nonfinite='raise'" in res["refusals"][0]
+        assert res["refusals"][1] is not None and "grad_scaler" in res["refusals"][1]
+        assert res["refusals"][2] is not None and "every-step" in res["refusals"][2]
+        assert res["refusals"][3] is not None and "'immediate' or 'deferred'" in res["refusals"][3]
+
+
 def test_raise_policy_stops_before_the_update_with_evidence():
     out = ranks("raise_detected", 3)
     for res in out:

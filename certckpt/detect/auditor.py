@@ -147,15 +147,15 @@ class Auditor(AuditSession):
                 f"(torch {torch.__version__}"
                 " changed how DDP finalizes gradients); construct the Auditor with hand_over_grads=False"
             )
-        flags = self._read_flags()
+        failed = self._nonfinite_due(s, now=self._must_read_now(s, audit) or self.grad_scaler is not None)
         self.step = s  # the step is attempted from here on, applied or not
-        if flags is not None:  # the same on every rank: all drain the shift, so no message is left behind
+        if failed is not None:  # the same on every rank: all drain the shift, so no message is left behind
             if shift is not None:
                 shift.finish()
-            if self.grad_scaler is not None:
-                self._scaler_nonfinite(s, flags, units, micro, rng)
+            if self.grad_scaler is not None:  # never deferred: the failing step is this one
+                self._scaler_nonfinite(s, failed[1], units, micro, rng)
             else:
-                self._nonfinite_detected(s, flags)
+                self._nonfinite_detected(*failed)
             return loss
         self._checked_since_audit += 1
         if self._path_check_pending:

@@ -67,6 +67,7 @@ class WeightConsensus:
         compares the 64-bit fingerprints instead, which the checkpoint writer then reuses, and its
         pass event carries the state fingerprint the certifier matches against the file.
         """
+        self._settle_deferred()  # no consensus vouches for weights a pending non-finite step updated
         state = [p.detach() for p in self.params]
         names = list(self.param_names)
         if self.buffers:

@@ -123,6 +123,13 @@ class AuditSession(SetupChecks, NonFiniteCheck, RingReplay, WeightConsensus):
         exchange_flags: ``"on-failure"`` (default: ranks exchange the non-finite flags only on a
             failing step) or ``"every-step"`` (one small all-reduce per step, so that a reduction
             delivering non-finite values to some ranks only is still a clean, contained detection).
+        nonfinite_read: ``"immediate"`` (default: each step's flags are read before its update,
+            one host synchronisation per step) or ``"deferred"`` (read one step later, without
+            waiting for the GPU: a non-finite step's update is applied, the detection raises at the
+            next step, and the weights in memory are then not to be trusted; audits, consensus
+            steps, checkpoints and ``close`` read every pending flag first, so no evidence ever
+            covers an unread step). Deferred needs ``on_nonfinite="raise"``, no ``grad_scaler`` and
+            ``exchange_flags="on-failure"``.
         on_fault: ``"raise"`` or ``"continue"`` for replay and consensus failures (the failing step's
             update is dropped either way).
         clip_grad_norm: clip the reduced gradients to this total 2-norm before the optimizer step,
@@ -179,6 +186,7 @@ class AuditSession(SetupChecks, NonFiniteCheck, RingReplay, WeightConsensus):
         rtol: float = 1e-3,
         on_nonfinite: str = "raise",
         exchange_flags: str = "on-failure",
+        nonfinite_read: str = "immediate",
         on_fault: str = "raise",
         hand_over_grads: bool = True,
         clip_grad_norm: float | None = None,
@@ -210,6 +218,7 @@ class AuditSession(SetupChecks, NonFiniteCheck, RingReplay, WeightConsensus):
                 on_nonfinite=on_nonfinite,
                 on_fault=on_fault,
                 exchange_flags=exchange_flags,
+                nonfinite_read=nonfinite_read,
                 audit_every=audit_every,
                 consensus_every=consensus_every,
                 clip_grad_norm=clip_grad_norm,
@@ -227,6 +236,8 @@ class AuditSession(SetupChecks, NonFiniteCheck, RingReplay, WeightConsensus):
         self.run, self.branch, self.mode, self.rtol = run, branch, mode, rtol
         self.audit_every, self.consensus_every = audit_every, consensus_every
         self.on_nonfinite, self.on_fault, self.exchange_flags = on_nonfinite, on_fault, exchange_flags
+        self.nonfinite_read = nonfinite_read
+        self._pending_flags: tuple[int, Any] | None = None  # a deferred read's step and its sums on the way
         self.clip_grad_norm, self.before_optimizer_step = clip_grad_norm, before_optimizer_step
         # A disabled scaler (GradScaler(enabled=False)) scales nothing and never overflows.
         enabled = grad_scaler is not None and getattr(grad_scaler, "is_enabled", lambda: True)()
@@ -420,10 +431,10 @@ class AuditSession(SetupChecks, NonFiniteCheck, RingReplay, WeightConsensus):
         if self._first:
             self._first_step_checks(units, True)
             self._first = False
-        flags = self._read_flags()
+        failed = self._nonfinite_due(s, now=self._must_read_now(s, step["audit"]))
         self.step = s  # the step is attempted from here on, applied or not
-        if flags is not None:
-            self._nonfinite_detected(s, flags)  # raises, or drops the gradients (skip)
+        if failed is not None:
+            self._nonfinite_detected(*failed)  # raises, or drops the gradients (skip)
             return False
         self._checked_since_audit += 1
         rng = rngs[0] if rngs else None
@@ -455,6 +466,12 @@ class AuditSession(SetupChecks, NonFiniteCheck, RingReplay, WeightConsensus):
             self._checked_since_audit = 0
             if consensus_ok:
                 self.last_clean_audit = s
+
+    def _must_read_now(self, s: int, audit: bool) -> bool:
+        """Steps whose non-finite flags are read before their update even when reads are deferred:
+        audits and consensus steps (their evidence covers the step) and the replay-path check."""
+        due = self.consensus_every is not None and s % self.consensus_every == 0
+        return audit or due or self._path_check_pending
 
     def _zero_grad(self) -> None:
         """Drop every trained parameter's gradient, the optimizer's and any it does not own.
@@ -535,6 +552,7 @@ class AuditSession(SetupChecks, NonFiniteCheck, RingReplay, WeightConsensus):
         Raises:
             FaultDetectedError: the replicas disagree (policy ``on_fault="raise"``).
         """
+        self._settle_deferred()
         s = self.step
         if not (self._consensus and self._consensus[0] == s):
             self.weight_consensus(s, fingerprints=True)
@@ -557,6 +575,7 @@ class AuditSession(SetupChecks, NonFiniteCheck, RingReplay, WeightConsensus):
         Returns:
             ``SaveResult`` on rank 0, None elsewhere.
         """
+        self._settle_deferred()
         s = self.step
         if not (self._consensus and self._consensus[0] == s):
             self.weight_consensus(s, fingerprints=True)
@@ -596,6 +615,9 @@ class AuditSession(SetupChecks, NonFiniteCheck, RingReplay, WeightConsensus):
         return result
 
     def close(self) -> None:
+        """End the session (collective): the last deferred flags are read (a failure raises), the
+        hook's kept gradients dropped, a drill's injector removed and the events flushed."""
+        self._settle_deferred()
         self._hook.kept = []
         if self.injector is not None:
             self.injector.remove()

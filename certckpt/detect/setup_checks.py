@@ -32,6 +32,7 @@ def option_problem(
     on_nonfinite: str,
     on_fault: str,
     exchange_flags: str,
+    nonfinite_read: str = "immediate",
     audit_every: int,
     consensus_every: int | None,
     clip_grad_norm: float | None,
@@ -51,6 +52,25 @@ def option_problem(
         return "on_nonfinite must be 'raise' or 'skip'; on_fault 'raise' or 'continue'"
     if exchange_flags not in ("on-failure", "every-step"):
         return f"exchange_flags must be 'on-failure' or 'every-step', got {exchange_flags!r}"
+    if nonfinite_read not in ("immediate", "deferred"):
+        return f"nonfinite_read must be 'immediate' or 'deferred', got {nonfinite_read!r}"
+    if nonfinite_read == "deferred":
+        # A deferred read learns of a non-finite step after its update was applied.
+        if on_nonfinite != "raise":
+            return (
+                "nonfinite_read='deferred' applies a step's update before reading its flags, so it cannot"
+                " skip it: use on_nonfinite='raise'"
+            )
+        if grad_scaler is not None:
+            return (
+                "nonfinite_read='deferred' cannot be used with grad_scaler: an overflow must be found"
+                " before the update, to skip it"
+            )
+        if exchange_flags != "on-failure":
+            return (
+                "nonfinite_read='deferred' with exchange_flags='every-step' would still read the flags"
+                " every step: choose one"
+            )
     if audit_every < 1 or (consensus_every is not None and consensus_every < 1):
         return "audit_every and consensus_every must be >= 1"
     if clip_grad_norm is not None and not (isinstance(clip_grad_norm, (int, float)) and clip_grad_norm > 0):

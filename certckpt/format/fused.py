@@ -157,7 +157,7 @@ def digest_fused(words: torch.Tensor) -> torch.Tensor:
     """``detect.digest``'s S32 of the words (0-dim int64 in [0, 2**32)), in one kernel; same bits."""
     if not words.numel():
         return torch.zeros((), dtype=torch.int64, device=words.device)
-    return _partials(words, 0, wide=False).to(torch.int64).sum() & 0xFFFFFFFF
+    return _partials(words, 0, wide=False).sum(dtype=torch.int64) & 0xFFFFFFFF
 
 
 _checked: dict[tuple[torch.device, str], bool] = {}
