@@ -289,12 +289,12 @@ def tune_fused(device: torch.device, gib: float, trials: int) -> dict:
     return {"bytes": nbytes, "sum_GBps": nbytes / sum_s / 1e9, "rows": rows, "best": best}
 
 
-def envelope_cuda(*, ranks: int, backend: str, timeout: int, seconds_per_shape: int) -> dict:
+def envelope_cuda(*, ranks: int, backend: str, timeout: int, seconds_per_shape: int, read: str = "immediate") -> dict:
     import subprocess
 
     cmd = [
         "certckpt", "envelope", "--quick", "--backend", backend, "--device", "cuda", "--ranks", str(ranks),
-        "--seconds-per-shape", str(seconds_per_shape),
+        "--seconds-per-shape", str(seconds_per_shape), "--nonfinite-read", read,
     ]  # fmt: skip
     t0 = time.perf_counter()
     try:
@@ -343,16 +343,16 @@ def profile_steps(device: torch.device, steps: int, out_dir: str) -> dict:
         plain = DDP(copy.deepcopy(model), **kw)
         plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-4)
         auds = {}
-        for read in ("immediate", "deferred"):
+        for read, every in (("immediate", 10**9), ("deferred", 10**9), ("audit", 1)):
             aud_model = DDP(copy.deepcopy(model), **kw)
             auds[read] = Auditor(
                 aud_model,
                 torch.optim.AdamW(aud_model.parameters(), lr=1e-4),
                 loss_fn=loss_fn,
                 run="profile",
-                audit_every=10**9,
+                audit_every=every,
                 sink=MemorySink(),
-                nonfinite_read=read,
+                nonfinite_read="deferred" if read == "deferred" else "immediate",
             )
         batches = [tuple(x.to(device) for x in batch_fn(0, i, 256, 4)) for i in range(steps)]
 
@@ -374,6 +374,7 @@ def profile_steps(device: torch.device, steps: int, out_dir: str) -> dict:
             ("plain", plain_steps),
             ("audited_nonaudit", audited_steps("immediate")),
             ("audited_deferred", audited_steps("deferred")),
+            ("audit_every_step", audited_steps("audit")),  # replay, digests and consensus at every step
         ]
         for name, fn in variants * 2:  # twice, interleaved: the second round's figures are kept
             fn()  # warm-up (the auditor's first step runs its set-up checks)
@@ -393,19 +394,30 @@ def profile_steps(device: torch.device, steps: int, out_dir: str) -> dict:
                 "memcpy_calls_per_step": copies / steps,
             }
             if len(tables) < len(variants):
-                tables.append(f"== {name} ({steps} steps) ==\n" + ka.table(sort_by="self_cpu_time_total", row_limit=30))
+                tables.append(f"== {name} ({steps} steps) ==\n" + ka.table(sort_by="self_cpu_time_total", row_limit=40))
         os.makedirs(out_dir, exist_ok=True)
         with open(os.path.join(out_dir, "profile.txt"), "w") as fh:
             fh.write("\n\n".join(tables))
         results["nonaudit_ratio"] = results["audited_nonaudit"]["ms_per_step"] / results["plain"]["ms_per_step"]
         results["deferred_ratio"] = results["audited_deferred"]["ms_per_step"] / results["plain"]["ms_per_step"]
+        results["audit_step_ratio"] = results["audit_every_step"]["ms_per_step"] / results["plain"]["ms_per_step"]
         return results
     finally:
         torch.use_deterministic_algorithms(False)
         dist.destroy_process_group()
 
 
-SECTIONS = ("agreement", "fingerprint", "drill", "save_load", "tune", "envelope_nccl", "profile", "envelope_gloo3")
+SECTIONS = (
+    "agreement",
+    "fingerprint",
+    "drill",
+    "save_load",
+    "profile",
+    "envelope_nccl",
+    "envelope_nccl_deferred",
+    "envelope_gloo3",
+    "tune",
+)
 
 
 def _lines(report: dict) -> list[str]:
@@ -483,7 +495,7 @@ def _lines(report: dict) -> list[str]:
             f" verify --deep {sum(dr['verify_deep'].values())} of {len(dr['verify_deep'])} checkpoints"
         )
         lines += ["  " + r for r in dr["rows"]]
-    for key in ("envelope_nccl", "envelope_gloo3"):
+    for key in ("envelope_nccl", "envelope_nccl_deferred", "envelope_gloo3"):
         ev = report.get(key)
         if ev:
             lines.append(f"{ev['command']}: exit {ev['exit']} in {ev['seconds']:.0f} s")
@@ -492,7 +504,7 @@ def _lines(report: dict) -> list[str]:
                 lines += ["  stderr: " + r for r in ev["stderr_tail"].splitlines()[-8:]]
     pr = report.get("profile")
     if pr:
-        for name in ("plain", "audited_nonaudit", "audited_deferred"):
+        for name in ("plain", "audited_nonaudit", "audited_deferred", "audit_every_step"):
             r = pr[name]
             lines.append(
                 f"profile {name}: {r['ms_per_step']:.2f} ms/step, {r['launches_per_step']:.0f} launches,"
@@ -500,7 +512,8 @@ def _lines(report: dict) -> list[str]:
             )
         lines.append(
             f"profile: non-audit step / plain step {pr['nonaudit_ratio']:.3f}x (immediate flag read),"
-            f" {pr['deferred_ratio']:.3f}x (nonfinite_read='deferred')  [target <= 1.02x]"
+            f" {pr['deferred_ratio']:.3f}x (nonfinite_read='deferred')  [target <= 1.02x];"
+            f" an audit step {pr['audit_step_ratio']:.2f}x"
         )
     return lines
 
@@ -556,12 +569,19 @@ def main(argv: list[str] | None = None) -> int:
         "envelope_nccl": lambda: envelope_cuda(
             ranks=1, backend="nccl", timeout=args.envelope_timeout, seconds_per_shape=args.envelope_seconds
         ),
+        "envelope_nccl_deferred": lambda: envelope_cuda(
+            ranks=1,
+            backend="nccl",
+            timeout=args.envelope_timeout,
+            seconds_per_shape=args.envelope_seconds,
+            read="deferred",
+        ),
         "envelope_gloo3": lambda: envelope_cuda(
             ranks=3, backend="gloo", timeout=args.envelope_timeout, seconds_per_shape=args.envelope_seconds
         ),
         "profile": lambda: profile_steps(device, 30, args.out),
     }
-    gpu_only = {"drill", "envelope_nccl", "envelope_gloo3"}
+    gpu_only = {"drill", "envelope_nccl", "envelope_nccl_deferred", "envelope_gloo3"}
     for name in SECTIONS:
         if name not in wanted or (name in gpu_only and not cuda):
             continue

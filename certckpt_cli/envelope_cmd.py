@@ -68,6 +68,13 @@ from .common import EXIT_FAILED, EXIT_OK, EXIT_UNVERIFIABLE, OneLineUsage, expec
     help="Auditor mode (deterministic: torch.use_deterministic_algorithms(True), bit-exact replay).",
 )
 @click.option(
+    "--nonfinite-read",
+    default="immediate",
+    show_default=True,
+    type=click.Choice(["immediate", "deferred"]),
+    help="When the auditor reads each step's non-finite flags (deferred: a step later, without waiting for the GPU).",
+)
+@click.option(
     "--backend",
     default="gloo",
     show_default=True,
@@ -99,6 +106,7 @@ def envelope(
     seconds_per_shape,
     quick,
     mode,
+    nonfinite_read,
     backend,
     device,
     as_json,
@@ -149,6 +157,7 @@ def envelope(
         steps=steps if steps is not None else preset["steps"],
         min_shape_s=seconds_per_shape if seconds_per_shape is not None else preset["min_shape_s"],
         mode=mode,
+        nonfinite_read=nonfinite_read,
         backend=backend,
         device=device,
         extra_path=extra,

@@ -62,10 +62,9 @@ class NonFiniteCheck:
         event.record()
         return host, event
 
-    @staticmethod
-    def _one_sum(sums: list[torch.Tensor]) -> torch.Tensor:
-        if not sums:
-            return torch.zeros((), dtype=torch.float32)
+    def _one_sum(self, sums: list[torch.Tensor]) -> torch.Tensor:
+        if not sums:  # a lazy pre-check that was not needed, or a step without buckets
+            return torch.zeros((), dtype=torch.float32, device=self.device)
         return sums[0] if len(sums) == 1 else torch.stack(sums).sum()
 
     def _settle_deferred_flags(self) -> tuple[int, tuple[list[int], list[int]]] | None:

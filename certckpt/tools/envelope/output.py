@@ -29,7 +29,8 @@ def _header(report: Mapping[str, Any]) -> list[str]:
     return [
         f"performance envelope: {report['model']} ({report['params']:,} parameters), {report['ranks']} rank(s), "
         f"{report['backend']} on {report['device']}, {report['threads_per_rank']} torch thread(s) per rank, "
-        f"{report['cpus']} CPUs, {report['mode']} audits",
+        f"{report['cpus']} CPUs, {report['mode']} audits"
+        + (", non-finite flags read a step late" if report.get("nonfinite_read") == "deferred" else ""),
         f"load average {_load(report.get('loadavg_start'))} at start, {_load(report.get('loadavg_end'))} at end "
         f"({report['cpus']} CPUs; other jobs on the machine make every figure noisier)",
         f"plain/audited: mean step time, {report.get('trim', TRIM):.0%} trimmed at each end "

@@ -97,6 +97,7 @@ def setup(args: Mapping[str, Any]) -> Rig:
             run="envelope",
             audit_every=k,
             mode=mode,
+            nonfinite_read=args.get("nonfinite_read", "immediate"),
             sink=MemorySink(),
         )
         for k in args["audit_every"]

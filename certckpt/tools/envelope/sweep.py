@@ -65,6 +65,7 @@ class EnvelopeConfig:
     warmup: int = 1
     min_shape_s: float = FULL["min_shape_s"]
     mode: str = "deterministic"
+    nonfinite_read: str = "immediate"
     backend: str = "gloo"
     device: str = "cpu"
     timeout_s: float = 4 * 3600
@@ -88,6 +89,8 @@ class EnvelopeConfig:
             raise ConfigurationError(f"max_premium must be a finite number, got {self.max_premium!r}")
         if self.mode not in ("deterministic", "tolerance"):
             raise ConfigurationError(f"mode must be 'deterministic' or 'tolerance', got {self.mode!r}")
+        if self.nonfinite_read not in ("immediate", "deferred"):
+            raise ConfigurationError(f"nonfinite_read must be 'immediate' or 'deferred', got {self.nonfinite_read!r}")
         if self.backend not in ("gloo", "nccl"):
             raise ConfigurationError(f"backend must be 'gloo' or 'nccl', got {self.backend!r}")
         if self.device not in ("cpu", "cuda"):
@@ -113,6 +116,7 @@ def rank_args(config: EnvelopeConfig, *, progress_path: str) -> dict[str, Any]:
         "max_trials": max(config.steps, MAX_TRIALS),
         "block_s": BLOCK_S,
         "mode": config.mode,
+        "nonfinite_read": config.nonfinite_read,
         "backend": config.backend,
         "device": config.device,
         "progress": progress_path,
@@ -197,6 +201,7 @@ def build_report(config: EnvelopeConfig, r0: Mapping[str, Any], *, elapsed_s: fl
         "over_budget": over_budget(combos, config.max_premium),
         "params": r0["params"],
         "mode": config.mode,
+        "nonfinite_read": config.nonfinite_read,
         "backend": config.backend,
         "device": config.device,
         "deterministic_algorithms": r0["deterministic"],
