@@ -33,6 +33,7 @@ from torch.futures import Future
 
 from certckpt.errors import (
     ArgumentTypeError,
+    CertckptError,
     CheckpointNotFoundError,
     ConfigurationError,
     CorruptCheckpointError,
@@ -111,6 +112,7 @@ class CertifiedReader(StorageReader):
         self.storage_data: dict[MetadataIndex, Any] = {}
         self.checked_tensors = 0  # tensors compared in full by the last check_fingerprints load
         self._shapes: dict[str, tuple[int, ...]] = {}
+        self._metadata_error: CertckptError | None = None  # read_metadata's, raised by set_up_storage_reader
 
     # --- StorageReader ------------------------------------------------------------------------
 
@@ -123,18 +125,29 @@ class CertifiedReader(StorageReader):
 
     def read_metadata(self, *args: Any) -> Metadata:
         # No **kwargs on purpose: DCP then never falls back to per-rank `.metadata` files.
+        # An error is kept for set_up_storage_reader rather than raised here: torch 2.11's dcp.load
+        # replaces any exception from read_metadata with a bare "metadata is None".
+        self._metadata_error = None
         try:
             manifest, _ = read_manifest(self.path)
         except CheckpointNotFoundError as e:
-            raise CheckpointNotFoundError(
+            error = CheckpointNotFoundError(
                 f"{self.path}: no committed certified checkpoint here (no manifest: the save never finished,"
                 " or the path is wrong)"
-            ) from e
+            )
+            error.__cause__ = e
+            self._metadata_error = error
+            return Metadata(state_dict_metadata={})
+        except CertckptError as e:
+            self._metadata_error = e
+            return Metadata(state_dict_metadata={})
         self.manifest = manifest
         self._shapes = {t.fqn: t.shape for t in manifest.tensors}
         return to_metadata(manifest, source=self.path, load_id=self.load_id)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if self._metadata_error is not None:
+            raise self._metadata_error
         if self.manifest is None:
             raise ConfigurationError("CertifiedReader: read_metadata must come first (dcp.load does this)")
         self.storage_data = metadata.storage_data
