@@ -129,9 +129,16 @@ def fingerprint_speed(device: torch.device, gib: float, trials: int) -> dict:
     out["fingerprint_state_GBps"] = nbytes_many / _med(st) / 1e9
     out["fingerprint_state_fraction_of_sum"] = _med(sm) / _med(st)
     out["fingerprint_state_tensors"] = len(many)
-    from certckpt.detect.digest import digest_words_eager
+    from certckpt.detect.digest import digest, digest_words_eager, digests
 
     out["digest_fused_active"] = fused.digest_ready(device, digest_words_eager)
+    out["many_active"] = fused.many_ready(device), fused.many_digest_ready(device, digest_words_eager)
+    # a small model's parameters: 200 tensors of 64 KiB, one launch for all of them or one each
+    small = [torch.randn(16 << 10, device=device) for _ in range(200)]
+    t_many = _med(_timed(lambda: digests(small).cpu(), device, trials))
+    t_each = _med(_timed(lambda: torch.stack([digest(x) for x in small]).cpu(), device, trials))
+    t_fps = _med(_timed(lambda: certckpt.fingerprint_state({str(i): x for i, x in enumerate(small)}), device, trials))
+    out["small_200x64KiB_ms"] = {"digests": t_many * 1e3, "digest_each": t_each * 1e3, "fingerprint_state": t_fps * 1e3}
     return out
 
 
@@ -467,6 +474,12 @@ def _lines(report: dict) -> list[str]:
             f" ({100 * f['fingerprint_state_fraction_of_sum']:.1f} % of their sums' bandwidth)"
             f"  [target >= 25 %: {'met' if f['fingerprint_state_fraction_of_sum'] >= 0.25 else 'MISSED'}]"
         )
+        sm = f.get("small_200x64KiB_ms")
+        if sm:
+            lines.append(
+                f"200 tensors of 64 KiB (many-tensor kernels active {f['many_active']}): digests {sm['digests']:.2f} ms"
+                f" (one digest each: {sm['digest_each']:.2f} ms), fingerprint_state {sm['fingerprint_state']:.2f} ms"
+            )
     s = report.get("save_load")
     if s:
         lines.append(

@@ -37,6 +37,18 @@ INTERPRETED = textwrap.dedent(
         out["cases"] += 1
         if int(fused.digest_fused(w)) != int(digest_words_eager(w)):
             out["bad"].append(["digest", n])
+    # many tensors in one launch: views of one buffer (a DDP bucket's gradients), tensors of their
+    # own at either side of it in memory, empty ones, one past a chunk boundary; twice (cached layout)
+    bucket = torch.randint(-(2**31), 2**31, (3 * C + 1234,), dtype=torch.int32, generator=g)
+    parts = [torch.randint(-(2**31), 2**31, (n,), dtype=torch.int32, generator=g) for n in (7, 0, C + 1)]
+    parts += [bucket[:1], bucket[1:0], bucket[1 : C + 3], bucket[C + 3 :]]
+    parts += [torch.randint(-(2**31), 2**31, (1025,), dtype=torch.int32, generator=g)]
+    for _ in range(2):
+        out["many_cases"] = out.get("many_cases", 0) + 2 * len(parts)
+        if fused.raw_sums_fused(parts).tolist() != [int(raw_sum_eager(w)) for w in parts]:
+            out["bad"].append(["many fingerprint"])
+        if fused.digests_fused(parts).tolist() != [int(digest_words_eager(w)) for w in parts]:
+            out["bad"].append(["many digest"])
     cpu = torch.device("cpu")
     out["self_check"] = fused.self_check(cpu)
     out["ready_cpu"] = fused.ready(cpu)  # CPU tensors never take the kernels outside this test
@@ -57,7 +69,7 @@ def test_fused_kernels_compute_the_specified_bits_in_tritons_interpreter():
     run = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
-    assert out["cases"] == 30 and out["bad"] == []
+    assert out["cases"] == 30 and out["many_cases"] == 32 and out["bad"] == []
     assert out["self_check"] is True and out["ready_cpu"] is False
     assert out["broken_check"] is False
     assert any("fused fingerprint kernel off on cpu" in w and "disagrees" in w for w in out["warning"])
@@ -86,9 +98,36 @@ def test_cuda_tensors_take_the_fused_kernels_and_agree_with_the_cpu():
     from certckpt.format.fingerprinting import fingerprint
 
     dev = torch.device("cuda")
-    assert fused.ready(dev)
+    assert fused.ready(dev) and fused.many_ready(dev)
     g = torch.Generator().manual_seed(3)
     for n in (1, 65535, 65537, 5 * 65536 + 3, 300 * 65536):
         t = torch.randn(n, generator=g)
         assert fingerprint(t.to(dev)) == fingerprint(t)
         assert int(digest(t.to(dev))) == int(digest(t))
+
+
+@needs_cuda
+def test_many_cuda_tensors_take_one_launch_and_agree_with_the_cpu():
+    pytest.importorskip("triton")
+    from certckpt.detect.digest import digest_words_eager, digests
+    from certckpt.format import fused
+    from certckpt.format.fingerprinting import fingerprint_many
+
+    dev = torch.device("cuda")
+    assert fused.many_digest_ready(dev, digest_words_eager)
+    g = torch.Generator().manual_seed(4)
+    flat = torch.randn(3 * 65536 + 77, generator=g)
+    cpu = [
+        torch.randn(10, 10, generator=g),
+        torch.zeros(0),
+        flat[:5],
+        flat[5 : 65536 + 9].view(-1, 2),
+        flat[65536 + 9 :],
+        torch.randn(301, generator=g).to(torch.bfloat16),  # an odd byte count: the last word is padded
+        torch.randn(7, 3, generator=g).t(),  # not contiguous
+    ]
+    gpu_flat = flat.to(dev)
+    gpu = [t.to(dev) for t in cpu]
+    gpu[2:5] = [gpu_flat[:5], gpu_flat[5 : 65536 + 9].view(-1, 2), gpu_flat[65536 + 9 :]]  # views of one buffer
+    assert fingerprint_many(gpu) == fingerprint_many(cpu)
+    assert digests(gpu).tolist() == digests(cpu).tolist()

@@ -107,4 +107,11 @@ def digests(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """The digests of several tensors, stacked (int64 ``[P]``) on their device."""
     if not tensors:
         return torch.zeros(0, dtype=torch.int64)
+    device = tensors[0].device
+    if len(tensors) > 1 and device.type == "cuda" and all(t.device == device for t in tensors):
+        from certckpt.format import fused
+
+        # one launch for all of them: per tensor, a launch costs more host time than a small digest
+        if fused.many_digest_ready(device, digest_words_eager):
+            return fused.digests_fused([as_words(t) for t in tensors])
     return torch.stack([digest(t) for t in tensors])

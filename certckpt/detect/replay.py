@@ -25,6 +25,11 @@ from .signature import Probes, matches, signature
 
 __all__ = ["RingReplay", "restore_rng"]
 
+# Replayed gradients smaller than SIGN_ALONE_BYTES wait, up to SIGN_BATCH_BYTES of them, to be signed
+# together (one kernel launch on a GPU, ``digests``); larger ones are signed as they come.
+SIGN_ALONE_BYTES = 1 << 20
+SIGN_BATCH_BYTES = 16 << 20
+
 
 def restore_rng(state: dict[str, torch.Tensor], device: torch.device) -> None:
     """Set the RNG states a micro-batch was computed with (as ``Auditor._rng_state`` took them).
@@ -61,11 +66,12 @@ class RingReplay:
         buffers alone.
 
         One batch: each parameter's gradient is signed by a tensor hook as soon as backward
-        produces it, and the hook hands autograd a zero-stride placeholder instead, so the gradient
-        is freed at once: only one parameter's gradient is alive at a time. Keeping all of them
-        until the end (as ``autograd.grad`` would) means as much fresh memory as the model on every
-        audit, which on CPU costs a page fault per 4 KiB (about 12 ms per 36 MiB here) because the
-        allocator hands such a block back to the system after each audit.
+        produces it (gradients under SIGN_ALONE_BYTES wait for a few others, to be signed in one
+        launch), and the hook hands autograd a zero-stride placeholder instead, so the gradient is
+        freed at once: at most one large gradient, or SIGN_BATCH_BYTES of small ones, alive at a time.
+        Keeping all of them until the end (as ``autograd.grad`` would) means as much fresh memory as
+        the model on every audit, which on CPU costs a page fault per 4 KiB (about 12 ms per 36 MiB
+        here) because the allocator hands such a block back to the system after each audit.
 
         Several micro-batches: the hook adds each gradient into a per-parameter accumulator, in
         micro-batch order, as autograd accumulates ``.grad`` under ``no_sync`` (the same additions,
@@ -93,6 +99,29 @@ class RingReplay:
                 return nonfinite_flag(g)
             return signature([g], mode=self.mode, probes=probes_of(i))[0]
 
+        # Small gradients are signed in batches: on a GPU one launch per small parameter costs more
+        # host time than the replay's own backward (issue 15); a few MiB held at a time.
+        batched = self.mode == "deterministic" and not finite
+        pending: list[tuple[int, torch.Tensor]] = []
+        held = [0]
+
+        def flush() -> None:
+            if pending:
+                for (i, _), row in zip(pending, signature([g for _, g in pending], mode=self.mode)):
+                    rows[i] = row
+                pending.clear()
+                held[0] = 0
+
+        def sign_later(i: int, g: torch.Tensor) -> None:
+            size = g.numel() * g.element_size()
+            if not batched or size >= SIGN_ALONE_BYTES:
+                rows[i] = sign(i, g)
+                return
+            pending.append((i, g))
+            held[0] += size
+            if held[0] >= SIGN_BATCH_BYTES:
+                flush()
+
         def signer(i: int):
             def hook(grad: torch.Tensor) -> torch.Tensor:
                 if acc is not None:
@@ -105,7 +134,7 @@ class RingReplay:
                     if self.injector is not None:  # drills only: a persistent fault corrupts replays too
                         g = grad.detach().clone()
                         self.injector.on_local_grads([self.param_names[i]], [g])
-                    rows[i] = sign(i, g.detach())
+                    sign_later(i, g.detach())
                 return torch.zeros((), dtype=grad.dtype, device=grad.device).expand_as(grad)
 
             return hook
@@ -122,6 +151,7 @@ class RingReplay:
                     loss = self.loss_fn(module, unit)
                     torch.autograd.grad(self._scaled(loss, n=scale_n, micro=micro), self.params, allow_unused=True)
                     del loss
+            flush()
         finally:
             for h in handles:
                 h.remove()
@@ -138,8 +168,9 @@ class RingReplay:
                 self.injector.begin(s, "train")
             for i, a in enumerate(acc):
                 if a is not None:
-                    rows[i] = sign(i, a)
+                    sign_later(i, a)
                     acc[i] = None
+            flush()
         for i, p in enumerate(self.params):
             if rows[i] is None:  # unused in this forward: DDP's bucket holds zeros for it
                 rows[i] = sign(i, torch.zeros_like(p))

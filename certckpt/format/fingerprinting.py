@@ -297,6 +297,25 @@ class StreamingFingerprint:
         return f"{self.intdigest():016x}"
 
 
+def _raw_sums(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each tensor's S, on its device; the CUDA tensors of one device in a single fused launch."""
+    sums: list[torch.Tensor | None] = [None] * len(tensors)
+    cuda: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        if t.device.type == "cuda":
+            cuda.setdefault(t.device, []).append(i)
+    for device, idxs in cuda.items():
+        if len(idxs) < 2:
+            continue
+        from . import fused
+
+        if fused.many_ready(device):
+            many = fused.raw_sums_fused([as_words(tensors[i]) for i in idxs])
+            for k, i in enumerate(idxs):
+                sums[i] = many[k]
+    return [s if s is not None else raw_sum(as_words(t)) for s, t in zip(sums, tensors)]
+
+
 def fingerprint_many(tensors: Iterable[torch.Tensor]) -> list[int]:
     """Fingerprints of several tensors with a single device-to-host read per device.
 
@@ -304,7 +323,7 @@ def fingerprint_many(tensors: Iterable[torch.Tensor]) -> list[int]:
         >>> fps = fingerprint_many(model.state_dict().values())
     """
     tensors = list(tensors)
-    sums = [raw_sum(as_words(t)) for t in tensors]
+    sums = _raw_sums(tensors)
     by_device: dict[torch.device, list[int]] = {}
     for i, s in enumerate(sums):
         by_device.setdefault(s.device, []).append(i)

@@ -28,7 +28,18 @@ import torch
 
 from .fingerprinting import FP_CHUNK_WORDS, SEED_V, raw_sum_eager, tables_for, torch_splitmix64
 
-__all__ = ["LAUNCH", "ready", "digest_ready", "raw_sum_fused", "digest_fused", "self_check"]
+__all__ = [
+    "LAUNCH",
+    "ready",
+    "digest_ready",
+    "raw_sum_fused",
+    "raw_sums_fused",
+    "digest_fused",
+    "digests_fused",
+    "many_ready",
+    "many_digest_ready",
+    "self_check",
+]
 
 # How the kernel is launched: positions per program (a power of two dividing FP_CHUNK_WORDS), warps
 # per program, and chunks per program (None: by size, ``_chunks_per_program``). Any choice gives the
@@ -68,7 +79,43 @@ if triton is not None:
             v = tl.load(v_ptr + c, mask=c < n_chunks, other=0).to(ACC)
             acc += w * v
         t = tl.load(table_ptr + j).to(ACC)
-        tl.store(out_ptr + group * tl.num_programs(0) + col_block, tl.sum(acc * t, axis=0))
+        # Summed as int64 and stored truncated: the digest's int32 partial keeps the low 32 bits, as a
+        # wrapping int32 sum would (Triton 3.6's interpreter refuses an int32 sum that overflows).
+        tl.store(out_ptr + group * tl.num_programs(0) + col_block, tl.sum((acc * t).to(tl.int64), axis=0))
+
+    @triton.jit
+    def _many_kernel(
+        base_ptr,
+        meta_ptr,
+        table_ptr,
+        v_ptr,
+        out_ptr,
+        n_tensors,
+        COLS: tl.constexpr,
+        CHUNKS: tl.constexpr,
+        C: tl.constexpr,
+        ACC: tl.constexpr,
+    ):
+        # One launch for many tensors. ``meta`` (int64) holds, per tensor, its words' offset from
+        # ``base_ptr`` and its word count, then per program row the tensor and its group of chunks.
+        col_block = tl.program_id(0)
+        row = tl.program_id(1)
+        p = tl.load(meta_ptr + 2 * n_tensors + 2 * row)
+        group = tl.load(meta_ptr + 2 * n_tensors + 2 * row + 1)
+        start = tl.load(meta_ptr + 2 * p)
+        n_words = tl.load(meta_ptr + 2 * p + 1)
+        j = col_block * COLS + tl.arange(0, COLS)
+        acc = tl.zeros([COLS], dtype=ACC)
+        first = group * CHUNKS
+        for k in range(CHUNKS):
+            c = first + k
+            offs = c * C + j
+            w = tl.load(base_ptr + start + offs, mask=offs < n_words, other=0).to(ACC)
+            v = tl.load(v_ptr + c).to(ACC)  # V is long enough for every row: no mask
+            acc += w * v
+        t = tl.load(table_ptr + j).to(ACC)
+        # Integer sums mod 2**64 do not depend on order: the programs of a tensor add up atomically.
+        tl.atomic_add(out_ptr + p, tl.sum((acc * t).to(tl.int64), axis=0))
 
 
 class _Multipliers:
@@ -79,6 +126,7 @@ class _Multipliers:
         self.v64 = torch.zeros(0, dtype=torch.int64, device=device)
         self.v32 = torch.zeros(0, dtype=torch.int32, device=device)
         self.t32: torch.Tensor | None = None
+        self.layouts: dict = {}
 
     def get(self, first: int, count: int, *, wide: bool) -> torch.Tensor:
         if first:  # a piece of a longer sequence (streaming): computed for this call only
@@ -89,6 +137,25 @@ class _Multipliers:
             self.v64 = _v_range(0, size, self.device)
             self.v32 = _low32(self.v64)
         return self.v64[:count] if wide else self.v32[:count]
+
+    def layout(self, layout: tuple[tuple[int, int], ...]) -> tuple[torch.Tensor, int, int, int]:
+        """The multi-tensor kernel's table for ``layout`` (each tensor's word offset and count): the
+        device tensor, its program rows, chunks per program and the multipliers the rows reach.
+        Kept for the last few layouts: a model's parameters and a DDP bucket's views keep theirs."""
+        key = (layout, LAUNCH["chunks"])
+        hit = self.layouts.get(key)
+        if hit is not None:
+            return hit
+        chunks = [-(-n // FP_CHUNK_WORDS) for _, n in layout]
+        per = LAUNCH["chunks"] or _chunks_per_program(max(chunks))
+        head = [x for pair in layout for x in pair]
+        rows = [x for k, c in enumerate(chunks) for g in range(-(-c // per)) for x in (k, g)]
+        meta = torch.tensor(head + rows, dtype=torch.int64).to(self.device)
+        hit = (meta, len(rows) // 2, per, -(-max(chunks) // per) * per)
+        if len(self.layouts) >= 64:
+            self.layouts.pop(next(iter(self.layouts)))
+        self.layouts[key] = hit
+        return hit
 
     def table32(self) -> torch.Tensor:
         if self.t32 is None:
@@ -160,6 +227,53 @@ def digest_fused(words: torch.Tensor) -> torch.Tensor:
     return _partials(words, 0, wide=False).sum(dtype=torch.int64) & 0xFFFFFFFF
 
 
+def _many(words: list[torch.Tensor], *, wide: bool) -> torch.Tensor:
+    """Per-tensor sums (int64 ``[P]``; the digest's still to be masked to 32 bits) in one launch."""
+    device = words[0].device
+    live = [(i, w) for i, w in enumerate(words) if w.numel()]
+    if not live:
+        return torch.zeros(len(words), dtype=torch.int64, device=device)
+    base = live[0][1]
+    # Every word view is 4-byte aligned (as_words), so each tensor is a whole number of words away
+    # from the first one; the kernel addresses all of them from the first one's pointer.
+    layout = tuple(((w.data_ptr() - base.data_ptr()) // 4, w.numel()) for _, w in live)
+    mult = _multipliers(device)
+    meta, rows, per, span = mult.layout(layout)
+    v = mult.get(0, span, wide=wide)
+    table = tables_for(device).table if wide else mult.table32()
+    cols = LAUNCH["cols"]
+    sums = torch.zeros(len(live), dtype=torch.int64, device=device)
+    _many_kernel[(FP_CHUNK_WORDS // cols, rows)](
+        base,
+        meta,
+        table,
+        v,
+        sums,
+        len(live),
+        COLS=cols,
+        CHUNKS=per,
+        C=FP_CHUNK_WORDS,
+        ACC=tl.int64 if wide else tl.int32,
+        num_warps=LAUNCH["num_warps"],
+    )
+    if len(live) == len(words):
+        return sums
+    out = torch.zeros(len(words), dtype=torch.int64, device=device)
+    out[torch.tensor([i for i, _ in live], device=device)] = sums
+    return out
+
+
+def raw_sums_fused(words: list[torch.Tensor]) -> torch.Tensor:
+    """``fingerprinting.raw_sum`` of each of several word tensors on one CUDA device: int64 ``[P]``, one
+    kernel launch for all of them (a model's many small tensors cost one launch, not one each)."""
+    return _many(words, wide=True)
+
+
+def digests_fused(words: list[torch.Tensor]) -> torch.Tensor:
+    """``detect.digest``'s S32 of each of several word tensors on one device: int64 ``[P]``, one launch."""
+    return _many(words, wide=False) & 0xFFFFFFFF
+
+
 _checked: dict[tuple[torch.device, str], bool] = {}
 _lock = threading.Lock()
 
@@ -190,6 +304,40 @@ def self_check(device: torch.device) -> bool:
         "fingerprint",
         lambda: [(raw_sum_fused(words), raw_sum_eager(words)), (raw_sum_fused(piece, 5), raw_sum_eager(piece, 5))],
     )
+
+
+def _many_sample(device: torch.device) -> list[torch.Tensor]:
+    # empty, one word, a chunk and a bit, several chunks (views of one buffer) and a tensor of its own
+    words = _sample(device)
+    c = FP_CHUNK_WORDS
+    return [words[:0], words[:1], words[1 : c + 8], words[c + 8 :], words[5:9].clone()]
+
+
+def many_ready(device: torch.device) -> bool:
+    """Whether the one-launch fingerprint sum of many tensors serves ``device`` (checked once)."""
+    if not ready(device):
+        return False
+
+    def check() -> bool:
+        parts = _many_sample(device)
+        cases = lambda: zip(raw_sums_fused(parts).tolist(), map(raw_sum_eager, parts))  # noqa: E731
+        return _agree(device, "many-tensor fingerprint", cases)
+
+    return _once(device, "many-fingerprint", check)
+
+
+def many_digest_ready(device: torch.device, reference) -> bool:
+    """Whether the one-launch audit digest of many tensors serves ``device``, checked once against
+    ``reference(words)`` (the eager digest)."""
+    if not digest_ready(device, reference):
+        return False
+
+    def check() -> bool:
+        parts = _many_sample(device)
+        cases = lambda: zip(digests_fused(parts).tolist(), map(reference, parts))  # noqa: E731
+        return _agree(device, "many-tensor digest", cases)
+
+    return _once(device, "many-digest", check)
 
 
 def _enabled(device: torch.device) -> bool:
