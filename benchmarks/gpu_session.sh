@@ -10,7 +10,8 @@
 #   echo /.gpu-wheels/ >> .git/info/exclude       # then carry=[".gpu-wheels"]
 #
 # GPU_SESSION_QUICK=1 shrinks the benchmark (a smoke run; with GPU_SESSION_DEVICE=cpu it runs anywhere).
-# GPU_SESSION_ONLY=a,b runs only those bench_gpu sections (see bench_gpu.py --only).
+# GPU_SESSION_ONLY=a,b runs only those bench_gpu sections (see bench_gpu.py --only);
+# GPU_SESSION_ENVELOPE_SECONDS sets each envelope shape's seconds (default 8).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/bench-out}"
@@ -43,5 +44,5 @@ if [ "${GPU_SESSION_QUICK:-0}" = 1 ]; then
     timeout 400 "$PY" benchmarks/bench_gpu.py --quick --device "$device" --out "$OUT" "${only[@]}" 2>&1 | tail -60
 else
     timeout 400 "$PY" benchmarks/bench_gpu.py --state-gib 2 --fp-gib 4 --trials 4 --device "$device" --out "$OUT" \
-        "${only[@]}" 2>&1 | tail -80
+        --envelope-seconds "${GPU_SESSION_ENVELOPE_SECONDS:-8}" "${only[@]}" 2>&1 | tail -80
 fi
