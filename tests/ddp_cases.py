@@ -481,3 +481,44 @@ def deferred_read(args):
             refusals.append(f"{type(e).__name__}: {e}")
     out["refusals"] = refusals
     return out
+
+
+def deferred_hook_points(args):
+    """A user's own loop (``AuditSession`` hook points) with ``nonfinite_read="deferred"``: trains bit-equal
+    to plain DDP; a NaN on rank 2 at step 6 is applied, then ``before_update`` of step 7 raises naming it."""
+    from certckpt.detect import AuditSession
+
+    def run(session_kw, faults=None, steps=10):
+        m = _model()
+        ddp, opt = DDP(m), torch.optim.AdamW(m.parameters(), lr=1e-2)
+        session = None
+        if session_kw is not None:
+            session = AuditSession(
+                ddp, opt, loss_fn=_loss, audit_every=5, sink=MemorySink(), injector_faults=faults, **session_kw
+            )
+        raised = None
+        try:
+            for s in range(1, steps + 1):
+                b = _batch(s)
+                if session is not None:
+                    session.begin_micro_batch(b)
+                opt.zero_grad(set_to_none=True)
+                _loss(ddp, b).backward()
+                if session is None or session.before_update():
+                    opt.step()
+                if session is not None:
+                    session.after_update()
+        except FaultDetectedError as e:
+            d = e.event.details
+            raised = [s, e.event.step, e.event.kind, e.event.suspect_ranks, d.get("read"), d.get("detected_at")]
+        if session is not None:
+            session.close()
+        return m, raised
+
+    plain, _ = run(None)
+    deferred, _ = run({"nonfinite_read": "deferred"})
+    _, raised = run({"nonfinite_read": "deferred"}, faults=[Fault(kind="non-finite", rank=2, step=6)])
+    return {
+        "bit_equal": all(torch.equal(a, b) for a, b in zip(plain.parameters(), deferred.parameters())),
+        "raised": raised,
+    }

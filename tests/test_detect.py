@@ -228,6 +228,13 @@ def test_deferred_nonfinite_reads_detect_one_step_late_and_never_vouch_for_an_un
         assert res["refusals"][3] is not None and "'immediate' or 'deferred'" in res["refusals"][3]
 
 
+def test_deferred_reads_at_the_hook_points_of_a_users_loop():
+    for res in ranks("deferred_hook_points", 3):
+        assert res["bit_equal"]
+        # raised in step 7's before_update, about step 6, naming rank 2
+        assert res["raised"] == [7, 6, "nonfinite-pre", [2], "deferred", 7]
+
+
 def test_raise_policy_stops_before_the_update_with_evidence():
     out = ranks("raise_detected", 3)
     for res in out:
