@@ -453,6 +453,7 @@ def deferred_read(args):
     except FaultDetectedError as e:
         d = e.event.details
         out["raised"] = [e.event.step, e.event.kind, e.event.suspect_ranks, d.get("read"), d.get("detected_at"), str(e)]
+        out["contained"] = e.event.contained
     out["step7_applied"] = late.last.applied
 
     m = _model()

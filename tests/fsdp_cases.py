@@ -275,3 +275,56 @@ def replaced_reduce_scatter(args):
         opt.zero_grad(set_to_none=True)
     replays = [[e.details.get("phase", "gradients"), e.outcome] for e in session.sink.events if e.kind == "replay"]
     return {"step": None, "error": None, "own_calls": _PassThroughReduceScatter.calls, "replays": replays}
+
+
+def deferred_read(args):
+    """``nonfinite_read="deferred"`` on a 2 x 2 HSDP mesh: clean steps train bit-equal to immediate reads;
+    a NaN in rank 3's reduced gradient at step 6 is applied and raised at step 7, naming rank 3 and step 6
+    (not contained); a checkpoint right after a non-finite step is refused before any evidence."""
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+
+    def run(read, *, nan_step=None, ckpt_step=None):
+        m = _shard(_model(0), mesh)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        session = ShardedAuditSession(m, opt, run="t", consensus_every=4, nonfinite_read=read)
+        g = torch.Generator().manual_seed(100 + rank)
+        raised = None
+        for step in range(1, 9):
+            x = torch.randn(4, 12, generator=g)
+            F.mse_loss(m(x), x[:, :5].sin()).backward()
+            if step == nan_step and rank == 3:
+                m[2].weight.grad.to_local().view(-1)[3] = float("nan")  # after FSDP's reduce-scatter
+            try:
+                if session.before_update():
+                    opt.step()
+                session.after_update()
+                opt.zero_grad(set_to_none=True)
+                if step == ckpt_step:
+                    msd, osd = get_state_dict(m, opt)
+                    session.checkpoint_evidence({"model": msd, "optim": osd})
+            except FaultDetectedError as e:
+                d = e.event.details
+                raised = [step, e.event.step, e.event.kind, e.event.suspect_ranks, d.get("read"), d.get("detected_at")]
+                raised += [e.event.contained, "resume from the latest good checkpoint" in str(e)]
+                break
+        if raised is None:
+            session.close()
+        return [p.to_local().clone() for p in m.parameters()], raised
+
+    immediate, _ = run("immediate")
+    deferred, _ = run("deferred")
+    _, late = run("deferred", nan_step=6)
+    _, at_ckpt = run("deferred", nan_step=3, ckpt_step=3)
+    try:
+        m = _shard(_model(0), mesh)
+        ShardedAuditSession(m, torch.optim.AdamW(m.parameters()), nonfinite_read="deferred", on_nonfinite="skip")
+        refused = None
+    except (AuditSetupError, ConfigurationError) as e:
+        refused = str(e)
+    return {
+        "equal": all(torch.equal(a, b) for a, b in zip(immediate, deferred)),
+        "late": late,
+        "at_ckpt": at_ckpt,
+        "refused": refused,
+    }

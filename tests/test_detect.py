@@ -220,6 +220,7 @@ def test_deferred_nonfinite_reads_detect_one_step_late_and_never_vouch_for_an_un
         assert (step, kind, suspects, read, detected_at) == (6, "nonfinite-pre", [1], "deferred", 7)
         assert "step 6's update was applied" in message and "latest good checkpoint" in message
         assert res["step7_applied"] is False
+        assert res["contained"] is False  # step 6's update reached the weights: not a contained detection
         # a checkpoint right after an unread non-finite step: refused on every rank, nothing written
         assert res["save"] == [6, [2]] and res["file_exists"] is False
         assert res["refusals"][0] is not None and "on_nonfinite='raise'" in res["refusals"][0]

@@ -150,6 +150,21 @@ def test_a_majority_of_replicas_names_the_corrupted_one(tmp_path):
 
 
 @pytest.mark.slow
+def test_deferred_nonfinite_reads_under_hsdp():
+    from certckpt.detect.launch import run_ranks
+
+    out = run_ranks("fsdp_cases:deferred_read", 4, {}, timeout=240, extra_path=TESTS)
+    for r in out:
+        assert r["equal"]  # a deferred read changes no clean step
+        # found at step 7's before_update: step 6's NaN in rank 3's shard (its replica, rank 1, holds
+        # finite values), applied, so not contained
+        assert r["late"] == [7, 6, "nonfinite-post", [3], "deferred", 7, False, True]
+        # a checkpoint right after the non-finite step 3 reads it first and raises: no evidence
+        assert r["at_ckpt"] == [3, 3, "nonfinite-post", [3], "deferred", 3, False, True]
+        assert r["refused"] is not None and "on_nonfinite='raise'" in r["refused"]
+
+
+@pytest.mark.slow
 def test_a_model_without_dtensors_is_refused_on_every_rank():
     from certckpt.detect.launch import run_ranks
 

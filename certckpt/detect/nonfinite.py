@@ -222,7 +222,7 @@ class NonFiniteCheck:
             "fail",
             step=s,
             suspects=suspects,
-            contained=True,
+            contained=not late,  # a deferred read's step was applied: its fault reached the weights
             pre_ranks=pre,
             post_ranks=post,
             tensors=bad[:20],

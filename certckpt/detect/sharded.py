@@ -175,6 +175,12 @@ class ShardedAuditSession:
             contained detection either way.
         on_fault: ``"raise"`` or ``"continue"`` on a replay or consensus failure (the update is
             dropped either way when the replay fails).
+        nonfinite_read: ``"immediate"`` (each step's flags are read and exchanged before its update:
+            a host synchronisation and a blocking all-gather per step) or ``"deferred"`` (the flags
+            are exchanged by an asynchronous all-gather and read at the next step; a non-finite
+            step's update is applied and the detection raises a step later, naming that step;
+            consensus and audit steps, checkpoints and ``close`` read pending flags first). Deferred
+            needs ``on_nonfinite="raise"``; see ``AuditSession``.
         group: the process group of every rank of the mesh (default: the default group).
         sink: where rank 0 emits events (default: the ledger's, else in memory).
         ledger: a ``certckpt.Ledger`` or run store URL: events and incidents go there.
@@ -201,6 +207,7 @@ class ShardedAuditSession:
         audit_every: int = 10,
         check_determinism: bool = True,
         audit_updates: bool | None = None,
+        nonfinite_read: str = "immediate",
     ) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise AuditSetupError("torch.distributed is not initialized; call init_process_group first")
@@ -217,9 +224,18 @@ class ShardedAuditSession:
         self.on_nonfinite, self.on_fault = on_nonfinite, on_fault
         self.step = start_step
         self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.nonfinite_read = nonfinite_read
+        self._pending_flags: dict[str, Any] | None = None  # a deferred read's step, still on its way
         problem = None
         if on_nonfinite not in ("raise", "skip") or on_fault not in ("raise", "continue"):
             problem = "on_nonfinite must be 'raise' or 'skip'; on_fault 'raise' or 'continue'"
+        elif nonfinite_read not in ("immediate", "deferred"):
+            problem = f"nonfinite_read must be 'immediate' or 'deferred', got {nonfinite_read!r}"
+        elif nonfinite_read == "deferred" and on_nonfinite != "raise":
+            problem = (
+                "nonfinite_read='deferred' applies a step's update before reading its flags, so it cannot"
+                " skip it: use on_nonfinite='raise'"
+            )
         elif type(consensus_every) is not int or consensus_every < 1:
             problem = f"consensus_every must be an int >= 1, got {consensus_every!r}"
         elif not any(isinstance(p, DTensor) for _, p in self.params):
@@ -251,6 +267,7 @@ class ShardedAuditSession:
                 loss_fn is not None,
                 audit_every,
                 audit_updates,
+                nonfinite_read,
                 [n for n, _ in self.params],
             ]
         )
@@ -351,7 +368,8 @@ class ShardedAuditSession:
                 " session.begin_micro_batch(unit) before each micro-batch's forward"
             )
         trained = self._recorder.take() if step is not None and step["signed"] else None
-        if not self._nonfinite_check(s):
+        now = (step is not None and step["audit"]) or s % self.consensus_every == 0 or self._path_check_pending
+        if not self._nonfinite_check(s, now=now):
             return False
         if trained is None:
             return True
@@ -369,7 +387,7 @@ class ShardedAuditSession:
             self._update = update_inputs(self.optimizer, self._names_by_id)  # copies, before the step
         return ok
 
-    def _nonfinite_check(self, s: int) -> bool:
+    def _nonfinite_check(self, s: int, *, now: bool = True) -> bool:
         """Check the reduced gradients of the coming update (collective); returns whether to apply it.
 
         Every rank sums its local gradient shards (one reduction each), the ranks all-gather one flag
@@ -378,21 +396,75 @@ class ShardedAuditSession:
         holder of the region it came through the reduction from some rank's local gradient, which
         FSDP's reduce-scatter has consumed, and names nobody. A refused update's gradients are dropped.
         """
+        self._settle_nonfinite(at=s)  # a deferred read of the previous step raises here
         named = [(n, p.grad) for n, p in self.params if p.grad is not None]
         grads = [g.to_local() if isinstance(g, DTensor) else g for _, g in named]
         pre_sums = self._recorder.take_pre_sums() if self._recorder is not None else None
+        if self.nonfinite_read == "deferred" and not now:
+            self._pending_flags = self._queue_nonfinite(s, named, grads, pre_sums)
+            return True
         flags, pre_bad = _nonfinite_flags(grads, pre_sums)
         mine = torch.tensor([int(flags.any()), int(pre_bad)], dtype=torch.int64, device=self.wire_device)
         everyone = [torch.empty_like(mine) for _ in range(self.world)]
         dist.all_gather(everyone, mine, group=self.group)
-        bad_ranks = [r for r, f in enumerate(everyone) if int(f[0])]
-        pre_ranks = [r for r, f in enumerate(everyone) if int(f[1])]
+        rows = [[int(x) for x in f.tolist()] for f in everyone]
+        bad = [[n, _offsets(g)] for (n, g), b in zip(named, flags.tolist()) if b]
+        return self._nonfinite_outcome(s, rows, bad)
+
+    def _queue_nonfinite(self, s: int, named: list, grads: list[torch.Tensor], pre_sums: Any) -> dict[str, Any]:
+        """Start the exchange of step s's flags without waiting for the device or the other ranks: the
+        sums stay on the device, an asynchronous all-gather carries them, and on a GPU the result
+        is copied to pinned host memory behind an event (read at the next step)."""
+        sums = [g.sum(dtype=torch.float32) for g in grads]
+        device = sums[0].device if sums else self.device
+        sums.append(pre_sums.to(device).sum() if pre_sums is not None else torch.zeros((), device=device))
+        bad = ~torch.isfinite(torch.stack(sums))
+        mine = torch.stack([bad[:-1].any(), bad[-1]]).to(torch.int64)
+        if mine.device != self.wire_device:  # CUDA gradients on a gloo group (tests): a synchronisation
+            mine = mine.to(self.wire_device)
+        everyone = [torch.empty_like(mine) for _ in range(self.world)]
+        work = dist.all_gather(everyone, mine, group=self.group, async_op=True)
+        host, event = None, None
+        if mine.device.type == "cuda":
+            work.wait()  # the current stream waits for the collective; the host does not
+            host = torch.empty(2 * self.world, dtype=torch.int64, pin_memory=True)
+            host.copy_(torch.cat(everyone), non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        return {"s": s, "work": work, "everyone": everyone, "host": host, "event": event, "bad": bad, "named": named}
+
+    def _settle_nonfinite(self, *, at: int | None = None) -> None:
+        """Read the pending (deferred) step's exchanged flags; a failure is detected (and raised) now,
+        at step ``at`` (default: the current step count)."""
+        pending, self._pending_flags = self._pending_flags, None
+        if pending is None:
+            return
+        if pending["event"] is not None:
+            pending["event"].synchronize()  # the exchange of a step ago: done by now
+            flat = pending["host"].tolist()
+        else:
+            pending["work"].wait()
+            flat = [int(x) for f in pending["everyone"] for x in f.tolist()]
+        rows = [flat[2 * r : 2 * r + 2] for r in range(self.world)]
+        if not any(any(row) for row in rows):
+            self._nonfinite_outcome(pending["s"], rows, [])
+            return
+        flags = pending["bad"][:-1].tolist()
+        params = dict(self.params)
+        bad = [[n, _offsets(params[n])] for (n, _), b in zip(pending["named"], flags) if b]
+        self._nonfinite_outcome(pending["s"], rows, bad, late=self.step if at is None else at)
+
+    def _nonfinite_outcome(self, s: int, rows: list[list[int]], mine_bad: list, *, late: int | None = None) -> bool:
+        """Step s's exchanged flags (per rank: reduced shard non-finite, local gradient non-finite)
+        and this rank's non-finite gradient regions: count a clean step, or detect (collective).
+        ``late``: the step at which a deferred read found them (step s's update was applied)."""
+        bad_ranks = [r for r, f in enumerate(rows) if f[0]]
+        pre_ranks = [r for r, f in enumerate(rows) if f[1]]
         if not bad_ranks and not pre_ranks:
             self._checked += 1
             self._first_checked = s if self._first_checked is None else self._first_checked
             return True
         # the failing step: which tensors, and which regions, on every rank
-        mine_bad = [[n, _offsets(g)] for (n, g), bad in zip(named, flags.tolist()) if bad]
         held = [[n, _offsets(p)] for n, p in self.params]
         texts = all_gather_bytes(
             json.dumps({"bad": mine_bad, "held": held}).encode(), group=self.group, wire_device=self.wire_device
@@ -410,7 +482,7 @@ class ShardedAuditSession:
                 flagged = [h for h in holders.get(region, [r]) if any(b == [n, off] for b in reports[h]["bad"])]
                 if len(flagged) < len(holders.get(region, [r])):
                     suspects.add(r)  # its replicas of the same region hold finite values
-        self._drop_grads()  # the update is dropped: it never reaches the weights (contained)
+        self._drop_grads()  # this step's update is dropped: it never reaches the weights
         if pre_ranks:
             # With the replay's reduce-scatter installed every rank knows whether its own local
             # gradient was finite before the reduction, as under DDP: those ranks produced the values.
@@ -419,19 +491,28 @@ class ShardedAuditSession:
         else:
             kind = "nonfinite-post"
             message = f"non-finite reduced gradients on rank(s) {bad_ranks} ({where})"
+        extra = {"read": "deferred", "detected_at": late} if late is not None else {}
         ev = self._event(
             kind,
             "fail",
             step=s,
             suspects=suspects,
-            contained=True,
+            contained=late is None,  # a deferred read's step was applied: its fault reached the weights
             post_ranks=bad_ranks,
             pre_ranks=pre_ranks,
             tensors=where,
             where="reduced gradient shards (after FSDP's reduce-scatter and the replicas' all-reduce)",
             policy=self.on_nonfinite,
+            **extra,
         )
-        self._fail(ev, message + "; the update was dropped", policy="raise" if self.on_nonfinite == "raise" else "skip")
+        if late is not None:
+            message += (
+                f"; step {s}'s update was applied (nonfinite_read='deferred' reads each step's flags a step later)"
+                " and the weights in memory are not to be trusted: resume from the latest good checkpoint"
+            )
+        else:
+            message += "; the update was dropped"
+        self._fail(ev, message, policy="raise" if self.on_nonfinite == "raise" else "skip")
         return False
 
     def _drop_grads(self) -> None:
@@ -653,6 +734,7 @@ class ShardedAuditSession:
             FaultDetectedError: replicas disagree and ``on_fault="raise"``.
             ConfigurationError: the ranks' pieces of a tensor do not cover it exactly once.
         """
+        self._settle_nonfinite()  # no consensus vouches for weights a pending non-finite step updated
         s = self.step
         mine, meta = local_regions(self.state_fn() if state is None else state)
         texts = all_gather_bytes(json.dumps(mine).encode(), group=self.group, wire_device=self.wire_device)
@@ -742,6 +824,8 @@ class ShardedAuditSession:
             self.sink.flush()
 
     def close(self) -> None:
-        """Report the non-finite checks not summarised yet and flush the events."""
+        """Read pending non-finite flags (a failure raises), report the checks not summarised yet and
+        flush the events (collective)."""
+        self._settle_nonfinite()
         self._summarise_nonfinite(self.step)
         self.flush()
