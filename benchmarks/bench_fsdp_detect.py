@@ -202,7 +202,9 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
         models[name] = (m, opt)
         session = None
         if name == "consensus/10":
-            session = ShardedAuditSession(m, opt, run="bench-consensus", consensus_every=10, sink=MemorySink())
+            session = ShardedAuditSession(
+                m, opt, run="bench-consensus", consensus_every=10, sink=MemorySink(), nonfinite_read=args["read"]
+            )
         elif name.startswith("audit/"):
             session = ShardedAuditSession(
                 m,
@@ -212,6 +214,7 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
                 audit_every=int(name.split("/")[1]),
                 consensus_every=10**9,
                 sink=MemorySink(),
+                nonfinite_read=args["read"],
             )
         sessions[name] = session
         runners[name] = _runner(m, opt, session, micro, replay=name.startswith("audit/"))
@@ -499,6 +502,7 @@ def print_report(R: dict[str, Any]) -> None:
         f" Linears, each fully_shard-ed, then the root), {c['params']:,} parameters; "
         f"{c['opt']}; batch {c['batch']} x {c['widths'][0]} per rank, MSE"
         + (f"; {c['micro']} micro-batches per step (set_requires_gradient_sync, loss / N)" if c["micro"] > 1 else "")
+        + ("; non-finite flags read a step late (nonfinite_read='deferred')" if c.get("read") == "deferred" else "")
     )
     print(
         "figure: rank 0's wall time over a trial's slices (each barrier to barrier) / steps; ratio to plain: "
@@ -621,6 +625,12 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=None, help="rows per rank and micro-batch (default 32)")
     ap.add_argument("--micro", type=int, default=1, help="micro-batches per optimizer step (default 1)")
     ap.add_argument("--reps", type=int, default=None, help="audit steps timed one by one at the end (default 2)")
+    ap.add_argument(
+        "--nonfinite-read",
+        choices=("immediate", "deferred"),
+        default="immediate",
+        help="when the sessions read the non-finite flags (deferred: an asynchronous all-gather, read a step later)",
+    )
     args = ap.parse_args()
 
     from bench_format import cpu_busy_seconds, loadavg, others_busy_cores, own_cpu_seconds
@@ -630,6 +640,7 @@ def main() -> None:
         if getattr(args, key) is not None:
             P[key] = getattr(args, key)
     P.update(slice=args.slice, micro=args.micro, opt=args.opt, mesh=[2, 2] if args.mesh == "2x2" else [WORLD])
+    P["read"] = args.nonfinite_read
     if args.micro < 1 or P["trials"] < 1 or P["reps"] < 1:
         ap.error("--micro, --trials and --reps must be >= 1")
     if P["steps"] % 100 or P["steps"] < 100:
