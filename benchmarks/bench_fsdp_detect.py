@@ -170,7 +170,7 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    import certckpt.detect.sharded as sharded_mod
+    import certckpt.detect.sharded_audit as sharded_mod  # where the replay audit makes its RingShift
     import certckpt.detect.sharded_replay as replay_mod
     from certckpt.detect.events import MemorySink
     from certckpt.detect.launch import ProgressLog

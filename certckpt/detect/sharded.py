@@ -38,8 +38,6 @@ passes (see ``docs/detection.md``, "Sharded training: FSDP2 and HSDP").
 from __future__ import annotations
 
 import json
-import operator
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -57,33 +55,19 @@ from certckpt.trust.incident import incident_id_for
 from certckpt.trust.ledger import Ledger, LedgerSink
 
 from .agreement import all_gather_bytes, refuse_together, wire_device_for
-from .attribution import arbitration_plan, attribute_replay, ring_pairs
 from .events import AuditEvent, EventSink, MemorySink, emit_event, rank_inventory
-from .exchange import RingShift, refuse_unshippable
-from .session import CheckpointEvidence, restore_rng
+from .exchange import refuse_unshippable
+from .session import CheckpointEvidence
+from .sharded_audit import ShardedReplayAudit
 from .sharded_consensus import ShardConsensus, decide_consensus
+from .sharded_nonfinite import ShardedNonFiniteCheck
 from .sharded_replay import (
     GradientRecorder,
-    LayerDigest,
-    arbitrate,
-    compare_ring,
-    recompute_update,
     shard_group_size,
-    sync_pattern,
-    update_digests,
     update_inputs,
-    update_labels,
 )
 
 __all__ = ["ShardedAuditSession", "ShardConsensus", "local_regions"]
-
-
-def _offsets(t: torch.Tensor) -> list[int] | None:
-    """Where a DTensor's local shard starts in the global tensor (None: a plain tensor, or no shard here)."""
-    if not isinstance(t, DTensor):
-        return None
-    chunks = t.__create_chunk_list__()
-    return list(chunks[0].offsets) if chunks else None
 
 
 def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
@@ -111,25 +95,7 @@ def _replay_problem(model: torch.nn.Module, loss_fn: Any, audit_every: Any) -> s
     return None
 
 
-def _nonfinite_flags(grads: list[torch.Tensor], pre_sums: torch.Tensor | None = None) -> tuple[torch.Tensor, bool]:
-    """``(per-gradient flags, any pre-reduce sum non-finite)`` on the host, in one synchronisation.
-
-    One reduction per gradient, no copy: NaN and Inf survive a sum (an overflow to Inf is flagged too,
-    and means the gradients are unusable anyway), as the DDP hook's check. ``pre_sums``: the sums of
-    this rank's local gradients taken at each reduce-scatter (``GradientRecorder``), if any.
-    """
-    sums = [g.sum(dtype=torch.float32) for g in grads]
-    if pre_sums is not None:
-        sums.append(pre_sums.to(sums[0].device if sums else pre_sums.device).sum())
-    if not sums:
-        return torch.zeros(0, dtype=torch.bool), False
-    bad = ~torch.isfinite(torch.stack(sums).cpu())
-    if pre_sums is None:
-        return bad, False
-    return bad[:-1], bool(bad[-1])
-
-
-class ShardedAuditSession:
+class ShardedAuditSession(ShardedNonFiniteCheck, ShardedReplayAudit):
     """The checks of an FSDP2 / HSDP run (see the module docstring).
 
     Every rank constructs one after ``fully_shard`` and before the first backward (a collective: the
@@ -387,320 +353,6 @@ class ShardedAuditSession:
             self._update = update_inputs(self.optimizer, self._names_by_id)  # copies, before the step
         return ok
 
-    def _nonfinite_check(self, s: int, *, now: bool = True) -> bool:
-        """Check the reduced gradients of the coming update (collective); returns whether to apply it.
-
-        Every rank sums its local gradient shards (one reduction each), the ranks all-gather one flag
-        each, and on a failure the names: a non-finite shard on some replicas of a region only names
-        those ranks (the reduction delivered them bad values, or their memory went bad); on every
-        holder of the region it came through the reduction from some rank's local gradient, which
-        FSDP's reduce-scatter has consumed, and names nobody. A refused update's gradients are dropped.
-        """
-        self._settle_nonfinite(at=s)  # a deferred read of the previous step raises here
-        named = [(n, p.grad) for n, p in self.params if p.grad is not None]
-        grads = [g.to_local() if isinstance(g, DTensor) else g for _, g in named]
-        pre_sums = self._recorder.take_pre_sums() if self._recorder is not None else None
-        if self.nonfinite_read == "deferred" and not now:
-            self._pending_flags = self._queue_nonfinite(s, named, grads, pre_sums)
-            return True
-        flags, pre_bad = _nonfinite_flags(grads, pre_sums)
-        mine = torch.tensor([int(flags.any()), int(pre_bad)], dtype=torch.int64, device=self.wire_device)
-        everyone = [torch.empty_like(mine) for _ in range(self.world)]
-        dist.all_gather(everyone, mine, group=self.group)
-        rows = [[int(x) for x in f.tolist()] for f in everyone]
-        bad = [[n, _offsets(g)] for (n, g), b in zip(named, flags.tolist()) if b]
-        return self._nonfinite_outcome(s, rows, bad)
-
-    def _queue_nonfinite(self, s: int, named: list, grads: list[torch.Tensor], pre_sums: Any) -> dict[str, Any]:
-        """Start the exchange of step s's flags without waiting for the device or the other ranks: the
-        sums stay on the device, an asynchronous all-gather carries them, and on a GPU the result
-        is copied to pinned host memory behind an event (read at the next step)."""
-        sums = [g.sum(dtype=torch.float32) for g in grads]
-        device = sums[0].device if sums else self.device
-        sums.append(pre_sums.to(device).sum() if pre_sums is not None else torch.zeros((), device=device))
-        bad = ~torch.isfinite(torch.stack(sums))
-        mine = torch.stack([bad[:-1].any(), bad[-1]]).to(torch.int64)
-        if mine.device != self.wire_device:  # CUDA gradients on a gloo group (tests): a synchronisation
-            mine = mine.to(self.wire_device)
-        everyone = [torch.empty_like(mine) for _ in range(self.world)]
-        work = dist.all_gather(everyone, mine, group=self.group, async_op=True)
-        host, event = None, None
-        if mine.device.type == "cuda":
-            work.wait()  # the current stream waits for the collective; the host does not
-            host = torch.empty(2 * self.world, dtype=torch.int64, pin_memory=True)
-            host.copy_(torch.cat(everyone), non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-        return {"s": s, "work": work, "everyone": everyone, "host": host, "event": event, "bad": bad, "named": named}
-
-    def _settle_nonfinite(self, *, at: int | None = None) -> None:
-        """Read the pending (deferred) step's exchanged flags; a failure is detected (and raised) now,
-        at step ``at`` (default: the current step count)."""
-        pending, self._pending_flags = self._pending_flags, None
-        if pending is None:
-            return
-        if pending["event"] is not None:
-            pending["event"].synchronize()  # the exchange of a step ago: done by now
-            flat = pending["host"].tolist()
-        else:
-            pending["work"].wait()
-            flat = [int(x) for f in pending["everyone"] for x in f.tolist()]
-        rows = [flat[2 * r : 2 * r + 2] for r in range(self.world)]
-        if not any(any(row) for row in rows):
-            self._nonfinite_outcome(pending["s"], rows, [])
-            return
-        flags = pending["bad"][:-1].tolist()
-        params = dict(self.params)
-        bad = [[n, _offsets(params[n])] for (n, _), b in zip(pending["named"], flags) if b]
-        self._nonfinite_outcome(pending["s"], rows, bad, late=self.step if at is None else at)
-
-    def _nonfinite_outcome(self, s: int, rows: list[list[int]], mine_bad: list, *, late: int | None = None) -> bool:
-        """Step s's exchanged flags (per rank: reduced shard non-finite, local gradient non-finite)
-        and this rank's non-finite gradient regions: count a clean step, or detect (collective).
-        ``late``: the step at which a deferred read found them (step s's update was applied)."""
-        bad_ranks = [r for r, f in enumerate(rows) if f[0]]
-        pre_ranks = [r for r, f in enumerate(rows) if f[1]]
-        if not bad_ranks and not pre_ranks:
-            self._checked += 1
-            self._first_checked = s if self._first_checked is None else self._first_checked
-            return True
-        # the failing step: which tensors, and which regions, on every rank
-        held = [[n, _offsets(p)] for n, p in self.params]
-        texts = all_gather_bytes(
-            json.dumps({"bad": mine_bad, "held": held}).encode(), group=self.group, wire_device=self.wire_device
-        )
-        reports = [json.loads(t) for t in texts]
-        holders: dict[str, list[int]] = {}
-        for r, rep in enumerate(reports):
-            for n, off in rep["held"]:
-                holders.setdefault(json.dumps([n, off]), []).append(r)
-        suspects, where = set(), {}
-        for r, rep in enumerate(reports):
-            for n, off in rep["bad"]:
-                where.setdefault(str(r), []).append(n if off is None else f"{n}@{','.join(map(str, off))}")
-                region = json.dumps([n, off])
-                flagged = [h for h in holders.get(region, [r]) if any(b == [n, off] for b in reports[h]["bad"])]
-                if len(flagged) < len(holders.get(region, [r])):
-                    suspects.add(r)  # its replicas of the same region hold finite values
-        self._drop_grads()  # this step's update is dropped: it never reaches the weights
-        if pre_ranks:
-            # With the replay's reduce-scatter installed every rank knows whether its own local
-            # gradient was finite before the reduction, as under DDP: those ranks produced the values.
-            kind, suspects = "nonfinite-pre", set(pre_ranks)
-            message = f"non-finite local gradients on rank(s) {pre_ranks} before the reduce-scatter"
-        else:
-            kind = "nonfinite-post"
-            message = f"non-finite reduced gradients on rank(s) {bad_ranks} ({where})"
-        extra = {"read": "deferred", "detected_at": late} if late is not None else {}
-        ev = self._event(
-            kind,
-            "fail",
-            step=s,
-            suspects=suspects,
-            contained=late is None,  # a deferred read's step was applied: its fault reached the weights
-            post_ranks=bad_ranks,
-            pre_ranks=pre_ranks,
-            tensors=where,
-            where="reduced gradient shards (after FSDP's reduce-scatter and the replicas' all-reduce)",
-            policy=self.on_nonfinite,
-            **extra,
-        )
-        if late is not None:
-            message += (
-                f"; step {s}'s update was applied (nonfinite_read='deferred' reads each step's flags a step later)"
-                " and the weights in memory are not to be trusted: resume from the latest good checkpoint"
-            )
-        else:
-            message += "; the update was dropped"
-        self._fail(ev, message, policy="raise" if self.on_nonfinite == "raise" else "skip")
-        return False
-
-    def _drop_grads(self) -> None:
-        for _, p in self.params:
-            p.grad = None
-
-    # --- the ring replay ------------------------------------------------------------------------
-
-    def _replay(self, payload: dict[str, Any], trained: list[LayerDigest]) -> list[LayerDigest]:
-        return self._recorder.replay(
-            self.model,
-            self.loss_fn,
-            payload["units"],
-            payload["rngs"],
-            divisor=int(payload["n"]),
-            pattern=sync_pattern(trained),
-            restore_rng=lambda state: restore_rng(state, self.device),
-        )
-
-    def _gather_digests(self, *lists: list[LayerDigest]) -> list[list]:
-        """Every rank's digest lists, in rank order (one small all-gather)."""
-        mine = json.dumps([[d.as_list() for d in lst] for lst in lists]).encode()
-        return [json.loads(t) for t in all_gather_bytes(mine, group=self.group, wire_device=self.wire_device)]
-
-    def _check_replay_path(self, step: dict[str, Any], trained: list[LayerDigest], n: int) -> None:
-        """At the first step with finite gradients, every rank replays its own micro-batches and
-        must sign exactly what training reduce-scattered; else every rank refuses together (a
-        set-up the audits would always flag)."""
-        self._path_check_pending = False
-        reason = self._unsigned_problem(trained)
-        if reason is None:
-            again = self._replay({"units": step["units"], "rngs": step["rngs"], "n": n}, trained)
-            if [d.as_list() for d in again] != [d.as_list() for d in trained]:
-                layers = sorted({d.layer for d, e in zip(again, trained) if d != e}) or ["*"]
-                reason = (
-                    f"the replay of the first step signs other local gradients than training did (layers {layers[:5]})"
-                )
-        refuse_together(
-            reason,
-            group=self.group,
-            wire_device=self.wire_device,
-            what="the replay check",
-            advice=(
-                "the replay calls loss_fn(model, unit) for each micro-batch given to begin_micro_batch and"
-                " back-propagates it divided by loss_divisor (default: the number of micro-batches); likely"
-                " causes: a loss_fn that is not what the loop computes, a loop that scales its loss otherwise"
-                " (pass before_update(loss_divisor=...)), nondeterministic kernels"
-                " (torch.use_deterministic_algorithms(True)), or randomness drawn outside torch"
-            ),
-        )
-
-    def _unsigned_problem(self, trained: list[LayerDigest]) -> str | None:
-        # Gradients were reduced but nothing signed them: an audit would compare two empty lists and pass.
-        if trained or not any(p.grad is not None and isinstance(p, DTensor) for _, p in self.params):
-            return None
-        return (
-            "no reduce-scatter was signed: something replaced certckpt's reduce-scatter after the session was"
-            " created (FSDPModule.set_custom_reduce_scatter, set_symm_mem_for_comm, ...); set those up before"
-            " creating the session, which then signs around them"
-        )
-
-    def _replay_audit(self, s: int, step: dict[str, Any], trained: list[LayerDigest], n: int) -> bool:
-        """Every rank replays its predecessor's micro-batches; returns whether the update may be applied."""
-        refuse_together(
-            self._unsigned_problem(trained), group=self.group, wire_device=self.wire_device, what="the replay audit"
-        )
-        payload = {"units": step["units"], "rngs": step["rngs"], "n": n}
-        prev = RingShift(payload, group=self.group, wire_device=self.wire_device, out_device=self.device).finish()
-        replayed = self._replay(prev, trained)
-        docs = self._gather_digests(trained, replayed)
-        trained_all, replayed_all = [d[0] for d in docs], [d[1] for d in docs]
-        result = compare_ring(trained_all, replayed_all)
-        details = {"comparisons": self.world, "layers": len(trained), "micro_batches": len(step["units"])}
-        if self._not_replayed:
-            details["params_not_replayed"] = self._not_replayed[:20]  # not fully_shard-ed: FSDP never reduces them
-        if result.passed:
-            self._event("replay", "pass", step=s, mode="deterministic", **details)
-            return True
-        # A replay can only be trusted between replicas holding the same weights: check them first.
-        if not self.weight_consensus(found_by="replay precondition").agreed:
-            self._drop_grads()
-            return False
-        arbitration: dict[tuple[int, int], str] = {}
-        if arbitrate_needed := bool(arbitration_plan(self.world, result.failed)):
-            # two hops round the ring: the rank after each replayer recomputes the origin's micro-batches
-            prev2 = RingShift(prev, group=self.group, wire_device=self.wire_device, out_device=self.device).finish()
-            arbiters = [d[0] for d in self._gather_digests(self._replay(prev2, trained))]
-            arbitration = arbitrate(self.world, result.failed, trained_all, replayed_all, arbiters)
-        verdict = attribute_replay(self.world, result.failed, arbitration)
-        ev = self._event(
-            "replay",
-            "fail",
-            step=s,
-            suspects=verdict.suspects,
-            mode="deterministic",
-            **details,
-            failed=[{"origin": o, "replayer": r} for o, r in result.failed],
-            mismatched=result.mismatched,
-            arbitration={f"{o}->{r}": v for (o, r), v in arbitration.items()},
-            arbitrated=arbitrate_needed,
-            notes=list(verdict.notes),
-        )
-        self._drop_grads()
-        who = f"rank(s) {list(verdict.suspects)}" if verdict.suspects else "no rank could be named"
-        self._fail(ev, f"replay audit failed ({who}); the update was not applied", policy=self.on_fault)
-        return False
-
-    # --- the update replay ------------------------------------------------------------------------
-
-    def _update_audit(self, s: int, inputs: dict[str, Any], params: list[torch.Tensor]) -> bool:
-        """After the optimizer step: the next rank recomputes this rank's update (see
-        ``sharded_replay``); returns whether every recomputation matched (collective)."""
-        gone = any(p.grad is None for p in params)
-        flags = all_gather_bytes(b"1" if gone else b"0", group=self.group, wire_device=self.wire_device)
-        if b"1" in flags:  # zero_grad ran before after_update on some rank: nothing to recompute from
-            if not self._update_skip_warned:
-                self._update_skip_warned = True
-                warnings.warn(
-                    f"certckpt: step {s}: the optimizer step could not be recomputed (its gradients were dropped"
-                    " before after_update()); call opt.zero_grad() after session.after_update()",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
-            return True
-        items = [item for g in inputs["groups"] for item in g["params"]]
-        for item, p in zip(items, params):
-            item["g"] = (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).detach()
-        actual = update_digests(self.optimizer, params)
-        labels = update_labels(self.optimizer, params, self._names_by_id)
-        cls = type(self.optimizer)
-        prev = RingShift(inputs, group=self.group, wire_device=self.wire_device, out_device=self.device).finish()
-        recomputed = recompute_update(cls, prev, device=self.device)
-        if not self._update_checked:
-            self._update_checked = True
-            own = recompute_update(cls, inputs, device=self.device)
-            differ = sorted({lab for lab, a, b in zip(labels, own, actual) if a != b})
-            differ = differ or (["*"] if own != actual else [])
-            refuse_together(
-                f"recomputing this rank's own optimizer step gives other values ({differ[:5]})" if differ else None,
-                group=self.group,
-                wire_device=self.wire_device,
-                what="the update audit check",
-                advice=(
-                    f"the step is recomputed with a fresh {cls.__name__} over plain copies of the shards; a loop"
-                    " that changes the gradients between before_update() and opt.step() other than by clipping,"
-                    " an optimizer whose step depends on more than its param groups and state, or kernels that"
-                    " differ between DTensors and plain tensors make it differ: pass audit_updates=False"
-                ),
-            )
-        mine = json.dumps([actual, recomputed, labels]).encode()
-        docs = [json.loads(t) for t in all_gather_bytes(mine, group=self.group, wire_device=self.wire_device)]
-        failed, mismatched = [], {}
-        for origin, replayer in ring_pairs(self.world):
-            got, want, names = docs[replayer][1], docs[origin][0], docs[origin][2]
-            if got != want:
-                failed.append((origin, replayer))
-                diff = [n for n, a, b in zip(names, got, want) if a != b] if len(got) == len(want) else ["*"]
-                mismatched[f"{origin}->{replayer}"] = diff[:10]
-        details = {"phase": "update", "comparisons": self.world, "params": len(params), "optimizer": cls.__name__}
-        if not failed:
-            self._event("replay", "pass", step=s, **details)
-            return True
-        arbitration: dict[tuple[int, int], str] = {}
-        if arbitration_plan(self.world, failed):
-            # two hops round the ring: the rank after each replayer recomputes the origin's step too
-            prev2 = RingShift(prev, group=self.group, wire_device=self.wire_device, out_device=self.device).finish()
-            third = recompute_update(cls, prev2, device=self.device)
-            texts = all_gather_bytes(json.dumps(third).encode(), group=self.group, wire_device=self.wire_device)
-            actual_all, recomputed_all = [d[0] for d in docs], [d[1] for d in docs]
-            third_all = [json.loads(t) for t in texts]
-            arbitration = arbitrate(self.world, failed, actual_all, recomputed_all, third_all, same=operator.eq)
-        verdict = attribute_replay(self.world, failed, arbitration)
-        ev = self._event(
-            "replay",
-            "fail",
-            step=s,
-            suspects=verdict.suspects,
-            **details,
-            failed=[{"origin": o, "replayer": r} for o, r in failed],
-            mismatched=mismatched,
-            arbitration={f"{o}->{r}": v for (o, r), v in arbitration.items()},
-            notes=list(verdict.notes),
-        )
-        who = f"rank(s) {list(verdict.suspects)}" if verdict.suspects else "no rank could be named"
-        message = f"the optimizer step's recomputation differs ({who}); the update was applied"
-        self._fail(ev, message, policy=self.on_fault)
-        return False
-
     # --- the weight consensus -------------------------------------------------------------------
 
     def after_update(self) -> bool:
@@ -770,13 +422,6 @@ class ShardedAuditSession:
             policy=self.on_fault,
         )
         return result
-
-    def _summarise_nonfinite(self, s: int) -> None:
-        # The per-step checks since the last summary, as the DDP auditor reports them at audit steps
-        # (here at checkpoints and at close: there are no audit steps without a replay).
-        if self._checked:
-            self._event("nonfinite", "pass", step=s, steps_checked=self._checked, first=self._first_checked)
-            self._checked, self._first_checked = 0, None
 
     # --- checkpoints ----------------------------------------------------------------------------
 

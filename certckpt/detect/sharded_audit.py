@@ -1,0 +1,221 @@
+"""Check 2 of an FSDP2 / HSDP audit session: the ring replay audit and the optimizer-step replay.
+
+At audit steps every rank replays its predecessor's micro-batches collectively through the sharded
+model (``sharded_replay.GradientRecorder``) and the ranks compare the layers' digest lists ring-wise,
+with attribution and a two-hop arbitration; with ``audit_updates`` the next rank also recomputes each
+rank's optimizer step on its shard. ``ShardedReplayAudit`` is a mixin of
+``sharded.ShardedAuditSession`` and works on the session's attributes.
+"""
+
+from __future__ import annotations
+
+import json
+import operator
+import warnings
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from .agreement import all_gather_bytes, refuse_together
+from .attribution import arbitration_plan, attribute_replay, ring_pairs
+from .exchange import RingShift
+from .session import restore_rng
+from .sharded_replay import (
+    LayerDigest,
+    arbitrate,
+    compare_ring,
+    recompute_update,
+    sync_pattern,
+    update_digests,
+    update_labels,
+)
+
+__all__ = ["ShardedReplayAudit"]
+
+
+class ShardedReplayAudit:
+    """The replay audits of ``ShardedAuditSession`` (a mixin: the session holds the state they read).
+
+    They use the session's recorder, model, optimizer, group and ``_event`` / ``_fail``.
+    """
+
+    def _replay(self, payload: dict[str, Any], trained: list[LayerDigest]) -> list[LayerDigest]:
+        return self._recorder.replay(
+            self.model,
+            self.loss_fn,
+            payload["units"],
+            payload["rngs"],
+            divisor=int(payload["n"]),
+            pattern=sync_pattern(trained),
+            restore_rng=lambda state: restore_rng(state, self.device),
+        )
+
+    def _gather_digests(self, *lists: list[LayerDigest]) -> list[list]:
+        """Every rank's digest lists, in rank order (one small all-gather)."""
+        mine = json.dumps([[d.as_list() for d in lst] for lst in lists]).encode()
+        return [json.loads(t) for t in all_gather_bytes(mine, group=self.group, wire_device=self.wire_device)]
+
+    def _check_replay_path(self, step: dict[str, Any], trained: list[LayerDigest], n: int) -> None:
+        """At the first step with finite gradients, every rank replays its own micro-batches and
+        must sign exactly what training reduce-scattered; else every rank refuses together (a
+        set-up the audits would always flag)."""
+        self._path_check_pending = False
+        reason = self._unsigned_problem(trained)
+        if reason is None:
+            again = self._replay({"units": step["units"], "rngs": step["rngs"], "n": n}, trained)
+            if [d.as_list() for d in again] != [d.as_list() for d in trained]:
+                layers = sorted({d.layer for d, e in zip(again, trained) if d != e}) or ["*"]
+                reason = (
+                    f"the replay of the first step signs other local gradients than training did (layers {layers[:5]})"
+                )
+        refuse_together(
+            reason,
+            group=self.group,
+            wire_device=self.wire_device,
+            what="the replay check",
+            advice=(
+                "the replay calls loss_fn(model, unit) for each micro-batch given to begin_micro_batch and"
+                " back-propagates it divided by loss_divisor (default: the number of micro-batches); likely"
+                " causes: a loss_fn that is not what the loop computes, a loop that scales its loss otherwise"
+                " (pass before_update(loss_divisor=...)), nondeterministic kernels"
+                " (torch.use_deterministic_algorithms(True)), or randomness drawn outside torch"
+            ),
+        )
+
+    def _unsigned_problem(self, trained: list[LayerDigest]) -> str | None:
+        # Gradients were reduced but nothing signed them: an audit would compare two empty lists and pass.
+        if trained or not any(p.grad is not None and isinstance(p, DTensor) for _, p in self.params):
+            return None
+        return (
+            "no reduce-scatter was signed: something replaced certckpt's reduce-scatter after the session was"
+            " created (FSDPModule.set_custom_reduce_scatter, set_symm_mem_for_comm, ...); set those up before"
+            " creating the session, which then signs around them"
+        )
+
+    def _replay_audit(self, s: int, step: dict[str, Any], trained: list[LayerDigest], n: int) -> bool:
+        """Every rank replays its predecessor's micro-batches; returns whether the update may be applied."""
+        refuse_together(
+            self._unsigned_problem(trained), group=self.group, wire_device=self.wire_device, what="the replay audit"
+        )
+        payload = {"units": step["units"], "rngs": step["rngs"], "n": n}
+        prev = RingShift(payload, group=self.group, wire_device=self.wire_device, out_device=self.device).finish()
+        replayed = self._replay(prev, trained)
+        docs = self._gather_digests(trained, replayed)
+        trained_all, replayed_all = [d[0] for d in docs], [d[1] for d in docs]
+        result = compare_ring(trained_all, replayed_all)
+        details = {"comparisons": self.world, "layers": len(trained), "micro_batches": len(step["units"])}
+        if self._not_replayed:
+            details["params_not_replayed"] = self._not_replayed[:20]  # not fully_shard-ed: FSDP never reduces them
+        if result.passed:
+            self._event("replay", "pass", step=s, mode="deterministic", **details)
+            return True
+        # A replay can only be trusted between replicas holding the same weights: check them first.
+        if not self.weight_consensus(found_by="replay precondition").agreed:
+            self._drop_grads()
+            return False
+        arbitration: dict[tuple[int, int], str] = {}
+        if arbitrate_needed := bool(arbitration_plan(self.world, result.failed)):
+            # two hops round the ring: the rank after each replayer recomputes the origin's micro-batches
+            prev2 = RingShift(prev, group=self.group, wire_device=self.wire_device, out_device=self.device).finish()
+            arbiters = [d[0] for d in self._gather_digests(self._replay(prev2, trained))]
+            arbitration = arbitrate(self.world, result.failed, trained_all, replayed_all, arbiters)
+        verdict = attribute_replay(self.world, result.failed, arbitration)
+        ev = self._event(
+            "replay",
+            "fail",
+            step=s,
+            suspects=verdict.suspects,
+            mode="deterministic",
+            **details,
+            failed=[{"origin": o, "replayer": r} for o, r in result.failed],
+            mismatched=result.mismatched,
+            arbitration={f"{o}->{r}": v for (o, r), v in arbitration.items()},
+            arbitrated=arbitrate_needed,
+            notes=list(verdict.notes),
+        )
+        self._drop_grads()
+        who = f"rank(s) {list(verdict.suspects)}" if verdict.suspects else "no rank could be named"
+        self._fail(ev, f"replay audit failed ({who}); the update was not applied", policy=self.on_fault)
+        return False
+
+    # --- the update replay ------------------------------------------------------------------------
+
+    def _update_audit(self, s: int, inputs: dict[str, Any], params: list[torch.Tensor]) -> bool:
+        """After the optimizer step: the next rank recomputes this rank's update (see
+        ``sharded_replay``); returns whether every recomputation matched (collective)."""
+        gone = any(p.grad is None for p in params)
+        flags = all_gather_bytes(b"1" if gone else b"0", group=self.group, wire_device=self.wire_device)
+        if b"1" in flags:  # zero_grad ran before after_update on some rank: nothing to recompute from
+            if not self._update_skip_warned:
+                self._update_skip_warned = True
+                warnings.warn(
+                    f"certckpt: step {s}: the optimizer step could not be recomputed (its gradients were dropped"
+                    " before after_update()); call opt.zero_grad() after session.after_update()",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            return True
+        items = [item for g in inputs["groups"] for item in g["params"]]
+        for item, p in zip(items, params):
+            item["g"] = (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).detach()
+        actual = update_digests(self.optimizer, params)
+        labels = update_labels(self.optimizer, params, self._names_by_id)
+        cls = type(self.optimizer)
+        prev = RingShift(inputs, group=self.group, wire_device=self.wire_device, out_device=self.device).finish()
+        recomputed = recompute_update(cls, prev, device=self.device)
+        if not self._update_checked:
+            self._update_checked = True
+            own = recompute_update(cls, inputs, device=self.device)
+            differ = sorted({lab for lab, a, b in zip(labels, own, actual) if a != b})
+            differ = differ or (["*"] if own != actual else [])
+            refuse_together(
+                f"recomputing this rank's own optimizer step gives other values ({differ[:5]})" if differ else None,
+                group=self.group,
+                wire_device=self.wire_device,
+                what="the update audit check",
+                advice=(
+                    f"the step is recomputed with a fresh {cls.__name__} over plain copies of the shards; a loop"
+                    " that changes the gradients between before_update() and opt.step() other than by clipping,"
+                    " an optimizer whose step depends on more than its param groups and state, or kernels that"
+                    " differ between DTensors and plain tensors make it differ: pass audit_updates=False"
+                ),
+            )
+        mine = json.dumps([actual, recomputed, labels]).encode()
+        docs = [json.loads(t) for t in all_gather_bytes(mine, group=self.group, wire_device=self.wire_device)]
+        failed, mismatched = [], {}
+        for origin, replayer in ring_pairs(self.world):
+            got, want, names = docs[replayer][1], docs[origin][0], docs[origin][2]
+            if got != want:
+                failed.append((origin, replayer))
+                diff = [n for n, a, b in zip(names, got, want) if a != b] if len(got) == len(want) else ["*"]
+                mismatched[f"{origin}->{replayer}"] = diff[:10]
+        details = {"phase": "update", "comparisons": self.world, "params": len(params), "optimizer": cls.__name__}
+        if not failed:
+            self._event("replay", "pass", step=s, **details)
+            return True
+        arbitration: dict[tuple[int, int], str] = {}
+        if arbitration_plan(self.world, failed):
+            # two hops round the ring: the rank after each replayer recomputes the origin's step too
+            prev2 = RingShift(prev, group=self.group, wire_device=self.wire_device, out_device=self.device).finish()
+            third = recompute_update(cls, prev2, device=self.device)
+            texts = all_gather_bytes(json.dumps(third).encode(), group=self.group, wire_device=self.wire_device)
+            actual_all, recomputed_all = [d[0] for d in docs], [d[1] for d in docs]
+            third_all = [json.loads(t) for t in texts]
+            arbitration = arbitrate(self.world, failed, actual_all, recomputed_all, third_all, same=operator.eq)
+        verdict = attribute_replay(self.world, failed, arbitration)
+        ev = self._event(
+            "replay",
+            "fail",
+            step=s,
+            suspects=verdict.suspects,
+            **details,
+            failed=[{"origin": o, "replayer": r} for o, r in failed],
+            mismatched=mismatched,
+            arbitration={f"{o}->{r}": v for (o, r), v in arbitration.items()},
+            notes=list(verdict.notes),
+        )
+        who = f"rank(s) {list(verdict.suspects)}" if verdict.suspects else "no rank could be named"
+        message = f"the optimizer step's recomputation differs ({who}); the update was applied"
+        self._fail(ev, message, policy=self.on_fault)
+        return False
