@@ -49,23 +49,21 @@ class NonFiniteCheck:
         flags = self._read_flags()
         return None if flags is None else (s, flags)
 
-    def _queue_flags(self) -> tuple[torch.Tensor, Any]:
-        """This step's local (pre-reduce) and reduced sums, on their way to the host (no wait)."""
+    def _queue_flags(self) -> tuple[int, torch.Tensor, Any]:
+        """This step's per-bucket sums, local (pre-reduce) ones first, on their way to the host (no
+        wait): ``(how many are local, the sums, the event that marks their arrival)``."""
         hook = self._hook
-        sums = [self._one_sum(hook.pre), self._one_sum(hook.post)]
-        both = torch.stack(sums)
+        sums = list(hook.pre) + list(hook.post)
+        if not sums:
+            return 0, torch.zeros(0), None
+        both = torch.stack(sums)  # one launch; each sum is tested on the host, as an immediate read would
         if both.device.type != "cuda":
-            return both, None
-        host = torch.empty(2, dtype=both.dtype, pin_memory=True)
+            return len(hook.pre), both, None
+        host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
         host.copy_(both, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        return host, event
-
-    def _one_sum(self, sums: list[torch.Tensor]) -> torch.Tensor:
-        if not sums:  # a lazy pre-check that was not needed, or a step without buckets
-            return torch.zeros((), dtype=torch.float32, device=self.device)
-        return sums[0] if len(sums) == 1 else torch.stack(sums).sum()
+        return len(hook.pre), host, event
 
     def _settle_deferred_flags(self) -> tuple[int, tuple[list[int], list[int]]] | None:
         """Read the pending (deferred) step's flags: ``(that step, flags)`` when they fail, else None.
@@ -76,15 +74,15 @@ class NonFiniteCheck:
         pending, self._pending_flags = self._pending_flags, None
         if pending is None:
             return None
-        s, (host, event) = pending
+        s, (n_pre, host, event) = pending
         if event is not None:
             event.synchronize()  # the copy of that step's sums, queued a step ago: done by now
-        pre_sum, post_sum = (float(x) for x in host.tolist())
-        if math.isfinite(post_sum):
+        values = [float(x) for x in host.tolist()]
+        if all(math.isfinite(v) for v in values[n_pre:]):
             return None
         flags = torch.zeros(2 * self.world, dtype=torch.int32, device=self.wire_device)
         flags[self.world + self.rank] = 1
-        flags[self.rank] = int(not math.isfinite(pre_sum))
+        flags[self.rank] = int(not all(math.isfinite(v) for v in values[:n_pre]))
         dist.all_reduce(flags, group=self.group)
         values = flags.tolist()
         return s, (values[: self.world], values[self.world :])
