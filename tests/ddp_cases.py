@@ -456,6 +456,18 @@ def deferred_read(args):
         out["contained"] = e.event.contained
     out["step7_applied"] = late.last.applied
 
+    # a consensus step (every 3) reads its own flags at once: the NaN of step 6 is caught before its update
+    m = _model()
+    nan6 = [Fault(kind="non-finite", rank=1, step=6)]
+    due = auditor(m, nonfinite_read="deferred", consensus_every=3, injector_faults=nan6)
+    try:
+        for s in range(1, 7):
+            due.train_step(_batch(s))
+        out["on_consensus_step"] = None
+    except FaultDetectedError as e:
+        out["on_consensus_step"] = [s, e.event.step, e.event.contained, e.event.details.get("read")]
+    out["finite_after_consensus_step"] = all(bool(torch.isfinite(p).all()) for p in m.parameters())
+
     m = _model()
     ckpt = auditor(m, nonfinite_read="deferred", injector_faults=[Fault(kind="non-finite", rank=2, step=6)])
     for s in range(1, 7):

@@ -221,6 +221,8 @@ def test_deferred_nonfinite_reads_detect_one_step_late_and_never_vouch_for_an_un
         assert "step 6's update was applied" in message and "latest good checkpoint" in message
         assert res["step7_applied"] is False
         assert res["contained"] is False  # step 6's update reached the weights: not a contained detection
+        # on a consensus step the flags are read before the update: caught at once, contained, weights finite
+        assert res["on_consensus_step"] == [6, 6, True, None] and res["finite_after_consensus_step"]
         # a checkpoint right after an unread non-finite step: refused on every rank, nothing written
         assert res["save"] == [6, [2]] and res["file_exists"] is False
         assert res["refusals"][0] is not None and "on_nonfinite='raise'" in res["refusals"][0]
