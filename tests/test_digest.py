@@ -70,3 +70,15 @@ def test_cuda_digests_equal_cpu_digests():
     g = torch.Generator().manual_seed(3)
     for t in (torch.randn(17 * 65536 + 3, generator=g), torch.randn(33, 7, generator=g).half(), torch.zeros(0)):
         assert int(digest(t.cuda())) == int(digest(t))
+
+
+def test_the_eager_digest_does_not_depend_on_its_block_size():
+    # The GPU's fallback path takes 256 chunks per pass (CUDA_BLOCK_CHUNKS), the CPU's 16 in a scratch buffer.
+    from certckpt.detect.digest import digest_words_eager
+    from certckpt.format.fingerprinting import FP_CHUNK_WORDS
+
+    g = torch.Generator().manual_seed(12)
+    for n in (5, FP_CHUNK_WORDS, 40 * FP_CHUNK_WORDS + 1234):
+        words = torch.randint(-(2**31), 2**31, (n,), dtype=torch.int32, generator=g)
+        want = int(digest_words_eager(words))
+        assert [int(digest_words_eager(words, block_chunks=b)) for b in (1, 3, 256)] == [want] * 3, n

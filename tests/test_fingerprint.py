@@ -259,3 +259,15 @@ def test_a_correct_compiled_kernel_is_used(monkeypatch):
     calls.clear()
     assert certckpt.fingerprint(t) == expected
     assert len(calls) == 2  # the two full blocks went through the compiled kernel
+
+
+def test_the_eager_sum_does_not_depend_on_its_block_size():
+    # The GPU's fallback path takes 256 chunks per pass (CUDA_BLOCK_CHUNKS), the CPU's 16 in a scratch buffer.
+    from certckpt.format.fingerprinting import FP_CHUNK_WORDS, raw_sum_eager
+
+    g = torch.Generator().manual_seed(11)
+    for n in (5, FP_CHUNK_WORDS, 40 * FP_CHUNK_WORDS + 1234):
+        words = torch.randint(-(2**31), 2**31, (n,), dtype=torch.int32, generator=g)
+        for first in (0, 7):
+            want = int(raw_sum_eager(words, first))
+            assert [int(raw_sum_eager(words, first, block_chunks=b)) for b in (1, 3, 256)] == [want] * 3, (n, first)

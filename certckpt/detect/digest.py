@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import torch
 
 from certckpt.errors import PlatformError
-from certckpt.format.fingerprinting import FP_CHUNK_WORDS, as_words, per_thread, tables_for
+from certckpt.format.fingerprinting import CUDA_BLOCK_CHUNKS, FP_CHUNK_WORDS, as_words, per_thread, tables_for
 
 __all__ = ["digest", "digests"]
 
@@ -64,8 +64,13 @@ def _digest_words(words: torch.Tensor) -> torch.Tensor:
     return digest_words_eager(words)
 
 
-def digest_words_eager(words: torch.Tensor) -> torch.Tensor:
-    """S32 of int32 words with torch ops (the reference the fused CUDA kernel is checked against)."""
+def digest_words_eager(words: torch.Tensor, *, block_chunks: int | None = None) -> torch.Tensor:
+    """S32 of int32 words with torch ops (the reference the fused CUDA kernel is checked against).
+
+    ``block_chunks``: chunks per pass; default 16 on the CPU (a reused scratch buffer) and
+    ``CUDA_BLOCK_CHUNKS`` on a GPU (launch-bound there; the caching allocator's memory). Any value
+    gives the same digest.
+    """
     tabs = _tables32(words.device)
     c_words = FP_CHUNK_WORDS
     n = words.numel()
@@ -73,19 +78,21 @@ def digest_words_eager(words: torch.Tensor) -> torch.Tensor:
         return torch.zeros((), dtype=torch.int64, device=words.device)
     chunks = -(-n // c_words)
     row_sums = torch.empty(chunks, dtype=torch.int32, device=words.device)
+    if block_chunks is None and words.device.type == "cuda":
+        block_chunks = CUDA_BLOCK_CHUNKS
     c = 0
     full = n // c_words
     while c < full:
-        k = min(_BLOCK_CHUNKS, full - c)
-        buf = tabs.buf[:k]
-        torch.mul(words[c * c_words : (c + k) * c_words].view(k, c_words), tabs.table, out=buf)
+        k = min(block_chunks or _BLOCK_CHUNKS, full - c)
+        blk = words[c * c_words : (c + k) * c_words].view(k, c_words)
+        buf = torch.mul(blk, tabs.table) if block_chunks else torch.mul(blk, tabs.table, out=tabs.buf[:k])
         # int32 row sums: exact mod 2**32 whatever the accumulator, and a quarter of an int64 row
         torch.sum(buf, 1, dtype=torch.int32, out=row_sums[c : c + k])
         c += k
     rest = n - full * c_words
     if rest:
         torch.sum(words[full * c_words :] * tabs.table[:rest], 0, dtype=torch.int32, out=row_sums[full])
-    v = _chunk_multipliers(tabs, chunks)
+    v = tabs.fp_tables.v_range(0, chunks) if block_chunks else _chunk_multipliers(tabs, chunks)
     # int64 products of int32 row sums and 64-bit odd multipliers: their low 32 bits are what count
     return (row_sums.to(torch.int64) * v).sum() & 0xFFFFFFFF
 
