@@ -233,9 +233,9 @@ def _many(words: list[torch.Tensor], *, wide: bool) -> torch.Tensor:
     live = [(i, w) for i, w in enumerate(words) if w.numel()]
     if not live:
         return torch.zeros(len(words), dtype=torch.int64, device=device)
-    base = live[0][1]
+    base = min((w for _, w in live), key=lambda w: w.data_ptr())
     # Every word view is 4-byte aligned (as_words), so each tensor is a whole number of words away
-    # from the first one; the kernel addresses all of them from the first one's pointer.
+    # from the lowest-addressed one; the kernel addresses all of them from its pointer, forwards.
     layout = tuple(((w.data_ptr() - base.data_ptr()) // 4, w.numel()) for _, w in live)
     mult = _multipliers(device)
     meta, rows, per, span = mult.layout(layout)
@@ -310,7 +310,7 @@ def _many_sample(device: torch.device) -> list[torch.Tensor]:
     # empty, one word, a chunk and a bit, several chunks (views of one buffer) and a tensor of its own
     words = _sample(device)
     c = FP_CHUNK_WORDS
-    return [words[:0], words[:1], words[1 : c + 8], words[c + 8 :], words[5:9].clone()]
+    return [words[c + 8 :], words[:0], words[:1], words[1 : c + 8], words[5:9].clone()]  # not in address order
 
 
 def many_ready(device: torch.device) -> bool:
