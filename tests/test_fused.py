@@ -52,6 +52,10 @@ INTERPRETED = textwrap.dedent(
     cpu = torch.device("cpu")
     out["self_check"] = fused.self_check(cpu)
     out["ready_cpu"] = fused.ready(cpu)  # CPU tensors never take the kernels outside this test
+    # the many-tensor kernels' first-use check passes them, and refuses one that is off by one
+    out["many_check"] = fused._many_check(cpu, "many fp", fused.raw_sums_fused, raw_sum_eager)
+    out["many_digest_check"] = fused._many_check(cpu, "many digest", fused.digests_fused, digest_words_eager)
+    out["many_broken"] = fused._many_check(cpu, "many broken", lambda p: fused.raw_sums_fused(p) + 1, raw_sum_eager)
     fused.raw_sum_fused = lambda w, first=0: raw_sum_eager(w, first) + 1  # a miscompiled kernel
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -71,6 +75,7 @@ def test_fused_kernels_compute_the_specified_bits_in_tritons_interpreter():
     out = json.loads(run.stdout.strip().splitlines()[-1])
     assert out["cases"] == 30 and out["many_cases"] == 32 and out["bad"] == []
     assert out["self_check"] is True and out["ready_cpu"] is False
+    assert out["many_check"] is True and out["many_digest_check"] is True and out["many_broken"] is False
     assert out["broken_check"] is False
     assert any("fused fingerprint kernel off on cpu" in w and "disagrees" in w for w in out["warning"])
 

@@ -313,31 +313,25 @@ def _many_sample(device: torch.device) -> list[torch.Tensor]:
     return [words[c + 8 :], words[:0], words[:1], words[1 : c + 8], words[5:9].clone()]  # not in address order
 
 
-def many_ready(device: torch.device) -> bool:
-    """Whether the one-launch fingerprint sum of many tensors serves ``device`` (checked once)."""
-    if not ready(device):
-        return False
+def _many_check(device: torch.device, what: str, many, reference) -> bool:
+    """``many(words_list)`` against ``reference(words)`` of each, on the mixed sample, once per device."""
 
     def check() -> bool:
         parts = _many_sample(device)
-        cases = lambda: zip(raw_sums_fused(parts).tolist(), map(raw_sum_eager, parts))  # noqa: E731
-        return _agree(device, "many-tensor fingerprint", cases)
+        return _agree(device, what, lambda: zip(many(parts).tolist(), map(reference, parts)))
 
-    return _once(device, "many-fingerprint", check)
+    return _once(device, what, check)
+
+
+def many_ready(device: torch.device) -> bool:
+    """Whether the one-launch fingerprint sum of many tensors serves ``device`` (checked once)."""
+    return ready(device) and _many_check(device, "many-tensor fingerprint", raw_sums_fused, raw_sum_eager)
 
 
 def many_digest_ready(device: torch.device, reference) -> bool:
     """Whether the one-launch audit digest of many tensors serves ``device``, checked once against
     ``reference(words)`` (the eager digest)."""
-    if not digest_ready(device, reference):
-        return False
-
-    def check() -> bool:
-        parts = _many_sample(device)
-        cases = lambda: zip(digests_fused(parts).tolist(), map(reference, parts))  # noqa: E731
-        return _agree(device, "many-tensor digest", cases)
-
-    return _once(device, "many-digest", check)
+    return digest_ready(device, reference) and _many_check(device, "many-tensor digest", digests_fused, reference)
 
 
 def _enabled(device: torch.device) -> bool:
