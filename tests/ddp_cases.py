@@ -480,6 +480,14 @@ def deferred_read(args):
         out["save"] = [e.event.step, e.event.suspect_ranks]
     out["file_exists"] = os.path.exists(path)
 
+    # close() right after an unread non-finite step: no collective, no raise (it runs in exception handlers)
+    m = _model()
+    closing = auditor(m, nonfinite_read="deferred", injector_faults=[Fault(kind="non-finite", rank=0, step=6)])
+    for s in range(1, 7):
+        closing.train_step(_batch(s))
+    closing.close()
+    out["closed_quietly"] = closing._pending_flags is None
+
     refusals = []
     for kw in (
         {"on_nonfinite": "skip"},

@@ -225,6 +225,7 @@ def test_deferred_nonfinite_reads_detect_one_step_late_and_never_vouch_for_an_un
         assert res["on_consensus_step"] == [6, 6, True, None] and res["finite_after_consensus_step"]
         # a checkpoint right after an unread non-finite step: refused on every rank, nothing written
         assert res["save"] == [6, [2]] and res["file_exists"] is False
+        assert res["closed_quietly"]
         assert res["refusals"][0] is not None and "on_nonfinite='raise'" in res["refusals"][0]
         assert res["refusals"][1] is not None and "grad_scaler" in res["refusals"][1]
         assert res["refusals"][2] is not None and "every-step" in res["refusals"][2]

@@ -127,9 +127,9 @@ class AuditSession(SetupChecks, NonFiniteCheck, RingReplay, WeightConsensus):
             one host synchronisation per step) or ``"deferred"`` (read one step later, without
             waiting for the GPU: a non-finite step's update is applied, the detection raises at the
             next step, and the weights in memory are then not to be trusted; audits, consensus
-            steps, checkpoints and ``close`` read every pending flag first, so no evidence ever
-            covers an unread step). Deferred needs ``on_nonfinite="raise"``, no ``grad_scaler`` and
-            ``exchange_flags="on-failure"``.
+            steps and checkpoints read every pending flag first, so no evidence ever covers an
+            unread step; ``close`` leaves the last one unread). Deferred needs
+            ``on_nonfinite="raise"``, no ``grad_scaler`` and ``exchange_flags="on-failure"``.
         on_fault: ``"raise"`` or ``"continue"`` for replay and consensus failures (the failing step's
             update is dropped either way).
         clip_grad_norm: clip the reduced gradients to this total 2-norm before the optimizer step,
@@ -615,9 +615,12 @@ class AuditSession(SetupChecks, NonFiniteCheck, RingReplay, WeightConsensus):
         return result
 
     def close(self) -> None:
-        """End the session (collective): the last deferred flags are read (a failure raises), the
-        hook's kept gradients dropped, a drill's injector removed and the events flushed."""
-        self._settle_deferred()
+        """End the session on this rank: the hook's kept gradients dropped, a drill's injector removed,
+        the events flushed. Not a collective and never raises for a check: it also runs in exception
+        handlers (Lightning's ``on_exception``, ``stop_on_fault``), where another rank may never
+        join one. A deferred read still pending is left unread: no checkpoint covers that step
+        (``save`` and ``checkpoint_evidence`` read it first)."""
+        self._pending_flags = None
         self._hook.kept = []
         if self.injector is not None:
             self.injector.remove()

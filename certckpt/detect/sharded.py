@@ -145,7 +145,7 @@ class ShardedAuditSession(ShardedNonFiniteCheck, ShardedReplayAudit):
             a host synchronisation and a blocking all-gather per step) or ``"deferred"`` (the flags
             are exchanged by an asynchronous all-gather and read at the next step; a non-finite
             step's update is applied and the detection raises a step later, naming that step;
-            consensus and audit steps, checkpoints and ``close`` read pending flags first). Deferred
+            consensus and audit steps and checkpoints read pending flags first). Deferred
             needs ``on_nonfinite="raise"``; see ``AuditSession``.
         group: the process group of every rank of the mesh (default: the default group).
         sink: where rank 0 emits events (default: the ledger's, else in memory).
@@ -469,8 +469,9 @@ class ShardedAuditSession(ShardedNonFiniteCheck, ShardedReplayAudit):
             self.sink.flush()
 
     def close(self) -> None:
-        """Read pending non-finite flags (a failure raises), report the checks not summarised yet and
-        flush the events (collective)."""
-        self._settle_nonfinite()
+        """Report the non-finite checks not summarised yet and flush the events. A deferred read still
+        pending is left unread (no checkpoint covers that step; ``checkpoint_evidence`` reads it
+        first): ``close`` also runs in exception handlers, where a collective could hang."""
+        self._pending_flags = None
         self._summarise_nonfinite(self.step)
         self.flush()

@@ -89,6 +89,8 @@ class AuditCallback(*CALLBACK_BASES):
             the optimizer leaves the weights alone; Lightning still counts the step).
         on_fault: ``"raise"`` or ``"continue"`` for replay and consensus failures.
         exchange_flags: ``"on-failure"`` or ``"every-step"`` (see ``certckpt.detect.Auditor``).
+        nonfinite_read: ``"immediate"`` or ``"deferred"`` (each step's flags read a step later, so
+            a GPU never waits for them; see ``certckpt.detect.AuditSession``).
         ledger: the run store for events, incidents and commits (default: ``CertifiedCheckpointIO``'s
             ``ledger``, else the first ``ModelCheckpoint``'s ``dirpath``).
         run: the run's name in records (default: ``CertifiedCheckpointIO``'s choice).
@@ -117,6 +119,7 @@ class AuditCallback(*CALLBACK_BASES):
         on_nonfinite: str = "raise",
         on_fault: str = "raise",
         exchange_flags: str = "on-failure",
+        nonfinite_read: str = "immediate",
         ledger: str | None = None,
         run: str | None = None,
         replay_fn: Callable[[Any, Any, int], Any] | None = None,
@@ -134,6 +137,7 @@ class AuditCallback(*CALLBACK_BASES):
             "on_nonfinite": on_nonfinite,
             "on_fault": on_fault,
             "exchange_flags": exchange_flags,
+            "nonfinite_read": nonfinite_read,
             "check_determinism": check_determinism,
         }
         self.ledger, self.run, self.replay_fn = ledger, run, replay_fn
