@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from .exchange import recv_payload, send_payload
 from .hook import any_nonfinite
+from .setup_checks import late_detection_note
 
 __all__ = ["NonFiniteCheck"]
 
@@ -229,10 +230,7 @@ class NonFiniteCheck:
         )
         self._zero_grad()
         if late:
-            msg += (
-                f"; step {s}'s update was applied (nonfinite_read='deferred' reads each step's flags a step later)"
-                " and the weights in memory are not to be trusted: resume from the latest good checkpoint"
-            )
+            msg += late_detection_note(s)
         else:
             msg += "; the update was not applied"
         self._fail(ev, msg, policy="raise" if self.on_nonfinite == "raise" else "skip")

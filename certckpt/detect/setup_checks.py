@@ -52,25 +52,11 @@ def option_problem(
         return "on_nonfinite must be 'raise' or 'skip'; on_fault 'raise' or 'continue'"
     if exchange_flags not in ("on-failure", "every-step"):
         return f"exchange_flags must be 'on-failure' or 'every-step', got {exchange_flags!r}"
-    if nonfinite_read not in ("immediate", "deferred"):
-        return f"nonfinite_read must be 'immediate' or 'deferred', got {nonfinite_read!r}"
-    if nonfinite_read == "deferred":
-        # A deferred read learns of a non-finite step after its update was applied.
-        if on_nonfinite != "raise":
-            return (
-                "nonfinite_read='deferred' applies a step's update before reading its flags, so it cannot"
-                " skip it: use on_nonfinite='raise'"
-            )
-        if grad_scaler is not None:
-            return (
-                "nonfinite_read='deferred' cannot be used with grad_scaler: an overflow must be found"
-                " before the update, to skip it"
-            )
-        if exchange_flags != "on-failure":
-            return (
-                "nonfinite_read='deferred' with exchange_flags='every-step' would still read the flags"
-                " every step: choose one"
-            )
+    problem = nonfinite_read_problem(
+        nonfinite_read, on_nonfinite=on_nonfinite, grad_scaler=grad_scaler, exchange_flags=exchange_flags
+    )
+    if problem is not None:
+        return problem
     if audit_every < 1 or (consensus_every is not None and consensus_every < 1):
         return "audit_every and consensus_every must be >= 1"
     if clip_grad_norm is not None and not (isinstance(clip_grad_norm, (int, float)) and clip_grad_norm > 0):
@@ -84,6 +70,44 @@ def option_problem(
     if replay_micro_batches is not None and not (isinstance(replay_micro_batches, int) and replay_micro_batches >= 1):
         return f"replay_micro_batches must be None (all) or an int >= 1, got {replay_micro_batches!r}"
     return None
+
+
+def nonfinite_read_problem(
+    nonfinite_read: str, *, on_nonfinite: str, grad_scaler: Any = None, exchange_flags: str = "on-failure"
+) -> str | None:
+    """What is wrong with ``nonfinite_read`` given the other options (both sessions; None: nothing).
+
+    A deferred read learns of a non-finite step after its update was applied: it cannot skip that
+    update, nor tell a scaler's overflow apart in time, and an every-step exchange would read anyway.
+    """
+    if nonfinite_read not in ("immediate", "deferred"):
+        return f"nonfinite_read must be 'immediate' or 'deferred', got {nonfinite_read!r}"
+    if nonfinite_read == "immediate":
+        return None
+    if on_nonfinite != "raise":
+        return (
+            "nonfinite_read='deferred' applies a step's update before reading its flags, so it cannot"
+            " skip it: use on_nonfinite='raise'"
+        )
+    if grad_scaler is not None:
+        return (
+            "nonfinite_read='deferred' cannot be used with grad_scaler: an overflow must be found"
+            " before the update, to skip it"
+        )
+    if exchange_flags != "on-failure":
+        return (
+            "nonfinite_read='deferred' with exchange_flags='every-step' would still read the flags"
+            " every step: choose one"
+        )
+    return None
+
+
+def late_detection_note(step: int) -> str:
+    """What a detection made by a deferred read tells the user about the step it names."""
+    return (
+        f"; step {step}'s update was applied (nonfinite_read='deferred' reads each step's flags a step later)"
+        " and the weights in memory are not to be trusted: resume from the latest good checkpoint"
+    )
 
 
 class SetupChecks:

@@ -58,6 +58,7 @@ from .agreement import all_gather_bytes, refuse_together, wire_device_for
 from .events import AuditEvent, EventSink, MemorySink, emit_event, rank_inventory
 from .exchange import refuse_unshippable
 from .session import CheckpointEvidence
+from .setup_checks import nonfinite_read_problem
 from .sharded_audit import ShardedReplayAudit
 from .sharded_consensus import ShardConsensus, decide_consensus
 from .sharded_nonfinite import ShardedNonFiniteCheck
@@ -193,15 +194,11 @@ class ShardedAuditSession(ShardedNonFiniteCheck, ShardedReplayAudit):
         self.nonfinite_read = nonfinite_read
         self._pending_flags: dict[str, Any] | None = None  # a deferred read's step, still on its way
         problem = None
+        read_problem = nonfinite_read_problem(nonfinite_read, on_nonfinite=on_nonfinite)
         if on_nonfinite not in ("raise", "skip") or on_fault not in ("raise", "continue"):
             problem = "on_nonfinite must be 'raise' or 'skip'; on_fault 'raise' or 'continue'"
-        elif nonfinite_read not in ("immediate", "deferred"):
-            problem = f"nonfinite_read must be 'immediate' or 'deferred', got {nonfinite_read!r}"
-        elif nonfinite_read == "deferred" and on_nonfinite != "raise":
-            problem = (
-                "nonfinite_read='deferred' applies a step's update before reading its flags, so it cannot"
-                " skip it: use on_nonfinite='raise'"
-            )
+        elif read_problem is not None:
+            problem = read_problem
         elif type(consensus_every) is not int or consensus_every < 1:
             problem = f"consensus_every must be an int >= 1, got {consensus_every!r}"
         elif not any(isinstance(p, DTensor) for _, p in self.params):

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from .agreement import all_gather_bytes
+from .setup_checks import late_detection_note
 
 __all__ = ["ShardedNonFiniteCheck", "shard_offsets"]
 
@@ -174,10 +175,7 @@ class ShardedNonFiniteCheck:
             **extra,
         )
         if late is not None:
-            message += (
-                f"; step {s}'s update was applied (nonfinite_read='deferred' reads each step's flags a step later)"
-                " and the weights in memory are not to be trusted: resume from the latest good checkpoint"
-            )
+            message += late_detection_note(s)
         else:
             message += "; the update was dropped"
         self._fail(ev, message, policy="raise" if self.on_nonfinite == "raise" else "skip")
