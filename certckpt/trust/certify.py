@@ -34,6 +34,8 @@ from typing import Any
 
 from certckpt.errors import ConfigurationError
 
+from .facts import FULL_KINDS, AuditFacts
+
 __all__ = [
     "CheckpointEntry",
     "Revocation",
@@ -49,17 +51,20 @@ __all__ = [
 
 REASONS = (
     "corrupt",
+    "tampered",
     "fingerprint-mismatch",
     "no-consensus",
     "awaiting-audit",
     "after-fault",
     "tainted-parent",
     "revoked",
+    "superseded",
 )
 # Reasons that only say audit evidence is missing (never that evidence speaks against the file):
 # a checkpoint whose own reasons are all among these can still be verified.
 PENDING_REASONS = frozenset({"no-consensus", "awaiting-audit"})
-_FULL = ("replay", "nonfinite", "consensus")
+_FULL = FULL_KINDS
+_NO_MARK = 1 << 62  # a branch whose chain is intact
 
 
 class Level(str, Enum):
@@ -114,10 +119,15 @@ class CheckpointEntry:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Revocation:
+    """A checkpoint revoked by an operator. Any revocation demotes (it only counts against trust);
+    ``authenticated`` says whether a trusted writer's intact chain vouches for it, which is what
+    anything destructive (a vault prune) requires before acting on it."""
+
     ckpt_id: str
     reason: str
     by: str = ""
     at: float = 0.0
+    authenticated: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,16 +202,12 @@ class Certification:
         return [*self.order, *self.verified_order]
 
 
-def _ev(e: Any, key: str) -> Any:
-    return e[key] if isinstance(e, dict) else getattr(e, key)
-
-
 class _Branch:
     """Per-branch audit facts, indexed for bisection."""
 
     def __init__(self, base: int):
         self.base = base  # step the branch starts from (its parent's step, or 0)
-        self.parts: dict[int, dict[str, tuple[str, Any]]] = defaultdict(dict)  # step -> kind -> (outcome, fp)
+        self.parts: Mapping[int, dict[str, tuple[str, Any]]] = {}  # step -> kind -> (outcome, fp)
         self.failures: list[tuple[int, str, tuple[int, ...], bool]] = []  # (step, kind, suspects, contained)
 
     def index(self) -> None:
@@ -223,6 +229,7 @@ def certify(
     *,
     corrupt: Iterable[str] = (),
     branch_parents: dict[str, str] | None = None,
+    tampered: Mapping[str, int] | None = None,
 ) -> Certification:
     """Verdicts for every checkpoint, the detections with their suspect intervals, latest-good order.
 
@@ -233,6 +240,9 @@ def certify(
         corrupt: ids whose bytes failed verification.
         branch_parents: per branch, the checkpoint it resumed from (so a branch's suspect intervals
             start at its fork point even before its first checkpoint).
+        tampered: per branch, the last step its ledger chain proves intact: a checkpoint after it
+            is ``tampered`` (records of that branch are missing or altered); the key ``"*"`` marks
+            every branch (a store-wide record, such as a revocation, may be missing).
 
     Returns:
         A ``Certification``; ``latest_good`` is the trusted checkpoint with the greatest step (newest
@@ -253,23 +263,10 @@ def certify(
             branches[name] = _Branch(bases.get(name, 0))
         return branches[name]
 
-    for e in events:
-        b = branch(_ev(e, "branch"))
-        kind, outcome, step = _ev(e, "kind"), _ev(e, "outcome"), _ev(e, "step")
-        details = _ev(e, "details") or {}
-        if kind in ("nonfinite-pre", "nonfinite-post"):
-            kind = "nonfinite"
-        if outcome == "fail":
-            b.failures.append((step, _ev(e, "kind"), tuple(_ev(e, "suspect_ranks")), bool(_ev(e, "contained"))))
-        if kind == "consensus" and details.get("found_by"):
-            continue  # a precondition check of a replay (weights W_{s-1}); the failure above counts
-        if outcome == "fail" and _ev(e, "contained"):
-            continue  # the update never reached the weights: it taints nothing and fails no audit
-        prev = b.parts[step].get(kind)
-        # A failure is never overwritten by a pass. An audit's consensus compares digests and carries
-        # no fingerprint; a checkpoint's consensus at the same step carries the one to match.
-        if prev is None or outcome == "fail" or (prev == ("pass", None) and details.get("fp")):
-            b.parts[step][kind] = (outcome, details.get("fp"))
+    facts = events if isinstance(events, AuditFacts) else AuditFacts.of(events)
+    for name, f in facts.branches.items():
+        b = branch(name)
+        b.parts, b.failures = f.parts, list(f.failures)
     for c in checkpoints:
         branch(c.branch)
     for b in branches.values():
@@ -295,8 +292,12 @@ def certify(
     revoked = {r.ckpt_id for r in revocations}
     corrupt = set(corrupt)
     own: dict[str, list[str]] = {}
+    marks = dict(tampered or {})
     for c in checkpoints:
         own[c.ckpt_id] = _own_reasons(c, branches[c.branch], corrupt)
+        mark = min(marks.get(c.branch, _NO_MARK), marks.get("*", _NO_MARK))
+        if c.step > mark:
+            own[c.ckpt_id].append("tampered")
 
     # Lineage (rule 5): ancestors are the earlier checkpoints of the branch and the fork point with
     # its own ancestors. Resolved with memoisation; a cycle in bad data counts as tainted.

@@ -24,12 +24,19 @@ import json
 import os
 import re
 import secrets
+import threading
 import time
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
-from certckpt.errors import CertckptError, CheckpointNotFoundError, ConfigurationError, StorageError
+from certckpt.errors import (
+    CertckptError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    ConfigurationError,
+    StorageError,
+)
 from certckpt.format.sharded.layout import MANIFEST_NAME
 from certckpt.format.signing import SigningKey, TrustedKeys, signing_key_from_env, trusted_keys_from_env
 from certckpt.format.storage import (
@@ -42,39 +49,25 @@ from certckpt.format.storage import (
     resolve,
 )
 
-from .certify import CheckpointEntry, Revocation
-from .incident import incident_state
+from .certify import Revocation
+from .chain import (
+    CHAINS_DIR,
+    GENESIS,
+    digest,
+    entry_doc,
+    entry_name,
+    genesis_problem,
+    new_genesis,
+    parse_entry_name,
+    scope_of,
+)
+from .snapshot import KINDS, SOURCES_DIR, LedgerSnapshot, is_ckpt_id, is_plain_name, read_snapshot
 
 __all__ = ["Ledger", "LedgerSink", "LedgerSnapshot", "ckpt_id_for", "is_ckpt_id", "LEDGER_DIR", "VAULT_MARK"]
 
 # LEDGER_DIR and VAULT_MARK (a vault's ledger: {"kind": "certckpt-vault", "run", "source"}) are defined
 # by the file layer, which must respect them too (a plain save never replaces a vault copy).
-_KINDS = (
-    "checkpoints",
-    "branches",
-    "events",
-    "revocations",
-    "certificates",
-    "holdings",
-    "retired",
-    "drills",
-    "incidents",
-)
-_NAME = re.compile(r"^[A-Za-z0-9._-]{1,100}$")
-_HELD_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,240}\.safetensors$")  # a plain file name
-_CKPT_ID = re.compile(r"^([A-Za-z0-9._-]{1,100})@([0-9]{1,18})$")
-# Records that can move a verdict toward trusted (or make a copy count as held); with trusted keys they
-# need a trusted signature. Revocations, retirements and incident records only count against trust
-# or for caution, and are kept unsigned.
-_SIGNED_KINDS = ("checkpoints", "holdings", "branches", "drills", "certificates")
-
-
-def _needs_signature(kind: str, r: dict[str, Any]) -> bool:
-    # An incident's opening only adds caution; its decisions (rollback targets, approvals,
-    # returns to service, closing) steer what happens next, so with trusted keys they count signed only.
-    return kind in _SIGNED_KINDS or (kind == "incidents" and r.get("record") != "opened")
-
-
+_KINDS = KINDS
 FROM_ENV = "from-env"  # the default of Ledger's key options: read the environment
 _RECORD_FILE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._@-]{0,250}$")  # no separator, no leading dot
 
@@ -84,15 +77,9 @@ def ckpt_id_for(branch: str, step: int) -> str:
 
 
 def _check_name(kind: str, name: str) -> str:
-    if not _NAME.match(name) or name in (".", ".."):
+    if not is_plain_name(name):
         raise ConfigurationError(f"{kind} {name!r}: use 1-100 letters, digits, '.', '_' or '-'")
     return name
-
-
-def is_ckpt_id(value: Any) -> bool:
-    """Whether ``value`` is a checkpoint id (``branch@step``) safe to use in a name or a path."""
-    m = _CKPT_ID.match(value) if isinstance(value, str) else None
-    return m is not None and m.group(1) not in (".", "..")
 
 
 def _record_name(name: str) -> str:
@@ -103,112 +90,18 @@ def _record_name(name: str) -> str:
     return name
 
 
-def _events_of(store: str, name: str, data: bytes) -> list[dict[str, Any]]:
-    """The audit events of one segment. An event that cannot be read could have been a failed check,
-    so it is never skipped: the whole store then cannot be certified until the segment is repaired."""
-    out = []
-    for n, line in enumerate(data.decode("utf-8", errors="replace").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            ev = json.loads(line)
-        except (ValueError, RecursionError):
-            ev = None
-        ok = (
-            isinstance(ev, dict)
-            and isinstance(ev.get("branch"), str)
-            and isinstance(ev.get("step"), int)
-            and not isinstance(ev.get("step"), bool)
-            and isinstance(ev.get("kind"), str)
-            and isinstance(ev.get("outcome"), str)
-        )
-        if not ok:
-            raise CertckptError(
-                f"{store}: ledger event segment {name}, line {n}, is not a readable audit event; "
-                "the store cannot be certified until it is restored from a good copy"
-            )
-        out.append(ev)
-    return out
+@dataclass(slots=True)
+class _Chain:
+    """This process's chain for one scope: its writer id, the last entry's number and digest."""
 
-
-def _why_invalid(kind: str, file: str, r: Any) -> str | None:
-    """Why a record read from the store cannot be used (None when it can). Checked like user input:
-    a record that fails is evidence of nothing, and never reaches a path, a verdict or a traceback."""
-    if not isinstance(r, dict):
-        return f"not a JSON object ({type(r).__name__})"
-    if kind in ("checkpoints", "holdings", "retired", "revocations", "certificates"):
-        cid = r.get("ckpt_id")
-        if not is_ckpt_id(cid):
-            return f"checkpoint id {str(cid)[:80]!r} is not branch@step"
-        if kind in ("checkpoints", "holdings", "retired") and file != f"{cid}.json":
-            return f"names {cid} but is stored as {file}"
-    if kind == "checkpoints":
-        step = r.get("step")
-        if not isinstance(step, int) or isinstance(step, bool) or f"{r.get('branch')}@{step}" != r["ckpt_id"]:
-            return f"branch and step ({r.get('branch')!r}, {step!r}) do not make its id {r['ckpt_id']}"
-        if not isinstance(r.get("url"), str) or not r["url"] or "\0" in r["url"]:
-            return "has no file location"
-        if "://" not in r["url"] and not r["url"].startswith("/") and ".." in r["url"].split("/"):
-            return f"names its file {r['url'][:80]!r}, a path that climbs out of the store"
-    if kind == "holdings":
-        # A vault holds each copy under its plain name, in the vault itself: a file `<id>.safetensors`,
-        # a sharded checkpoint's directory `<id>`, or a file with companions as `<id>/NAME.safetensors`
-        # (its companions beside it): never a path that leaves `<id>/`.
-        url, cid = r.get("url"), r["ckpt_id"]
-        if not (
-            url in (f"{cid}.safetensors", cid)
-            or (isinstance(url, str) and url.startswith(f"{cid}/") and _HELD_NAME.match(url[len(cid) + 1 :]))
-        ):
-            return f"holds its copy at {str(url)[:80]!r}, not {cid}.safetensors, {cid} or {cid}/NAME.safetensors"
-        if not isinstance(r.get("step"), int) or not isinstance(r.get("branch"), str):
-            return "has no branch and step"
-    if kind == "branches" and (
-        not isinstance(r.get("branch"), str) or not _NAME.match(r["branch"]) or not is_ckpt_id(r.get("parent"))
-    ):
-        return "branch or parent is not a valid name"
-    if kind == "incidents" and (not isinstance(r.get("incident_id"), str) or not _NAME.match(r["incident_id"])):
-        return f"incident id {str(r.get('incident_id'))[:80]!r} is not a plain name"
-    if kind == "revocations" and not isinstance(r.get("reason"), str):
-        return "has no reason"
-    if kind == "certificates" and not isinstance(r.get("at"), (int, float)):
-        return "has no time"
-    return None
+    writer: str
+    scope: str
+    seq: int
+    prev: str
 
 
 def _dumps(doc: dict) -> bytes:
     return (json.dumps(doc, separators=(",", ":"), sort_keys=True) + "\n").encode("utf-8")
-
-
-@dataclass(kw_only=True, slots=True)
-class LedgerSnapshot:
-    """Everything the ledger holds, read at one moment."""
-
-    checkpoints: list[CheckpointEntry] = field(default_factory=list)
-    records: dict[str, dict[str, Any]] = field(default_factory=dict)  # ckpt_id -> commit record
-    events: list[dict[str, Any]] = field(default_factory=list)
-    revocations: list[Revocation] = field(default_factory=list)
-    certificates: dict[str, dict[str, Any]] = field(default_factory=dict)  # ckpt_id -> latest certificate
-    branch_parents: dict[str, str] = field(default_factory=dict)
-    segments: int = 0
-    holdings: dict[str, dict[str, Any]] = field(default_factory=dict)  # vaults: ckpt_id -> holding
-    retired: dict[str, dict[str, Any]] = field(default_factory=dict)  # ckpt_id -> retirement record
-    drills: list[dict[str, Any]] = field(default_factory=list)
-    incident_records: list[dict[str, Any]] = field(default_factory=list)
-    is_vault: bool = False
-    invalid: list[tuple[str, str]] = field(default_factory=list)  # (kind/file, why): records ignored
-    # The keys this snapshot was read with: checkpoint files must be signed by one of them too.
-    trusted_keys: TrustedKeys | None = None
-
-    def open_incidents(self) -> list[str]:
-        """Ids of the incidents not closed yet."""
-        return [i.incident_id for i in incident_state(self.incident_records).values() if i.is_open]
-
-    def available(self, ckpt_id: str) -> bool:
-        """Whether this store holds the checkpoint's file (not pruned; in a vault, promoted here)."""
-        return ckpt_id not in self.retired and (not self.is_vault or ckpt_id in self.holdings)
-
-    def header_digest(self, ckpt_id: str) -> str | None:
-        return self.records[ckpt_id].get("header_digest")
 
 
 class Ledger:
@@ -236,9 +129,120 @@ class Ledger:
         self.root = join(self.store, LEDGER_DIR)
         self.signing_key = signing_key_from_env() if signing_key == FROM_ENV else signing_key
         self.trusted_keys = trusted_keys_from_env() if trusted_keys == FROM_ENV else trusted_keys
+        self._chained: bool | None = None  # learnt at the first write (a genesis record, or none)
+        self._store_id: str | None = None
+        self._genesis_sha = ""
+        self._chains: dict[str, _Chain] = {}  # scope -> this process's chain for it
+        self._lock = threading.RLock()
 
     def _dumps(self, doc: dict[str, Any]) -> bytes:
         return _dumps(self.signing_key.sign(doc) if self.signing_key is not None else doc)
+
+    # --- chains -------------------------------------------------------------------------------
+
+    def _read_optional(self, location: str) -> bytes | None:
+        target = resolve(location)
+        try:
+            if target.local is not None:
+                with open(target.local, "rb") as f:
+                    return f.read()
+            fs, path = filesystem(target.url)
+            return fs.cat_file(path)
+        except FileNotFoundError:
+            return None
+
+    def _has_records(self) -> bool:
+        fs, root = self._fs()
+        try:
+            return any(fs.exists(f"{root}/{k}") for k in _KINDS)
+        except FileNotFoundError:
+            return False
+
+    def chained(self) -> bool:
+        """Whether this store chains its records (creating its genesis record when the ledger is new;
+        a ledger written before chains existed stays unchained, as its readers expect)."""
+        if self._chained is not None:
+            return self._chained
+        with self._lock:
+            if self._chained is not None:
+                return self._chained
+            path = join(self.root, GENESIS)
+            data = self._read_optional(path)
+            if data is None:
+                if self._has_records():
+                    self._chained = False
+                    return False
+                try:
+                    put_once(path, self._dumps(new_genesis(store_id=secrets.token_hex(16), now=time.time())))
+                except CheckpointExistsError:
+                    pass  # another writer created the store first: its genesis stands
+                data = self._read_optional(path)
+            try:
+                doc = json.loads(data) if data is not None else None
+            except (ValueError, RecursionError):
+                doc = None
+            why = genesis_problem(doc)
+            if why is not None:
+                raise CertckptError(
+                    f"{self.store}: {LEDGER_DIR}/{GENESIS} is damaged ({why}); restore it from a good copy "
+                    "before writing to this store"
+                )
+            self._store_id, self._genesis_sha = doc["store_id"], digest(data)
+            self._chained = True
+            return True
+
+    @property
+    def store_id(self) -> str | None:
+        """The store's identity (its genesis record's id), None for an unchained store."""
+        return self._store_id if self.chained() else None
+
+    def genesis_bytes(self) -> bytes | None:
+        return self._read_optional(join(self.root, GENESIS))
+
+    def _heads(self) -> dict[str, int]:
+        """Every writer's last entry number visible now (names only: one listing)."""
+        fs, root = self._fs()
+        heads: dict[str, int] = {}
+        try:
+            paths = fs.find(f"{root}/{CHAINS_DIR}")
+        except FileNotFoundError:
+            return heads
+        for p in paths:
+            writer, name = p.rsplit("/", 2)[-2:]
+            seq = parse_entry_name(name)
+            if seq is not None and writer.startswith("w"):
+                heads[writer] = max(heads.get(writer, 0), seq)
+        return heads
+
+    def _seal(self, scope: str, records: list[tuple[str, str, bytes]]) -> None:
+        """Append one entry to this writer's chain for ``scope``, sealing these record files (written
+        already: a crash in between leaves a record nothing seals, which counts for nothing)."""
+        if not records or not self.chained():
+            return
+        with self._lock:
+            ch = self._chains.get(scope)
+            if ch is None:
+                ch = self._chains[scope] = _Chain("w" + secrets.token_hex(8), scope, 0, self._genesis_sha)
+            seen = {w: n for w, n in self._heads().items() if w != ch.writer}
+            doc = entry_doc(
+                store=self._store_id,
+                writer=ch.writer,
+                seq=ch.seq + 1,
+                prev=ch.prev,
+                scope=scope,
+                records=[(kind, name, digest(data)) for kind, name, data in records],
+                seen=seen,
+                now=time.time(),
+            )
+            raw = self._dumps(doc)
+            put_once(join(self.root, CHAINS_DIR, ch.writer, entry_name(ch.seq + 1)), raw)
+            ch.seq, ch.prev = ch.seq + 1, digest(raw)
+
+    def _put(self, kind: str, name: str, data: bytes, *, branch: str | None = None) -> bool:
+        """Write one record create-only and seal it in this writer's chain."""
+        written = put_once(join(self.root, kind, _record_name(name)), data)
+        self._seal(scope_of(kind, branch), [(kind, name, data)])
+        return written
 
     # --- writing ------------------------------------------------------------------------------
 
@@ -273,41 +277,54 @@ class Ledger:
             "bytes": nbytes,
             "committed_at": time.time(),
         }
-        put_once(join(self.root, "checkpoints", _record_name(f"{cid}.json")), self._dumps(doc))
+        self._put("checkpoints", f"{cid}.json", self._dumps(doc), branch=branch)
         return cid
 
     def start_branch(self, branch: str, *, parent: str) -> None:
         """Record that ``branch`` resumes from checkpoint ``parent`` (a rollback)."""
         _check_name("branch", branch)
-        put_once(join(self.root, "branches", f"{branch}.json"), self._dumps({"branch": branch, "parent": parent}))
+        self._put("branches", f"{branch}.json", self._dumps({"branch": branch, "parent": parent}), branch=branch)
 
     def append_events(self, events: Iterable[Any]) -> str | None:
-        """Write one segment holding these events; returns its name (None when there were none)."""
+        """Write the events, one segment per branch, each sealed in its branch's chain with one
+        signature (an unchained store signs every line, as it always did); returns the last
+        segment's name (None when there were none)."""
         docs = [e if isinstance(e, dict) else e.to_dict() for e in events]
-        if self.signing_key is not None:
-            docs = [self.signing_key.sign(d) for d in docs]
-        lines = [json.dumps(d, separators=(",", ":"), sort_keys=True) for d in docs]
-        if not lines:
+        if not docs:
             return None
-        name = f"{time.time_ns():020d}-{secrets.token_hex(4)}.jsonl"
-        put_once(join(self.root, "events", name), ("\n".join(lines) + "\n").encode("utf-8"))
+        chained = self.chained()
+        if self.signing_key is not None and not chained:
+            docs = [self.signing_key.sign(d) for d in docs]
+        by_branch: dict[Any, list[dict[str, Any]]] = {}
+        for d in docs:
+            by_branch.setdefault(d.get("branch"), []).append(d)
+        name = None
+        for branch, group in by_branch.items():
+            lines = [json.dumps(d, separators=(",", ":"), sort_keys=True) for d in group]
+            name = f"{time.time_ns():020d}-{secrets.token_hex(4)}.jsonl"
+            data = ("\n".join(lines) + "\n").encode("utf-8")
+            put_once(join(self.root, "events", name), data)
+            if chained:
+                self._seal(scope_of("events", _check_name("branch", str(branch))), [("events", name, data)])
         return name
 
     def revoke(self, ckpt_id: str, *, reason: str, by: str = "") -> Revocation:
         if not reason.strip():
             raise ConfigurationError("a revocation needs a reason")
-        if not self._exists(join(self.root, "checkpoints", f"{ckpt_id}.json")):
+        if not is_ckpt_id(ckpt_id) or not self._exists(join(self.root, "checkpoints", f"{ckpt_id}.json")):
             raise CheckpointNotFoundError(f"{self.store}: no committed checkpoint {ckpt_id!r} (see `certckpt status`)")
         rev = Revocation(ckpt_id=ckpt_id, reason=reason, by=by, at=time.time())
-        put_once(
-            join(self.root, "revocations", f"{ckpt_id}--{time.time_ns()}.json"),
+        self._put(
+            "revocations",
+            f"{ckpt_id}--{time.time_ns()}.json",
             self._dumps({"ckpt_id": ckpt_id, "reason": reason, "by": by, "at": rev.at}),
         )
         return rev
 
     def record_certificate(self, ckpt_id: str, *, verdict: str, reasons: list[str], record: dict[str, Any]) -> None:
-        put_once(
-            join(self.root, "certificates", _record_name(f"{ckpt_id}--{time.time_ns()}.json")),
+        self._put(
+            "certificates",
+            f"{ckpt_id}--{time.time_ns()}.json",
             self._dumps(
                 {
                     "ckpt_id": ckpt_id,
@@ -323,14 +340,15 @@ class Ledger:
 
     def retire(self, ckpt_id: str, *, reason: str, policy: str = "") -> None:
         """Record that a retention policy deleted this checkpoint's file (written after the delete)."""
-        put_once(
-            join(self.root, "retired", _record_name(f"{ckpt_id}.json")),
+        self._put(
+            "retired",
+            f"{ckpt_id}.json",
             self._dumps({"ckpt_id": ckpt_id, "reason": reason, "policy": policy, "at": time.time()}),
         )
 
     def record_drill(self, doc: dict[str, Any]) -> str:
         name = f"{time.time_ns():020d}-{secrets.token_hex(4)}.json"
-        put_once(join(self.root, "drills", name), self._dumps(doc))
+        self._put("drills", name, self._dumps(doc))
         return name
 
     def record_holding(self, doc: dict[str, Any]) -> bool:
@@ -338,19 +356,30 @@ class Ledger:
         racing promoter of the same checkpoint finds it identical (returns False) instead of failing."""
         if not is_ckpt_id(doc["ckpt_id"]):
             raise ConfigurationError(f"checkpoint id {doc['ckpt_id']!r} is not branch@step")
-        return put_once(join(self.root, "holdings", _record_name(f"{doc['ckpt_id']}.json")), self._dumps(doc))
+        return self._put("holdings", f"{doc['ckpt_id']}.json", self._dumps(doc))
 
     def write_record(self, kind: str, name: str, doc: dict[str, Any]) -> bool:
-        """Write one record create-only, signed when this ledger has a signing key; idempotent."""
-        return self.put_raw(kind, name, self._dumps(doc))
+        """Write one record create-only, signed when this ledger has a signing key, sealed in this
+        writer's chain; idempotent."""
+        if kind not in _KINDS or kind in ("events", "checkpoints", "branches"):
+            raise ConfigurationError(f"write_record: kind {kind!r} is written by its own method")
+        return self._put(kind, name, self._dumps(doc))
 
-    def put_raw(self, kind: str, name: str, data: bytes) -> bool:
-        """Mirror a record byte for byte (vault promotion); idempotent like every ledger write.
-        ``kind=""`` addresses the ledger's top level."""
+    def put_raw(self, kind: str, name: str, data: bytes, *, seal: bool = False) -> bool:
+        """Mirror a record byte for byte (vault promotion: the source's chains seal it); idempotent
+        like every ledger write. ``kind=""`` addresses the ledger's top level, ``chains/WRITER`` and
+        ``sources`` a vault's copies of its source's chain entries and genesis. ``seal=True`` also
+        seals it in this writer's store chain (the vault's own mark)."""
         _record_name(name)
-        if kind and kind not in _KINDS:
+        top = kind.split("/", 1)[0]
+        if kind and kind not in _KINDS and top not in (CHAINS_DIR, SOURCES_DIR):
             raise ConfigurationError(f"ledger record kind {kind!r}: one of {', '.join(_KINDS)}")
-        return put_once(join(self.root, kind, name) if kind else join(self.root, name), data)
+        if top == CHAINS_DIR and (kind.count("/") != 1 or not is_plain_name(kind.split("/")[1])):
+            raise ConfigurationError(f"ledger chain {kind!r} is not chains/WRITER")
+        written = put_once(join(self.root, kind, name) if kind else join(self.root, name), data)
+        if seal:
+            self._seal("store", [(kind, name, data)])
+        return written
 
     def list_raw(self, kind: str) -> list[str]:
         """Names of the records of one kind (empty when there are none)."""
@@ -412,105 +441,28 @@ class Ledger:
         u = record["url"]
         return u if "://" in u or u.startswith("/") else join(base or self.store, u)
 
-    def snapshot(self) -> LedgerSnapshot:
-        """Read every record (missing ledger: an empty snapshot).
+    def snapshot(self, *, remembered: dict[str, tuple[int, str]] | None = None) -> LedgerSnapshot:
+        """Read every record, check every chain (missing ledger: an empty snapshot).
+
+        Args:
+            remembered: per writer, the chain head a reader verified before (a chain that is shorter
+                now was rolled back: a break).
 
         Raises:
-            StorageError: the store cannot be read; CertckptError: a record is not valid JSON.
+            StorageError: the store cannot be read; CertckptError: an event names no branch or step.
         """
         try:
             fs, root = self._fs()
-            if not fs.exists(root):
-                if not fs.exists(root.rsplit("/", 1)[0] or "/"):
-                    raise CheckpointNotFoundError(f"{self.store}: no such run store")
-                return LedgerSnapshot()
-            # Hidden names are other writers' temp files, about to be linked and removed: not records.
-            files = {
-                k: sorted(p for p in fs.find(f"{root}/{k}") if not p.rsplit("/", 1)[-1].startswith("."))
-                if fs.exists(f"{root}/{k}")
-                else []
-                for k in _KINDS
-            }
-            contents = fs.cat([p for v in files.values() for p in v]) if any(files.values()) else {}
-        except (CertckptError, FileNotFoundError) as e:
-            if isinstance(e, CertckptError):
-                raise
-            if "NoSuchBucket" in str(e) or "bucket does not exist" in str(e).lower():
-                raise StorageError(f"{self.store}: cannot read the ledger ({remote_error_text(e)})") from e
+        except FileNotFoundError as e:
             raise CheckpointNotFoundError(f"{self.store}: no such run store") from e
-        except Exception as e:  # OSError, and botocore's own types (no credentials, unreachable endpoint)
-            raise StorageError(f"{self.store}: cannot read the ledger ({remote_error_text(e)})") from e
-
-        def load(path: str) -> Any:
-            try:
-                return json.loads(contents[path])
-            except (KeyError, ValueError, RecursionError) as e:
-                raise CertckptError(
-                    f"{self.store}: ledger record {path.rsplit('/', 1)[-1]} is unreadable ({e.__class__.__name__})"
-                ) from e
-
-        def valid(kind: str) -> Iterator[tuple[str, dict[str, Any]]]:
-            for p in files[kind]:
-                name = p.rsplit("/", 1)[-1]
-                r = load(p)
-                why = _why_invalid(kind, name, r)
-                if why is None and self.trusted_keys is not None and _needs_signature(kind, r):
-                    why = self.trusted_keys.problem(r)
-                if why is None:
-                    yield name, r
-                else:
-                    snap.invalid.append((f"{kind}/{name}", why))
-
-        mark = None
-        if files["holdings"] or fs.exists(f"{root}/{VAULT_MARK}"):
-            try:
-                mark = json.loads(fs.cat_file(f"{root}/{VAULT_MARK}"))
-            except (OSError, ValueError):
-                mark = {}
-        snap = LedgerSnapshot(segments=len(files["events"]), is_vault=mark is not None, trusted_keys=self.trusted_keys)
-        for _, r in valid("checkpoints"):
-            snap.records[r["ckpt_id"]] = r
-        for _, h in valid("holdings"):
-            snap.holdings[h["ckpt_id"]] = h
-        for _, r in valid("retired"):
-            snap.retired[r["ckpt_id"]] = r
-        snap.drills = [dict(d, drill_id=name.removesuffix(".json")) for name, d in valid("drills")]
-        snap.incident_records = [r for _, r in valid("incidents")]
-        for _, b in valid("branches"):
-            snap.branch_parents[b["branch"]] = b["parent"]
-        for r in snap.records.values():
-            snap.checkpoints.append(
-                CheckpointEntry(
-                    ckpt_id=r["ckpt_id"],
-                    branch=r["branch"],
-                    step=r["step"],
-                    parent=r.get("parent") or snap.branch_parents.get(r["branch"]),
-                    consensus_fp=r.get("consensus_fp"),
-                    committed_at=r.get("committed_at", 0.0),
-                    url=self.url_of(snap.holdings[r["ckpt_id"]])
-                    if r["ckpt_id"] in snap.holdings
-                    else self.url_of(r, base=(mark or {}).get("source")),
-                )
-            )
-        for p in files["events"]:
-            name = p.rsplit("/", 1)[-1]
-            for n, ev in enumerate(_events_of(self.store, name, contents[p]), 1):
-                # A failed check counts signed or not (it can only count against trust); a passing
-                # one is evidence for trust and needs a trusted signature when keys are configured.
-                why = None if self.trusted_keys is None or ev["outcome"] == "fail" else self.trusted_keys.problem(ev)
-                if why is None:
-                    snap.events.append(ev)
-                else:
-                    snap.invalid.append((f"events/{name}#{n}", why))
-        for _, d in valid("revocations"):
-            snap.revocations.append(
-                Revocation(ckpt_id=d["ckpt_id"], reason=d["reason"], by=d.get("by", ""), at=d.get("at", 0.0))
-            )
-        for _, d in valid("certificates"):
-            prev = snap.certificates.get(d["ckpt_id"])
-            if prev is None or d["at"] >= prev["at"]:
-                snap.certificates[d["ckpt_id"]] = d
-        return snap
+        return read_snapshot(
+            store=self.store,
+            fs=fs,
+            root=root,
+            trusted_keys=self.trusted_keys,
+            url_of=self.url_of,
+            remembered=remembered,
+        )
 
     def uncommitted(self, snap: LedgerSnapshot | None = None) -> list[str]:
         """Checkpoints directly in the store that no commit record names (ignored by latest-good):

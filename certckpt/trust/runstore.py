@@ -21,6 +21,7 @@ from certckpt.format.signing import TrustedKeys
 from certckpt.format.verify import verify
 
 from .certify import Certification, Level, accept_level, certify
+from .facts import EventProblem, read_event
 from .incident import (
     OPENED_SUFFIX,
     Incident,
@@ -33,6 +34,7 @@ from .ledger import Ledger, LedgerSnapshot
 
 __all__ = [
     "StoreStatus",
+    "certify_snapshot",
     "certify_store",
     "find_latest_good",
     "check_file",
@@ -171,6 +173,18 @@ def _shared_files(snap: LedgerSnapshot) -> dict[str, str]:
     }
 
 
+def certify_snapshot(snap: LedgerSnapshot, *, corrupt: Mapping[str, str] | None = None) -> Certification:
+    """The certifier over one ledger snapshot: its audit facts, revocations, forks and broken chains."""
+    return certify(
+        snap.checkpoints,
+        snap.facts,
+        snap.revocations,
+        corrupt=corrupt or {},
+        branch_parents=snap.branch_parents,
+        tampered=snap.tampered,
+    )
+
+
 def _record_changes(ledger: Ledger, status: StoreStatus) -> None:
     for cid, v in status.certification.verdicts.items():
         if not status.snapshot.available(cid):
@@ -200,9 +214,7 @@ def certify_store(store: str, *, verify_bytes: bool = False, write_certificates:
             p = _check(snap, cid)
             if p:
                 problems[cid] = p
-    cert = certify(
-        snap.checkpoints, snap.events, snap.revocations, corrupt=problems, branch_parents=snap.branch_parents
-    )
+    cert = certify_snapshot(snap, corrupt=problems)
     status = StoreStatus(
         store=store, snapshot=snap, certification=cert, problems=problems, uncommitted=ledger.uncommitted(snap)
     )
@@ -259,9 +271,7 @@ def find_latest_good(
         status.problems[cid] = problem
     if status.fallbacks:
         snap = status.snapshot
-        status.certification = certify(
-            snap.checkpoints, snap.events, snap.revocations, corrupt=status.problems, branch_parents=snap.branch_parents
-        )
+        status.certification = certify_snapshot(snap, corrupt=status.problems)
     if write_certificates:
         _writable(lambda: _record_changes(ledger, status))
     return status, chosen
@@ -300,7 +310,13 @@ def open_missing_incidents(ledger: Ledger, status: StoreStatus) -> list[str]:
     """Open an incident for every uncontained detection that has none yet (called by ``status``)."""
     have = {r["incident_id"] for r in status.snapshot.incident_records}
     out = []
-    for ev in status.snapshot.events:
+    for ev in status.snapshot.failures:
+        try:
+            malformed = read_event(ev)[1] is not None
+        except EventProblem:
+            malformed = True
+        if malformed:
+            continue  # a malformed failure counts against trust; it is no incident's evidence
         if ev.get("outcome") == "fail" and not ev.get("contained") and not (ev.get("details") or {}).get("found_by"):
             iid = incident_id_for(ev)
             if iid not in have:

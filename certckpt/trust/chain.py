@@ -1,0 +1,332 @@
+"""Chained ledgers: a store identity fixed by a genesis record, one hash chain per writer, and the pure
+check that finds the first broken link.
+
+A record signed on its own proves nothing about the records that are missing: deleting a revocation
+or a failed check, replaying a record from another store, or truncating a writer's tail passes every
+signature. So a chained store (``docs/signing.md``, "Chained ledgers") adds:
+
+- ``_ledger/genesis.json``: ``{"format", "store_id", "created_at"}``, signed by the first writer. Every
+  chain entry names the store it belongs to; an entry of another store is a break.
+- ``_ledger/chains/<writer>/<seq>.json``: one entry per block a writer writes (an event segment, a
+  commit record, a revocation...), signed: ``{"store", "writer", "seq", "prev", "scope", "records":
+  [[kind, name, sha256], ...], "seen": {writer: seq}, "at"}``. ``prev`` is the SHA-256 of the
+  writer's previous entry file (of the genesis for the first), so the entries of one writer form a
+  chain; ``records`` seals each record file by its SHA-256 (one signature per block, however many
+  lines it holds); ``seen`` seals the heads of every other writer visible when it was written, so a
+  truncated or deleted chain is noticed by the next entry of anyone else; ``scope`` says what a
+  writer may write (``branch:<name>`` for a branch's events, commits and forks, ``store`` for
+  revocations, incidents, retirements and vault records, ``cache`` for certificates).
+
+This module is pure: the ledger reads the bytes and hands them over. No torch import.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from certckpt.format.signing import TrustedKeys
+
+__all__ = [
+    "CHAINS_DIR",
+    "FORMAT",
+    "GENESIS",
+    "Break",
+    "ChainCheck",
+    "Sealed",
+    "check_chains",
+    "digest",
+    "entry_doc",
+    "entry_name",
+    "genesis_problem",
+    "new_genesis",
+    "parse_entry_name",
+    "scope_of",
+]
+
+GENESIS = "genesis.json"
+CHAINS_DIR = "chains"
+FORMAT = "certckpt-ledger/2"
+_WRITER = re.compile(r"^w[0-9a-f]{16}$")
+_ENTRY = re.compile(r"^([0-9]{12})\.json$")
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_STORE_ID = re.compile(r"^[0-9a-f]{32}$")
+_SCOPE = re.compile(r"^(store|cache|branch:[A-Za-z0-9._-]{1,100})$")
+_MAX_SEQ = 10**11  # twelve digits in the entry's name
+
+
+def digest(data: bytes) -> str:
+    """SHA-256 of ``data``, hex: what chains link and seal with (xxh3 stops accidents, not people)."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def new_genesis(*, store_id: str, now: float) -> dict[str, Any]:
+    return {"format": FORMAT, "store_id": store_id, "created_at": now}
+
+
+def genesis_problem(doc: Any) -> str | None:
+    """Why a genesis record is not one (None when it is)."""
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        return f"not a {FORMAT} genesis record"
+    if not isinstance(doc.get("store_id"), str) or not _STORE_ID.match(doc["store_id"]):
+        return "its store id is not 32 hex digits"
+    return None
+
+
+def entry_name(seq: int) -> str:
+    return f"{seq:012d}.json"
+
+
+def parse_entry_name(name: str) -> int | None:
+    m = _ENTRY.match(name)
+    return int(m.group(1)) if m else None
+
+
+def is_writer_id(value: Any) -> bool:
+    return isinstance(value, str) and _WRITER.match(value) is not None
+
+
+def scope_of(kind: str, branch: str | None = None) -> str:
+    """The chain a record of ``kind`` belongs to."""
+    if kind in ("events", "checkpoints", "branches"):
+        return f"branch:{branch}"
+    return "cache" if kind == "certificates" else "store"
+
+
+def entry_doc(
+    *,
+    store: str,
+    writer: str,
+    seq: int,
+    prev: str,
+    scope: str,
+    records: list[tuple[str, str, str]],
+    seen: Mapping[str, int],
+    now: float,
+) -> dict[str, Any]:
+    """A chain entry (unsigned): the writer signs it before it is written."""
+    return {
+        "store": store,
+        "writer": writer,
+        "seq": seq,
+        "prev": prev,
+        "scope": scope,
+        "records": [list(r) for r in records],
+        "seen": dict(sorted(seen.items())),
+        "at": now,
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class Break:
+    """The first broken link of one writer's chain: nothing it wrote from ``seq`` on counts for trust.
+
+    Attributes:
+        writer: the writer's id.
+        seq: the first entry that is missing, altered or does not link.
+        scope: what the writer wrote (``branch:NAME``, ``store``, ``cache``; ``store`` when unknown).
+        why: one line.
+    """
+
+    writer: str
+    seq: int
+    scope: str
+    why: str
+
+    @property
+    def branch(self) -> str | None:
+        return self.scope.removeprefix("branch:") if self.scope.startswith("branch:") else None
+
+    def describe(self) -> str:
+        return f"writer {self.writer} ({self.scope}) entry {self.seq}: {self.why}"
+
+
+@dataclass(frozen=True, slots=True)
+class Sealed:
+    """Where a record file is sealed: by which writer's entry, and whether that entry is in the
+    intact, authenticated part of its chain (``counts``: may move a verdict toward trusted)."""
+
+    sha256: str
+    writer: str
+    seq: int
+    counts: bool
+    key: str | None = None
+
+
+@dataclass(kw_only=True, slots=True)
+class ChainCheck:
+    """What the chains prove about a store's records.
+
+    Attributes:
+        sealed: ``(kind, name)`` -> where it is sealed (the first intact entry that lists it, else the
+            first one after a break).
+        breaks: per writer, its first broken link.
+        heads: per writer, ``(seq, sha256 of the entry)`` of its last intact entry.
+        scopes: per writer, its declared scope.
+        unauthenticated: writers whose chain starts unsigned or signed by an untrusted key (with
+            trusted keys): their records count only against trust; not a break.
+    """
+
+    sealed: dict[tuple[str, str], Sealed] = field(default_factory=dict)
+    breaks: dict[str, Break] = field(default_factory=dict)
+    heads: dict[str, tuple[int, str]] = field(default_factory=dict)
+    scopes: dict[str, str] = field(default_factory=dict)
+    unauthenticated: dict[str, str] = field(default_factory=dict)
+
+    def counts(self, kind: str, name: str) -> bool:
+        """Whether the record may move a verdict toward trusted: sealed by an intact, authenticated entry."""
+        s = self.sealed.get((kind, name))
+        return s is not None and s.counts
+
+
+def _entry_problem(doc: Any, *, writer: str, seq: int) -> str | None:
+    if not isinstance(doc, dict):
+        return "not a JSON object"
+    if doc.get("writer") != writer or doc.get("seq") != seq:
+        return f"names writer {str(doc.get('writer'))[:40]!r} entry {str(doc.get('seq'))[:20]}, stored as {writer}/{seq}"
+    if not isinstance(doc.get("scope"), str) or not _SCOPE.match(doc["scope"]):
+        return "has no valid scope"
+    if not isinstance(doc.get("prev"), str) or not _HEX64.match(doc["prev"]):
+        return "has no valid link to its predecessor"
+    recs = doc.get("records")
+    if not isinstance(recs, list) or not all(
+        isinstance(r, list) and len(r) == 3 and all(isinstance(x, str) for x in r) and _HEX64.match(r[2]) for r in recs
+    ):
+        return "its record list is malformed"
+    seen = doc.get("seen")
+    if not isinstance(seen, dict) or not all(
+        is_writer_id(k) and isinstance(v, int) and not isinstance(v, bool) and 0 < v < _MAX_SEQ
+        for k, v in seen.items()
+    ):
+        return "its list of sealed heads is malformed"
+    return None
+
+
+def check_chains(
+    entries: Mapping[str, Mapping[int, bytes]],
+    *,
+    stores: Mapping[str, str],
+    record_digest: Callable[[str, str, str], str | None],
+    trusted_keys: TrustedKeys | None,
+    optional: Callable[[str, str], bool] = lambda store, kind: False,
+    remembered: Mapping[str, tuple[int, str]] | None = None,
+) -> ChainCheck:
+    """Check every writer's chain and what it seals.
+
+    Args:
+        entries: per writer id, its entry files' bytes by sequence number.
+        stores: the store ids whose entries belong here, each with its genesis's SHA-256 (the first
+            entry's ``prev``): a run store's own; a vault's own and its source run's.
+        record_digest: ``(store, kind, name)`` -> the SHA-256 of that record file now (None: absent).
+        trusted_keys: when set, a chain whose first entry a trusted key signed must stay signed by
+            trusted keys; a chain that starts otherwise is unauthenticated (counts only against).
+        optional: ``(store, kind)`` -> True when records of that kind from that store may be absent
+            (a vault mirrors a run's evidence, not its retirements or drills).
+        remembered: per writer, the head this reader verified last time (a chain that is shorter now,
+            or whose entry at that head changed, was truncated or rewritten: a break).
+    """
+    out = ChainCheck()
+    at_seq: dict[tuple[str, int], str] = {}  # (writer, seq) -> the intact entry's SHA-256
+    seals: list[tuple[str, int, str, int]] = []  # (sealing writer, its seq, sealed writer, sealed seq)
+    for writer in sorted(entries):
+        files = entries[writer]
+        prev: str | None = None
+        authenticated: bool | None = None
+        expected = 1
+        broken: Break | None = None
+        for seq in sorted(files):
+            data = files[seq]
+            try:
+                doc = json.loads(data)
+            except (ValueError, RecursionError, UnicodeDecodeError):
+                doc = None
+            if broken is None:
+                why = None
+                if seq != expected:
+                    why = f"entry {expected} is missing (the chain jumps to {seq})"
+                    seq_at = expected
+                else:
+                    seq_at = seq
+                    why = _entry_problem(doc, writer=writer, seq=seq)
+                    if why is None and doc["store"] not in stores:
+                        why = f"belongs to store {str(doc['store'])[:40]!r}, not this one (replayed from elsewhere)"
+                    if why is None:
+                        want = stores[doc["store"]] if seq == 1 else prev
+                        if doc["prev"] != want:
+                            why = "does not link to the entry before it (reordered, replaced or spliced)"
+                    if why is None and writer in out.scopes and doc["scope"] != out.scopes[writer]:
+                        why = f"changes the writer's scope from {out.scopes[writer]} to {doc['scope']}"
+                    if why is None and trusted_keys is not None:
+                        sig_problem = trusted_keys.problem(doc)
+                        if seq == 1:
+                            authenticated = sig_problem is None
+                            if sig_problem is not None:
+                                out.unauthenticated[writer] = sig_problem
+                        elif authenticated and sig_problem is not None:
+                            why = sig_problem
+                    if why is None:
+                        why = _record_problem(doc, record_digest, optional)
+                if why is not None:
+                    scope = out.scopes.get(writer, "store")
+                    broken = out.breaks[writer] = Break(writer=writer, seq=seq_at, scope=scope, why=why)
+                else:
+                    out.scopes.setdefault(writer, doc["scope"])
+                    h = digest(data)
+                    at_seq[writer, seq] = h
+                    out.heads[writer] = (seq, h)
+                    prev, expected = h, seq + 1
+                    counts = trusted_keys is None or bool(authenticated)
+                    key = (doc.get("sig") or {}).get("key") if isinstance(doc.get("sig"), dict) else None
+                    for kind, name, sha in doc["records"]:
+                        out.sealed.setdefault((kind, name), Sealed(sha, writer, seq, counts, key))
+                    seals.extend((writer, seq, w, s) for w, s in doc["seen"].items() if w != writer)
+                    continue
+            # after a break: what these entries list still counts against trust, never for it
+            if isinstance(doc, dict) and isinstance(doc.get("records"), list):
+                for r in doc["records"]:
+                    if isinstance(r, list) and len(r) == 3 and all(isinstance(x, str) for x in r):
+                        out.sealed.setdefault((r[0], r[1]), Sealed(r[2], writer, seq, False))
+    for sealer, at, writer, seq in seals:
+        have = out.heads.get(writer, (0, ""))[0]
+        if have < seq and writer not in out.breaks:
+            out.breaks[writer] = Break(
+                writer=writer,
+                seq=have + 1,
+                scope=out.scopes.get(writer, "store"),
+                why=f"entries up to {seq}, sealed by writer {sealer} entry {at}, are missing (truncated or deleted)",
+            )
+    for writer, (seq, h) in (remembered or {}).items():
+        if writer in out.breaks:
+            continue
+        have = out.heads.get(writer)
+        if have is None or have[0] < seq or at_seq.get((writer, seq)) != h:
+            out.breaks[writer] = Break(
+                writer=writer,
+                seq=(have[0] + 1) if have else 1,
+                scope=out.scopes.get(writer, "store"),
+                why=f"shorter or different than when this reader last verified it (entry {seq}): rolled back",
+            )
+    if out.breaks:  # records sealed only by entries at or after a break count only against trust
+        for key, s in list(out.sealed.items()):
+            b = out.breaks.get(s.writer)
+            if b is not None and s.seq >= b.seq and s.counts:
+                out.sealed[key] = Sealed(s.sha256, s.writer, s.seq, False, s.key)
+    return out
+
+
+def _record_problem(
+    doc: dict[str, Any], record_digest: Callable[[str, str, str], str | None], optional: Callable[[str, str], bool]
+) -> str | None:
+    for kind, name, sha in doc["records"]:
+        have = record_digest(doc["store"], kind, name)
+        if have is None:
+            if optional(doc["store"], kind):
+                continue
+            return f"the record it seals, {kind}/{name}, is missing (deleted)"
+        if have != sha:
+            return f"the record it seals, {kind}/{name}, changed after it was sealed"
+    return None

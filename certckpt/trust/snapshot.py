@@ -1,0 +1,591 @@
+"""Reading a ledger: every record checked like user input, chains checked for gaps, and only what an
+intact, authenticated chain seals counted in favour of trust.
+
+``read_snapshot`` is the ledger's read path (``Ledger.snapshot`` calls it). Rules (docs/signing.md):
+
+- a record that could move a verdict toward trusted (a commit, a passing audit event, a branch's
+  fork point, a vault holding, a drill, a certificate, an incident decision) counts only when an
+  intact entry of its writer's chain seals its bytes, in the scope it belongs to (a branch's chain
+  for its events and commits), and, with trusted keys, that chain is signed by one of them;
+- evidence against trust (a failed check, a revocation, a retirement, an incident's opening) counts
+  signed or not, read pessimistically: an unauthenticated failure is never contained;
+- a broken chain (an entry or a record missing, altered, reordered, replayed from another store, or
+  a tail sealed by another writer gone) marks its branch ``tampered`` after the last step it proves
+  (a store-wide writer's break marks every branch).
+
+Stores written before chains existed (no ``genesis.json``) are read as before, each record on its
+own signature, and say so (``LedgerSnapshot.notes``). No torch import.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from certckpt.errors import CertckptError, CheckpointNotFoundError, StorageError
+from certckpt.format.signing import TrustedKeys
+from certckpt.format.storage import VAULT_MARK, remote_error_text
+
+from .certify import CheckpointEntry, Revocation
+from .chain import CHAINS_DIR, GENESIS, Break, ChainCheck, check_chains, digest, genesis_problem, parse_entry_name
+from .facts import AuditFacts, Event, EventProblem, read_event
+from .incident import incident_state
+
+__all__ = [
+    "KINDS",
+    "LedgerSnapshot",
+    "SOURCES_DIR",
+    "is_ckpt_id",
+    "is_plain_name",
+    "read_snapshot",
+    "why_invalid",
+]
+
+KINDS = (
+    "checkpoints",
+    "branches",
+    "events",
+    "revocations",
+    "certificates",
+    "holdings",
+    "retired",
+    "drills",
+    "incidents",
+)
+SOURCES_DIR = "sources"  # a vault's copy of its source run's genesis record
+# What a vault copies from its run (the rest of a run's records may be absent there).
+MIRRORED_KINDS = frozenset({"checkpoints", "branches", "events", "revocations", "incidents"})
+_NAME = re.compile(r"^[A-Za-z0-9._-]{1,100}$")
+_HELD_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,240}\.safetensors$")  # a plain file name
+_CKPT_ID = re.compile(r"^([A-Za-z0-9._-]{1,100})@([0-9]{1,18})$")
+# Records that can move a verdict toward trusted (or make a copy count as held).
+_FOR_TRUST = ("checkpoints", "holdings", "branches", "drills", "certificates")
+_BATCH = 256  # event segments read per request: bounded memory, few round trips
+
+
+def is_plain_name(name: str) -> bool:
+    return bool(_NAME.match(name)) and name not in (".", "..")
+
+
+def is_ckpt_id(value: Any) -> bool:
+    """Whether ``value`` is a checkpoint id (``branch@step``) safe to use in a name or a path."""
+    m = _CKPT_ID.match(value) if isinstance(value, str) else None
+    return m is not None and m.group(1) not in (".", "..")
+
+
+def _for_trust(kind: str, r: dict[str, Any]) -> bool:
+    # An incident's opening only adds caution; its decisions (rollback targets, approvals,
+    # returns to service, closing) steer what happens next, so they count only when authenticated.
+    return kind in _FOR_TRUST or (kind == "incidents" and r.get("record") != "opened")
+
+
+def why_invalid(kind: str, file: str, r: Any) -> str | None:
+    """Why a record read from the store cannot be used (None when it can). Checked like user input:
+    a record that fails is evidence of nothing, and never reaches a path, a verdict or a traceback."""
+    if not isinstance(r, dict):
+        return f"not a JSON object ({type(r).__name__})"
+    if kind in ("checkpoints", "holdings", "retired", "revocations", "certificates"):
+        cid = r.get("ckpt_id")
+        if not is_ckpt_id(cid):
+            return f"checkpoint id {str(cid)[:80]!r} is not branch@step"
+        if kind in ("checkpoints", "holdings", "retired") and file != f"{cid}.json":
+            return f"names {cid} but is stored as {file}"
+    if kind == "checkpoints":
+        step = r.get("step")
+        if not isinstance(step, int) or isinstance(step, bool) or f"{r.get('branch')}@{step}" != r["ckpt_id"]:
+            return f"branch and step ({r.get('branch')!r}, {step!r}) do not make its id {r['ckpt_id']}"
+        if not isinstance(r.get("url"), str) or not r["url"] or "\0" in r["url"]:
+            return "has no file location"
+        if "://" not in r["url"] and not r["url"].startswith("/") and ".." in r["url"].split("/"):
+            return f"names its file {r['url'][:80]!r}, a path that climbs out of the store"
+        for key in ("consensus_fp", "state_fp", "header_digest", "parent", "run"):
+            if r.get(key) is not None and not isinstance(r[key], str):
+                return f"its {key} is not a string"
+        if r.get("parent") is not None and not is_ckpt_id(r["parent"]):
+            return f"its parent {str(r['parent'])[:80]!r} is not branch@step"
+        if not isinstance(r.get("committed_at", 0.0), (int, float)) or isinstance(r.get("committed_at"), bool):
+            return "its commit time is not a number"
+    if kind == "holdings":
+        # A vault holds each copy under its plain name, in the vault itself: a file `<id>.safetensors`,
+        # a sharded checkpoint's directory `<id>`, or a file with companions as `<id>/NAME.safetensors`
+        # (its companions beside it): never a path that leaves `<id>/`.
+        url, cid = r.get("url"), r["ckpt_id"]
+        if not (
+            url in (f"{cid}.safetensors", cid)
+            or (isinstance(url, str) and url.startswith(f"{cid}/") and _HELD_NAME.match(url[len(cid) + 1 :]))
+        ):
+            return f"holds its copy at {str(url)[:80]!r}, not {cid}.safetensors, {cid} or {cid}/NAME.safetensors"
+        if not isinstance(r.get("step"), int) or not isinstance(r.get("branch"), str):
+            return "has no branch and step"
+    if kind == "branches" and (
+        not isinstance(r.get("branch"), str) or not _NAME.match(r["branch"]) or not is_ckpt_id(r.get("parent"))
+    ):
+        return "branch or parent is not a valid name"
+    if kind == "incidents" and (not isinstance(r.get("incident_id"), str) or not _NAME.match(r["incident_id"])):
+        return f"incident id {str(r.get('incident_id'))[:80]!r} is not a plain name"
+    if kind == "revocations" and not isinstance(r.get("reason"), str):
+        return "has no reason"
+    if kind == "certificates" and (
+        not isinstance(r.get("at"), (int, float)) or not isinstance(r.get("verdict"), str)
+        or not isinstance(r.get("reasons"), list)
+    ):
+        return "has no time, verdict or reasons"
+    return None
+
+
+@dataclass(kw_only=True, slots=True)
+class LedgerSnapshot:
+    """Everything the ledger holds, read at one moment.
+
+    Attributes:
+        facts: the audit events that count, folded for the certifier.
+        failures: every failed-check event read (signed or not), as stored.
+        chained: the store has a genesis record and its writers chain their records.
+        breaks: per writer, the first broken link of its chain.
+        tampered: per branch (``"*"``: every branch), the last step its chains prove intact.
+        notes: what a reader should know about how this ledger was read (one line each).
+        invalid: records used for nothing (or, for failures, read pessimistically), with the reason.
+    """
+
+    checkpoints: list[CheckpointEntry] = field(default_factory=list)
+    records: dict[str, dict[str, Any]] = field(default_factory=dict)  # ckpt_id -> commit record
+    facts: AuditFacts = field(default_factory=AuditFacts)
+    failures: list[dict[str, Any]] = field(default_factory=list)
+    revocations: list[Revocation] = field(default_factory=list)
+    certificates: dict[str, dict[str, Any]] = field(default_factory=dict)  # ckpt_id -> latest certificate
+    branch_parents: dict[str, str] = field(default_factory=dict)
+    segments: int = 0
+    holdings: dict[str, dict[str, Any]] = field(default_factory=dict)  # vaults: ckpt_id -> holding
+    retired: dict[str, dict[str, Any]] = field(default_factory=dict)  # ckpt_id -> retirement record
+    drills: list[dict[str, Any]] = field(default_factory=list)
+    incident_records: list[dict[str, Any]] = field(default_factory=list)
+    is_vault: bool = False
+    invalid: list[tuple[str, str]] = field(default_factory=list)  # (kind/file, why): records ignored
+    # The keys this snapshot was read with: checkpoint files must be signed by one of them too.
+    trusted_keys: TrustedKeys | None = None
+    chained: bool = False
+    store_id: str | None = None
+    breaks: list[Break] = field(default_factory=list)
+    tampered: dict[str, int] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    heads: dict[str, tuple[int, str]] = field(default_factory=dict)
+    event_loader: Callable[[], list[dict[str, Any]]] | None = None
+    loaded_events: list[dict[str, Any]] | None = None
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        """Every audit event that counts, as stored (read again on first use: a big ledger's events
+        are folded into ``facts`` while reading, not kept)."""
+        if self.loaded_events is None:
+            self.loaded_events = self.event_loader() if self.event_loader is not None else []
+        return self.loaded_events
+
+    def open_incidents(self) -> list[str]:
+        """Ids of the incidents not closed yet."""
+        return [i.incident_id for i in incident_state(self.incident_records).values() if i.is_open]
+
+    def available(self, ckpt_id: str) -> bool:
+        """Whether this store holds the checkpoint's file (not pruned; in a vault, promoted here)."""
+        return ckpt_id not in self.retired and (not self.is_vault or ckpt_id in self.holdings)
+
+    def header_digest(self, ckpt_id: str) -> str | None:
+        return self.records[ckpt_id].get("header_digest")
+
+
+def _segment_lines(data: bytes) -> list[Any]:
+    """The JSON values of a segment's lines (None for a line that is not JSON); one parse per segment."""
+    lines = [ln for ln in data.split(b"\n") if ln.strip()]
+    try:
+        values = json.loads(b"[" + b",".join(lines) + b"]")
+        if len(values) == len(lines):
+            return values
+    except (ValueError, RecursionError):
+        pass
+    out: list[Any] = []
+    for ln in lines:
+        try:
+            out.append(json.loads(ln))
+        except (ValueError, RecursionError):
+            out.append(None)
+    return out
+
+
+@dataclass(slots=True)
+class _Segment:
+    events: list[tuple[int, Event, str | None]]  # (line, facts, why a field was unusable)
+    failures: dict[int, Any]  # line -> the failed event as stored
+
+
+def _parse_segment(store: str, name: str, data: bytes) -> _Segment:
+    seg = _Segment([], {})
+    for n, value in enumerate(_segment_lines(data), 1):
+        if isinstance(value, dict) and "seal" in value and "branch" not in value:
+            continue  # a block seal line (none are written today; tolerated for forward compatibility)
+        try:
+            ev, why = read_event(value if isinstance(value, dict) else {})
+        except EventProblem as e:
+            raise CertckptError(
+                f"{store}: ledger event segment {name}, line {n}, is not a readable audit event ({e}); "
+                "the store cannot be certified until it is restored from a good copy"
+            ) from None
+        seg.events.append((n, ev, why))
+        if ev.outcome == "fail":
+            seg.failures[n] = value
+    return seg
+
+
+def _list(fs: Any, root: str) -> dict[str, list[str]]:
+    """Every ledger path, by top-level entry (kind, ``chains``, ``sources``, or ``""`` for files)."""
+    out: dict[str, list[str]] = {}
+    prefix = root.rstrip("/") + "/"
+    for p in fs.find(root):
+        rel = p[len(prefix) :] if p.startswith(prefix) else p.rsplit("/", 1)[-1]
+        if rel.rsplit("/", 1)[-1].startswith("."):
+            continue  # other writers' temp files, about to be linked and removed: not records
+        top, _, rest = rel.partition("/")
+        out.setdefault(top if rest else "", []).append(p)
+    return out
+
+
+def read_snapshot(
+    *,
+    store: str,
+    fs: Any,
+    root: str,
+    trusted_keys: TrustedKeys | None,
+    url_of: Callable[..., str],
+    remembered: dict[str, tuple[int, str]] | None = None,
+) -> LedgerSnapshot:
+    """Read and check every record of one ledger (missing ledger: an empty snapshot).
+
+    Raises:
+        CheckpointNotFoundError: no such store; StorageError: it cannot be read; CertckptError: an
+        event names no branch or step (the store cannot be certified until it is repaired).
+    """
+    try:
+        if not fs.exists(root):
+            if not fs.exists(root.rsplit("/", 1)[0] or "/"):
+                raise CheckpointNotFoundError(f"{store}: no such run store")
+            return LedgerSnapshot(trusted_keys=trusted_keys)
+        listing = _list(fs, root)
+        small = [p for k, v in listing.items() if k != "events" for p in v]
+        contents = fs.cat(small) if small else {}
+        segs: dict[str, _Segment] = {}
+        digests: dict[tuple[str, str], str] = {}
+        event_paths = sorted(listing.get("events", []))
+        for i in range(0, len(event_paths), _BATCH):
+            batch = fs.cat(event_paths[i : i + _BATCH])
+            for p in event_paths[i : i + _BATCH]:
+                name = p.rsplit("/", 1)[-1]
+                digests["events", name] = digest(batch[p])
+                segs[name] = _parse_segment(store, name, batch[p])
+    except (CertckptError, FileNotFoundError) as e:
+        if isinstance(e, CertckptError):
+            raise
+        if "NoSuchBucket" in str(e) or "bucket does not exist" in str(e).lower():
+            raise StorageError(f"{store}: cannot read the ledger ({remote_error_text(e)})") from e
+        raise CheckpointNotFoundError(f"{store}: no such run store") from e
+    except Exception as e:  # OSError, and botocore's own types (no credentials, unreachable endpoint)
+        raise StorageError(f"{store}: cannot read the ledger ({remote_error_text(e)})") from e
+    return _Reader(store, root, trusted_keys, url_of, listing, contents, digests, segs, remembered, fs).read()
+
+
+class _Reader:
+    """One snapshot's reading, in the order the rules need: chains, records, events."""
+
+    def __init__(self, store, root, trusted_keys, url_of, listing, contents, digests, segs, remembered, fs):
+        self.store, self.root, self.keys, self.url_of = store, root, trusted_keys, url_of
+        self.listing, self.contents, self.digests, self.segs = listing, contents, digests, segs
+        self.remembered, self.fs = remembered, fs
+        self.files: dict[str, list[str]] = {k: sorted(listing.get(k, [])) for k in KINDS}
+        for k in KINDS:
+            if k == "events":
+                continue
+            for p in self.files[k]:
+                digests[k, p.rsplit("/", 1)[-1]] = digest(contents[p])
+        for p in listing.get("", []):
+            digests["", p.rsplit("/", 1)[-1]] = digest(contents[p])
+        self.snap = LedgerSnapshot(segments=len(self.files["events"]), trusted_keys=trusted_keys)
+        self.check: ChainCheck | None = None
+        self.authentic = True  # with trusted keys: the genesis record is signed by one of them
+        self.source: str | None = None  # a vault's source run's store id, when the vault vouches for it
+        self.writer_store: dict[str, str] = {}
+
+    # --- chains ----------------------------------------------------------------------------------
+
+    def _top(self, name: str) -> bytes | None:
+        return next((self.contents[p] for p in self.listing.get("", []) if p.rsplit("/", 1)[-1] == name), None)
+
+    def _chains(self) -> None:
+        snap = self.snap
+        genesis = self._top(GENESIS)
+        if genesis is None:
+            if any(self.files[k] for k in KINDS):
+                snap.notes.append(
+                    "unchained ledger (written before certckpt 0.9): a deleted or replayed record cannot be "
+                    "detected; start a new run store (an empty directory or prefix) to get a chained ledger"
+                )
+            return
+        snap.chained = True
+        try:
+            gdoc = json.loads(genesis)
+        except (ValueError, RecursionError):
+            gdoc = None
+        why = genesis_problem(gdoc)
+        if why is None and self.keys is not None:
+            sig = self.keys.problem(gdoc)
+            if sig is not None:
+                why = None
+                snap.notes.append(f"the store's genesis record is not authenticated ({sig}): nothing here counts for trust")
+                self.authentic = False
+        if why is not None:
+            snap.breaks.append(Break(writer="genesis", seq=0, scope="store", why=f"genesis record: {why}"))
+            snap.tampered["*"] = -1
+            return
+        snap.store_id = gdoc["store_id"]
+        stores = {gdoc["store_id"]: digest(genesis)}
+        mark = self._mark()
+        source = mark.get("source_store") if isinstance(mark, dict) else None
+        sources = {p.rsplit("/", 1)[-1]: p for p in self.listing.get(SOURCES_DIR, [])}
+        if isinstance(source, str) and f"{source}.json" in sources:
+            sdata = self.contents[sources[f"{source}.json"]]
+            try:
+                sdoc = json.loads(sdata)
+            except (ValueError, RecursionError):
+                sdoc = None
+            if genesis_problem(sdoc) is None and sdoc["store_id"] == source:
+                if self.keys is None or self.keys.problem(sdoc) is None:
+                    stores[source] = digest(sdata)
+                    self.source = source
+        entries: dict[str, dict[int, bytes]] = {}
+        prefix = self.root.rstrip("/") + f"/{CHAINS_DIR}/"
+        for p in self.listing.get(CHAINS_DIR, []):
+            writer, _, name = p[len(prefix) :].partition("/")
+            seq = parse_entry_name(name)
+            if seq is None or "/" in name:
+                snap.invalid.append((f"{CHAINS_DIR}/{writer}/{name}"[:120], "not a chain entry name"))
+                continue
+            entries.setdefault(writer, {})[seq] = self.contents[p]
+        own = gdoc["store_id"]
+
+        def record_digest(store_id: str, kind: str, name: str) -> str | None:
+            return self.digests.get((kind, name))
+
+        self.check = check_chains(
+            entries,
+            stores=stores,
+            record_digest=record_digest,
+            trusted_keys=self.keys,
+            optional=lambda store_id, kind: store_id != own and kind not in MIRRORED_KINDS,
+            remembered=self.remembered,
+        )
+        for writer, files in entries.items():
+            first = files.get(min(files)) if files else None
+            try:
+                self.writer_store[writer] = json.loads(first).get("store") if first else None
+            except (ValueError, AttributeError, RecursionError):
+                pass
+        snap.heads = dict(self.check.heads)
+        for writer, why in sorted(self.check.unauthenticated.items()):
+            snap.invalid.append((f"{CHAINS_DIR}/{writer}", f"{why}: its records count only against trust"))
+        snap.breaks.extend(self.check.breaks[w] for w in sorted(self.check.breaks))
+        if self.source is None and isinstance(source, str):
+            snap.notes.append(f"this vault's source run {source[:32]} has no authenticated genesis copy")
+
+    def _mark(self) -> Any:
+        data = self._top(VAULT_MARK)
+        if data is None:
+            return None
+        try:
+            return json.loads(data)
+        except (ValueError, RecursionError):
+            return {}
+
+    def counts(self, kind: str, name: str, *, branch: str | None = None) -> tuple[bool, str | None]:
+        """Whether a record may count for trust, and why not."""
+        if not self.snap.chained:
+            return True, None  # unchained: the caller applies each record's own signature
+        if self.check is None or not self.authentic:
+            return False, "the store's chains cannot be verified"
+        s = self.check.sealed.get((kind, name))
+        if s is None:
+            return False, "sealed by no chain entry (written by someone other than a certckpt writer, or a crash)"
+        if not s.counts:
+            b = self.check.breaks.get(s.writer)
+            return False, f"sealed after a break in writer {s.writer}'s chain" if b else "its chain is not authenticated"
+        scope = self.check.scopes.get(s.writer)
+        want = f"branch:{branch}" if branch is not None else ("cache" if kind == "certificates" else "store")
+        if scope != want:
+            return False, f"sealed by writer {s.writer} of scope {scope}, not {want}"
+        store_id = self.writer_store.get(s.writer)
+        if store_id != self.snap.store_id and not (store_id == self.source and kind in MIRRORED_KINDS | {"certificates"}):
+            return False, f"sealed by a writer of store {str(store_id)[:32]}, whose records do not count here"
+        return True, None
+
+    # --- records ---------------------------------------------------------------------------------
+
+    def _load(self, path: str) -> Any:
+        try:
+            return json.loads(self.contents[path])
+        except (KeyError, ValueError, RecursionError):
+            return None
+
+    def _valid(self, kind: str) -> Iterator[tuple[str, dict[str, Any], bool]]:
+        """(name, record, counts-for-trust) of every well-formed record of one kind."""
+        snap = self.snap
+        for p in self.files[kind]:
+            name = p.rsplit("/", 1)[-1]
+            r = self._load(p)
+            why = "not readable JSON" if r is None else why_invalid(kind, name, r)
+            ok = True
+            if why is None:
+                branch = r.get("branch") if kind in ("checkpoints", "branches") else None
+                if snap.chained:
+                    ok, reason = self.counts(kind, name, branch=branch if isinstance(branch, str) else None)
+                elif self.keys is not None:
+                    reason = self.keys.problem(r)
+                    ok = reason is None
+                else:
+                    reason = None
+                if not ok and _for_trust(kind, r):
+                    why = reason
+            if why is None:
+                yield name, r, ok
+            else:
+                snap.invalid.append((f"{kind}/{name}", why))
+
+    def read(self) -> LedgerSnapshot:
+        snap = self.snap
+        self._chains()
+        mark = self._mark()
+        snap.is_vault = mark is not None or bool(self.files["holdings"])
+        writer_steps: dict[str, int] = {}
+
+        def note_step(kind: str, name: str, step: int) -> None:
+            s = self.check.sealed.get((kind, name)) if self.check else None
+            if s is not None and s.counts:
+                writer_steps[s.writer] = max(writer_steps.get(s.writer, -1), step)
+
+        for name, r, _ in self._valid("checkpoints"):
+            snap.records[r["ckpt_id"]] = r
+            note_step("checkpoints", name, r["step"])
+        for _, h, _ in self._valid("holdings"):
+            snap.holdings[h["ckpt_id"]] = h
+        for _, r, ok in self._valid("retired"):
+            if not snap.is_vault or not snap.chained or self._own(("retired", f"{r['ckpt_id']}.json")):
+                snap.retired[r["ckpt_id"]] = r
+        snap.drills = [dict(d, drill_id=name.removesuffix(".json")) for name, d, _ in self._valid("drills")]
+        snap.incident_records = [r for _, r, _ in self._valid("incidents")]
+        for _, b, _ in self._valid("branches"):
+            snap.branch_parents[b["branch"]] = b["parent"]
+        for r in snap.records.values():
+            snap.checkpoints.append(
+                CheckpointEntry(
+                    ckpt_id=r["ckpt_id"],
+                    branch=r["branch"],
+                    step=r["step"],
+                    parent=r.get("parent") or snap.branch_parents.get(r["branch"]),
+                    consensus_fp=r.get("consensus_fp"),
+                    committed_at=float(r.get("committed_at", 0.0)),
+                    url=self.url_of(snap.holdings[r["ckpt_id"]])
+                    if r["ckpt_id"] in snap.holdings
+                    else self.url_of(r, base=(mark or {}).get("source") if isinstance(mark, dict) else None),
+                )
+            )
+        counted: dict[str, bool] = {}
+        for name in sorted(self.segs):
+            seg = self.segs[name]
+            if snap.chained:
+                s = self.check.sealed.get(("events", name)) if self.check else None
+                scope = self.check.scopes.get(s.writer) if (self.check and s) else None
+                branch = scope.removeprefix("branch:") if scope and scope.startswith("branch:") else None
+                ok, reason = self.counts("events", name, branch=branch)
+            else:
+                branch, ok, reason = None, True, None
+            counted[name] = ok
+            for n, ev, why in seg.events:
+                line_ok = ok
+                if not snap.chained and self.keys is not None and ev.outcome == "pass":
+                    line_ok = False  # checked line by line below (each line signed on its own)
+                if snap.chained and branch is not None and ev.branch != branch:
+                    line_ok, why = False, why or f"names branch {ev.branch}, sealed in branch {branch}'s chain"
+                if ev.outcome == "pass" and not line_ok and snap.chained:
+                    why = why or reason
+                if ev.outcome == "fail" and not snap.chained and self.keys is not None:
+                    line_ok = self.keys.problem(seg.failures[n]) is None  # unsigned: never contained
+                if why is not None:
+                    snap.invalid.append((f"events/{name}#{n}", why))
+                if line_ok and ev.outcome == "pass" and why is None:
+                    snap.facts.add(ev)
+                    if snap.chained:
+                        note_step("events", name, ev.step)
+                elif ev.outcome == "fail":
+                    snap.facts.add(ev, counts=line_ok and why is None)
+            snap.failures.extend(seg.failures.values())
+        if not snap.chained and self.keys is not None:
+            self._unchained_signed_passes()
+        for _, d, ok in self._valid("revocations"):
+            snap.revocations.append(
+                Revocation(
+                    ckpt_id=d["ckpt_id"],
+                    reason=d["reason"],
+                    by=str(d.get("by", "")),
+                    at=d.get("at", 0.0) if isinstance(d.get("at"), (int, float)) else 0.0,
+                    authenticated=ok and (snap.chained or self.keys is not None),
+                )
+            )
+        for _, d, _ in self._valid("certificates"):
+            prev = snap.certificates.get(d["ckpt_id"])
+            if prev is None or d["at"] >= prev["at"]:
+                snap.certificates[d["ckpt_id"]] = d
+        self._marks(writer_steps)
+        snap.event_loader = lambda: self._events(counted)
+        self.contents = {}  # the records are parsed; the bytes are not needed any more
+        return snap
+
+    def _own(self, key: tuple[str, str]) -> bool:
+        s = self.check.sealed.get(key) if self.check else None
+        return s is not None and self.writer_store.get(s.writer) == self.snap.store_id
+
+    def _unchained_signed_passes(self) -> None:
+        """Unchained stores with trusted keys: each passing event counts only on its own signature.
+        Read again line by line (these stores are small: they predate chains)."""
+        for name in sorted(self.segs):
+            for p in self.files["events"]:
+                if p.rsplit("/", 1)[-1] != name:
+                    continue
+                for n, value in enumerate(_segment_lines(self.fs.cat_file(p)), 1):
+                    if not isinstance(value, dict) or value.get("outcome") != "pass":
+                        continue
+                    why = self.keys.problem(value)
+                    if why is None:
+                        ev, bad = read_event(value)
+                        if bad is None:
+                            self.snap.facts.add(ev)
+                    else:
+                        self.snap.invalid.append((f"events/{name}#{n}", why))
+
+    def _marks(self, writer_steps: dict[str, int]) -> None:
+        """Each break's reach: a branch writer's marks its branch after the last step it proved; a
+        store writer's (or one whose scope is unknown) marks every branch; a cache writer's nothing."""
+        for b in self.snap.breaks:
+            if b.scope == "cache":
+                continue
+            key = b.branch if b.branch is not None else "*"
+            last = writer_steps.get(b.writer, -1)
+            self.snap.tampered[key] = min(self.snap.tampered.get(key, last), last)
+
+    def _events(self, counted: dict[str, bool]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for p in self.files["events"]:
+            name = p.rsplit("/", 1)[-1]
+            for value in _segment_lines(self.fs.cat_file(p)):
+                if not isinstance(value, dict):
+                    continue
+                if value.get("outcome") == "fail" or counted.get(name, False):
+                    if self.snap.chained or self.keys is None or value.get("outcome") == "fail" or self.keys.problem(value) is None:
+                        out.append(value)
+        return out
