@@ -221,6 +221,7 @@ def test_a_commit_record_rewritten_to_name_another_file_is_caught_by_its_embedde
 
 
 def test_two_commit_records_for_one_file_trust_neither(tmp_path):
+    (tmp_path / "_ledger" / "checkpoints").mkdir(parents=True)  # a ledger written before chains existed
     _store(tmp_path)
     _write_record(
         tmp_path,
@@ -230,7 +231,22 @@ def test_two_commit_records_for_one_file_trust_neither(tmp_path):
     )
     status = certify_store(str(tmp_path), write_certificates=False)
     assert {"main@10", "main@12"} <= set(status.problems) and "named by 2 commit records" in status.problems["main@10"]
-    assert not status.certification.verdicts["main@10"].trusted
+    assert not status.certification.verdicts["main@10"].trusted and not status.snapshot.chained
+
+
+def test_a_commit_record_no_chain_seals_is_no_checkpoint(tmp_path):
+    _store(tmp_path)
+    _write_record(
+        tmp_path,
+        "checkpoints",
+        "main@12.json",
+        {"ckpt_id": "main@12", "branch": "main", "step": 12, "url": "main-10.safetensors", "consensus_fp": "fp10"},
+    )
+    status = certify_store(str(tmp_path), write_certificates=False)
+    assert status.snapshot.chained and "main@12" not in status.certification.verdicts
+    assert ("checkpoints/main@12.json", status.snapshot.invalid[0][1]) in status.snapshot.invalid
+    assert "sealed by no chain entry" in dict(status.snapshot.invalid)["checkpoints/main@12.json"]
+    assert status.certification.verdicts["main@10"].trusted
 
 
 @pytest.fixture

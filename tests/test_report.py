@@ -313,7 +313,8 @@ def _hostile_store(root):
             }
         )
     )
-    ledger.append_events([_ev(evil, 7, "replay", "fail", suspects=[0])])
+    # written by the attacker too: no chain seals it, and a failure counts all the same
+    (root / "_ledger" / "events" / "zz-evil.jsonl").write_text(json.dumps(_ev(evil, 7, "replay", "fail", suspects=[0])))
 
 
 def test_svg_escapes_hostile_text(tmp_path):
@@ -506,7 +507,9 @@ def test_html_escapes_hostile_text(tmp_path):
     hostile_run = "<img src=x onerror=alert(1)>"
     ledger = build_store(root, run=hostile_run)
     ledger.revoke("main@10", reason="<script>alert('pwn')</script> & $x$", by="<b>mallory</b>")
-    ledger.append_events([_ev("<i>evil</i> $5", 3, "replay", "fail", suspects=[0], run=hostile_run)])
+    (root / "_ledger" / "events" / "zz-evil.jsonl").write_text(  # an attacker's segment: it counts (a failure)
+        json.dumps(_ev("<i>evil</i> $5", 3, "replay", "fail", suspects=[0], run=hostile_run))
+    )
     tl = timeline(certify_store(str(root), write_certificates=False))
     assert "<i>evil</i> $5" in [lane.branch for lane in tl.lanes]
     page = tmp_path / "t.html"
@@ -573,9 +576,9 @@ def test_cli_errors_are_one_line_exit_2(tmp_path, store):
     assert r.exit_code == 2 and "Traceback" not in r.output
     bad = store / "_ledger" / "checkpoints" / "zz@1.json"
     bad.write_text("{not json")
+    # a record that is not JSON is evidence of nothing: listed as invalid, the report still drawn
     r = runner.invoke(main, ["report", str(store), "--out", str(tmp_path / "a.png")])
-    assert r.exit_code == 2 and "unreadable" in r.output and len(r.output.strip().splitlines()) == 1
-    assert not (tmp_path / "a.png").exists()
+    assert r.exit_code == 0 and "Traceback" not in r.output and (tmp_path / "a.png").exists()
 
 
 def test_help_and_import_stay_light():

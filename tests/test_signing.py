@@ -90,8 +90,7 @@ def _edit(path, **changes):
     Path(path).write_text(json.dumps(doc))
 
 
-def test_forged_records_move_nothing_toward_trusted_with_trusted_keys(tmp_path, keys, monkeypatch):
-    _signed_run(tmp_path, keys)
+def _forge(tmp_path) -> None:
     ckpts = tmp_path / "_ledger" / "checkpoints"
     # 1. edit main@30's record to look like a step that passed its audit (the signature breaks)
     _edit(ckpts / "main@30.json", step=20, ckpt_id="main@20")
@@ -108,12 +107,37 @@ def test_forged_records_move_nothing_toward_trusted_with_trusted_keys(tmp_path, 
     (tmp_path / "_ledger" / "events" / "zz.jsonl").write_text(
         "\n".join(json.dumps(e) for e in _audit(30) + [_ev("main", 25, "consensus", fp="fp20")]) + "\n"
     )
+
+
+def test_forged_records_move_nothing_toward_trusted_with_trusted_keys(tmp_path, keys, monkeypatch):
+    (tmp_path / "_ledger" / "checkpoints").mkdir(parents=True)  # a ledger written before chains existed
+    _signed_run(tmp_path, keys)
+    _forge(tmp_path)
     good, verdicts, invalid = _verdicts(tmp_path, monkeypatch, keys["pub"])
     assert good in ("main@10", "main@20") and "main@25" not in verdicts and "main@20x" not in verdicts
     whys = {w for _, w in invalid}
     assert any(w == "unsigned" for w in whys) and any(w.startswith("bad signature") for w in whys)
-    # without keys the same edits do fool the ledger: which is what the README warns about
+    # without keys the same edits do fool an unchained ledger: which is what the README warns about
     assert _verdicts(tmp_path, monkeypatch)[0] == "main@25"
+
+
+@pytest.mark.parametrize("with_keys", [True, False])
+def test_forged_records_in_a_chained_store_break_its_chain_with_or_without_keys(tmp_path, keys, monkeypatch, with_keys):
+    _signed_run(tmp_path, keys)
+    _forge(tmp_path)
+    monkeypatch.setenv("CERTCKPT_TRUSTED_KEYS", str(keys["pub"])) if with_keys else monkeypatch.delenv(
+        "CERTCKPT_TRUSTED_KEYS", raising=False
+    )
+    st = certify_store(str(tmp_path), write_certificates=False)
+    # the segment edited in place no longer matches what its chain sealed: its passes count for nothing
+    # and the branch is tampered from the edit on; the added records are sealed by nothing
+    assert st.snapshot.chained and st.latest_good is None
+    assert set(st.certification.verdicts) == {"main@10", "main@20"}
+    (brk,) = st.snapshot.breaks  # the first broken link: main@30's commit record, renamed away
+    assert brk.scope == "branch:main" and "checkpoints/main@30.json, is missing" in brk.why
+    whys = dict(st.snapshot.invalid)
+    assert "sealed by no chain entry" in whys["checkpoints/main@25.json"]
+    assert any(k.startswith("events/zz.jsonl") for k in whys)
 
 
 def test_an_unsigned_failure_still_counts(tmp_path, keys, monkeypatch):

@@ -264,7 +264,7 @@ def certify(
         return branches[name]
 
     facts = events if isinstance(events, AuditFacts) else AuditFacts.of(events)
-    for name, f in facts.branches.items():
+    for name, f in facts.effective().items():
         b = branch(name)
         b.parts, b.failures = f.parts, list(f.failures)
     for c in checkpoints:

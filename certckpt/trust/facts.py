@@ -18,7 +18,8 @@ from typing import Any
 __all__ = ["AuditFacts", "BranchFacts", "EventProblem", "read_event", "FULL_KINDS"]
 
 FULL_KINDS = ("replay", "nonfinite", "consensus")
-_BRANCH = re.compile(r"^[A-Za-z0-9._-]{1,100}$")
+# A branch is only ever compared and printed (escaped) here, never made a path: any short text.
+_BRANCH = re.compile(r"^.{1,200}$", re.DOTALL)
 _MAX_STEP = 10**18
 
 
@@ -115,6 +116,28 @@ class AuditFacts:
 
     branches: dict[str, BranchFacts] = field(default_factory=dict)
     count: int = 0
+    # failures nobody trusted vouches for: they count against trust (``effective``), but never
+    # drive anything destructive (``trusted_only``)
+    doubtful: list[Event] = field(default_factory=list)
+
+    def trusted_only(self) -> AuditFacts:
+        """The facts without unauthenticated failures (what a vault prune may act on)."""
+        return AuditFacts(branches=self.branches, count=self.count)
+
+    def effective(self) -> dict[str, BranchFacts]:
+        """Every branch's facts with the unauthenticated failures folded in (what verdicts use)."""
+        if not self.doubtful:
+            return self.branches
+        out = dict(self.branches)
+        for name in {ev.branch for ev in self.doubtful}:
+            b = self.branches.get(name, BranchFacts())
+            parts: dict[int, dict[str, tuple[str, str | None]]] = defaultdict(dict)
+            parts.update({s: dict(k) for s, k in b.parts.items()})
+            out[name] = BranchFacts(parts=parts, failures=list(b.failures))
+        merged = AuditFacts(branches=out)
+        for ev in self.doubtful:
+            merged.add(ev)
+        return merged.branches
 
     @classmethod
     def of(cls, events: Iterable[Any]) -> AuditFacts:
@@ -133,8 +156,10 @@ class AuditFacts:
         """Fold one event in; ``counts=False`` keeps only a failure (a pass nobody vouches for)."""
         if ev.outcome == "pass" and not counts:
             return
-        if not counts and ev.contained:
-            ev = replace(ev, contained=False)  # nobody vouches that the update was skipped
+        if not counts:
+            # nobody vouches that the update was skipped: never contained
+            self.doubtful.append(replace(ev, contained=False) if ev.contained else ev)
+            return
         self.count += 1
         b = self.branch(ev.branch)
         kind = "nonfinite" if ev.kind in ("nonfinite-pre", "nonfinite-post") else ev.kind

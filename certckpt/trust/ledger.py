@@ -118,18 +118,22 @@ class Ledger:
         *,
         signing_key: SigningKey | None | str = FROM_ENV,
         trusted_keys: TrustedKeys | None | str = FROM_ENV,
+        chain: bool = True,
     ):
         """Args:
         store: the run store's (or vault's) path or URL.
         signing_key: signs every record written (default: ``$CERTCKPT_SIGNING_KEY``, else none).
         trusted_keys: when set, records that could move a verdict toward trusted count only when
             one of these keys signed them (default: ``$CERTCKPT_TRUSTED_KEYS``, else none).
+        chain: a new ledger starts a chained store (a genesis record and per-writer chains); False
+            keeps it unchained (a vault of a run written before chains existed).
         """
         self.store = store.rstrip("/") if "://" in store else store.rstrip("/") or "/"
         self.root = join(self.store, LEDGER_DIR)
         self.signing_key = signing_key_from_env() if signing_key == FROM_ENV else signing_key
         self.trusted_keys = trusted_keys_from_env() if trusted_keys == FROM_ENV else trusted_keys
         self._chained: bool | None = None  # learnt at the first write (a genesis record, or none)
+        self._new_chained = chain  # whether a new ledger gets a genesis record (a vault of an old run: no)
         self._store_id: str | None = None
         self._genesis_sha = ""
         self._chains: dict[str, _Chain] = {}  # scope -> this process's chain for it
@@ -169,7 +173,7 @@ class Ledger:
             path = join(self.root, GENESIS)
             data = self._read_optional(path)
             if data is None:
-                if self._has_records():
+                if not self._new_chained or self._has_records():
                     self._chained = False
                     return False
                 try:
@@ -240,6 +244,7 @@ class Ledger:
 
     def _put(self, kind: str, name: str, data: bytes, *, branch: str | None = None) -> bool:
         """Write one record create-only and seal it in this writer's chain."""
+        self.chained()  # a new ledger gets its genesis before its first record
         written = put_once(join(self.root, kind, _record_name(name)), data)
         self._seal(scope_of(kind, branch), [(kind, name, data)])
         return written
@@ -376,6 +381,7 @@ class Ledger:
             raise ConfigurationError(f"ledger record kind {kind!r}: one of {', '.join(_KINDS)}")
         if top == CHAINS_DIR and (kind.count("/") != 1 or not is_plain_name(kind.split("/")[1])):
             raise ConfigurationError(f"ledger chain {kind!r} is not chains/WRITER")
+        self.chained()
         written = put_once(join(self.root, kind, name) if kind else join(self.root, name), data)
         if seal:
             self._seal("store", [(kind, name, data)])
@@ -390,6 +396,20 @@ class Ledger:
             return []
         except Exception as e:  # OSError, and botocore's own types (no credentials, unreachable endpoint)
             raise StorageError(f"{self.store}: cannot list the ledger ({remote_error_text(e)})") from e
+
+    def chain_listing(self) -> dict[str, list[str]]:
+        """Every writer's chain entry names (a vault copies them with the records they seal)."""
+        fs, root = self._fs()
+        out: dict[str, list[str]] = {}
+        try:
+            paths = fs.find(f"{root}/{CHAINS_DIR}")
+        except FileNotFoundError:
+            return out
+        for p in paths:
+            writer, name = p.rsplit("/", 2)[-2:]
+            if is_plain_name(writer) and parse_entry_name(name) is not None:
+                out.setdefault(writer, []).append(name)
+        return {w: sorted(v) for w, v in out.items()}
 
     def read_raw(self, kind: str, names: list[str]) -> dict[str, bytes]:
         if not names:

@@ -173,12 +173,19 @@ def _shared_files(snap: LedgerSnapshot) -> dict[str, str]:
     }
 
 
-def certify_snapshot(snap: LedgerSnapshot, *, corrupt: Mapping[str, str] | None = None) -> Certification:
-    """The certifier over one ledger snapshot: its audit facts, revocations, forks and broken chains."""
+def certify_snapshot(
+    snap: LedgerSnapshot, *, corrupt: Mapping[str, str] | None = None, authenticated_only: bool = False
+) -> Certification:
+    """The certifier over one ledger snapshot: its audit facts, revocations, forks and broken chains.
+
+    Args:
+        authenticated_only: leave out evidence against trust that no trusted writer vouches for
+            (unsigned failures and revocations): what a destructive step (a prune) may act on.
+    """
     return certify(
         snap.checkpoints,
-        snap.facts,
-        snap.revocations,
+        snap.facts.trusted_only() if authenticated_only else snap.facts,
+        [r for r in snap.revocations if r.authenticated] if authenticated_only else snap.revocations,
         corrupt=corrupt or {},
         branch_parents=snap.branch_parents,
         tampered=snap.tampered,

@@ -335,12 +335,9 @@ class _Reader:
         except (ValueError, RecursionError):
             gdoc = None
         why = genesis_problem(gdoc)
-        if why is None and self.keys is not None:
-            sig = self.keys.problem(gdoc)
-            if sig is not None:
-                why = None
-                snap.notes.append(f"the store's genesis record is not authenticated ({sig}): nothing here counts for trust")
-                self.authentic = False
+        if why is None and self.keys is not None and self.keys.problem(gdoc) is not None:
+            # Its identity still binds: every signed entry names it and links to its exact bytes.
+            snap.notes.append("the store's genesis record is not signed by a trusted key (created by a writer without one)")
         if why is not None:
             snap.breaks.append(Break(writer="genesis", seq=0, scope="store", why=f"genesis record: {why}"))
             snap.tampered["*"] = -1
@@ -388,6 +385,14 @@ class _Reader:
                 self.writer_store[writer] = json.loads(first).get("store") if first else None
             except (ValueError, AttributeError, RecursionError):
                 pass
+        if self.source is not None:
+            s = self.check.sealed.get(("", VAULT_MARK))
+            if s is None or not s.counts or self.writer_store.get(s.writer) != own:
+                snap.notes.append(
+                    "this vault's mark naming its source run is not sealed by the vault's own chain: "
+                    "the run's records count for nothing here"
+                )
+                self.source = None
         snap.heads = dict(self.check.heads)
         for writer, why in sorted(self.check.unauthenticated.items()):
             snap.invalid.append((f"{CHAINS_DIR}/{writer}", f"{why}: its records count only against trust"))
@@ -414,8 +419,9 @@ class _Reader:
         if s is None:
             return False, "sealed by no chain entry (written by someone other than a certckpt writer, or a crash)"
         if not s.counts:
-            b = self.check.breaks.get(s.writer)
-            return False, f"sealed after a break in writer {s.writer}'s chain" if b else "its chain is not authenticated"
+            if s.writer in self.check.breaks:
+                return False, f"sealed after a break in writer {s.writer}'s chain"
+            return False, f"its chain is not authenticated ({self.check.unauthenticated.get(s.writer, 'unsigned')})"
         scope = self.check.scopes.get(s.writer)
         want = f"branch:{branch}" if branch is not None else ("cache" if kind == "certificates" else "store")
         if scope != want:

@@ -27,7 +27,9 @@ from certckpt.format.sharded.layout import MANIFEST_NAME
 from certckpt.format.storage import join, resolve
 from certckpt.format.verify import inspect
 from certckpt.trust.certify import Level, accept_level
+from certckpt.trust.chain import CHAINS_DIR
 from certckpt.trust.ledger import VAULT_MARK, Ledger
+from certckpt.trust.snapshot import SOURCES_DIR
 from certckpt.trust.runstore import StoreStatus, certify_store, check_file
 
 from .bundles import Bundle, bundle_of, describe, held_name
@@ -82,16 +84,28 @@ def _mirror(src: Ledger, dst: Ledger, cert_ids: Sequence[str]) -> int:
     want = [n for n in src.list_raw("certificates") if n.startswith(prefixes) and n not in have]
     for name, data in src.read_raw("certificates", want).items():
         written += dst.put_raw("certificates", name, data)
+    # The run's chain entries after the records they seal (a reader meanwhile finds records nothing
+    # seals yet, which count for nothing): the vault re-proves the run's evidence, gaps included.
+    for writer, names in src.chain_listing().items():
+        have = set(dst.list_raw(f"{CHAINS_DIR}/{writer}"))
+        want = [n for n in names if n not in have]
+        for name, data in src.read_raw(f"{CHAINS_DIR}/{writer}", want).items():
+            written += dst.put_raw(f"{CHAINS_DIR}/{writer}", name, data)
     return written
 
 
-def _claim(vault: Ledger, run: str | None, source: str) -> None:
+def _claim(vault: Ledger, run: str | None, source: str, run_ledger: Ledger) -> None:
     """Tie the vault to one run (checkpoint ids are only unique within a run)."""
     if resolve(source).local is not None:
         source = os.path.abspath(resolve(source).local)
     mark = {"kind": "certckpt-vault", "run": run, "source": source}
+    genesis = run_ledger.genesis_bytes() if run_ledger.chained() else None
+    if genesis is not None:
+        # the run's identity: its chains' entries are accepted here, and no other store's
+        mark["source_store"] = run_ledger.store_id
+        vault.put_raw(SOURCES_DIR, f"{run_ledger.store_id}.json", genesis)
     try:
-        vault.put_raw("", VAULT_MARK, (json.dumps(mark, sort_keys=True) + "\n").encode())
+        vault.put_raw("", VAULT_MARK, (json.dumps(mark, sort_keys=True) + "\n").encode(), seal=True)
     except CheckpointExistsError:
         existing = json.loads(vault.read_raw("", [VAULT_MARK])[VAULT_MARK])
         if existing.get("run") != run:
@@ -149,7 +163,7 @@ def promote(
     source = Ledger(run)
     status = certify_store(run)
     cert, snap = status.certification, status.snapshot
-    dest = Ledger(vault)
+    dest = Ledger(vault, chain=source.chained())  # a run's vault is chained exactly when the run is
     try:
         held = dest.snapshot().holdings
     except CheckpointNotFoundError:  # a new vault: an S3 prefix exists only once something is in it
@@ -174,7 +188,7 @@ def promote(
     if not chosen and not held:
         return repaired
     runs = {snap.records[c].get("run") for c in chosen or held if c in snap.records}
-    _claim(dest, runs.pop() if len(runs) == 1 else None, run)
+    _claim(dest, runs.pop() if len(runs) == 1 else None, run, source)
     # Always bring the evidence up to date, even with nothing new to copy: a revocation or a
     # detection recorded since the last promotion must reach the vault's verdicts.
     _mirror(source, dest, chosen)
