@@ -1,9 +1,13 @@
 import os
 import sys
+import tempfile
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests/fpref.py and helpers
+# Readers remember the chain heads they verified (certckpt.trust.memory): keep this run's memory to
+# itself (and to the processes it starts), never the user's ~/.cache.
+os.environ.setdefault("CERTCKPT_STATE_DIR", tempfile.mkdtemp(prefix="certckpt-state-"))
 
 
 @pytest.fixture

@@ -174,6 +174,7 @@ def run_cases_on_rank(args: dict[str, Any]) -> list[dict[str, Any]]:
             sink=sink,
             ledger=Ledger(store),
             injector_faults=[fault],
+            on_fault=case.get("on_fault", "raise"),
         )
         detected = None
         for step in range(1, args["steps"] + 1):

@@ -282,7 +282,9 @@ def check_chains(
                     counts = trusted_keys is None or bool(authenticated)
                     key = (doc.get("sig") or {}).get("key") if isinstance(doc.get("sig"), dict) else None
                     for kind, name, sha in doc["records"]:
-                        out.sealed.setdefault((kind, name), Sealed(sha, writer, seq, counts, key))
+                        have = out.sealed.get((kind, name))
+                        if have is None or (counts and not have.counts):  # a seal that counts wins
+                            out.sealed[kind, name] = Sealed(sha, writer, seq, counts, key)
                     seals.extend((writer, seq, w, s) for w, s in doc["seen"].items() if w != writer)
                     continue
             # after a break: what these entries list still counts against trust, never for it

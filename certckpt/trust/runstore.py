@@ -31,6 +31,7 @@ from .incident import (
     incident_state,
 )
 from .ledger import Ledger, LedgerSnapshot
+from .memory import recall, remember
 
 __all__ = [
     "StoreStatus",
@@ -212,7 +213,7 @@ def certify_store(store: str, *, verify_bytes: bool = False, write_certificates:
         write_certificates: record each verdict change in the ledger.
     """
     ledger = Ledger(store)
-    snap = ledger.snapshot()
+    snap = read_remembering(ledger)
     problems = dict(_shared_files(snap))
     if verify_bytes:
         for cid in snap.records:
@@ -228,8 +229,17 @@ def certify_store(store: str, *, verify_bytes: bool = False, write_certificates:
     wrote = write_certificates and _writable(lambda: _record_changes(ledger, status))
     # a vault mirrors its run's incidents; it never opens its own
     if wrote and not snap.is_vault and open_missing_incidents(ledger, status):
-        status.snapshot = ledger.snapshot()
+        status.snapshot = read_remembering(ledger)
     return status
+
+
+def read_remembering(ledger: Ledger) -> LedgerSnapshot:
+    """The ledger's snapshot, checked against the chain heads this reader verified before (a chain
+    that shrank was rolled back), and the heads it proves now remembered for next time."""
+    snap = ledger.snapshot(remembered=recall(ledger.store))
+    if snap.chained:
+        remember(ledger.store, snap.heads)
+    return snap
 
 
 def _writable(write: Callable[[], Any]) -> bool:

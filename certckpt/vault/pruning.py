@@ -16,7 +16,7 @@ from certckpt.format.sharded.layout import MANIFEST_NAME
 from certckpt.format.storage import filesystem, join, remote_error_text, resolve
 from certckpt.trust.certify import Level
 from certckpt.trust.ledger import Ledger
-from certckpt.trust.runstore import StoreStatus, check_file, find_latest_good
+from certckpt.trust.runstore import StoreStatus, certify_snapshot, check_file, find_latest_good
 
 from .retention import PrunePlan, RetentionEntry, RetentionPolicy, plan_prune, protected_checkpoints
 from .site import VaultSite, open_vault
@@ -72,6 +72,15 @@ def prune(vault: str, policy: RetentionPolicy, *, apply: bool = False, now: floa
     now = time.time() if now is None else now
     status, _ = find_latest_good(vault, verify_bytes=False, write_certificates=False)
     snap = status.snapshot
+    # Deletion acts only on evidence a trusted writer vouches for: an unsigned revocation or failure
+    # still demotes a checkpoint everywhere else, but never makes its copy (or its lineage) deletable.
+    status.certification = certify_snapshot(snap, corrupt=status.problems, authenticated_only=True)
+    breaks = [b for b in snap.breaks if b.scope != "cache"]
+    if apply and breaks:
+        raise CertckptError(
+            f"{vault}: nothing pruned: the vault's ledger is tampered ({breaks[0].describe()}); restore the "
+            "missing or altered records from a good copy (`certckpt status` lists them), then prune again"
+        )
     damaged: dict[str, str] = {}
     checked: set[str] = set()
     while True:
