@@ -122,8 +122,77 @@ def timed(fn, trials: int) -> list[float]:
     return out
 
 
+def build_signed(store: str, n_events: int, writers: int) -> float:
+    """``n_events`` audit event lines from ``writers`` signing writers (one Ledger each, 4,096 lines a
+    segment, as the LedgerSink flushes), each on its own branch; returns seconds spent."""
+    from certckpt.format.signing import SigningKey, generate_key
+
+    key_path, pub = generate_key(os.path.join(store, "..", f"bench-key-{os.getpid()}"))
+    key = SigningKey.load(key_path)
+    ledgers = [Ledger(store, signing_key=key, trusted_keys=None) for _ in range(writers)]
+    per, seg = n_events // writers, 4096
+    t0 = time.perf_counter()
+    for w, led in enumerate(ledgers):
+        branch = f"b{w}"
+        for first in range(0, per, seg):
+            batch = []
+            for i in range(first, min(first + seg, per)):
+                s = (i // 3 + 1) * 10
+                kind = ("replay", "nonfinite", "consensus")[i % 3]
+                batch.append(
+                    {
+                        "run": "big",
+                        "branch": branch,
+                        "step": s,
+                        "kind": kind,
+                        "outcome": "pass",
+                        "ranks": [0, 1, 2],
+                        "suspect_ranks": [],
+                        "contained": False,
+                        "details": {"fp": f"{s:016x}"} if kind == "consensus" else {"comparisons": 3},
+                        "inventory": {},
+                    }
+                )
+            led.append_events(batch)
+        led.commit_checkpoint(
+            branch=branch,
+            step=10 * (per // 3),
+            location=f"{store}/{branch}.safetensors",
+            run="big",
+            consensus_fp=f"{10 * (per // 3):016x}",
+        )
+    return time.perf_counter() - t0, pub
+
+
+def signed_scale(n_events: int, writers: int, exe: str) -> None:
+    """Cold latest-good over a signed, chained ledger of ``n_events`` lines from ``writers`` writers,
+    as a whole process, with its peak memory (targets of issue 26: <= 10 s, <= 500 MB)."""
+    with tempfile.TemporaryDirectory(prefix="certckpt-bench-signed-") as top:
+        store = os.path.join(top, "run")
+        os.makedirs(store)
+        build_s, pub = build_signed(store, n_events, writers)
+        env = dict(os.environ, CERTCKPT_TRUSTED_KEYS=pub, CERTCKPT_STATE_DIR=os.path.join(top, "state"))
+        code = (
+            "import resource, subprocess, sys, time; t = time.perf_counter(); "
+            f"r = subprocess.run([{exe!r}, 'latest-good', {store!r}, '--no-verify'], capture_output=True); "
+            "dt = time.perf_counter() - t; "
+            "print(dt, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, r.returncode)"
+        )
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+        dt, rss_kb, rc = out.stdout.split()
+        print(
+            f"signed ledger: {n_events:,} event lines from {writers} signing writers (built in {build_s:.1f} s)\n"
+            f"  latest-good, cold, whole process   {float(dt):8.2f} s    target <= 10 s    "
+            f"{'PASS' if float(dt) <= 10 else 'MISS'}\n"
+            f"  peak memory                        {int(rss_kb) / 1024:8.0f} MB   target <= 500 MB  "
+            f"{'PASS' if int(rss_kb) / 1024 <= 500 else 'MISS'}   (exit {rc})"
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--signed-events", type=int, default=0, help="also: a signed ledger of this many event lines")
+    ap.add_argument("--writers", type=int, default=64)
     ap.add_argument("--steps", type=int, default=1_000_000)
     ap.add_argument("--audit-every", type=int, default=100)
     ap.add_argument("--ckpt-every", type=int, default=1000)
@@ -131,6 +200,8 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     exe = os.path.join(os.path.dirname(sys.executable), "certckpt")
+    if a.signed_events:
+        signed_scale(a.signed_events, a.writers, exe)
     with tempfile.TemporaryDirectory(prefix="certckpt-bench-ledger-") as store:
         n_events, build_s = build(store, a.steps, a.audit_every, a.ckpt_every)
         size = du(os.path.join(store, "_ledger"))

@@ -97,7 +97,9 @@ def test_a_signed_run_is_chained_and_certifies_as_designed(attack):
 
 def test_deleting_a_signed_revocation_is_a_broken_chain_not_a_second_chance(attack, signed_runs):
     store = attack("victim")
-    Ledger(str(store), signing_key=SigningKey.load(signed_runs["priv"])).revoke("main@20", reason="bad data shard", by="alice")
+    Ledger(str(store), signing_key=SigningKey.load(signed_runs["priv"])).revoke(
+        "main@20", reason="bad data shard", by="alice"
+    )
     assert _status(store).latest_good == "main@15"  # this reader now remembers the revocation's chain
     # 1. the revocation alone: its chain entry still seals it
     for p in (store / "_ledger" / "revocations").iterdir():

@@ -187,7 +187,9 @@ def _entry_problem(doc: Any, *, writer: str, seq: int) -> str | None:
     if not isinstance(doc, dict):
         return "not a JSON object"
     if doc.get("writer") != writer or doc.get("seq") != seq:
-        return f"names writer {str(doc.get('writer'))[:40]!r} entry {str(doc.get('seq'))[:20]}, stored as {writer}/{seq}"
+        return (
+            f"names writer {str(doc.get('writer'))[:40]!r} entry {str(doc.get('seq'))[:20]}, stored as {writer}/{seq}"
+        )
     if not isinstance(doc.get("scope"), str) or not _SCOPE.match(doc["scope"]):
         return "has no valid scope"
     if not isinstance(doc.get("prev"), str) or not _HEX64.match(doc["prev"]):
@@ -199,8 +201,7 @@ def _entry_problem(doc: Any, *, writer: str, seq: int) -> str | None:
         return "its record list is malformed"
     seen = doc.get("seen")
     if not isinstance(seen, dict) or not all(
-        is_writer_id(k) and isinstance(v, int) and not isinstance(v, bool) and 0 < v < _MAX_SEQ
-        for k, v in seen.items()
+        is_writer_id(k) and isinstance(v, int) and not isinstance(v, bool) and 0 < v < _MAX_SEQ for k, v in seen.items()
     ):
         return "its list of sealed heads is malformed"
     return None

@@ -42,7 +42,13 @@ def recall(store: str) -> dict[str, tuple[int, str]]:
         return {}
     out = {}
     for w, v in heads.items():
-        if isinstance(w, str) and isinstance(v, list) and len(v) == 2 and isinstance(v[0], int) and isinstance(v[1], str):
+        if (
+            isinstance(w, str)
+            and isinstance(v, list)
+            and len(v) == 2
+            and isinstance(v[0], int)
+            and isinstance(v[1], str)
+        ):
             out[w] = (v[0], v[1])
     return out
 

@@ -129,7 +129,8 @@ def why_invalid(kind: str, file: str, r: Any) -> str | None:
     if kind == "revocations" and not isinstance(r.get("reason"), str):
         return "has no reason"
     if kind == "certificates" and (
-        not isinstance(r.get("at"), (int, float)) or not isinstance(r.get("verdict"), str)
+        not isinstance(r.get("at"), (int, float))
+        or not isinstance(r.get("verdict"), str)
         or not isinstance(r.get("reasons"), list)
     ):
         return "has no time, verdict or reasons"
@@ -337,7 +338,9 @@ class _Reader:
         why = genesis_problem(gdoc)
         if why is None and self.keys is not None and self.keys.problem(gdoc) is not None:
             # Its identity still binds: every signed entry names it and links to its exact bytes.
-            snap.notes.append("the store's genesis record is not signed by a trusted key (created by a writer without one)")
+            snap.notes.append(
+                "the store's genesis record is not signed by a trusted key (created by a writer without one)"
+            )
         if why is not None:
             snap.breaks.append(Break(writer="genesis", seq=0, scope="store", why=f"genesis record: {why}"))
             snap.tampered["*"] = -1
@@ -354,9 +357,8 @@ class _Reader:
             except (ValueError, RecursionError):
                 sdoc = None
             if genesis_problem(sdoc) is None and sdoc["store_id"] == source:
-                if self.keys is None or self.keys.problem(sdoc) is None:
-                    stores[source] = digest(sdata)
-                    self.source = source
+                stores[source] = digest(sdata)  # its entries are what keys authenticate
+                self.source = source
         entries: dict[str, dict[int, bytes]] = {}
         prefix = self.root.rstrip("/") + f"/{CHAINS_DIR}/"
         for p in self.listing.get(CHAINS_DIR, []):
@@ -427,7 +429,9 @@ class _Reader:
         if scope != want:
             return False, f"sealed by writer {s.writer} of scope {scope}, not {want}"
         store_id = self.writer_store.get(s.writer)
-        if store_id != self.snap.store_id and not (store_id == self.source and kind in MIRRORED_KINDS | {"certificates"}):
+        if store_id != self.snap.store_id and not (
+            store_id == self.source and kind in MIRRORED_KINDS | {"certificates"}
+        ):
             return False, f"sealed by a writer of store {str(store_id)[:32]}, whose records do not count here"
         return True, None
 
@@ -480,7 +484,7 @@ class _Reader:
             note_step("checkpoints", name, r["step"])
         for _, h, _ in self._valid("holdings"):
             snap.holdings[h["ckpt_id"]] = h
-        for _, r, ok in self._valid("retired"):
+        for _, r, _ in self._valid("retired"):
             if not snap.is_vault or not snap.chained or self._own(("retired", f"{r['ckpt_id']}.json")):
                 snap.retired[r["ckpt_id"]] = r
         snap.drills = [dict(d, drill_id=name.removesuffix(".json")) for name, d, _ in self._valid("drills")]
@@ -574,6 +578,10 @@ class _Reader:
                     else:
                         self.snap.invalid.append((f"events/{name}#{n}", why))
 
+    def _line_counts(self, value: dict[str, Any]) -> bool:
+        """A passing line of a segment that counts: in an unchained store with keys, only signed."""
+        return self.snap.chained or self.keys is None or self.keys.problem(value) is None
+
     def _marks(self, writer_steps: dict[str, int]) -> None:
         """Each break's reach: a branch writer's marks its branch after the last step it proved; a
         store writer's (or one whose scope is unknown) marks every branch; a cache writer's nothing."""
@@ -591,7 +599,7 @@ class _Reader:
             for value in _segment_lines(self.fs.cat_file(p)):
                 if not isinstance(value, dict):
                     continue
-                if value.get("outcome") == "fail" or counted.get(name, False):
-                    if self.snap.chained or self.keys is None or value.get("outcome") == "fail" or self.keys.problem(value) is None:
-                        out.append(value)
+                failed = value.get("outcome") == "fail"
+                if failed or (counted.get(name, False) and self._line_counts(value)):
+                    out.append(value)
         return out

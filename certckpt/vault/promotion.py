@@ -29,8 +29,8 @@ from certckpt.format.verify import inspect
 from certckpt.trust.certify import Level, accept_level
 from certckpt.trust.chain import CHAINS_DIR
 from certckpt.trust.ledger import VAULT_MARK, Ledger
-from certckpt.trust.snapshot import SOURCES_DIR
 from certckpt.trust.runstore import StoreStatus, certify_store, check_file
+from certckpt.trust.snapshot import SOURCES_DIR
 
 from .bundles import Bundle, bundle_of, describe, held_name
 from .site import lock_of, lock_options, open_vault, versions_of
