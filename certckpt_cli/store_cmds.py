@@ -35,6 +35,8 @@ def latest_good(store: str, as_json: bool, no_verify: bool, accept: str) -> None
     status, chosen = find_latest_good(store, verify_bytes=not no_verify, accept=accept)
     for cid, problem in status.fallbacks:
         click.echo(f"certckpt: skipping {cid}: {problem}", err=True)
+    for b in status.snapshot.breaks:
+        click.echo(f"certckpt: tampered ledger: {b.describe()}", err=True)
     intervals = status.suspect_intervals()
     if chosen is None:
         n = len(status.snapshot.checkpoints)
@@ -133,6 +135,7 @@ def status(store: str, verify_bytes: bool, as_json: bool) -> None:
                     ],
                     "uncommitted": st.uncommitted,
                     "problems": st.problems,
+                    "ledger": ledger_dict(st),
                 },
                 indent=2,
             )
@@ -189,7 +192,29 @@ def status_lines(st: StoreStatus) -> list[str]:
             out.append(f"detection: {where}; contained (the update never reached the weights)")
     out.extend(f"uncommitted (ignored): {u}" for u in st.uncommitted)
     out.extend(f"corrupt: {cid}: {p}" for cid, p in st.problems.items())
+    snap = st.snapshot
+    out.extend(f"tampered: {b.describe()}" for b in snap.breaks)
+    out.extend(f"invalid (ignored for trust): {what}: {why}" for what, why in snap.invalid[:_MAX_INVALID_SHOWN])
+    if len(snap.invalid) > _MAX_INVALID_SHOWN:
+        out.append(f"... and {len(snap.invalid) - _MAX_INVALID_SHOWN} more invalid records (`--json` lists them all)")
+    out.extend(f"note: {n}" for n in snap.notes)
     return out
+
+
+_MAX_INVALID_SHOWN = 20
+
+
+def ledger_dict(st: StoreStatus) -> dict:
+    """How the ledger was read, for ``--json``: chained or not, its breaks, invalid records, notes."""
+    snap = st.snapshot
+    return {
+        "chained": snap.chained,
+        "store_id": snap.store_id,
+        "breaks": [{"writer": b.writer, "seq": b.seq, "scope": b.scope, "why": b.why} for b in snap.breaks],
+        "tampered": snap.tampered,
+        "invalid": [{"record": what, "why": why} for what, why in snap.invalid],
+        "notes": snap.notes,
+    }
 
 
 @click.command()

@@ -34,7 +34,7 @@ from typing import Any
 
 from certckpt.errors import ConfigurationError
 
-from .facts import FULL_KINDS, AuditFacts
+from .facts import FAILED_ANY, SEEN_ALL, AuditFacts, BranchFacts
 
 __all__ = [
     "CheckpointEntry",
@@ -63,7 +63,6 @@ REASONS = (
 # Reasons that only say audit evidence is missing (never that evidence speaks against the file):
 # a checkpoint whose own reasons are all among these can still be verified.
 PENDING_REASONS = frozenset({"no-consensus", "awaiting-audit"})
-_FULL = FULL_KINDS
 _NO_MARK = 1 << 62  # a branch whose chain is intact
 
 
@@ -207,13 +206,14 @@ class _Branch:
 
     def __init__(self, base: int):
         self.base = base  # step the branch starts from (its parent's step, or 0)
-        self.parts: Mapping[int, dict[str, tuple[str, Any]]] = {}  # step -> kind -> (outcome, fp)
+        self.facts = BranchFacts()
         self.failures: list[tuple[int, str, tuple[int, ...], bool]] = []  # (step, kind, suspects, contained)
 
     def index(self) -> None:
-        full = sorted(s for s, kinds in self.parts.items() if all(k in kinds for k in _FULL))
+        mask = self.facts.mask
+        full = sorted(s for s, m in mask.items() if m & SEEN_ALL == SEEN_ALL)
         self.full_steps = full
-        self.full_passed = [all(self.parts[s][k][0] == "pass" for k in _FULL) for s in full]
+        self.full_passed = [not mask[s] & FAILED_ANY for s in full]
         self.clean = [s for s, ok in zip(full, self.full_passed) if ok]
         self.uncontained = sorted(s for s, _, _, contained in self.failures if not contained)
 
@@ -266,7 +266,7 @@ def certify(
     facts = events if isinstance(events, AuditFacts) else AuditFacts.of(events)
     for name, f in facts.effective().items():
         b = branch(name)
-        b.parts, b.failures = f.parts, list(f.failures)
+        b.facts, b.failures = f, list(f.failures)
     for c in checkpoints:
         branch(c.branch)
     for b in branches.values():
@@ -395,7 +395,7 @@ def _own_reasons(c: CheckpointEntry, b: _Branch, corrupt: set[str]) -> list[str]
     if c.ckpt_id in corrupt:
         reasons.append("corrupt")
     # rule 2: the weights every replica agreed on at s
-    cons = b.parts.get(s, {}).get("consensus")
+    cons = b.facts.consensus(s)
     if cons is None or cons[0] != "pass" or cons[1] is None or c.consensus_fp is None:
         reasons.append("no-consensus")  # (a digest-only agreement, at an audit, names no fingerprint)
     elif cons[1] != c.consensus_fp:

@@ -246,7 +246,7 @@ def check_chains(
             except (ValueError, RecursionError, UnicodeDecodeError):
                 doc = None
             if broken is None:
-                why = None
+                why = declared = None
                 if seq != expected:
                     why = f"entry {expected} is missing (the chain jumps to {seq})"
                     seq_at = expected
@@ -271,8 +271,11 @@ def check_chains(
                             why = sig_problem
                     if why is None:
                         why = _record_problem(doc, record_digest, optional)
+                        declared = doc["scope"]  # the entry itself is sound: what it says it wrote stands
+                    else:
+                        declared = None
                 if why is not None:
-                    scope = out.scopes.get(writer, "store")
+                    scope = out.scopes.get(writer) or declared or "store"
                     broken = out.breaks[writer] = Break(writer=writer, seq=seq_at, scope=scope, why=why)
                 else:
                     out.scopes.setdefault(writer, doc["scope"])

@@ -9,13 +9,14 @@ authenticated (the ledger decides that). No I/O, no torch.
 
 from __future__ import annotations
 
+import array
+import base64
 import re
-from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-__all__ = ["AuditFacts", "BranchFacts", "EventProblem", "read_event", "FULL_KINDS"]
+__all__ = ["AuditFacts", "BranchFacts", "Event", "EventProblem", "read_event", "FULL_KINDS", "SEEN_ALL", "FAILED_ANY"]
 
 FULL_KINDS = ("replay", "nonfinite", "consensus")
 # A branch is only ever compared and printed (escaped) here, never made a path: any short text.
@@ -42,10 +43,6 @@ class Event:
     found_by: bool
 
 
-def _get(e: Any, key: str) -> Any:
-    return e.get(key) if isinstance(e, Mapping) else getattr(e, key, None)
-
-
 def read_event(e: Any, *, authenticated: bool = True) -> tuple[Event, str | None]:
     """The facts of one event and why any field was unusable (None when all were).
 
@@ -56,58 +53,112 @@ def read_event(e: Any, *, authenticated: bool = True) -> tuple[Event, str | None
     Raises:
         EventProblem: no branch, step or outcome can be read (the event cannot be placed).
     """
-    branch, step, outcome = _get(e, "branch"), _get(e, "step"), _get(e, "outcome")
-    if not isinstance(branch, str) or not _BRANCH.match(branch):
+    if type(e) is not dict:  # an AuditEvent, or anything else: read its attributes
+        e = {k: getattr(e, k, None) for k in ("branch", "step", "outcome", "kind", "details", "contained",
+                                              "suspect_ranks")}
+    get = e.get
+    branch, step, outcome = get("branch"), get("step"), get("outcome")
+    if type(branch) is not str or not _BRANCH.match(branch):
         raise EventProblem(f"branch {str(branch)[:40]!r} is not a branch name")
-    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < _MAX_STEP:
+    if type(step) is not int or not 0 <= step < _MAX_STEP:
         raise EventProblem(f"step {str(step)[:40]!r} is not a step number")
-    if outcome not in ("pass", "fail"):
+    if outcome != "pass" and outcome != "fail":
         raise EventProblem(f"outcome {str(outcome)[:40]!r} is neither pass nor fail")
-    problems = []
-    kind = _get(e, "kind")
-    if not isinstance(kind, str) or len(kind) > 40:
-        problems.append("kind")
+    problems = None
+    kind = get("kind")
+    if type(kind) is not str or len(kind) > 40:
+        problems = ["kind"]
         kind = "unknown"
-    details = _get(e, "details")
-    if details is None:
-        details = {}
-    elif not isinstance(details, Mapping):
-        problems.append("details")
-        details = {}
-    contained = _get(e, "contained")
-    if not isinstance(contained, bool):
+    details = get("details")
+    if type(details) is not dict:
+        if details is not None and not isinstance(details, Mapping):
+            problems = [*(problems or ()), "details"]
+            details = {}
+        details = dict(details or {})
+    contained = get("contained")
+    if type(contained) is not bool:
         if contained is not None:
-            problems.append("contained")
+            problems = [*(problems or ()), "contained"]
         contained = False
-    ranks = _get(e, "suspect_ranks")
-    if isinstance(ranks, (list, tuple)) and all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
+    ranks = get("suspect_ranks")
+    if type(ranks) is list and all(type(r) is int for r in ranks):
         suspects = tuple(ranks)
+    elif isinstance(ranks, tuple) and all(type(r) is int for r in ranks):
+        suspects = ranks
     else:
         if ranks is not None:
-            problems.append("suspect_ranks")
+            problems = [*(problems or ()), "suspect_ranks"]
         suspects = ()
     fp = details.get("fp")
-    if fp is not None and not isinstance(fp, str):
-        problems.append("details.fp")
+    if fp is not None and type(fp) is not str:
+        problems = [*(problems or ()), "details.fp"]
         fp = None
-    if outcome == "pass" and problems:
-        # a pass is evidence for trust: a malformed one is evidence of nothing
-        return Event(branch, step, kind, outcome, False, (), None, False), ", ".join(problems)
+    if problems:
+        if outcome == "pass":  # a pass is evidence for trust: a malformed one is evidence of nothing
+            return Event(branch, step, kind, outcome, False, (), None, False), ", ".join(problems)
+        why = f"malformed {', '.join(problems)}; read as a failure that was not contained"
+        return Event(branch, step, kind, outcome, False, suspects, fp, False), why
     if outcome == "fail" and not authenticated:
         contained = False
-    found_by = bool(details.get("found_by")) if kind == "consensus" else False
-    why = f"malformed {', '.join(problems)}; read as a failure that was not contained" if problems else None
-    if why is not None:
-        contained = False
-    return Event(branch, step, kind, outcome, contained, suspects, fp, found_by), why
+    found_by = kind == "consensus" and bool(details.get("found_by"))
+    return Event(branch, step, kind, outcome, contained, suspects, fp, found_by), None
+
+
+# Per step, one small int: bit k says kind k was checked there, bit k+3 that it failed.
+KIND_BIT = {"replay": 0, "nonfinite": 1, "consensus": 2}
+SEEN_ALL = 0b000111
+FAILED_ANY = 0b111000
 
 
 @dataclass(slots=True)
 class BranchFacts:
-    """Per-step audit outcomes and the failures of one branch."""
+    """One branch's audit outcomes: a bit mask per step, the fingerprints agreed on at consensus
+    steps, and the failures (step, kind, suspect ranks, contained)."""
 
-    parts: dict[int, dict[str, tuple[str, str | None]]] = field(default_factory=lambda: defaultdict(dict))
+    mask: dict[int, int] = field(default_factory=dict)
+    fps: dict[int, str] = field(default_factory=dict)
     failures: list[tuple[int, str, tuple[int, ...], bool]] = field(default_factory=list)
+
+    def copy(self) -> BranchFacts:
+        return BranchFacts(mask=dict(self.mask), fps=dict(self.fps), failures=list(self.failures))
+
+    def consensus(self, step: int) -> tuple[str, str | None] | None:
+        """``(outcome, fingerprint)`` of the weight consensus at ``step`` (None: none ran)."""
+        m = self.mask.get(step, 0)
+        if not m & 4:
+            return None
+        return ("fail", None) if m & 32 else ("pass", self.fps.get(step))
+
+    def to_json(self) -> dict[str, Any]:
+        """A compact form (steps and masks as packed arrays: a million steps load in milliseconds)."""
+        steps = sorted(self.mask)
+        fp_steps = sorted(self.fps)
+        return {
+            "steps": _pack("q", steps),
+            "masks": _pack("B", [self.mask[s] for s in steps]),
+            "fp_steps": _pack("q", fp_steps),
+            "fps": [self.fps[s] for s in fp_steps],
+            "failures": [[s, k, list(r), c] for s, k, r, c in self.failures],
+        }
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> BranchFacts:
+        fps = [str(fp) for fp in doc["fps"]]
+        return cls(
+            mask=dict(zip(_unpack("q", doc["steps"]), _unpack("B", doc["masks"]), strict=True)),
+            fps=dict(zip(_unpack("q", doc["fp_steps"]), fps, strict=True)),
+            failures=[(int(s), str(k), tuple(int(x) for x in r), bool(c)) for s, k, r, c in doc["failures"]],
+        )
+
+
+def _pack(code: str, values: list[int]) -> str:
+    return base64.b64encode(array.array(code, values).tobytes()).decode("ascii")
+
+
+def _unpack(code: str, text: str) -> list[int]:
+    a = array.array(code)
+    a.frombytes(base64.b64decode(text, validate=True))
+    return a.tolist()
 
 
 @dataclass(slots=True)
@@ -120,6 +171,13 @@ class AuditFacts:
     # drive anything destructive (``trusted_only``)
     doubtful: list[Event] = field(default_factory=list)
 
+    @classmethod
+    def of(cls, events: Iterable[Any]) -> AuditFacts:
+        facts = cls()
+        for e in events:
+            facts.add(e if isinstance(e, Event) else read_event(e)[0])
+        return facts
+
     def trusted_only(self) -> AuditFacts:
         """The facts without unauthenticated failures (what a vault prune may act on)."""
         return AuditFacts(branches=self.branches, count=self.count)
@@ -128,52 +186,49 @@ class AuditFacts:
         """Every branch's facts with the unauthenticated failures folded in (what verdicts use)."""
         if not self.doubtful:
             return self.branches
-        out = dict(self.branches)
+        merged = AuditFacts(branches=dict(self.branches))
         for name in {ev.branch for ev in self.doubtful}:
-            b = self.branches.get(name, BranchFacts())
-            parts: dict[int, dict[str, tuple[str, str | None]]] = defaultdict(dict)
-            parts.update({s: dict(k) for s, k in b.parts.items()})
-            out[name] = BranchFacts(parts=parts, failures=list(b.failures))
-        merged = AuditFacts(branches=out)
+            merged.branches[name] = self.branches[name].copy() if name in self.branches else BranchFacts()
         for ev in self.doubtful:
             merged.add(ev)
         return merged.branches
 
-    @classmethod
-    def of(cls, events: Iterable[Any]) -> AuditFacts:
-        facts = cls()
-        for e in events:
-            facts.add(e if isinstance(e, Event) else read_event(e)[0])
-        return facts
-
-    def branch(self, name: str) -> BranchFacts:
-        b = self.branches.get(name)
-        if b is None:
-            b = self.branches[name] = BranchFacts()
-        return b
+    def copy(self) -> AuditFacts:
+        return AuditFacts(
+            branches={n: b.copy() for n, b in self.branches.items()}, count=self.count, doubtful=list(self.doubtful)
+        )
 
     def add(self, ev: Event, *, counts: bool = True) -> None:
-        """Fold one event in; ``counts=False`` keeps only a failure (a pass nobody vouches for)."""
-        if ev.outcome == "pass" and not counts:
-            return
+        """Fold one event in; ``counts=False``: nobody vouches for it (a pass is dropped, a failure kept
+        apart, never contained)."""
+        outcome = ev.outcome
         if not counts:
-            # nobody vouches that the update was skipped: never contained
-            self.doubtful.append(replace(ev, contained=False) if ev.contained else ev)
+            if outcome == "fail":
+                self.doubtful.append(replace(ev, contained=False) if ev.contained else ev)
             return
         self.count += 1
-        b = self.branch(ev.branch)
-        kind = "nonfinite" if ev.kind in ("nonfinite-pre", "nonfinite-post") else ev.kind
-        if ev.outcome == "fail":
-            b.failures.append((ev.step, ev.kind, ev.suspect_ranks, ev.contained))
-        if kind == "consensus" and ev.found_by:
-            return  # a precondition check of a replay (weights W_{s-1}); the failure above counts
-        if ev.outcome == "fail" and ev.contained:
-            return  # the update never reached the weights: it taints nothing and fails no audit
-        if kind not in FULL_KINDS:
-            return  # overflow notes and unknown kinds make no audit (a failure of one counts above)
-        step_parts = b.parts[ev.step]
-        prev = step_parts.get(kind)
-        # A failure is never overwritten by a pass. An audit's consensus compares digests and carries
-        # no fingerprint; a checkpoint's consensus at the same step carries the one to match.
-        if prev is None or ev.outcome == "fail" or (prev == ("pass", None) and ev.fp):
-            step_parts[kind] = (ev.outcome, ev.fp)
+        b = self.branches.get(ev.branch)
+        if b is None:
+            b = self.branches[ev.branch] = BranchFacts()
+        kind = ev.kind
+        if outcome == "fail":
+            b.failures.append((ev.step, kind, ev.suspect_ranks, ev.contained))
+            if ev.contained:
+                return  # the update never reached the weights: it taints nothing and fails no audit
+        if kind == "nonfinite-pre" or kind == "nonfinite-post":
+            kind = "nonfinite"
+        bit = KIND_BIT.get(kind)
+        if bit is None or ev.found_by:
+            # overflow notes and unknown kinds make no audit (a failure of one counts above); a
+            # consensus found by a replay checks W_{s-1}, a precondition: its failure counts above
+            return
+        step = ev.step
+        m = b.mask.get(step, 0)
+        if outcome == "fail":
+            b.mask[step] = m | (1 << bit) | (8 << bit)
+        else:
+            b.mask[step] = m | (1 << bit)
+            # an audit's consensus compares digests and names no fingerprint; a checkpoint's consensus
+            # at the same step carries the one to match (the first one recorded stands)
+            if bit == 2 and ev.fp and step not in b.fps:
+                b.fps[step] = ev.fp

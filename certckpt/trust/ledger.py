@@ -61,6 +61,7 @@ from .chain import (
     parse_entry_name,
     scope_of,
 )
+from .factcache import FactsCache
 from .snapshot import KINDS, SOURCES_DIR, LedgerSnapshot, is_ckpt_id, is_plain_name, read_snapshot
 
 __all__ = ["Ledger", "LedgerSink", "LedgerSnapshot", "ckpt_id_for", "is_ckpt_id", "LEDGER_DIR", "VAULT_MARK"]
@@ -207,6 +208,22 @@ class Ledger:
         """Every writer's last entry number visible now (names only: one listing)."""
         fs, root = self._fs()
         heads: dict[str, int] = {}
+        target = resolve(self.root)
+        if target.local is not None:  # one listdir per writer: fsspec's local find stats every file
+            base = os.path.join(target.local, CHAINS_DIR)
+            try:
+                writers = os.listdir(base)
+            except FileNotFoundError:
+                return heads
+            for w in writers:
+                try:
+                    seqs = [parse_entry_name(n) for n in os.listdir(os.path.join(base, w))]
+                except (NotADirectoryError, FileNotFoundError):
+                    continue
+                seqs = [q for q in seqs if q is not None]
+                if seqs and w.startswith("w"):
+                    heads[w] = max(seqs)
+            return heads
         try:
             paths = fs.find(f"{root}/{CHAINS_DIR}")
         except FileNotFoundError:
@@ -327,10 +344,15 @@ class Ledger:
         return rev
 
     def record_certificate(self, ckpt_id: str, *, verdict: str, reasons: list[str], record: dict[str, Any]) -> None:
-        self._put(
-            "certificates",
-            f"{ckpt_id}--{time.time_ns()}.json",
-            self._dumps(
+        self.record_certificates([(ckpt_id, verdict, reasons, record)])
+
+    def record_certificates(self, certs: list[tuple[str, str, list[str], dict[str, Any]]]) -> None:
+        """Write one certificate per ``(ckpt_id, verdict, reasons, commit record)``, sealed in one entry."""
+        self.chained()
+        written = []
+        for ckpt_id, verdict, reasons, record in certs:
+            name = _record_name(f"{ckpt_id}--{time.time_ns()}.json")
+            data = self._dumps(
                 {
                     "ckpt_id": ckpt_id,
                     "verdict": verdict,
@@ -340,8 +362,10 @@ class Ledger:
                     "consensus_fp": record.get("consensus_fp"),
                     "at": time.time(),
                 }
-            ),
-        )
+            )
+            put_once(join(self.root, "certificates", name), data)
+            written.append(("certificates", name, data))
+        self._seal("cache", written)
 
     def retire(self, ckpt_id: str, *, reason: str, policy: str = "") -> None:
         """Record that a retention policy deleted this checkpoint's file (written after the delete)."""
@@ -461,12 +485,16 @@ class Ledger:
         u = record["url"]
         return u if "://" in u or u.startswith("/") else join(base or self.store, u)
 
-    def snapshot(self, *, remembered: dict[str, tuple[int, str]] | None = None) -> LedgerSnapshot:
+    def snapshot(
+        self, *, remembered: dict[str, tuple[int, str]] | None = None, cache: FactsCache | None = None
+    ) -> LedgerSnapshot:
         """Read every record, check every chain (missing ledger: an empty snapshot).
 
         Args:
             remembered: per writer, the chain head a reader verified before (a chain that is shorter
                 now was rolled back: a break).
+            cache: event segments a reader verified and folded before (only what was appended since
+                is parsed; used only where the chains still seal them as they were).
 
         Raises:
             StorageError: the store cannot be read; CertckptError: an event names no branch or step.
@@ -482,6 +510,7 @@ class Ledger:
             trusted_keys=self.trusted_keys,
             url_of=self.url_of,
             remembered=remembered,
+            cache=cache,
         )
 
     def uncommitted(self, snap: LedgerSnapshot | None = None) -> list[str]:

@@ -18,16 +18,46 @@ import os
 import tempfile
 from typing import Any
 
-__all__ = ["STATE_ENV", "recall", "remember"]
+from .factcache import FactsCache
+
+__all__ = ["STATE_ENV", "recall", "remember", "recall_facts", "remember_facts"]
 
 STATE_ENV = "CERTCKPT_STATE_DIR"
 _MAX_BYTES = 16 << 20  # a memory file larger than this is not ours
+_MAX_FACTS_BYTES = 1 << 30
 
 
-def _path(store: str) -> str:
+def _path(store: str, suffix: str = ".json") -> str:
     base = os.environ.get(STATE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "certckpt", "ledgers")
     key = os.path.abspath(store) if "://" not in store else store.rstrip("/")
-    return os.path.join(base, hashlib.sha256(key.encode("utf-8")).hexdigest()[:32] + ".json")
+    return os.path.join(base, hashlib.sha256(key.encode("utf-8")).hexdigest()[:32] + suffix)
+
+
+def _write(path: str, doc: Any) -> None:
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".certckpt-")
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(doc, separators=(",", ":")))  # the C encoder: json.dump's is pure Python
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only home: the next read just starts over
+
+
+def recall_facts(store: str) -> FactsCache | None:
+    """The event segments this reader verified and folded for ``store`` (None: none, or unreadable)."""
+    try:
+        with open(_path(store, ".facts.json"), "rb") as f:
+            doc = json.loads(f.read(_MAX_FACTS_BYTES))
+    except (OSError, ValueError, RecursionError):
+        return None
+    return FactsCache.from_json(doc) if isinstance(doc, dict) else None
+
+
+def remember_facts(store: str, cache: FactsCache | None) -> None:
+    """Keep what this read verified (skipped when it added nothing to what was kept before)."""
+    if cache is not None and cache.segments and not cache.unchanged:
+        _write(_path(store, ".facts.json"), cache.to_json())
 
 
 def recall(store: str) -> dict[str, tuple[int, str]]:
@@ -61,12 +91,4 @@ def remember(store: str, heads: dict[str, tuple[int, str]]) -> None:
     for w, (seq, h) in heads.items():
         if seq >= merged.get(w, (0, ""))[0]:
             merged[w] = (seq, h)
-    path = _path(store)
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".heads-")
-        with os.fdopen(fd, "w") as f:
-            json.dump({"store": store, "heads": {w: list(v) for w, v in sorted(merged.items())}}, f)
-        os.replace(tmp, path)
-    except OSError:
-        pass
+    _write(_path(store), {"store": store, "heads": {w: list(v) for w, v in sorted(merged.items())}})

@@ -31,7 +31,7 @@ from .incident import (
     incident_state,
 )
 from .ledger import Ledger, LedgerSnapshot
-from .memory import recall, remember
+from .memory import recall, recall_facts, remember, remember_facts
 
 __all__ = [
     "StoreStatus",
@@ -194,14 +194,15 @@ def certify_snapshot(
 
 
 def _record_changes(ledger: Ledger, status: StoreStatus) -> None:
+    changed = []
     for cid, v in status.certification.verdicts.items():
         if not status.snapshot.available(cid):
             continue  # a vault certifies what it holds; lineage-only and pruned ones keep their last word
         prev = status.snapshot.certificates.get(cid)
         if prev is None or prev["verdict"] != v.label or list(prev["reasons"]) != list(v.reasons):
-            ledger.record_certificate(
-                cid, verdict=v.label, reasons=list(v.reasons), record=status.snapshot.records[cid]
-            )
+            changed.append((cid, v.label, list(v.reasons), status.snapshot.records[cid]))
+    if changed:
+        ledger.record_certificates(changed)
 
 
 def certify_store(store: str, *, verify_bytes: bool = False, write_certificates: bool = True) -> StoreStatus:
@@ -209,11 +210,12 @@ def certify_store(store: str, *, verify_bytes: bool = False, write_certificates:
 
     Args:
         store: the run store's path or URL.
-        verify_bytes: verify every checkpoint's bytes (otherwise only latest-good's are checked).
+        verify_bytes: verify every checkpoint's bytes (otherwise only latest-good's are checked), and
+            every ledger event segment again (otherwise only those appended since this reader's last read).
         write_certificates: record each verdict change in the ledger.
     """
     ledger = Ledger(store)
-    snap = read_remembering(ledger)
+    snap = read_remembering(ledger, use_cache=not verify_bytes)  # --verify-bytes: every byte, again
     problems = dict(_shared_files(snap))
     if verify_bytes:
         for cid in snap.records:
@@ -233,12 +235,19 @@ def certify_store(store: str, *, verify_bytes: bool = False, write_certificates:
     return status
 
 
-def read_remembering(ledger: Ledger) -> LedgerSnapshot:
+def read_remembering(ledger: Ledger, *, use_cache: bool = True) -> LedgerSnapshot:
     """The ledger's snapshot, checked against the chain heads this reader verified before (a chain
-    that shrank was rolled back), and the heads it proves now remembered for next time."""
-    snap = ledger.snapshot(remembered=recall(ledger.store))
+    that shrank was rolled back), and the heads it proves now remembered for next time.
+
+    Args:
+        use_cache: start from the event segments this reader verified before (only what was appended
+            since is read); False re-reads and re-hashes every segment.
+    """
+    cache = recall_facts(ledger.store) if use_cache else None
+    snap = ledger.snapshot(remembered=recall(ledger.store), cache=cache)
     if snap.chained:
         remember(ledger.store, snap.heads)
+        remember_facts(ledger.store, snap.facts_cache)
     return snap
 
 

@@ -31,6 +31,7 @@ from certckpt.format.storage import VAULT_MARK, remote_error_text
 
 from .certify import CheckpointEntry, Revocation
 from .chain import CHAINS_DIR, GENESIS, Break, ChainCheck, check_chains, digest, genesis_problem, parse_entry_name
+from .factcache import FactsCache
 from .facts import AuditFacts, Event, EventProblem, read_event
 from .incident import incident_state
 
@@ -174,6 +175,7 @@ class LedgerSnapshot:
     notes: list[str] = field(default_factory=list)
     heads: dict[str, tuple[int, str]] = field(default_factory=dict)
     event_loader: Callable[[], list[dict[str, Any]]] | None = None
+    facts_cache: FactsCache | None = None  # what a reader keeps to read only new segments next time
     loaded_events: list[dict[str, Any]] | None = None
 
     @property
@@ -259,8 +261,14 @@ def read_snapshot(
     trusted_keys: TrustedKeys | None,
     url_of: Callable[..., str],
     remembered: dict[str, tuple[int, str]] | None = None,
+    cache: FactsCache | None = None,
 ) -> LedgerSnapshot:
     """Read and check every record of one ledger (missing ledger: an empty snapshot).
+
+    Args:
+        remembered: per writer, the chain head this reader verified before (rollback check).
+        cache: event segments this reader verified and folded before: used only where the chains
+            still seal them as they were (``LedgerSnapshot.facts_cache`` is the cache to keep next).
 
     Raises:
         CheckpointNotFoundError: no such store; StorageError: it cannot be read; CertckptError: an
@@ -274,15 +282,9 @@ def read_snapshot(
         listing = _list(fs, root)
         small = [p for k, v in listing.items() if k != "events" for p in v]
         contents = fs.cat(small) if small else {}
-        segs: dict[str, _Segment] = {}
-        digests: dict[tuple[str, str], str] = {}
-        event_paths = sorted(listing.get("events", []))
-        for i in range(0, len(event_paths), _BATCH):
-            batch = fs.cat(event_paths[i : i + _BATCH])
-            for p in event_paths[i : i + _BATCH]:
-                name = p.rsplit("/", 1)[-1]
-                digests["events", name] = digest(batch[p])
-                segs[name] = _parse_segment(store, name, batch[p])
+        reader = _Reader(store, root, trusted_keys, url_of, listing, contents, remembered, fs, cache)
+        reader.hash_segments()
+        return reader.read()
     except (CertckptError, FileNotFoundError) as e:
         if isinstance(e, CertckptError):
             raise
@@ -291,29 +293,51 @@ def read_snapshot(
         raise CheckpointNotFoundError(f"{store}: no such run store") from e
     except Exception as e:  # OSError, and botocore's own types (no credentials, unreachable endpoint)
         raise StorageError(f"{store}: cannot read the ledger ({remote_error_text(e)})") from e
-    return _Reader(store, root, trusted_keys, url_of, listing, contents, digests, segs, remembered, fs).read()
 
 
 class _Reader:
     """One snapshot's reading, in the order the rules need: chains, records, events."""
 
-    def __init__(self, store, root, trusted_keys, url_of, listing, contents, digests, segs, remembered, fs):
+    def __init__(self, store, root, trusted_keys, url_of, listing, contents, remembered, fs, cache):
         self.store, self.root, self.keys, self.url_of = store, root, trusted_keys, url_of
-        self.listing, self.contents, self.digests, self.segs = listing, contents, digests, segs
-        self.remembered, self.fs = remembered, fs
+        self.listing, self.contents, self.remembered, self.fs = listing, contents, remembered, fs
+        self.digests: dict[tuple[str, str], str] = {}
+        self.cache: FactsCache | None = cache
         self.files: dict[str, list[str]] = {k: sorted(listing.get(k, [])) for k in KINDS}
+        self.segment_names = [p.rsplit("/", 1)[-1] for p in self.files["events"]]
         for k in KINDS:
             if k == "events":
                 continue
             for p in self.files[k]:
-                digests[k, p.rsplit("/", 1)[-1]] = digest(contents[p])
+                self.digests[k, p.rsplit("/", 1)[-1]] = digest(contents[p])
         for p in listing.get("", []):
-            digests["", p.rsplit("/", 1)[-1]] = digest(contents[p])
+            self.digests["", p.rsplit("/", 1)[-1]] = digest(contents[p])
         self.snap = LedgerSnapshot(segments=len(self.files["events"]), trusted_keys=trusted_keys)
         self.check: ChainCheck | None = None
         self.authentic = True  # with trusted keys: the genesis record is signed by one of them
         self.source: str | None = None  # a vault's source run's store id, when the vault vouches for it
         self.writer_store: dict[str, str] = {}
+
+    # --- event segments: hashed first (the chains need their digests), parsed once they are judged --
+
+    def _batches(self, names: list[str]) -> Iterator[tuple[str, bytes]]:
+        by_name = {p.rsplit("/", 1)[-1]: p for p in self.files["events"]}
+        for i in range(0, len(names), _BATCH):
+            paths = [by_name[n] for n in names[i : i + _BATCH]]
+            got = self.fs.cat(paths)
+            for n, p in zip(names[i : i + _BATCH], paths):
+                yield n, got[p]
+
+    def hash_segments(self) -> None:
+        """Every segment's SHA-256; a segment a cache verified before is taken at its word there (its
+        sealed content is what was folded; the chains decide below whether it still stands)."""
+        known = self.cache.segments if self.cache is not None else {}
+        fresh = [n for n in self.segment_names if n not in known]
+        for n in self.segment_names:
+            if n in known:
+                self.digests["events", n] = known[n][0]
+        for n, data in self._batches(fresh):
+            self.digests["events", n] = digest(data)
 
     # --- chains ----------------------------------------------------------------------------------
 
@@ -482,6 +506,7 @@ class _Reader:
         for name, r, _ in self._valid("checkpoints"):
             snap.records[r["ckpt_id"]] = r
             note_step("checkpoints", name, r["step"])
+        snap.facts = AuditFacts()
         for _, h, _ in self._valid("holdings"):
             snap.holdings[h["ckpt_id"]] = h
         for _, r, _ in self._valid("retired"):
@@ -505,36 +530,7 @@ class _Reader:
                     else self.url_of(r, base=(mark or {}).get("source") if isinstance(mark, dict) else None),
                 )
             )
-        counted: dict[str, bool] = {}
-        for name in sorted(self.segs):
-            seg = self.segs[name]
-            if snap.chained:
-                s = self.check.sealed.get(("events", name)) if self.check else None
-                scope = self.check.scopes.get(s.writer) if (self.check and s) else None
-                branch = scope.removeprefix("branch:") if scope and scope.startswith("branch:") else None
-                ok, reason = self.counts("events", name, branch=branch)
-            else:
-                branch, ok, reason = None, True, None
-            counted[name] = ok
-            for n, ev, why in seg.events:
-                line_ok = ok
-                if not snap.chained and self.keys is not None and ev.outcome == "pass":
-                    line_ok = False  # checked line by line below (each line signed on its own)
-                if snap.chained and branch is not None and ev.branch != branch:
-                    line_ok, why = False, why or f"names branch {ev.branch}, sealed in branch {branch}'s chain"
-                if ev.outcome == "pass" and not line_ok and snap.chained:
-                    why = why or reason
-                if ev.outcome == "fail" and not snap.chained and self.keys is not None:
-                    line_ok = self.keys.problem(seg.failures[n]) is None  # unsigned: never contained
-                if why is not None:
-                    snap.invalid.append((f"events/{name}#{n}", why))
-                if line_ok and ev.outcome == "pass" and why is None:
-                    snap.facts.add(ev)
-                    if snap.chained:
-                        note_step("events", name, ev.step)
-                elif ev.outcome == "fail":
-                    snap.facts.add(ev, counts=line_ok and why is None)
-            snap.failures.extend(seg.failures.values())
+        counted = self._fold_events(writer_steps)
         if not snap.chained and self.keys is not None:
             self._unchained_signed_passes()
         for _, d, ok in self._valid("revocations"):
@@ -556,6 +552,94 @@ class _Reader:
         self.contents = {}  # the records are parsed; the bytes are not needed any more
         return snap
 
+    def _segment_standing(self, name: str) -> tuple[bool, str | None, str | None, str | None]:
+        """(counts, why not, its chain's branch, its writer) of one event segment."""
+        if not self.snap.chained:
+            return True, None, None, None
+        s = self.check.sealed.get(("events", name)) if self.check else None
+        scope = self.check.scopes.get(s.writer) if (self.check and s) else None
+        branch = scope.removeprefix("branch:") if scope and scope.startswith("branch:") else None
+        ok, reason = self.counts("events", name, branch=branch)
+        return ok, reason, branch, s.writer if s else None
+
+    def _usable_cache(self) -> FactsCache | None:
+        """The cache, when every segment it lists still stands as it did (else None: start over)."""
+        c, snap = self.cache, self.snap
+        if c is None or not snap.chained or c.store_id != snap.store_id:
+            return None
+        if c.keys != (sorted(self.keys.keys) if self.keys is not None else []):
+            return None
+        present = set(self.segment_names)
+        for name, (sha, counted) in c.segments.items():
+            if name not in present or self._segment_standing(name)[0] != counted:
+                return None
+            s = self.check.sealed.get(("events", name)) if self.check else None
+            if s is None or s.sha256 != sha:
+                return None
+        return c
+
+    def _fold_events(self, writer_steps: dict[str, int]) -> dict[str, bool]:
+        """Fold every segment's events into the facts (from the cache where it still stands, the rest
+        read again and parsed now); returns whether each segment counted."""
+        snap = self.snap
+        cache = self._usable_cache()
+        counted: dict[str, bool] = {}
+        if cache is not None:
+            snap.facts = cache.facts
+            snap.failures.extend(cache.failures)
+            snap.invalid.extend(cache.invalid)
+            for w, st in cache.writer_steps.items():
+                writer_steps[w] = max(writer_steps.get(w, -1), st)
+            counted.update({n: c for n, (_, c) in cache.segments.items()})
+        out = FactsCache(
+            store_id=snap.store_id or "",
+            keys=sorted(self.keys.keys) if self.keys is not None else [],
+            segments={n: (self.digests["events", n], c) for n, c in counted.items()},
+        )
+        new_invalid_from = len(snap.invalid)
+        fresh = [n for n in self.segment_names if n not in counted]
+        for name, data in self._batches(fresh):
+            ok, reason, branch, writer = self._segment_standing(name)
+            counted[name] = ok
+            seg = _parse_segment(self.store, name, data)
+            top = -1
+            for n, ev, why in seg.events:
+                line_ok = ok
+                if not snap.chained and self.keys is not None and ev.outcome == "pass":
+                    line_ok = False  # checked line by line below (each line signed on its own)
+                if branch is not None and ev.branch != branch:
+                    line_ok, why = False, why or f"names branch {ev.branch}, sealed in branch {branch}'s chain"
+                if ev.outcome == "pass" and not line_ok and snap.chained:
+                    why = why or reason
+                if ev.outcome == "fail" and not snap.chained and self.keys is not None:
+                    line_ok = self.keys.problem(seg.failures[n]) is None  # unsigned: never contained
+                if why is not None:
+                    snap.invalid.append((f"events/{name}#{n}", why))
+                if ev.outcome == "pass":
+                    if line_ok and why is None:
+                        snap.facts.add(ev)
+                        top = max(top, ev.step)
+                else:
+                    snap.facts.add(ev, counts=line_ok and why is None)
+            if snap.chained and ok and writer is not None:
+                writer_steps[writer] = max(writer_steps.get(writer, -1), top)
+                out.writer_steps[writer] = max(out.writer_steps.get(writer, -1), top)
+            snap.failures.extend(seg.failures.values())
+            out.failures.extend(seg.failures.values())
+            out.segments[name] = (self.digests["events", name], ok)
+        if snap.chained:
+            if cache is not None:
+                out.failures[:0] = cache.failures
+                out.invalid = [*cache.invalid, *snap.invalid[new_invalid_from:]]
+                for w, st in cache.writer_steps.items():
+                    out.writer_steps[w] = max(out.writer_steps.get(w, -1), st)
+            else:
+                out.invalid = [x for x in snap.invalid[new_invalid_from:] if x[0].startswith("events/")]
+            out.facts = snap.facts
+            out.unchanged = cache is not None and not fresh
+            snap.facts_cache = out
+        return counted
+
     def _own(self, key: tuple[str, str]) -> bool:
         s = self.check.sealed.get(key) if self.check else None
         return s is not None and self.writer_store.get(s.writer) == self.snap.store_id
@@ -563,20 +647,17 @@ class _Reader:
     def _unchained_signed_passes(self) -> None:
         """Unchained stores with trusted keys: each passing event counts only on its own signature.
         Read again line by line (these stores are small: they predate chains)."""
-        for name in sorted(self.segs):
-            for p in self.files["events"]:
-                if p.rsplit("/", 1)[-1] != name:
+        for name, data in self._batches(self.segment_names):
+            for n, value in enumerate(_segment_lines(data), 1):
+                if not isinstance(value, dict) or value.get("outcome") != "pass":
                     continue
-                for n, value in enumerate(_segment_lines(self.fs.cat_file(p)), 1):
-                    if not isinstance(value, dict) or value.get("outcome") != "pass":
-                        continue
-                    why = self.keys.problem(value)
-                    if why is None:
-                        ev, bad = read_event(value)
-                        if bad is None:
-                            self.snap.facts.add(ev)
-                    else:
-                        self.snap.invalid.append((f"events/{name}#{n}", why))
+                why = self.keys.problem(value)
+                if why is None:
+                    ev, bad = read_event(value)
+                    if bad is None:
+                        self.snap.facts.add(ev)
+                else:
+                    self.snap.invalid.append((f"events/{name}#{n}", why))
 
     def _line_counts(self, value: dict[str, Any]) -> bool:
         """A passing line of a segment that counts: in an unchained store with keys, only signed."""
