@@ -54,8 +54,10 @@ def read_event(e: Any, *, authenticated: bool = True) -> tuple[Event, str | None
         EventProblem: no branch, step or outcome can be read (the event cannot be placed).
     """
     if type(e) is not dict:  # an AuditEvent, or anything else: read its attributes
-        e = {k: getattr(e, k, None) for k in ("branch", "step", "outcome", "kind", "details", "contained",
-                                              "suspect_ranks")}
+        e = {
+            k: getattr(e, k, None)
+            for k in ("branch", "step", "outcome", "kind", "details", "contained", "suspect_ranks")
+        }
     get = e.get
     branch, step, outcome = get("branch"), get("step"), get("outcome")
     if type(branch) is not str or not _BRANCH.match(branch):
