@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 
 import pytest
@@ -215,8 +216,16 @@ def test_a_commit_record_rewritten_to_name_another_file_is_caught_by_its_embedde
     with open(path, "w") as fh:
         json.dump(doc, fh)
     os.unlink(os.path.join(ckpts, "main@15.json"))  # and the suspect checkpoint's own record is gone
+    # a chained store: both edits break the chain that sealed those records
     status, good = find_latest_good(run, write_certificates=False)
-    assert good == "main@5"
+    assert good == "main@5" and "main@10" not in status.certification.verdicts
+    assert any("checkpoints/main@10.json, changed after it was sealed" in b.why for b in status.snapshot.breaks)
+    # the same store without its chains (as a ledger written before them is read): the file's own
+    # record still gives the rewritten commit record away
+    shutil.rmtree(os.path.join(run, "_ledger", "chains"))
+    os.unlink(os.path.join(run, "_ledger", "genesis.json"))
+    status, good = find_latest_good(run, write_certificates=False)
+    assert good == "main@5" and not status.snapshot.chained
     assert "the file's own record says step 15, its commit record 10" in status.problems["main@10"]
 
 

@@ -460,7 +460,8 @@ class Ledger:
         if target.local is not None:
             import fsspec
 
-            return fsspec.filesystem("file"), target.local
+            # absolute: fsspec's local listings answer absolute paths, whatever the caller's spelling
+            return fsspec.filesystem("file"), os.path.abspath(target.local)
         fs, path = filesystem(target.url)
         # Other processes write this ledger: a listing cached by this process would hide their records.
         fs.invalidate_cache()
