@@ -112,7 +112,12 @@ def test_deleting_a_signed_revocation_is_a_broken_chain_not_a_second_chance(atta
     st = _status(store)
     assert st.latest_good is None and any("rolled back" in b.why for b in st.snapshot.breaks)
     r = CliRunner().invoke(main, ["latest-good", str(store)])
-    assert r.exit_code == 1 and "Traceback" not in r.output
+    assert r.exit_code == 1 and "Traceback" not in r.output and "tampered ledger: writer" in r.output
+    r = CliRunner().invoke(main, ["status", str(store)])
+    lines = [ln for ln in r.output.splitlines() if ln.startswith("tampered: ")]
+    assert r.exit_code == 0 and lines and all("rolled back" in ln or "missing" in ln for ln in lines)
+    doc = json.loads(CliRunner().invoke(main, ["status", str(store), "--json"]).output)
+    assert doc["ledger"]["chained"] and doc["ledger"]["tampered"] == {"*": -1} and doc["ledger"]["breaks"]
 
 
 def test_flipping_contained_in_a_signed_failure_counts_it_as_a_failure_that_reached_the_weights(attack):
@@ -216,3 +221,30 @@ def test_unsigned_revocations_never_drive_a_prune(attack, tmp_path, signed_runs)
     left = sorted(p.name for p in vault.glob("*.safetensors"))
     assert {"main@30.safetensors", "main@25.safetensors"} <= set(left), r.output
     assert len(left) >= 2 and len(held) - len(left) <= 4
+
+
+def test_unsigned_revocations_never_drive_a_prune_on_s3_without_object_lock(attack, s3_bucket, signed_runs):
+    from certckpt.vault import promote, prune
+    from certckpt.vault.retention import KeepLatest
+
+    store = attack("clean")
+    vault = f"{s3_bucket}/vault"
+    os.environ["CERTCKPT_SIGNING_KEY"] = signed_runs["priv"]
+    try:
+        held = [p.ckpt_id for p in promote(str(store), vault, lock_mode="none")]
+        assert len(held) == 6
+        (store / "_ledger" / "revocations").mkdir(exist_ok=True)
+        (store / "_ledger" / "revocations" / "main@5--1.json").write_text(
+            json.dumps({"ckpt_id": "main@5", "reason": "forged", "by": "mallory", "at": 1.0})
+        )
+        promote(str(store), vault, lock_mode="none")  # brings the forged revocation across
+        st = certify_store(vault, write_certificates=False)
+        assert st.snapshot.chained and st.snapshot.breaks == []
+        assert all(not v.trusted for v in st.certification.verdicts.values())  # it demotes everything
+        result = prune(vault, KeepLatest(2), apply=True)
+    finally:
+        os.environ.pop("CERTCKPT_SIGNING_KEY", None)
+    # the plan acts on authenticated evidence only: the two newest trusted copies stay, and what it
+    # let go is what KeepLatest(2) would have let go without the forgery
+    assert sorted(result.deleted) == ["main@10", "main@15", "main@20", "main@5"]
+    assert sorted(result.plan.keep) == ["main@25", "main@30"]

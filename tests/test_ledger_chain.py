@@ -189,3 +189,21 @@ def test_a_store_copied_whole_keeps_its_identity_and_verdicts(tmp_path):
     a = certify_store(str(tmp_path / "a"), write_certificates=False)
     b = certify_store(str(tmp_path / "b"), write_certificates=False)
     assert a.snapshot.store_id == b.snapshot.store_id and b.latest_good == "main@10" and b.snapshot.breaks == []
+
+
+def test_fifos_devices_and_links_in_a_ledger_are_refused_unopened_within_a_second(tmp_path):
+    import time
+
+    led = Ledger(str(tmp_path))
+    _audit(led, 10)
+    events = tmp_path / "_ledger" / "events"
+    os.mkfifo(events / "00000000000000000001-fifo.jsonl")  # opening it would block until a writer came
+    os.symlink("/dev/zero", events / "00000000000000000002-zero.jsonl")  # reading it would never end
+    os.mkfifo(tmp_path / "_ledger" / "checkpoints" / "main@45.json")
+    t = time.monotonic()
+    st = certify_store(str(tmp_path), write_certificates=False)
+    assert time.monotonic() - t < 1 and st.latest_good == "main@10" and st.snapshot.breaks == []
+    why = dict(st.snapshot.invalid)
+    assert "a FIFO" in why["events/00000000000000000001-fifo.jsonl"]
+    assert "a symbolic link" in why["events/00000000000000000002-zero.jsonl"]
+    assert "a FIFO" in why["checkpoints/main@45.json"]

@@ -20,7 +20,9 @@ own signature, and say so (``LedgerSnapshot.notes``). No torch import.
 from __future__ import annotations
 
 import json
+import os
 import re
+import stat
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,6 +67,7 @@ _CKPT_ID = re.compile(r"^([A-Za-z0-9._-]{1,100})@([0-9]{1,18})$")
 # Records that can move a verdict toward trusted (or make a copy count as held).
 _FOR_TRUST = ("checkpoints", "holdings", "branches", "drills", "certificates")
 _BATCH = 256  # event segments read per request: bounded memory, few round trips
+_MAX_RECORD_BYTES = 1 << 30  # no record or segment is this large (a segment holds 4,096 events)
 
 
 def is_plain_name(name: str) -> bool:
@@ -240,17 +243,60 @@ def _parse_segment(store: str, name: str, data: bytes) -> _Segment:
     return seg
 
 
-def _list(fs: Any, root: str) -> dict[str, list[str]]:
-    """Every ledger path, by top-level entry (kind, ``chains``, ``sources``, or ``""`` for files)."""
+def _list(fs: Any, root: str, refused: list[tuple[str, str]]) -> dict[str, list[str]]:
+    """Every ledger path, by top-level entry (kind, ``chains``, ``sources``, or ``""`` for files).
+
+    A local ledger is walked with ``lstat``: a FIFO would block a reader forever, a device never
+    ends, a link may leave the store; each is refused (``refused``: what, why) and never opened."""
     out: dict[str, list[str]] = {}
     prefix = root.rstrip("/") + "/"
-    for p in fs.find(root):
+    for p in _local_files(root, refused) if _is_local(fs) else fs.find(root):
         rel = p[len(prefix) :] if p.startswith(prefix) else p.rsplit("/", 1)[-1]
         if rel.rsplit("/", 1)[-1].startswith("."):
             continue  # other writers' temp files, about to be linked and removed: not records
         top, _, rest = rel.partition("/")
         out.setdefault(top if rest else "", []).append(p)
     return out
+
+
+def _is_local(fs: Any) -> bool:
+    protocol = getattr(fs, "protocol", None)
+    return protocol == "file" or (isinstance(protocol, tuple) and "file" in protocol)
+
+
+def _local_files(root: str, refused: list[tuple[str, str]], depth: int = 3) -> list[str]:
+    """Regular files under ``root`` (kinds, then ``chains/WRITER``: three levels at most)."""
+    out: list[str] = []
+    try:
+        entries = list(os.scandir(root))
+    except (FileNotFoundError, NotADirectoryError):
+        return out
+    for e in entries:
+        mode = e.stat(follow_symlinks=False).st_mode
+        if stat.S_ISREG(mode):
+            if e.stat(follow_symlinks=False).st_size > _MAX_RECORD_BYTES:
+                refused.append((e.path, f"{e.stat(follow_symlinks=False).st_size} bytes, more than any record"))
+            else:
+                out.append(e.path)
+        elif stat.S_ISDIR(mode) and depth > 1:
+            out.extend(_local_files(e.path, refused, depth - 1))
+        elif not e.name.startswith("."):
+            refused.append((e.path, f"not a regular file ({_kind_of(mode)}); never opened"))
+    return out
+
+
+def _kind_of(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISLNK, "a symbolic link"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISDIR, "a directory nested too deep"),
+    ):
+        if test(mode):
+            return name
+    return "not a file"
 
 
 def read_snapshot(
@@ -279,10 +325,13 @@ def read_snapshot(
             if not fs.exists(root.rsplit("/", 1)[0] or "/"):
                 raise CheckpointNotFoundError(f"{store}: no such run store")
             return LedgerSnapshot(trusted_keys=trusted_keys)
-        listing = _list(fs, root)
+        refused: list[tuple[str, str]] = []
+        listing = _list(fs, root, refused)
         small = [p for k, v in listing.items() if k != "events" for p in v]
         contents = fs.cat(small) if small else {}
         reader = _Reader(store, root, trusted_keys, url_of, listing, contents, remembered, fs, cache)
+        prefix = root.rstrip("/") + "/"
+        reader.snap.invalid.extend((p.removeprefix(prefix), why) for p, why in refused)
         reader.hash_segments()
         return reader.read()
     except (CertckptError, FileNotFoundError) as e:
