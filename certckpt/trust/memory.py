@@ -87,8 +87,10 @@ def remember(store: str, heads: dict[str, tuple[int, str]]) -> None:
     """Keep the newest heads seen (never a shorter one); silently skipped where nothing can be written."""
     if not heads:
         return
-    merged = recall(store)
+    before = recall(store)
+    merged = dict(before)
     for w, (seq, h) in heads.items():
         if seq >= merged.get(w, (0, ""))[0]:
             merged[w] = (seq, h)
-    _write(_path(store), {"store": store, "heads": {w: list(v) for w, v in sorted(merged.items())}})
+    if merged != before:
+        _write(_path(store), {"store": store, "heads": {w: list(v) for w, v in sorted(merged.items())}})

@@ -34,7 +34,7 @@ from certckpt.format.storage import VAULT_MARK, remote_error_text
 from .certify import CheckpointEntry, Revocation
 from .chain import CHAINS_DIR, GENESIS, Break, ChainCheck, check_chains, digest, genesis_problem, parse_entry_name
 from .factcache import FactsCache
-from .facts import AuditFacts, Event, EventProblem, read_event
+from .facts import AuditFacts, EventProblem, read_event
 from .incident import incident_state
 
 __all__ = [
@@ -217,30 +217,6 @@ def _segment_lines(data: bytes) -> list[Any]:
         except (ValueError, RecursionError):
             out.append(None)
     return out
-
-
-@dataclass(slots=True)
-class _Segment:
-    events: list[tuple[int, Event, str | None]]  # (line, facts, why a field was unusable)
-    failures: dict[int, Any]  # line -> the failed event as stored
-
-
-def _parse_segment(store: str, name: str, data: bytes) -> _Segment:
-    seg = _Segment([], {})
-    for n, value in enumerate(_segment_lines(data), 1):
-        if isinstance(value, dict) and "seal" in value and "branch" not in value:
-            continue  # a block seal line (none are written today; tolerated for forward compatibility)
-        try:
-            ev, why = read_event(value if isinstance(value, dict) else {})
-        except EventProblem as e:
-            raise CertckptError(
-                f"{store}: ledger event segment {name}, line {n}, is not a readable audit event ({e}); "
-                "the store cannot be certified until it is restored from a good copy"
-            ) from None
-        seg.events.append((n, ev, why))
-        if ev.outcome == "fail":
-            seg.failures[n] = value
-    return seg
 
 
 def _list(fs: Any, root: str, refused: list[tuple[str, str]]) -> dict[str, list[str]]:
@@ -650,31 +626,12 @@ class _Reader:
         for name, data in self._batches(fresh):
             ok, reason, branch, writer = self._segment_standing(name)
             counted[name] = ok
-            seg = _parse_segment(self.store, name, data)
-            top = -1
-            for n, ev, why in seg.events:
-                line_ok = ok
-                if not snap.chained and self.keys is not None and ev.outcome == "pass":
-                    line_ok = False  # checked line by line below (each line signed on its own)
-                if branch is not None and ev.branch != branch:
-                    line_ok, why = False, why or f"names branch {ev.branch}, sealed in branch {branch}'s chain"
-                if ev.outcome == "pass" and not line_ok and snap.chained:
-                    why = why or reason
-                if ev.outcome == "fail" and not snap.chained and self.keys is not None:
-                    line_ok = self.keys.problem(seg.failures[n]) is None  # unsigned: never contained
-                if why is not None:
-                    snap.invalid.append((f"events/{name}#{n}", why))
-                if ev.outcome == "pass":
-                    if line_ok and why is None:
-                        snap.facts.add(ev)
-                        top = max(top, ev.step)
-                else:
-                    snap.facts.add(ev, counts=line_ok and why is None)
+            top, failures = self._fold_segment(name, data, ok=ok, reason=reason, branch=branch)
             if snap.chained and ok and writer is not None:
                 writer_steps[writer] = max(writer_steps.get(writer, -1), top)
                 out.writer_steps[writer] = max(out.writer_steps.get(writer, -1), top)
-            snap.failures.extend(seg.failures.values())
-            out.failures.extend(seg.failures.values())
+            snap.failures.extend(failures)
+            out.failures.extend(failures)
             out.segments[name] = (self.digests["events", name], ok)
         if snap.chained:
             if cache is not None:
@@ -688,6 +645,48 @@ class _Reader:
             out.unchanged = cache is not None and not fresh
             snap.facts_cache = out
         return counted
+
+    def _fold_segment(
+        self, name: str, data: bytes, *, ok: bool, reason: str | None, branch: str | None
+    ) -> tuple[int, list[dict[str, Any]]]:
+        """Fold one segment's events; returns the greatest step its counted passes vouch for and its
+        failed events as stored. One pass, no intermediate lists: a cold read folds a million lines."""
+        snap, keys, chained = self.snap, self.keys, self.snap.chained
+        add, invalid = snap.facts.add, snap.invalid
+        pass_counts = ok and (chained or keys is None)  # unchained with keys: each line on its signature
+        top, failures = -1, []
+        for n, value in enumerate(_segment_lines(data), 1):
+            if type(value) is not dict:
+                value = {}
+            try:
+                ev, why = read_event(value)
+            except EventProblem as e:
+                raise CertckptError(
+                    f"{self.store}: ledger event segment {name}, line {n}, is not a readable audit event ({e}); "
+                    "the store cannot be certified until it is restored from a good copy"
+                ) from None
+            if ev.outcome == "pass":
+                if pass_counts and why is None and (branch is None or ev.branch == branch):
+                    add(ev)
+                    if ev.step > top:
+                        top = ev.step
+                elif chained:
+                    if branch is not None and ev.branch != branch:
+                        why = why or f"names branch {ev.branch}, sealed in branch {branch}'s chain"
+                    invalid.append((f"events/{name}#{n}", why or reason or "not counted"))
+                elif why is not None:
+                    invalid.append((f"events/{name}#{n}", why))
+                continue
+            failures.append(value)
+            line_ok = ok
+            if branch is not None and ev.branch != branch:
+                line_ok, why = False, why or f"names branch {ev.branch}, sealed in branch {branch}'s chain"
+            if not chained and keys is not None:
+                line_ok = keys.problem(value) is None  # an unsigned failure is never contained
+            if why is not None:
+                invalid.append((f"events/{name}#{n}", why))
+            add(ev, counts=line_ok and why is None)
+        return top, failures
 
     def _own(self, key: tuple[str, str]) -> bool:
         s = self.check.sealed.get(key) if self.check else None
