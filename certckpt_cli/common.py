@@ -76,9 +76,10 @@ def trusted_keys_option(fn: F) -> F:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, trusted_keys: str | None = None, **kwargs: Any) -> Any:
-        if trusted_keys:
+        if trusted_keys is not None:
             try:
-                trusted_keys_from_spec(trusted_keys)
+                if trusted_keys_from_spec(trusted_keys) is None:  # "" would switch every check off
+                    fail("--trusted-keys: names no public key file; give PUB[,PUB...]", EXIT_UNVERIFIABLE)
             except CertckptError as e:
                 fail(f"--trusted-keys: {e}", EXIT_UNVERIFIABLE)
             os.environ[TRUSTED_KEYS_ENV] = trusted_keys

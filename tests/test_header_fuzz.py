@@ -602,3 +602,59 @@ def test_cli_inspect_record_writer_not_an_object(tmp_path):
     assert not report.ok and "`writer` has the wrong type" in report.problems[0].message
     result = CliRunner().invoke(cli_main, ["inspect", str(path)])
     assert result.exit_code == 1 and "wrong type" in result.output and "Traceback" not in result.output
+
+
+def _nested(depth: int) -> dict:
+    deep: dict = {}
+    cur = deep
+    for _ in range(depth):
+        cur["a"] = {}
+        cur = cur["a"]
+    return deep
+
+
+@pytest.mark.parametrize("field, depth", [("lineage", 900), ("writer", 900), ("skeleton", 900), ("lineage", 40)])
+def test_deeply_nested_records_are_one_line_damaged_or_hostile_never_a_recursion_error(
+    tmp_path, small_ckpt, field, depth
+):
+    from click.testing import CliRunner
+
+    from certckpt.format.header import padded_json
+    from certckpt_cli.main import main
+
+    n = struct.unpack("<Q", small_ckpt[:8])[0]
+    hdr, data = json.loads(small_ckpt[8 : 8 + n]), small_ckpt[8 + n :]
+    rec = json.loads(hdr["__metadata__"][RECORD_KEY])
+    deep = _nested(depth)
+    rec[field] = {"t": "dict", "i": [[{"t": "str", "v": "x"}, deep]]} if field == "skeleton" else deep
+    hdr["__metadata__"][RECORD_KEY] = json.dumps(rec, sort_keys=True, separators=(",", ":"))
+    body = padded_json(hdr)  # canonical: only the depth is wrong with it
+    path = tmp_path / "deep.safetensors"
+    path.write_bytes(struct.pack("<Q", len(body)) + body + data)
+    t = time.monotonic()
+    with pytest.raises(CorruptCheckpointError, match="damaged or hostile header"):
+        certckpt.load(str(path))
+    for cmd in ("verify", "inspect"):
+        r = CliRunner().invoke(main, [cmd, str(path)])
+        assert r.exit_code == 1 and "damaged or hostile header" in r.output and "Traceback" not in r.output
+    assert time.monotonic() - t < 1
+
+
+def test_the_deepest_object_save_accepts_still_loads(tmp_path):
+    from certckpt.format.header import nesting_depth
+    from certckpt.format.record import MAX_RECORD_DEPTH
+    from certckpt.format.skeleton import MAX_DEPTH
+
+    obj: object = torch.ones(1)
+    for _ in range(MAX_DEPTH - 2):
+        obj = [obj]
+    certckpt.save({"x": obj}, str(tmp_path / "a.safetensors"))
+    raw = (tmp_path / "a.safetensors").read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    rec = json.loads(json.loads(raw[8 : 8 + n])["__metadata__"][RECORD_KEY])
+    assert nesting_depth(rec, limit=10**6) < MAX_RECORD_DEPTH
+    out = certckpt.load(str(tmp_path / "a.safetensors"))["x"]
+    levels = 0
+    while isinstance(out, list):
+        out, levels = out[0], levels + 1
+    assert levels == MAX_DEPTH - 2 and torch.equal(out, torch.ones(1))

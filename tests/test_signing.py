@@ -224,3 +224,19 @@ def test_incident_decisions_count_only_signed_with_trusted_keys(tmp_path, keys, 
     monkeypatch.setenv("CERTCKPT_SIGNING_KEY", str(bob_priv))
     decide(str(tmp_path), iid, action="approve", by="bob", reason="checked", approves=proposal["decision_id"])
     assert get_incident(str(tmp_path), iid).pending_approvals() == []
+
+
+@pytest.mark.parametrize("how", ["option-comma", "option-empty", "env-blank"])
+def test_a_trusted_keys_value_with_no_key_is_an_error_never_no_checks(tmp_path, keys, how):
+    _signed_run(tmp_path, keys)
+    env = dict(os.environ, CERTCKPT_TRUSTED_KEYS=str(keys["pub"]))
+    args = [console_script("certckpt"), "latest-good", "--no-verify", str(tmp_path)]
+    if how == "option-comma":
+        args.append("--trusted-keys=,")
+    elif how == "option-empty":
+        args.append("--trusted-keys=")
+    else:
+        env["CERTCKPT_TRUSTED_KEYS"] = " , "
+    r = subprocess.run(args, capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 2 and "no public key file" in r.stderr and r.stdout == ""
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr

@@ -26,7 +26,9 @@ __all__ = [
     "padded_json",
     "is_canonical",
     "printable",
+    "nesting_depth",
     "strict_json_loads",
+    "nesting_depth",
     "sniff_foreign_format",
 ]
 
@@ -113,6 +115,25 @@ def _reject_constant(name: str) -> None:
 def strict_json_loads(text: str | bytes):
     """``json.loads`` without NaN/Infinity (which the canonical form cannot write back)."""
     return json.loads(text, parse_constant=_reject_constant)
+
+
+def nesting_depth(value: object, *, limit: int) -> int:
+    """How deeply lists and dicts nest in a parsed JSON value, counted without recursion (so a hostile
+    header cannot exhaust the stack here); stops counting past ``limit``."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, dict):
+            children = v.values()
+        elif isinstance(v, list):
+            children = v
+        else:
+            continue
+        deepest = max(deepest, d)
+        if deepest > limit:
+            return deepest
+        stack.extend((c, d + 1) for c in children if isinstance(c, (dict, list)))
+    return deepest
 
 
 def printable(name: str, limit: int = 200) -> str:

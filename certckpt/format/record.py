@@ -7,7 +7,7 @@ the data first and the header last. No torch import here.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 import xxhash
@@ -21,6 +21,7 @@ from .header import (
     canonical_json,
     encode_header,
     is_canonical,
+    nesting_depth,
     padded_json,
     printable,
     strict_json_loads,
@@ -91,7 +92,12 @@ class CheckpointRecord:
     header_digest: str = _PLACEHOLDER_DIGEST
 
     def to_json(self) -> str:
-        return canonical_json(asdict(self))
+        return canonical_json(self.as_doc())
+
+    def as_doc(self) -> dict[str, Any]:
+        """The record as a JSON document (shallow: its values are JSON already; ``dataclasses.asdict``
+        would copy them recursively, and a hostile file can nest them deeper than the stack)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 def state_fingerprint(named_fps: dict[str, str]) -> str:
@@ -169,6 +175,13 @@ def parse_record(header: Header, *, source: str) -> CheckpointRecord:
         raise CorruptCheckpointError(f"{source}: malformed header: the certckpt record is not valid JSON") from e
     if not isinstance(doc, dict) or type(doc.get("schema")) is not int:
         raise CorruptCheckpointError(f"{source}: malformed header: the certckpt record has no schema version")
+    for key, limit in _DEPTH_LIMITS.items():
+        depth = nesting_depth(doc.get(key) if key else doc, limit=limit)
+        if depth > limit:
+            raise CorruptCheckpointError(
+                f"{source}: damaged or hostile header: the certckpt record's {key or 'document'} nests more than"
+                f" {limit} levels deep; restore the file from a good copy"
+            )
     if doc["schema"] > SCHEMA_VERSION:
         if not _digest_holds(header, doc):
             # Every schema keeps `header_digest` over the header with that field zeroed
@@ -192,6 +205,13 @@ def parse_record(header: Header, *, source: str) -> CheckpointRecord:
     record = CheckpointRecord(**doc)
     _validate(record, header, source)
     return record
+
+
+# How deep a record may nest: the skeleton carries the saved object (skeleton.MAX_DEPTH object levels,
+# a few JSON levels each: tests/test_header_fuzz.py checks the deepest object save accepts still
+# loads); lineage, writer and user are flat by construction.
+MAX_RECORD_DEPTH = 640
+_DEPTH_LIMITS = {"lineage": 16, "writer": 16, "user": 2, "tensors": 2, "": MAX_RECORD_DEPTH}
 
 
 def _is_hex(value: object, width: int) -> bool:
@@ -307,7 +327,7 @@ def check_header(header: Header, record: CheckpointRecord) -> str | None:
     """Return a one-line problem when the header bytes differ from what was written, else None."""
     if not is_canonical(header) or header.metadata.get(RECORD_KEY) != record.to_json():
         return "header bytes are not in the form certckpt writes (whitespace, order or encoding changed)"
-    blank = CheckpointRecord(**{**asdict(record), "header_digest": _PLACEHOLDER_DIGEST})
+    blank = CheckpointRecord(**{**record.as_doc(), "header_digest": _PLACEHOLDER_DIGEST})
     try:
         doc = _blank_signature(strict_json_loads(header.raw))
     except (ValueError, AttributeError):

@@ -188,8 +188,17 @@ def signing_key_for(value: SigningKey | str | os.PathLike | None) -> SigningKey 
 
 
 def trusted_keys_from_spec(spec: str) -> TrustedKeys | None:
-    """Public key files named in ``spec``, separated by ``,`` or ``os.pathsep`` (None when empty)."""
+    """Public key files named in ``spec``, separated by ``,`` or ``os.pathsep`` (None when empty).
+
+    Raises:
+        ConfigurationError: ``spec`` is not empty but names no file (``","``): keys were asked for,
+            and switching every check off instead would be the worst reading of a typo.
+    """
     paths = [p.strip() for chunk in spec.split(",") for p in chunk.split(os.pathsep) if p.strip()]
+    if not paths and spec.strip():
+        raise ConfigurationError(
+            f"trusted keys {spec!r} name no public key file; give PUB[,PUB...] (or unset {TRUSTED_KEYS_ENV})"
+        )
     return TrustedKeys.load(paths) if paths else None
 
 
