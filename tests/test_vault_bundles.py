@@ -361,3 +361,19 @@ def test_s3_prune_refuses_a_held_directory_whose_member_is_under_legal_hold_befo
     gone = fs.call_s3("list_object_versions", Bucket=bucket, Prefix="sharded/main@5/")
     assert not gone.get("Versions") and not gone.get("DeleteMarkers")
     s3fs.S3FileSystem.clear_instance_cache()
+
+
+def test_a_certified_writer_with_overwrite_never_touches_a_held_copy(run_of, tmp_path):
+    from certckpt.errors import ProtectedCheckpointError
+
+    run, vault = run_of("sharded"), str(tmp_path / "vault")
+    promote(run, vault, accept="verified")
+    held = os.path.join(vault, "main@10")
+    before = {n: open(os.path.join(held, n), "rb").read() for n in os.listdir(held)}
+    with pytest.raises(BaseException) as got:  # DCP's CheckpointException is a BaseException
+        dcp.save({"model": _weights(99)}, storage_writer=CertifiedWriter(held, overwrite=True), no_dist=True)
+    assert "inside the vault" in str(got.value) and (
+        isinstance(got.value, ProtectedCheckpointError) or "ProtectedCheckpointError" in str(got.value)
+    )
+    assert {n: open(os.path.join(held, n), "rb").read() for n in os.listdir(held)} == before
+    assert check_file(held, None) is None  # the held copy still verifies whole

@@ -48,6 +48,7 @@ from certckpt.format.sharded.layout import (
 from certckpt.format.sharded.manifest import MANIFEST_VERSION, Manifest
 from certckpt.format.sharded.shardfp import sum_plan, tensor_contribution, write_sums
 from certckpt.format.tensors import TORCH_TO_ST
+from certckpt.format.storage import refuse_protected
 from certckpt.format.verify import inspect
 from certckpt.format.writer import save_certified
 
@@ -240,6 +241,11 @@ class CertifiedWriter(StorageWriter):
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         make_directory(self.path)
+        if self.overwrite and exists(join(self.path, MANIFEST_NAME)):
+            # Every rank refuses before the coordinator un-commits anything: a vault's held copy or a
+            # checkpoint a ledger committed is never replaced, overwrite or not (docs/format.md).
+            refuse_protected(self.path)
+            refuse_protected(join(self.path, MANIFEST_NAME))
         if not self.overwrite and exists(join(self.path, MANIFEST_NAME)):
             raise CheckpointExistsError(
                 f"{self.path}: holds a committed certified checkpoint already; save to a new directory, or pass"

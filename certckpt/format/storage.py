@@ -36,6 +36,7 @@ __all__ = [
     "put_once",
     "join",
     "write_atomic",
+    "refuse_protected",
     "refuse_protected_local",
     "refuse_protected_remote",
     "LEDGER_DIR",
@@ -429,6 +430,15 @@ def refuse_protected_local(final: str, display: str) -> None:
             raise ProtectedCheckpointError(
                 f"{display}: a commit record in {records_dir} names this file; {_PROTECT_FIX}"
             )
+
+
+def refuse_protected(location: str) -> None:
+    """``refuse_protected_local`` or ``refuse_protected_remote``, whichever ``location`` needs."""
+    target = resolve(location)
+    if target.local is not None:
+        refuse_protected_local(os.path.abspath(target.local), target.display)
+    elif target.url is not None:
+        refuse_protected_remote(target.url, target.display)
 
 
 def refuse_protected_remote(url: str, display: str) -> None:
