@@ -11,7 +11,7 @@ import subprocess
 import pytest
 from conftest import console_script, event_dict
 
-from certckpt.errors import CertckptError, ConfigurationError
+from certckpt.errors import CertckptError, ConfigurationError, StorageError
 from certckpt.trust.ledger import Ledger, is_ckpt_id
 from certckpt.trust.runstore import certify_store, find_latest_good
 
@@ -336,3 +336,34 @@ def test_a_header_listing_too_many_tensors_is_refused_before_it_is_parsed(tmp_pa
     assert time.perf_counter() - t0 < 10  # a scan, not a 20-second parse
     with pytest.raises(UnsupportedObjectError, match="save large states in shards"):
         encode_header({k: doc[k] for k in list(doc)[: MAX_TENSORS + 1]})
+
+
+@pytest.mark.parametrize("make", ["fifo", "dev-zero-link"])
+def test_fifos_and_devices_named_like_checkpoints_are_refused_unopened(tmp_path, make):
+    import time
+
+    import torch
+
+    import certckpt
+
+    certckpt.save({"w": torch.ones(3)}, str(tmp_path / "main@5.safetensors"), ledger=str(tmp_path), step=5)
+    certckpt.save({"w": torch.ones(3)}, str(tmp_path / "main@10.safetensors"), ledger=str(tmp_path), step=10)
+    victim = tmp_path / "main@10.safetensors"
+    victim.unlink()
+    os.mkfifo(victim) if make == "fifo" else os.symlink("/dev/zero", victim)
+    what = "a FIFO" if make == "fifo" else "a device"
+    t = time.monotonic()
+    r = subprocess.run([console_script("certckpt"), "verify", str(victim)], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2 and f"is {what}, not a file; refused unopened" in r.stderr
+    assert r.stderr.count("\n") == 1
+    r = subprocess.run(
+        [console_script("certckpt"), "latest-good", str(tmp_path), "--accept", "verified"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert r.returncode == 0 and r.stdout.strip().endswith("main@5.safetensors")
+    assert f"skipping main@10: {victim}: is {what}" in r.stderr
+    with pytest.raises(StorageError, match="refused unopened"):
+        certckpt.load(str(victim))
+    assert time.monotonic() - t < 5

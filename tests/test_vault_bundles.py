@@ -369,11 +369,19 @@ def test_a_certified_writer_with_overwrite_never_touches_a_held_copy(run_of, tmp
     run, vault = run_of("sharded"), str(tmp_path / "vault")
     promote(run, vault, accept="verified")
     held = os.path.join(vault, "main@10")
-    before = {n: open(os.path.join(held, n), "rb").read() for n in os.listdir(held)}
+
+    def contents() -> dict[str, bytes]:
+        out = {}
+        for n in os.listdir(held):
+            with open(os.path.join(held, n), "rb") as fh:
+                out[n] = fh.read()
+        return out
+
+    before = contents()
     with pytest.raises(BaseException) as got:  # DCP's CheckpointException is a BaseException
         dcp.save({"model": _weights(99)}, storage_writer=CertifiedWriter(held, overwrite=True), no_dist=True)
     assert "inside the vault" in str(got.value) and (
         isinstance(got.value, ProtectedCheckpointError) or "ProtectedCheckpointError" in str(got.value)
     )
-    assert {n: open(os.path.join(held, n), "rb").read() for n in os.listdir(held)} == before
+    assert contents() == before
     assert check_file(held, None) is None  # the held copy still verifies whole

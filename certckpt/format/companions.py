@@ -54,11 +54,13 @@ def companions_of(record: CheckpointRecord) -> dict[str, dict[str, Any]] | None:
     return files
 
 
-def _xxh3_and_size(url: str) -> tuple[str, int]:
+def _xxh3_and_size(url: str, limit: int) -> tuple[str, int]:
+    """xxh3-128 and size of a file, reading at most ``limit + 1`` bytes (the size its record states,
+    and one more to tell it grew): a file that never ends is never read to its end."""
     h = xxhash.xxh3_128()
     n = 0
     with open_read(resolve(url)) as (fh, _):
-        while chunk := fh.read(_CHUNK):
+        while n <= limit and (chunk := fh.read(min(_CHUNK, limit + 1 - n))):
             h.update(chunk)
             n += len(chunk)
     return h.hexdigest(), n
@@ -91,7 +93,7 @@ def companion_problems(
                         f"{got.info.record.header_digest}, the manifest says {want['header_digest']})"
                     )
                 continue
-            digest, size = _xxh3_and_size(member)
+            digest, size = _xxh3_and_size(member, want["bytes"])
         except CertckptError as e:
             text = str(e)
             problems.append(

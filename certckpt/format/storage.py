@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import secrets
+import stat
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ __all__ = [
     "join",
     "write_atomic",
     "refuse_protected",
+    "refuse_special",
     "refuse_protected_local",
     "refuse_protected_remote",
     "LEDGER_DIR",
@@ -132,6 +134,7 @@ def open_read(target: Target) -> Iterator[tuple[IO[bytes], int | None]]:
         return
     try:
         if target.local is not None:
+            refuse_special(target.local, target.display)
             fh = open(target.local, "rb")  # noqa: SIM115 - closed below
             size = os.fstat(fh.fileno()).st_size
         else:
@@ -162,6 +165,23 @@ def open_read(target: Target) -> Iterator[tuple[IO[bytes], int | None]]:
         raise StorageError(f"{target.display}: cannot open ({remote_error_text(e)})") from e
     with fh:
         yield fh, size
+
+
+def refuse_special(path: str, display: str) -> None:
+    """Refuse, before opening it, a local path that is not a regular file: opening a FIFO blocks until a
+    writer comes, a device is never done being read, and neither is a checkpoint.
+
+    Raises:
+        StorageError: a FIFO, a device or a socket (also behind a symbolic link), one line naming it.
+    """
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return  # missing or unreadable: opening it says which, in the caller's words
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return
+    what = "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device"
+    raise StorageError(f"{display}: is {what}, not a file; refused unopened (damaged or hostile store)")
 
 
 def _missing_bucket(e: BaseException) -> bool:
