@@ -25,6 +25,7 @@ def keys(tmp_path_factory):
     other_priv, other_pub = generate_key(d / "attacker")
     return {
         "priv": priv,
+        "pub": pub,
         "signing": SigningKey.load(priv),
         "trusted": TrustedKeys.load([pub]),
         "attacker": SigningKey.load(other_priv),
@@ -117,20 +118,60 @@ def test_a_forged_file_with_recomputed_digests_fails_only_with_trusted_keys(tmp_
     assert expected in r.problems[0].message, r.problems
 
 
-def test_data_replaced_under_a_kept_header_fails_the_signed_sha256(tmp_path, keys):
-    """Bytes changed so that every xxh3 digest still matches are out of reach in practice; what the
-    SHA-256 adds is checked here by giving the reader a header whose xxh3 digests hold for the new
-    data while the signature (over the old header) is re-made by the attacker's key: not trusted."""
+def _xxh3_forgery(p) -> bytes:
+    """The file at ``p`` with tensor ``big``'s bytes replaced by an xxh3 second preimage: the header
+    (every digest, the header digest, the signature) is byte for byte the original."""
+    from xxh3_forge import forge
+
+    info = certckpt.inspect(p)
+    e = next(e for e in info.header.entries if e.name == "big")
+    raw = p.read_bytes()
+    start, end = info.header.data_start + e.begin, info.header.data_start + e.end
+    return raw[:start] + forge(raw[start:end]) + raw[end:]
+
+
+@pytest.mark.parametrize("how", ["argument", "environment", "mmap", "key-file"])
+def test_an_xxh3_forgery_keeps_every_unkeyed_digest_and_fails_every_keyed_load(tmp_path, keys, monkeypatch, how):
+    from certckpt.errors import CorruptCheckpointError
+
     p = tmp_path / "ck.safetensors"
-    certckpt.save(_state(), p, signing_key=keys["signing"])
-    doc, body = _split(p)
-    sig = json.loads(doc[METADATA_KEY][SIG_KEY])
-    sig["data_sha256"] = "ab" * 32
-    doc[METADATA_KEY][SIG_KEY] = canonical_json(sig)
-    q = tmp_path / "q.safetensors"
-    q.write_bytes(_join(doc, body))
-    r = certckpt.verify(q, trusted_keys=keys["trusted"])
-    assert not r.ok and {pr.kind for pr in r.problems} >= {"signature"}
+    torch.manual_seed(1)
+    state = {**_state(), "big": torch.randn(64, 64)}  # 16 KiB: the forgery rewrites its first block
+    certckpt.save(state, p, signing_key=keys["signing"])
+    forged = tmp_path / "forged.safetensors"
+    forged.write_bytes(_xxh3_forgery(p))
+    assert certckpt.verify(forged).ok  # every xxh3 digest and the header digest still hold
+    loaded = certckpt.load(forged, trusted_keys=None)
+    assert not torch.equal(loaded["big"], state["big"])  # without keys, forged weights load
+    kwargs = {}
+    if how == "argument":
+        kwargs["trusted_keys"] = keys["trusted"]
+    elif how == "environment":
+        monkeypatch.setenv("CERTCKPT_TRUSTED_KEYS", keys["pub"])
+    elif how == "mmap":
+        kwargs.update(trusted_keys=keys["trusted"], mmap=True)
+    else:
+        kwargs["trusted_keys"] = keys["pub"]
+    with pytest.raises(CorruptCheckpointError, match="SHA-256 differs from the one signed"):
+        certckpt.load(forged, **kwargs)
+    assert torch.equal(certckpt.load(p, **kwargs)["big"], state["big"])  # the real file loads
+    r = certckpt.verify(forged, trusted_keys=keys["trusted"])
+    assert not r.ok and "SHA-256 differs" in r.problems[0].message
+
+
+def test_a_keyed_load_refuses_unsigned_and_foreign_files_and_an_unverified_read(tmp_path, keys):
+    from certckpt.errors import ConfigurationError, UntrustedCheckpointError
+
+    unsigned, other = tmp_path / "u.safetensors", tmp_path / "o.safetensors"
+    certckpt.save(_state(), unsigned)
+    certckpt.save(_state(), other, signing_key=keys["attacker"])
+    with pytest.raises(UntrustedCheckpointError, match="unsigned: the file carries no signature.*; not loaded"):
+        certckpt.load(unsigned, trusted_keys=keys["trusted"])
+    with pytest.raises(UntrustedCheckpointError, match="not trusted; not loaded"):
+        certckpt.load(other, trusted_keys=keys["trusted"])
+    with pytest.raises(ConfigurationError, match="a keyed load always verifies"):
+        certckpt.load(other, trusted_keys=keys["trusted"], verify=False)
+    assert certckpt.load(other, trusted_keys=keys["attacker_trusted"])["step"] == 3
 
 
 def test_every_header_bit_flip_of_a_signed_file_fails_without_keys_too(tmp_path, keys):

@@ -7,6 +7,7 @@ rebuilt. Nothing is unpickled, whatever the file holds.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import warnings
 from typing import Any
@@ -14,10 +15,11 @@ from typing import Any
 import torch
 import xxhash
 
-from certckpt.errors import ConfigurationError, CorruptCheckpointError
+from certckpt.errors import ConfigurationError, CorruptCheckpointError, UntrustedCheckpointError
 
 from .header import TensorEntry
-from .record import check_header
+from .record import check_header, signature_problem
+from .signing import KEYS_FROM_ENV, TrustedKeys, trusted_keys_for
 from .skeleton import check_map_location, rebuild
 from .staging import read_to_device
 from .storage import open_read, resolve
@@ -64,6 +66,7 @@ def load(
     weights_only: bool | None = True,
     mmap: bool | None = None,
     verify: bool = True,
+    trusted_keys: TrustedKeys | str | None = KEYS_FROM_ENV,
     **pickle_load_args: Any,
 ) -> Any:
     """Load an object saved with ``certckpt.save``; ``torch.load``'s signature, without pickle.
@@ -85,6 +88,10 @@ def load(
             ``certckpt.verify``. Bytes changed on disk after loading may show through.
         verify: check the header digest and every tensor's xxh3-128 digest while reading (cheap:
             xxh3 runs at tens of GB/s). Device fingerprints are checked by ``verify(deep=True)``.
+        trusted_keys: public keys (``TrustedKeys``, or key files ``PUB[,PUB...]``; default
+            ``$CERTCKPT_TRUSTED_KEYS``; None: no keys). With keys, the file must be signed by one of
+            them and every byte returned is checked against the signed SHA-256 of the data, in the
+            same pass: xxh3 stops accidents, not someone who can write the file (docs/signing.md).
         **pickle_load_args: ``torch.load``'s unpickler options (``encoding=``...): ignored, with one
             warning.
 
@@ -93,6 +100,7 @@ def load(
 
     Raises:
         CorruptCheckpointError: truncated, malformed or tampered bytes (nothing is returned).
+        UntrustedCheckpointError: with trusted keys, the file is unsigned or signed by another key.
         NotACheckpointError: a ``torch.save`` archive, a pickle or plain safetensors.
         ConfigurationError: ``mmap=True`` for something that is not a local file.
         CheckpointNotFoundError, StorageError
@@ -106,6 +114,11 @@ def load(
     if ignored:
         warn_ignored(ignored, function="load")
     check_map_location(map_location)
+    keys = trusted_keys_for(trusted_keys)
+    if keys is not None and not verify:
+        raise ConfigurationError(
+            "verify=False with trusted keys: a keyed load always verifies (pass trusted_keys=None)"
+        )
     target = resolve(f)
     if mmap and target.local is None:
         raise ConfigurationError(
@@ -117,7 +130,14 @@ def load(
             problem = check_header(info.header, info.record)
             if problem:
                 raise CorruptCheckpointError(f"{target.display}: {problem}")
-        device = staging_device(map_location, mmap=bool(mmap))
+        signed_sha256 = None
+        if keys is not None:
+            problem, signed_sha256 = signature_problem(info.header, keys)
+            if problem:
+                raise UntrustedCheckpointError(f"{target.display}: {problem}; not loaded")
+        data_hash = BackgroundSha256() if signed_sha256 is not None else None
+        # a keyed load reads through the host (the GPU staging path checks xxh3 only)
+        device = staging_device(map_location, mmap=bool(mmap)) if data_hash is None else None
         if device is not None:  # straight to the GPU through pinned buffers, every digest checked
             expected = {e.name: info.record.tensors[e.name]["xxh3"] for e in info.header.entries} if verify else None
             tensors = read_to_device(fh, info.header.entries, device, expected=expected, source=target.display)
@@ -139,9 +159,35 @@ def load(
                 found = xxhash.xxh3_128_hexdigest(view)
                 if found != expected:
                     raise CorruptCheckpointError(f"{target.display}: {digest_problem(e, expected, found)}")
+            if data_hash is not None:
+                data_hash.update(view)  # entries come in file order: this is the data region's SHA-256
             del view
             tensors[e.name] = t
+        if data_hash is not None and data_hash.finish() != signed_sha256:
+            raise CorruptCheckpointError(
+                f"{target.display}: the data's SHA-256 differs from the one signed: the tensors changed after"
+                " signing (their xxh3 digests were forged or collide); restore the file from a good copy"
+            )
     return _rebuild(info, tensors, map_location, target.display)
+
+
+class BackgroundSha256:
+    """SHA-256 of the buffers given, in order, on one worker thread: hashlib releases the GIL, so a
+    keyed load hashes on a second core while the first reads and checks xxh3 (the buffers are the
+    loaded tensors themselves: nothing is copied)."""
+
+    def __init__(self) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._hash = hashlib.sha256()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="certckpt-sha256")
+
+    def update(self, view: Any) -> None:
+        self._pool.submit(self._hash.update, view)  # one worker: updates run in submission order
+
+    def finish(self) -> str:
+        self._pool.shutdown(wait=True)
+        return self._hash.hexdigest()
 
 
 def staging_device(map_location: Any, *, mmap: bool) -> torch.device | None:

@@ -41,6 +41,8 @@ __all__ = [
     "signing_key_from_env",
     "trusted_keys_from_env",
     "trusted_keys_from_spec",
+    "trusted_keys_for",
+    "KEYS_FROM_ENV",
 ]
 
 SIGNING_KEY_ENV = "CERTCKPT_SIGNING_KEY"
@@ -204,3 +206,21 @@ def trusted_keys_from_spec(spec: str) -> TrustedKeys | None:
 
 def trusted_keys_from_env() -> TrustedKeys | None:
     return trusted_keys_from_spec(os.environ.get(TRUSTED_KEYS_ENV, ""))
+
+
+KEYS_FROM_ENV = "from-env"  # a reader's default: the trusted keys of $CERTCKPT_TRUSTED_KEYS, if any
+
+
+def trusted_keys_for(value: TrustedKeys | str | os.PathLike | None) -> TrustedKeys | None:
+    """A reader's ``trusted_keys=`` argument: keys, public key files (``PUB[,PUB...]``), None for no
+    keys, or ``KEYS_FROM_ENV`` (the default) for the environment's."""
+    if value == KEYS_FROM_ENV:
+        return trusted_keys_from_env()
+    if value is None or isinstance(value, TrustedKeys):
+        return value
+    if isinstance(value, (str, os.PathLike)):
+        keys = trusted_keys_from_spec(os.fspath(value))
+        if keys is None:
+            raise ConfigurationError("trusted_keys names no public key file; give PUB[,PUB...] or None")
+        return keys
+    raise ConfigurationError(f"trusted_keys must be TrustedKeys, public key files or None, got {type(value).__name__}")
