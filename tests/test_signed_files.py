@@ -312,3 +312,54 @@ def test_the_auditor_signs_its_checkpoints_and_records(tmp_path, keys):
     assert certckpt.verify(tmp_path / "run" / "main@4.safetensors", trusted_keys=keys["trusted"]).ok
     rec = json.loads((tmp_path / "run" / "_ledger" / "checkpoints" / "main@4.json").read_text())
     assert rec["sig"]["key"] == keys["signing"].key_id
+
+
+def test_vault_restore_with_trusted_keys_refuses_a_forged_held_copy(tmp_path, keys, monkeypatch):
+    import os
+
+    from certckpt.errors import CorruptCheckpointError
+    from certckpt.vault import promote, restore
+
+    run, vault = tmp_path / "run", tmp_path / "vault"
+    run.mkdir()
+    torch.manual_seed(2)
+    state = {**_state(), "big": torch.randn(64, 64)}
+    certckpt.save(state, run / "main@5.safetensors", signing_key=keys["signing"], ledger=str(run), step=5)
+    monkeypatch.setenv("CERTCKPT_SIGNING_KEY", keys["priv"])
+    promote(str(run), str(vault), accept="verified")
+    held = vault / "main@5.safetensors"
+    forged = _xxh3_forgery(held)
+    os.chmod(held, 0o644)  # vault copies are read-only; an attacker with write access changes that
+    held.write_bytes(forged)
+    monkeypatch.setenv("CERTCKPT_TRUSTED_KEYS", keys["pub"])
+    with pytest.raises(CorruptCheckpointError, match="SHA-256 differs"):
+        restore(str(vault), "main@5", str(tmp_path / "out.safetensors"), accept="verified")
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_certified_reader_with_trusted_keys_refuses_an_xxh3_forged_shard(tmp_path, keys, monkeypatch):
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from certckpt.dcp import CertifiedReader, CertifiedWriter
+    from certckpt.format.sharded.layout import shard_name
+
+    torch.manual_seed(3)
+    state = {"big": torch.randn(64, 64), "small": torch.randn(4)}
+    monkeypatch.setenv("CERTCKPT_SIGNING_KEY", keys["priv"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP's "torch.distributed is disabled ... single process"
+        dcp.save(state, storage_writer=CertifiedWriter(str(tmp_path / "ck")), no_dist=True)
+        shard = tmp_path / "ck" / shard_name(0)
+        shard.write_bytes(_xxh3_forgery(shard))
+
+        def load(**kw):
+            out = {"big": torch.zeros(64, 64), "small": torch.zeros(4)}
+            dcp.load(out, storage_reader=CertifiedReader(str(tmp_path / "ck"), **kw), no_dist=True)
+            return out
+
+        assert not torch.equal(load(trusted_keys=None)["big"], state["big"])  # xxh3 alone is fooled
+        with pytest.raises(BaseException, match="SHA-256 differs") as got:  # DCP wraps it (a BaseException)
+            load(trusted_keys=keys["trusted"])
+        assert "nothing was loaded" in str(got.value)

@@ -40,9 +40,11 @@ from certckpt.errors import (
 )
 from certckpt.format.header import TensorEntry, printable
 from certckpt.format.record import check_header
+from certckpt.format.sharded.check import verify_checkpoint
 from certckpt.format.sharded.layout import join
 from certckpt.format.sharded.manifest import Manifest, ShardFile, ValueInfo, read_manifest
 from certckpt.format.sharded.shardfp import tensor_contribution
+from certckpt.format.signing import KEYS_FROM_ENV, TrustedKeys, trusted_keys_for
 from certckpt.format.storage import open_read, resolve
 from certckpt.format.tensors import ST_TO_TORCH, host_bytes
 from certckpt.format.verify import digest_problem, read_checkpoint_header, read_tensor
@@ -90,6 +92,10 @@ class CertifiedReader(StorageReader):
             over the loaded data.
         process_group: the group for ``check_fingerprints`` (default: the default group when one
             is initialized, else this process alone).
+        trusted_keys: public keys (``TrustedKeys`` or key files; default ``$CERTCKPT_TRUSTED_KEYS``;
+            None: no keys). With keys, the manifest and every shard file must be signed by one of
+            them and every byte must match its signed SHA-256: checked in full, on every rank,
+            before anything is loaded (one more read of the checkpoint).
 
     Raises (from ``dcp.load``, wrapped by DCP in a ``CheckpointException`` that carries the text):
         CorruptCheckpointError: a digest mismatch (naming file, tensor and state entry), a missing
@@ -100,8 +106,16 @@ class CertifiedReader(StorageReader):
         >>> dcp.load(state, storage_reader=CertifiedReader("ckpt/step100", check_fingerprints=True))
     """
 
-    def __init__(self, path: str | os.PathLike, *, check_fingerprints: bool = False, process_group: Any = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        check_fingerprints: bool = False,
+        process_group: Any = None,
+        trusted_keys: TrustedKeys | str | None = KEYS_FROM_ENV,
+    ) -> None:
         super().__init__()
+        self.trusted_keys = trusted_keys_for(trusted_keys)
         if type(check_fingerprints) is not bool:
             raise ArgumentTypeError(f"check_fingerprints must be True or False, got {check_fingerprints!r}")
         self.path = _location(path)
@@ -150,6 +164,12 @@ class CertifiedReader(StorageReader):
             raise self._metadata_error
         if self.manifest is None:
             raise ConfigurationError("CertifiedReader: read_metadata must come first (dcp.load does this)")
+        if self.trusted_keys is not None:
+            # xxh3 stops accidents, not someone who can write the shards: with keys, every byte is
+            # checked against its signed SHA-256 before any of it reaches the caller's state
+            report = verify_checkpoint(self.path, trusted_keys=self.trusted_keys)
+            if not report.ok:
+                raise CorruptCheckpointError(f"{report.problems[0].message}; nothing was loaded")
         self.storage_data = metadata.storage_data
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:

@@ -119,7 +119,12 @@ def restore(
     if h["url"] == f"{ckpt}.safetensors":
         final = join(dest, h["url"]) if into_dir else dest
         written, nbytes = copy_once(
-            src, final, header_digest=h.get("header_digest"), read_only=False, progress=progress
+            src,
+            final,
+            header_digest=h.get("header_digest"),
+            read_only=False,
+            progress=progress,
+            trusted_keys=snap.trusted_keys,  # with keys: the signed SHA-256 of every byte, not only xxh3
         )
     else:
         # A held directory: DEST is the checkpoint's directory (or, an existing directory, where
@@ -135,6 +140,7 @@ def restore(
             committed=snap.records.get(ckpt),
             read_only=False,
             progress=progress,
+            trusted_keys=snap.trusted_keys,
         )
         final = whole_of(bundle, directory)
     return Restore(
