@@ -160,6 +160,7 @@ def _flip_data_byte(path: str) -> None:
         ("trainer_state.json", ["trainer_state.json", "xxh3 digest differs"]),
         ("rng_state.safetensors", ["rng_state.safetensors", "another certified file"]),
         ("config.json", ["config.json", "missing"]),
+        ("pytorch_model.bin", ["pytorch_model.bin", "not listed by the checkpoint's manifest"]),
     ],
 )
 def test_a_tampered_checkpoint_is_refused_on_resume(run_copy, target, words):
@@ -176,6 +177,9 @@ def test_a_tampered_checkpoint_is_refused_on_resume(run_copy, target, words):
         shutil.copyfile(os.path.join(run_copy, "checkpoint-6", target), path)
     elif target == "config.json":
         os.remove(path)
+    elif target == "pytorch_model.bin":  # weights no record lists, dropped in beside the certified ones
+        with open(path, "wb") as f:
+            f.write(b"\0" * 64)
     else:
         _flip_data_byte(path)
     trainer = certified_trainer(run_copy)

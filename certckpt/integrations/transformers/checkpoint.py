@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +36,7 @@ from certckpt.errors import (
     UnsupportedObjectError,
 )
 from certckpt.format.companions import FILES_KEY, LAYOUT_KEY, companion_problems
+from certckpt.format.signing import trusted_keys_from_env
 from certckpt.format.verify import inspect, verify
 from certckpt.format.writer import SaveResult, save_certified
 
@@ -210,9 +212,18 @@ def manifest_of(directory: str) -> tuple[str, dict[str, dict[str, Any]], int | N
     return path, files, info.record.step
 
 
+# Files a Trainer (or from_pretrained) resume would read if they were there: weights, their indexes,
+# optimizer, scheduler, scaler and RNG state, configs. One the manifest does not list was added after
+# the save (or by someone else): a resume refuses the directory rather than load it unchecked.
+_LOADER_READS = re.compile(
+    r".*\.(safetensors|bin|pt|pth|ckpt|index\.json)$|(config|generation_config|trainer_state)\.json$"
+)
+
+
 def verify_checkpoint(directory: str) -> CheckpointReport:
-    """Check a certified Trainer checkpoint directory: the manifest's bytes, and every file it lists
-    (present, same size, same digest). Files added after the manifest are not checked.
+    """Check a certified Trainer checkpoint directory: the manifest's bytes, every file it lists
+    (present, same size, same digest), and that no file a resume would read is there unlisted. With
+    ``$CERTCKPT_TRUSTED_KEYS``, the manifest and the certified files must be signed by those keys.
 
     Raises:
         NotACheckpointError, CheckpointNotFoundError: there is nothing certified to check.
@@ -229,12 +240,19 @@ def verify_checkpoint(directory: str) -> CheckpointReport:
         report.fail(str(e))
         return report
     report.files = sorted(files)
-    mine = verify(path)
+    keys = trusted_keys_from_env()
+    mine = verify(path, trusted_keys=keys)
     for p in mine.problems:
         report.fail(p.message if p.message.startswith(path) else f"{path}: {p.message}")
     if mine.info is not None:
-        for problem in companion_problems(path, mine.info.record):
+        for problem in companion_problems(path, mine.info.record, trusted_keys=keys):
             report.fail(problem)
+    for name in sorted(os.listdir(directory)):
+        if name not in files and name != MANIFEST_NAME and _LOADER_READS.fullmatch(name):
+            report.fail(
+                f"{os.path.join(directory, name)}: not listed by the checkpoint's manifest (added after the save);"
+                " a resume would read it unchecked"
+            )
     return report
 
 
