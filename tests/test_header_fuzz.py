@@ -13,6 +13,7 @@ Plus regression tests for the library bugs found this way.
 from __future__ import annotations
 
 import json
+import re
 import struct
 import time
 import tracemalloc
@@ -631,28 +632,26 @@ def test_deeply_nested_records_are_one_line_damaged_or_hostile_never_a_recursion
     body = padded_json(hdr)  # canonical: only the depth is wrong with it
     path = tmp_path / "deep.safetensors"
     path.write_bytes(struct.pack("<Q", len(body)) + body + data)
+    # the skeleton is bounded where it is decoded; one nested past what can be written back is not in
+    # the canonical form: either way one line, exit 1
+    why = "damaged or hostile header" if field != "skeleton" else "damaged or hostile header|not in the form certckpt"
     t = time.monotonic()
-    with pytest.raises(CorruptCheckpointError, match="damaged or hostile header"):
+    with pytest.raises(CorruptCheckpointError, match=why):
         certckpt.load(str(path))
     for cmd in ("verify", "inspect"):
         r = CliRunner().invoke(main, [cmd, str(path)])
-        assert r.exit_code == 1 and "damaged or hostile header" in r.output and "Traceback" not in r.output
+        assert r.exit_code == 1 and re.search(why, r.output) and "Traceback" not in r.output
     assert time.monotonic() - t < 1
 
 
 def test_the_deepest_object_save_accepts_still_loads(tmp_path):
-    from certckpt.format.header import nesting_depth
-    from certckpt.format.record import MAX_RECORD_DEPTH
     from certckpt.format.skeleton import MAX_DEPTH
 
     obj: object = torch.ones(1)
     for _ in range(MAX_DEPTH - 2):
         obj = [obj]
     certckpt.save({"x": obj}, str(tmp_path / "a.safetensors"))
-    raw = (tmp_path / "a.safetensors").read_bytes()
-    n = struct.unpack("<Q", raw[:8])[0]
-    rec = json.loads(json.loads(raw[8 : 8 + n])["__metadata__"][RECORD_KEY])
-    assert nesting_depth(rec, limit=10**6) < MAX_RECORD_DEPTH
+    assert certckpt.verify(str(tmp_path / "a.safetensors")).ok
     out = certckpt.load(str(tmp_path / "a.safetensors"))["x"]
     levels = 0
     while isinstance(out, list):

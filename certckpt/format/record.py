@@ -179,7 +179,7 @@ def parse_record(header: Header, *, source: str) -> CheckpointRecord:
         depth = nesting_depth(doc.get(key) if key else doc, limit=limit)
         if depth > limit:
             raise CorruptCheckpointError(
-                f"{source}: damaged or hostile header: the certckpt record's {key or 'document'} nests more than"
+                f"{source}: damaged or hostile header: the certckpt record's {key} nests more than"
                 f" {limit} levels deep; restore the file from a good copy"
             )
     if doc["schema"] > SCHEMA_VERSION:
@@ -207,11 +207,9 @@ def parse_record(header: Header, *, source: str) -> CheckpointRecord:
     return record
 
 
-# How deep a record may nest: the skeleton carries the saved object (skeleton.MAX_DEPTH object levels,
-# a few JSON levels each: tests/test_header_fuzz.py checks the deepest object save accepts still
-# loads); lineage, writer and user are flat by construction.
-MAX_RECORD_DEPTH = 640
-_DEPTH_LIMITS = {"lineage": 16, "writer": 16, "user": 2, "tensors": 2, "": MAX_RECORD_DEPTH}
+# How deep the record's small fields may nest (they are flat by construction). The skeleton is bounded
+# where it is decoded (skeleton.MAX_DEPTH), and nothing recurses over it in Python before that.
+_DEPTH_LIMITS = {"lineage": 16, "writer": 16, "user": 2}
 
 
 def _is_hex(value: object, width: int) -> bool:
