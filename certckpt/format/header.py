@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from certckpt.errors import CorruptCheckpointError, NotACheckpointError, UnsupportedObjectError
 
@@ -102,6 +102,13 @@ class Header:
     metadata: dict[str, str]
     data_start: int
     data_length: int
+    # the parsed JSON of ``raw``, kept so that checks over it never parse the header twice
+    doc: dict | None = field(default=None, compare=False, repr=False)
+
+    def parsed(self) -> dict:
+        """A copy of the parsed header whose ``__metadata__`` map may be changed by the caller."""
+        doc = self.doc if self.doc is not None else strict_json_loads(self.raw)
+        return {**doc, METADATA_KEY: dict(doc.get(METADATA_KEY) or {})}
 
     @property
     def file_length(self) -> int:
@@ -306,6 +313,7 @@ def parse_header(raw: bytes, *, source: str, file_length: int | None) -> Header:
         metadata=metadata,
         data_start=data_start,
         data_length=cursor,
+        doc=doc,
     )
 
 
@@ -338,6 +346,6 @@ def is_canonical(header: Header) -> bool:
     content unchanged; comparing bytes to the canonical form catches every such change.
     """
     try:
-        return padded_json(strict_json_loads(header.raw)) == header.raw
+        return padded_json(header.doc if header.doc is not None else strict_json_loads(header.raw)) == header.raw
     except (ValueError, RecursionError):  # NaN/Infinity literals parse but cannot be re-serialized canonically
         return False

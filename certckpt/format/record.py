@@ -272,7 +272,7 @@ def _digest_holds(header: Header, record_doc: dict) -> bool:
     if not _is_hex(claimed, DIGEST_HEX):
         return False
     try:
-        doc = _blank_signature(strict_json_loads(header.raw))
+        doc = _blank_signature(header.parsed())
         doc[METADATA_KEY][RECORD_KEY] = canonical_json({**record_doc, "header_digest": _PLACEHOLDER_DIGEST})
         return header_digest(padded_json(doc)) == claimed
     except (ValueError, RecursionError, KeyError, TypeError):
@@ -311,7 +311,7 @@ def signature_problem(header: Header, trusted_keys: TrustedKeys) -> tuple[str | 
     data only through it.
     """
     try:
-        doc = strict_json_loads(header.raw)
+        doc = header.parsed()
         sig = _signature_entry(doc)
     except (ValueError, RecursionError, AttributeError) as e:
         return f"the header's signature entry is malformed ({e})", None
@@ -327,7 +327,7 @@ def check_header(header: Header, record: CheckpointRecord) -> str | None:
         return "header bytes are not in the form certckpt writes (whitespace, order or encoding changed)"
     blank = CheckpointRecord(**{**record.as_doc(), "header_digest": _PLACEHOLDER_DIGEST})
     try:
-        doc = _blank_signature(strict_json_loads(header.raw))
+        doc = _blank_signature(header.parsed())
     except (ValueError, AttributeError):
         return "the header's signature entry is malformed"
     doc[METADATA_KEY][RECORD_KEY] = blank.to_json()
