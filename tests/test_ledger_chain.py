@@ -166,10 +166,11 @@ def test_a_damaged_cache_is_ignored_and_a_rewritten_segment_is_seen_by_a_full_re
     assert certify_store(str(store), write_certificates=False).latest_good == "main@10"
     seg = next((store / "_ledger" / "events").iterdir())
     seg.write_text(seg.read_text().replace('"pass"', '"fail"', 1))
-    warm = read_remembering(Ledger(str(store)))  # takes the segment it verified before at its word
-    assert warm.breaks == [] and certify_snapshot(warm).latest_good == "main@10"
+    # a warm read re-hashes a segment whose size, times or inode moved since it was folded
+    warm = read_remembering(Ledger(str(store)))
+    assert certify_snapshot(warm).latest_good is None and "changed after it was sealed" in warm.breaks[0].why
     full = read_remembering(Ledger(str(store)), use_cache=False)  # what `status --verify-bytes` reads
-    assert certify_snapshot(full).latest_good is None and "changed after it was sealed" in full.breaks[0].why
+    assert "changed after it was sealed" in full.breaks[0].why
 
 
 def test_a_ledger_written_before_chains_existed_is_read_as_before_and_says_so(tmp_path):

@@ -18,7 +18,7 @@ from .facts import AuditFacts, BranchFacts, Event
 
 __all__ = ["FactsCache", "FACTS_VERSION"]
 
-FACTS_VERSION = 2
+FACTS_VERSION = 3
 
 
 @dataclass(kw_only=True, slots=True)
@@ -33,6 +33,7 @@ class FactsCache:
         failures: their failed events, as stored.
         invalid: their lines used for nothing (or read pessimistically), with the reason.
         writer_steps: per writer, the greatest step its counted segments vouch for.
+        stamps: per segment, its size, times and inode (an object store: its ETag) when it was read.
     """
 
     store_id: str
@@ -42,6 +43,7 @@ class FactsCache:
     failures: list[dict[str, Any]] = field(default_factory=list)
     invalid: list[tuple[str, str]] = field(default_factory=list)
     writer_steps: dict[str, int] = field(default_factory=dict)
+    stamps: dict[str, str] = field(default_factory=dict)  # per segment, its change detector when read
     unchanged: bool = False  # the same as the cache this read started from: nothing to write
 
     def to_json(self) -> dict[str, Any]:
@@ -59,6 +61,7 @@ class FactsCache:
             "failures": self.failures,
             "invalid": [list(x) for x in self.invalid],
             "writer_steps": self.writer_steps,
+            "stamps": self.stamps,
         }
 
     @classmethod
@@ -83,6 +86,7 @@ class FactsCache:
                 failures=[f for f in doc["failures"] if isinstance(f, dict)],
                 invalid=[(str(a), str(b)) for a, b in doc["invalid"]],
                 writer_steps={str(w): int(s) for w, s in doc["writer_steps"].items()},
+                stamps={str(n): str(v) for n, v in doc["stamps"].items()},
             )
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError):  # binascii.Error is a ValueError
             return None

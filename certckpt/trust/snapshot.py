@@ -219,14 +219,21 @@ def _segment_lines(data: bytes) -> list[Any]:
     return out
 
 
-def _list(fs: Any, root: str, refused: list[tuple[str, str]]) -> dict[str, list[str]]:
+def _list(fs: Any, root: str, refused: list[tuple[str, str]], stamps: dict[str, str]) -> dict[str, list[str]]:
     """Every ledger path, by top-level entry (kind, ``chains``, ``sources``, or ``""`` for files).
 
     A local ledger is walked with ``lstat``: a FIFO would block a reader forever, a device never
     ends, a link may leave the store; each is refused (``refused``: what, why) and never opened."""
     out: dict[str, list[str]] = {}
     prefix = root.rstrip("/") + "/"
-    for p in _local_files(root, refused) if _is_local(fs) else fs.find(root):
+    if _is_local(fs):
+        paths = _local_files(root, refused, stamps)
+    else:
+        found = fs.find(root, detail=True)
+        paths = list(found)
+        for p, info in found.items():  # what the server says changed: its ETag or time, and the size
+            stamps[p] = f"{info.get('size')}:{info.get('ETag') or info.get('LastModified') or info.get('mtime')}"
+    for p in paths:
         rel = p[len(prefix) :] if p.startswith(prefix) else p.rsplit("/", 1)[-1]
         if rel.rsplit("/", 1)[-1].startswith("."):
             continue  # other writers' temp files, about to be linked and removed: not records
@@ -240,7 +247,7 @@ def _is_local(fs: Any) -> bool:
     return protocol == "file" or (isinstance(protocol, tuple) and "file" in protocol)
 
 
-def _local_files(root: str, refused: list[tuple[str, str]], depth: int = 3) -> list[str]:
+def _local_files(root: str, refused: list[tuple[str, str]], stamps: dict[str, str], depth: int = 3) -> list[str]:
     """Regular files under ``root`` (kinds, then ``chains/WRITER``: three levels at most)."""
     out: list[str] = []
     try:
@@ -248,14 +255,17 @@ def _local_files(root: str, refused: list[tuple[str, str]], depth: int = 3) -> l
     except (FileNotFoundError, NotADirectoryError):
         return out
     for e in entries:
-        mode = e.stat(follow_symlinks=False).st_mode
+        st = e.stat(follow_symlinks=False)
+        mode = st.st_mode
         if stat.S_ISREG(mode):
-            if e.stat(follow_symlinks=False).st_size > _MAX_RECORD_BYTES:
-                refused.append((e.path, f"{e.stat(follow_symlinks=False).st_size} bytes, more than any record"))
+            if st.st_size > _MAX_RECORD_BYTES:
+                refused.append((e.path, f"{st.st_size} bytes, more than any record"))
             else:
                 out.append(e.path)
+                # a change detector no writer can forge whole: ctime moves on every change of the file
+                stamps[e.path] = f"{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_ino}"
         elif stat.S_ISDIR(mode) and depth > 1:
-            out.extend(_local_files(e.path, refused, depth - 1))
+            out.extend(_local_files(e.path, refused, stamps, depth - 1))
         elif not e.name.startswith("."):
             refused.append((e.path, f"not a regular file ({_kind_of(mode)}); never opened"))
     return out
@@ -302,10 +312,12 @@ def read_snapshot(
                 raise CheckpointNotFoundError(f"{store}: no such run store")
             return LedgerSnapshot(trusted_keys=trusted_keys)
         refused: list[tuple[str, str]] = []
-        listing = _list(fs, root, refused)
+        stamps: dict[str, str] = {}
+        listing = _list(fs, root, refused, stamps)
         small = [p for k, v in listing.items() if k != "events" for p in v]
         contents = fs.cat(small) if small else {}
         reader = _Reader(store, root, trusted_keys, url_of, listing, contents, remembered, fs, cache)
+        reader.stamps = {p.rsplit("/", 1)[-1]: v for p, v in stamps.items() if p in set(listing.get("events", []))}
         prefix = root.rstrip("/") + "/"
         reader.snap.invalid.extend((p.removeprefix(prefix), why) for p, why in refused)
         reader.hash_segments()
@@ -328,6 +340,7 @@ class _Reader:
         self.listing, self.contents, self.remembered, self.fs = listing, contents, remembered, fs
         self.digests: dict[tuple[str, str], str] = {}
         self.cache: FactsCache | None = cache
+        self.stamps: dict[str, str] = {}  # segment name -> its change detector (see hash_segments)
         self.files: dict[str, list[str]] = {k: sorted(listing.get(k, [])) for k in KINDS}
         self.segment_names = [p.rsplit("/", 1)[-1] for p in self.files["events"]]
         for k in KINDS:
@@ -354,13 +367,15 @@ class _Reader:
                 yield n, got[p]
 
     def hash_segments(self) -> None:
-        """Every segment's SHA-256; a segment a cache verified before is taken at its word there (its
-        sealed content is what was folded; the chains decide below whether it still stands)."""
+        """Every segment's SHA-256. A segment this reader verified before and whose stamp (size,
+        times, inode; on an object store its ETag) has not moved since keeps the digest it had; any
+        other is read and hashed (a rewritten segment then breaks its chain)."""
         known = self.cache.segments if self.cache is not None else {}
-        fresh = [n for n in self.segment_names if n not in known]
-        for n in self.segment_names:
-            if n in known:
-                self.digests["events", n] = known[n][0]
+        stamps = self.cache.stamps if self.cache is not None else {}
+        same = {n for n in self.segment_names if n in known and stamps.get(n) and stamps.get(n) == self.stamps.get(n)}
+        fresh = [n for n in self.segment_names if n not in same]
+        for n in same:
+            self.digests["events", n] = known[n][0]
         for n, data in self._batches(fresh):
             self.digests["events", n] = digest(data)
 
@@ -598,6 +613,8 @@ class _Reader:
         for name, (sha, counted) in c.segments.items():
             if name not in present or self._segment_standing(name)[0] != counted:
                 return None
+            if self.digests.get(("events", name)) != sha:
+                return None  # rewritten since this reader folded it
             s = self.check.sealed.get(("events", name)) if self.check else None
             if s is None or s.sha256 != sha:
                 return None
@@ -620,6 +637,7 @@ class _Reader:
             store_id=snap.store_id or "",
             keys=sorted(self.keys.keys) if self.keys is not None else [],
             segments={n: (self.digests["events", n], c) for n, c in counted.items()},
+            stamps=dict(self.stamps),
         )
         new_invalid_from = len(snap.invalid)
         fresh = [n for n in self.segment_names if n not in counted]
@@ -642,7 +660,7 @@ class _Reader:
             else:
                 out.invalid = [x for x in snap.invalid[new_invalid_from:] if x[0].startswith("events/")]
             out.facts = snap.facts
-            out.unchanged = cache is not None and not fresh
+            out.unchanged = cache is not None and not fresh and cache.stamps == self.stamps
             snap.facts_cache = out
         return counted
 
