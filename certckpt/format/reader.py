@@ -7,7 +7,6 @@ rebuilt. Nothing is unpickled, whatever the file holds.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import warnings
 from typing import Any
@@ -17,6 +16,7 @@ import xxhash
 
 from certckpt.errors import ConfigurationError, CorruptCheckpointError, UntrustedCheckpointError
 
+from .datahash import BackgroundSha256
 from .header import TensorEntry
 from .record import check_header, signature_problem
 from .signing import KEYS_FROM_ENV, TrustedKeys, trusted_keys_for
@@ -160,7 +160,7 @@ def load(
                 if found != expected:
                     raise CorruptCheckpointError(f"{target.display}: {digest_problem(e, expected, found)}")
             if data_hash is not None:
-                data_hash.update(view)  # entries come in file order: this is the data region's SHA-256
+                data_hash.update(view, keep=t)  # entries come in file order: the data region's SHA-256
             del view
             tensors[e.name] = t
         if data_hash is not None and data_hash.finish() != signed_sha256:
@@ -169,25 +169,6 @@ def load(
                 " signing (their xxh3 digests were forged or collide); restore the file from a good copy"
             )
     return _rebuild(info, tensors, map_location, target.display)
-
-
-class BackgroundSha256:
-    """SHA-256 of the buffers given, in order, on one worker thread: hashlib releases the GIL, so a
-    keyed load hashes on a second core while the first reads and checks xxh3 (the buffers are the
-    loaded tensors themselves: nothing is copied)."""
-
-    def __init__(self) -> None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        self._hash = hashlib.sha256()
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="certckpt-sha256")
-
-    def update(self, view: Any) -> None:
-        self._pool.submit(self._hash.update, view)  # one worker: updates run in submission order
-
-    def finish(self) -> str:
-        self._pool.shutdown(wait=True)
-        return self._hash.hexdigest()
 
 
 def staging_device(map_location: Any, *, mmap: bool) -> torch.device | None:

@@ -207,13 +207,16 @@ def _check_data(
         h = xxhash.xxh3_128()
         left = e.nbytes
         while left:
-            n = fh.readinto(mv[: min(left, len(buf))])
+            if data_hash is None:
+                chunk = mv[: fh.readinto(mv[: min(left, len(buf))])]
+            else:  # a fresh buffer per chunk: the SHA-256 runs on another core and needs it until then
+                chunk = memoryview(fh.read(min(left, len(buf))))
+                data_hash.update(chunk)
+            n = len(chunk)
             if not n:
                 report.fail("truncated", truncated_problem(info.source, e, left), e.name)
                 return
-            h.update(mv[:n])
-            if data_hash is not None:
-                data_hash.update(mv[:n])
+            h.update(chunk)
             left -= n
             done += n
             if progress:
@@ -262,7 +265,7 @@ def _check_deep(
                 return
             h.update(mv[:n])
             if data_hash is not None:
-                data_hash.update(mv[:n])
+                data_hash.update(bytes(mv[:n]))  # a copy: this buffer is reused before the hash is done
             fp.update(buf[:n])
             left -= n
             done += n
@@ -331,9 +334,9 @@ def verify(
                 report.fail("signature", f"{target.display}: {problem}")
         data_hash = None
         if signed_sha256 is not None:
-            import hashlib  # OpenSSL: loaded only for a signature check, off the light path
+            from .datahash import BackgroundSha256  # OpenSSL: loaded only for a signature check
 
-            data_hash = hashlib.sha256()
+            data_hash = BackgroundSha256()
         (_check_deep if deep else _check_data)(fh, info, report, progress, data_hash)
         if data_hash is not None and report.ok and data_hash.hexdigest() != signed_sha256:
             report.fail(

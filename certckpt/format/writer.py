@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import hashlib
 import os
 import sys
 import tempfile
@@ -25,6 +24,7 @@ import xxhash
 
 from certckpt.errors import ArgumentTypeError, PlatformError, StorageError, UnsupportedObjectError
 
+from .datahash import BackgroundSha256
 from .fingerprinting import fingerprint_many
 from .header import TensorEntry
 from .inventory import writer_inventory
@@ -175,8 +175,9 @@ class _Job:
         return s.tensor if s.tensor.device.type == "cpu" else s.tensor.cpu()
 
     def data_hasher(self) -> Any:
-        """SHA-256 over the data region, which a signature covers; None when unsigned (it costs)."""
-        return hashlib.sha256() if self.signer is not None else None
+        """SHA-256 over the data region, which a signature covers, hashed on a second core beside the
+        write; None when unsigned."""
+        return BackgroundSha256() if self.signer is not None else None
 
     def finish(self, fps: list[int], digests: list[str], data_hash: Any = None) -> bytes:
         self.record.tensors = {s.name: {"fp": f"{fp:016x}", "xxh3": d} for s, fp, d in zip(self.stored, fps, digests)}
@@ -220,7 +221,7 @@ class _Job:
                     host_digests[i] = xxhash.xxh3_128_hexdigest(view)
                 _pwrite_all(fd, view, base + e.begin)
                 if data_hash is not None:  # entries are contiguous and in data order
-                    data_hash.update(view)
+                    data_hash.update(view, keep=h)
                 del view, h
             fps, digests = hashed.result()
         digests = [d if d is not None else host_digests[i] for i, d in enumerate(digests)]
@@ -237,7 +238,7 @@ class _Job:
             h = self.host(s)
             digests.append(xxhash.xxh3_128_hexdigest(host_bytes(h)))
             if data_hash is not None:
-                data_hash.update(host_bytes(h))
+                data_hash.update(host_bytes(h), keep=h)
             hosts.append(h if h is s.tensor else None)  # keep only zero-copy views alive
         f.write(self.finish(fps, digests, data_hash))
         for s, h in zip(self.stored, hosts):
