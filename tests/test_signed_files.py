@@ -152,11 +152,11 @@ def test_an_xxh3_forgery_keeps_every_unkeyed_digest_and_fails_every_keyed_load(t
         kwargs.update(trusted_keys=keys["trusted"], mmap=True)
     else:
         kwargs["trusted_keys"] = keys["pub"]
-    with pytest.raises(CorruptCheckpointError, match="SHA-256 differs from the one signed"):
+    with pytest.raises(CorruptCheckpointError, match="BLAKE3 differs from the one signed"):
         certckpt.load(forged, **kwargs)
     assert torch.equal(certckpt.load(p, **kwargs)["big"], state["big"])  # the real file loads
     r = certckpt.verify(forged, trusted_keys=keys["trusted"])
-    assert not r.ok and "SHA-256 differs" in r.problems[0].message
+    assert not r.ok and "BLAKE3 differs" in r.problems[0].message
 
 
 def test_a_keyed_load_refuses_unsigned_and_foreign_files_and_an_unverified_read(tmp_path, keys):
@@ -332,7 +332,7 @@ def test_vault_restore_with_trusted_keys_refuses_a_forged_held_copy(tmp_path, ke
     os.chmod(held, 0o644)  # vault copies are read-only; an attacker with write access changes that
     held.write_bytes(forged)
     monkeypatch.setenv("CERTCKPT_TRUSTED_KEYS", keys["pub"])
-    with pytest.raises(CorruptCheckpointError, match="SHA-256 differs"):
+    with pytest.raises(CorruptCheckpointError, match="BLAKE3 differs"):
         restore(str(vault), "main@5", str(tmp_path / "out.safetensors"), accept="verified")
     assert not (tmp_path / "out.safetensors").exists()
 
@@ -360,6 +360,35 @@ def test_certified_reader_with_trusted_keys_refuses_an_xxh3_forged_shard(tmp_pat
             return out
 
         assert not torch.equal(load(trusted_keys=None)["big"], state["big"])  # xxh3 alone is fooled
-        with pytest.raises(BaseException, match="SHA-256 differs") as got:  # DCP wraps it (a BaseException)
+        with pytest.raises(BaseException, match="BLAKE3 differs") as got:  # DCP wraps it (a BaseException)
             load(trusted_keys=keys["trusted"])
         assert "nothing was loaded" in str(got.value)
+
+
+def test_files_signed_with_sha256_still_verify_and_load_keyed_and_catch_the_forgery(tmp_path, keys, monkeypatch):
+    """Files signed before BLAKE3 (or where the blake3 package is missing) carry ``data_sha256``."""
+    from certckpt.errors import CorruptCheckpointError
+
+    monkeypatch.setattr("certckpt.format.writer.preferred_digest_field", lambda: "data_sha256")
+    p = tmp_path / "ck.safetensors"
+    torch.manual_seed(4)
+    state = {**_state(), "big": torch.randn(64, 64)}
+    certckpt.save(state, p, signing_key=keys["signing"])
+    assert "data_sha256" in json.loads(certckpt.inspect(p).header.metadata[SIG_KEY])
+    assert certckpt.verify(p, trusted_keys=keys["trusted"]).ok
+    assert torch.equal(certckpt.load(p, trusted_keys=keys["trusted"])["big"], state["big"])
+    forged = tmp_path / "forged.safetensors"
+    forged.write_bytes(_xxh3_forgery(p))
+    with pytest.raises(CorruptCheckpointError, match="SHA-256 differs from the one signed"):
+        certckpt.load(forged, trusted_keys=keys["trusted"])
+
+
+def test_new_signed_files_carry_a_blake3_digest_of_their_data(tmp_path, keys):
+    import blake3
+
+    p = tmp_path / "ck.safetensors"
+    certckpt.save(_state(), p, signing_key=keys["signing"])
+    info = certckpt.inspect(p)
+    sig = json.loads(info.header.metadata[SIG_KEY])
+    assert set(sig) == {"key", "data_blake3", "ed25519"}
+    assert sig["data_blake3"] == blake3.blake3(p.read_bytes()[info.header.data_start :]).hexdigest()

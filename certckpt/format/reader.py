@@ -16,7 +16,7 @@ import xxhash
 
 from certckpt.errors import ConfigurationError, CorruptCheckpointError, UntrustedCheckpointError
 
-from .datahash import BackgroundSha256
+from .datahash import BackgroundDigest
 from .header import TensorEntry
 from .record import check_header, signature_problem
 from .signing import KEYS_FROM_ENV, TrustedKeys, trusted_keys_for
@@ -130,12 +130,12 @@ def load(
             problem = check_header(info.header, info.record)
             if problem:
                 raise CorruptCheckpointError(f"{target.display}: {problem}")
-        signed_sha256 = None
+        signed = None
         if keys is not None:
-            problem, signed_sha256 = signature_problem(info.header, keys)
+            problem, signed = signature_problem(info.header, keys)
             if problem:
                 raise UntrustedCheckpointError(f"{target.display}: {problem}; not loaded")
-        data_hash = BackgroundSha256() if signed_sha256 is not None else None
+        data_hash = BackgroundDigest(signed[0]) if signed is not None else None
         # a keyed load reads through the host (the GPU staging path checks xxh3 only)
         device = staging_device(map_location, mmap=bool(mmap)) if data_hash is None else None
         if device is not None:  # straight to the GPU through pinned buffers, every digest checked
@@ -163,10 +163,10 @@ def load(
                 data_hash.update(view, keep=t)  # entries come in file order: the data region's SHA-256
             del view
             tensors[e.name] = t
-        if data_hash is not None and data_hash.finish() != signed_sha256:
+        if data_hash is not None and data_hash.finish() != signed[1]:
             raise CorruptCheckpointError(
-                f"{target.display}: the data's SHA-256 differs from the one signed: the tensors changed after"
-                " signing (their xxh3 digests were forged or collide); restore the file from a good copy"
+                f"{target.display}: the data's {data_hash.name} differs from the one signed: the tensors changed"
+                " after signing (their xxh3 digests were forged or collide); restore the file from a good copy"
             )
     return _rebuild(info, tensors, map_location, target.display)
 

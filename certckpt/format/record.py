@@ -14,6 +14,7 @@ import xxhash
 
 from certckpt.errors import CorruptCheckpointError, NotACheckpointError
 
+from .datahash import DIGEST_FIELDS
 from .header import (
     METADATA_KEY,
     Header,
@@ -124,16 +125,20 @@ def build_header(
     record: CheckpointRecord,
     *,
     signer: SigningKey | None = None,
-    data_sha256: str | None = None,
+    data_digest: tuple[str, str | None] = ("data_blake3", None),
 ) -> bytes:
     """The complete header (8-byte length + padded JSON), with ``record.header_digest`` filled in and,
-    with a ``signer``, signed over its own bytes and the data's SHA-256 (``data_sha256``).
+    with a ``signer``, signed over its own bytes and the data's digest (``data_digest``: the
+    signature entry's field, ``data_blake3`` or ``data_sha256``, and its hex value).
 
     The length does not depend on hash values: all are fixed-width strings.
     """
     sig = None
     if signer is not None:
-        sig = {"key": signer.key_id, "data_sha256": data_sha256 or _PLACEHOLDER_SHA256, "ed25519": _PLACEHOLDER_SIG}
+        field_name, value = data_digest
+        if field_name not in DIGEST_FIELDS:
+            raise ValueError(f"unknown data digest {field_name!r}")
+        sig = {"key": signer.key_id, field_name: value or _PLACEHOLDER_SHA256, "ed25519": _PLACEHOLDER_SIG}
     record.header_digest = _PLACEHOLDER_DIGEST
     blank = encode_header(_header_doc(entries, record, sig))
     record.header_digest = header_digest(blank[8:])
@@ -285,12 +290,14 @@ def _signature_entry(doc: dict) -> dict[str, str] | None:
     if text is None:
         return None
     sig = strict_json_loads(text) if isinstance(text, str) else None
+    fields_named = [f for f in DIGEST_FIELDS if isinstance(sig, dict) and f in sig]
     if not (
         isinstance(sig, dict)
-        and set(sig) == {"key", "data_sha256", "ed25519"}
+        and len(fields_named) == 1
+        and set(sig) == {"key", fields_named[0], "ed25519"}
         and all(isinstance(v, str) for v in sig.values())
         and len(sig["ed25519"]) == len(_PLACEHOLDER_SIG)
-        and _is_hex(sig["data_sha256"], 64)
+        and _is_hex(sig[fields_named[0]], 64)
     ):
         raise ValueError("malformed signature entry")
     return sig
@@ -304,11 +311,11 @@ def _blank_signature(doc: dict) -> dict:
     return doc
 
 
-def signature_problem(header: Header, trusted_keys: TrustedKeys) -> tuple[str | None, str | None]:
-    """Check the header's signature: ``(problem or None, the signed data SHA-256 or None)``.
+def signature_problem(header: Header, trusted_keys: TrustedKeys) -> tuple[str | None, tuple[str, str] | None]:
+    """Check the header's signature: ``(problem or None, (digest field, signed data digest) or None)``.
 
-    The caller must still compare the data's SHA-256 with the second value: the signature covers the
-    data only through it.
+    The caller must still compare the data's digest (``datahash.BackgroundDigest(field)``) with the
+    signed one: the signature covers the data only through it.
     """
     try:
         doc = header.parsed()
@@ -318,7 +325,8 @@ def signature_problem(header: Header, trusted_keys: TrustedKeys) -> tuple[str | 
     if sig is None:
         return "unsigned: the file carries no signature (it was saved without a signing key)", None
     signed = padded_json(_blank_signature(doc))
-    return trusted_keys.bytes_problem(sig, SIGNATURE_DOMAIN + signed, what="the header"), sig["data_sha256"]
+    field_name = next(f for f in DIGEST_FIELDS if f in sig)
+    return trusted_keys.bytes_problem(sig, SIGNATURE_DOMAIN + signed, what="the header"), (field_name, sig[field_name])
 
 
 def check_header(header: Header, record: CheckpointRecord) -> str | None:

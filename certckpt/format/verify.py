@@ -327,21 +327,22 @@ def verify(
             report.fail(
                 "state", f"{target.display}: whole-state fingerprint does not match the per-tensor fingerprints"
             )
-        signed_sha256 = None
+        signed = None
         if trusted_keys is not None:
-            problem, signed_sha256 = signature_problem(info.header, trusted_keys)
+            problem, signed = signature_problem(info.header, trusted_keys)
             if problem:
                 report.fail("signature", f"{target.display}: {problem}")
         data_hash = None
-        if signed_sha256 is not None:
-            from .datahash import BackgroundSha256  # OpenSSL: loaded only for a signature check
+        if signed is not None:
+            from .datahash import BackgroundDigest
 
-            data_hash = BackgroundSha256()
+            data_hash = BackgroundDigest(signed[0])
         (_check_deep if deep else _check_data)(fh, info, report, progress, data_hash)
-        if data_hash is not None and report.ok and data_hash.hexdigest() != signed_sha256:
+        if data_hash is not None and report.ok and data_hash.finish() != signed[1]:
             report.fail(
                 "signature",
-                f"{target.display}: the data's SHA-256 differs from the one signed: the tensors changed after signing",
+                f"{target.display}: the data's {data_hash.name} differs from the one signed: the tensors changed after"
+                " signing",
             )
         report.nbytes = info.header.file_length
     report.seconds = time.perf_counter() - t0

@@ -24,7 +24,7 @@ import xxhash
 
 from certckpt.errors import ArgumentTypeError, PlatformError, StorageError, UnsupportedObjectError
 
-from .datahash import BackgroundSha256
+from .datahash import BackgroundDigest, preferred_digest_field
 from .fingerprinting import fingerprint_many
 from .header import TensorEntry
 from .inventory import writer_inventory
@@ -169,15 +169,18 @@ class _Job:
             self.record.lineage["consensus"]["tensors"] = mapping
         # Header length is value-independent; build once with placeholders to learn it.
         self.record.tensors = {s.name: {"fp": "0" * 16, "xxh3": "0" * 32} for s in self.stored}
-        self.header_length = len(build_header(self.entries, self.record, signer=signer))
+        self.digest_field = preferred_digest_field()  # the signature's data digest (BLAKE3 when installed)
+        self.header_length = len(
+            build_header(self.entries, self.record, signer=signer, data_digest=(self.digest_field, None))
+        )
 
     def host(self, s: StoredTensor) -> torch.Tensor:
         return s.tensor if s.tensor.device.type == "cpu" else s.tensor.cpu()
 
     def data_hasher(self) -> Any:
-        """SHA-256 over the data region, which a signature covers, hashed on a second core beside the
+        """The digest of the data region that a signature covers, hashed on another core beside the
         write; None when unsigned."""
-        return BackgroundSha256() if self.signer is not None else None
+        return BackgroundDigest(self.digest_field) if self.signer is not None else None
 
     def finish(self, fps: list[int], digests: list[str], data_hash: Any = None) -> bytes:
         self.record.tensors = {s.name: {"fp": f"{fp:016x}", "xxh3": d} for s, fp, d in zip(self.stored, fps, digests)}
@@ -186,7 +189,7 @@ class _Job:
             self.entries,
             self.record,
             signer=self.signer,
-            data_sha256=data_hash.hexdigest() if data_hash is not None else None,
+            data_digest=(self.digest_field, data_hash.finish() if data_hash is not None else None),
         )
         if len(header) != self.header_length:  # would silently corrupt the data region
             raise PlatformError("certckpt: header length changed between planning and writing")

@@ -1,0 +1,129 @@
+"""Keyed reads and signed writes, side by side with what they add to (issue 27's targets).
+
+In one run, on a 1 GiB state (32 fp32 tensors of 32 MiB) in the page cache:
+- signed save vs unsigned save (target <= 1.10x): the signature's BLAKE3 digest of the data is
+  hashed on another core beside the write;
+- keyed load vs unkeyed load (target <= 1.25x): the BLAKE3 digest checked in the same pass;
+- keyed `certckpt verify --trusted-keys` vs `sha256sum`, both whole processes (target >= 8x faster);
+and a file of 100,000 small tensors: `certckpt verify` and `certckpt.load` as whole processes, with
+their peak memory (targets: verify <= 3 s and <= 200 MB, load <= 6 s).
+
+    python benchmarks/bench_keyed.py [--trials 5] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+import certckpt
+from certckpt.format.signing import TrustedKeys, generate_key
+
+
+def _interleaved(a, b, trials: int) -> tuple[float, float]:
+    """Medians of ``a`` and ``b`` timed in alternation (which goes first alternates too): on two busy
+    cores a drift in the machine's load then lands on both sides."""
+    ta, tb = [], []
+    for i in range(trials):
+        for fn, out in ((a, ta), (b, tb)) if i % 2 == 0 else ((b, tb), (a, ta)):
+            t = time.perf_counter()
+            fn(i)
+            out.append(time.perf_counter() - t)
+    return statistics.median(ta), statistics.median(tb)
+
+
+def _process(args: list[str]) -> tuple[float, float]:
+    """(seconds, peak MB) of one whole process."""
+    code = (
+        "import resource, subprocess, sys, time; t = time.perf_counter(); "
+        f"subprocess.run({args!r}, capture_output=True, check=True); "
+        "print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    return float(out[0]), int(out[1]) / 1024
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--trials", type=int, default=7)
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    exe = os.path.join(os.path.dirname(sys.executable), "certckpt")
+    res: dict[str, float] = {}
+    with tempfile.TemporaryDirectory(prefix="certckpt-bench-keyed-") as d:
+        priv, pub = generate_key(os.path.join(d, "k"))
+        keys = TrustedKeys.load([pub])
+        torch.manual_seed(0)
+        state = {f"layer{i}": torch.randn(8 << 20) for i in range(32)}
+
+        def save(i: int, **kw) -> None:
+            path = os.path.join(d, f"s{i}.safetensors")
+            certckpt.save(state, path, **kw)
+            os.remove(path)  # the disk keeps one copy at a time
+
+        res["save_unsigned_s"], res["save_signed_s"] = _interleaved(
+            lambda i: save(2 * i), lambda i: save(2 * i + 1, signing_key=priv), a.trials
+        )
+        signed = os.path.join(d, "signed.safetensors")
+        certckpt.save(state, signed, signing_key=priv)
+        res["load_unkeyed_s"], res["load_keyed_s"] = _interleaved(
+            lambda i: certckpt.load(signed, trusted_keys=None),
+            lambda i: certckpt.load(signed, trusted_keys=keys),
+            a.trials,
+        )
+        res["sha256sum_s"], res["verify_keyed_s"] = _interleaved(
+            lambda i: _process(["sha256sum", signed]),
+            lambda i: _process([exe, "verify", "--trusted-keys", pub, signed]),
+            3,
+        )
+        many = os.path.join(d, "many.safetensors")
+        certckpt.save({f"t{i}": torch.randn(4) for i in range(100_000)}, many)
+        res["many_verify_s"], res["many_verify_mb"] = _process([exe, "verify", many])
+        res["many_load_s"], res["many_load_mb"] = _process(
+            [sys.executable, "-c", f"import certckpt; certckpt.load({many!r})"]
+        )
+
+    def line(label: str, value: float, target: str, ok: bool, unit: str = "x") -> None:
+        print(f"  {label:<44} {value:7.2f}{unit:<3} target {target:<10} {'PASS' if ok else 'MISS'}")
+
+    save_r = res["save_signed_s"] / res["save_unsigned_s"]
+    load_r = res["load_keyed_s"] / res["load_unkeyed_s"]
+    verify_x = res["sha256sum_s"] / res["verify_keyed_s"]
+    print(f"keyed reads and signed writes, 1 GiB state ({a.trials} interleaved trials, medians)")
+    line(
+        f"signed save / unsigned ({res['save_signed_s']:.2f} s / {res['save_unsigned_s']:.2f} s)",
+        save_r,
+        "<= 1.10x",
+        save_r <= 1.10,
+    )
+    line(
+        f"keyed load / unkeyed ({res['load_keyed_s']:.2f} s / {res['load_unkeyed_s']:.2f} s)",
+        load_r,
+        "<= 1.25x",
+        load_r <= 1.25,
+    )
+    line(
+        f"sha256sum / keyed verify ({res['sha256sum_s']:.2f} s / {res['verify_keyed_s']:.2f} s)",
+        verify_x,
+        ">= 8x",
+        verify_x >= 8,
+    )
+    print("a file of 100,000 tensors (whole processes)")
+    line("certckpt verify", res["many_verify_s"], "<= 3 s", res["many_verify_s"] <= 3, " s")
+    line("certckpt verify, peak memory", res["many_verify_mb"], "<= 200 MB", res["many_verify_mb"] <= 200, " MB")
+    line("certckpt.load", res["many_load_s"], "<= 6 s", res["many_load_s"] <= 6, " s")
+    print(f"  certckpt.load, peak memory                   {res['many_load_mb']:7.0f} MB")
+    if a.json:
+        print(json.dumps(res, indent=2))
+
+
+if __name__ == "__main__":
+    main()
