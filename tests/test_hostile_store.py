@@ -229,15 +229,20 @@ def test_a_commit_record_rewritten_to_name_another_file_is_caught_by_its_embedde
     assert "the file's own record says step 15, its commit record 10" in status.problems["main@10"]
 
 
-def test_two_commit_records_for_one_file_trust_neither(tmp_path):
-    (tmp_path / "_ledger" / "checkpoints").mkdir(parents=True)  # a ledger written before chains existed
-    _store(tmp_path)
+def _second_record_for_main_10(root) -> None:
+    """A commit record written by hand, naming main@10's file as main@12's."""
     _write_record(
-        tmp_path,
+        root,
         "checkpoints",
         "main@12.json",
         {"ckpt_id": "main@12", "branch": "main", "step": 12, "url": "main-10.safetensors", "consensus_fp": "fp10"},
     )
+
+
+def test_two_commit_records_for_one_file_trust_neither(tmp_path):
+    (tmp_path / "_ledger" / "checkpoints").mkdir(parents=True)  # a ledger written before chains existed
+    _store(tmp_path)
+    _second_record_for_main_10(tmp_path)
     status = certify_store(str(tmp_path), write_certificates=False)
     assert {"main@10", "main@12"} <= set(status.problems) and "named by 2 commit records" in status.problems["main@10"]
     assert not status.certification.verdicts["main@10"].trusted and not status.snapshot.chained
@@ -245,12 +250,7 @@ def test_two_commit_records_for_one_file_trust_neither(tmp_path):
 
 def test_a_commit_record_no_chain_seals_is_no_checkpoint(tmp_path):
     _store(tmp_path)
-    _write_record(
-        tmp_path,
-        "checkpoints",
-        "main@12.json",
-        {"ckpt_id": "main@12", "branch": "main", "step": 12, "url": "main-10.safetensors", "consensus_fp": "fp10"},
-    )
+    _second_record_for_main_10(tmp_path)
     status = certify_store(str(tmp_path), write_certificates=False)
     assert status.snapshot.chained and "main@12" not in status.certification.verdicts
     assert ("checkpoints/main@12.json", status.snapshot.invalid[0][1]) in status.snapshot.invalid

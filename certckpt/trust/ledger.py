@@ -224,15 +224,9 @@ class Ledger:
                 if seqs and w.startswith("w"):
                     heads[w] = max(seqs)
             return heads
-        try:
-            paths = fs.find(f"{root}/{CHAINS_DIR}")
-        except FileNotFoundError:
-            return heads
-        for p in paths:
-            writer, name = p.rsplit("/", 2)[-2:]
-            seq = parse_entry_name(name)
-            if seq is not None and writer.startswith("w"):
-                heads[writer] = max(heads.get(writer, 0), seq)
+        for writer, names in self.chain_listing().items():
+            if writer.startswith("w"):
+                heads[writer] = max(parse_entry_name(n) or 0 for n in names)
         return heads
 
     def _seal(self, scope: str, records: list[tuple[str, str, bytes]]) -> None:
