@@ -13,6 +13,7 @@ import sys
 
 import click
 
+from certckpt.format.companions import companion_marker, companion_problems
 from certckpt.format.header import printable
 from certckpt.format.record import check_header
 from certckpt.format.signing import trusted_keys_from_env
@@ -81,12 +82,20 @@ def verify(location: str, deep: bool, ledger_url: str | None, as_json: bool) -> 
     threshold = 256 << 20 if deep else 1 << 30
     keys = trusted_keys_from_env()  # --trusted-keys stands for the variable (common.trusted_keys_option)
     if _is_directory(location):
-        if ledger_url:
-            fail("verify --ledger takes a checkpoint file; for a sharded checkpoint use certckpt status", 2)
-        _verify_sharded(location, deep, as_json, Progress(f"verifying {location}", threshold=threshold), keys)
+        # a directory-shaped checkpoint (a Trainer checkpoint-N/): its certified file and every companion
+        marker = companion_marker(location.removeprefix("file://")) if "://" not in location else None
+        if marker is None:
+            if ledger_url:
+                fail("verify --ledger takes a checkpoint file; for a sharded checkpoint use certckpt status", 2)
+            _verify_sharded(location, deep, as_json, Progress(f"verifying {location}", threshold=threshold), keys)
+        location = marker
     report = run_verify(
         location, deep=deep, progress=Progress(f"verifying {location}", threshold=threshold), trusted_keys=keys
     )
+    if report.info is not None and not report.problems:
+        # a file whose record lists companion files (a Trainer manifest): they are part of what it certifies
+        for problem in companion_problems(location, report.info.record, trusted_keys=keys):
+            report.fail("companion", problem)
     verdict = _ledger_verdict(location, ledger_url, report) if ledger_url else None
     if verdict is not None and report.ok and verdict["verdict"] == "suspect":
         report.ok = False

@@ -56,3 +56,22 @@ def test_a_hostile_files_table_is_a_problem_not_a_path(tmp_path):
     rec = certckpt.inspect(d / "m.safetensors").record
     (problem,) = companion_problems(str(d / "m.safetensors"), rec)
     assert "unreadable" in problem
+
+
+def test_verify_takes_a_directory_shaped_checkpoint_and_any_flipped_byte_in_it(tmp_path):
+    from click.testing import CliRunner
+
+    from certckpt_cli.main import main
+
+    d = _checkpoint(tmp_path / "out", 5)
+    runner = CliRunner()
+    r = runner.invoke(main, ["verify", str(d)])
+    assert r.exit_code == 0 and r.output.startswith(f"OK  {d / 'manifest.safetensors'}"), r.output
+    model = d / "model.safetensors"
+    data = bytearray(model.read_bytes())
+    data[-1] ^= 0x01
+    model.chmod(0o644)
+    model.write_bytes(bytes(data))
+    for target in (d, d / "manifest.safetensors"):  # the directory, or its certified file alone
+        r = runner.invoke(main, ["verify", str(target)])
+        assert r.exit_code == 1 and "FAILED" in r.output and "model.safetensors" in r.output, r.output

@@ -12,6 +12,7 @@ naming the layout. Names are plain file names in the listing file's own director
 from __future__ import annotations
 
 import json
+import os
 import re
 from typing import Any
 
@@ -22,9 +23,9 @@ from certckpt.errors import CertckptError
 from .record import CheckpointRecord
 from .signing import TrustedKeys
 from .storage import join, open_read, resolve
-from .verify import verify
+from .verify import inspect, verify
 
-__all__ = ["FILES_KEY", "LAYOUT_KEY", "companions_of", "companion_problems"]
+__all__ = ["companion_marker", "FILES_KEY", "LAYOUT_KEY", "companions_of", "companion_problems"]
 
 FILES_KEY = "files"
 LAYOUT_KEY = "layout"
@@ -52,6 +53,23 @@ def companions_of(record: CheckpointRecord) -> dict[str, dict[str, Any]] | None:
     ):
         raise ValueError("malformed files table")
     return files
+
+
+def companion_marker(directory: str) -> str | None:
+    """The certified file of a local directory-shaped checkpoint (a Trainer ``checkpoint-N/``...):
+    the one ``.safetensors`` file whose record lists the others; None when there is not exactly one."""
+    found = []
+    try:
+        names = sorted(n for n in os.listdir(directory) if n.endswith(".safetensors") and not n.startswith("."))
+    except OSError:
+        return None
+    for name in names:
+        try:
+            if companions_of(inspect(os.path.join(directory, name)).record):  # headers only
+                found.append(name)
+        except (CertckptError, ValueError, RecursionError):
+            continue
+    return os.path.join(directory, found[0]) if len(found) == 1 else None
 
 
 def _xxh3_and_size(url: str, limit: int) -> tuple[str, int]:
