@@ -367,3 +367,21 @@ def test_fifos_and_devices_named_like_checkpoints_are_refused_unopened(tmp_path,
     with pytest.raises(StorageError, match="refused unopened"):
         certckpt.load(str(victim))
     assert time.monotonic() - t < 5
+
+
+def test_a_checkpoint_linked_to_a_file_outside_the_store_is_refused(tmp_path):
+    import torch
+
+    import certckpt
+
+    store, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    store.mkdir()
+    elsewhere.mkdir()
+    for step in (5, 10):
+        certckpt.save({"w": torch.ones(3)}, str(store / f"main@{step}.safetensors"), ledger=str(store), step=step)
+    # the very bytes, moved out of the store and linked back: the store no longer holds what it vouches for
+    shutil.move(store / "main@10.safetensors", elsewhere / "x.safetensors")
+    os.symlink(elsewhere / "x.safetensors", store / "main@10.safetensors")
+    status, good = find_latest_good(str(store), accept="verified", write_certificates=False)
+    assert good == "main@5"
+    assert "a link that leaves the store" in dict(status.fallbacks)["main@10"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -156,7 +157,23 @@ def _check(status_or_snap, cid: str) -> str | None:
     shared = _shared_files(snap).get(cid)
     if shared:
         return shared
+    rel = (snap.holdings.get(cid) or snap.records[cid])["url"]
+    leaves = _link_leaving_store(entry.url, rel)
+    if leaves:
+        return leaves
     return check_file(entry.url, snap.header_digest(cid), committed=snap.records[cid], trusted_keys=snap.trusted_keys)
+
+
+def _link_leaving_store(url: str, rel: str) -> str | None:
+    """A checkpoint a record places inside the store (a relative name) whose path resolves outside it:
+    a symbolic link an attacker planted to make the store vouch for a file it does not hold."""
+    if "://" in url or rel.startswith("/") or "://" in rel or not url.endswith(rel):
+        return None  # an object store has no links; an absolute location is where the record says
+    base = url[: len(url) - len(rel)] or "."
+    root, real = os.path.realpath(base), os.path.realpath(url)
+    if os.path.commonpath([root, real]) != root:
+        return f"{url}: a link that leaves the store (to {real}); refused unopened (damaged or hostile store)"
+    return None
 
 
 def _shared_files(snap: LedgerSnapshot) -> dict[str, str]:
