@@ -37,6 +37,11 @@ COMMANDS: dict[str, Entry] = {
         "latest_good",
         "Print the newest trusted checkpoint of STORE that precedes every open suspect interval.",
     ),
+    "run": Entry(
+        "run_cmd",
+        "run",
+        "Run COMMAND (a launcher: torchrun, srun, python ...); exit 86 when it failed on a detected fault.",
+    ),
     "gc": Entry(
         "gc_cmd",
         "gc",

@@ -10,11 +10,17 @@ On a ``FaultDetectedError`` every rank prints the incident id, the suspect ranks
 the auditor (flushing events to the ledger) and exits with ``EXIT_FAULT_DETECTED`` (86): "not a
 transient failure; do not requeue on the suspect node". A Kubernetes podFailurePolicy rule on that
 exit code, or a Slurm epilog that drains the named node, keeps the job off the bad hardware.
+
+A launcher between the ranks and the scheduler may hide that status (``torchrun`` exits 1 whatever
+its workers' codes). So each rank also leaves a small marker in ``$CERTCKPT_DETECTION_DIR`` when it
+is set, and ``certckpt run -- LAUNCHER ...`` (which sets it) exits 86 when the launcher failed and a
+marker says why.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
 from collections.abc import Iterator
@@ -23,7 +29,29 @@ from typing import Any
 from certckpt.errors import FaultDetectedError
 from certckpt.trust.incident import EXIT_FAULT_DETECTED, incident_id_for, node_of
 
-__all__ = ["stop_on_fault", "EXIT_FAULT_DETECTED"]
+__all__ = ["stop_on_fault", "EXIT_FAULT_DETECTED", "DETECTION_DIR_ENV"]
+
+DETECTION_DIR_ENV = "CERTCKPT_DETECTION_DIR"
+
+
+def _leave_marker(exit_code: int, incident: str | None, suspects: list[int], nodes: list[str], message: str) -> None:
+    """Tell a wrapping ``certckpt run`` why this rank stops (best effort: the exit code stands alone)."""
+    directory = os.environ.get(DETECTION_DIR_ENV)
+    if not directory:
+        return
+    doc = {
+        "exit": exit_code,
+        "incident": incident,
+        "suspect_ranks": suspects,
+        "nodes": nodes,
+        "rank": os.environ.get("RANK"),
+        "message": message[:500],
+    }
+    with contextlib.suppress(OSError):
+        path = os.path.join(directory, f"detection-{os.getpid()}.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump(doc, f)
+        os.replace(path + ".tmp", path)
 
 
 @contextlib.contextmanager
@@ -54,6 +82,7 @@ def stop_on_fault(auditor: Any, *, exit_code: int = EXIT_FAULT_DETECTED, hard_ex
         )
         with contextlib.suppress(Exception):
             auditor.close()
+        _leave_marker(exit_code, iid, list(ev.suspect_ranks), nodes, str(e))
         if hard_exit:
             import torch.distributed as dist
 
