@@ -18,6 +18,12 @@ from .common import EXIT_FAILED, expected_errors, table_lines, trusted_keys_opti
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON answer.")
 @click.option("--no-verify", is_flag=True, help="Do not re-verify the chosen checkpoint's bytes.")
 @click.option(
+    "--dir",
+    "as_dir",
+    is_flag=True,
+    help="Print the checkpoint's directory (what from_pretrained and ckpt_path= take) for one kept as a directory.",
+)
+@click.option(
     "--accept",
     type=click.Choice(["trusted", "verified"]),
     default="trusted",
@@ -26,7 +32,7 @@ from .common import EXIT_FAILED, expected_errors, table_lines, trusted_keys_opti
 )
 @trusted_keys_option
 @expected_errors
-def latest_good(store: str, as_json: bool, no_verify: bool, accept: str) -> None:
+def latest_good(store: str, as_json: bool, no_verify: bool, accept: str, as_dir: bool = False) -> None:
     """Print the newest trusted checkpoint of STORE that precedes every open suspect interval.
 
     Exit 0 with its URL; 1 when no checkpoint is trusted (or verified, with --accept verified),
@@ -82,12 +88,21 @@ def latest_good(store: str, as_json: bool, no_verify: bool, accept: str) -> None
                     "verdict": status.certification.verdicts[chosen].label,
                     "verified": not no_verify,
                     "suspect_intervals": intervals,
+                    "directory": checkpoint_directory(entry.url),
                 },
                 indent=2,
             )
         )
     else:
-        click.echo(entry.url)
+        click.echo(checkpoint_directory(entry.url) if as_dir else entry.url)
+
+
+def checkpoint_directory(url: str) -> str:
+    """The directory a checkpoint is kept in: a sharded checkpoint's own, or the one holding a
+    certified file and its companions (a Trainer ``checkpoint-N/``); a lone file's parent."""
+    if url.endswith(".safetensors"):
+        return url.rsplit("/", 1)[0] if "/" in url else "."
+    return url.rstrip("/")
 
 
 @click.command()

@@ -75,3 +75,18 @@ def test_verify_takes_a_directory_shaped_checkpoint_and_any_flipped_byte_in_it(t
     for target in (d, d / "manifest.safetensors"):  # the directory, or its certified file alone
         r = runner.invoke(main, ["verify", str(target)])
         assert r.exit_code == 1 and "FAILED" in r.output and "model.safetensors" in r.output, r.output
+
+
+def test_latest_good_dir_prints_the_directory_from_pretrained_takes(tmp_path):
+    from click.testing import CliRunner
+
+    from certckpt_cli.main import main
+
+    store = tmp_path / "out"
+    d = _checkpoint(store, 5)
+    r = CliRunner().invoke(main, ["latest-good", str(store), "--accept", "verified", "--dir"])
+    assert r.exit_code == 0 and r.output.strip() == str(d), r.output
+    r = CliRunner().invoke(main, ["latest-good", str(store), "--accept", "verified"])
+    assert r.output.strip() == str(d / "manifest.safetensors")
+    doc = json.loads(CliRunner().invoke(main, ["latest-good", str(store), "--accept", "verified", "--json"]).output)
+    assert doc["directory"] == str(d)
