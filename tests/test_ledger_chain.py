@@ -208,3 +208,32 @@ def test_fifos_devices_and_links_in_a_ledger_are_refused_unopened_within_a_secon
     assert "a FIFO" in why["events/00000000000000000001-fifo.jsonl"]
     assert "a symbolic link" in why["events/00000000000000000002-zero.jsonl"]
     assert "a FIFO" in why["checkpoints/main@45.json"]
+
+
+def test_reading_while_writers_append_never_sees_a_false_break(tmp_path):
+    import threading
+
+    store = str(tmp_path / "run")
+    Ledger(store).commit_checkpoint(branch="main", step=1, location=f"{store}/main@1.safetensors")
+    stop = threading.Event()
+
+    def write(branch: str) -> None:
+        led, step = Ledger(store), 0
+        while not stop.is_set() and step < 400:
+            step += 10
+            _audit(led, step, branch=branch)
+
+    writers = [threading.Thread(target=write, args=(b,)) for b in ("a", "b")]
+    for w in writers:
+        w.start()
+    reads = 0
+    try:
+        while any(w.is_alive() for w in writers) and reads < 60:
+            snap = Ledger(store).snapshot()  # no reader memory: each read stands alone
+            assert snap.breaks == [] and not snap.tampered, snap.breaks
+            reads += 1
+    finally:
+        stop.set()
+        for w in writers:
+            w.join()
+    assert reads > 5

@@ -19,6 +19,7 @@ own signature, and say so (``LedgerSnapshot.notes``). No torch import.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -226,10 +227,18 @@ def _list(fs: Any, root: str, refused: list[tuple[str, str]], stamps: dict[str, 
     ends, a link may leave the store; each is refused (``refused``: what, why) and never opened."""
     out: dict[str, list[str]] = {}
     prefix = root.rstrip("/") + "/"
+    chains = prefix + CHAINS_DIR
+    # The chains first: a writer seals a record only after writing it, and records are never removed,
+    # so every record an entry listed here seals is there when the rest is listed (a writer at work
+    # meanwhile cannot make a sealed record look deleted).
     if _is_local(fs):
-        paths = _local_files(root, refused, stamps)
+        paths = _local_files(chains, refused, stamps, depth=2)
+        paths += [p for p in _local_files(root, refused, stamps, skip=CHAINS_DIR)]
     else:
-        found = fs.find(root, detail=True)
+        found = {}
+        with contextlib.suppress(FileNotFoundError):
+            found.update(fs.find(chains, detail=True))
+        found.update({p: i for p, i in fs.find(root, detail=True).items() if not p.startswith(chains + "/")})
         paths = list(found)
         for p, info in found.items():  # what the server says changed: its ETag or time, and the size
             stamps[p] = f"{info.get('size')}:{info.get('ETag') or info.get('LastModified') or info.get('mtime')}"
@@ -247,7 +256,9 @@ def _is_local(fs: Any) -> bool:
     return protocol == "file" or (isinstance(protocol, tuple) and "file" in protocol)
 
 
-def _local_files(root: str, refused: list[tuple[str, str]], stamps: dict[str, str], depth: int = 3) -> list[str]:
+def _local_files(
+    root: str, refused: list[tuple[str, str]], stamps: dict[str, str], depth: int = 3, skip: str = ""
+) -> list[str]:
     """Regular files under ``root`` (kinds, then ``chains/WRITER``: three levels at most)."""
     out: list[str] = []
     try:
@@ -255,7 +266,12 @@ def _local_files(root: str, refused: list[tuple[str, str]], stamps: dict[str, st
     except (FileNotFoundError, NotADirectoryError):
         return out
     for e in entries:
-        st = e.stat(follow_symlinks=False)
+        if e.name.startswith(".") or e.name == skip:
+            continue  # another writer's temp file, about to be linked and removed: not a record
+        try:
+            st = e.stat(follow_symlinks=False)
+        except FileNotFoundError:
+            continue  # gone since the listing (a temp file renamed away)
         mode = st.st_mode
         if stat.S_ISREG(mode):
             if st.st_size > _MAX_RECORD_BYTES:
@@ -266,7 +282,7 @@ def _local_files(root: str, refused: list[tuple[str, str]], stamps: dict[str, st
                 stamps[e.path] = f"{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_ino}"
         elif stat.S_ISDIR(mode) and depth > 1:
             out.extend(_local_files(e.path, refused, stamps, depth - 1))
-        elif not e.name.startswith("."):
+        else:
             refused.append((e.path, f"not a regular file ({_kind_of(mode)}); never opened"))
     return out
 
