@@ -197,7 +197,8 @@ def test_malformed_unsigned_failures_count_as_failures_without_a_traceback(attac
     assert st.latest_good == "main@10"  # the failure at 12 counts, never contained
     for cmd in (["status", str(store)], ["latest-good", str(store)]):
         r = CliRunner().invoke(main, cmd)
-        assert "Traceback" not in r.output and r.exception is None or isinstance(r.exception, SystemExit)
+        # an uncaught error would be r.exception itself; the commands end in a documented exit only
+        assert r.exit_code in (0, 1) and (r.exception is None or isinstance(r.exception, SystemExit)), r.output
 
 
 def test_unsigned_revocations_never_drive_a_prune(attack, tmp_path, signed_runs):

@@ -237,3 +237,24 @@ def test_reading_while_writers_append_never_sees_a_false_break(tmp_path):
         for w in writers:
             w.join()
     assert reads > 5
+
+
+def test_a_deleted_genesis_record_is_tampering_not_an_unchained_store(tmp_path):
+    led = Ledger(str(tmp_path))
+    _audit(led, 10)
+    (tmp_path / "_ledger" / "genesis.json").unlink()
+    st = certify_store(str(tmp_path), write_certificates=False)
+    assert st.snapshot.chained and st.latest_good is None
+    assert st.snapshot.breaks[0].why == "genesis record missing (deleted)"
+    # nothing can be authenticated without the identity every entry links to: no record counts for trust
+    assert "main@10" not in st.certification.verdicts
+    assert dict(st.snapshot.invalid)["checkpoints/main@10.json"] == "the store's chains cannot be verified"
+
+
+def test_a_fifo_named_like_the_genesis_record_is_refused_by_a_writer(tmp_path):
+    from certckpt.errors import StorageError
+
+    (tmp_path / "_ledger").mkdir()
+    os.mkfifo(tmp_path / "_ledger" / "genesis.json")
+    with pytest.raises(StorageError, match="is a FIFO, not a file"):
+        _audit(Ledger(str(tmp_path)), 10)

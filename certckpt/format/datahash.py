@@ -12,7 +12,6 @@ never holds more than ``max_pending`` of them for the hash.
 from __future__ import annotations
 
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from certckpt.errors import MissingDependencyError
@@ -68,6 +67,8 @@ class BackgroundDigest:
     """
 
     def __init__(self, field: str, *, max_pending: int = 256 << 20) -> None:
+        from concurrent.futures import ThreadPoolExecutor  # only where a signature is made or checked
+
         self.field = field
         self._hash = _new(DIGEST_FIELDS[field])
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="certckpt-digest")

@@ -154,7 +154,6 @@ class Sealed:
     writer: str
     seq: int
     counts: bool
-    key: str | None = None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -284,11 +283,10 @@ def check_chains(
                     out.heads[writer] = (seq, h)
                     prev, expected = h, seq + 1
                     counts = trusted_keys is None or bool(authenticated)
-                    key = (doc.get("sig") or {}).get("key") if isinstance(doc.get("sig"), dict) else None
                     for kind, name, sha in doc["records"]:
                         have = out.sealed.get((kind, name))
                         if have is None or (counts and not have.counts):  # a seal that counts wins
-                            out.sealed[kind, name] = Sealed(sha, writer, seq, counts, key)
+                            out.sealed[kind, name] = Sealed(sha, writer, seq, counts)
                     seals.extend((writer, seq, w, s) for w, s in doc["seen"].items() if w != writer)
                     continue
             # after a break: what these entries list still counts against trust, never for it
@@ -320,7 +318,7 @@ def check_chains(
         for key, s in list(out.sealed.items()):
             b = out.breaks.get(s.writer)
             if b is not None and s.seq >= b.seq and s.counts:
-                out.sealed[key] = Sealed(s.sha256, s.writer, s.seq, False, s.key)
+                out.sealed[key] = Sealed(s.sha256, s.writer, s.seq, False)
     return out
 
 

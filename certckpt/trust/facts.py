@@ -15,9 +15,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-__all__ = ["AuditFacts", "BranchFacts", "Event", "EventProblem", "read_event", "FULL_KINDS", "SEEN_ALL", "FAILED_ANY"]
+__all__ = ["AuditFacts", "BranchFacts", "Event", "EventProblem", "read_event", "SEEN_ALL", "FAILED_ANY"]
 
-FULL_KINDS = ("replay", "nonfinite", "consensus")
 # A branch is only ever compared and printed (escaped) here, never made a path: any short text.
 _MAX_STEP = 10**18
 

@@ -45,6 +45,7 @@ from certckpt.format.storage import (
     filesystem,
     join,
     put_once,
+    refuse_special,
     remote_error_text,
     resolve,
 )
@@ -149,6 +150,7 @@ class Ledger:
         target = resolve(location)
         try:
             if target.local is not None:
+                refuse_special(target.local, location)  # a FIFO named like a record would block the writer
                 with open(target.local, "rb") as f:
                     return f.read()
             fs, path = filesystem(target.url)

@@ -190,6 +190,11 @@ class LedgerSnapshot:
             self.loaded_events = self.event_loader() if self.event_loader is not None else []
         return self.loaded_events
 
+    def event_branches(self) -> set[str]:
+        """Branches the audit events name (without reading the events again, as ``events`` would)."""
+        failed = {f.get("branch") for f in self.failures if isinstance(f, dict) and isinstance(f.get("branch"), str)}
+        return set(self.facts.branches) | {e.branch for e in self.facts.doubtful} | failed
+
     def open_incidents(self) -> list[str]:
         """Ids of the incidents not closed yet."""
         return [i.incident_id for i in incident_state(self.incident_records).values() if i.is_open]
@@ -333,7 +338,8 @@ def read_snapshot(
         small = [p for k, v in listing.items() if k != "events" for p in v]
         contents = fs.cat(small) if small else {}
         reader = _Reader(store, root, trusted_keys, url_of, listing, contents, remembered, fs, cache)
-        reader.stamps = {p.rsplit("/", 1)[-1]: v for p, v in stamps.items() if p in set(listing.get("events", []))}
+        segments = set(listing.get("events", []))
+        reader.stamps = {p.rsplit("/", 1)[-1]: v for p, v in stamps.items() if p in segments}
         prefix = root.rstrip("/") + "/"
         reader.snap.invalid.extend((p.removeprefix(prefix), why) for p, why in refused)
         reader.hash_segments()
@@ -368,7 +374,6 @@ class _Reader:
             self.digests["", p.rsplit("/", 1)[-1]] = digest(contents[p])
         self.snap = LedgerSnapshot(segments=len(self.files["events"]), trusted_keys=trusted_keys)
         self.check: ChainCheck | None = None
-        self.authentic = True  # with trusted keys: the genesis record is signed by one of them
         self.source: str | None = None  # a vault's source run's store id, when the vault vouches for it
         self.writer_store: dict[str, str] = {}
 
@@ -404,9 +409,16 @@ class _Reader:
         snap = self.snap
         genesis = self._top(GENESIS)
         if genesis is None:
-            if any(self.files[k] for k in KINDS):
+            if self.listing.get(CHAINS_DIR):
+                # chains without the identity they link to: the genesis record was deleted
+                snap.chained = True
+                snap.breaks.append(
+                    Break(writer="genesis", seq=0, scope="store", why="genesis record missing (deleted)")
+                )
+                snap.tampered["*"] = -1
+            elif any(self.files[k] for k in KINDS):
                 snap.notes.append(
-                    "unchained ledger (written before certckpt 0.9): a deleted or replayed record cannot be "
+                    "unchained ledger (written before chained ledgers): a deleted or replayed record cannot be "
                     "detected; start a new run store (an empty directory or prefix) to get a chained ledger"
                 )
             return
@@ -495,7 +507,7 @@ class _Reader:
         """Whether a record may count for trust, and why not."""
         if not self.snap.chained:
             return True, None  # unchained: the caller applies each record's own signature
-        if self.check is None or not self.authentic:
+        if self.check is None:
             return False, "the store's chains cannot be verified"
         s = self.check.sealed.get((kind, name))
         if s is None:

@@ -292,7 +292,7 @@ class CertifiedCheckpointIO(*CHECKPOINT_IO_BASES):
         snap = status.snapshot if status is not None else LedgerSnapshot()
         recorded = {n.removesuffix(".json") for n in Ledger(store).list_raw("branches")} if status else set()
         taken = {c.branch for c in snap.checkpoints} | set(snap.branch_parents) | recorded
-        taken |= {e.get("branch") for e in snap.events}
+        taken |= snap.event_branches()
         source = record.branch or "main"
         parent = ckpt_id_for(source, step)
         wanted = self._branch
