@@ -258,3 +258,14 @@ def test_a_fifo_named_like_the_genesis_record_is_refused_by_a_writer(tmp_path):
     os.mkfifo(tmp_path / "_ledger" / "genesis.json")
     with pytest.raises(StorageError, match="is a FIFO, not a file"):
         _audit(Ledger(str(tmp_path)), 10)
+
+
+def test_events_of_a_branch_that_cannot_name_a_chain_are_refused_before_anything_is_written(tmp_path):
+    from certckpt.errors import ConfigurationError
+
+    led = Ledger(str(tmp_path))
+    _audit(led, 10)
+    before = sorted(p.name for p in (tmp_path / "_ledger" / "events").iterdir())
+    with pytest.raises(ConfigurationError, match="branch"):
+        led.append_events([event_dict("main", 20, "replay"), event_dict("../x", 20, "replay")])
+    assert sorted(p.name for p in (tmp_path / "_ledger" / "events").iterdir()) == before

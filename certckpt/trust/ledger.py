@@ -316,6 +316,9 @@ class Ledger:
         by_branch: dict[Any, list[dict[str, Any]]] = {}
         for d in docs:
             by_branch.setdefault(d.get("branch"), []).append(d)
+        if chained:  # every branch names a chain: refused before anything is written
+            for branch in by_branch:
+                _check_name("branch", str(branch))
         name = None
         for branch, group in by_branch.items():
             lines = [json.dumps(d, separators=(",", ":"), sort_keys=True) for d in group]
@@ -323,7 +326,7 @@ class Ledger:
             data = ("\n".join(lines) + "\n").encode("utf-8")
             put_once(join(self.root, "events", name), data)
             if chained:
-                self._seal(scope_of("events", _check_name("branch", str(branch))), [("events", name, data)])
+                self._seal(scope_of("events", str(branch)), [("events", name, data)])
         return name
 
     def revoke(self, ckpt_id: str, *, reason: str, by: str = "") -> Revocation:
