@@ -90,3 +90,48 @@ def test_latest_good_dir_prints_the_directory_from_pretrained_takes(tmp_path):
     assert r.output.strip() == str(d / "manifest.safetensors")
     doc = json.loads(CliRunner().invoke(main, ["latest-good", str(store), "--accept", "verified", "--json"]).output)
     assert doc["directory"] == str(d)
+
+
+def _state_json(step):
+    # more than one 1,024-byte xxh3 block, as a real trainer_state.json is
+    return json.dumps({"global_step": step, "log_history": [{"loss": 1.0 / (i + 1), "step": i} for i in range(60)]})
+
+
+def test_an_xxh3_forged_companion_keeps_its_xxh3_and_fails_its_cryptographic_digest(tmp_path):
+    from xxh3_forge import forge
+
+    from certckpt.format.companions import plain_entry
+
+    d = tmp_path / "checkpoint-7"
+    d.mkdir()
+    (d / "trainer_state.json").write_text(_state_json(7))
+    entry = plain_entry(str(d / "trainer_state.json"))
+    assert set(entry) == {"bytes", "xxh3", "blake3"}
+    meta = {"layout": "test-bundle/1", "files": json.dumps({"trainer_state.json": entry}, separators=(",", ":"))}
+    certckpt.save({"optim": torch.ones(2)}, d / "manifest.safetensors", metadata=meta)
+    rec = certckpt.inspect(d / "manifest.safetensors").record
+    assert companion_problems(str(d / "manifest.safetensors"), rec) == []
+
+    forged = forge((d / "trainer_state.json").read_bytes())
+    assert _xxh3_of_bytes(forged) == entry["xxh3"] and forged != (d / "trainer_state.json").read_bytes()
+    (d / "trainer_state.json").write_bytes(forged)
+    (problem,) = companion_problems(str(d / "manifest.safetensors"), rec)  # no key needed: BLAKE3 is in the entry
+    assert "trainer_state.json: BLAKE3 digest differs" in problem
+
+
+def test_a_keyed_read_refuses_a_companion_bound_by_xxh3_only(tmp_path):
+    from certckpt.format.signing import TrustedKeys, generate_key
+
+    _, pub = generate_key(str(tmp_path / "k"))
+    store = tmp_path / "out"
+    d = _checkpoint(store, 3)  # the entry of state.json has xxh3 only, as listings before BLAKE3 did
+    rec = certckpt.inspect(d / "manifest.safetensors").record
+    assert not [p for p in companion_problems(str(d / "manifest.safetensors"), rec) if "state.json" in p]
+    problems = companion_problems(str(d / "manifest.safetensors"), rec, trusted_keys=TrustedKeys.load([pub]))
+    assert any("state.json: its listing binds it by xxh3 only" in p for p in problems), problems
+
+
+def _xxh3_of_bytes(data):
+    import xxhash
+
+    return xxhash.xxh3_128_hexdigest(data)

@@ -5,8 +5,14 @@ holds the optimizer).
 
 The list is the record's ``user["files"]``: canonical JSON ``{name: {"bytes": N, "header_digest":
 HEX}}`` for a certified file (its header digest covers every tensor's xxh3-128 digest) or ``{name:
-{"bytes": N, "xxh3": HEX}}`` for any other file (xxh3-128 of its bytes), beside ``user["layout"]``
-naming the layout. Names are plain file names in the listing file's own directory. No torch import.
+{"bytes": N, "xxh3": HEX, "blake3": HEX}}`` for any other file, beside ``user["layout"]`` naming
+the layout. Names are plain file names in the listing file's own directory. No torch import.
+
+A file that is not certified (``trainer_state.json``, a config, a tokenizer) is bound by two digests of
+its bytes: xxh3-128 catches accidents cheaply, and a cryptographic one (BLAKE3, or SHA-256 where the
+``blake3`` package is missing) is what stops a forger: xxh3 has practical second preimages, so a keyed
+read (trusted keys given) requires the cryptographic digest and refuses an entry that has none
+(written before certckpt recorded one).
 """
 
 from __future__ import annotations
@@ -20,17 +26,29 @@ import xxhash
 
 from certckpt.errors import CertckptError
 
+from .datahash import new_hash, preferred_digest_field
 from .record import CheckpointRecord
 from .signing import TrustedKeys
 from .storage import join, open_read, resolve
 from .verify import inspect, verify
 
-__all__ = ["companion_marker", "FILES_KEY", "LAYOUT_KEY", "companions_of", "companion_problems"]
+__all__ = [
+    "companion_marker",
+    "FILES_KEY",
+    "LAYOUT_KEY",
+    "CRYPTO_FIELDS",
+    "companions_of",
+    "companion_problems",
+    "plain_entry",
+    "plain_problem",
+]
 
 FILES_KEY = "files"
 LAYOUT_KEY = "layout"
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,254}$")  # a plain name: no separator, no leading dot
 _CHUNK = 16 << 20
+CRYPTO_FIELDS = ("blake3", "sha256")  # an uncertified file's cryptographic digest: entry key = algorithm
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
 def companions_of(record: CheckpointRecord) -> dict[str, dict[str, Any]] | None:
@@ -49,6 +67,7 @@ def companions_of(record: CheckpointRecord) -> dict[str, dict[str, Any]] | None:
         and isinstance(v, dict)
         and type(v.get("bytes")) is int
         and isinstance(v.get("header_digest", v.get("xxh3")), str)
+        and all(isinstance(v[f], str) and _HEX64.match(v[f]) for f in CRYPTO_FIELDS if f in v)
         for k, v in files.items()
     ):
         raise ValueError("malformed files table")
@@ -72,16 +91,51 @@ def companion_marker(directory: str) -> str | None:
     return os.path.join(directory, found[0]) if len(found) == 1 else None
 
 
-def _xxh3_and_size(url: str, limit: int) -> tuple[str, int]:
-    """xxh3-128 and size of a file, reading at most ``limit + 1`` bytes (the size its record states,
-    and one more to tell it grew): a file that never ends is never read to its end."""
-    h = xxhash.xxh3_128()
+def _digests(url: str, limit: int | None, crypto: str | None) -> tuple[str, str | None, int]:
+    """(xxh3-128, the ``crypto`` digest or None, size) of a file in one pass; with ``limit``, reading
+    at most ``limit + 1`` bytes (the size its record states, and one more to tell it grew): a file that
+    never ends is never read to its end."""
+    h, c = xxhash.xxh3_128(), new_hash(crypto) if crypto else None
     n = 0
     with open_read(resolve(url)) as (fh, _):
-        while n <= limit and (chunk := fh.read(min(_CHUNK, limit + 1 - n))):
+        while (limit is None or n <= limit) and (
+            chunk := fh.read(_CHUNK if limit is None else min(_CHUNK, limit + 1 - n))
+        ):
             h.update(chunk)
+            if c is not None:
+                c.update(chunk)
             n += len(chunk)
-    return h.hexdigest(), n
+    return h.hexdigest(), c.hexdigest() if c is not None else None, n
+
+
+def plain_entry(url: str) -> dict[str, Any]:
+    """What a listing records of an uncertified file: ``{"bytes", "xxh3", "blake3" | "sha256"}``."""
+    crypto = preferred_digest_field().removeprefix("data_")
+    xxh3, digest, size = _digests(url, None, crypto)
+    return {"bytes": size, "xxh3": xxh3, crypto: digest}
+
+
+def plain_problem(url: str, want: dict[str, Any], *, trusted_keys: TrustedKeys | None = None) -> str | None:
+    """Why the uncertified file at ``url`` is not the one ``want`` (a ``plain_entry``) describes, or
+    None. With ``trusted_keys``, an entry without a cryptographic digest is refused (xxh3 alone can be
+    forged).
+
+    Raises:
+        CertckptError: it cannot be read (missing, not a regular file, ...).
+    """
+    crypto = next((f for f in CRYPTO_FIELDS if f in want), None)
+    if crypto is None and trusted_keys is not None:
+        return (
+            f"{url}: its listing binds it by xxh3 only (written by an older certckpt), which a forger can match;"
+            " a keyed read needs its BLAKE3 or SHA-256: re-save the checkpoint with this certckpt"
+        )
+    xxh3, digest, size = _digests(url, want["bytes"], crypto)
+    if size != want["bytes"]:
+        return f"{url}: {size} bytes, the manifest says {want['bytes']}; the file changed after the save"
+    if xxh3 != want.get("xxh3") or (crypto is not None and digest != want[crypto]):
+        which = "xxh3" if xxh3 != want.get("xxh3") else crypto.upper().replace("SHA256", "SHA-256")
+        return f"{url}: {which} digest differs from the manifest's; the file changed after the save"
+    return None
 
 
 def companion_problems(
@@ -111,7 +165,7 @@ def companion_problems(
                         f"{got.info.record.header_digest}, the manifest says {want['header_digest']})"
                     )
                 continue
-            digest, size = _xxh3_and_size(member, want["bytes"])
+            problem = plain_problem(member, want, trusted_keys=trusted_keys)
         except CertckptError as e:
             text = str(e)
             problems.append(
@@ -120,10 +174,6 @@ def companion_problems(
                 else text
             )
             continue
-        if size != want["bytes"]:
-            problems.append(
-                f"{member}: {size} bytes, the manifest says {want['bytes']}; the file changed after the save"
-            )
-        elif digest != want.get("xxh3"):
-            problems.append(f"{member}: xxh3 digest differs from the manifest's; the file changed after the save")
+        if problem:
+            problems.append(problem)
     return problems

@@ -12,11 +12,14 @@ never holds more than ``max_pending`` of them for the hash.
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
 
 from certckpt.errors import MissingDependencyError
 
-__all__ = ["DIGEST_FIELDS", "BackgroundDigest", "preferred_digest_field", "digest_name"]
+__all__ = ["DIGEST_FIELDS", "BackgroundDigest", "preferred_digest_field", "digest_name", "new_hash"]
 
 # The signature entry's data digest: field name -> algorithm. Both fields have 11 characters and 64
 # hex digits, so a header's length never depends on which one a writer uses.
@@ -38,7 +41,8 @@ def preferred_digest_field() -> str:
     return "data_blake3"
 
 
-def _new(algorithm: str) -> Any:
+def new_hash(algorithm: str) -> Any:
+    """A hashlib-style object for ``"blake3"`` or ``"sha256"``."""
     if algorithm == "sha256":
         import hashlib  # OpenSSL: loaded only where a signature is made or checked
 
@@ -70,7 +74,7 @@ class BackgroundDigest:
         from concurrent.futures import ThreadPoolExecutor  # only where a signature is made or checked
 
         self.field = field
-        self._hash = _new(DIGEST_FIELDS[field])
+        self._hash = new_hash(DIGEST_FIELDS[field])
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="certckpt-digest")
         self._max = max_pending
         self._pending = 0
@@ -89,19 +93,23 @@ class BackgroundDigest:
                 self._pending -= n
                 self._room.notify_all()
 
-    def update(self, view: Any, *, keep: Any = None) -> None:
+    def update(self, view: Any, *, keep: Any = None) -> Future:
         """Queue ``view``; blocks while too much waits.
 
         Args:
             keep: the object that owns ``view``'s memory (a tensor behind ``host_bytes``), held until
                 the view is hashed.
+
+        Returns:
+            A future that is done once ``view`` is hashed: a reader that refills its own buffers
+            waits on it before reusing the buffer.
         """
         n = memoryview(view).nbytes
         with self._room:
             while self._pending and self._pending + n > self._max:
                 self._room.wait()
             self._pending += n
-        self._pool.submit(self._consume, view, n, keep)  # one worker: updates run in submission order
+        return self._pool.submit(self._consume, view, n, keep)  # one worker: updates run in submission order
 
     def finish(self) -> str:
         """Wait for every queued buffer; the hex digest."""

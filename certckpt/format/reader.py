@@ -17,7 +17,7 @@ import xxhash
 from certckpt.errors import ConfigurationError, CorruptCheckpointError, UntrustedCheckpointError
 
 from .datahash import BackgroundDigest
-from .header import TensorEntry
+from .header import TensorEntry, gc_paused
 from .record import check_header, signature_problem
 from .signing import KEYS_FROM_ENV, TrustedKeys, trusted_keys_for
 from .skeleton import check_map_location, rebuild
@@ -124,7 +124,8 @@ def load(
         raise ConfigurationError(
             f"{target.display}: mmap=True needs a local file path (not a URL or a file object); drop mmap"
         )
-    with open_read(target) as (fh, size):
+    # (no cyclic collection while 100,000 tensors and their containers are made)
+    with open_read(target) as (fh, size), gc_paused():
         info = read_checkpoint_header(fh, size, target.display)
         if verify:
             problem = check_header(info.header, info.record)
@@ -168,7 +169,7 @@ def load(
                 f"{target.display}: the data's {data_hash.name} differs from the one signed: the tensors changed"
                 " after signing (their xxh3 digests were forged or collide); restore the file from a good copy"
             )
-    return _rebuild(info, tensors, map_location, target.display)
+        return _rebuild(info, tensors, map_location, target.display)
 
 
 def staging_device(map_location: Any, *, mmap: bool) -> torch.device | None:

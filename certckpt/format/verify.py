@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import struct
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO, TYPE_CHECKING, Any
@@ -22,11 +23,19 @@ from .header import (
     MAX_HEADER_BYTES,
     Header,
     TensorEntry,
+    gc_paused,
     parse_header,
     printable,
     read_header_length,
 )
-from .record import CheckpointRecord, check_header, parse_record, signature_problem, state_fingerprint
+from .record import (
+    CheckpointRecord,
+    canonical_form,
+    check_header,
+    parse_record,
+    signature_problem,
+    state_fingerprint,
+)
 from .storage import open_read, resolve
 
 if TYPE_CHECKING:
@@ -35,6 +44,7 @@ if TYPE_CHECKING:
 __all__ = ["verify", "inspect", "VerifyReport", "Problem", "CheckpointInfo", "read_checkpoint_header"]
 
 _CHUNK = 16 << 20  # streaming buffer: bounded memory whatever the file size
+_RING, _RING_PIECE = 8, 8 << 20  # keyed reads: buffers the background digest may still hold
 
 Progress = Callable[[int, int], None]
 
@@ -158,8 +168,15 @@ def read_checkpoint_header(fh: IO[bytes], size: int | None, source: str) -> Chec
     rest = _read_exact(fh, n - 1)
     if len(rest) != n - 1:
         raise CorruptCheckpointError(f"{source}: truncated: the header declares {n} bytes but the file ends early")
-    header = parse_header(prefix[8:] + rest, source=source, file_length=size)
-    return CheckpointInfo(source=source, header=header, record=parse_record(header, source=source))
+    raw = prefix[8:] + rest
+    del rest  # (one copy of a header that may be 100 MB)
+    with gc_paused():
+        header = parse_header(raw, source=source, file_length=size)
+        del raw
+        # The canonical form is made now, before the record is parsed: making it frees the parsed
+        # tensor table, so the two never sit in memory together (100,000 tensors: 300 -> 230 MB peak).
+        canonical_form(header)
+        return CheckpointInfo(source=source, header=header, record=parse_record(header, source=source))
 
 
 def digest_problem(e: TensorEntry, expected: str, found: str) -> str:
@@ -200,18 +217,24 @@ def read_tensor(fh: IO[bytes], e: TensorEntry, source: str):
 def _check_data(
     fh: IO[bytes], info: CheckpointInfo, report: VerifyReport, progress: Progress | None, data_hash: Any = None
 ) -> None:
-    buf = bytearray(min(_CHUNK, max(info.header.data_length, 1)))
-    mv = memoryview(buf)
-    total, done = info.header.data_length, 0
+    # With a signed digest to check, the digest runs on other cores and holds each chunk until it is
+    # hashed: a small ring of reused buffers (fresh ones cost a page fault per 4 KiB; measured on
+    # 1 GiB, 0.33 s -> 0.27 s), each refilled only once its hash is done.
+    size = min(_RING_PIECE if data_hash is not None else _CHUNK, max(info.header.data_length, 1))
+    ring = [memoryview(bytearray(size)) for _ in range(_RING if data_hash is not None else 1)]
+    hashing: deque = deque()
+    total, done, pieces = info.header.data_length, 0, 0
     for e in info.header.entries:
         h = xxhash.xxh3_128()
         left = e.nbytes
         while left:
-            if data_hash is None:
-                chunk = mv[: fh.readinto(mv[: min(left, len(buf))])]
-            else:  # a fresh buffer per chunk: the SHA-256 runs on another core and needs it until then
-                chunk = memoryview(fh.read(min(left, len(buf))))
-                data_hash.update(chunk)
+            if len(hashing) == len(ring):
+                hashing.popleft().result()
+            mv = ring[pieces % len(ring)]
+            pieces += 1
+            chunk = mv[: fh.readinto(mv[: min(left, size)])]
+            if data_hash is not None and len(chunk):
+                hashing.append(data_hash.update(chunk))
             n = len(chunk)
             if not n:
                 report.fail("truncated", truncated_problem(info.source, e, left), e.name)

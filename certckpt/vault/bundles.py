@@ -21,14 +21,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import xxhash
-
 from certckpt.errors import CertckptError, CorruptCheckpointError
-from certckpt.format.companions import companions_of
+from certckpt.format.companions import companions_of, plain_problem
 from certckpt.format.sharded.layout import MANIFEST_NAME, is_directory
 from certckpt.format.sharded.manifest import read_manifest
 from certckpt.format.signing import TrustedKeys
-from certckpt.format.storage import join, open_read, resolve
+from certckpt.format.storage import join
 from certckpt.format.verify import inspect, verify
 
 __all__ = ["KINDS", "Member", "Bundle", "bundle_of", "describe", "held_name", "member_check", "parent_of"]
@@ -48,12 +46,14 @@ class Member:
         nbytes: its size.
         header_digest: its record's header digest (a certified file), else None.
         xxh3: the xxh3-128 of its bytes (any other file), else None.
+        entry: the listing's whole entry of an uncertified file (its cryptographic digest too), else None.
     """
 
     name: str
     nbytes: int
     header_digest: str | None = None
     xxh3: str | None = None
+    entry: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +111,13 @@ def bundle_of(url: str, *, header_digest: str | None) -> Bundle:
     if not files:
         return Bundle(kind="file", directory=parent_of(url), marker=marker)
     members = tuple(
-        Member(name, want["bytes"], header_digest=want.get("header_digest"), xxh3=want.get("xxh3"))
+        Member(
+            name,
+            want["bytes"],
+            header_digest=want.get("header_digest"),
+            xxh3=want.get("xxh3"),
+            entry=None if "header_digest" in want else dict(want),
+        )
         for name, want in sorted(files.items())
     )
     if marker in files:
@@ -149,19 +155,9 @@ def held_name(ckpt_id: str, bundle: Bundle) -> str:
     return f"{ckpt_id}/{bundle.marker}"
 
 
-def _xxh3_and_size(url: str) -> tuple[str, int]:
-    h = xxhash.xxh3_128()
-    n = 0
-    with open_read(resolve(url)) as (fh, _):
-        while chunk := fh.read(_CHUNK):
-            h.update(chunk)
-            n += len(chunk)
-    return h.hexdigest(), n
-
-
 def member_check(member: Member, *, trusted_keys: TrustedKeys | None = None) -> Callable[[str], str | None]:
     """A check of one copied member: ``check(url)`` is None when the file at ``url`` is that member
-    (verified whole and the same header digest and size, or the same size and xxh3), else why not."""
+    (verified whole and the same header digest and size, or the same size and digests), else why not."""
 
     def check(url: str) -> str | None:
         try:
@@ -176,12 +172,12 @@ def member_check(member: Member, *, trusted_keys: TrustedKeys | None = None) -> 
                         f"{member.nbytes} bytes)"
                     )
                 return None
-            digest, size = _xxh3_and_size(url)
+            problem = plain_problem(
+                url, member.entry or {"bytes": member.nbytes, "xxh3": member.xxh3}, trusted_keys=trusted_keys
+            )
         except CertckptError as e:
             return str(e)
-        if size != member.nbytes or digest != member.xxh3:
-            return f"{url}: not the {member.name} its checkpoint lists ({size} bytes, xxh3 {digest})"
-        return None
+        return f"{problem} (not the {member.name} its checkpoint lists)" if problem else None
 
     return check
 

@@ -27,15 +27,13 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-import xxhash
-
 from certckpt.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     NotACheckpointError,
     UnsupportedObjectError,
 )
-from certckpt.format.companions import FILES_KEY, LAYOUT_KEY, companion_problems
+from certckpt.format.companions import FILES_KEY, LAYOUT_KEY, companion_problems, plain_entry
 from certckpt.format.signing import trusted_keys_from_env
 from certckpt.format.verify import inspect, verify
 from certckpt.format.writer import SaveResult, save_certified
@@ -59,7 +57,6 @@ ARGS_NAME = "training_args.json"
 LAYOUT = "certckpt-hf-trainer/1"  # the record's ``user["layout"]``: what this directory is
 _FILES_KEY = FILES_KEY  # the record's ``user["files"]``: JSON {name: entry} of every other file
 PICKLED_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".pickle", ".ckpt")
-_CHUNK = 16 << 20
 # What the plain Trainer writes with torch.save: named when someone resumes from such a directory.
 _PLAIN_TRAINER_FILES = ("optimizer.pt", "scheduler.pt", "rng_state.pth", "training_args.bin")
 
@@ -67,14 +64,6 @@ _PLAIN_TRAINER_FILES = ("optimizer.pt", "scheduler.pt", "rng_state.pth", "traini
 def rng_file_name(process_index: int, world_size: int) -> str:
     """The RNG file of one process (the Trainer's own naming, with a certified suffix)."""
     return "rng_state.safetensors" if world_size <= 1 else f"rng_state_{process_index}.safetensors"
-
-
-def _xxh3_of(path: str) -> str:
-    h = xxhash.xxh3_128()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def file_entry(path: str) -> dict[str, Any]:
@@ -100,7 +89,7 @@ def file_entry(path: str) -> dict[str, Any]:
                 "with certckpt.save (or certckpt.integrations.transformers.save_pretrained for a model)"
             ) from e
         return {"bytes": size, "header_digest": info.record.header_digest}
-    return {"bytes": size, "xxh3": _xxh3_of(path)}
+    return plain_entry(path)
 
 
 def write_manifest(
