@@ -129,6 +129,7 @@ def audited_run(args):
         ddp_backend="gloo",
         gradient_accumulation_steps=args.get("ga", 1),
         logging_steps=100,
+        save_total_limit=args.get("save_total_limit"),
     )
     out = {"rank": int(os.environ["RANK"])}
     try:

@@ -195,6 +195,41 @@ def session_plain_loop(args):
 # writes OUT/rank{r}.json before it leaves, and a detected fault leaves with status 86.
 
 
+def last_ckpt_keeps_latest_good(args):
+    """Only ``last.ckpt``, rewritten every 10 steps, audits every 20 and a persistent fault from step
+    32 on rank 1: the file holding the latest-good (main@20) would be written over at step 30, before
+    the audit at 40 catches the fault. certckpt keeps it aside; after the detection latest-good is
+    main@20 and its kept file verifies."""
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    from certckpt.detect import Fault, FaultDetectedError
+    from certckpt.integrations.lightning import AuditCallback, CertifiedCheckpointIO
+
+    _env()
+    faults = [Fault(kind="backward", rank=1, step=32, persistent=True)]
+    audit = AuditCallback(audit_every=20, injector_faults=faults)
+    ckpt = ModelCheckpoint(dirpath=args["dir"], every_n_train_steps=10, save_top_k=0, save_last=True)
+    trainer = _trainer(max_steps=50, callbacks=[ckpt, audit], plugins=[CertifiedCheckpointIO()])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            trainer.fit(_module(), _data())  # epochs repeat until max_steps
+            caught_at = None
+        except FaultDetectedError as e:
+            caught_at = e.event.step
+    dist.barrier()
+    out: dict = {"caught_at": caught_at}
+    if dist.get_rank() == 0:
+        from certckpt.format.verify import verify
+
+        out["status"] = _status(args["dir"])
+        out["files"] = sorted(os.listdir(args["dir"]))
+        url = out["status"]["latest_url"]
+        out["latest_verifies"] = bool(url) and verify(url).ok
+        out["kept_warning"] = [str(w.message) for w in caught if "kept main@" in str(w.message)]
+    return out
+
+
 def _script(argv: list[str]) -> None:
     import argparse
     import json

@@ -286,6 +286,25 @@ def test_ddp_audits_leave_accumulation_and_clipping_alone_and_make_checkpoints_t
 
 
 @pytest.mark.slow
+def test_last_ckpt_never_writes_over_the_latest_good_and_it_survives_a_detection(tmp_path):
+    from certckpt.detect.launch import run_ranks
+
+    d = str(tmp_path / "ckpt")
+    out = run_ranks("lightning_cases:last_ckpt_keeps_latest_good", 3, {"dir": d}, timeout=400, extra_path=TESTS)
+    assert [r["caught_at"] for r in out] == [40, 40, 40]
+    st = out[0]["status"]
+    assert st["detections"] == [["main", 40, "replay", [1], False]]
+    # main@20 was last.ckpt when step 30 was saved: moved aside, not written over
+    assert st["latest_good"] == "main@20" and st["latest_url"].endswith("certckpt-kept-main@20.ckpt")
+    assert out[0]["latest_verifies"]
+    assert out[0]["files"] == ["_ledger", "certckpt-kept-main@20.ckpt", "last.ckpt"]
+    assert {c: v[0] for c, v in st["verdicts"].items()}["main@30"] == "suspect"
+    assert st["retired"] == ["main@10"]  # written over at step 20, before anything was trusted
+    (warning,) = out[0]["kept_warning"]
+    assert "kept main@20" in warning and "latest-good" in warning
+
+
+@pytest.mark.slow
 def test_the_session_under_the_callback_drives_a_plain_loop_too(tmp_path):
     from certckpt.detect.launch import run_ranks
 

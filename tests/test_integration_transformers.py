@@ -404,6 +404,22 @@ def test_ddp_audits_catch_a_planted_fault_and_resume_from_latest_good_on_a_branc
 
 
 @pytest.mark.slow
+def test_save_total_limit_never_deletes_the_latest_good_and_it_survives_a_detection(tmp_path):
+    out = str(tmp_path / "rot")
+    # save_total_limit=1, checkpoints every 2 steps, audits every 4, a persistent fault from step 5:
+    # checkpoint-4 (latest-good) would be deleted when checkpoint-6 is saved, before the audit at 8.
+    fault = {"kind": "backward", "rank": 1, "step": 5, "persistent": True}
+    got = _ranks({"out": out, "faults": [fault], "audit_every": 4, "save_total_limit": 1, "max_steps": 10})
+    assert [(g["kind"], g["step"], g["suspects"]) for g in got] == [("replay", 8, [1])] * 3
+    assert sorted(n for n in os.listdir(out) if n.startswith("checkpoint-")) == ["checkpoint-4", "checkpoint-6"]
+    assert _verdicts(out)["main@4"] == "trusted" and _verdicts(out)["main@6"] == "suspect"
+    r = _cli("latest-good", out)
+    assert r.exit_code == 0 and r.output.strip() == os.path.join(out, "checkpoint-4", MANIFEST_NAME)
+    assert _cli("verify", os.path.join(out, "checkpoint-4")).exit_code == 0
+    assert sorted(os.listdir(os.path.join(out, "_ledger", "retired"))) == ["main@2.json"]
+
+
+@pytest.mark.slow
 def test_ddp_consensus_names_a_rank_whose_weights_diverge_with_accumulation(tmp_path):
     # Two micro-batches per step (the replay at step 2 accumulates them as training does); a one-time
     # fault in rank 2's stored weights after step 3's update: the consensus of step 3 names it.

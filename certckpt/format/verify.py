@@ -346,7 +346,7 @@ def verify(
         problem = check_header(info.header, info.record)
         if problem:
             report.fail("header", f"{target.display}: {problem}")
-        if state_fingerprint({k: v["fp"] for k, v in info.record.tensors.items()}) != info.record.state_fp:
+        if state_fingerprint((k, v["fp"]) for k, v in info.record.tensors.items()) != info.record.state_fp:
             report.fail(
                 "state", f"{target.display}: whole-state fingerprint does not match the per-tensor fingerprints"
             )

@@ -8,6 +8,7 @@ Layout under ``<store>/_ledger/``::
     revocations/<ckpt_id>--<time_ns>.json
     certificates/<ckpt_id>--<time_ns>.json   one per verdict change, with the checkpoint's digests
     retired/<ckpt_id>.json               a checkpoint whose file a retention policy deleted
+    kept/<ckpt_id>.json                  a checkpoint whose file a rotation moved aside to keep it
     drills/<time_ns>-<rand>.json         restore-drill results
     incidents/<incident_id>--<...>.json  incident openings and decisions (see incident.py)
     holdings/<ckpt_id>.json              vaults only: the checkpoint's copy held here (see vault.py)
@@ -374,6 +375,16 @@ class Ledger:
             self._dumps({"ckpt_id": ckpt_id, "reason": reason, "policy": policy, "at": time.time()}),
         )
 
+    def keep(self, ckpt_id: str, *, url: str, replaced: str, reason: str) -> None:
+        """Record that this checkpoint's file now lives at ``url`` (a plain name in the store): a
+        rotation was about to replace the name it was committed under (``replaced``), and the file was
+        moved aside instead (written after the move)."""
+        self._put(
+            "kept",
+            f"{ckpt_id}.json",
+            self._dumps({"ckpt_id": ckpt_id, "url": url, "replaced": replaced, "reason": reason, "at": time.time()}),
+        )
+
     def record_drill(self, doc: dict[str, Any]) -> str:
         name = f"{time.time_ns():020d}-{secrets.token_hex(4)}.json"
         self._put("drills", name, self._dumps(doc))
@@ -518,6 +529,7 @@ class Ledger:
         certified files, and sharded checkpoint directories whose manifest was written."""
         snap = snap or self.snapshot()
         named = {r["url"].rstrip("/") for r in (snap.holdings if snap.is_vault else snap.records).values()}
+        named |= {r["url"] for r in snap.kept.values()}
         target = resolve(self.store)
         try:
             if target.local is not None:

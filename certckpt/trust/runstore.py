@@ -157,7 +157,7 @@ def _check(status_or_snap, cid: str) -> str | None:
     shared = _shared_files(snap).get(cid)
     if shared:
         return shared
-    rel = (snap.holdings.get(cid) or snap.records[cid])["url"]
+    rel = (snap.holdings.get(cid) or snap.kept.get(cid) or snap.records[cid])["url"]
     leaves = _link_leaving_store(entry.url, rel)
     if leaves:
         return leaves

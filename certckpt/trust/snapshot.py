@@ -56,6 +56,7 @@ KINDS = (
     "certificates",
     "holdings",
     "retired",
+    "kept",
     "drills",
     "incidents",
 )
@@ -64,6 +65,7 @@ SOURCES_DIR = "sources"  # a vault's copy of its source run's genesis record
 MIRRORED_KINDS = frozenset({"checkpoints", "branches", "events", "revocations", "incidents"})
 _NAME = re.compile(r"^[A-Za-z0-9._-]{1,100}$")
 _HELD_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,240}\.safetensors$")  # a plain file name
+_HELD_NAME_ANY = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._@=-]{0,240}$")  # a plain file name, any suffix
 _CKPT_ID = re.compile(r"^([A-Za-z0-9._-]{1,100})@([0-9]{1,18})$")
 # Records that can move a verdict toward trusted (or make a copy count as held).
 _FOR_TRUST = ("checkpoints", "holdings", "branches", "drills", "certificates")
@@ -92,12 +94,18 @@ def why_invalid(kind: str, file: str, r: Any) -> str | None:
     a record that fails is evidence of nothing, and never reaches a path, a verdict or a traceback."""
     if not isinstance(r, dict):
         return f"not a JSON object ({type(r).__name__})"
-    if kind in ("checkpoints", "holdings", "retired", "revocations", "certificates"):
+    if kind in ("checkpoints", "holdings", "retired", "kept", "revocations", "certificates"):
         cid = r.get("ckpt_id")
         if not is_ckpt_id(cid):
             return f"checkpoint id {str(cid)[:80]!r} is not branch@step"
-        if kind in ("checkpoints", "holdings", "retired") and file != f"{cid}.json":
+        if kind in ("checkpoints", "holdings", "retired", "kept") and file != f"{cid}.json":
             return f"names {cid} but is stored as {file}"
+    if kind == "kept":
+        # where a rotation moved a checkpoint's file to keep it: a plain name in the store itself (the
+        # file there must still match the committed header digest; a move can only lose it, not forge it)
+        url = r.get("url")
+        if not isinstance(url, str) or not _HELD_NAME_ANY.match(url):
+            return f"keeps its file at {str(url)[:80]!r}, not a plain file name in the store"
     if kind == "checkpoints":
         step = r.get("step")
         if not isinstance(step, int) or isinstance(step, bool) or f"{r.get('branch')}@{step}" != r["ckpt_id"]:
@@ -166,6 +174,7 @@ class LedgerSnapshot:
     segments: int = 0
     holdings: dict[str, dict[str, Any]] = field(default_factory=dict)  # vaults: ckpt_id -> holding
     retired: dict[str, dict[str, Any]] = field(default_factory=dict)  # ckpt_id -> retirement record
+    kept: dict[str, dict[str, Any]] = field(default_factory=dict)  # ckpt_id -> where a rotation moved its file
     drills: list[dict[str, Any]] = field(default_factory=list)
     incident_records: list[dict[str, Any]] = field(default_factory=list)
     is_vault: bool = False
@@ -580,6 +589,9 @@ class _Reader:
         for _, r, _ in self._valid("retired"):
             if not snap.is_vault or not snap.chained or self._own(("retired", f"{r['ckpt_id']}.json")):
                 snap.retired[r["ckpt_id"]] = r
+        if not snap.is_vault:
+            for _, r, _ in self._valid("kept"):
+                snap.kept[r["ckpt_id"]] = r
         snap.drills = [dict(d, drill_id=name.removesuffix(".json")) for name, d, _ in self._valid("drills")]
         snap.incident_records = [r for _, r, _ in self._valid("incidents")]
         for _, b, _ in self._valid("branches"):
@@ -595,6 +607,8 @@ class _Reader:
                     committed_at=float(r.get("committed_at", 0.0)),
                     url=self.url_of(snap.holdings[r["ckpt_id"]])
                     if r["ckpt_id"] in snap.holdings
+                    else self.url_of(snap.kept[r["ckpt_id"]])
+                    if r["ckpt_id"] in snap.kept
                     else self.url_of(r, base=(mark or {}).get("source") if isinstance(mark, dict) else None),
                 )
             )

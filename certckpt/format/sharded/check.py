@@ -168,7 +168,7 @@ def _deep_file(report: ShardedReport, location: str, sf: ShardFile, chunks, m: M
         problem = check_header(info.header, info.record)
         if problem:
             report.fail("header", f"{target.display}: {problem}")
-        if state_fingerprint({k: v["fp"] for k, v in info.record.tensors.items()}) != info.record.state_fp:
+        if state_fingerprint((k, v["fp"]) for k, v in info.record.tensors.items()) != info.record.state_fp:
             report.fail("state", f"{target.display}: whole-file fingerprint does not match its tensors' fingerprints")
         buf = torch.empty(_PIECE, dtype=torch.uint8)
         mv = host_bytes(buf)

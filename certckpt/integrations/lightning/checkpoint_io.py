@@ -32,7 +32,7 @@ from typing import Any
 from certckpt.detect.session import CheckpointEvidence
 from certckpt.errors import ArgumentTypeError, CheckpointNotFoundError, ConfigurationError, NotACheckpointError
 from certckpt.format.reader import load
-from certckpt.format.storage import filesystem, fsync_dir, resolve, temp_name
+from certckpt.format.storage import filesystem, fsync_dir, join, resolve, temp_name
 from certckpt.format.verify import inspect
 from certckpt.format.writer import SaveResult, save_certified
 from certckpt.trust.ledger import Ledger, LedgerSnapshot, ckpt_id_for, is_ckpt_id
@@ -85,6 +85,7 @@ class _Store:
     committed: set[str] = field(default_factory=set)  # checkpoint ids with a commit record
     named: dict[str, str] = field(default_factory=dict)  # file -> id of the unretired commit naming it
     branches: set[str] = field(default_factory=set)  # branch records written by this process
+    kept: dict[str, str] = field(default_factory=dict)  # id -> file a rotation moved aside (unretired)
 
     @classmethod
     def read(cls, ledger: Ledger) -> _Store:
@@ -95,7 +96,10 @@ class _Store:
         store = cls(ledger=ledger, committed=set(snap.records))
         for cid, record in snap.records.items():
             if cid not in snap.retired:
-                store.named[_key(ledger.url_of(record))] = cid
+                where = ledger.url_of(snap.kept.get(cid) or record)
+                store.named[_key(where)] = cid
+                if cid in snap.kept:
+                    store.kept[cid] = where
         return store
 
 
@@ -247,6 +251,7 @@ class CertifiedCheckpointIO(*CHECKPOINT_IO_BASES):
         )
         store.committed.add(cid)
         store.named[key] = cid
+        self._release_kept(store)
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: Any = None) -> dict[str, Any]:
         """Read a certified checkpoint (digests checked; nothing unpickled) and plan where training
@@ -345,6 +350,60 @@ class CertifiedCheckpointIO(*CHECKPOINT_IO_BASES):
             store.ledger.retire(cid, reason=reason, policy="lightning")
             store.named.pop(_key(url), None)
 
+    # --- keeping the latest-good through rotations ---------------------------------------------
+
+    def _is_latest_good(self, store: _Store, cid: str) -> bool:
+        if not self.keep_latest_good:
+            return False
+        return certify_store(store.ledger.store, write_certificates=False).latest_good == cid
+
+    def _keep_aside(self, store: _Store, cid: str, url: str) -> None:
+        """Lightning is about to write over ``url``, which holds ``cid``, the run's latest-good: the
+        file gets a second name in the store first (a hard link on a local disk, a copy on an object
+        store), the ledger records where it is now, and only then does the new file take ``url``."""
+        name = f"certckpt-kept-{cid}{os.path.splitext(url)[1]}"
+        kept = join(store.ledger.store, name)
+        target, dest = resolve(url), resolve(kept)
+        if target.local is not None and dest.local is not None:
+            with contextlib.suppress(FileExistsError):  # (left by a crash before the record below)
+                os.link(target.local, dest.local)
+            fsync_dir(os.path.dirname(os.path.abspath(dest.local)))
+        else:
+            fs, p = filesystem(target.url or url)
+            fs.copy(p, filesystem(kept)[1])
+        store.ledger.keep(cid, url=name, replaced=url, reason="the run's latest-good when Lightning replaced its file")
+        store.named.pop(_key(url), None)
+        store.named[_key(kept)] = cid
+        store.kept[cid] = kept
+        warnings.warn(
+            f"certckpt: kept {cid} as {kept}: it is the run's latest-good and Lightning is writing over {url}; it is"
+            " deleted once a newer checkpoint is trusted (until then it costs one more checkpoint of disk)",
+            UserWarning,
+            stacklevel=4,
+        )
+
+    def _release_kept(self, store: _Store) -> None:
+        """Delete the files kept aside whose checkpoint is no longer the run's latest-good (a newer
+        one is trusted), and retire them."""
+        if not store.kept:
+            return
+        latest = certify_store(store.ledger.store, write_certificates=False).latest_good
+        for cid, kept in list(store.kept.items()):
+            if cid == latest:
+                continue
+            target = resolve(kept)
+            with contextlib.suppress(FileNotFoundError):
+                if target.local is not None:
+                    os.unlink(target.local)
+                else:
+                    fs, p = filesystem(target.url)
+                    fs.rm(p)
+            store.ledger.retire(
+                cid, reason=f"kept while it was the latest-good; {latest} is trusted now", policy="lightning"
+            )
+            store.named.pop(_key(kept), None)
+            del store.kept[cid]
+
     # --- helpers ------------------------------------------------------------------------------
 
     def _store(self, location: str) -> _Store:
@@ -381,9 +440,12 @@ class CertifiedCheckpointIO(*CHECKPOINT_IO_BASES):
         if not _exists(url):
             return save_certified(checkpoint, url, overwrite=False, metadata=metadata, **fields)
         reason = f"superseded: Lightning saved step {step} under the same name"
+        keep = replaces is not None and self._is_latest_good(store, replaces)
         target = resolve(url)
         if target.local is None:
-            if replaces is not None:
+            if keep:
+                self._keep_aside(store, replaces, url)
+            elif replaces is not None:
                 store.ledger.retire(replaces, reason=reason, policy="lightning")
                 store.named.pop(_key(url), None)
             fs, p = filesystem(target.url)
@@ -393,7 +455,9 @@ class CertifiedCheckpointIO(*CHECKPOINT_IO_BASES):
         tmp = temp_name(final)
         try:
             result = save_certified(checkpoint, tmp, overwrite=False, metadata=metadata, **fields)
-            if replaces is not None:
+            if keep:
+                self._keep_aside(store, replaces, url)
+            elif replaces is not None:
                 store.ledger.retire(replaces, reason=reason, policy="lightning")
                 store.named.pop(_key(url), None)
             # certckpt's own save never replaces a file a commit record names, retired or not; the

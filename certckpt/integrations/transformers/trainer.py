@@ -9,8 +9,9 @@ in ``tests/test_integration_transformers.py``):
   checkpoint's manifest (``trainer.safetensors``), written last;
 - ``_save_rng_state``: a certified RNG file per process instead of ``rng_state*.pth``;
 - ``_save_checkpoint``: the plain one, then the manifest over every file of ``checkpoint-N/``, then
-  its commit to the ledger beside the output (``OUTPUT_DIR/_ledger``), then a retirement record for
-  each checkpoint the Trainer's ``save_total_limit`` deleted;
+  its commit to the ledger beside the output (``OUTPUT_DIR/_ledger``), then ``save_total_limit``'s
+  rotation (moved after the commit, and never deleting the run's latest-good), then a retirement
+  record for each checkpoint it deleted;
 - ``_load_optimizer_and_scheduler``, ``_load_scaler``, ``_load_rng_state``: from those files;
 - ``_load_best_model``: the checkpoint is verified first;
 - ``_get_output_dir``: a resumed run trains on a new branch (``main-r1``...) and writes its
@@ -29,6 +30,7 @@ import os
 import random
 import shutil
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -36,7 +38,7 @@ import torch
 import torch.distributed as dist
 import transformers
 from transformers.trainer_pt_utils import set_rng_state_for_device
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, sort_checkpoints
 from transformers.training_args import ParallelMode
 from transformers.utils import is_sagemaker_mp_enabled, is_torch_xla_available
 
@@ -335,11 +337,15 @@ class CertifiedTrainerMixin:
             lambda: self._certckpt_clear(output_dir, step) if self.args.should_save else None, what="checkpoint"
         )
         run.saving_step = step
+        # The Trainer's own rotation runs inside its save, before this checkpoint is committed, and
+        # knows nothing of latest-good: it is switched off there and done after the commit instead.
+        limit, self.args.save_total_limit = self.args.save_total_limit, None
         try:
             super()._save_checkpoint(model, trial)
         finally:
             run.saving_step = None
-        self._certckpt_commit(output_dir, step)
+            self.args.save_total_limit = limit
+        self._certckpt_commit(output_dir, step, run_dir=self._get_output_dir(trial=trial))
 
     def _certckpt_clear(self, output_dir: str, step: int) -> None:
         """A directory left by a save that never committed (a crash) is garbage: remove it. A committed
@@ -352,7 +358,7 @@ class CertifiedTrainerMixin:
         logger.warning("certckpt: removing %s, left uncommitted by an earlier save", output_dir)
         shutil.rmtree(output_dir)
 
-    def _certckpt_commit(self, output_dir: str, step: int) -> None:
+    def _certckpt_commit(self, output_dir: str, step: int, *, run_dir: str | None = None) -> None:
         """Write the manifest and commit the checkpoint (rank 0); every rank raises if that fails."""
         run = self.certckpt
         if dist.is_available() and dist.is_initialized():
@@ -397,12 +403,51 @@ class CertifiedTrainerMixin:
                 step_range=[first, step],
                 nbytes=result.nbytes,
             )
+            if run_dir is not None:
+                self._certckpt_rotate(run_dir)
             self._certckpt_retire_deleted()
 
         self._certckpt_together(commit, what="checkpoint commit")
         run.last_step = step
         if run.audit is not None:
             run.audit.checkpoint_done()
+
+    def _certckpt_rotate(self, run_dir: str) -> None:
+        """``save_total_limit`` as the Trainer applies it (the newest and the best checkpoint kept, the
+        oldest others deleted), after the new checkpoint is committed, and never deleting the run's
+        latest-good: it stays, with a warning, until a newer checkpoint is trusted."""
+        limit = self.args.save_total_limit
+        if limit is None or limit <= 0:
+            return
+        checkpoints = sort_checkpoints(run_dir, PREFIX_CHECKPOINT_DIR, use_mtime=False)
+        if len(checkpoints) <= limit:
+            return
+        protected = {checkpoints[-1]}
+        if self.state.best_model_checkpoint is not None:
+            protected.add(str(Path(self.state.best_model_checkpoint)))
+        ledger = self.certckpt.ledger
+        status = certify_store(ledger.store, write_certificates=False)
+        good = status.entry(status.latest_good).url if status.latest_good else None
+        good_dir = os.path.abspath(os.path.dirname(good)) if good and "://" not in good else None
+        remaining = len(checkpoints)
+        for checkpoint in checkpoints:
+            if remaining <= max(limit, len(protected)):
+                break
+            if checkpoint in protected:
+                continue
+            if os.path.abspath(checkpoint) == good_dir:
+                logger.warning(
+                    "certckpt: kept %s (%s): it is the run's latest-good; save_total_limit=%d would delete it. It"
+                    " is deleted once a newer checkpoint is trusted (until then it costs one more checkpoint of"
+                    " disk)",
+                    checkpoint,
+                    status.latest_good,
+                    limit,
+                )
+                protected.add(checkpoint)
+                continue
+            shutil.rmtree(checkpoint, ignore_errors=True)
+            remaining -= 1
 
     def _certckpt_retire_deleted(self) -> None:
         """Record each committed checkpoint of this store whose manifest the Trainer deleted
