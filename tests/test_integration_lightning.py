@@ -25,8 +25,13 @@ from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint  # noqa: 
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import certckpt  # noqa: E402
-from certckpt.errors import AuditSetupError, ConfigurationError, NotACheckpointError  # noqa: E402
-from certckpt.integrations.lightning import AuditCallback, CertifiedCheckpointIO, load_from_checkpoint  # noqa: E402
+from certckpt.errors import AuditSetupError, ConfigurationError, CorruptCheckpointError, NotACheckpointError  # noqa: E402
+from certckpt.integrations.lightning import (  # noqa: E402
+    AuditCallback,
+    CertifiedCheckpointIO,
+    CertifiedLoading,
+    load_from_checkpoint,
+)
 from certckpt.trust.runstore import certify_store, find_latest_good  # noqa: E402
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -225,6 +230,37 @@ def test_load_from_checkpoint_rebuilds_the_module(tmp_path):
     seen = []
     again = load_from_checkpoint(Lit, str(path), map_location=lambda t, loc: seen.append(loc) or t, lr=0.5)
     assert again.hparams.lr == 0.5 and seen and set(seen) == {"cpu"}  # overrides and a callable map_location
+
+
+class CertifiedLit(CertifiedLoading, Lit):
+    pass
+
+
+def test_the_mixin_makes_the_class_load_from_checkpoint_take_certified_and_plain_files(tmp_path):
+    model = _model()
+    d = tmp_path / "ckpt"
+    _trainer(max_steps=10, callbacks=[ModelCheckpoint(dirpath=d)], plugins=[CertifiedCheckpointIO()]).fit(
+        model, _data()
+    )
+    path = d / "epoch=0-step=10.ckpt"
+    with pytest.raises(Exception, match="Weights only load failed"):  # what every Lightning user types, without it
+        Lit.load_from_checkpoint(path)
+    back = CertifiedLit.load_from_checkpoint(path, lr=0.5)
+    assert type(back) is CertifiedLit and back.hparams.lr == 0.5 and back.hparams.args.name == "tiny"
+    for a, b in zip(model.parameters(), back.parameters()):
+        assert torch.equal(a, b)
+    # a plain Lightning checkpoint still loads through Lightning's own loader
+    plain = tmp_path / "plain"
+    trainer = _trainer(max_steps=2, callbacks=[ModelCheckpoint(dirpath=plain)])
+    trainer.fit(_model(), _data())
+    (plain_file,) = plain.iterdir()
+    assert type(CertifiedLit.load_from_checkpoint(plain_file, weights_only=False)) is CertifiedLit
+    # a damaged certified file is refused by certckpt, not handed to torch.load
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 1
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CorruptCheckpointError):
+        CertifiedLit.load_from_checkpoint(path)
 
 
 def test_a_torch_save_checkpoint_is_refused_with_the_fix(tmp_path):

@@ -168,6 +168,9 @@ class ChainCheck:
         scopes: per writer, its declared scope.
         unauthenticated: writers whose chain starts unsigned or signed by an untrusted key (with
             trusted keys): their records count only against trust; not a break.
+        behind: writers broken only because another writer's entry saw more of their chain than was
+            given: truncation, or (for a reader listing one chain after another) entries appended
+            between the two listings; a reader lists again before it calls that a break.
     """
 
     sealed: dict[tuple[str, str], Sealed] = field(default_factory=dict)
@@ -175,6 +178,7 @@ class ChainCheck:
     heads: dict[str, tuple[int, str]] = field(default_factory=dict)
     scopes: dict[str, str] = field(default_factory=dict)
     unauthenticated: dict[str, str] = field(default_factory=dict)
+    behind: set[str] = field(default_factory=set)
 
     def counts(self, kind: str, name: str) -> bool:
         """Whether the record may move a verdict toward trusted: sealed by an intact, authenticated entry."""
@@ -303,6 +307,7 @@ def check_chains(
                 scope=out.scopes.get(writer, "store"),
                 why=f"entries up to {seq}, sealed by writer {sealer} entry {at}, are missing (truncated or deleted)",
             )
+            out.behind.add(writer)
     for writer, (seq, h) in (remembered or {}).items():
         if writer in out.breaks:
             continue

@@ -70,6 +70,7 @@ _CKPT_ID = re.compile(r"^([A-Za-z0-9._-]{1,100})@([0-9]{1,18})$")
 # Records that can move a verdict toward trusted (or make a copy count as held).
 _FOR_TRUST = ("checkpoints", "holdings", "branches", "drills", "certificates")
 _BATCH = 256  # event segments read per request: bounded memory, few round trips
+_RELISTS = 3  # listings again when a chain looks truncated (see read_snapshot)
 _MAX_RECORD_BYTES = 1 << 30  # no record or segment is this large (a segment holds 4,096 events)
 
 
@@ -341,18 +342,25 @@ def read_snapshot(
             if not fs.exists(root.rsplit("/", 1)[0] or "/"):
                 raise CheckpointNotFoundError(f"{store}: no such run store")
             return LedgerSnapshot(trusted_keys=trusted_keys)
-        refused: list[tuple[str, str]] = []
-        stamps: dict[str, str] = {}
-        listing = _list(fs, root, refused, stamps)
-        small = [p for k, v in listing.items() if k != "events" for p in v]
-        contents = fs.cat(small) if small else {}
-        reader = _Reader(store, root, trusted_keys, url_of, listing, contents, remembered, fs, cache)
-        segments = set(listing.get("events", []))
-        reader.stamps = {p.rsplit("/", 1)[-1]: v for p, v in stamps.items() if p in segments}
-        prefix = root.rstrip("/") + "/"
-        reader.snap.invalid.extend((p.removeprefix(prefix), why) for p, why in refused)
-        reader.hash_segments()
-        return reader.read()
+        for attempt in range(_RELISTS + 1):
+            refused: list[tuple[str, str]] = []
+            stamps: dict[str, str] = {}
+            listing = _list(fs, root, refused, stamps)
+            small = [p for k, v in listing.items() if k != "events" for p in v]
+            contents = fs.cat(small) if small else {}
+            reader = _Reader(store, root, trusted_keys, url_of, listing, contents, remembered, fs, cache)
+            segments = set(listing.get("events", []))
+            reader.stamps = {p.rsplit("/", 1)[-1]: v for p, v in stamps.items() if p in segments}
+            prefix = root.rstrip("/") + "/"
+            reader.snap.invalid.extend((p.removeprefix(prefix), why) for p, why in refused)
+            reader.hash_segments()
+            reader.check_chains()
+            # Chains are listed one after another: a writer that appends to chain A after A was
+            # listed and then to chain B (whose entry sees A's new head) makes A look truncated.
+            # Entries are never removed, so a second listing shows them; a truncation stays.
+            if not (reader.check and reader.check.behind) or attempt == _RELISTS:
+                return reader.read()
+        raise AssertionError("unreachable")
     except (CertckptError, FileNotFoundError) as e:
         if isinstance(e, CertckptError):
             raise
@@ -385,6 +393,7 @@ class _Reader:
         self.check: ChainCheck | None = None
         self.source: str | None = None  # a vault's source run's store id, when the vault vouches for it
         self.writer_store: dict[str, str] = {}
+        self._chains_checked = False
 
     # --- event segments: hashed first (the chains need their digests), parsed once they are judged --
 
@@ -413,6 +422,12 @@ class _Reader:
 
     def _top(self, name: str) -> bytes | None:
         return next((self.contents[p] for p in self.listing.get("", []) if p.rsplit("/", 1)[-1] == name), None)
+
+    def check_chains(self) -> None:
+        """Walk every chain (once; ``read`` needs it first)."""
+        if not self._chains_checked:
+            self._chains_checked = True
+            self._chains()
 
     def _chains(self) -> None:
         snap = self.snap
@@ -570,7 +585,7 @@ class _Reader:
 
     def read(self) -> LedgerSnapshot:
         snap = self.snap
-        self._chains()
+        self.check_chains()
         mark = self._mark()
         snap.is_vault = mark is not None or bool(self.files["holdings"])
         writer_steps: dict[str, int] = {}

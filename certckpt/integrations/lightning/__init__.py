@@ -11,7 +11,8 @@ Add to an existing Lightning script::
   store's ledger (``certckpt status``, ``certckpt latest-good``); resuming reads through it too.
 - ``AuditCallback``: the non-finite checks, the ring replay audit (with the module's own
   ``training_step``) and the weight consensus in a DDP run; checkpoints become ``trusted``.
-- ``load_from_checkpoint(cls, path)``: ``LightningModule.load_from_checkpoint`` for certified files.
+- ``load_from_checkpoint(cls, path)``: ``LightningModule.load_from_checkpoint`` for certified files;
+  ``CertifiedLoading``, a mixin that makes ``LitModel.load_from_checkpoint(path)`` itself take them.
 
 Works with ``lightning.pytorch`` and ``pytorch_lightning`` alike (the classes derive from those of
 every installed package). Importing this package imports Lightning.
@@ -21,6 +22,6 @@ from __future__ import annotations
 
 from .audit import AuditCallback
 from .checkpoint_io import CertifiedCheckpointIO
-from .loading import load_from_checkpoint
+from .loading import CertifiedLoading, load_from_checkpoint
 
-__all__ = ["AuditCallback", "CertifiedCheckpointIO", "load_from_checkpoint"]
+__all__ = ["AuditCallback", "CertifiedCheckpointIO", "CertifiedLoading", "load_from_checkpoint"]

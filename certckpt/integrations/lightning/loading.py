@@ -1,7 +1,8 @@
 """``load_from_checkpoint``: ``LightningModule.load_from_checkpoint`` for certified files.
 
 Lightning's classmethod reads the file with ``torch.load`` itself, never through the Trainer's
-``CheckpointIO``, so a certified checkpoint needs this function instead. It reads the file with
+``CheckpointIO``, so a certified checkpoint needs this function instead, or the ``CertifiedLoading``
+mixin, which makes ``LitModel.load_from_checkpoint(path)`` itself take certified files. It reads the file with
 ``certckpt.load`` (digests checked, nothing unpickled) and then does what Lightning's own loader
 does with the dictionary: migrate it to the installed Lightning's layout, apply ``hparams_file``
 and keyword overrides, build the object from the saved hyper-parameters and load its state.
@@ -14,12 +15,13 @@ from typing import Any
 
 import torch
 
-from certckpt.errors import ArgumentTypeError
+from certckpt.errors import ArgumentTypeError, CertckptError, NotACheckpointError
 from certckpt.format.reader import load
+from certckpt.format.verify import inspect
 
 from .compat import package_of
 
-__all__ = ["load_from_checkpoint"]
+__all__ = ["load_from_checkpoint", "CertifiedLoading"]
 
 
 def _default_map_location(tensor: torch.Tensor, saved: str) -> torch.Tensor | None:
@@ -91,3 +93,55 @@ def _location_text(path: Any) -> str:
     if not isinstance(path, str):
         raise ArgumentTypeError(f"checkpoint_path must be a str or os.PathLike, got {type(path).__name__}")
     return path
+
+
+class CertifiedLoading:
+    """Mix into a ``LightningModule`` (or ``LightningDataModule``), before it, so that the class's own
+    ``load_from_checkpoint`` reads certified files.
+
+    A certified file goes through ``load_from_checkpoint`` above (digests checked, nothing
+    unpickled); anything else (a ``torch.save`` checkpoint) goes to Lightning's own loader, with its
+    own ``weights_only`` rules.
+
+    Example:
+        >>> class LitModel(CertifiedLoading, L.LightningModule): ...
+        >>> model = LitModel.load_from_checkpoint(certckpt_latest_good, map_location="cpu")
+    """
+
+    @classmethod
+    def load_from_checkpoint(
+        cls,
+        checkpoint_path: Any,
+        map_location: Any = None,
+        hparams_file: Any = None,
+        strict: bool | None = None,
+        weights_only: bool | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        if _is_certified(checkpoint_path):
+            return load_from_checkpoint(
+                cls, checkpoint_path, map_location=map_location, hparams_file=hparams_file, strict=strict, **kwargs
+            )
+        plain = super().load_from_checkpoint  # type: ignore[misc]  # Lightning's, next in the MRO
+        return plain(
+            checkpoint_path,
+            map_location=map_location,
+            hparams_file=hparams_file,
+            strict=strict,
+            weights_only=weights_only,
+            **kwargs,
+        )
+
+
+def _is_certified(path: Any) -> bool:
+    """Whether ``path`` is a certified file (its header and record parse); damage is reported by the
+    certified loader, so only "not certckpt at all" goes to Lightning's."""
+    if not isinstance(path, (str, os.PathLike)):
+        return False  # a file object: Lightning's loader takes those
+    try:
+        inspect(_location_text(path))
+    except NotACheckpointError:
+        return False
+    except CertckptError:
+        return True
+    return True
