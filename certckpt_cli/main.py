@@ -112,6 +112,9 @@ def main() -> None:
     Exit codes: 0 verified; 1 verification failed (corrupt, truncated, tampered);
     2 could not verify (usage, not found, not a certckpt checkpoint, store unreachable).
     """
+    from certckpt.log import enable
+
+    enable()  # audits and resumes the command runs say one line each on stderr
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -155,8 +155,15 @@ def rollback(args):
     """Train on `main` until a persistent fault is caught, roll back to latest-good, go on as branch b2."""
     from certckpt.trust.runstore import find_latest_good
 
+    import logging
+
     store = args["store"]
     rank = dist.get_rank()
+    lines: list[str] = []  # what certckpt's log says on this rank (INFO, as the integrations turn it on)
+    catcher = logging.Handler(logging.INFO)
+    catcher.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("certckpt").addHandler(catcher)
+    logging.getLogger("certckpt").setLevel(logging.INFO)
     m = _model()
     opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
     aud = Auditor(
@@ -204,7 +211,7 @@ def rollback(args):
         if s % 5 == 0:
             aud2.save({"model": m2.state_dict(), "optim": opt2.state_dict()}, f"{store}/b2-{s:04d}.safetensors")
     aud2.close()
-    return {"caught": caught, "good": good}
+    return {"caught": caught, "good": good, "log": lines}
 
 
 def _conv_model():

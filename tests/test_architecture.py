@@ -16,6 +16,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 LAYERS = {
     "certckpt.errors": 0,
     "certckpt.version": 0,
+    "certckpt.log": 0,
     "certckpt.format": 1,
     "certckpt.trust": 2,
     "certckpt.vault": 3,

@@ -289,7 +289,18 @@ def test_rollback_to_latest_good_continues_on_a_new_branch(tmp_path):
     store = tmp_path / "run"
     store.mkdir()
     out = ranks("rollback", 3, {"store": str(store)})
-    assert out[0] == {"caught": 20, "good": "main@10"}
+    assert [(o["caught"], o["good"]) for o in out] == [(20, "main@10")] * 3
+    # one log line per passed audit and one at the resume, on rank 0 only
+    log = out[0]["log"]
+    assert [line.split(":")[0] for line in log] == [
+        "audit at step 10 on main passed",
+        "resumed from main@10",
+        "audit at step 20 on b2 passed",
+        "audit at step 30 on b2 passed",
+    ], log
+    assert "replay and weight consensus across 3 ranks" in log[0] and log[0].endswith(" ms)")
+    assert "new checkpoints go on branch b2" in log[1]
+    assert out[1]["log"] == [] and out[2]["log"] == []
     doc = json.loads(CliRunner().invoke(main, ["status", str(store), "--json"]).output)
     verdicts = {c["ckpt_id"]: (c["verdict"], c["reasons"], c["parent"]) for c in doc["checkpoints"]}
     assert verdicts["main@10"][0] == "trusted" and verdicts["main@15"] == ("suspect", ["after-fault"], None)

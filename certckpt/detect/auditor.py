@@ -37,6 +37,7 @@ Usage (every rank)::
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -45,6 +46,7 @@ import torch
 from certckpt.errors import AuditSetupError, ConfigurationError, FaultDetectedError
 
 from .digest import digests
+from .events import log_audit_pass
 from .exchange import RingShift
 from .hook import nonfinite_flag
 from .session import AuditSession, StepOutcome, consensus_buffers, restore_rng, unwrap_compiled
@@ -160,8 +162,10 @@ class Auditor(AuditSession):
         self._checked_since_audit += 1
         if self._path_check_pending:
             self._check_replay_path(s, units, micro, rng)
+        t0 = time.perf_counter()
         if audit and not self._replay_audit(s, units, micro, rng, shift.finish()):
             return loss
+        replay_seconds = time.perf_counter() - t0
         self._before_optimizer()
         if self.grad_scaler is not None:
             # The scaler unscales (unless _before_optimizer did), finds the gradients finite, as the
@@ -174,14 +178,20 @@ class Auditor(AuditSession):
             self.injector.after_optimizer(list(zip(self.param_names, self.params)))
             self.injector.after_optimizer_buffers(list(zip(self.buffer_names, self.buffers)))
         due = audit or (self.consensus_every is not None and s % self.consensus_every == 0)
+        t1 = time.perf_counter()
         consensus_ok = self.weight_consensus(s) if due else True
         if audit:
             extra = {"overflows": self._overflows} if self.grad_scaler is not None else {}
             self._event("nonfinite", "pass", step=s, steps_checked=self._checked_since_audit, **extra)
-            self._checked_since_audit = 0
-            self._overflows = 0
             if consensus_ok:
                 self.last_clean_audit = s
+                if self.rank == 0:
+                    seconds = replay_seconds + time.perf_counter() - t1
+                    log_audit_pass(
+                        step=s, branch=self.branch, ranks=self.world, checked=self._checked_since_audit, seconds=seconds
+                    )
+            self._checked_since_audit = 0
+            self._overflows = 0
         return loss
 
     @staticmethod

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import os
 import socket
 import sys
@@ -241,3 +242,19 @@ def publish(ev: AuditEvent, *, sink: EventSink, ledger: Any = None) -> None:
         open_incident(ledger, ev.to_dict())
     except (CertckptError, OSError) as e:
         print(f"certckpt: could not record the incident in {getattr(ledger, 'store', ledger)}: {e}", file=sys.stderr)
+
+
+_audit_log = logging.getLogger("certckpt.audit")
+
+
+def log_audit_pass(*, step: int, branch: str | None, ranks: int, checked: int, seconds: float) -> None:
+    """The one INFO line of a passed audit (rank 0 calls it; ``certckpt.log`` says who sees it)."""
+    _audit_log.info(
+        "audit at step %d on %s passed: replay and weight consensus across %d ranks, %d step(s) free of"
+        " non-finite gradients checked (%.0f ms)",
+        step,
+        branch or "main",
+        ranks,
+        checked,
+        1000 * seconds,
+    )

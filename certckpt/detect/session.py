@@ -25,6 +25,7 @@ This module is their public home: it re-exports the names callers import from it
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -46,7 +47,7 @@ from certckpt.trust.ledger import Ledger, LedgerSink
 from .agreement import all_gather_bytes, refuse_together, wire_device_for
 from .consensus import WeightConsensus, consensus_buffers
 from .digest import digests
-from .events import AuditEvent, EventSink, MemorySink, emit_event, rank_inventory
+from .events import AuditEvent, EventSink, MemorySink, emit_event, log_audit_pass, rank_inventory
 from .evidence import CheckpointEvidence, StepOutcome
 from .exchange import RingShift
 from .hook import HookState, comm_hook, hand_over_possible, lazy_pre_possible
@@ -296,6 +297,7 @@ class AuditSession(SetupChecks, NonFiniteCheck, RingReplay, WeightConsensus):
             ddp.reducer._set_optimizer_in_backward()
         self.inventory = self._gather_inventory()
         self._checked_since_audit = 0  # steps whose non-finite checks passed since the last audit
+        self._audit_seconds = 0.0  # the last replay audit's time (its log line)
         self._events: list[tuple[int, str, str]] = []  # (step, kind, outcome) since the last checkpoint (lineage)
         self.last_clean_audit: int | None = start_step if start_step else None
         self.last_checkpoint_step: int | None = start_step if start_step else None
@@ -441,11 +443,14 @@ class AuditSession(SetupChecks, NonFiniteCheck, RingReplay, WeightConsensus):
         if self._path_check_pending:
             self._check_replay_path(s, units, True, rng, n_total=n, rngs=rngs)
         if step["audit"]:
+            t0 = time.perf_counter()
             self._audit_payload = {"units": units, "micro": True, "n": n, "rng": rng, "rngs": rngs}
             prev = RingShift(
                 self._audit_payload, group=self.group, wire_device=self.wire_device, out_device=self.device
             ).finish()
-            if not self._replay_audit(s, units, True, rng, prev):
+            passed = self._replay_audit(s, units, True, rng, prev)
+            self._audit_seconds = time.perf_counter() - t0
+            if not passed:
                 return False
         return True
 
@@ -460,12 +465,21 @@ class AuditSession(SetupChecks, NonFiniteCheck, RingReplay, WeightConsensus):
             self.injector.after_optimizer(list(zip(self.param_names, self.params)))
             self.injector.after_optimizer_buffers(list(zip(self.buffer_names, self.buffers)))
         due = step["audit"] or (self.consensus_every is not None and s % self.consensus_every == 0)
+        t0 = time.perf_counter()
         consensus_ok = self.weight_consensus(s) if due else True
         if step["audit"]:
             self._event("nonfinite", "pass", step=s, steps_checked=self._checked_since_audit)
-            self._checked_since_audit = 0
             if consensus_ok:
                 self.last_clean_audit = s
+                if self.rank == 0:
+                    log_audit_pass(
+                        step=s,
+                        branch=self.branch,
+                        ranks=self.world,
+                        checked=self._checked_since_audit,
+                        seconds=self._audit_seconds + time.perf_counter() - t0,
+                    )
+            self._checked_since_audit = 0
 
     def _must_read_now(self, s: int, audit: bool) -> bool:
         """Steps whose non-finite flags are read before their update even when reads are deferred:

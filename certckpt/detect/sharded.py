@@ -38,6 +38,7 @@ passes (see ``docs/detection.md``, "Sharded training: FSDP2 and HSDP").
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -55,7 +56,7 @@ from certckpt.trust.incident import incident_id_for
 from certckpt.trust.ledger import Ledger, LedgerSink
 
 from .agreement import all_gather_bytes, refuse_together, wire_device_for
-from .events import AuditEvent, EventSink, MemorySink, emit_event, rank_inventory
+from .events import AuditEvent, EventSink, MemorySink, emit_event, log_audit_pass, rank_inventory
 from .exchange import refuse_unshippable
 from .session import CheckpointEvidence
 from .setup_checks import nonfinite_read_problem
@@ -251,6 +252,7 @@ class ShardedAuditSession(ShardedNonFiniteCheck, ShardedReplayAudit):
         self.last_consensus: ShardConsensus | None = None
         self.last_checkpoint_step: int | None = start_step or None
         self._checked = 0  # steps whose non-finite check passed since the last summary
+        self._audit_seconds = 0.0  # the last replay audit's time (its log line)
         self._first_checked: int | None = None
         self._events: list[tuple[int, str, str]] = []  # (step, kind, outcome) since the last checkpoint
         self.last_clean_audit: int | None = start_step or None
@@ -344,7 +346,9 @@ class ShardedAuditSession(ShardedNonFiniteCheck, ShardedReplayAudit):
             self._check_replay_path(step, trained, n)
         if not step["audit"]:
             return True
+        t0 = time.perf_counter()
         ok = self._replay_audit(s, step, trained, n)
+        self._audit_seconds = time.perf_counter() - t0
         self._audited = (s, ok)
         if ok and self.audit_updates:
             self._update = update_inputs(self.optimizer, self._names_by_id)  # copies, before the step
@@ -359,13 +363,19 @@ class ShardedAuditSession(ShardedNonFiniteCheck, ShardedReplayAudit):
         self.step += 1
         audited, self._audited = self._audited, None
         if audited is not None and audited[0] == self.step:
+            t0 = time.perf_counter()
             update, self._update = self._update, None
             updated = self._update_audit(self.step, *update) if update is not None else True
             agreed = self.weight_consensus().agreed
             if audited[1] and updated:
-                self._summarise_nonfinite(self.step)  # with the replay and the consensus: a full audit
+                checked = self._summarise_nonfinite(self.step)  # with the replay and the consensus: a full audit
                 if agreed:
                     self.last_clean_audit = self.step
+                    if self.rank == 0:
+                        seconds = self._audit_seconds + time.perf_counter() - t0
+                        log_audit_pass(
+                            step=self.step, branch=self.branch, ranks=self.world, checked=checked, seconds=seconds
+                        )
             return agreed
         if self.step % self.consensus_every:
             return True

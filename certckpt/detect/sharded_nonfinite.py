@@ -185,9 +185,12 @@ class ShardedNonFiniteCheck:
         for _, p in self.params:
             p.grad = None
 
-    def _summarise_nonfinite(self, s: int) -> None:
-        # The per-step checks since the last summary, as the DDP auditor reports them at audit steps
-        # (here at checkpoints and at close: there are no audit steps without a replay).
-        if self._checked:
+    def _summarise_nonfinite(self, s: int) -> int:
+        """Emit the per-step checks since the last summary, as the DDP auditor reports them at audit
+        steps (here at checkpoints and at close: there are no audit steps without a replay); returns
+        how many steps they were."""
+        checked = self._checked
+        if checked:
             self._event("nonfinite", "pass", step=s, steps_checked=self._checked, first=self._first_checked)
             self._checked, self._first_checked = 0, None
+        return checked

@@ -40,6 +40,7 @@ from torch.nn.parallel import DistributedDataParallel
 from certckpt.detect.agreement import all_gather_bytes, refuse_together, wire_device_for
 from certckpt.detect.session import AuditSession
 from certckpt.errors import AuditSetupError, ConfigurationError
+from certckpt.log import enable as enable_log
 
 from .checkpoint_io import CertifiedCheckpointIO
 from .compat import CALLBACK_BASES, package_of
@@ -178,6 +179,8 @@ class AuditCallback(*CALLBACK_BASES):
         return None
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if trainer.global_rank == 0:
+            enable_log()  # one line per audit and per resume, from rank 0 (docs/integrations.md)
         if not (dist.is_available() and dist.is_initialized()):
             raise AuditSetupError(
                 "AuditCallback needs torch.distributed: Trainer(strategy='ddp', devices=N) (N >= 3 names a faulty rank)"

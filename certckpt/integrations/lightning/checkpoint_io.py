@@ -35,6 +35,7 @@ from certckpt.format.reader import load
 from certckpt.format.storage import filesystem, fsync_dir, join, resolve, temp_name
 from certckpt.format.verify import inspect
 from certckpt.format.writer import SaveResult, save_certified
+from certckpt.log import enable as enable_log
 from certckpt.trust.ledger import Ledger, LedgerSnapshot, ckpt_id_for, is_ckpt_id
 from certckpt.trust.resume import ResumePoint, next_branch
 from certckpt.trust.runstore import certify_store
@@ -202,6 +203,7 @@ class CertifiedCheckpointIO(*CHECKPOINT_IO_BASES):
             raise ArgumentTypeError(
                 f"Trainer.save_checkpoint(..., storage_options=...) is not supported by {type(self).__name__}"
             )
+        enable_log()  # Lightning saves from global rank 0 only: its resume and kept-file lines
         url = _location(path)
         step = checkpoint.get("global_step")
         if type(step) is not int or step < 0:

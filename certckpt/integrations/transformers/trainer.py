@@ -54,6 +54,7 @@ from certckpt.format.reader import load
 from certckpt.format.storage import write_atomic
 from certckpt.format.verify import inspect
 from certckpt.format.writer import save_certified
+from certckpt.log import enable as enable_log
 from certckpt.trust.ledger import Ledger, LedgerSnapshot, ckpt_id_for, is_ckpt_id
 from certckpt.trust.resume import next_branch
 from certckpt.trust.runstore import certify_store, check_file
@@ -123,6 +124,8 @@ class CertifiedTrainerMixin:
         self, *args: Any, run: str | None = None, branch: str | None = None, ledger: str | None = None, **kwargs: Any
     ):
         super().__init__(*args, **kwargs)
+        if self.args.process_index == 0:
+            enable_log()  # one line per audit and per resume, from the main process (docs/integrations.md)
         _refuse_unsupported(self)
         store = ledger or self.args.output_dir
         name = run or os.path.basename(os.path.abspath(self.args.output_dir).rstrip("/")) or "run"
