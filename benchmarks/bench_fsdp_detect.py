@@ -18,7 +18,7 @@ Linear ``fully_shard``-ed and then the root, each copy with its own optimizer (A
     plain         plain FSDP2: forward, loss.backward(), opt.step(), opt.zero_grad(set_to_none=True)
     consensus/10  ShardedAuditSession(consensus_every=10), no loss_fn: the non-finite check of the
                   reduced gradient shards every step, the weight consensus across replicas every 10th
-    audit/10      ShardedAuditSession(loss_fn=..., audit_every=10, consensus_every=10**9): the loop
+    audit/10      ShardedAuditSession(loss_fn=..., audit_every=10) (the consensus at audits only): the loop
                   calls begin_micro_batch(unit) before each forward; a full audit (ring replay,
                   non-finite, consensus) every 10th step, the non-finite check on the others
     audit/100     the same with audit_every=100
@@ -212,7 +212,6 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
                 run=f"bench-{name}",
                 loss_fn=_loss,
                 audit_every=int(name.split("/")[1]),
-                consensus_every=10**9,
                 sink=MemorySink(),
                 nonfinite_read=args["read"],
             )

@@ -153,9 +153,9 @@ def raise_detected(args):
 
 def rollback(args):
     """Train on `main` until a persistent fault is caught, roll back to latest-good, go on as branch b2."""
-    from certckpt.trust.runstore import find_latest_good
-
     import logging
+
+    from certckpt.trust.runstore import find_latest_good
 
     store = args["store"]
     rank = dist.get_rank()

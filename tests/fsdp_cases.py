@@ -58,7 +58,9 @@ def hsdp_audit(args):
     m = _shard(_model(0), mesh)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
     on_fault = args.get("on_fault", "continue")
-    session = ShardedAuditSession(m, opt, run="t", ledger=args["store"], on_nonfinite="skip", on_fault=on_fault)
+    session = ShardedAuditSession(
+        m, opt, run="t", ledger=args["store"], on_nonfinite="skip", on_fault=on_fault, consensus_every=1
+    )
     g = torch.Generator().manual_seed(100 + rank)  # every rank its own batch, as data parallelism does
     out: dict = {"rank": rank, "steps": [], "placements": [str(p) for p in m[0].weight.placements]}
     for step in range(1, args["steps"] + 1):
@@ -111,6 +113,61 @@ def _checkpoint(session, m, opt, args) -> dict:
         "ckpt_id": writer.ckpt_id,
         "refused": refused,
     }
+
+
+def cheap_default_and_resume_check(args):
+    """Without consensus_every the weights are compared at checkpoints (and audits) only; a resumed
+    session with expect_consensus_fp accepts the checkpoint's state and refuses any other."""
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    m = _shard(_model(0), mesh)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    session = ShardedAuditSession(m, opt, run="t")
+    g = torch.Generator().manual_seed(100 + rank)
+
+    def train(s, steps):
+        for _ in range(steps):
+            x = torch.randn(4, 12, generator=g)
+            F.mse_loss(m(x), x[:, :5].sin()).backward()
+            if s.before_update():
+                opt.step()
+            s.after_update()
+            opt.zero_grad(set_to_none=True)
+
+    train(session, 3)
+    msd, osd = get_state_dict(m, opt)
+    state = {"model": msd, "optim": osd}
+    ev = session.checkpoint_evidence(state)
+    consensus_steps = [e.step for e in session.sink.events if e.kind == "consensus"]
+    session.close()
+    resumed = ShardedAuditSession(
+        m,
+        opt,
+        run="t",
+        branch="main-r1",
+        parent="main@3",
+        start_step=3,
+        expect_consensus_fp=ev.consensus_fp,
+        resume_state=state,
+    )
+    resumed.close()
+    train(resumed, 1)  # the weights move on: they are not the checkpoint's any more
+    msd, osd = get_state_dict(m, opt)
+    refused = None
+    try:
+        ShardedAuditSession(
+            m,
+            opt,
+            run="t",
+            branch="main-r2",
+            parent="main@3",
+            start_step=3,
+            expect_consensus_fp=ev.consensus_fp,
+            resume_state={"model": msd, "optim": osd},
+        )
+    except AuditSetupError as e:
+        refused = str(e)
+    return {"consensus_steps": consensus_steps, "refused": refused}
 
 
 def plain_model_refused(args):

@@ -167,4 +167,4 @@ def test_verify_imports_the_format_layer_only():
         "layers = sorted({m.split('.')[1] for m in sys.modules if m.startswith('certckpt.')})\n"
         "print(layers, 'torch' in sys.modules, 'fsspec' in sys.modules)"
     )
-    assert _run(code).splitlines()[-1] == "['errors', 'format', 'version'] False False"
+    assert _run(code).splitlines()[-1] == "['errors', 'format', 'log', 'version'] False False"

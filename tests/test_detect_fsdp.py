@@ -150,6 +150,17 @@ def test_a_majority_of_replicas_names_the_corrupted_one(tmp_path):
 
 
 @pytest.mark.slow
+def test_the_default_consensus_runs_at_checkpoints_and_a_resume_must_load_the_checkpoint():
+    from certckpt.detect.launch import run_ranks
+
+    out = run_ranks("fsdp_cases:cheap_default_and_resume_check", 4, {}, timeout=240, extra_path=TESTS)
+    assert out[0]["consensus_steps"] == [3]  # (rank 0 emits) three steps, no per-step consensus: the checkpoint's
+    for r in out:
+        assert r["refused"] is not None and "recorded" in r["refused"] and "resume_state" in r["refused"]
+    assert len({r["refused"] for r in out}) == 1  # every rank refused with the same line
+
+
+@pytest.mark.slow
 def test_deferred_nonfinite_reads_under_hsdp():
     from certckpt.detect.launch import run_ranks
 
