@@ -13,7 +13,7 @@ import sys
 
 import click
 
-from certckpt.format.companions import companion_marker, companion_problems
+from certckpt.format.companions import companion_marker, companion_problems, companions_of
 from certckpt.format.header import printable
 from certckpt.format.record import check_header
 from certckpt.format.signing import trusted_keys_from_env
@@ -161,9 +161,15 @@ def _ledger_verdict(location: str, ledger_url: str, report) -> dict:
 @expected_errors
 def inspect(location: str, as_json: bool) -> None:
     """Show the tensor table and certckpt record of LOCATION without reading the data."""
+    companions = None
     if _is_directory(location):
-        _inspect_sharded(location, as_json)
-        return
+        # a directory-shaped checkpoint (a Trainer checkpoint-N/): its certified file, and what it lists
+        marker = companion_marker(location.removeprefix("file://")) if "://" not in location else None
+        if marker is None:
+            _inspect_sharded(location, as_json)
+            return
+        location = marker
+        companions = companions_of(run_inspect(marker).record) or {}
     info = run_inspect(location)
     rec = info.record
     # What verify would reject in the header is reported, and exits 1, here too: inspect shows a
@@ -190,6 +196,8 @@ def inspect(location: str, as_json: bool) -> None:
             ],
             "problem": problem,
         }
+        if companions is not None:
+            doc["companions"] = [{"name": n, **e} for n, e in sorted(companions.items())]
         click.echo(json.dumps(doc, indent=2))
         sys.exit(EXIT_FAILED if problem else EXIT_OK)
     click.echo(
@@ -220,6 +228,13 @@ def inspect(location: str, as_json: bool) -> None:
         for e in info.header.entries
     ]
     echo_table(("tensor", "dtype", "shape", "size", "fingerprint"), rows, indent="  ")
+    if companions:
+        click.echo(f"  companion files (certified with it; `certckpt verify {os.path.dirname(location)}` checks them):")
+        listed = [
+            (printable(n), human_bytes(e["bytes"]), "certified" if "header_digest" in e else "bytes digested")
+            for n, e in sorted(companions.items())
+        ]
+        echo_table(("file", "size", "bound by"), listed, indent="  ")
     if problem:
         fail(f"{info.source}: {problem}", EXIT_FAILED)
 

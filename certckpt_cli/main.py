@@ -11,7 +11,15 @@ import importlib
 from typing import NamedTuple
 
 import click
-from click.utils import make_default_short_help
+
+
+def _short(text: str, limit: int) -> str:
+    """``text`` cut at a word boundary to fit ``limit`` characters, with "..." when cut (what click's
+    own listing does; its helper for it is deprecated in click 8.2 and gone in 9)."""
+    if len(text) <= limit:
+        return text
+    cut = text[: max(limit - 3, 1)].rsplit(" ", 1)[0].rstrip(" .,;:")
+    return f"{cut}..."
 
 
 class Entry(NamedTuple):
@@ -99,7 +107,7 @@ class LazyGroup(click.Group):
         # The listing uses the registry's short help so that `certckpt --help` imports no command.
         names = self.list_commands(ctx)
         limit = formatter.width - 6 - max(map(len, names))
-        rows = [(name, make_default_short_help(COMMANDS[name].summary, limit)) for name in names]
+        rows = [(name, _short(COMMANDS[name].summary, limit)) for name in names]
         with formatter.section("Commands"):
             formatter.write_dl(rows)
 

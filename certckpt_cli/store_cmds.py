@@ -112,8 +112,15 @@ def checkpoint_directory(url: str) -> str:
 @trusted_keys_option
 @expected_errors
 def status(store: str, verify_bytes: bool, as_json: bool) -> None:
-    """Every checkpoint of STORE with its verdict and reasons, the detections, uncommitted files."""
+    """Every checkpoint of STORE with its verdict and reasons, the detections, uncommitted files.
+
+    STORE may also be one checkpoint's directory inside a store (a Trainer ``checkpoint-N/``): the
+    store around it is shown, that checkpoint named first."""
+    inside = enclosing_store(store)
+    if inside is not None:
+        store, directory = inside, store
     st = certify_store(store, verify_bytes=verify_bytes)
+    focus = _checkpoint_in(st, directory) if inside is not None else None
     cert = st.certification
     rows = sorted(st.snapshot.checkpoints, key=lambda c: (c.branch, c.step))
     if as_json:
@@ -151,13 +158,50 @@ def status(store: str, verify_bytes: bool, as_json: bool) -> None:
                     "uncommitted": st.uncommitted,
                     "problems": st.problems,
                     "ledger": ledger_dict(st),
+                    **({"checkpoint": focus} if inside is not None else {}),
                 },
                 indent=2,
             )
         )
         return
+    if inside is not None:
+        if focus is None:
+            click.echo(f"{directory}: not a checkpoint committed to the store {store}")
+        else:
+            v = st.certification.verdicts[focus]
+            reasons = f" ({', '.join(v.reasons)})" if v.reasons else ""
+            click.echo(f"{directory}: {focus} in the store {store}: {v.label}{reasons}")
     for line in status_lines(st):
         click.echo(line)
+
+
+def enclosing_store(location: str) -> str | None:
+    """The run store around a local checkpoint directory that is not a store itself (a Trainer
+    ``checkpoint-N/``, or one of a resumed branch's ``OUTPUT_DIR/main-r1/checkpoint-N/``): the
+    nearest parent directory holding a ledger; None for anything else."""
+    import os
+
+    from certckpt.format.storage import LEDGER_DIR
+
+    if "://" in location or not os.path.isdir(location) or os.path.isdir(os.path.join(location, LEDGER_DIR)):
+        return None
+    here = os.path.abspath(location)
+    for _ in range(3):  # checkpoint-N/, a branch's directory, the store
+        here = os.path.dirname(here)
+        if os.path.isdir(os.path.join(here, LEDGER_DIR)):
+            return os.path.relpath(here) if not os.path.isabs(location) else here
+    return None
+
+
+def _checkpoint_in(st: StoreStatus, directory: str) -> str | None:
+    """The id of the committed checkpoint kept in ``directory`` (None when none is)."""
+    import os
+
+    want = os.path.abspath(directory)
+    for c in st.snapshot.checkpoints:
+        if "://" not in c.url and os.path.abspath(checkpoint_directory(c.url)) == want:
+            return c.ckpt_id
+    return None
 
 
 def status_lines(st: StoreStatus) -> list[str]:

@@ -92,6 +92,31 @@ def test_latest_good_dir_prints_the_directory_from_pretrained_takes(tmp_path):
     assert doc["directory"] == str(d)
 
 
+def test_inspect_and_status_take_a_checkpoint_directory(tmp_path):
+    from click.testing import CliRunner
+
+    from certckpt_cli.main import main
+
+    store = tmp_path / "out"
+    _checkpoint(store, 5)
+    d = _checkpoint(store, 10)
+    runner = CliRunner()
+    r = runner.invoke(main, ["inspect", str(d)])
+    assert r.exit_code == 0 and r.output.startswith(f"{d / 'manifest.safetensors'}: certckpt schema"), r.output
+    assert "model.safetensors" in r.output and "state.json" in r.output and "bytes digested" in r.output
+    doc = json.loads(runner.invoke(main, ["inspect", str(d), "--json"]).output)
+    assert [c["name"] for c in doc["companions"]] == ["model.safetensors", "state.json"]
+    r = runner.invoke(main, ["status", str(d)])
+    assert (
+        r.exit_code == 0
+        and r.output.splitlines()[0] == f"{d}: main@10 in the store {store}: verified (no-consensus, awaiting-audit)"
+    )
+    doc = json.loads(runner.invoke(main, ["status", str(d), "--json"]).output)
+    assert doc["checkpoint"] == "main@10" and doc["store"] == str(store)
+    r = runner.invoke(main, ["verify", str(store)])  # the store itself is not one checkpoint: the command that is
+    assert r.exit_code == 2 and f"certckpt status {store} --verify-bytes" in r.output
+
+
 def _state_json(step):
     # more than one 1,024-byte xxh3 block, as a real trainer_state.json is
     return json.dumps({"global_step": step, "log_history": [{"loss": 1.0 / (i + 1), "step": i} for i in range(60)]})

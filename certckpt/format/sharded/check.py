@@ -20,7 +20,7 @@ from certckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, Not
 from certckpt.format.header import DTYPE_SIZES, printable
 from certckpt.format.record import CheckpointRecord, check_header, state_fingerprint
 from certckpt.format.signing import TrustedKeys
-from certckpt.format.storage import open_read, resolve
+from certckpt.format.storage import LEDGER_DIR, open_read, resolve
 from certckpt.format.verify import Problem, digest_problem, read_checkpoint_header, verify
 
 from .composition import hex64
@@ -94,6 +94,11 @@ def _not_committed(location: str, listing=None) -> NotACheckpointError:
             " certckpt never unpickles — save with certckpt.dcp.CertifiedWriter to certify it"
         )
     if listing is not None and not any(is_shard_name(n) for n in listing.files):
+        if exists(join(location, LEDGER_DIR)):
+            return NotACheckpointError(
+                f"{location}: a run store, not one checkpoint: `certckpt status {location} --verify-bytes` verifies"
+                " every checkpoint in it; give one checkpoint's path to verify only that one"
+            )
         return NotACheckpointError(
             f"{location}: a directory, neither a checkpoint file nor a sharded checkpoint (no {MANIFEST_NAME});"
             " give the path of one checkpoint file"
