@@ -13,6 +13,7 @@ import sys
 
 import click
 
+from certckpt.errors import CertckptError
 from certckpt.format.companions import companion_marker, companion_problems, companions_of
 from certckpt.format.header import printable
 from certckpt.format.record import check_header
@@ -116,6 +117,11 @@ def verify(location: str, deep: bool, ledger_url: str | None, as_json: bool) -> 
         )
         if verdict is not None:
             click.echo(f"    verdict: {verdict['verdict']} ({verdict['ckpt_id']})")
+        whole = _member_of(location)
+        if whole is not None:
+            click.echo(
+                f"    this file only: it is part of the checkpoint {whole}; `certckpt verify {whole}` checks all of it"
+            )
     elif verdict is not None and not report.problems:
         click.echo(
             f"SUSPECT  {location}  bytes verify, but {verdict['ckpt_id'] or 'it'} is certified suspect: "
@@ -129,6 +135,22 @@ def verify(location: str, deep: bool, ledger_url: str | None, as_json: bool) -> 
             reasons = ", ".join(verdict["reasons"]) or "-"
             click.echo(f"  verdict: {verdict['verdict']} ({verdict['ckpt_id']}): {reasons}")
     sys.exit(EXIT_OK if report.ok else EXIT_FAILED)
+
+
+def _member_of(location: str) -> str | None:
+    """The directory-shaped checkpoint a local file is a companion of (its certified file lists it),
+    or None."""
+    if "://" in location:
+        return None
+    directory = os.path.dirname(os.path.abspath(location))
+    marker = companion_marker(directory)
+    if marker is None or os.path.abspath(marker) == os.path.abspath(location):
+        return None
+    try:
+        listed = companions_of(run_inspect(marker).record) or {}
+    except (CertckptError, ValueError):
+        return None
+    return os.path.dirname(marker) if os.path.basename(location) in listed else None
 
 
 def _ledger_verdict(location: str, ledger_url: str, report) -> dict:

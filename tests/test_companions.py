@@ -113,6 +113,8 @@ def test_inspect_and_status_take_a_checkpoint_directory(tmp_path):
     )
     doc = json.loads(runner.invoke(main, ["status", str(d), "--json"]).output)
     assert doc["checkpoint"] == "main@10" and doc["store"] == str(store)
+    r = runner.invoke(main, ["verify", str(d / "model.safetensors")])  # one member: says it checked that only
+    assert r.exit_code == 0 and f"part of the checkpoint {d}; `certckpt verify {d}`" in r.output, r.output
     r = runner.invoke(main, ["verify", str(store)])  # the store itself is not one checkpoint: the command that is
     assert r.exit_code == 2 and f"certckpt status {store} --verify-bytes" in r.output
 
