@@ -150,7 +150,7 @@ def _member_of(location: str) -> str | None:
         listed = companions_of(run_inspect(marker).record) or {}
     except (CertckptError, ValueError):
         return None
-    return os.path.dirname(marker) if os.path.basename(location) in listed else None
+    return (os.path.dirname(location) or ".") if os.path.basename(location) in listed else None
 
 
 def _ledger_verdict(location: str, ledger_url: str, report) -> dict:
