@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import struct
 from typing import Any
 
 import xxhash
@@ -27,9 +28,10 @@ import xxhash
 from certckpt.errors import CertckptError
 
 from .datahash import new_hash, preferred_digest_field
+from .header import MAX_HEADER_BYTES
 from .record import CheckpointRecord
 from .signing import TrustedKeys
-from .storage import join, open_read, resolve
+from .storage import join, open_read, refuse_special, resolve
 from .verify import inspect, verify
 
 __all__ = [
@@ -83,12 +85,29 @@ def companion_marker(directory: str) -> str | None:
     except OSError:
         return None
     for name in names:
+        path = os.path.join(directory, name)
+        if not _may_list_companions(path):
+            continue
         try:
-            if companions_of(inspect(os.path.join(directory, name)).record):  # headers only
+            if companions_of(inspect(path).record):  # headers only
                 found.append(name)
         except (CertckptError, ValueError, RecursionError):
             continue
     return os.path.join(directory, found[0]) if len(found) == 1 else None
+
+
+def _may_list_companions(path: str) -> bool:
+    """Whether the header's bytes hold the two keys of a companion table (escaped, inside the record's
+    text): a scan of the raw header, so that looking for the listing file of a directory never parses
+    the headers of every other file in it (a 100,000-tensor header is ~0.5 s to parse)."""
+    try:
+        refuse_special(path, path)
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8).ljust(8, b"\0"))
+            raw = f.read(min(n, MAX_HEADER_BYTES))
+    except (OSError, CertckptError):
+        return False
+    return f'\\"{LAYOUT_KEY}\\"'.encode() in raw and f'\\"{FILES_KEY}\\"'.encode() in raw
 
 
 def _digests(url: str, limit: int | None, crypto: str | None) -> tuple[str, str | None, int]:
