@@ -10,18 +10,27 @@ as any Python logger::
     logging.getLogger("certckpt").setLevel(logging.DEBUG)     # everything
 
 What is logged: one INFO line per audit (its outcome, what it checked, what it cost) and one at
-resume (the checkpoint, its verdict, the new branch). Failures are raised as exceptions, not logged.
+resume (the checkpoint resumed from, the new branch). Failures are raised as exceptions, not logged.
+
+``CERTCKPT_LOG`` (``info``, ``debug``, ``warning``, ``off``) sets the level in every process that
+imports certckpt, training ranks started by a launcher included: the ``certckpt`` command sets it to
+``info`` for the processes it starts, unless it is set already.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
-__all__ = ["LOGGER", "enable"]
+__all__ = ["LOGGER", "AUDIT", "RESUME", "ENV", "enable"]
 
+ENV = "CERTCKPT_LOG"
 LOGGER = logging.getLogger("certckpt")
 LOGGER.addHandler(logging.NullHandler())
+AUDIT = LOGGER.getChild("audit")  # one line per passed audit
+RESUME = LOGGER.getChild("resume")  # one line per resume (a branch recorded)
+_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "off": logging.CRITICAL + 1}
 
 
 def enable(level: int = logging.INFO) -> None:
@@ -36,3 +45,12 @@ def enable(level: int = logging.INFO) -> None:
     handler.setFormatter(logging.Formatter("certckpt: %(message)s"))
     LOGGER.addHandler(handler)
     LOGGER.propagate = False
+
+
+def _from_env() -> None:
+    level = _LEVELS.get(os.environ.get(ENV, "").strip().lower())
+    if level is not None:
+        enable(level)
+
+
+_from_env()

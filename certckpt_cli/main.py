@@ -120,9 +120,13 @@ def main() -> None:
     Exit codes: 0 verified; 1 verification failed (corrupt, truncated, tampered);
     2 could not verify (usage, not found, not a certckpt checkpoint, store unreachable).
     """
-    from certckpt.log import enable
+    import os
 
-    enable()  # audits and resumes the command runs say one line each on stderr
+    from certckpt.log import ENV, enable
+
+    # Audits and resumes say one line each on stderr, here and in the training ranks a command starts.
+    os.environ.setdefault(ENV, "info")
+    enable()
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -8,6 +8,9 @@ sys.path.insert(0, os.path.dirname(__file__))  # tests/fpref.py and helpers
 # Readers remember the chain heads they verified (certckpt.trust.memory): keep this run's memory to
 # itself (and to the processes it starts), never the user's ~/.cache.
 os.environ.setdefault("CERTCKPT_STATE_DIR", tempfile.mkdtemp(prefix="certckpt-state-"))
+# certckpt's log lines (certckpt.log) stay off in the suite and the ranks it starts: the outputs the
+# tests compare are the commands' own; the tests of the log lines turn them on where they look.
+os.environ["CERTCKPT_LOG"] = "off"
 
 
 @pytest.fixture

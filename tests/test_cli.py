@@ -166,3 +166,38 @@ def test_inspect_escapes_names_and_exits_1_where_verify_would(tmp_path):
     assert CliRunner().invoke(main, ["verify", str(q)]).exit_code == 1
     out = CliRunner().invoke(main, ["inspect", str(q)])
     assert out.exit_code == 1 and "header digest mismatch" in out.output
+
+
+def test_the_command_turns_certckpt_log_lines_on_for_the_ranks_it_starts(tmp_path):
+    """`certckpt ...` sets CERTCKPT_LOG=info for what it starts, unless it is set; a process that
+    imports certckpt with it set prints the audit and resume lines on stderr."""
+    import subprocess
+    import sys
+
+    code = (
+        "import certckpt.log, logging; "
+        "logging.getLogger('certckpt.resume').info('resumed from main@10: new checkpoints go on branch main-r1')"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "CERTCKPT_LOG"}
+    quiet = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert quiet.stderr == ""  # a library is silent until asked
+    from conftest import console_script
+
+    launched = subprocess.run(  # what `certckpt run -- LAUNCHER` hands the ranks
+        [console_script("certckpt"), "run", "--", sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert launched.returncode == 0, launched.stderr
+    assert "certckpt: resumed from main@10: new checkpoints go on branch main-r1\n" in launched.stderr
+    env["CERTCKPT_LOG"] = "warning"  # the user's setting wins
+    lowered = subprocess.run(
+        [console_script("certckpt"), "run", "--", sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert "resumed from" not in lowered.stderr

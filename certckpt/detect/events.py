@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import collections
 import json
-import logging
 import os
 import socket
 import sys
@@ -17,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from certckpt.errors import CertckptError, ConfigurationError
+from certckpt.log import AUDIT
 from certckpt.trust.runstore import open_incident
 
 __all__ = [
@@ -244,12 +244,9 @@ def publish(ev: AuditEvent, *, sink: EventSink, ledger: Any = None) -> None:
         print(f"certckpt: could not record the incident in {getattr(ledger, 'store', ledger)}: {e}", file=sys.stderr)
 
 
-_audit_log = logging.getLogger("certckpt.audit")
-
-
 def log_audit_pass(*, step: int, branch: str | None, ranks: int, checked: int, seconds: float) -> None:
     """The one INFO line of a passed audit (rank 0 calls it; ``certckpt.log`` says who sees it)."""
-    _audit_log.info(
+    AUDIT.info(
         "audit at step %d on %s passed: replay and weight consensus across %d ranks, %d step(s) free of"
         " non-finite gradients checked (%.0f ms)",
         step,

@@ -22,7 +22,6 @@ candidates for latest-good there. Every object is written once (create-only: a h
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import secrets
@@ -51,6 +50,7 @@ from certckpt.format.storage import (
     remote_error_text,
     resolve,
 )
+from certckpt.log import RESUME
 
 from .certify import Revocation
 from .chain import (
@@ -72,7 +72,6 @@ __all__ = ["Ledger", "LedgerSink", "LedgerSnapshot", "ckpt_id_for", "is_ckpt_id"
 # LEDGER_DIR and VAULT_MARK (a vault's ledger: {"kind": "certckpt-vault", "run", "source"}) are defined
 # by the file layer, which must respect them too (a plain save never replaces a vault copy).
 _KINDS = KINDS
-_resume_log = logging.getLogger("certckpt.resume")
 FROM_ENV = "from-env"  # the default of Ledger's key options: read the environment
 _RECORD_FILE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._@-]{0,250}$")  # no separator, no leading dot
 
@@ -306,7 +305,7 @@ class Ledger:
         of the record says so in the log (``certckpt.log``): one line per resume."""
         _check_name("branch", branch)
         if self._put("branches", f"{branch}.json", self._dumps({"branch": branch, "parent": parent}), branch=branch):
-            _resume_log.info("resumed from %s: new checkpoints go on branch %s (%s)", parent, branch, self.store)
+            RESUME.info("resumed from %s: new checkpoints go on branch %s (%s)", parent, branch, self.store)
 
     def append_events(self, events: Iterable[Any]) -> str | None:
         """Write the events, one segment per branch, each sealed in its branch's chain with one
