@@ -96,7 +96,7 @@ def drill_faults(
         for n in sorted(notes):
             click.echo(f"note: {n}")
         if directory:
-            click.echo(f"run stores (checkpoints, events.jsonl) kept under {directory}/<fault>-<timing>/")
+            click.echo(f"run stores (checkpoints and their ledgers) kept under {directory}/<fault>-<timing>/")
     sys.exit(EXIT_OK if as_designed else EXIT_FAILED)
 
 

@@ -204,6 +204,15 @@ def test_resume_from_latest_good_skips_a_checkpoint_with_a_damaged_file(tmp_path
     assert (trainer.certckpt.branch, trainer.certckpt.parent, trainer.state.global_step) == ("main-r1", "main@3", 6)
 
 
+def test_resume_from_checkpoint_true_on_a_first_run_trains_from_scratch(tmp_path):
+    # the README's one line serves the first run and every restart
+    out = str(tmp_path / "first")
+    trainer = certified_trainer(out)
+    trainer.train(resume_from_checkpoint=True)
+    assert (trainer.certckpt.branch, trainer.certckpt.parent, trainer.state.global_step) == ("main", None, 6)
+    assert _verdicts(out) == {"main@3": "verified", "main@6": "verified"}
+
+
 def test_a_plain_trainer_checkpoint_is_refused_with_its_pickles_named(tmp_path):
     out = str(tmp_path / "plain")
     transformers.Trainer(model=tiny_gpt2(), args=training_args(out, max_steps=3), train_dataset=TokenData()).train()

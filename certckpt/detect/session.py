@@ -36,11 +36,13 @@ from torch.nn.parallel import DistributedDataParallel
 from certckpt.errors import (
     AuditSetupError,
     CertckptError,
+    CheckpointExistsError,
     ConfigurationError,
     FaultDetectedError,
 )
 from certckpt.format.signing import signing_key_for
 from certckpt.format.writer import save_certified
+from certckpt.trust.commit import name_taken
 from certckpt.trust.incident import incident_id_for
 from certckpt.trust.ledger import Ledger, LedgerSink
 
@@ -597,7 +599,14 @@ class AuditSession(SetupChecks, NonFiniteCheck, RingReplay, WeightConsensus):
         result, error = None, None
         if self.rank == 0:
             try:
-                result = save_certified(obj, f, **evidence.save_kwargs(), **{"signing_key": self.signing_key, **kwargs})
+                try:
+                    result = save_certified(
+                        obj, f, **evidence.save_kwargs(), **{"signing_key": self.signing_key, **kwargs}
+                    )
+                except CheckpointExistsError as e:
+                    if self.ledger is None:
+                        raise
+                    raise name_taken(str(f), self.ledger.store) from e
                 self.sink.flush()  # the events up to this checkpoint reach the ledger before its commit record
                 if self.ledger is not None:
                     self.ledger.commit_checkpoint(

@@ -152,8 +152,8 @@ class TrustedKeys:
 
 
 def generate_key(path: str | os.PathLike) -> tuple[str, str]:
-    """Write a new private key to ``path`` (mode 0600, never replacing a file) and its public key to
-    ``path.pub``; returns ``(private path, public path)``."""
+    """Write a new private key to ``path`` (mode 0600, never replacing a file; a missing directory is
+    created with mode 0700) and its public key to ``path.pub``; returns ``(private path, public path)``."""
     ed25519, serialization, _ = _crypto()
     key = ed25519.Ed25519PrivateKey.generate()
     private = key.private_bytes(
@@ -165,6 +165,9 @@ def generate_key(path: str | os.PathLike) -> tuple[str, str]:
     for p in (path, pub):
         if os.path.exists(p):
             raise ConfigurationError(f"{p} exists; keys are never replaced (choose another path)")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        os.makedirs(parent, mode=0o700)  # a new directory for a private key: its owner's only
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as fh:
         fh.write(private)

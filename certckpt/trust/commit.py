@@ -21,7 +21,7 @@ from certckpt.format.writer import save as plain_save
 
 from .ledger import Ledger, ckpt_id_for, is_ckpt_id
 
-__all__ = ["save", "commit_saved"]
+__all__ = ["save", "commit_saved", "name_taken"]
 
 _NOT_GIVEN = object()  # torch.save's pickle options: forwarded only when the caller passed them
 
@@ -115,19 +115,32 @@ def save(
     target = resolve(f)
     if target.fileobj is not None:
         raise ArgumentTypeError("a ledger commit names the file's location: pass a path or URL, not a file object")
-    result = save_certified(
-        obj,
-        target.display,
-        step=step,
-        run=run,
-        metadata=metadata,
-        overwrite=False,
-        branch=branch,
-        parent=parent,
-        signing_key=key,
-    )
+    try:
+        result = save_certified(
+            obj,
+            target.display,
+            step=step,
+            run=run,
+            metadata=metadata,
+            overwrite=False,
+            branch=branch,
+            parent=parent,
+            signing_key=key,
+        )
+    except CheckpointExistsError as e:
+        raise name_taken(target.display, led.store) from e
     commit_saved(led, result, run=run, branch=branch, step=step, parent=parent)
     return result
+
+
+def name_taken(location: str, store: str) -> CheckpointExistsError:
+    """What to say when a checkpoint meant for a run store's ledger finds its name taken: replacing it
+    is never the fix there (a committed checkpoint is write-once), a new store or a resume is."""
+    return CheckpointExistsError(
+        f"{location}: a checkpoint already exists under this name, and the run store {store} keeps every"
+        f" committed checkpoint as written: train into a new run store (an empty directory), or resume from"
+        f" `certckpt latest-good {store}` on a new branch (certckpt.plan_resume)"
+    )
 
 
 def commit_saved(

@@ -143,7 +143,8 @@ class CertifiedTrainerMixin:
         Raises:
             CorruptCheckpointError: a file of the checkpoint does not match its manifest.
             NotACheckpointError: the directory was not written by a certified Trainer.
-            CheckpointNotFoundError: ``True`` and the store holds no good checkpoint.
+            CheckpointNotFoundError: ``True`` and the store holds checkpoints, none of them good (a
+                store with none yet starts from scratch).
             ConfigurationError: a fresh run into a store whose branch holds checkpoints already.
         """
         run = self.certckpt
@@ -157,7 +158,7 @@ class CertifiedTrainerMixin:
                 self._certckpt_prepare(None)
             elif resume_from_checkpoint is True:
                 chosen["dir"] = self._certckpt_latest_good()
-                self._certckpt_prepare(chosen["dir"], verified=True)
+                self._certckpt_prepare(chosen["dir"], verified=chosen["dir"] is not None)
             else:
                 chosen["dir"] = self._certckpt_resolve(resume_from_checkpoint)
                 self._certckpt_prepare(chosen["dir"])
@@ -178,14 +179,22 @@ class CertifiedTrainerMixin:
             if self.args.should_save:
                 self._certckpt_retire_deleted()
 
-    def _certckpt_latest_good(self) -> str:
-        """The newest good checkpoint (trusted first, then verified) whose every file verifies now.
+    def _certckpt_latest_good(self) -> str | None:
+        """The newest good checkpoint (trusted first, then verified) whose every file verifies now;
+        None when the store has committed nothing yet (a first run starts from scratch, so the same
+        ``train(resume_from_checkpoint=True)`` line serves the first run and every restart).
 
         ``certckpt latest-good`` re-verifies the committed file, the manifest; the other files of the
         directory are checked here, and a checkpoint with a damaged one is skipped, with a warning.
         """
         ledger = self.certckpt.ledger
-        status = certify_store(ledger.store, write_certificates=self.args.should_save)
+        try:
+            status = certify_store(ledger.store, write_certificates=self.args.should_save)
+        except CheckpointNotFoundError:
+            status = None  # no store yet
+        if status is None or not status.snapshot.records:
+            logger.info("certckpt: nothing committed in %s yet: training from scratch", ledger.store)
+            return None
         for cid in status.certification.candidates("verified"):
             if not status.snapshot.available(cid):
                 continue
