@@ -187,7 +187,10 @@ def run(doc: Doc, cwd: str, *, timeout: float = 300) -> list[str]:
                     torchrun = f"{shlex.quote(sys.executable)} -m torch.distributed.run --standalone"
                     cmd = f"{torchrun} --nproc-per-node {n} {name}"
                     r = _shell(cmd, where, timeout)
-                    assert r.returncode == 0, (
+                    # torch 2.13's gloo transport sometimes aborts in interpreter teardown, after the
+                    # script finished (plain DDP too): the one failure tolerated, when nothing raised
+                    teardown = "SIGABRT" in r.stderr and not re.search(r"\[rank\d+\]: Traceback", r.stderr)
+                    assert r.returncode == 0 or teardown, (
                         f"{b.where}: torchrun exited {r.returncode}\n{r.stdout[-3000:]}{r.stderr[-3000:]}"
                     )
                 continue
