@@ -39,9 +39,16 @@ def run_demo(directory: str, *, echo: Callable[[str], None] = print, ranks: int 
     os.makedirs(store)
     s = dict(SCHEDULE)
     t0 = time.perf_counter()
+    began = [t0]  # when the stage under way began
+
+    def stage_done() -> None:
+        echo(f"  ({time.perf_counter() - began[0]:.1f} s)")
 
     def stage(n: int, text: str) -> None:
-        echo(f"\n[{n}/7] {text}  ({time.perf_counter() - t0:.0f} s)")
+        if n > 1:
+            stage_done()  # each stage's own duration, printed when it ends
+        began[0] = time.perf_counter()
+        echo(f"\n[{n}/7] {text}")
 
     stage(
         1,
@@ -126,6 +133,7 @@ def run_demo(directory: str, *, echo: Callable[[str], None] = print, ranks: int 
     render(timeline(certify_store(store, write_certificates=False)), picture)
     echo(f"  {picture}")
 
+    stage_done()
     echo(f"\ndone in {time.perf_counter() - t0:.0f} s. Everything is in {directory}/; try:")
     for cmd in (
         f"certckpt status {store}",

@@ -168,3 +168,23 @@ def test_verify_imports_the_format_layer_only():
         "print(layers, 'torch' in sys.modules, 'fsspec' in sys.modules)"
     )
     assert _run(code).splitlines()[-1] == "['errors', 'format', 'log', 'version'] False False"
+
+
+@pytest.mark.parametrize(
+    ("package", "hidden", "extra"),
+    [
+        ("certckpt.integrations.lightning", ["lightning", "pytorch_lightning"], "lightning"),
+        ("certckpt.integrations.transformers", ["transformers"], "transformers"),
+    ],
+)
+def test_a_missing_extra_is_one_error_in_one_frame_of_certckpt(package, hidden, extra):
+    """What a user sees importing an integration without its framework: the import line, certckpt's
+    line that raises, and the error naming the pip command; no chained traceback."""
+    hide = "; ".join(f"sys.modules[{name!r}] = None" for name in hidden)
+    r = subprocess.run(
+        [sys.executable, "-c", f"import sys; {hide}; import {package}"], capture_output=True, text=True, timeout=60
+    )
+    frames = [ln for ln in r.stderr.splitlines() if ln.startswith('  File "')]
+    assert r.returncode == 1 and len(frames) == 2, r.stderr  # <string>, then the package's __init__
+    assert "During handling" not in r.stderr and "direct cause" not in r.stderr
+    assert r.stderr.splitlines()[-1].endswith(f"pip install 'certckpt[{extra}]'"), r.stderr

@@ -139,14 +139,24 @@ def _figure(tl: Timeline):
                 style="italic",
                 zorder=3,
             )
-        # audits: small ticks below the lane, one per step (a failed check of any kind: black X)
+        # checks below the lane, one mark per step: a tick for a passed audit (a replay ran), a dot
+        # for a step whose only passing checks were the consensus or the non-finite summary, a
+        # black X for a failed check of any kind
         steps: dict[int, bool] = {}
+        replayed: set[int] = set()
         for a in lane.audits:
             steps[a.step] = steps.get(a.step, False) or a.outcome == "fail"
-        passed = [s for s, failed in steps.items() if not failed]
+            if a.kind == "replay" and a.outcome != "fail":
+                replayed.add(a.step)
+        passed = [s for s, failed in steps.items() if not failed and s in replayed]
+        checked = [s for s, failed in steps.items() if not failed and s not in replayed]
         failed = [s for s, failed in steps.items() if failed]
         if passed:
-            ax.plot(passed, [y - 0.22] * len(passed), linestyle="none", marker="|", markersize=7, color=GREY, zorder=2)
+            ax.plot(passed, [y - 0.22] * len(passed), linestyle="none", marker="|", markersize=8, color=GREY, zorder=2)
+        if checked:
+            ax.plot(
+                checked, [y - 0.22] * len(checked), linestyle="none", marker=".", markersize=4, color=GREY, zorder=2
+            )
         if failed:
             ax.plot(
                 failed, [y - 0.22] * len(failed), linestyle="none", marker="X", markersize=6.5, color="black", zorder=4
@@ -320,7 +330,12 @@ def _figure(tl: Timeline):
             markeredgecolor="black",
             label="latest-good",
         ),
-        Line2D([], [], linestyle="none", marker="|", markersize=8, color=GREY, label="audit passed"),
+        Line2D(
+            [], [], linestyle="none", marker="|", markersize=8, color=GREY, label="audit passed (replay + consensus)"
+        ),
+        Line2D(
+            [], [], linestyle="none", marker=".", markersize=5, color=GREY, label="consensus only passed (no replay)"
+        ),
         Line2D([], [], linestyle="none", marker="X", markersize=7, color="black", label="check failed"),
         Line2D([], [], color=RED, linewidth=2.2, label="detection (ranks named)"),
         Line2D([], [], color=ORANGE, linewidth=2.2, linestyle="--", label="contained detection"),

@@ -412,21 +412,30 @@ def _checkpoint_color(c: Any) -> tuple[str, str]:
 
 
 def _audit_marks(lane: Lane, x: _Scale, placer: _Placer) -> list[str]:
-    """One mark per step under the lane: a grey tick when every check passed, a black X otherwise."""
+    """One mark per step under the lane: a black X when a check failed; else a tall grey tick for a
+    passed audit (a replay ran: the gradients were recomputed) and a small grey dot for a step whose
+    passing checks were only the weight consensus or the non-finite summary (nothing was recomputed:
+    such a mark inside a suspect band is no evidence against it)."""
     by_step: dict[int, list[str]] = {}
     failed: set[int] = set()
+    replayed: set[int] = set()
     for a in lane.audits:
         by_step.setdefault(a.step, []).append(f"{a.kind} {a.outcome}")
         if a.outcome == "fail":
             failed.add(a.step)
+        elif a.kind == "replay":
+            replayed.add(a.step)
     out = []
     for step, what in sorted(by_step.items()):
         tip = f"step {step}: " + ", ".join(what)
         if step in failed:
             out.append(_group("audit fail", [_cross(x(step), _AUDIT_Y, 4.2)], title=tip))
-        else:
-            tick = _line(x(step), _AUDIT_Y - 5, x(step), _AUDIT_Y + 5, color=GREY, width=1.3)
+        elif step in replayed:
+            tick = _line(x(step), _AUDIT_Y - 6, x(step), _AUDIT_Y + 6, color=GREY, width=1.6)
             out.append(_group("audit pass", [tick], title=tip))
+        else:
+            dot = _el("circle", {"cx": round(x(step), 2), "cy": _AUDIT_Y, "r": 2.2, "fill": GREY})
+            out.append(_group("check pass", [dot], title=tip))
     if by_step:
         placer.block(_Box(x(min(by_step)) - 5, _AUDIT_Y - 6, x(max(by_step)) + 5, _AUDIT_Y + 6))
     return out
@@ -738,7 +747,8 @@ def _legend_entries(tl: Timeline) -> list[tuple[str, str]]:
         (_circle(0, 0, 6.5, color=TEAL, held=True), "verified (intact; no audit evidence yet)"),
         (_circle(0, 0, 6.5, color=GREY, held=False), "hollow: file pruned / not held"),
         (_star(0, 0, 9), "latest-good"),
-        (_line(0, -5, 0, 5, color=GREY, width=1.3), "audit passed"),
+        (_line(0, -6, 0, 6, color=GREY, width=1.6), "audit passed (replay + consensus)"),
+        (_el("circle", {"cx": 0, "cy": 0, "r": 2.2, "fill": GREY}), "consensus only passed (no replay)"),
         (_cross(0, 0, 4.2), "check failed"),
         (_line(-10, 0, 10, 0, color=RED, width=2.4), "detection (ranks named)"),
         (_line(-10, 0, 10, 0, color=ORANGE, width=2.4, dash="6 3"), "contained detection"),

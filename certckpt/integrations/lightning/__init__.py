@@ -20,6 +20,15 @@ every installed package). Importing this package imports Lightning.
 
 from __future__ import annotations
 
+from certckpt.errors import MissingDependencyError
+
+from .presence import lightning_installed
+
+if not lightning_installed():  # said here, in one frame, rather than deep inside the imports below
+    raise MissingDependencyError(
+        "certckpt.integrations.lightning needs PyTorch Lightning: pip install 'certckpt[lightning]'"
+    ) from None
+
 from .audit import AuditCallback
 from .checkpoint_io import CertifiedCheckpointIO
 from .loading import CertifiedLoading, load_from_checkpoint

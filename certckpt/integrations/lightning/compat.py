@@ -12,13 +12,14 @@ with certckpt's type registry here, so that it comes back as an ``AttributeDict`
 from __future__ import annotations
 
 import importlib
-import importlib.util
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 from certckpt.errors import ArgumentTypeError, MissingDependencyError
 from certckpt.format.registry import lookup_class, register_type
+
+from .presence import installed
 
 __all__ = ["LightningPackage", "PACKAGES", "CHECKPOINT_IO_BASES", "CALLBACK_BASES", "package_of", "version_text"]
 
@@ -36,17 +37,10 @@ class LightningPackage:
         return importlib.import_module(f"{self.name}.{path}")
 
 
-def _installed(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):  # a parent package that is missing or broken
-        return False
-
-
 def _find() -> tuple[LightningPackage, ...]:
     found = []
     for name, fabric in (("lightning.pytorch", "lightning.fabric"), ("pytorch_lightning", "lightning_fabric")):
-        if _installed(name):
+        if installed(name):
             found.append(LightningPackage(name=name, fabric=fabric, module=importlib.import_module(name)))
     if not found:
         raise MissingDependencyError(

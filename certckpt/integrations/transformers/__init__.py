@@ -29,7 +29,7 @@ except ImportError as e:  # pragma: no cover - the test environment has both
     raise MissingDependencyError(
         f"certckpt.integrations.transformers needs transformers and accelerate ({e}): "
         "pip install 'certckpt[transformers]'"
-    ) from e
+    ) from None  # one error, in one frame: the ImportError is named in the message
 
 from .audit import AuditCallback
 from .checkpoint import MANIFEST_NAME, CheckpointReport, require_intact, verify_checkpoint
