@@ -345,3 +345,21 @@ def test_a_failing_event_never_raises_a_level(h, data):
     after = certify(cks, events + [ev(t, kind, "fail", contained=contained, suspects=[0])], revs)
     for cid, v in before.verdicts.items():
         assert after.verdicts[cid].level.rank <= v.level.rank, (cid, v, after.verdicts[cid])
+
+
+def test_reason_is_the_one_list_of_reasons_and_docs_trust_tabulates_every_one():
+    import pathlib
+    import re
+
+    import pytest
+
+    from certckpt.trust.certify import PENDING_REASONS, REASONS, Reason, Verdict
+
+    assert REASONS == tuple(r.value for r in Reason) and PENDING_REASONS == {"no-consensus", "awaiting-audit"}
+    with pytest.raises(ValueError):
+        Verdict(False, ("not-a-reason",))  # certify can only emit members
+    text = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "trust.md").read_text()
+    rules = text[text.index("## The five rules") : text.index("## Resuming")]
+    named = set(re.findall(r"`([a-z-]+)`", rules))
+    resuming = text[text.index("## Resuming") : text.index("## Verdict levels")]
+    assert set(REASONS) - {"superseded"} <= named and "`superseded`" in resuming

@@ -14,6 +14,8 @@ from typing import Any
 
 from certckpt.errors import ConfigurationError, DeviceUnavailableError
 
+from .inject import FAULT_KINDS
+
 __all__ = ["run_matrix", "matrix_cases", "expected_catch", "make_model", "evaluate", "TIMINGS"]
 
 TIMINGS = ("persistent", "one-time-audit-step", "one-time-between-audits")
@@ -32,7 +34,7 @@ def matrix_cases(*, audit_every: int, ckpt_every: int, rank: int = 1) -> list[di
         between += 1
     on_audit = 2 * audit_every
     cases = []
-    for kind in ("forward", "backward", "post-optimizer", "non-finite"):
+    for kind in (k for k, row in FAULT_KINDS.items() if row.drilled):
         for timing in TIMINGS:
             step = on_audit if timing == "one-time-audit-step" else between
             cases.append({"fault": kind, "timing": timing, "rank": rank, "injected_step": step})
@@ -41,19 +43,18 @@ def matrix_cases(*, audit_every: int, ckpt_every: int, rank: int = 1) -> list[di
 
 def expected_catch(case: dict[str, Any], *, audit_every: int, ckpt_every: int) -> tuple[str | None, int | None]:
     """What the checks are designed to do with a case: ``(caught_by, detected_step)``."""
-    s, kind, timing = case["injected_step"], case["fault"], case["timing"]
+    s, timing = case["injected_step"], case["timing"]
+    check = FAULT_KINDS[case["fault"]].caught_by
     next_audit = -(-s // audit_every) * audit_every
-    if kind == "non-finite":
-        return "nonfinite-pre", s
-    if kind == "reduction":
-        return "nonfinite-post", s
-    if kind == "post-optimizer":
+    if check.startswith("nonfinite"):
+        return check, s  # read at the step itself
+    if check == "consensus":
         # consensus runs after the update at audit steps and checkpoint steps
         consensus_steps = [t for t in range(s, next_audit + 1) if t % audit_every == 0 or t % ckpt_every == 0]
-        return "consensus", consensus_steps[0]
+        return check, consensus_steps[0]
     if timing == "one-time-between-audits":
-        return None, None  # the documented escape
-    return "replay", next_audit
+        return None, None  # the documented escape: no replay recomputes that step
+    return check, next_audit
 
 
 # --- the per-rank case runner (called through certckpt.detect.launch) ------------------------------

@@ -26,9 +26,36 @@ import torch
 
 from certckpt.errors import ConfigurationError
 
-__all__ = ["Fault", "Injector", "FAULT_KINDS"]
+__all__ = ["Fault", "Injector", "FaultKind", "FAULT_KINDS"]
 
-FAULT_KINDS = ("forward", "backward", "post-optimizer", "non-finite", "reduction", "buffer")
+
+@dataclass(frozen=True, slots=True)
+class FaultKind:
+    """One kind of planted fault: what it corrupts and which check is designed to catch it.
+
+    Attributes:
+        corrupts: what the fault changes, in words.
+        caught_by: the check designed to catch it (an event kind): ``replay`` at the next audit
+            (a one-time fault between audits escapes it), ``consensus`` at the next consensus step,
+            ``nonfinite-pre`` / ``nonfinite-post`` at once.
+        drilled: part of ``certckpt drill faults``'s matrix.
+    """
+
+    corrupts: str
+    caught_by: str
+    drilled: bool = True
+
+
+# The one table of fault kinds: the injector validates against it, the drill builds its matrix and
+# its expectations from it. A new kind is a row here and its hook in Injector.
+FAULT_KINDS: dict[str, FaultKind] = {
+    "forward": FaultKind("a weight's effect in the forward pass (the loss is wrong)", "replay"),
+    "backward": FaultKind("a local gradient after the backward pass", "replay"),
+    "post-optimizer": FaultKind("a weight after the optimizer step, on one replica", "consensus"),
+    "non-finite": FaultKind("a local gradient becomes NaN", "nonfinite-pre"),
+    "reduction": FaultKind("the all-reduced gradient becomes NaN", "nonfinite-post", drilled=False),
+    "buffer": FaultKind("a floating-point buffer (BatchNorm statistics) on one replica", "consensus", drilled=False),
+}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -59,7 +86,7 @@ class Fault:
 
     def __post_init__(self) -> None:
         if self.kind not in FAULT_KINDS:
-            raise ConfigurationError(f"fault kind must be one of {FAULT_KINDS}, got {self.kind!r}")
+            raise ConfigurationError(f"fault kind must be one of {tuple(FAULT_KINDS)}, got {self.kind!r}")
         if self.step < 1 or self.rank < -1 or (self.rank == -1 and self.kind != "reduction"):
             raise ConfigurationError(
                 "fault step must be >= 1 and rank >= 0 (-1, every rank, only for reduction faults)"

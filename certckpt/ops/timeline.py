@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from certckpt.trust.certify import PENDING_REASONS, Reason
+
 __all__ = [
     "Timeline",
     "Lane",
@@ -39,7 +41,6 @@ __all__ = [
 GREEN, RED, ORANGE, GREY, GOLD = "#2e9e44", "#d62728", "#f39c12", "#9a9a9a", "#f5c400"
 TEAL = "#17a2b8"  # verified: intact and committed, but no audit evidence (a run without the auditor)
 DRILL = {"pass": "#1f77b4", "fail": "#000000"}  # fill by outcome; anything else (incomplete) is hollow
-_PENDING = frozenset({"awaiting-audit", "no-consensus"})  # suspect for want of evidence, not for a fault
 _AUDIT_KINDS = {"nonfinite-pre": "nonfinite", "nonfinite-post": "nonfinite"}
 
 
@@ -65,7 +66,7 @@ class CheckpointMark:
     def pending(self) -> bool:
         """Short of trust only for want of evidence (awaiting its audit, no consensus recorded).
         The certifier calls such a checkpoint verified when its bytes, records and lineage hold."""
-        return self.verdict != "trusted" and bool(self.reasons) and set(self.reasons) <= _PENDING
+        return self.verdict != "trusted" and bool(self.reasons) and set(self.reasons) <= PENDING_REASONS
 
 
 @dataclass(kw_only=True, slots=True)
@@ -195,8 +196,8 @@ def timeline(status: Any) -> Timeline:
     for c in sorted(snap.checkpoints, key=lambda c: (c.step, c.committed_at)):
         v = cert.verdicts[c.ckpt_id]
         reasons = tuple(v.reasons)
-        if c.ckpt_id in problems and "corrupt" not in reasons:
-            reasons = ("corrupt", *reasons)
+        if c.ckpt_id in problems and Reason.CORRUPT not in reasons:
+            reasons = (Reason.CORRUPT, *reasons)
         notes = revoked.get(c.ckpt_id, []) + ([problems[c.ckpt_id]] if c.ckpt_id in problems else [])
         lanes[c.branch].checkpoints.append(
             CheckpointMark(

@@ -45,24 +45,41 @@ __all__ = [
     "Certification",
     "certify",
     "accept_level",
+    "Reason",
     "REASONS",
     "PENDING_REASONS",
 ]
 
-REASONS = (
-    "corrupt",
-    "tampered",
-    "fingerprint-mismatch",
-    "no-consensus",
-    "awaiting-audit",
-    "after-fault",
-    "tainted-parent",
-    "revoked",
-    "superseded",
-)
-# Reasons that only say audit evidence is missing (never that evidence speaks against the file):
-# a checkpoint whose own reasons are all among these can still be verified.
-PENDING_REASONS = frozenset({"no-consensus", "awaiting-audit"})
+
+class Reason(str, Enum):
+    """Why a checkpoint is not trusted: every reason ``certify`` gives, with what it means.
+
+    A ``str`` (``Reason.CORRUPT == "corrupt"``), so verdicts print and serialize as plain text.
+    ``docs/trust.md`` tabulates them, each with the rule it belongs to (a test checks both lists).
+    """
+
+    CORRUPT = "corrupt"  # rule 1: the bytes do not verify
+    TAMPERED = "tampered"  # the branch's ledger chain is broken at or before its step
+    FINGERPRINT_MISMATCH = "fingerprint-mismatch"  # rule 2: not the weights the replicas agreed on
+    NO_CONSENSUS = "no-consensus"  # rule 2: no fingerprint agreement recorded at its step
+    AWAITING_AUDIT = "awaiting-audit"  # rule 3: the audit that would vouch for it has not run yet
+    AFTER_FAULT = "after-fault"  # rules 3, 4: an uncontained detection covers its step
+    TAINTED_PARENT = "tainted-parent"  # rule 5: a checkpoint it descends from is not trusted
+    REVOKED = "revoked"  # rule 5: someone revoked it (or an ancestor)
+    SUPERSEDED = "superseded"  # a resume forked before it: its audit will never come
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def pending(self) -> bool:
+        """Only evidence missing, nothing against the file: a checkpoint whose own reasons are all
+        pending can still be verified."""
+        return self in (Reason.NO_CONSENSUS, Reason.AWAITING_AUDIT)
+
+
+REASONS = tuple(r.value for r in Reason)
+PENDING_REASONS = frozenset(r for r in Reason if r.pending)
 _NO_MARK = 1 << 62  # a branch whose chain is intact
 
 
@@ -145,6 +162,8 @@ class Verdict:
     verified: bool = False
 
     def __post_init__(self) -> None:
+        # Only members of Reason, whoever builds one (an unknown string raises ValueError here)
+        object.__setattr__(self, "reasons", tuple(Reason(r) for r in self.reasons))
         if self.trusted and not self.verified:  # trusted implies verified, whoever builds one
             object.__setattr__(self, "verified", True)
 
@@ -297,7 +316,7 @@ def certify(
         own[c.ckpt_id] = _own_reasons(c, branches[c.branch], corrupt)
         mark = min(marks.get(c.branch, _NO_MARK), marks.get("*", _NO_MARK))
         if c.step > mark:
-            own[c.ckpt_id].append("tampered")
+            own[c.ckpt_id].append(Reason.TAMPERED)
 
     # Lineage (rule 5): ancestors are the earlier checkpoints of the branch and the fork point with
     # its own ancestors. Resolved with memoisation; a cycle in bad data counts as tainted.
@@ -331,7 +350,7 @@ def certify(
                 if p is None:
                     result = True  # descends from a checkpoint the store does not know
                 else:
-                    result = not parent_ok([r for r in own[p.ckpt_id] if r != "corrupt"]) or tainted(
+                    result = not parent_ok([r for r in own[p.ckpt_id] if r != Reason.CORRUPT]) or tainted(
                         p.ckpt_id, seen | {cid}
                     )
             memo[cid] = result
@@ -348,13 +367,13 @@ def certify(
         reasons = list(own[c.ckpt_id])
         verified = set(reasons) <= PENDING_REASONS and not verify_tainted(c.ckpt_id)
         if c.ckpt_id in revoked:
-            reasons.append("revoked")
+            reasons.append(Reason.REVOKED)
         elif trust_tainted(c.ckpt_id):
-            reasons.append("tainted-parent")
+            reasons.append(Reason.TAINTED_PARENT)
         if reasons and set(reasons) <= PENDING_REASONS and c.ckpt_id in superseded:
             # abandoned work awaiting evidence that will never come: the run went on from an
             # earlier checkpoint before this one was proven (one condemned already needs no more)
-            reasons.append("superseded")
+            reasons.append(Reason.SUPERSEDED)
             verified = False
         out.verdicts[c.ckpt_id] = Verdict(not reasons, tuple(dict.fromkeys(reasons)), verified)
 
@@ -393,26 +412,26 @@ def _own_reasons(c: CheckpointEntry, b: _Branch, corrupt: set[str]) -> list[str]
     reasons: list[str] = []
     s = c.step
     if c.ckpt_id in corrupt:
-        reasons.append("corrupt")
+        reasons.append(Reason.CORRUPT)
     # rule 2: the weights every replica agreed on at s
     cons = b.facts.consensus(s)
     if cons is None or cons[0] != "pass" or cons[1] is None or c.consensus_fp is None:
-        reasons.append("no-consensus")  # (a digest-only agreement, at an audit, names no fingerprint)
+        reasons.append(Reason.NO_CONSENSUS)  # (a digest-only agreement, at an audit, names no fingerprint)
     elif cons[1] != c.consensus_fp:
-        reasons.append("fingerprint-mismatch")
+        reasons.append(Reason.FINGERPRINT_MISMATCH)
     # rule 3: the first full audit at or after s passed, no failure from s up to it
     i = bisect.bisect_left(b.full_steps, s)
     t = b.full_steps[i] if i < len(b.full_steps) else None
     j = bisect.bisect_left(b.uncontained, s)
     first_failure = b.uncontained[j] if j < len(b.uncontained) else None
     if first_failure is not None and (t is None or first_failure <= t):
-        reasons.append("after-fault")
+        reasons.append(Reason.AFTER_FAULT)
     elif t is None:
-        reasons.append("awaiting-audit")
+        reasons.append(Reason.AWAITING_AUDIT)
     elif not b.full_passed[i]:
-        reasons.append("after-fault")
+        reasons.append(Reason.AFTER_FAULT)
     # rule 4: once a fault reaches the weights, all after the last clean audit point descends from
     # it; the earliest detection has the earliest such point (last_clean_before is monotone)
-    if b.uncontained and b.last_clean_before(b.uncontained[0]) < s and "after-fault" not in reasons:
-        reasons.append("after-fault")
+    if b.uncontained and b.last_clean_before(b.uncontained[0]) < s and Reason.AFTER_FAULT not in reasons:
+        reasons.append(Reason.AFTER_FAULT)
     return reasons
