@@ -355,7 +355,7 @@ def test_reason_is_the_one_list_of_reasons_and_docs_trust_tabulates_every_one():
 
     from certckpt.trust.certify import PENDING_REASONS, REASONS, Reason, Verdict
 
-    assert REASONS == tuple(r.value for r in Reason) and PENDING_REASONS == {"no-consensus", "awaiting-audit"}
+    assert tuple(r.value for r in Reason) == REASONS and {"no-consensus", "awaiting-audit"} == PENDING_REASONS
     with pytest.raises(ValueError):
         Verdict(False, ("not-a-reason",))  # certify can only emit members
     text = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "trust.md").read_text()

@@ -10,6 +10,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import certckpt  # noqa: F401  (the snippets' names)
+from certckpt import Ledger  # noqa: F401
+from certckpt.detect import Auditor, JsonlSink  # noqa: F401
+
 dist.init_process_group("gloo")
 _failed = []
 _hook = sys.excepthook

@@ -5,6 +5,7 @@ import functools
 
 import pytorch_lightning as L
 import torch
+from pytorch_lightning.callbacks import ModelCheckpoint  # noqa: F401  (the snippets' names)
 from torch.utils.data import DataLoader, TensorDataset
 
 
