@@ -226,3 +226,29 @@ def test_sampled_audit_blocks_move_along_and_stay_inside_the_step():
     assert {i for a, b in blocks for i in range(a, b)} == set(range(5))  # every position in ceil(5/2) audits
     assert Auditor._sample_block(SimpleNamespace(replay_micro_batches=None, audit_every=10), 10, 5) is None
     assert Auditor._sample_block(SimpleNamespace(replay_micro_batches=5, audit_every=10), 10, 5) is None
+
+
+def test_audit_options_are_one_typed_object_and_the_shorthand_builds_it():
+    import dataclasses
+    import inspect
+
+    import pytest
+
+    from certckpt.detect import AuditOptions, Auditor, AuditSession
+    from certckpt.detect.options import Mode
+    from certckpt.errors import ConfigurationError
+
+    base = AuditOptions(audit_every=20, mode="tolerance")
+    assert base.mode is Mode.TOLERANCE and base.mode == "tolerance"  # str enums: either spelling
+    built = AuditOptions.build(base, clip_grad_norm=1.0)
+    assert (built.audit_every, built.clip_grad_norm, built.mode) == (20, 1.0, Mode.TOLERANCE)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        base.audit_every = 5  # type: ignore[misc]
+    with pytest.raises(ConfigurationError, match="mode must be 'deterministic' or 'tolerance', got 'bogus'"):
+        AuditOptions(mode="bogus")
+    with pytest.raises(ConfigurationError, match="audit_every must be an int >= 1"):
+        AuditOptions(audit_every=0)
+    with pytest.raises(ConfigurationError, match="unknown audit option\\(s\\) audit_evry"):
+        AuditOptions.build(audit_evry=10)
+    for cls in (AuditSession, Auditor):  # the essentials, options, and the shorthand: no wider
+        assert len(inspect.signature(cls.__init__).parameters) <= 15, cls

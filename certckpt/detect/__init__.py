@@ -25,6 +25,8 @@ _LAZY = {
     "Fault": "inject",
     "Injector": "inject",
     "FAULT_KINDS": "inject",
+    "FaultKind": "inject",
+    "AuditOptions": "options",
     "attribute_replay": "attribution",
     "consensus_verdict": "attribution",
     "ReplayVerdict": "attribution",

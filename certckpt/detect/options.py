@@ -74,25 +74,48 @@ class AuditOptions:
     """How the checks run. Every field has a default; frozen, so one object can configure many runs.
 
     Attributes:
-        audit_every: K, the replay-audit interval in steps (a full audit: replay, non-finite
-            summary and weight consensus).
-        consensus_every: also compare the weights every N steps (None: at audits and checkpoints).
-        mode: ``Mode``: ``"deterministic"`` (bit-exact fingerprints) or ``"tolerance"``.
-        rtol: the relative tolerance in tolerance mode.
-        on_nonfinite: ``OnNonfinite``: ``"raise"`` or ``"skip"``.
-        on_fault: ``OnFault``: ``"raise"`` or ``"continue"``, for replay and consensus failures.
-        exchange_flags: ``ExchangeFlags``: ``"on-failure"`` or ``"every-step"``.
-        nonfinite_read: ``NonfiniteRead``: ``"immediate"`` or ``"deferred"`` (needs
-            ``on_nonfinite="raise"``, no ``grad_scaler``, ``exchange_flags="on-failure"``).
-        check_determinism: at the first step, refuse (every rank together) a set-up whose replay
-            does not reproduce training.
-        hand_over_grads: point ``.grad`` at DDP's reduced bucket instead of copying it (the loop
-            must start each step with ``zero_grad(set_to_none=True)``).
-        clip_grad_norm: clip the reduced gradients to this total 2-norm before the optimizer step.
-        before_optimizer_step: ``fn(module, optimizer)`` after the checks and clipping, before the
-            step: a gradient transform every rank applies alike.
-        grad_scaler: a ``torch.amp.GradScaler`` for fp16 autocast.
-        replay_micro_batches: with micro-batches, replay at most this many of an audited step.
+        audit_every: K, the replay-audit interval in steps (full audit = replay + non-finite + consensus).
+        consensus_every: also compare weights every N steps (None: at audits and checkpoints only).
+        mode: ``"deterministic"`` (bit-exact fingerprints) or ``"tolerance"`` (norm and projection).
+        rtol: relative tolerance in tolerance mode.
+        on_nonfinite: ``"raise"`` or ``"skip"`` (drop the update: a contained detection).
+        exchange_flags: ``"on-failure"`` (default: ranks exchange the non-finite flags only on a
+            failing step) or ``"every-step"`` (one small all-reduce per step, so that a reduction
+            delivering non-finite values to some ranks only is still a clean, contained detection).
+        nonfinite_read: ``"immediate"`` (default: each step's flags are read before its update,
+            one host synchronisation per step) or ``"deferred"`` (read one step later, without
+            waiting for the GPU: a non-finite step's update is applied, the detection raises at the
+            next step, and the weights in memory are then not to be trusted; audits, consensus
+            steps and checkpoints read every pending flag first, so no evidence ever covers an
+            unread step; ``close`` leaves the last one unread). Deferred needs
+            ``on_nonfinite="raise"``, no ``grad_scaler`` and ``exchange_flags="on-failure"``.
+        on_fault: ``"raise"`` or ``"continue"`` for replay and consensus failures (the failing step's
+            update is dropped either way).
+        clip_grad_norm: clip the reduced gradients to this total 2-norm before the optimizer step,
+            as ``torch.nn.utils.clip_grad_norm_`` would after a plain DDP backward (every rank clips
+            the same averaged gradients identically); the norm is in ``auditor.last.grad_norm``.
+        before_optimizer_step: ``fn(module, optimizer)``, called on every rank after the checks
+            passed and after clipping, just before ``optimizer.step()``: a gradient transform
+            (clip by value, masking, ...). It sees the reduced gradients; it must treat them the
+            same on every rank (the weight consensus catches replicas that diverge).
+        replay_micro_batches: with ``train_step(micro_batches=...)``, replay at most this many
+            micro-batches of an audited step (a contiguous block; successive audits tile the step)
+            instead of all of them: an audit then costs k/n of a step's compute, and covers
+            k/n of a one-time fault within the step (a persistent one still shows in every block),
+            and not the accumulation of the micro-batches' gradients (see docs/detection.md).
+        grad_scaler: a ``torch.amp.GradScaler`` for fp16 autocast: the auditor scales the loss,
+            unscales before clipping, steps and updates it. A non-finite step is replayed on the
+            flagged ranks' neighbours: non-finite again, it is an overflow (skipped by the scaler,
+            scale backed off, an ``overflow`` event); finite, a ``nonfinite-pre`` detection naming
+            the rank.
+        hand_over_grads: where DDP would copy each reduced bucket into ``.grad`` (gradient copies,
+            its default), point ``.grad`` at the reduced bucket instead and skip that copy (default
+            True; see ``hook.hand_over_possible``). ``p.grad`` is then a view of DDP's bucket after each
+            step, as with ``gradient_as_bucket_view=True``; False keeps DDP's copy.
+        check_determinism: at the first step, replay the rank's own batch twice and refuse a model
+            whose gradients differ (deterministic mode only); and, in either mode, at the first
+            step with finite gradients, replay the step once and refuse when the replay does not
+            reproduce what training computed (every rank refuses together).
     """
 
     audit_every: int = 10
@@ -116,8 +139,9 @@ class AuditOptions:
             try:
                 object.__setattr__(self, name, kind(value))
             except ValueError:
-                allowed = ", ".join(repr(c.value) for c in kind)
-                raise ConfigurationError(f"{name} must be one of {allowed}, got {value!r}") from None
+                names = [repr(c.value) for c in kind]
+                allowed = f"{', '.join(names[:-1])} or {names[-1]}"
+                raise ConfigurationError(f"{name} must be {allowed}, got {value!r}") from None
         for name, low, optional in (
             ("audit_every", 1, False),
             ("consensus_every", 1, True),

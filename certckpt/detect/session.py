@@ -55,6 +55,7 @@ from .exchange import RingShift
 from .hook import HookState, comm_hook, hand_over_possible, lazy_pre_possible
 from .inject import Injector
 from .nonfinite import NonFiniteCheck
+from .options import AuditOptions
 from .replay import RingReplay, restore_rng
 from .setup_checks import SetupChecks, option_problem
 from .signature import Probes
@@ -118,50 +119,11 @@ class AuditSession(SetupChecks, NonFiniteCheck, RingReplay, WeightConsensus):
             the RNG state (dropout is fine: the RNG state travels with the batch).
         run: run name recorded in events and checkpoints.
         branch: line of training (a new one after each rollback).
-        audit_every: K, the replay-audit interval in steps (full audit = replay + non-finite + consensus).
-        consensus_every: also compare weights every N steps (None: at audits and checkpoints only).
-        mode: ``"deterministic"`` (bit-exact fingerprints) or ``"tolerance"`` (norm and projection).
-        rtol: relative tolerance in tolerance mode.
-        on_nonfinite: ``"raise"`` or ``"skip"`` (drop the update: a contained detection).
-        exchange_flags: ``"on-failure"`` (default: ranks exchange the non-finite flags only on a
-            failing step) or ``"every-step"`` (one small all-reduce per step, so that a reduction
-            delivering non-finite values to some ranks only is still a clean, contained detection).
-        nonfinite_read: ``"immediate"`` (default: each step's flags are read before its update,
-            one host synchronisation per step) or ``"deferred"`` (read one step later, without
-            waiting for the GPU: a non-finite step's update is applied, the detection raises at the
-            next step, and the weights in memory are then not to be trusted; audits, consensus
-            steps and checkpoints read every pending flag first, so no evidence ever covers an
-            unread step; ``close`` leaves the last one unread). Deferred needs
-            ``on_nonfinite="raise"``, no ``grad_scaler`` and ``exchange_flags="on-failure"``.
-        on_fault: ``"raise"`` or ``"continue"`` for replay and consensus failures (the failing step's
-            update is dropped either way).
-        clip_grad_norm: clip the reduced gradients to this total 2-norm before the optimizer step,
-            as ``torch.nn.utils.clip_grad_norm_`` would after a plain DDP backward (every rank clips
-            the same averaged gradients identically); the norm is in ``auditor.last.grad_norm``.
-        before_optimizer_step: ``fn(module, optimizer)``, called on every rank after the checks
-            passed and after clipping, just before ``optimizer.step()``: a gradient transform
-            (clip by value, masking, ...). It sees the reduced gradients; it must treat them the
-            same on every rank (the weight consensus catches replicas that diverge).
-        replay_micro_batches: with ``train_step(micro_batches=...)``, replay at most this many
-            micro-batches of an audited step (a contiguous block; successive audits tile the step)
-            instead of all of them: an audit then costs k/n of a step's compute, and covers
-            k/n of a one-time fault within the step (a persistent one still shows in every block),
-            and not the accumulation of the micro-batches' gradients (see docs/detection.md).
-        grad_scaler: a ``torch.amp.GradScaler`` for fp16 autocast: the auditor scales the loss,
-            unscales before clipping, steps and updates it. A non-finite step is replayed on the
-            flagged ranks' neighbours: non-finite again, it is an overflow (skipped by the scaler,
-            scale backed off, an ``overflow`` event); finite, a ``nonfinite-pre`` detection naming
-            the rank.
-        hand_over_grads: where DDP would copy each reduced bucket into ``.grad`` (gradient copies,
-            its default), point ``.grad`` at the reduced bucket instead and skip that copy (default
-            True; see ``hook.hand_over_possible``). ``p.grad`` is then a view of DDP's bucket after each
-            step, as with ``gradient_as_bucket_view=True``; False keeps DDP's copy.
+        options: an ``AuditOptions``: how the checks run (interval, mode, policies, clipping,
+            scaler, ...); each of its fields may also be given as a keyword (``audit_every=10``),
+            applied on top of ``options``.
         sink: where events go (rank 0 emits them); default an in-memory sink (``auditor.sink.events``).
         injector_faults: synthetic faults for drills (see ``certckpt.detect.inject``).
-        check_determinism: at the first step, replay the rank's own batch twice and refuse a model
-            whose gradients differ (deterministic mode only); and, in either mode, at the first
-            step with finite gradients, replay the step once and refuse when the replay does not
-            reproduce what training computed (every rank refuses together).
         start_step: the optimizer step count already done (when resuming).
         ledger: a ``certckpt.Ledger`` (or its store URL): rank 0 batches events into it and commits
             every checkpoint saved through the auditor (default sink then: the ledger).
@@ -183,27 +145,15 @@ class AuditSession(SetupChecks, NonFiniteCheck, RingReplay, WeightConsensus):
         loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
         run: str = "run",
         branch: str = "main",
-        audit_every: int = 10,
-        consensus_every: int | None = None,
-        mode: str = "deterministic",
-        rtol: float = 1e-3,
-        on_nonfinite: str = "raise",
-        exchange_flags: str = "on-failure",
-        nonfinite_read: str = "immediate",
-        on_fault: str = "raise",
-        hand_over_grads: bool = True,
-        clip_grad_norm: float | None = None,
-        before_optimizer_step: Callable[[torch.nn.Module, torch.optim.Optimizer], None] | None = None,
-        grad_scaler: Any = None,
-        replay_micro_batches: int | None = None,
+        options: AuditOptions | None = None,
         sink: EventSink | None = None,
         injector_faults: list | None = None,
-        check_determinism: bool = True,
         start_step: int = 0,
         ledger: Any = None,
         parent: str | None = None,
         signing_key: Any = None,
         expect_consensus_fp: str | None = None,
+        **shorthand: Any,
     ):
         if not dist.is_available() or not dist.is_initialized():
             # No process group: nothing to agree with, and no rank can be waiting in a collective.
@@ -212,10 +162,23 @@ class AuditSession(SetupChecks, NonFiniteCheck, RingReplay, WeightConsensus):
         group = ddp.process_group if isinstance(ddp, DistributedDataParallel) else dist.group.WORLD
         first = next((p for p in ddp.parameters()), None) if isinstance(ddp, torch.nn.Module) else None
         wire = wire_device_for(group, first.device if first is not None else torch.device("cpu"))
+        try:
+            opts, bad = AuditOptions.build(options, **shorthand), None
+        except ConfigurationError as e:
+            opts, bad = AuditOptions(), str(e)
+        self.options = opts
+        # plain values below (the enums are str: events and records hold the same text)
+        audit_every, consensus_every, rtol = opts.audit_every, opts.consensus_every, opts.rtol
+        mode, on_nonfinite, on_fault = opts.mode.value, opts.on_nonfinite.value, opts.on_fault.value
+        exchange_flags, nonfinite_read = opts.exchange_flags.value, opts.nonfinite_read.value
+        hand_over_grads, clip_grad_norm = opts.hand_over_grads, opts.clip_grad_norm
+        before_optimizer_step, grad_scaler = opts.before_optimizer_step, opts.grad_scaler
+        replay_micro_batches, check_determinism = opts.replay_micro_batches, opts.check_determinism
         # Every rank validates, then all decide together: a refusal on some ranks only would leave
         # the others waiting in the next collective.
         refuse_together(
-            option_problem(
+            bad
+            or option_problem(
                 ddp,
                 mode=mode,
                 on_nonfinite=on_nonfinite,

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from certckpt.detect.agreement import all_gather_bytes, refuse_together, wire_device_for
+from certckpt.detect.options import AuditOptions
 from certckpt.detect.session import AuditSession
 from certckpt.errors import AuditSetupError, ConfigurationError
 from certckpt.log import enable as enable_log
@@ -81,25 +82,16 @@ class AuditCallback(*CALLBACK_BASES):
     ``Trainer(strategy="ddp")`` run; use it with ``plugins=[CertifiedCheckpointIO()]``.
 
     Args:
-        audit_every: K, the replay-audit interval in optimizer steps (a full audit: replay,
-            non-finite checks since the last audit, consensus).
-        consensus_every: also compare the replicas' weights every N steps.
-        mode: ``"deterministic"`` (bit-exact gradient digests) or ``"tolerance"`` (``rtol``).
-        rtol: relative tolerance in tolerance mode.
-        on_nonfinite: ``"raise"`` or ``"skip"`` (drop the update: every gradient is set to None, so
-            the optimizer leaves the weights alone; Lightning still counts the step).
-        on_fault: ``"raise"`` or ``"continue"`` for replay and consensus failures.
-        exchange_flags: ``"on-failure"`` or ``"every-step"`` (see ``certckpt.detect.Auditor``).
-        nonfinite_read: ``"immediate"`` or ``"deferred"`` (each step's flags read a step later, so
-            a GPU never waits for them; see ``certckpt.detect.AuditSession``).
+        options: a ``certckpt.detect.AuditOptions`` (interval, mode, policies...); its fields may
+            also be given as keywords (``AuditCallback(audit_every=10)``). With
+            ``on_nonfinite="skip"`` every gradient of a refused step is set to None, so the optimizer
+            leaves the weights alone; Lightning still counts the step.
         ledger: the run store for events, incidents and commits (default: ``CertifiedCheckpointIO``'s
             ``ledger``, else the first ``ModelCheckpoint``'s ``dirpath``).
         run: the run's name in records (default: ``CertifiedCheckpointIO``'s choice).
         replay_fn: ``fn(module, batch, batch_idx) -> loss`` to replay instead of ``training_step``,
             for a ``training_step`` with side effects a replay must not repeat (metric objects
             updated in place, counters).
-        check_determinism: at the first step, refuse (on every rank) a model whose replay does not
-            reproduce training.
         injector_faults: ``certckpt.detect.Fault`` objects, for drills and tests.
 
     Example:
@@ -113,34 +105,17 @@ class AuditCallback(*CALLBACK_BASES):
     def __init__(
         self,
         *,
-        audit_every: int = 10,
-        consensus_every: int | None = None,
-        mode: str = "deterministic",
-        rtol: float = 1e-3,
-        on_nonfinite: str = "raise",
-        on_fault: str = "raise",
-        exchange_flags: str = "on-failure",
-        nonfinite_read: str = "immediate",
+        options: AuditOptions | None = None,
         ledger: str | None = None,
         run: str | None = None,
         replay_fn: Callable[[Any, Any, int], Any] | None = None,
-        check_determinism: bool = True,
         injector_faults: list | None = None,
+        **shorthand: Any,
     ):
         super().__init__()
         if replay_fn is not None and not callable(replay_fn):
             raise ConfigurationError("replay_fn must be callable as fn(module, batch, batch_idx) -> loss")
-        self.options = {
-            "audit_every": audit_every,
-            "consensus_every": consensus_every,
-            "mode": mode,
-            "rtol": rtol,
-            "on_nonfinite": on_nonfinite,
-            "on_fault": on_fault,
-            "exchange_flags": exchange_flags,
-            "nonfinite_read": nonfinite_read,
-            "check_determinism": check_determinism,
-        }
+        self.options = AuditOptions.build(options, **shorthand)
         self.ledger, self.run, self.replay_fn = ledger, run, replay_fn
         self.injector_faults = list(injector_faults or [])
         self.session: AuditSession | None = None
@@ -229,7 +204,7 @@ class AuditCallback(*CALLBACK_BASES):
             ledger=store,
             hand_over_grads=False,  # Lightning zeroes the gradients itself (the hand-over needs set_to_none)
             injector_faults=self.injector_faults or None,
-            **self.options,
+            options=self.options,
         )
         if certified:
             io.bind_audits(store=store, run=run, flush=session.flush)

@@ -41,8 +41,9 @@ from transformers import TrainerCallback
 
 from certckpt.detect.agreement import refuse_together, wire_device_for
 from certckpt.detect.inject import Fault
+from certckpt.detect.options import AuditOptions
 from certckpt.detect.session import AuditSession, CheckpointEvidence
-from certckpt.errors import AuditSetupError
+from certckpt.errors import AuditSetupError, ConfigurationError
 
 __all__ = ["AuditCallback"]
 
@@ -51,16 +52,12 @@ class AuditCallback(TrainerCallback):
     """Replay audits, non-finite checks and weight consensus for a ``CertifiedTrainer`` under DDP.
 
     Args:
-        audit_every: K, the replay-audit interval in optimizer steps (a full audit: replay,
-            non-finite, consensus).
-        consensus_every: also compare the weights every N steps (None: at audits and checkpoints).
-        mode: ``"deterministic"`` (bit-exact gradient digests) or ``"tolerance"`` (norm and
-            projection within ``rtol``, for kernels that are not deterministic).
-        rtol: the relative tolerance of ``"tolerance"`` mode.
-        check_replay: at the first step, each rank replays its own micro-batches (twice in
-            deterministic mode, to find a model that does not compute deterministically) and every
-            rank refuses together when a replay does not reproduce training (a set-up the audits
-            would always flag).
+        options: a ``certckpt.detect.AuditOptions`` (interval, mode, policies...); its fields may
+            also be given as keywords (``AuditCallback(audit_every=10)``). The Trainer's loop
+            needs two of them fixed: ``exchange_flags="every-step"`` (one small all-reduce per step,
+            so that a reduction delivering non-finite values to some ranks only is seen by all)
+            and ``hand_over_grads=False`` (the Trainer zeroes the gradients itself).
+        check_replay: the same as ``check_determinism`` (this callback's earlier name for it).
         injector_faults: synthetic faults (``certckpt.detect.Fault``) for drills and tests.
 
     Example::
@@ -74,21 +71,17 @@ class AuditCallback(TrainerCallback):
     def __init__(
         self,
         *,
-        audit_every: int = 10,
-        consensus_every: int | None = None,
-        mode: str = "deterministic",
-        rtol: float = 1e-3,
-        check_replay: bool = True,
+        options: AuditOptions | None = None,
+        check_replay: bool | None = None,
         injector_faults: list[Fault] | None = None,
+        **shorthand: Any,
     ):
-        if not isinstance(audit_every, int) or audit_every < 1:
-            raise AuditSetupError(f"audit_every must be an int >= 1, got {audit_every!r}")
-        if consensus_every is not None and (not isinstance(consensus_every, int) or consensus_every < 1):
-            raise AuditSetupError(f"consensus_every must be None or an int >= 1, got {consensus_every!r}")
-        if mode not in ("deterministic", "tolerance"):
-            raise AuditSetupError(f"mode must be 'deterministic' or 'tolerance', got {mode!r}")
-        self.audit_every, self.consensus_every, self.mode, self.rtol = audit_every, consensus_every, mode, rtol
-        self.check_replay = check_replay
+        if check_replay is not None:
+            shorthand.setdefault("check_determinism", check_replay)
+        try:
+            self.options = AuditOptions.build(options, exchange_flags="every-step", hand_over_grads=False, **shorthand)
+        except ConfigurationError as e:
+            raise AuditSetupError(str(e)) from None
         self.faults = list(injector_faults or [])
         self.trainer: Any = None
         self.session: AuditSession | None = None
@@ -138,16 +131,8 @@ class AuditCallback(TrainerCallback):
             # The certified Trainer recorded the branch and its parent already (``train``); the
             # session would record it again, and a branch record is written once.
             parent=None,
-            audit_every=self.audit_every,
-            consensus_every=self.consensus_every,
-            mode=self.mode,
-            rtol=self.rtol,
-            # One small all-reduce per step: a reduction that delivers non-finite values to some
-            # ranks only is still seen, the same way, by all of them.
-            exchange_flags="every-step",
-            hand_over_grads=False,  # the Trainer zeroes the gradients itself (model.zero_grad())
+            options=self.options,
             injector_faults=self.faults or None,
-            check_determinism=self.check_replay,
             start_step=int(state.global_step),
             ledger=run.ledger,
         )
