@@ -140,31 +140,26 @@ def cheap_default_and_resume_check(args):
     ev = session.checkpoint_evidence(state)
     consensus_steps = [e.step for e in session.sink.events if e.kind == "consensus"]
     session.close()
-    resumed = ShardedAuditSession(
-        m,
-        opt,
-        run="t",
-        branch="main-r1",
-        parent="main@3",
-        start_step=3,
-        expect_consensus_fp=ev.consensus_fp,
-        resume_state=state,
-    )
+
+    def resume(branch, state):
+        return ShardedAuditSession(
+            m,
+            opt,
+            run="t",
+            branch=branch,
+            parent="main@3",
+            start_step=3,
+            expect_consensus_fp=ev.consensus_fp,
+            resume_state=state,
+        )
+
+    resumed = resume("main-r1", state)  # the checkpoint's own state: accepted
     resumed.close()
     train(resumed, 1)  # the weights move on: they are not the checkpoint's any more
     msd, osd = get_state_dict(m, opt)
     refused = None
     try:
-        ShardedAuditSession(
-            m,
-            opt,
-            run="t",
-            branch="main-r2",
-            parent="main@3",
-            start_step=3,
-            expect_consensus_fp=ev.consensus_fp,
-            resume_state={"model": msd, "optim": osd},
-        )
+        resume("main-r2", {"model": msd, "optim": osd})
     except AuditSetupError as e:
         refused = str(e)
     return {"consensus_steps": consensus_steps, "refused": refused}

@@ -215,13 +215,18 @@ def test_resume_through_the_plugin_trains_like_an_uninterrupted_run(tmp_path):
         CertifiedCheckpointIO(branch="main-r1").load_checkpoint(d / "epoch=0-step=10.ckpt")
 
 
-def test_load_from_checkpoint_rebuilds_the_module(tmp_path):
+def _certified_fit(tmp_path):
+    """A model trained 10 steps and the certified checkpoint of its last step."""
     model = _model()
     d = tmp_path / "ckpt"
     _trainer(max_steps=10, callbacks=[ModelCheckpoint(dirpath=d)], plugins=[CertifiedCheckpointIO()]).fit(
         model, _data()
     )
-    path = d / "epoch=0-step=10.ckpt"
+    return model, d / "epoch=0-step=10.ckpt"
+
+
+def test_load_from_checkpoint_rebuilds_the_module(tmp_path):
+    model, path = _certified_fit(tmp_path)
     back = load_from_checkpoint(Lit, path)
     assert isinstance(back, Lit) and isinstance(back.hparams.args, argparse.Namespace)
     assert back.hparams.args.name == "tiny" and isinstance(back.hparams.extra, AttributeDict)
@@ -237,12 +242,7 @@ class CertifiedLit(CertifiedLoading, Lit):
 
 
 def test_the_mixin_makes_the_class_load_from_checkpoint_take_certified_and_plain_files(tmp_path):
-    model = _model()
-    d = tmp_path / "ckpt"
-    _trainer(max_steps=10, callbacks=[ModelCheckpoint(dirpath=d)], plugins=[CertifiedCheckpointIO()]).fit(
-        model, _data()
-    )
-    path = d / "epoch=0-step=10.ckpt"
+    model, path = _certified_fit(tmp_path)
     with pytest.raises(Exception, match="Weights only load failed"):  # what every Lightning user types, without it
         Lit.load_from_checkpoint(path)
     back = CertifiedLit.load_from_checkpoint(path, lr=0.5)
