@@ -351,6 +351,7 @@ def test_the_private_trainer_methods_the_mixin_overrides_are_still_there():
         "_load_rng_state": ["self", "checkpoint"],
         "_load_best_model": ["self"],
         "_get_output_dir": ["self", "trial"],
+        "_finalize_training": ["self", "trial", "num_train_samples", "start_time"],
         "training_step": ["self", "model", "inputs", "num_items_in_batch"],
         "compute_loss": ["self", "model", "inputs", "return_outputs", "num_items_in_batch"],
     }
@@ -426,6 +427,21 @@ def test_save_total_limit_never_deletes_the_latest_good_and_it_survives_a_detect
     assert r.exit_code == 0 and r.output.strip() == os.path.join(out, "checkpoint-4", MANIFEST_NAME)
     assert _cli("verify", os.path.join(out, "checkpoint-4")).exit_code == 0
     assert sorted(os.listdir(os.path.join(out, "_ledger", "retired"))) == ["main@2.json"]
+
+
+@pytest.mark.slow
+def test_the_end_of_training_cleanup_keeps_the_best_and_the_latest_good(tmp_path):
+    # save_total_limit=1 with a best model: the plain Trainer deletes every checkpoint but the best at
+    # the end of training. The "best" here is the highest eval loss (an early checkpoint), latest-good
+    # the newest audited one: both stay.
+    out = str(tmp_path / "best")
+    got = _ranks({"out": out, "audit_every": 4, "save_total_limit": 1, "max_steps": 8, "best": "highest-loss"})
+    assert [g.get("kind") for g in got] == [None] * 3
+    r = _cli("latest-good", out)
+    assert r.exit_code == 0 and r.output.strip() == os.path.join(out, "checkpoint-8", MANIFEST_NAME)
+    kept = sorted(n for n in os.listdir(out) if n.startswith("checkpoint-"))
+    assert "checkpoint-8" in kept and len(kept) == 2, kept  # the best (an earlier one) and latest-good
+    assert _cli("verify", os.path.join(out, "checkpoint-8")).exit_code == 0
 
 
 @pytest.mark.slow

@@ -8,6 +8,8 @@ in ``tests/test_integration_transformers.py``):
 - ``_save_optimizer_and_scheduler``, ``_save_scaler``: write nothing; their states go into the
   checkpoint's manifest (``trainer.safetensors``), written last;
 - ``_save_rng_state``: a certified RNG file per process instead of ``rng_state*.pth``;
+- ``_finalize_training``: the plain one without its end-of-training cleanup (``save_total_limit=1``
+  with a best model), which runs afterwards with latest-good kept;
 - ``_save_checkpoint``: the plain one, then the manifest over every file of ``checkpoint-N/``, then
   its commit to the ledger beside the output (``OUTPUT_DIR/_ledger``), then ``save_total_limit``'s
   rotation (moved after the commit, and never deleting the run's latest-good), then a retirement
@@ -424,17 +426,30 @@ class CertifiedTrainerMixin:
         if run.audit is not None:
             run.audit.checkpoint_done()
 
-    def _certckpt_rotate(self, run_dir: str) -> None:
+    def _finalize_training(self, trial: Any, num_train_samples: Any, start_time: Any):
+        # At the end of training the plain Trainer deletes every checkpoint but the best one when
+        # save_total_limit=1 (with a best model): that cleanup runs here instead, latest-good kept.
+        limit, self.args.save_total_limit = self.args.save_total_limit, None
+        try:
+            result = super()._finalize_training(trial, num_train_samples, start_time)
+        finally:
+            self.args.save_total_limit = limit
+        if self.args.should_save and self.state.best_model_checkpoint is not None and limit == 1:
+            self._certckpt_rotate(self._get_output_dir(trial=trial), limit=1, keep_newest=False)
+        return result
+
+    def _certckpt_rotate(self, run_dir: str, *, limit: int | None = None, keep_newest: bool = True) -> None:
         """``save_total_limit`` as the Trainer applies it (the newest and the best checkpoint kept, the
-        oldest others deleted), after the new checkpoint is committed, and never deleting the run's
-        latest-good: it stays, with a warning, until a newer checkpoint is trusted."""
-        limit = self.args.save_total_limit
+        oldest others deleted; at the end of training only the best), after the new checkpoint is
+        committed, and never deleting the run's latest-good: it stays, with a warning, until a newer
+        checkpoint is trusted."""
+        limit = self.args.save_total_limit if limit is None else limit
         if limit is None or limit <= 0:
             return
         checkpoints = sort_checkpoints(run_dir, PREFIX_CHECKPOINT_DIR, use_mtime=False)
         if len(checkpoints) <= limit:
             return
-        protected = {checkpoints[-1]}
+        protected = {checkpoints[-1]} if keep_newest else set()
         if self.state.best_model_checkpoint is not None:
             protected.add(str(Path(self.state.best_model_checkpoint)))
         ledger = self.certckpt.ledger
