@@ -13,8 +13,7 @@ import sys
 
 import click
 
-from certckpt.errors import CertckptError
-from certckpt.format.companions import companion_marker, companion_problems, companions_of
+from certckpt.format.companions import companion_listing, companion_marker, companion_problems
 from certckpt.format.header import printable
 from certckpt.format.record import check_header
 from certckpt.format.signing import trusted_keys_from_env
@@ -142,15 +141,10 @@ def _member_of(location: str) -> str | None:
     or None."""
     if "://" in location:
         return None
-    directory = os.path.dirname(os.path.abspath(location))
-    marker = companion_marker(directory)
-    if marker is None or os.path.abspath(marker) == os.path.abspath(location):
+    listing = companion_listing(os.path.dirname(os.path.abspath(location)))
+    if listing is None or os.path.abspath(listing[0]) == os.path.abspath(location):
         return None
-    try:
-        listed = companions_of(run_inspect(marker).record) or {}
-    except (CertckptError, ValueError):
-        return None
-    return (os.path.dirname(location) or ".") if os.path.basename(location) in listed else None
+    return (os.path.dirname(location) or ".") if os.path.basename(location) in listing[1] else None
 
 
 def _ledger_verdict(location: str, ledger_url: str, report) -> dict:
@@ -186,12 +180,11 @@ def inspect(location: str, as_json: bool) -> None:
     companions = None
     if _is_directory(location):
         # a directory-shaped checkpoint (a Trainer checkpoint-N/): its certified file, and what it lists
-        marker = companion_marker(location.removeprefix("file://")) if "://" not in location else None
-        if marker is None:
+        listing = companion_listing(location.removeprefix("file://")) if "://" not in location else None
+        if listing is None:
             _inspect_sharded(location, as_json)
             return
-        location = marker
-        companions = companions_of(run_inspect(marker).record) or {}
+        location, companions = listing
     info = run_inspect(location)
     rec = info.record
     # What verify would reject in the header is reported, and exits 1, here too: inspect shows a

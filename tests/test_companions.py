@@ -48,6 +48,19 @@ def test_a_damaged_or_missing_companion_fails_the_checkpoint(tmp_path):
     assert any("model.safetensors: missing" in p for p in problems) and len(problems) == 2
 
 
+def test_a_companion_that_is_a_symbolic_link_is_refused_even_to_a_file_with_its_bytes(tmp_path):
+    import shutil
+
+    d = _checkpoint(tmp_path / "out", 5)
+    elsewhere = tmp_path / "elsewhere.json"
+    shutil.copyfile(d / "state.json", elsewhere)  # the very bytes the listing binds
+    (d / "state.json").unlink()
+    (d / "state.json").symlink_to(elsewhere)
+    rec = certckpt.inspect(d / "manifest.safetensors").record
+    (problem,) = companion_problems(str(d / "manifest.safetensors"), rec)
+    assert "state.json: a symbolic link where a file of the checkpoint should be" in problem
+
+
 def test_a_hostile_files_table_is_a_problem_not_a_path(tmp_path):
     d = tmp_path / "c"
     d.mkdir()

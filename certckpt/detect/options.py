@@ -27,6 +27,7 @@ __all__ = [
     "DDP_ONLY",
     "SHARDED_ONLY",
     "unused_problem",
+    "session_options",
 ]
 
 
@@ -192,6 +193,18 @@ FIELDS = tuple(f.name for f in dataclasses.fields(AuditOptions))
 DDP_ONLY = ("mode", "rtol", "exchange_flags", "hand_over_grads", "clip_grad_norm", "before_optimizer_step",
             "grad_scaler", "replay_micro_batches")  # fmt: skip
 SHARDED_ONLY = ("audit_updates",)
+
+
+def session_options(
+    options: AuditOptions | None, shorthand: dict[str, Any], *, unused: tuple[str, ...], where: str
+) -> tuple[AuditOptions, str | None]:
+    """A session's options and what is wrong with them (None: nothing), never raising: the session
+    refuses on every rank together, so that no rank is left waiting in a collective."""
+    try:
+        opts = AuditOptions.build(options, **shorthand)
+    except ConfigurationError as e:
+        return AuditOptions(), str(e)
+    return opts, unused_problem(opts, unused, where)
 
 
 def unused_problem(options: AuditOptions, unused: tuple[str, ...], where: str) -> str | None:

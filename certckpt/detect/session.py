@@ -55,7 +55,7 @@ from .exchange import RingShift
 from .hook import HookState, comm_hook, hand_over_possible, lazy_pre_possible
 from .inject import Injector
 from .nonfinite import NonFiniteCheck
-from .options import SHARDED_ONLY, AuditOptions, unused_problem
+from .options import SHARDED_ONLY, AuditOptions, session_options
 from .replay import RingReplay, restore_rng
 from .setup_checks import SetupChecks, option_problem
 from .signature import Probes
@@ -162,11 +162,7 @@ class AuditSession(SetupChecks, NonFiniteCheck, RingReplay, WeightConsensus):
         group = ddp.process_group if isinstance(ddp, DistributedDataParallel) else dist.group.WORLD
         first = next((p for p in ddp.parameters()), None) if isinstance(ddp, torch.nn.Module) else None
         wire = wire_device_for(group, first.device if first is not None else torch.device("cpu"))
-        try:
-            opts = AuditOptions.build(options, **shorthand)
-            bad = unused_problem(opts, SHARDED_ONLY, "the DDP auditor")
-        except ConfigurationError as e:
-            opts, bad = AuditOptions(), str(e)
+        opts, bad = session_options(options, shorthand, unused=SHARDED_ONLY, where="the DDP auditor")
         self.options = opts
         # plain values below (the enums are str: events and records hold the same text)
         audit_every, consensus_every, rtol = opts.audit_every, opts.consensus_every, opts.rtol

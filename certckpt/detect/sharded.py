@@ -58,7 +58,7 @@ from certckpt.trust.ledger import Ledger, LedgerSink
 from .agreement import all_gather_bytes, refuse_together, wire_device_for
 from .events import AuditEvent, EventSink, MemorySink, emit_event, log_audit_pass, rank_inventory
 from .exchange import refuse_unshippable
-from .options import DDP_ONLY, AuditOptions, unused_problem
+from .options import DDP_ONLY, AuditOptions, session_options
 from .session import CheckpointEvidence
 from .setup_checks import nonfinite_read_problem
 from .sharded_audit import ShardedReplayAudit
@@ -179,11 +179,7 @@ class ShardedAuditSession(ShardedNonFiniteCheck, ShardedReplayAudit):
         self.model, self.optimizer = model, optimizer
         self.device = first.device if first is not None else torch.device("cpu")
         self.run, self.branch, self.parent = run, branch, parent
-        try:
-            opts = AuditOptions.build(options, **shorthand)
-            bad = unused_problem(opts, DDP_ONLY, "ShardedAuditSession")
-        except ConfigurationError as e:
-            opts, bad = AuditOptions(), str(e)
+        opts, bad = session_options(options, shorthand, unused=DDP_ONLY, where="ShardedAuditSession")
         self.options = opts
         consensus_every, audit_every, audit_updates = opts.consensus_every, opts.audit_every, opts.audit_updates
         on_nonfinite, on_fault, nonfinite_read = opts.on_nonfinite.value, opts.on_fault.value, opts.nonfinite_read.value

@@ -36,6 +36,7 @@ from .verify import inspect, verify
 
 __all__ = [
     "companion_marker",
+    "companion_listing",
     "FILES_KEY",
     "LAYOUT_KEY",
     "CRYPTO_FIELDS",
@@ -79,6 +80,13 @@ def companions_of(record: CheckpointRecord) -> dict[str, dict[str, Any]] | None:
 def companion_marker(directory: str) -> str | None:
     """The certified file of a local directory-shaped checkpoint (a Trainer ``checkpoint-N/``...):
     the one ``.safetensors`` file whose record lists the others; None when there is not exactly one."""
+    listing = companion_listing(directory)
+    return listing[0] if listing is not None else None
+
+
+def companion_listing(directory: str) -> tuple[str, dict[str, dict[str, Any]]] | None:
+    """``(the listing file's path, the files it lists)`` of a local directory-shaped checkpoint, read
+    from the headers only; None when not exactly one file of the directory lists companions."""
     found = []
     try:
         names = sorted(n for n in os.listdir(directory) if n.endswith(".safetensors") and not n.startswith("."))
@@ -89,11 +97,12 @@ def companion_marker(directory: str) -> str | None:
         if not _may_list_companions(path):
             continue
         try:
-            if companions_of(inspect(path).record):  # headers only
-                found.append(name)
+            files = companions_of(inspect(path).record)
         except (CertckptError, ValueError, RecursionError):
             continue
-    return os.path.join(directory, found[0]) if len(found) == 1 else None
+        if files:
+            found.append((path, files))
+    return found[0] if len(found) == 1 else None
 
 
 def _may_list_companions(path: str) -> bool:
@@ -172,6 +181,10 @@ def companion_problems(
     problems = []
     for name, want in sorted(files.items()):
         member = join(base, name)
+        if "://" not in member and os.path.islink(member):
+            # the listing binds its directory's own files: a link makes it vouch for a file held elsewhere
+            problems.append(f"{member}: a symbolic link where a file of the checkpoint should be; refused unopened")
+            continue
         try:
             if "header_digest" in want:
                 got = verify(member, trusted_keys=trusted_keys)

@@ -161,7 +161,7 @@ def load(
                 if found != expected:
                     raise CorruptCheckpointError(f"{target.display}: {digest_problem(e, expected, found)}")
             if data_hash is not None:
-                data_hash.update(view, keep=t)  # entries come in file order: the data region's SHA-256
+                data_hash.update(view, keep=t)  # entries come in file order: the data region's signed digest
             del view
             tensors[e.name] = t
         if data_hash is not None and data_hash.finish() != signed[1]:

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import os
+import shutil
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -367,9 +369,24 @@ class CertifiedCheckpointIO(*CHECKPOINT_IO_BASES):
         kept = join(store.ledger.store, name)
         target, dest = resolve(url), resolve(kept)
         if target.local is not None and dest.local is not None:
-            with contextlib.suppress(FileExistsError):  # (left by a crash before the record below)
-                os.link(target.local, dest.local)
-            fsync_dir(os.path.dirname(os.path.abspath(dest.local)))
+            final = os.path.abspath(dest.local)
+            tmp = temp_name(final)
+            try:
+                try:
+                    os.link(target.local, tmp)
+                except OSError as e:
+                    if e.errno != errno.EXDEV:  # the store on another file system: a copy there
+                        raise
+                    shutil.copyfile(target.local, tmp)
+                    with open(tmp, "rb") as fh:
+                        os.fsync(fh.fileno())
+                # whatever holds the name (a crash's leftover, a planted file) is replaced: the record
+                # below must name this very file
+                os.replace(tmp, final)
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+            fsync_dir(os.path.dirname(final))
         else:
             fs, p = filesystem(target.url or url)
             fs.copy(p, filesystem(kept)[1])
