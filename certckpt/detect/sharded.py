@@ -128,7 +128,7 @@ class ShardedAuditSession(ShardedNonFiniteCheck, ShardedReplayAudit):
             batch and the RNG state. None: no replay (checkpoints reach ``verified`` at most).
         options: a ``certckpt.detect.AuditOptions`` (or its fields as keywords): ``audit_every``,
             ``consensus_every`` (default None: at audit steps and checkpoints; every step costs
-            1.36-1.48x plain FSDP2 on CPU here, every 10th 1.11-1.19x), ``on_nonfinite``,
+            1.36-1.48x plain FSDP2 in a 4-rank CPU run, every 10th 1.11-1.19x), ``on_nonfinite``,
             ``on_fault``, ``nonfinite_read`` (deferred: the flags are exchanged by an asynchronous
             all-gather and read at the next step), ``check_determinism`` (refuse, at the first step,
             a replay that does not reproduce what training reduce-scattered) and ``audit_updates``
