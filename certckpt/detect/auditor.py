@@ -87,7 +87,7 @@ class Auditor(AuditSession):
     consensus; ``save`` writes a checkpoint with its evidence.
     """
 
-    def train_step(self, batch: Any = None, *, micro_batches: Sequence[Any] | None = None) -> torch.Tensor:
+    def train_step(self, batch: Any = None, *, micro_batches: Sequence[Any] | None = None) -> torch.Tensor:  # noqa: C901
         """One optimizer step with the checks; returns the (local) loss.
 
         Pass one batch (``train_step(batch)``), or the micro-batches of one accumulated step

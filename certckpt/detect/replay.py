@@ -50,7 +50,7 @@ class RingReplay:
     ``_event``, ``_fail`` and ``_zero_grad``.
     """
 
-    def _replay(
+    def _replay(  # noqa: C901
         self,
         module: torch.nn.Module,
         units: list[Any],

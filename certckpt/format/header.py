@@ -248,7 +248,7 @@ def _where(name: str) -> str:
     return f"tensor `{printable(name)}`"
 
 
-def parse_header(raw: bytes, *, source: str, file_length: int | None) -> Header:
+def parse_header(raw: bytes, *, source: str, file_length: int | None) -> Header:  # noqa: C901
     """Parse and validate header bytes (without the 8-byte length prefix).
 
     Checks: UTF-8 JSON object; entries shaped ``{"dtype", "shape", "data_offsets"}``; known dtypes;

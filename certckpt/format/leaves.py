@@ -167,7 +167,7 @@ def _encode_class(obj: Any, tp: type, kind: str, path: tuple, ctx: EncodeContext
     return ["dc", {"n": name, "f": fields}]
 
 
-def encode(obj: Any, path: tuple, ctx: EncodeContext) -> Any:
+def encode(obj: Any, path: tuple, ctx: EncodeContext) -> Any:  # noqa: C901
     """The node for ``obj``, ``NOT_A_LEAF`` when it is none of these types, or None after a refusal."""
     tp = type(obj)
     reg = lookup_class(tp)

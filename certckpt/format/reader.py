@@ -58,7 +58,7 @@ def _mapped(storage: torch.UntypedStorage, info: CheckpointInfo, e: TensorEntry)
     return probe.set_(storage, start // probe.element_size(), list(e.shape), stride[::-1])
 
 
-def load(
+def load(  # noqa: C901
     f: Any,
     map_location: Any = None,
     pickle_module: Any = None,

@@ -445,7 +445,7 @@ class _Rebuilder:
         # numpy/everyday-values tags only ever wrote ["i", hex] here).
         return [(k if isinstance(k, str) else self.node(k, depth + 1), self.node(v, depth + 1)) for k, v in val]
 
-    def node(self, n: Any, depth: int = 0) -> Any:
+    def node(self, n: Any, depth: int = 0) -> Any:  # noqa: C901
         if depth > MAX_DEPTH + 2:
             raise _bad("nested too deeply")
         if n is None or isinstance(n, (bool, str)):

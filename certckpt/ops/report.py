@@ -61,7 +61,7 @@ def _text(s: Any) -> str:
     return str(s).replace("\\", "\\\\").replace("$", r"\$")
 
 
-def _figure(tl: Timeline):
+def _figure(tl: Timeline):  # noqa: C901
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure

@@ -161,7 +161,7 @@ def _step_of(ckpt_id: str) -> int | None:
         return None
 
 
-def timeline(status: Any) -> Timeline:
+def timeline(status: Any) -> Timeline:  # noqa: C901
     """The timeline of a certified store (a ``runstore.StoreStatus``). Pure: reads nothing."""
     snap, cert = status.snapshot, status.certification
     by_id = {c.ckpt_id: c for c in snap.checkpoints}

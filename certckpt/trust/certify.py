@@ -241,7 +241,7 @@ class _Branch:
         return self.clean[i - 1] if i else self.base
 
 
-def certify(
+def certify(  # noqa: C901
     checkpoints: Sequence[CheckpointEntry],
     events: Iterable[Any],
     revocations: Iterable[Revocation] = (),

@@ -210,7 +210,7 @@ def _entry_problem(doc: Any, *, writer: str, seq: int) -> str | None:
     return None
 
 
-def check_chains(
+def check_chains(  # noqa: C901
     entries: Mapping[str, Mapping[int, bytes]],
     *,
     stores: Mapping[str, str],

@@ -39,7 +39,7 @@ class Event(NamedTuple):
     found_by: bool
 
 
-def read_event(e: Any, *, authenticated: bool = True) -> tuple[Event, str | None]:
+def read_event(e: Any, *, authenticated: bool = True) -> tuple[Event, str | None]:  # noqa: C901
     """The facts of one event and why any field was unusable (None when all were).
 
     Args:

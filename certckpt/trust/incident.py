@@ -175,7 +175,7 @@ def incident_state(records: Iterable[Mapping[str, Any]]) -> dict[str, Incident]:
     }
 
 
-def check_decision(
+def check_decision(  # noqa: C901
     incident: Incident,
     decision: Mapping[str, Any],
     *,

@@ -90,7 +90,7 @@ def _for_trust(kind: str, r: dict[str, Any]) -> bool:
     return kind in _FOR_TRUST or (kind == "incidents" and r.get("record") != "opened")
 
 
-def why_invalid(kind: str, file: str, r: Any) -> str | None:
+def why_invalid(kind: str, file: str, r: Any) -> str | None:  # noqa: C901
     """Why a record read from the store cannot be used (None when it can). Checked like user input:
     a record that fails is evidence of nothing, and never reaches a path, a verdict or a traceback."""
     if not isinstance(r, dict):
@@ -429,7 +429,7 @@ class _Reader:
             self._chains_checked = True
             self._chains()
 
-    def _chains(self) -> None:
+    def _chains(self) -> None:  # noqa: C901
         snap = self.snap
         genesis = self._top(GENESIS)
         if genesis is None:

@@ -232,7 +232,7 @@ def _deep_file(report: ShardedReport, location: str, sf: ShardFile, chunks, m: M
     return info
 
 
-def verify_checkpoint(
+def verify_checkpoint(  # noqa: C901
     location: str, *, deep: bool = False, progress: Progress | None = None, trusted_keys: TrustedKeys | None = None
 ) -> ShardedReport:
     """Check a sharded checkpoint directory: its manifest, every byte of every shard file, that no
