@@ -37,7 +37,7 @@ import shutil
 import stat
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
@@ -221,10 +221,22 @@ class Storage(ABC):
         """The object itself, never what a link points to; None when nothing is there."""
 
     @abstractmethod
-    def walk(self, prefix: str = "", *, depth: int = 8, hidden: bool = False) -> list[Entry]:
+    def walk(
+        self, prefix: str = "", *, depth: int = 8, hidden: bool = False, skip: Container[str] = (), detail: bool = True
+    ) -> list[Entry]:
         """Every object under ``prefix``, ``depth`` levels at most (a directory deeper than that is
         an entry of kind ``directory``); links and special files are entries, never followed.
-        ``hidden``: include names starting with ``.`` (writers' temp files)."""
+
+        Args:
+            hidden: include names starting with ``.`` (writers' temp files).
+            skip: names directly under ``prefix`` not to descend into.
+            detail: sizes and stamps (False: names and kinds only, which a local walk learns without
+                one ``stat`` per file).
+        """
+
+    def listdir(self, prefix: str = "") -> list[Entry]:
+        """The entries directly under ``prefix``, directories included, hidden names included."""
+        return self.walk(prefix, depth=1, hidden=True, detail=False)
 
     @abstractmethod
     def get(self, name: str, *, limit: int | None = None) -> bytes | None:
@@ -313,7 +325,9 @@ class LocalStorage(Storage):
         stamp = f"{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_ino}"
         return Entry(name, kind, st.st_size if kind == "file" else None, stamp, what)
 
-    def walk(self, prefix: str = "", *, depth: int = 8, hidden: bool = False) -> list[Entry]:
+    def walk(
+        self, prefix: str = "", *, depth: int = 8, hidden: bool = False, skip: Container[str] = (), detail: bool = True
+    ) -> list[Entry]:
         out: list[Entry] = []
         try:
             entries = list(os.scandir(self._path(prefix)))
@@ -322,18 +336,29 @@ class LocalStorage(Storage):
         except OSError as e:
             raise StorageError(f"{self.location(prefix)}: cannot list ({e.strerror or e})") from e
         for d in entries:
-            if d.name.startswith(".") and not hidden:
+            if (d.name.startswith(".") and not hidden) or d.name in skip:
                 continue
             name = f"{prefix}/{d.name}" if prefix else d.name
             try:
-                entry = self._entry(name, d.stat(follow_symlinks=False))
+                entry = self._entry(name, d.stat(follow_symlinks=False)) if detail else self._bare_entry(name, d)
             except FileNotFoundError:
                 continue  # gone since the listing (a temp file renamed away)
             if entry.kind == "directory" and depth > 1:
-                out.extend(self.walk(name, depth=depth - 1, hidden=hidden))
+                out.extend(self.walk(name, depth=depth - 1, hidden=hidden, detail=detail))
             else:
                 out.append(entry)
         return out
+
+    @staticmethod
+    def _bare_entry(name: str, d: os.DirEntry[str]) -> Entry:
+        # the directory entry's own type: no stat call (a chain of thousands of entries lists fast)
+        if d.is_symlink():
+            return Entry(name, "link", what="a symbolic link")
+        if d.is_dir(follow_symlinks=False):
+            return Entry(name, "directory", what="a directory")
+        if d.is_file(follow_symlinks=False):
+            return Entry(name, "file")
+        return LocalStorage._entry(name, d.stat(follow_symlinks=False))
 
     def get(self, name: str, *, limit: int | None = None) -> bytes | None:
         path = self._path(name)
@@ -457,7 +482,9 @@ class FsspecStorage(Storage):
         size = info.get("size")
         return Entry(name, "file", int(size) if size is not None else None, stamp)
 
-    def walk(self, prefix: str = "", *, depth: int = 8, hidden: bool = False) -> list[Entry]:
+    def walk(
+        self, prefix: str = "", *, depth: int = 8, hidden: bool = False, skip: Container[str] = (), detail: bool = True
+    ) -> list[Entry]:
         try:
             found: dict[str, dict[str, Any]] = self.fs.find(self._path(prefix), maxdepth=depth, detail=True)
         except FileNotFoundError:
@@ -465,12 +492,24 @@ class FsspecStorage(Storage):
         except Exception as e:
             raise self._failed(e, prefix, "list") from e
         out = []
+        start = f"{prefix}/" if prefix else ""
         for path, info in found.items():
             name = self._name(path)
             if not hidden and any(part.startswith(".") for part in name.split("/")):
                 continue
+            if name.startswith(start) and name[len(start) :].split("/", 1)[0] in skip:
+                continue
             out.append(self._entry(name, info))
         return out
+
+    def listdir(self, prefix: str = "") -> list[Entry]:
+        try:
+            found: list[dict[str, Any]] = self.fs.ls(self._path(prefix), detail=True)
+        except FileNotFoundError:
+            return []
+        except Exception as e:
+            raise self._failed(e, prefix, "list") from e
+        return [self._entry(self._name(str(info["name"]).rstrip("/")), info) for info in found]
 
     def get(self, name: str, *, limit: int | None = None) -> bytes | None:
         try:
@@ -719,8 +758,12 @@ def storage_for(url: str) -> Storage:
 
 def storage_of(location: str) -> tuple[Storage, str]:
     """The storage holding one object and the object's name in it (its parent directory or prefix)."""
+    local = location[len("file://") :] if location.startswith("file://") else location
+    if "://" not in local:
+        parent, name = os.path.split(local.rstrip("/") or "/")
+        return LocalStorage(parent or ".", os.path.abspath(parent or ".")), name
     parent, _, name = location.rstrip("/").rpartition("/")
-    if not parent or (parent.endswith(":/") and "://" in location):
+    if not name or parent.endswith(":/"):
         raise StorageError(f"{location}: not an object inside a store")
     return storage_for(parent), name
 

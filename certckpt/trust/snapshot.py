@@ -19,16 +19,14 @@ own signature, and say so (``LedgerSnapshot.notes``). No torch import.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import re
-import stat
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from certckpt.errors import CertckptError, CheckpointNotFoundError, StorageError
+from certckpt.format.backends import Storage, storage_for
 from certckpt.format.signing import TrustedKeys
 from certckpt.format.storage import VAULT_MARK, remote_error_text
 
@@ -41,6 +39,7 @@ from .incident import incident_state
 __all__ = [
     "KINDS",
     "LedgerSnapshot",
+    "MAX_RECORD_BYTES",
     "SOURCES_DIR",
     "is_ckpt_id",
     "is_plain_name",
@@ -71,7 +70,7 @@ _CKPT_ID = re.compile(r"^([A-Za-z0-9._-]{1,100})@([0-9]{1,18})$")
 _FOR_TRUST = ("checkpoints", "holdings", "branches", "drills", "certificates")
 _BATCH = 256  # event segments read per request: bounded memory, few round trips
 _RELISTS = 3  # listings again when a chain looks truncated (see read_snapshot)
-_MAX_RECORD_BYTES = 1 << 30  # no record or segment is this large (a segment holds 4,096 events)
+MAX_RECORD_BYTES = 1 << 30  # no record or segment is this large (a segment holds 4,096 events)
 
 
 def is_plain_name(name: str) -> bool:
@@ -235,92 +234,35 @@ def _segment_lines(data: bytes) -> list[Any]:
     return out
 
 
-def _list(fs: Any, root: str, refused: list[tuple[str, str]], stamps: dict[str, str]) -> dict[str, list[str]]:
-    """Every ledger path, by top-level entry (kind, ``chains``, ``sources``, or ``""`` for files).
+def _list(storage: Storage, refused: list[tuple[str, str]], stamps: dict[str, str]) -> dict[str, list[str]]:
+    """Every ledger name, by top-level entry (kind, ``chains``, ``sources``, or ``""`` for files).
 
-    A local ledger is walked with ``lstat``: a FIFO would block a reader forever, a device never
-    ends, a link may leave the store; each is refused (``refused``: what, why) and never opened."""
+    The storage never follows or opens what is not a regular file: a FIFO would block a reader
+    forever, a device never ends, a link may leave the store; each is refused (``refused``: what,
+    why). So is a file larger than any record."""
     out: dict[str, list[str]] = {}
-    prefix = root.rstrip("/") + "/"
-    chains = prefix + CHAINS_DIR
     # The chains first: a writer seals a record only after writing it, and records are never removed,
     # so every record an entry listed here seals is there when the rest is listed (a writer at work
     # meanwhile cannot make a sealed record look deleted).
-    if _is_local(fs):
-        paths = _local_files(chains, refused, stamps, depth=2)
-        paths += [p for p in _local_files(root, refused, stamps, skip=CHAINS_DIR)]
-    else:
-        found = {}
-        with contextlib.suppress(FileNotFoundError):
-            found.update(fs.find(chains, detail=True))
-        found.update({p: i for p, i in fs.find(root, detail=True).items() if not p.startswith(chains + "/")})
-        paths = list(found)
-        for p, info in found.items():  # what the server says changed: its ETag or time, and the size
-            stamps[p] = f"{info.get('size')}:{info.get('ETag') or info.get('LastModified') or info.get('mtime')}"
-    for p in paths:
-        rel = p[len(prefix) :] if p.startswith(prefix) else p.rsplit("/", 1)[-1]
-        if rel.rsplit("/", 1)[-1].startswith("."):
-            continue  # other writers' temp files, about to be linked and removed: not records
-        top, _, rest = rel.partition("/")
-        out.setdefault(top if rest else "", []).append(p)
-    return out
-
-
-def _is_local(fs: Any) -> bool:
-    protocol = getattr(fs, "protocol", None)
-    return protocol == "file" or (isinstance(protocol, tuple) and "file" in protocol)
-
-
-def _local_files(
-    root: str, refused: list[tuple[str, str]], stamps: dict[str, str], depth: int = 3, skip: str = ""
-) -> list[str]:
-    """Regular files under ``root`` (kinds, then ``chains/WRITER``: three levels at most)."""
-    out: list[str] = []
-    try:
-        entries = list(os.scandir(root))
-    except (FileNotFoundError, NotADirectoryError):
-        return out
+    entries = storage.walk(CHAINS_DIR, depth=2) + storage.walk(depth=3, skip=(CHAINS_DIR,))
     for e in entries:
-        if e.name.startswith(".") or e.name == skip:
-            continue  # another writer's temp file, about to be linked and removed: not a record
-        try:
-            st = e.stat(follow_symlinks=False)
-        except FileNotFoundError:
-            continue  # gone since the listing (a temp file renamed away)
-        mode = st.st_mode
-        if stat.S_ISREG(mode):
-            if st.st_size > _MAX_RECORD_BYTES:
-                refused.append((e.path, f"{st.st_size} bytes, more than any record"))
-            else:
-                out.append(e.path)
-                # a change detector no writer can forge whole: ctime moves on every change of the file
-                stamps[e.path] = f"{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_ino}"
-        elif stat.S_ISDIR(mode) and depth > 1:
-            out.extend(_local_files(e.path, refused, stamps, depth - 1))
-        else:
-            refused.append((e.path, f"not a regular file ({_kind_of(mode)}); never opened"))
+        if e.kind != "file":
+            what = "a directory nested too deep" if e.kind == "directory" else e.what
+            refused.append((e.name, f"not a regular file ({what}); never opened"))
+            continue
+        if e.size is not None and e.size > MAX_RECORD_BYTES:
+            refused.append((e.name, f"{e.size} bytes, more than any record"))
+            continue
+        stamps[e.name] = e.stamp
+        top, _, rest = e.name.partition("/")
+        out.setdefault(top if rest else "", []).append(e.name)
     return out
-
-
-def _kind_of(mode: int) -> str:
-    for test, name in (
-        (stat.S_ISLNK, "a symbolic link"),
-        (stat.S_ISFIFO, "a FIFO"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISSOCK, "a socket"),
-        (stat.S_ISDIR, "a directory nested too deep"),
-    ):
-        if test(mode):
-            return name
-    return "not a file"
 
 
 def read_snapshot(
     *,
     store: str,
-    fs: Any,
-    root: str,
+    storage: Storage,
     trusted_keys: TrustedKeys | None,
     url_of: Callable[..., str],
     remembered: dict[str, tuple[int, str]] | None = None,
@@ -338,21 +280,22 @@ def read_snapshot(
         event names no branch or step (the store cannot be certified until it is repaired).
     """
     try:
-        if not fs.exists(root):
-            if not fs.exists(root.rsplit("/", 1)[0] or "/"):
+        if not storage.exists():
+            if not storage_for(store).exists():
                 raise CheckpointNotFoundError(f"{store}: no such run store")
             return LedgerSnapshot(trusted_keys=trusted_keys)
         for attempt in range(_RELISTS + 1):
             refused: list[tuple[str, str]] = []
             stamps: dict[str, str] = {}
-            listing = _list(fs, root, refused, stamps)
+            listing = _list(storage, refused, stamps)
             small = [p for k, v in listing.items() if k != "events" for p in v]
-            contents = fs.cat(small) if small else {}
-            reader = _Reader(store, root, trusted_keys, url_of, listing, contents, remembered, fs, cache)
+            got = storage.get_many(small)
+            # listed, then gone (records are never removed): read as empty, it fails its checks
+            contents = {p: got.get(p, b"") for p in small}
+            reader = _Reader(store, trusted_keys, url_of, listing, contents, remembered, storage, cache)
             segments = set(listing.get("events", []))
             reader.stamps = {p.rsplit("/", 1)[-1]: v for p, v in stamps.items() if p in segments}
-            prefix = root.rstrip("/") + "/"
-            reader.snap.invalid.extend((p.removeprefix(prefix), why) for p, why in refused)
+            reader.snap.invalid.extend(refused)
             reader.hash_segments()
             reader.check_chains()
             # Chains are listed one after another: a writer that appends to chain A after A was
@@ -374,9 +317,9 @@ def read_snapshot(
 class _Reader:
     """One snapshot's reading, in the order the rules need: chains, records, events."""
 
-    def __init__(self, store, root, trusted_keys, url_of, listing, contents, remembered, fs, cache):
-        self.store, self.root, self.keys, self.url_of = store, root, trusted_keys, url_of
-        self.listing, self.contents, self.remembered, self.fs = listing, contents, remembered, fs
+    def __init__(self, store, trusted_keys, url_of, listing, contents, remembered, storage, cache):
+        self.store, self.keys, self.url_of = store, trusted_keys, url_of
+        self.listing, self.contents, self.remembered, self.storage = listing, contents, remembered, storage
         self.digests: dict[tuple[str, str], str] = {}
         self.cache: FactsCache | None = cache
         self.stamps: dict[str, str] = {}  # segment name -> its change detector (see hash_segments)
@@ -401,9 +344,9 @@ class _Reader:
         by_name = {p.rsplit("/", 1)[-1]: p for p in self.files["events"]}
         for i in range(0, len(names), _BATCH):
             paths = [by_name[n] for n in names[i : i + _BATCH]]
-            got = self.fs.cat(paths)
+            got = self.storage.get_many(paths)
             for n, p in zip(names[i : i + _BATCH], paths):
-                yield n, got[p]
+                yield n, got.get(p, b"")  # a sealed segment that vanished breaks its chain
 
     def hash_segments(self) -> None:
         """Every segment's SHA-256. A segment this reader verified before and whose stamp (size,
@@ -476,7 +419,7 @@ class _Reader:
                 stores[source] = digest(sdata)  # its entries are what keys authenticate
                 self.source = source
         entries: dict[str, dict[int, bytes]] = {}
-        prefix = self.root.rstrip("/") + f"/{CHAINS_DIR}/"
+        prefix = f"{CHAINS_DIR}/"
         for p in self.listing.get(CHAINS_DIR, []):
             writer, _, name = p[len(prefix) :].partition("/")
             seq = parse_entry_name(name)
@@ -800,7 +743,7 @@ class _Reader:
         out: list[dict[str, Any]] = []
         for p in self.files["events"]:
             name = p.rsplit("/", 1)[-1]
-            for value in _segment_lines(self.fs.cat_file(p)):
+            for value in _segment_lines(self.storage.get(p, limit=MAX_RECORD_BYTES) or b""):
                 if not isinstance(value, dict):
                     continue
                 failed = value.get("outcome") == "fail"
