@@ -32,10 +32,18 @@ from .reader import warn_ignored
 from .record import CheckpointRecord, build_header, state_fingerprint
 from .signing import SigningKey, signing_key_for
 from .skeleton import StoredTensor, flatten
-from .storage import commit_local, commit_remote, refuse_protected_local, refuse_protected_remote, resolve, temp_name
+from .storage import (
+    Target,
+    commit_local,
+    commit_remote,
+    refuse_protected_local,
+    refuse_protected_remote,
+    resolve,
+    temp_name,
+)
 from .tensors import host_bytes
 
-__all__ = ["save", "save_certified", "SaveResult", "host_bytes"]
+__all__ = ["save", "save_certified", "SaveResult", "host_bytes", "prepare", "publish", "SaveJob"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +128,7 @@ def _intraop_threads(limit: int):
             torch.set_num_threads(before)
 
 
-class _Job:
+class SaveJob:
     """One save in progress: the plan, the record, and the hashing of each stored tensor."""
 
     def __init__(
@@ -210,12 +218,13 @@ class _Job:
         ]
         return fps, digests
 
-    def write_fd(self, fd: int) -> None:
+    def write_fd(self, fd: int, *, cap_threads: bool = True) -> None:
         """Data first (hashes computed alongside on a worker thread), header last, fsync."""
         base = self.header_length
         host_digests: dict[int, str] = {}
         data_hash = self.data_hasher()
-        with _intraop_threads(1), ThreadPoolExecutor(max_workers=1, thread_name_prefix="certckpt-hash") as pool:
+        capped = _intraop_threads(1) if cap_threads else contextlib.nullcontext()
+        with capped, ThreadPoolExecutor(max_workers=1, thread_name_prefix="certckpt-hash") as pool:
             hashed = pool.submit(self._hash_worker)
             for i, (s, e) in enumerate(zip(self.stored, self.entries)):
                 h = self.host(s)
@@ -250,7 +259,7 @@ class _Job:
         f.flush()
 
 
-def _write_temp(job: _Job, tmp: str, display: str) -> None:
+def _write_temp(job: SaveJob, tmp: str, display: str, *, cap_threads: bool = True) -> None:
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     except FileNotFoundError as e:
@@ -259,7 +268,7 @@ def _write_temp(job: _Job, tmp: str, display: str) -> None:
         raise StorageError(f"{display}: permission denied creating a file in its directory") from e
     try:
         try:
-            job.write_fd(fd)
+            job.write_fd(fd, cap_threads=cap_threads)
         finally:
             os.close(fd)
     except BaseException as e:
@@ -403,14 +412,13 @@ def _save(
     signing_key: SigningKey | str | os.PathLike | None = None,
 ) -> SaveResult:
     t0 = time.perf_counter()
-    if type(overwrite) is not bool:
-        raise ArgumentTypeError(f"overwrite must be True or False, got {overwrite!r}")
-    target = resolve(f)
-    job = _Job(
+    job, target = prepare(
         obj,
+        f,
         step=step,
         run=run,
         metadata=metadata,
+        overwrite=overwrite,
         record_fields={
             "branch": branch,
             "step_range": step_range,
@@ -419,8 +427,47 @@ def _save(
             "consensus_fp": consensus_fp,
         },
         known_fingerprints=known_fingerprints,
+        signing_key=signing_key,
+    )
+    return publish(job, target, overwrite=overwrite, started=t0)
+
+
+def prepare(
+    obj: Any,
+    f: Any,
+    *,
+    step: int | None,
+    run: str | None,
+    metadata: dict[str, str] | None,
+    overwrite: bool,
+    record_fields: dict[str, Any],
+    known_fingerprints: dict[tuple, tuple[str, str]] | None = None,
+    signing_key: SigningKey | str | os.PathLike | None = None,
+) -> tuple[SaveJob, Target]:
+    """Everything a save checks and plans before it reads a tensor's bytes: the arguments, the
+    flattened object and the file's layout. Raises before anything is written."""
+    if type(overwrite) is not bool:
+        raise ArgumentTypeError(f"overwrite must be True or False, got {overwrite!r}")
+    target = resolve(f)
+    job = SaveJob(
+        obj,
+        step=step,
+        run=run,
+        metadata=metadata,
+        record_fields=record_fields,
+        known_fingerprints=known_fingerprints,
         signer=signing_key_for(signing_key),
     )
+    return job, target
+
+
+def publish(job: SaveJob, target: Target, *, overwrite: bool, started: float, cap_threads: bool = True) -> SaveResult:
+    """Write a prepared save's file (hashes beside the write), fsync it, publish it whole.
+
+    Args:
+        cap_threads: cap torch's intra-op threads while writing (a synchronous save owns the
+            process; a background one must not change a setting the training thread uses).
+    """
     if target.fileobj is not None:
         job.write_stream(target.fileobj)
     elif target.local is not None:
@@ -428,9 +475,10 @@ def _save(
         if overwrite:
             refuse_protected_local(final, target.display)  # before writing: a refusal costs nothing
         tmp = temp_name(final)
-        _write_temp(job, tmp, target.display)
+        _write_temp(job, tmp, target.display, cap_threads=cap_threads)
         commit_local(tmp, final, overwrite=overwrite, display=target.display)
     else:
+        assert target.url is not None  # resolve() gives a local path, a URL or a file object
         # Object stores: build the file locally, then one create-only PUT publishes it whole.
         fd, tmp = tempfile.mkstemp(prefix=".certckpt-upload-")
         os.close(fd)
@@ -438,7 +486,7 @@ def _save(
         try:
             if overwrite:
                 refuse_protected_remote(target.url, target.display)
-            _write_temp(job, tmp, target.display)
+            _write_temp(job, tmp, target.display, cap_threads=cap_threads)
             commit_remote(tmp, target.url, overwrite=overwrite, display=target.display)
         finally:
             if os.path.exists(tmp):
@@ -448,6 +496,6 @@ def _save(
         nbytes=job.header_length + job.data_length,
         state_fp=job.record.state_fp,
         tensors=len(job.stored),
-        seconds=time.perf_counter() - t0,
+        seconds=time.perf_counter() - started,
         header_digest=job.record.header_digest,
     )
