@@ -26,7 +26,8 @@ from __future__ import annotations
 import os
 import threading
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TypeVar
 
 import torch
 import xxhash
@@ -131,15 +132,16 @@ class FingerprintTables:
 
 
 _local = threading.local()
+_T = TypeVar("_T")
 
 
-def per_thread(factory, device: torch.device):
+def per_thread(factory: Callable[[torch.device], _T], device: torch.device) -> _T:
     """``factory(device)``, built once per thread and device (its scratch buffers are reused)."""
     cache = getattr(_local, "cache", None)
     if cache is None:
         cache = _local.cache = {}
     key = (factory, device)
-    t = cache.get(key)
+    t: _T | None = cache.get(key)  # (the cache holds what factory made for this key)
     if t is None:
         t = cache[key] = factory(device)
     return t
@@ -169,7 +171,9 @@ def as_words(t: torch.Tensor) -> torch.Tensor:
 
 # --- optional compiled block kernel -------------------------------------------------------------
 
-_compiled = None
+# The compiled ``_block_sum`` (its signature), once enabled and checked.
+_BlockKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+_compiled: _BlockKernel | None = None
 _compile_checked = False
 _compile_lock = threading.Lock()
 
@@ -209,7 +213,7 @@ def enable_compile(on: bool = True) -> bool:
         return True
 
 
-def _maybe_compiled():
+def _maybe_compiled() -> _BlockKernel | None:
     if not _compile_checked and os.environ.get("CERTCKPT_COMPILE") == "1":
         enable_compile(True)
     return _compiled

@@ -15,9 +15,10 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import torch
 import xxhash
@@ -43,7 +44,10 @@ from .storage import (
 )
 from .tensors import host_bytes
 
-__all__ = ["save", "save_certified", "SaveResult", "host_bytes", "prepare", "publish", "SaveJob"]
+__all__ = ["save", "save_certified", "SaveResult", "host_bytes", "TensorIdentity", "prepare", "publish", "SaveJob"]
+
+# A tensor's identity as the auditor records it: ``(data_ptr, dtype, shape, stride, device)``.
+TensorIdentity = tuple[int, torch.dtype, tuple[int, ...], tuple[int, ...], str]
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +85,7 @@ def _plan(stored: list[StoredTensor]) -> tuple[list[StoredTensor], list[TensorEn
 _WRITE_PIECE = 64 << 20
 
 
-def _writeback_starter():
+def _writeback_starter() -> Callable[[int, int, int, int], int] | None:
     """``sync_file_range(fd, off, n, SYNC_FILE_RANGE_WRITE)`` where the platform has it, else None.
 
     Starting writeback of each piece as soon as it is in the page cache overlaps the disk's work with
@@ -110,7 +114,7 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
 
 
 @contextlib.contextmanager
-def _intraop_threads(limit: int):
+def _intraop_threads(limit: int) -> Iterator[None]:
     """Cap torch's intra-op threads while the fingerprint worker runs beside the writing thread.
 
     On a 2-core machine two fingerprint threads plus the writer oversubscribe the cores: measured
@@ -139,7 +143,7 @@ class SaveJob:
         run: str | None,
         metadata: dict[str, str] | None,
         record_fields: dict[str, Any] | None = None,
-        known_fingerprints: dict[tuple, tuple[str, str]] | None = None,
+        known_fingerprints: dict[TensorIdentity, tuple[str, str]] | None = None,
         signer: SigningKey | None = None,
     ):
         self.signer = signer
@@ -185,12 +189,12 @@ class SaveJob:
     def host(self, s: StoredTensor) -> torch.Tensor:
         return s.tensor if s.tensor.device.type == "cpu" else s.tensor.cpu()
 
-    def data_hasher(self) -> Any:
+    def data_hasher(self) -> BackgroundDigest | None:
         """The digest of the data region that a signature covers, hashed on another core beside the
         write; None when unsigned."""
         return BackgroundDigest(self.digest_field) if self.signer is not None else None
 
-    def finish(self, fps: list[int], digests: list[str], data_hash: Any = None) -> bytes:
+    def finish(self, fps: list[int], digests: list[str], data_hash: BackgroundDigest | None = None) -> bytes:
         self.record.tensors = {s.name: {"fp": f"{fp:016x}", "xxh3": d} for s, fp, d in zip(self.stored, fps, digests)}
         self.record.state_fp = state_fingerprint({k: v["fp"] for k, v in self.record.tensors.items()})
         header = build_header(
@@ -235,8 +239,8 @@ class SaveJob:
                 if data_hash is not None:  # entries are contiguous and in data order
                     data_hash.update(view, keep=h)
                 del view, h
-            fps, digests = hashed.result()
-        digests = [d if d is not None else host_digests[i] for i, d in enumerate(digests)]
+            fps, worker_digests = hashed.result()
+        digests = [d if d is not None else host_digests[i] for i, d in enumerate(worker_digests)]
         _pwrite_all(fd, memoryview(self.finish(fps, digests, data_hash)), 0)
         os.fsync(fd)
 
@@ -253,8 +257,8 @@ class SaveJob:
                 data_hash.update(host_bytes(h), keep=h)
             hosts.append(h if h is s.tensor else None)  # keep only zero-copy views alive
         f.write(self.finish(fps, digests, data_hash))
-        for s, h in zip(self.stored, hosts):
-            h = h if h is not None else self.host(s)
+        for s, kept in zip(self.stored, hosts):
+            h = kept if kept is not None else self.host(s)
             f.write(host_bytes(h))
         f.flush()
 
@@ -299,7 +303,7 @@ def save(
     run: str | None = None,
     metadata: dict[str, str] | None = None,
     overwrite: bool = True,
-    signing_key: SigningKey | str | os.PathLike | None = None,
+    signing_key: SigningKey | str | os.PathLike[str] | None = None,
 ) -> SaveResult:
     """Save ``obj`` as a certified safetensors checkpoint; ``torch.save``'s signature, never pickles.
 
@@ -367,8 +371,8 @@ def save_certified(
     parent: str | None = None,
     lineage: dict[str, Any] | None = None,
     consensus_fp: str | None = None,
-    known_fingerprints: dict[tuple, tuple[str, str]] | None = None,
-    signing_key: SigningKey | str | os.PathLike | None = None,
+    known_fingerprints: dict[TensorIdentity, tuple[str, str]] | None = None,
+    signing_key: SigningKey | str | os.PathLike[str] | None = None,
 ) -> SaveResult:
     """``save`` plus the audit fields the auditor fills in (see ``docs/format.md``, section 2).
 
@@ -408,8 +412,8 @@ def _save(
     parent: str | None = None,
     lineage: dict[str, Any] | None = None,
     consensus_fp: str | None = None,
-    known_fingerprints: dict[tuple, tuple[str, str]] | None = None,
-    signing_key: SigningKey | str | os.PathLike | None = None,
+    known_fingerprints: dict[TensorIdentity, tuple[str, str]] | None = None,
+    signing_key: SigningKey | str | os.PathLike[str] | None = None,
 ) -> SaveResult:
     t0 = time.perf_counter()
     job, target = prepare(
@@ -441,8 +445,8 @@ def prepare(
     metadata: dict[str, str] | None,
     overwrite: bool,
     record_fields: dict[str, Any],
-    known_fingerprints: dict[tuple, tuple[str, str]] | None = None,
-    signing_key: SigningKey | str | os.PathLike | None = None,
+    known_fingerprints: dict[TensorIdentity, tuple[str, str]] | None = None,
+    signing_key: SigningKey | str | os.PathLike[str] | None = None,
 ) -> tuple[SaveJob, Target]:
     """Everything a save checks and plans before it reads a tensor's bytes: the arguments, the
     flattened object and the file's layout. Raises before anything is written."""
@@ -478,16 +482,16 @@ def publish(job: SaveJob, target: Target, *, overwrite: bool, started: float, ca
         _write_temp(job, tmp, target.display, cap_threads=cap_threads)
         commit_local(tmp, final, overwrite=overwrite, display=target.display)
     else:
-        assert target.url is not None  # resolve() gives a local path, a URL or a file object
         # Object stores: build the file locally, then one create-only PUT publishes it whole.
+        url = cast(str, target.url)  # resolve() gives a target with neither a path nor a file object its URL
         fd, tmp = tempfile.mkstemp(prefix=".certckpt-upload-")
         os.close(fd)
         os.unlink(tmp)
         try:
             if overwrite:
-                refuse_protected_remote(target.url, target.display)
+                refuse_protected_remote(url, target.display)
             _write_temp(job, tmp, target.display, cap_threads=cap_threads)
-            commit_remote(tmp, target.url, overwrite=overwrite, display=target.display)
+            commit_remote(tmp, url, overwrite=overwrite, display=target.display)
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
