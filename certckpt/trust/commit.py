@@ -41,7 +41,7 @@ def save(
     ledger: str | Ledger | None = None,
     branch: str = "main",
     parent: str | None = None,
-    signing_key: SigningKey | str | os.PathLike | None = None,
+    signing_key: SigningKey | str | os.PathLike[str] | None = None,
 ) -> SaveResult:
     """Save ``obj`` as a certified safetensors checkpoint; with ``ledger``, also commit it there.
 

@@ -27,9 +27,9 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from certckpt.errors import (
     CertckptError,
@@ -43,6 +43,7 @@ from certckpt.format.signing import SigningKey, TrustedKeys, signing_key_from_en
 from certckpt.format.storage import (
     LEDGER_DIR,
     VAULT_MARK,
+    Target,
     filesystem,
     join,
     put_once,
@@ -104,8 +105,30 @@ class _Chain:
     prev: str
 
 
-def _dumps(doc: dict) -> bytes:
+def _dumps(doc: dict[str, Any]) -> bytes:
     return (json.dumps(doc, separators=(",", ":"), sort_keys=True) + "\n").encode("utf-8")
+
+
+_Key = TypeVar("_Key")
+
+
+def _key_option(value: _Key | None | str, from_env: Callable[[], _Key | None], option: str) -> _Key | None:
+    """A key option of ``Ledger``: ``FROM_ENV`` reads the environment, anything else is the key (or
+    None) itself; the only string it takes is ``FROM_ENV`` (a key file is loaded by its caller)."""
+    if isinstance(value, str):
+        if value != FROM_ENV:
+            raise ConfigurationError(
+                f"{option} {value!r}: pass a key object, None or {FROM_ENV!r} (load a key file with "
+                "certckpt.format.signing first)"
+            )
+        return from_env()
+    return value
+
+
+def _remote_url(target: Target) -> str:
+    """The URL of a location ``resolve`` found not local (a path or URL string is always one or the other)."""
+    assert target.url is not None, target.display
+    return target.url
 
 
 class Ledger:
@@ -134,8 +157,8 @@ class Ledger:
         """
         self.store = store.rstrip("/") if "://" in store else store.rstrip("/") or "/"
         self.root = join(self.store, LEDGER_DIR)
-        self.signing_key = signing_key_from_env() if signing_key == FROM_ENV else signing_key
-        self.trusted_keys = trusted_keys_from_env() if trusted_keys == FROM_ENV else trusted_keys
+        self.signing_key: SigningKey | None = _key_option(signing_key, signing_key_from_env, "signing_key")
+        self.trusted_keys: TrustedKeys | None = _key_option(trusted_keys, trusted_keys_from_env, "trusted_keys")
         self._chained: bool | None = None  # learnt at the first write (a genesis record, or none)
         self._new_chained = chain  # whether a new ledger gets a genesis record (a vault of an old run: no)
         self._store_id: str | None = None
@@ -155,8 +178,8 @@ class Ledger:
                 refuse_special(target.local, location)  # a FIFO named like a record would block the writer
                 with open(target.local, "rb") as f:
                     return f.read()
-            fs, path = filesystem(target.url)
-            return fs.cat_file(path)
+            fs, path = filesystem(_remote_url(target))
+            return cast(bytes, fs.cat_file(path))  # fsspec ships no types; cat_file returns the bytes
         except FileNotFoundError:
             return None
 
@@ -186,6 +209,7 @@ class Ledger:
                 except CheckpointExistsError:
                     pass  # another writer created the store first: its genesis stands
                 data = self._read_optional(path)
+            doc: Any  # JSON read from the store: anything until genesis_problem vouches for it
             try:
                 doc = json.loads(data) if data is not None else None
             except (ValueError, RecursionError):
@@ -196,6 +220,7 @@ class Ledger:
                     f"{self.store}: {LEDGER_DIR}/{GENESIS} is damaged ({why}); restore it from a good copy "
                     "before writing to this store"
                 )
+            assert data is not None  # no bytes parse as no genesis record, refused above
             self._store_id, self._genesis_sha = doc["store_id"], digest(data)
             self._chained = True
             return True
@@ -221,10 +246,10 @@ class Ledger:
                 return heads
             for w in writers:
                 try:
-                    seqs = [parse_entry_name(n) for n in os.listdir(os.path.join(base, w))]
+                    parsed = [parse_entry_name(n) for n in os.listdir(os.path.join(base, w))]
                 except (NotADirectoryError, FileNotFoundError):
                     continue
-                seqs = [q for q in seqs if q is not None]
+                seqs = [q for q in parsed if q is not None]
                 if seqs and w.startswith("w"):
                     heads[w] = max(seqs)
             return heads
@@ -243,6 +268,7 @@ class Ledger:
             if ch is None:
                 ch = self._chains[scope] = _Chain("w" + secrets.token_hex(8), scope, 0, self._genesis_sha)
             seen = {w: n for w, n in self._heads().items() if w != ch.writer}
+            assert self._store_id is not None  # chained() read it from the genesis record
             doc = entry_doc(
                 store=self._store_id,
                 writer=ch.writer,
@@ -465,17 +491,18 @@ class Ledger:
         target = resolve(location)
         if target.local is not None:
             return os.path.exists(target.local)
-        fs, path = filesystem(target.url)
-        return fs.exists(path)
+        fs, path = filesystem(_remote_url(target))
+        return cast(bool, fs.exists(path))  # fsspec ships no types; exists returns a bool
 
-    def _fs(self):
+    def _fs(self) -> tuple[Any, str]:
+        """``(fsspec filesystem, path)`` of the ledger's root (fsspec ships no types: ``Any``)."""
         target = resolve(self.root)
         if target.local is not None:
             import fsspec
 
             # absolute: fsspec's local listings answer absolute paths, whatever the caller's spelling
             return fsspec.filesystem("file"), os.path.abspath(target.local)
-        fs, path = filesystem(target.url)
+        fs, path = filesystem(_remote_url(target))
         # Other processes write this ledger: a listing cached by this process would hide their records.
         fs.invalidate_cache()
         return fs, path
@@ -539,7 +566,7 @@ class Ledger:
                 names = os.listdir(target.local)
                 sharded = {n for n in names if os.path.isfile(os.path.join(target.local, n, MANIFEST_NAME))}
             else:
-                fs, path = filesystem(target.url)
+                fs, path = filesystem(_remote_url(target))
                 listing = fs.ls(path, detail=True)
                 names = [e["name"].rstrip("/").rsplit("/", 1)[-1] for e in listing]
                 dirs = [n for n, e in zip(names, listing) if e.get("type") == "directory"]
