@@ -160,6 +160,7 @@ def _refuse_other_files(directory: str, bundle: Bundle) -> None:
         except NotADirectoryError:
             raise CheckpointExistsError(f"{directory}: a file is there; nothing was overwritten") from None
     else:
+        assert target.url is not None  # a location string resolves to a local path or a URL
         fs, path = filesystem(target.url)
         try:
             names = {str(p).rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False)}
