@@ -485,14 +485,18 @@ def plan(
             rollback is given in GPU-hours only then (costs always use them).
     """
     _check_policy(audit_every, ckpt_every, keep)
-    hw = {"step_time": costs.step_time, "gpus": costs.gpus} if hardware_known else {}
     return Plan(
         audit_every=audit_every,
         ckpt_every=ckpt_every,
         keep=keep,
         costs=costs,
         detection=detection_facts(audit_every=audit_every),
-        rollback=rollback_facts(audit_every=audit_every, ckpt_every=ckpt_every, **hw),
+        rollback=rollback_facts(
+            audit_every=audit_every,
+            ckpt_every=ckpt_every,
+            step_time=costs.step_time if hardware_known else None,
+            gpus=costs.gpus if hardware_known else None,
+        ),
         retention=retention_facts(audit_every=audit_every, ckpt_every=ckpt_every, keep=keep),
         warnings=tuple(
             plan_warnings(audit_every=audit_every, ckpt_every=ckpt_every, keep=keep, run_steps=costs.run_steps)

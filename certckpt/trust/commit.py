@@ -43,7 +43,7 @@ def save(
     ledger: str | Ledger | None = None,
     branch: str = "main",
     parent: str | None = None,
-    signing_key: SigningKey | str | os.PathLike | None = None,
+    signing_key: SigningKey | str | os.PathLike[str] | None = None,
 ) -> SaveResult:
     """Save ``obj`` as a certified safetensors checkpoint; with ``ledger``, also commit it there.
 
@@ -121,6 +121,7 @@ def save(
         )
     except CheckpointExistsError as e:
         raise name_taken(location, led.store) from e
+    assert step is not None  # _ledger_target refused anything else
     commit_saved(led, result, run=run, branch=branch, step=step, parent=parent)
     return result
 

@@ -27,9 +27,9 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from certckpt.errors import (
     CertckptError,
@@ -101,8 +101,24 @@ class _Chain:
     prev: str
 
 
-def _dumps(doc: dict) -> bytes:
+def _dumps(doc: dict[str, Any]) -> bytes:
     return (json.dumps(doc, separators=(",", ":"), sort_keys=True) + "\n").encode("utf-8")
+
+
+_Key = TypeVar("_Key")
+
+
+def _key_option(value: _Key | None | str, from_env: Callable[[], _Key | None], option: str) -> _Key | None:
+    """A key option of ``Ledger``: ``FROM_ENV`` reads the environment, anything else is the key (or
+    None) itself; the only string it takes is ``FROM_ENV`` (a key file is loaded by its caller)."""
+    if isinstance(value, str):
+        if value != FROM_ENV:
+            raise ConfigurationError(
+                f"{option} {value!r}: pass a key object, None or {FROM_ENV!r} (load a key file with "
+                "certckpt.format.signing first)"
+            )
+        return from_env()
+    return value
 
 
 class Ledger:
@@ -131,8 +147,8 @@ class Ledger:
         """
         self.store = store.rstrip("/") if "://" in store else store.rstrip("/") or "/"
         self.root = join(self.store, LEDGER_DIR)
-        self.signing_key = signing_key_from_env() if signing_key == FROM_ENV else signing_key
-        self.trusted_keys = trusted_keys_from_env() if trusted_keys == FROM_ENV else trusted_keys
+        self.signing_key: SigningKey | None = _key_option(signing_key, signing_key_from_env, "signing_key")
+        self.trusted_keys: TrustedKeys | None = _key_option(trusted_keys, trusted_keys_from_env, "trusted_keys")
         self._backend: Storage | None = None
         self._chained: bool | None = None  # learnt at the first write (a genesis record, or none)
         self._new_chained = chain  # whether a new ledger gets a genesis record (a vault of an old run: no)
@@ -180,6 +196,7 @@ class Ledger:
                 except CheckpointExistsError:
                     pass  # another writer created the store first: its genesis stands
                 data = self._read_optional(GENESIS)
+            doc: Any  # JSON read from the store: anything until genesis_problem vouches for it
             try:
                 doc = json.loads(data) if data is not None else None
             except (ValueError, RecursionError):
@@ -190,6 +207,7 @@ class Ledger:
                     f"{self.store}: {LEDGER_DIR}/{GENESIS} is damaged ({why}); restore it from a good copy "
                     "before writing to this store"
                 )
+            assert data is not None  # no bytes parse as no genesis record, refused above
             self._store_id, self._genesis_sha = doc["store_id"], digest(data)
             self._chained = True
             return True
@@ -220,6 +238,7 @@ class Ledger:
             if ch is None:
                 ch = self._chains[scope] = _Chain("w" + secrets.token_hex(8), scope, 0, self._genesis_sha)
             seen = {w: n for w, n in self._heads().items() if w != ch.writer}
+            assert self._store_id is not None  # chained() read it from the genesis record
             doc = entry_doc(
                 store=self._store_id,
                 writer=ch.writer,
