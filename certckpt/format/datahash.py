@@ -19,6 +19,8 @@ if TYPE_CHECKING:
 
 from certckpt.errors import MissingDependencyError
 
+from .worker import SerialWorker
+
 __all__ = ["DIGEST_FIELDS", "BackgroundDigest", "preferred_digest_field", "digest_name", "new_hash"]
 
 # The signature entry's data digest: field name -> algorithm. Both fields have 11 characters and 64
@@ -79,11 +81,9 @@ class BackgroundDigest:
     """
 
     def __init__(self, field: str, *, max_pending: int = 256 << 20) -> None:
-        from concurrent.futures import ThreadPoolExecutor  # only where a signature is made or checked
-
         self.field = field
         self._hash: _Hash = new_hash(DIGEST_FIELDS[field])
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="certckpt-digest")
+        self._pool = SerialWorker("certckpt-digest")
         self._max = max_pending
         self._pending = 0
         self._room = threading.Condition()
@@ -117,11 +117,11 @@ class BackgroundDigest:
             while self._pending and self._pending + n > self._max:
                 self._room.wait()
             self._pending += n
-        return self._pool.submit(self._consume, view, n, keep)  # one worker: updates run in submission order
+        return self._pool.submit(self._consume, view, n, keep)  # one thread: updates run in submission order
 
     def finish(self) -> str:
         """Wait for every queued buffer; the hex digest."""
-        self._pool.shutdown(wait=True)
+        self._pool.close()
         return self._hash.hexdigest()
 
     def hexdigest(self) -> str:  # hashlib's name, for callers that take either

@@ -16,7 +16,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import IO, Any, cast
 
@@ -43,6 +42,7 @@ from .storage import (
     temp_name,
 )
 from .tensors import host_bytes
+from .worker import SerialWorker
 
 __all__ = ["save", "save_certified", "SaveResult", "host_bytes", "TensorIdentity", "prepare", "publish", "SaveJob"]
 
@@ -228,7 +228,7 @@ class SaveJob:
         host_digests: dict[int, str] = {}
         data_hash = self.data_hasher()
         capped = _intraop_threads(1) if cap_threads else contextlib.nullcontext()
-        with capped, ThreadPoolExecutor(max_workers=1, thread_name_prefix="certckpt-hash") as pool:
+        with capped, SerialWorker("certckpt-hash") as pool:
             hashed = pool.submit(self._hash_worker)
             for i, (s, e) in enumerate(zip(self.stored, self.entries)):
                 h = self.host(s)
