@@ -216,7 +216,7 @@ KILLER = textwrap.dedent(
             while True:
                 certckpt.async_save(state, f"{store}/main@{i * 1000 + k}.safetensors", ledger=store, step=i * 1000 + k)
                 k += 1
-        delay = rng.uniform(0.0, 0.25)
+        delay = rng.uniform(0.0, 0.5)
         time.sleep(delay)
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
@@ -237,7 +237,9 @@ def test_kill_9_during_background_writes_leaves_nothing_partial_and_the_ledger_c
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == {"kills": kills}
     visible = sorted(n for n in os.listdir(store) if n.endswith(".safetensors") and not n.startswith("."))
-    assert len(visible) > kills // 2  # the kills land all along the saves, most after some finished
+    assert len(visible) >= kills // 4  # many kills came after some saves had finished...
+    # ...and some in the middle of a write: its temp file is left, hidden, and nothing names it
+    assert any(n.startswith(".main@") and "certckpt-tmp" in n for n in os.listdir(store))
     for name in visible:  # never a partial file under a checkpoint's name
         report = certckpt.verify(store / name)
         assert report.ok, (name, report.problems)
