@@ -125,6 +125,133 @@ def test_module_level_imports_have_no_cycle():
             visit(name, [name])
 
 
+def _static_value(tree: ast.Module, name: str) -> ast.expr | None:
+    """The expression last assigned to ``name`` at module level (annotated or not), or None."""
+    value = None
+    for node in tree.body:
+        targets = (
+            node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        )
+        if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+            value = node.value
+    return value
+
+
+def _static_all(path: pathlib.Path) -> list[str] | None:
+    """A module's ``__all__`` read from its source without importing it (None when it defines none).
+
+    Reads a list or tuple literal, or ``sorted(TABLE)`` / ``list(TABLE)`` of a dict or list literal
+    defined in the module; anything else fails the test rather than passing unread."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    value = _static_value(tree, "__all__")
+    if value is None:
+        return None
+    if (
+        isinstance(value, ast.Call)
+        and isinstance(value.func, ast.Name)
+        and value.func.id in ("sorted", "list")
+        and len(value.args) == 1
+        and isinstance(value.args[0], ast.Name)
+    ):
+        value = _static_value(tree, value.args[0].id)
+        if isinstance(value, ast.Dict):
+            return [ast.literal_eval(k) for k in value.keys if k is not None]
+    assert isinstance(value, (ast.List, ast.Tuple)), f"{path}: __all__ is not a literal list this test can read"
+    return [ast.literal_eval(e) for e in value.elts]
+
+
+def _lazy_table(path: pathlib.Path) -> dict[str, str] | None:
+    """A package ``__init__``'s ``_LAZY`` table (name -> module, relative to the package or absolute)."""
+    value = _static_value(ast.parse(path.read_text(encoding="utf-8")), "_LAZY")
+    return None if value is None else ast.literal_eval(value)
+
+
+def _package_of(name: str) -> str:
+    return name if MODULES[name].name == "__init__.py" else name.rpartition(".")[0]
+
+
+def _reexports(package: str) -> dict[str, str]:
+    """name -> module that defines it, for the names a package's ``__init__`` re-exports: its own
+    ``from .x import name`` (module level, ``if TYPE_CHECKING`` included) and its ``_LAZY`` table."""
+    path = MODULES[package]
+    out = {}
+    for mod, names, top in _imports(package, path):
+        if top and mod != package:
+            out.update((n, mod) for n in names)
+    for n, mod in (_lazy_table(path) or {}).items():
+        out[n] = mod if mod.startswith(("certckpt.", "certckpt_cli.")) else f"{package}.{mod}"
+    return out
+
+
+def _targets(mod: str, names: list[str], seen: frozenset[str] = frozenset()) -> set[str]:
+    """The modules an import depends on: each name that is a module; a name a package re-exports,
+    followed to the module that defines it; the imported module itself for anything else."""
+    if mod not in MODULES:
+        return set()
+    if not names:
+        return {mod}
+    out = set()
+    table = _reexports(mod) if MODULES[mod].name == "__init__.py" else {}
+    for n in names:
+        if f"{mod}.{n}" in MODULES:
+            out.add(f"{mod}.{n}")
+        elif n in table and table[n] != mod and table[n] not in seen:
+            out |= _targets(table[n], [n], seen | {mod})
+        else:
+            out.add(mod)
+    return out
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of the graph as a path that ends where it starts, or None."""
+    state: dict[str, int] = {}
+
+    def visit(node: str, trail: list[str]) -> list[str] | None:
+        state[node] = 1
+        for dep in sorted(graph[node]):
+            if state.get(dep) == 1:
+                return [*trail[trail.index(dep) :], dep]
+            if dep not in state:
+                found = visit(dep, [*trail, dep])
+                if found:
+                    return found
+        state[node] = 2
+        return None
+
+    for name in sorted(graph):
+        if name not in state:
+            found = visit(name, [name])
+            if found:
+                return found
+    return None
+
+
+def test_no_import_cycle_even_through_imports_inside_functions():
+    """Every certckpt import counts: module level, inside functions, and under ``if TYPE_CHECKING``.
+
+    An import inside a function only postpones a cycle to the first call; docs/architecture.md allows
+    it to keep torch, matplotlib or fsspec off a light path, never to break a cycle. Type-only imports
+    count too: a signature that names a type is a dependency of the design, and ``if TYPE_CHECKING``
+    is the same escape hatch as a function body.
+
+    What is a real cycle: the graph has one node per module, and an edge from a module to each module
+    whose code it uses. ``from certckpt.vault import promote`` uses ``vault.promotion``, the module
+    that defines ``promote``: a package ``__init__`` that re-exports names (eagerly or through a lazy
+    ``_LAZY`` table) is followed to the defining module, so a door that lists its rooms is not a cycle
+    with each room, and a room that imports a sibling's name through the door depends on the sibling.
+    Importing ``certckpt.a.b`` also runs ``certckpt/a/__init__.py`` first, but Python initialises the
+    package before the module, so that implicit edge is not counted (it would make every package that
+    re-exports its modules a cycle by construction)."""
+    graph = {}
+    for name, path in MODULES.items():
+        deps: set[str] = set()
+        for mod, names, _ in _imports(name, path):
+            deps |= _targets(mod, names)
+        graph[name] = deps - {name}
+    cycle = _cycle(graph)
+    assert cycle is None, "import cycle (imports inside functions included): " + " -> ".join(cycle or [])
+
+
 def _run(code: str) -> str:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
