@@ -252,6 +252,30 @@ def test_no_import_cycle_even_through_imports_inside_functions():
     assert cycle is None, "import cycle (imports inside functions included): " + " -> ".join(cycle or [])
 
 
+def test_no_module_imports_a_name_its_target_does_not_export():
+    """``from certckpt.x.y import name`` names a module's interface: when ``certckpt.x.y`` lists
+    ``__all__``, ``name`` is in it.
+
+    The rule: a module may import any public name of a module in its own package (``certckpt.vault.
+    drill`` may use ``certckpt.vault.transfer``'s helpers; an ``__init__`` belongs to the package it
+    opens); a module of any other package, a nested subpackage included, imports only what the target
+    exports in ``__all__``. Importing a submodule (``from certckpt.format import fused``) names a
+    module, not an exported name, and is always allowed. Fix a violation by adding the name to the
+    target's ``__all__`` when it is part of its interface, or by importing it from where it is
+    exported."""
+    problems = []
+    for name, path in sorted(MODULES.items()):
+        for mod, names, _ in _imports(name, path):
+            if mod not in MODULES or _package_of(name) == _package_of(mod):
+                continue
+            exported = _static_all(MODULES[mod])
+            if exported is None:
+                continue
+            hidden = [n for n in names if n not in exported and f"{mod}.{n}" not in MODULES]
+            problems += [f"{name} imports {n} from {mod}, whose __all__ does not list it" for n in hidden]
+    assert not problems, f"{len(problems)} imports of names outside __all__:\n" + "\n".join(problems)
+
+
 def _run(code: str) -> str:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

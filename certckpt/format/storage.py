@@ -43,6 +43,9 @@ __all__ = [
     "refuse_protected_remote",
     "LEDGER_DIR",
     "VAULT_MARK",
+    "filesystem",
+    "is_s3",
+    "remote_error_text",
 ]
 
 # The ledger's layout as far as the file layer must respect it (trust/ledger.py writes the ledger and

@@ -41,7 +41,16 @@ from .storage import open_read, resolve
 if TYPE_CHECKING:
     from .signing import TrustedKeys
 
-__all__ = ["verify", "inspect", "VerifyReport", "Problem", "CheckpointInfo", "read_checkpoint_header"]
+__all__ = [
+    "verify",
+    "inspect",
+    "VerifyReport",
+    "Problem",
+    "CheckpointInfo",
+    "read_checkpoint_header",
+    "digest_problem",
+    "read_tensor",
+]
 
 _CHUNK = 16 << 20  # streaming buffer: bounded memory whatever the file size
 _RING, _RING_PIECE = 8, 8 << 20  # keyed reads: buffers the background digest may still hold

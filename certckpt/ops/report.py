@@ -50,6 +50,7 @@ __all__ = [
     "timeline",
     "render",
     "FORMATS",
+    "check_format",
 ]
 
 FORMATS = (".png", ".svg", ".html")
