@@ -276,6 +276,58 @@ def test_no_module_imports_a_name_its_target_does_not_export():
     assert not problems, f"{len(problems)} imports of names outside __all__:\n" + "\n".join(problems)
 
 
+LAZY_DOORS = sorted(n for n, p in MODULES.items() if p.name == "__init__.py" and _lazy_table(p) is not None)
+
+
+def test_the_lazy_doors_are_found():
+    assert {"certckpt", "certckpt.dcp", "certckpt.detect"} <= set(LAZY_DOORS)
+
+
+@pytest.mark.parametrize("package", LAZY_DOORS)
+def test_a_lazy_door_lists_what_it_resolves(package):
+    """A package ``__init__`` with a lazy ``_LAZY`` table and ``__getattr__``: ``__all__`` is exactly
+    the lazy names plus the names the ``__init__`` binds itself (its eager imports); the
+    ``if TYPE_CHECKING`` block (what type checkers and readers see) imports each lazy name from the
+    module the table names; and every name in ``__all__`` resolves to an object."""
+    path = MODULES[package]
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    lazy = _lazy_table(path) or {}
+    exported = _static_all(path) or []
+    assert len(exported) == len(set(exported)), f"{package}.__all__ lists a name twice"
+    eager = set()
+    typed: dict[str, str] = {}
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.module not in ("__future__", "typing"):
+            eager.update(a.asname or a.name for a in node.names)
+        elif isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            block = ast.Module(body=node.body, type_ignores=[])
+            for imp in (n for n in ast.walk(block) if isinstance(n, ast.ImportFrom)):
+                mod = f"{package}.{imp.module}" if imp.level else imp.module
+                typed.update((a.asname or a.name, mod) for a in imp.names)
+    eager = {n for n in eager if not (n.startswith("_") and not n.startswith("__"))}
+    missing = sorted(set(lazy) - set(exported))
+    unknown = sorted(set(exported) - set(lazy) - eager)
+    assert not missing, f"{package}: lazy names missing from __all__: {missing}"
+    assert not unknown, f"{package}: __all__ lists names neither lazy nor imported: {unknown}"
+    assert not (eager - set(exported)), f"{package}: eager names missing from __all__: {sorted(eager - set(exported))}"
+    if typed:
+        wrong = sorted(
+            n for n, mod in lazy.items() if typed.get(n) != (mod if mod.startswith("certckpt.") else f"{package}.{mod}")
+        )
+        assert not wrong, f"{package}: the TYPE_CHECKING imports disagree with the lazy table for {wrong}"
+    door = importlib.import_module(package)
+    unresolved = []
+    for n in exported:
+        try:
+            getattr(door, n)
+        except (AttributeError, ImportError) as e:
+            unresolved.append(f"{n} ({type(e).__name__}: {e})")
+    assert not unresolved, f"{package}: names in __all__ that do not resolve: {unresolved}"
+    for n, mod in lazy.items():
+        target = importlib.import_module(mod if mod.startswith("certckpt.") else f"{package}.{mod}")
+        assert hasattr(target, n), f"{package}: {n} is not in {target.__name__}"
+
+
 def _run(code: str) -> str:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
