@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import (
     ArgumentTypeError,
+    AsyncSaveError,
     AuditSetupError,
     CertckptError,
     CheckpointExistsError,
@@ -42,6 +43,9 @@ from .version import __version__
 # name -> module (relative to this package) that defines it
 _LAZY = {
     "save": "trust.commit",
+    "async_save": "trust.commit",
+    "AsyncSaver": "format.asyncsave",
+    "SaveFuture": "format.asyncsave",
     "SaveResult": "format.writer",
     "load": "format.reader",
     "register_type": "format.registry",
@@ -68,6 +72,9 @@ _LAZY = {
 __all__ = [
     "__version__",
     "save",
+    "async_save",
+    "AsyncSaver",
+    "SaveFuture",
     "load",
     "register_type",
     "unregister_type",
@@ -107,10 +114,12 @@ __all__ = [
     "FaultDetectedError",
     "RanksFailedError",
     "ProtectedCheckpointError",
+    "AsyncSaveError",
 ]
 
 if TYPE_CHECKING:  # pragma: no cover
     from .detect.auditor import Auditor
+    from .format.asyncsave import AsyncSaver, SaveFuture
     from .format.fingerprinting import (
         enable_compile,
         fingerprint,
@@ -123,7 +132,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .format.verify import CheckpointInfo, Problem, VerifyReport, inspect, verify
     from .format.writer import SaveResult
     from .trust.certify import certify
-    from .trust.commit import save
+    from .trust.commit import async_save, save
     from .trust.ledger import Ledger
     from .trust.resume import ResumePoint, plan_resume
     from .trust.runstore import certify_store, find_latest_good

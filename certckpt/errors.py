@@ -18,6 +18,7 @@ __all__ = [
     "CheckpointExistsError",
     "CheckpointNotFoundError",
     "StorageError",
+    "AsyncSaveError",
     "MissingDependencyError",
     "DeviceUnavailableError",
     "UntrustedCheckpointError",
@@ -64,6 +65,11 @@ class CheckpointNotFoundError(CertckptError, FileNotFoundError):
 
 class StorageError(CertckptError, OSError):
     """The store could not be read or written (permissions, full disk, unreachable endpoint)."""
+
+
+class AsyncSaveError(StorageError):
+    """An asynchronous save failed in the background and nobody had asked its future; raised by the
+    saver's next save, ``wait`` or ``close`` (the cause is chained)."""
 
 
 class MissingDependencyError(CertckptError, ImportError):

@@ -10,13 +10,14 @@ from __future__ import annotations
 import json
 import os
 import sys
+from typing import NoReturn
 
 import click
 
 from certckpt.format.companions import companion_listing, companion_marker, companion_problems
 from certckpt.format.header import printable
 from certckpt.format.record import check_header
-from certckpt.format.signing import trusted_keys_from_env
+from certckpt.format.signing import TrustedKeys, trusted_keys_from_env
 from certckpt.format.verify import inspect as run_inspect
 from certckpt.format.verify import verify as run_verify
 
@@ -41,20 +42,21 @@ def _is_directory(location: str) -> bool:
         return False
 
 
-def _verify_sharded(location: str, deep: bool, as_json: bool, progress: Progress, keys) -> None:
+def _verify_sharded(location: str, deep: bool, as_json: bool, progress: Progress, keys: TrustedKeys | None) -> NoReturn:
     from certckpt.format.sharded.check import verify_checkpoint  # only for directories: keeps the file path light
 
     report = verify_checkpoint(location, deep=deep, progress=progress, trusted_keys=keys)
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
     elif report.ok:
-        rec = report.record
+        rec, manifest = report.record, report.manifest
+        assert rec is not None and manifest is not None  # a sharded checkpoint that verifies has both
         what = ", ".join(
             x for x in (f"run {rec.run}" if rec.run else "", f"step {rec.step}" if rec.step is not None else "") if x
         )
         click.echo(
             f"OK  {location}  sharded: {report.files} files, {report.tensors} tensors in {report.chunks} chunks,"
-            f" {human_bytes(report.nbytes)}{', ' + what if what else ''}, state fp {report.manifest.state_fp}"
+            f" {human_bytes(report.nbytes)}{', ' + what if what else ''}, state fp {manifest.state_fp}"
             f"{', fingerprints recomputed' if deep else ''} ({report.seconds:.2f} s)"
         )
     else:
@@ -105,6 +107,7 @@ def verify(location: str, deep: bool, ledger_url: str | None, as_json: bool) -> 
             doc["verdict"] = verdict
         click.echo(json.dumps(doc, indent=2))
     elif report.ok:
+        assert report.info is not None  # a file that verifies has a header and a record
         rec = report.info.record
         what = ", ".join(
             x for x in (f"run {rec.run}" if rec.run else "", f"step {rec.step}" if rec.step is not None else "") if x

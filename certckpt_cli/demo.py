@@ -83,6 +83,7 @@ def run_demo(directory: str, *, echo: Callable[[str], None] = print, ranks: int 
 
     stage(4, "latest-good: the newest trusted checkpoint before the suspect interval")
     _, good = find_latest_good(store)
+    assert good is not None  # the demo's run is trusted up to the audit before the fault
     good_url = st.entry(good).url
     echo(f"  {good}  ->  {good_url}")
     decide(store, iid, action="quarantine", by="demo", reason=f"rank {o['suspect_ranks']} named by the replay audit")

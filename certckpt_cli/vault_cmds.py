@@ -153,7 +153,7 @@ def vault_ls(vault_url: str, verify: bool, as_json: bool) -> None:
     if not rows:
         click.echo(f"{vault_url}: empty (promote with `certckpt vault promote RUN_URL {vault_url}`)")
         return
-    table = []
+    table: list[tuple[str, ...]] = []  # one row per checkpoint; a copy column with --verify
     for r in rows:
         lock = r["lock"] or {}
         table.append(
@@ -201,9 +201,9 @@ def _copy_text(row: dict) -> str:
 
 
 def _policy(keep_last: int | None, keep_every: int | None, keep_days: float | None, keep_best: tuple[str, ...]):
-    from certckpt.vault import AnyOf, KeepBest, KeepEvery, KeepFor, KeepLatest
+    from certckpt.vault import AnyOf, KeepBest, KeepEvery, KeepFor, KeepLatest, RetentionPolicy
 
-    parts = []
+    parts: list[RetentionPolicy] = []
     if keep_last is not None:
         parts.append(KeepLatest(keep_last))
     if keep_every is not None:

@@ -123,11 +123,11 @@ def test_failed_replace_keeps_the_previous_file(tmp_path, monkeypatch):
     certckpt.save({"w": torch.ones(3)}, p)
     before = p.read_bytes()
 
-    def broken(self, fd):
+    def broken(self, fd, **kwargs):
         os.write(fd, b"partial")
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(writer._Job, "write_fd", broken)
+    monkeypatch.setattr(writer.SaveJob, "write_fd", broken)
     with pytest.raises(certckpt.StorageError, match="previous checkpoint is untouched"):
         certckpt.save({"w": torch.zeros(3)}, p)
     assert p.read_bytes() == before and os.listdir(tmp_path) == ["c.safetensors"]

@@ -74,7 +74,9 @@ def _narrow(t: torch.Tensor, offsets, lengths) -> torch.Tensor:
 def _read_into(fh: IO[bytes], view: memoryview, source: str, e: TensorEntry) -> None:
     got = 0
     while got < len(view):
-        n = fh.readinto(view[got:])
+        # every file open_read yields (a local file, an fsspec file) reads into a buffer; IO[bytes],
+        # the type it is declared with, has no readinto
+        n = fh.readinto(view[got:])  # type: ignore[attr-defined]
         if not n:
             raise CorruptCheckpointError(f"{source}: truncated: tensor `{printable(e.name)}` ends early")
         got += n
@@ -259,9 +261,9 @@ class CertifiedReader(StorageReader):
             if missing:
                 raise CorruptCheckpointError(f"{source}: has no tensor `{printable(missing[0])}` the manifest names")
             for name in sorted(by_entry, key=lambda n: entries[n].begin):
-                e = entries[name]
-                fh.seek(info.header.data_start + e.begin)
-                self._read_entry(fh, source, e, info.record.tensors[name]["xxh3"], by_entry[name], planner, regions)
+                entry = entries[name]
+                fh.seek(info.header.data_start + entry.begin)
+                self._read_entry(fh, source, entry, info.record.tensors[name]["xxh3"], by_entry[name], planner, regions)
 
     def _read_entry(
         self,

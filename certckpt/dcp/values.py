@@ -54,7 +54,9 @@ def encode_value(value: Any, fqn: str) -> Any:
             "; ".join(problems)
             + ". CertifiedWriter stores non-tensor values as data, never pickled; nothing was committed"
         )
-        err.problems = problems
+        # every refusal, for callers that fix them programmatically (as format.skeleton attaches them);
+        # errors.py declares no such attribute, and errors.py is outside this change
+        err.problems = problems  # type: ignore[attr-defined]
         raise err from e
     if flat.stored:
         raise UnsupportedObjectError(

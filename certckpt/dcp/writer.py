@@ -268,7 +268,9 @@ class CertifiedWriter(StorageWriter):
                 node = encode_value(value_of(planner, item), item.index.fqn)
                 results.append(WriteResult(index=item.index, size_in_bytes=0, storage_data=ValueRef(node)))
             else:
-                shard.add(item, planner.resolve_data(item))
+                data = planner.resolve_data(item)
+                assert isinstance(data, torch.Tensor)  # an item that is not BYTE_IO resolves to a tensor
+                shard.add(item, data)
         if shard.tensors:
             results += self._write_shard(shard, file_name)
         fut: Future[list[WriteResult]] = Future()

@@ -12,7 +12,7 @@ never holds more than ``max_pending`` of them for the hash.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
@@ -56,6 +56,14 @@ def new_hash(algorithm: str) -> Any:
     return blake3.blake3(max_threads=blake3.blake3.AUTO)
 
 
+class _Hash(Protocol):
+    """What ``new_hash`` returns: hashlib's interface, which ``blake3`` shares."""
+
+    def update(self, data: Any, /) -> Any: ...
+
+    def hexdigest(self) -> str: ...
+
+
 class BackgroundDigest:
     """A digest of the buffers given, in the order given, computed on one worker thread.
 
@@ -74,7 +82,7 @@ class BackgroundDigest:
         from concurrent.futures import ThreadPoolExecutor  # only where a signature is made or checked
 
         self.field = field
-        self._hash = new_hash(DIGEST_FIELDS[field])
+        self._hash: _Hash = new_hash(DIGEST_FIELDS[field])
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="certckpt-digest")
         self._max = max_pending
         self._pending = 0
@@ -93,7 +101,7 @@ class BackgroundDigest:
                 self._pending -= n
                 self._room.notify_all()
 
-    def update(self, view: Any, *, keep: Any = None) -> Future:
+    def update(self, view: Any, *, keep: Any = None) -> Future[None]:
         """Queue ``view``; blocks while too much waits.
 
         Args:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 import threading
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 import xxhash
@@ -81,7 +81,9 @@ def as_words(t: torch.Tensor) -> torch.Tensor:
 
 # --- optional compiled block kernel -------------------------------------------------------------
 
-_compiled = None
+# The compiled ``_block_sum`` (its signature), once enabled and checked.
+_BlockKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+_compiled: _BlockKernel | None = None
 _compile_checked = False
 _compile_lock = threading.Lock()
 
@@ -121,7 +123,7 @@ def enable_compile(on: bool = True) -> bool:
         return True
 
 
-def _maybe_compiled():
+def _maybe_compiled() -> _BlockKernel | None:
     if not _compile_checked and os.environ.get("CERTCKPT_COMPILE") == "1":
         enable_compile(True)
     return _compiled

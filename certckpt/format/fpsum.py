@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -122,15 +123,16 @@ class FingerprintTables:
 
 
 _local = threading.local()
+_T = TypeVar("_T")
 
 
-def per_thread(factory, device: torch.device):
+def per_thread(factory: Callable[[torch.device], _T], device: torch.device) -> _T:
     """``factory(device)``, built once per thread and device (its scratch buffers are reused)."""
     cache = getattr(_local, "cache", None)
     if cache is None:
         cache = _local.cache = {}
     key = (factory, device)
-    t = cache.get(key)
+    t: _T | None = cache.get(key)  # (the cache holds what factory made for this key)
     if t is None:
         t = cache[key] = factory(device)
     return t

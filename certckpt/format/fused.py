@@ -23,6 +23,8 @@ from __future__ import annotations
 import os
 import threading
 import warnings
+from collections.abc import Callable, Iterable
+from typing import SupportsInt, TypedDict
 
 import torch
 
@@ -41,10 +43,22 @@ __all__ = [
     "self_check",
 ]
 
+
 # How the kernel is launched: positions per program (a power of two dividing FP_CHUNK_WORDS), warps
 # per program, and chunks per program (None: by size, ``_chunks_per_program``). Any choice gives the
 # same bits; benchmarks/bench_gpu.py times the alternatives on a GPU.
-LAUNCH = {"cols": 1024, "num_warps": 4, "chunks": None}
+class Launch(TypedDict):
+    cols: int
+    num_warps: int
+    chunks: int | None
+
+
+LAUNCH: Launch = {"cols": 1024, "num_warps": 4, "chunks": None}
+
+# The eager sum a fused one is checked against: ``reference(words)``, a 0-dim tensor or an int.
+Reference = Callable[[torch.Tensor], SupportsInt]
+# A layout's kernel table: the device tensor, its program rows, chunks per program, multipliers reached.
+_LayoutTable = tuple[torch.Tensor, int, int, int]
 
 try:
     import triton
@@ -53,9 +67,10 @@ except Exception:  # no Triton (CPU wheels), or a broken install: the eager path
     triton = None
 
 if triton is not None:
-
-    @triton.jit
-    def _partials_kernel(
+    # Triton reads these kernels' parameter annotations (tl.constexpr) to specialize them, so they get
+    # no others; to the type checker triton is untyped. Hence the two ignores on each.
+    @triton.jit  # type: ignore[untyped-decorator]
+    def _partials_kernel(  # type: ignore[no-untyped-def]
         words_ptr,
         table_ptr,
         v_ptr,
@@ -83,8 +98,8 @@ if triton is not None:
         # wrapping int32 sum would (Triton 3.6's interpreter refuses an int32 sum that overflows).
         tl.store(out_ptr + group * tl.num_programs(0) + col_block, tl.sum((acc * t).to(tl.int64), axis=0))
 
-    @triton.jit
-    def _many_kernel(
+    @triton.jit  # type: ignore[untyped-decorator]
+    def _many_kernel(  # type: ignore[no-untyped-def]
         base_ptr,
         meta_ptr,
         table_ptr,
@@ -126,7 +141,7 @@ class _Multipliers:
         self.v64 = torch.zeros(0, dtype=torch.int64, device=device)
         self.v32 = torch.zeros(0, dtype=torch.int32, device=device)
         self.t32: torch.Tensor | None = None
-        self.layouts: dict = {}
+        self.layouts: dict[tuple[tuple[tuple[int, int], ...], int | None], _LayoutTable] = {}
 
     def get(self, first: int, count: int, *, wide: bool) -> torch.Tensor:
         if first:  # a piece of a longer sequence (streaming): computed for this call only
@@ -138,7 +153,7 @@ class _Multipliers:
             self.v32 = _low32(self.v64)
         return self.v64[:count] if wide else self.v32[:count]
 
-    def layout(self, layout: tuple[tuple[int, int], ...]) -> tuple[torch.Tensor, int, int, int]:
+    def layout(self, layout: tuple[tuple[int, int], ...]) -> _LayoutTable:
         """The multi-tensor kernel's table for ``layout`` (each tensor's word offset and count): the
         device tensor, its program rows, chunks per program and the multipliers the rows reach.
         Kept for the last few layouts: a model's parameters and a DDP bucket's views keep theirs."""
@@ -284,7 +299,7 @@ def _sample(device: torch.device) -> torch.Tensor:
     return torch.randint(-(2**31), 2**31, (n,), dtype=torch.int32, generator=g).to(device)
 
 
-def _agree(device: torch.device, what: str, cases) -> bool:
+def _agree(device: torch.device, what: str, cases: Callable[[], Iterable[tuple[SupportsInt, SupportsInt]]]) -> bool:
     """Run ``cases() -> [(fused, eager), ...]``; a disagreement or a failure is warned about once."""
     try:
         problem = None if all(int(a) == int(b) for a, b in cases()) else "it disagrees with the eager path"
@@ -313,7 +328,9 @@ def _many_sample(device: torch.device) -> list[torch.Tensor]:
     return [words[c + 8 :], words[:0], words[:1], words[1 : c + 8], words[5:9].clone()]  # not in address order
 
 
-def _many_check(device: torch.device, what: str, many, reference) -> bool:
+def _many_check(
+    device: torch.device, what: str, many: Callable[[list[torch.Tensor]], torch.Tensor], reference: Reference
+) -> bool:
     """``many(words_list)`` against ``reference(words)`` of each, on the mixed sample, once per device."""
 
     def check() -> bool:
@@ -328,7 +345,7 @@ def many_ready(device: torch.device) -> bool:
     return ready(device) and _many_check(device, "many-tensor fingerprint", raw_sums_fused, raw_sum_eager)
 
 
-def many_digest_ready(device: torch.device, reference) -> bool:
+def many_digest_ready(device: torch.device, reference: Reference) -> bool:
     """Whether the one-launch audit digest of many tensors serves ``device``, checked once against
     ``reference(words)`` (the eager digest)."""
     return digest_ready(device, reference) and _many_check(device, "many-tensor digest", digests_fused, reference)
@@ -338,7 +355,7 @@ def _enabled(device: torch.device) -> bool:
     return device.type == "cuda" and triton is not None and os.environ.get("CERTCKPT_TRITON") != "0"
 
 
-def _once(device: torch.device, kind: str, check) -> bool:
+def _once(device: torch.device, kind: str, check: Callable[[], bool]) -> bool:
     ok = _checked.get((device, kind))
     if ok is None:
         with _lock:
@@ -353,7 +370,7 @@ def ready(device: torch.device) -> bool:
     return _enabled(device) and _once(device, "fingerprint", lambda: self_check(device))
 
 
-def digest_ready(device: torch.device, reference) -> bool:
+def digest_ready(device: torch.device, reference: Reference) -> bool:
     """Whether the fused audit digest serves ``device``, checked once against ``reference(words)``
     (the eager digest, which lives with the detection code above this layer)."""
     if not _enabled(device):

@@ -11,9 +11,9 @@ import contextlib
 import gc
 import json
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 from certckpt.errors import CorruptCheckpointError, NotACheckpointError, UnsupportedObjectError
 
@@ -30,6 +30,7 @@ __all__ = [
     "padded_json",
     "is_canonical",
     "CanonicalForm",
+    "OpenValue",
     "Slice",
     "printable",
     "gc_paused",
@@ -90,6 +91,14 @@ class TensorEntry:
         return self.end - self.begin
 
 
+class HeaderCache(TypedDict, total=False):
+    """What a ``Header`` keeps after parsing (see ``Header.cache``)."""
+
+    doc: dict[str, Any]
+    form: CanonicalForm | None
+    canonical: bool
+
+
 @dataclass(frozen=True, slots=True)
 class Header:
     """A validated header.
@@ -112,9 +121,9 @@ class Header:
     # "doc": the parsed JSON of ``raw``, kept until its canonical form is made (record.canonical_form)
     # so that the header is never parsed twice, then dropped: for 100,000 tensors it holds ~60 MB of
     # small dicts that ``entries`` already says. "form": that canonical form.
-    cache: dict = field(default_factory=dict, compare=False, repr=False)
+    cache: HeaderCache = field(default_factory=HeaderCache, compare=False, repr=False)
 
-    def parsed(self) -> dict:
+    def parsed(self) -> dict[str, Any]:
         """A copy of the parsed header whose ``__metadata__`` map may be changed by the caller."""
         doc = self.cache.get("doc")
         doc = doc if doc is not None else strict_json_loads(self.raw)
@@ -129,7 +138,7 @@ def _reject_constant(name: str) -> None:
     raise ValueError(f"non-standard JSON constant {name}")
 
 
-def strict_json_loads(text: str | bytes):
+def strict_json_loads(text: str | bytes) -> Any:
     """``json.loads`` without NaN/Infinity (which the canonical form cannot write back)."""
     return json.loads(text, parse_constant=_reject_constant)
 
@@ -140,6 +149,7 @@ def nesting_depth(value: object, *, limit: int) -> int:
     deepest, stack = 0, [(value, 1)]
     while stack:
         v, d = stack.pop()
+        children: Iterable[object]
         if isinstance(v, dict):
             children = v.values()
         elif isinstance(v, list):
@@ -214,6 +224,7 @@ def read_header_length(prefix: bytes, *, file_length: int | None, source: str) -
             f"{source}: truncated: the file has {len(prefix)} bytes, fewer than the 8-byte header length;"
             " restore it from a good copy"
         )
+    n: int
     (n,) = struct.unpack("<Q", prefix[:8])
     # A safetensors header is a JSON object: the byte after the length is '{'. Only when it is not do
     # we look for foreign formats (a length like 896 begins with the bytes of a pickle opcode), and a
@@ -249,7 +260,7 @@ def _where(name: str) -> str:
     return f"tensor `{printable(name)}`"
 
 
-def parse_header(raw: bytes, *, source: str, file_length: int | None) -> Header:  # noqa: C901
+def parse_header(raw: bytes, *, source: str, file_length: int | None) -> Header:
     """Parse and validate header bytes (without the 8-byte length prefix).
 
     Checks: UTF-8 JSON object; entries shaped ``{"dtype", "shape", "data_offsets"}``; known dtypes;
@@ -257,12 +268,36 @@ def parse_header(raw: bytes, *, source: str, file_length: int | None) -> Header:
     or overlaps; the file length equals ``8 + N + data length`` when known.
     """
     n = len(raw)
+    _refuse_too_many_tensors(raw, source)
+    doc = _json_object(raw, source)
+    metadata = _metadata(doc, source)
+    entries = [_tensor_entry(name, spec, source) for name, spec in doc.items() if name != METADATA_KEY]
+    entries.sort(key=lambda e: (e.begin, e.end))
+    data_length = _contiguous_length(entries, source)
+    data_start = 8 + n
+    if file_length is not None:
+        _check_file_length(data_start + data_length, file_length, source)
+    return Header(
+        length=n,
+        raw=bytes(raw),
+        entries=tuple(entries),
+        metadata=metadata,
+        data_start=data_start,
+        data_length=data_length,
+        cache={"doc": doc},
+    )
+
+
+def _refuse_too_many_tensors(raw: bytes, source: str) -> None:
     # Counted on the raw bytes, before the JSON parse: a hostile header costs one scan, not a parse.
     if raw.count(b'"data_offsets"') > MAX_TENSORS:
         raise CorruptCheckpointError(
             f"{source}: the header lists more than {MAX_TENSORS:,} tensors, more than certckpt writes or reads in "
             "one file; a certckpt checkpoint never has that many (save large states in shards)"
         )
+
+
+def _json_object(raw: bytes, source: str) -> dict[str, Any]:
     try:
         doc = strict_json_loads(raw.decode("utf-8"))  # (the decoded text is freed at once)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
@@ -271,94 +306,96 @@ def parse_header(raw: bytes, *, source: str, file_length: int | None) -> Header:
         ) from e
     if not isinstance(doc, dict):
         raise CorruptCheckpointError(f"{source}: malformed header: expected a JSON object, found {type(doc).__name__}")
+    return doc
 
-    metadata: dict[str, str] = {}
-    if METADATA_KEY in doc:
-        meta = doc[METADATA_KEY]
-        if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
-            raise CorruptCheckpointError(f"{source}: malformed header: __metadata__ must map strings to strings")
-        metadata = meta
 
-    entries: list[TensorEntry] = []
-    for name, spec in doc.items():
-        if name == METADATA_KEY:
-            continue
-        if not isinstance(spec, dict) or set(spec) != {"dtype", "shape", "data_offsets"}:
-            raise CorruptCheckpointError(
-                f"{source}: malformed header: {_where(name)} must have exactly dtype, shape and data_offsets"
-            )
-        dtype = spec["dtype"]
-        if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
-            raise CorruptCheckpointError(f"{source}: malformed header: {_where(name)} has unknown dtype {dtype!r:.40}")
-        shape = spec["shape"]
-        if not isinstance(shape, list) or len(shape) > MAX_DIMS:
-            raise CorruptCheckpointError(
-                f"{source}: malformed header: {_where(name)} shape must be a list of at most {MAX_DIMS} sizes"
-            )
-        dims = tuple(_as_nonneg_int(d, name, "shape entry", source) for d in shape)
-        if any(d > MAX_DIM for d in dims):
-            raise CorruptCheckpointError(f"{source}: malformed header: {_where(name)} has a dimension above 2**63 - 1")
-        offsets = spec["data_offsets"]
-        if not isinstance(offsets, list) or len(offsets) != 2:
-            raise CorruptCheckpointError(
-                f"{source}: malformed header: {_where(name)} data_offsets must be [begin, end]"
-            )
-        begin = _as_nonneg_int(offsets[0], name, "begin offset", source)
-        end = _as_nonneg_int(offsets[1], name, "end offset", source)
-        if end < begin:
-            raise CorruptCheckpointError(
-                f"{source}: malformed header: {_where(name)} ends ({end}) before it begins ({begin})"
-            )
-        if begin > MAX_DIM or end > MAX_DIM:
-            raise CorruptCheckpointError(f"{source}: malformed header: {_where(name)} has an offset above 2**63 - 1")
-        numel = 1
-        for d in dims:
-            numel *= d  # bounded: at most 64 factors below 2**63, so at most 4032 bits
-        if numel * DTYPE_SIZES[dtype] != end - begin:
-            raise CorruptCheckpointError(
-                f"{source}: malformed header: {_where(name)} shape {list(dims)} of {dtype} needs "
-                f"{numel * DTYPE_SIZES[dtype]} bytes but its offsets span {end - begin}"
-            )
-        entries.append(TensorEntry(name, dtype, dims, begin, end))
+def _metadata(doc: dict[str, Any], source: str) -> dict[str, str]:
+    if METADATA_KEY not in doc:
+        return {}
+    meta = doc[METADATA_KEY]
+    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise CorruptCheckpointError(f"{source}: malformed header: __metadata__ must map strings to strings")
+    return meta
 
-    entries.sort(key=lambda e: (e.begin, e.end))
+
+def _tensor_entry(name: str, spec: object, source: str) -> TensorEntry:
+    if not isinstance(spec, dict) or set(spec) != {"dtype", "shape", "data_offsets"}:
+        raise CorruptCheckpointError(
+            f"{source}: malformed header: {_where(name)} must have exactly dtype, shape and data_offsets"
+        )
+    dtype = spec["dtype"]
+    if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
+        raise CorruptCheckpointError(f"{source}: malformed header: {_where(name)} has unknown dtype {dtype!r:.40}")
+    dims = _shape(name, spec["shape"], source)
+    begin, end = _data_offsets(name, spec["data_offsets"], source)
+    numel = 1
+    for d in dims:
+        numel *= d  # bounded: at most 64 factors below 2**63, so at most 4032 bits
+    if numel * DTYPE_SIZES[dtype] != end - begin:
+        raise CorruptCheckpointError(
+            f"{source}: malformed header: {_where(name)} shape {list(dims)} of {dtype} needs "
+            f"{numel * DTYPE_SIZES[dtype]} bytes but its offsets span {end - begin}"
+        )
+    return TensorEntry(name, dtype, dims, begin, end)
+
+
+def _shape(name: str, shape: object, source: str) -> tuple[int, ...]:
+    if not isinstance(shape, list) or len(shape) > MAX_DIMS:
+        raise CorruptCheckpointError(
+            f"{source}: malformed header: {_where(name)} shape must be a list of at most {MAX_DIMS} sizes"
+        )
+    dims = tuple(_as_nonneg_int(d, name, "shape entry", source) for d in shape)
+    if any(d > MAX_DIM for d in dims):
+        raise CorruptCheckpointError(f"{source}: malformed header: {_where(name)} has a dimension above 2**63 - 1")
+    return dims
+
+
+def _data_offsets(name: str, offsets: object, source: str) -> tuple[int, int]:
+    if not isinstance(offsets, list) or len(offsets) != 2:
+        raise CorruptCheckpointError(f"{source}: malformed header: {_where(name)} data_offsets must be [begin, end]")
+    begin = _as_nonneg_int(offsets[0], name, "begin offset", source)
+    end = _as_nonneg_int(offsets[1], name, "end offset", source)
+    if end < begin:
+        raise CorruptCheckpointError(
+            f"{source}: malformed header: {_where(name)} ends ({end}) before it begins ({begin})"
+        )
+    if begin > MAX_DIM or end > MAX_DIM:
+        raise CorruptCheckpointError(f"{source}: malformed header: {_where(name)} has an offset above 2**63 - 1")
+    return begin, end
+
+
+def _contiguous_length(entries: list[TensorEntry], source: str) -> int:
+    """The data buffer's length, once the entries (sorted by offset) are known to tile it from 0."""
     cursor = 0
-    for e in entries:
-        if e.begin != cursor:
-            kind = "overlaps the previous tensor" if e.begin < cursor else "leaves a hole before it"
+    for entry in entries:
+        if entry.begin != cursor:
+            kind = "overlaps the previous tensor" if entry.begin < cursor else "leaves a hole before it"
             raise CorruptCheckpointError(
-                f"{source}: malformed header: tensor `{printable(e.name)}` at offset {e.begin} {kind} "
+                f"{source}: malformed header: tensor `{printable(entry.name)}` at offset {entry.begin} {kind} "
                 f"(expected {cursor})"
             )
-        cursor = e.end
-    data_start = 8 + n
-    if file_length is not None:
-        if data_start + cursor > file_length:
-            raise CorruptCheckpointError(
-                f"{source}: truncated: the tensors need {data_start + cursor} bytes but the file has {file_length}"
-            )
-        if data_start + cursor < file_length:
-            raise CorruptCheckpointError(
-                f"{source}: {file_length - data_start - cursor} unexpected trailing bytes after the last tensor"
-            )
-    return Header(
-        length=n,
-        raw=bytes(raw),
-        entries=tuple(entries),
-        metadata=metadata,
-        data_start=data_start,
-        data_length=cursor,
-        cache={"doc": doc},
-    )
+        cursor = entry.end
+    return cursor
 
 
-def padded_json(doc: dict) -> bytes:
+def _check_file_length(needed: int, file_length: int, source: str) -> None:
+    if needed > file_length:
+        raise CorruptCheckpointError(
+            f"{source}: truncated: the tensors need {needed} bytes but the file has {file_length}"
+        )
+    if needed < file_length:
+        raise CorruptCheckpointError(
+            f"{source}: {file_length - needed} unexpected trailing bytes after the last tensor"
+        )
+
+
+def padded_json(doc: dict[str, Any]) -> bytes:
     """Canonical JSON of a header document, space-padded to a multiple of 8 bytes (no length prefix)."""
     body = canonical_json(doc).encode("ascii")
     return body + b" " * (-len(body) % 8)
 
 
-def encode_header(doc: dict) -> bytes:
+def encode_header(doc: dict[str, Any]) -> bytes:
     """Serialize a header document canonically, padded with spaces to a multiple of 8 bytes."""
     if len(doc) - (METADATA_KEY in doc) > MAX_TENSORS:
         raise UnsupportedObjectError(
@@ -394,6 +431,10 @@ class Slice:
         return self.text[self.start + a : self.start + b]
 
 
+# An open string's value in a ``CanonicalForm``: the string, or it in parts (a prefix as a ``Slice``).
+OpenValue = str | tuple[str | Slice, ...]
+
+
 class CanonicalForm:
     """A header's canonical bytes with some ``__metadata__`` strings left open, checked and hashed
     many ways after one serialization.
@@ -410,12 +451,13 @@ class CanonicalForm:
 
     __slots__ = ("_text", "_spans", "_order")
 
-    def __init__(self, doc: dict, holes: tuple[str, ...]) -> None:
+    def __init__(self, doc: dict[str, Any], holes: tuple[str, ...]) -> None:
         import secrets  # a marker no file can predict, so none can hold it already
 
         meta = doc.get(METADATA_KEY)
-        marks = {k: secrets.token_hex(16) for k in holes if isinstance(meta, dict) and k in meta}
-        shadow = {**doc, METADATA_KEY: {k: marks.get(k, v) for k, v in meta.items()}} if marks else doc
+        open_meta: dict[str, Any] = meta if isinstance(meta, dict) else {}
+        marks = {k: secrets.token_hex(16) for k in holes if k in open_meta}
+        shadow = {**doc, METADATA_KEY: {k: marks.get(k, v) for k, v in open_meta.items()}} if marks else doc
         text = canonical_json(shadow).encode("ascii")
         at = sorted((text.index(f'"{m}"'.encode()), k, len(m) + 2) for k, m in marks.items())
         self._order = tuple(k for _, k, _ in at)
@@ -426,7 +468,7 @@ class CanonicalForm:
         spans.append((cursor, len(text)))
         self._text, self._spans = text, tuple(spans)
 
-    def _parts(self, values: dict[str, Any]) -> Iterator[tuple[bool, Any]]:
+    def _parts(self, values: Mapping[str, OpenValue]) -> Iterator[tuple[bool, Any]]:
         """``(fixed, bytes)`` in order: the fixed pieces, the open strings' encodings between them (a
         string escapes code point by code point, so it is encoded a slice at a time and a 10 MB record
         never exists twice), and the padding. A value may be a tuple of strings (one string in parts:
@@ -447,7 +489,7 @@ class CanonicalForm:
             yield True, view[a:b]
         yield False, b" " * (-length % 8)
 
-    def pieces(self, values: dict[str, str]) -> Iterator[Any]:
+    def pieces(self, values: Mapping[str, OpenValue]) -> Iterator[Any]:
         """The padded canonical bytes with each open string set to ``values[key]``, as pieces."""
         return (piece for _, piece in self._parts(values))
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 import xxhash
@@ -22,7 +22,7 @@ from .record import check_header, signature_problem
 from .signing import KEYS_FROM_ENV, TrustedKeys, trusted_keys_for
 from .skeleton import check_map_location, rebuild
 from .staging import read_to_device
-from .storage import open_read, resolve
+from .storage import Target, open_read, resolve
 from .tensors import ST_TO_TORCH, host_bytes
 from .verify import CheckpointInfo, digest_problem, read_checkpoint_header, read_tensor
 
@@ -58,7 +58,7 @@ def _mapped(storage: torch.UntypedStorage, info: CheckpointInfo, e: TensorEntry)
     return probe.set_(storage, start // probe.element_size(), list(e.shape), stride[::-1])
 
 
-def load(  # noqa: C901
+def load(
     f: Any,
     map_location: Any = None,
     pickle_module: Any = None,
@@ -127,49 +127,85 @@ def load(  # noqa: C901
     # (no cyclic collection while 100,000 tensors and their containers are made)
     with open_read(target) as (fh, size), gc_paused():
         info = read_checkpoint_header(fh, size, target.display)
-        if verify:
-            problem = check_header(info.header, info.record)
-            if problem:
-                raise CorruptCheckpointError(f"{target.display}: {problem}")
-        signed = None
-        if keys is not None:
-            problem, signed = signature_problem(info.header, keys)
-            if problem:
-                raise UntrustedCheckpointError(f"{target.display}: {problem}; not loaded")
+        signed = _check_header(info, keys, verify=verify, display=target.display)
         data_hash = BackgroundDigest(signed[0]) if signed is not None else None
         # a keyed load reads through the host (the GPU staging path checks xxh3 only)
         device = staging_device(map_location, mmap=bool(mmap)) if data_hash is None else None
         if device is not None:  # straight to the GPU through pinned buffers, every digest checked
-            expected = {e.name: info.record.tensors[e.name]["xxh3"] for e in info.header.entries} if verify else None
-            tensors = read_to_device(fh, info.header.entries, device, expected=expected, source=target.display)
+            tensors = _read_to_device(fh, info, device, verify=verify, display=target.display)
             return _rebuild(info, tensors, map_location, target.display)
-        storage = None
-        if mmap and info.header.data_length:
-            storage = torch.UntypedStorage.from_file(os.path.abspath(target.local), False, size)
-        tensors: dict[str, torch.Tensor] = {}
-        for e in info.header.entries:
-            t = _mapped(storage, info, e) if storage is not None else None
-            if t is None:
-                if storage is not None:
-                    fh.seek(info.header.data_start + e.begin)
-                t, view = read_tensor(fh, e, target.display)
-            else:
-                view = host_bytes(t)
-            if verify:
-                expected = info.record.tensors[e.name]["xxh3"]
-                found = xxhash.xxh3_128_hexdigest(view)
-                if found != expected:
-                    raise CorruptCheckpointError(f"{target.display}: {digest_problem(e, expected, found)}")
-            if data_hash is not None:
-                data_hash.update(view, keep=t)  # entries come in file order: the data region's signed digest
-            del view
-            tensors[e.name] = t
-        if data_hash is not None and data_hash.finish() != signed[1]:
+        storage = _file_mapping(target, size, info) if mmap else None
+        tensors = _read_on_host(fh, info, storage, verify=verify, data_hash=data_hash, display=target.display)
+        if signed is not None and data_hash is not None and data_hash.finish() != signed[1]:
             raise CorruptCheckpointError(
                 f"{target.display}: the data's {data_hash.name} differs from the one signed: the tensors changed"
                 " after signing (their xxh3 digests were forged or collide); restore the file from a good copy"
             )
         return _rebuild(info, tensors, map_location, target.display)
+
+
+def _check_header(
+    info: CheckpointInfo, keys: TrustedKeys | None, *, verify: bool, display: str
+) -> tuple[str, str] | None:
+    """Refuse a header that changed or (with keys) is not signed by one of them; returns the signed
+    ``(digest field, data digest)`` the data must still match, or None without keys."""
+    if verify:
+        problem = check_header(info.header, info.record)
+        if problem:
+            raise CorruptCheckpointError(f"{display}: {problem}")
+    if keys is None:
+        return None
+    problem, signed = signature_problem(info.header, keys)
+    if problem:
+        raise UntrustedCheckpointError(f"{display}: {problem}; not loaded")
+    return signed
+
+
+def _read_to_device(
+    fh: IO[bytes], info: CheckpointInfo, device: torch.device, *, verify: bool, display: str
+) -> dict[str, torch.Tensor]:
+    expected = {e.name: info.record.tensors[e.name]["xxh3"] for e in info.header.entries} if verify else None
+    return read_to_device(fh, info.header.entries, device, expected=expected, source=display)
+
+
+def _file_mapping(target: Target, size: int | None, info: CheckpointInfo) -> torch.UntypedStorage | None:
+    """The local file mapped copy-on-write (None when it holds no data to map)."""
+    if target.local is None or not info.header.data_length:  # (load refused mmap for anything but a local file)
+        return None
+    # torch's stub types from_file as returning either storage kind; UntypedStorage's makes an untyped one
+    return cast(torch.UntypedStorage, torch.UntypedStorage.from_file(os.path.abspath(target.local), False, size))
+
+
+def _read_on_host(
+    fh: IO[bytes],
+    info: CheckpointInfo,
+    storage: torch.UntypedStorage | None,
+    *,
+    verify: bool,
+    data_hash: BackgroundDigest | None,
+    display: str,
+) -> dict[str, torch.Tensor]:
+    """Every tensor in host memory (backed by ``storage``, the mapped file, where it can be), each
+    checked against its digest when ``verify`` and fed to ``data_hash`` when given."""
+    tensors: dict[str, torch.Tensor] = {}
+    for e in info.header.entries:
+        t = _mapped(storage, info, e) if storage is not None else None
+        if t is None:
+            if storage is not None:
+                fh.seek(info.header.data_start + e.begin)
+            t, view = read_tensor(fh, e, display)
+        else:
+            view = host_bytes(t)
+        if verify:
+            expected = info.record.tensors[e.name]["xxh3"]
+            found = xxhash.xxh3_128_hexdigest(view)
+            if found != expected:
+                raise CorruptCheckpointError(f"{display}: {digest_problem(e, expected, found)}")
+        if data_hash is not None:
+            data_hash.update(view, keep=t)  # entries come in file order: the data region's signed digest
+        del view
+        tensors[e.name] = t
+    return tensors
 
 
 def staging_device(map_location: Any, *, mmap: bool) -> torch.device | None:

@@ -21,6 +21,7 @@ from .header import (
     METADATA_KEY,
     CanonicalForm,
     Header,
+    OpenValue,
     Slice,
     TensorEntry,
     canonical_json,
@@ -113,7 +114,9 @@ def state_fingerprint(named_fps: dict[str, str] | Iterable[tuple[str, str]]) -> 
     return xxhash.xxh3_64_hexdigest("\n".join(lines).encode("utf-8"))
 
 
-def _header_doc(entries: list[TensorEntry], record: CheckpointRecord, sig: dict[str, str] | None = None) -> dict:
+def _header_doc(
+    entries: list[TensorEntry], record: CheckpointRecord, sig: dict[str, str] | None = None
+) -> dict[str, Any]:
     doc: dict[str, Any] = {METADATA_KEY: {"format": "pt", RECORD_KEY: record.to_json()}}
     if sig is not None:
         doc[METADATA_KEY][SIG_KEY] = canonical_json(sig)
@@ -281,7 +284,7 @@ def _holds_record_text(raw: bytes) -> bool:
     return b'\\"header_digest\\"' in raw and b'\\"schema\\"' in raw
 
 
-def _digest_holds(header: Header, record_doc: dict) -> bool:
+def _digest_holds(header: Header, record_doc: dict[str, Any]) -> bool:
     """Whether ``header_digest`` verifies under the rule every schema keeps: xxh3-128 of the canonical
     header with the record's ``header_digest`` set to zeros."""
     claimed = record_doc.get("header_digest")
@@ -295,7 +298,7 @@ def _digest_holds(header: Header, record_doc: dict) -> bool:
         return False
 
 
-def _signature_entry(doc: dict) -> dict[str, str] | None:
+def _signature_entry(doc: dict[str, Any]) -> dict[str, str] | None:
     """The header's signature entry, or None when unsigned; ValueError when it is malformed."""
     text = doc.get(METADATA_KEY, {}).get(SIG_KEY)
     if text is None:
@@ -314,7 +317,7 @@ def _signature_entry(doc: dict) -> dict[str, str] | None:
     return sig
 
 
-def _blank_signature(doc: dict) -> dict:
+def _blank_signature(doc: dict[str, Any]) -> dict[str, Any]:
     """``doc`` with its signature (if any) replaced by the placeholder the signer signed over."""
     sig = _signature_entry(doc)
     if sig is not None:
@@ -399,7 +402,7 @@ def _blank_signature_text(sig: dict[str, str]) -> str:
     return canonical_json({**sig, "ed25519": _PLACEHOLDER_SIG})
 
 
-def _blank_record_text(text: str, record: CheckpointRecord) -> str | tuple:
+def _blank_record_text(text: str, record: CheckpointRecord) -> str | tuple[Slice, str]:
     """The record's canonical text with ``header_digest`` zeroed. ``header_digest`` is the record's
     last field, so on canonical text that is a change of suffix, given as parts (re-serializing a
     100,000-tensor record cost ~0.3 s, and a copy of it 11 MB)."""
@@ -415,13 +418,14 @@ def check_header(header: Header, record: CheckpointRecord) -> str | None:
     form = canonical_form(header)
     with gc_paused():
         canonical = form is not None and header.cache["canonical"] and _is_record_text(text, record)
-    if not canonical:
+    # (canonical implies a form and a record string; the last two tests say so to the type checker)
+    if not canonical or form is None or text is None:
         return "header bytes are not in the form certckpt writes (whitespace, order or encoding changed)"
     try:
         sig = _signature_entry({METADATA_KEY: header.metadata})
     except (ValueError, AttributeError):
         return "the header's signature entry is malformed"
-    blank = {RECORD_KEY: _blank_record_text(text, record)}
+    blank: dict[str, OpenValue] = {RECORD_KEY: _blank_record_text(text, record)}
     if sig is not None:
         blank[SIG_KEY] = _blank_signature_text(sig)
     h = xxhash.xxh3_128()

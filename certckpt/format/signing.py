@@ -26,6 +26,7 @@ import json
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 from certckpt.errors import ConfigurationError, MissingDependencyError
@@ -49,7 +50,8 @@ SIGNING_KEY_ENV = "CERTCKPT_SIGNING_KEY"
 TRUSTED_KEYS_ENV = "CERTCKPT_TRUSTED_KEYS"
 
 
-def _crypto():
+def _crypto() -> tuple[ModuleType, ModuleType, type[Exception]]:
+    """cryptography's ``ed25519`` and ``serialization`` modules and its ``InvalidSignature``."""
     try:
         from cryptography.exceptions import InvalidSignature
         from cryptography.hazmat.primitives import serialization
@@ -81,7 +83,7 @@ class SigningKey:
     _private: Any
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> SigningKey:
+    def load(cls, path: str | os.PathLike[str]) -> SigningKey:
         ed25519, serialization, _ = _crypto()
         try:
             with open(path, "rb") as fh:
@@ -110,7 +112,7 @@ class TrustedKeys:
     keys: Mapping[str, Any]
 
     @classmethod
-    def load(cls, paths: Iterable[str | os.PathLike]) -> TrustedKeys:
+    def load(cls, paths: Iterable[str | os.PathLike[str]]) -> TrustedKeys:
         ed25519, serialization, _ = _crypto()
         keys = {}
         for path in paths:
@@ -137,7 +139,8 @@ class TrustedKeys:
     def bytes_problem(self, sig: Mapping[str, Any], data: bytes, *, what: str) -> str | None:
         """Why ``sig`` (``{"key": KEY_ID, "ed25519": BASE64}``) is not a trusted signature of ``data``."""
         _, _, invalid_signature = _crypto()
-        key = self.keys.get(sig.get("key")) if isinstance(sig.get("key"), str) else None
+        key_id = sig.get("key")
+        key = self.keys.get(key_id) if isinstance(key_id, str) else None
         if key is None:
             return f"signed by key {str(sig.get('key'))[:32]!r}, which is not trusted"
         text = str(sig.get("ed25519"))
@@ -151,7 +154,7 @@ class TrustedKeys:
         return None
 
 
-def generate_key(path: str | os.PathLike) -> tuple[str, str]:
+def generate_key(path: str | os.PathLike[str]) -> tuple[str, str]:
     """Write a new private key to ``path`` (mode 0600, never replacing a file; a missing directory is
     created with mode 0700) and its public key to ``path.pub``; returns ``(private path, public path)``."""
     ed25519, serialization, _ = _crypto()
@@ -181,7 +184,7 @@ def signing_key_from_env() -> SigningKey | None:
     return SigningKey.load(path) if path else None
 
 
-def signing_key_for(value: SigningKey | str | os.PathLike | None) -> SigningKey | None:
+def signing_key_for(value: SigningKey | str | os.PathLike[str] | None) -> SigningKey | None:
     """A writer's ``signing_key=`` argument: a key, a private key file, or None for the environment's."""
     if value is None:
         return signing_key_from_env()
@@ -214,7 +217,7 @@ def trusted_keys_from_env() -> TrustedKeys | None:
 KEYS_FROM_ENV = "from-env"  # a reader's default: the trusted keys of $CERTCKPT_TRUSTED_KEYS, if any
 
 
-def trusted_keys_for(value: TrustedKeys | str | os.PathLike | None) -> TrustedKeys | None:
+def trusted_keys_for(value: TrustedKeys | str | os.PathLike[str] | None) -> TrustedKeys | None:
     """A reader's ``trusted_keys=`` argument: keys, public key files (``PUB[,PUB...]``), None for no
     keys, or ``KEYS_FROM_ENV`` (the default) for the environment's."""
     if value == KEYS_FROM_ENV:

@@ -64,7 +64,7 @@ class Flattened:
     stored: list[StoredTensor] = field(default_factory=list)
 
 
-def _fmt_path(path: tuple) -> str:
+def _fmt_path(path: leaves.KeyPath) -> str:
     return "obj" + "".join(f"[{k!r}]" for k in path)
 
 
@@ -104,15 +104,15 @@ class _Flattener:
     """Walks the object once, collecting every refusal so that one error lists them all."""
 
     def __init__(self) -> None:
-        self.tensors: list[tuple[tuple, torch.Tensor, dict]] = []  # (path, tensor, leaf dict to fill)
+        self.tensors: list[tuple[leaves.KeyPath, torch.Tensor, dict[str, Any]]] = []  # (path, tensor, leaf to fill)
         self._active: set[int] = set()
         self.problems: list[str] = []
 
-    def refuse(self, path: tuple, what: str, fix: str) -> None:
+    def refuse(self, path: leaves.KeyPath, what: str, fix: str) -> None:
         self.problems.append(f"{_fmt_path(path)}: {what}; {fix}")
         return None
 
-    def add_tensor(self, t: torch.Tensor, path: tuple) -> Any:
+    def add_tensor(self, t: torch.Tensor, path: leaves.KeyPath) -> Any:
         if type(t) not in (torch.Tensor, torch.nn.Parameter):
             plain, refused = leaves.plain_tensor(t)  # a replicated DTensor is stored as its full tensor
             if refused is not None or plain is None:
@@ -125,7 +125,7 @@ class _Flattener:
         self.tensors.append((path, t, leaf))
         return leaf
 
-    def dict_items(self, obj: Any, path: tuple) -> list:
+    def dict_items(self, obj: Any, path: leaves.KeyPath) -> list[list[Any]]:
         items = []
         for k, v in obj.items():
             if type(k) is str:
@@ -145,7 +145,7 @@ class _Flattener:
             items.append([key, self.walk(v, path + (k,))])
         return items
 
-    def walk(self, obj: Any, path: tuple) -> Any:
+    def walk(self, obj: Any, path: leaves.KeyPath) -> Any:
         if len(path) > MAX_DEPTH:
             return self.refuse(path, f"nesting deeper than {MAX_DEPTH} levels", "flatten the structure")
         tp = type(obj)
@@ -192,11 +192,12 @@ def _refusal(problems: list[str]) -> UnsupportedObjectError:
         err = UnsupportedObjectError(
             f"{len(problems)} values cannot be stored without pickle. Nothing was written.\n{listed}{more}"
         )
-    err.problems = list(problems)  # every refusal, for callers that fix them programmatically
+    # errors.py does not declare the attribute (dcp/values.py sets it too); declaring it there removes the ignore
+    err.problems = list(problems)  # type: ignore[attr-defined]  # every refusal, for callers that fix them programmatically
     return err
 
 
-def _unique_name(path: tuple, taken: set[str]) -> str:
+def _unique_name(path: leaves.KeyPath, taken: set[str]) -> str:
     base = ".".join(str(k) for k in path) or "tensor"
     if base == "__metadata__":
         base = "_" + base
@@ -210,7 +211,7 @@ def _unique_name(path: tuple, taken: set[str]) -> str:
 
 def _byte_extent(t: torch.Tensor) -> tuple[int, int]:
     es = t.element_size()
-    start = t.storage_offset() * es
+    start = int(t.storage_offset()) * es  # (a SymInt only while tracing, which saving never is)
     last = sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
     return start, start + (last + 1) * es
 
@@ -229,7 +230,7 @@ def flatten(obj: Any) -> Flattened:
     out = Flattened(skeleton=skeleton)
     taken: set[str] = set()
 
-    groups: dict[tuple, list[int]] = {}
+    groups: dict[tuple[torch.device | str, int], list[int]] = {}
     for i, (_, t, _) in enumerate(fl.tensors):
         storage = t.untyped_storage()
         # Empty tensors own no bytes to share (their storages may all report address 0).
@@ -237,7 +238,7 @@ def flatten(obj: Any) -> Flattened:
         groups.setdefault(key, []).append(i)
 
     for idxs in groups.values():
-        views: dict[tuple, list[int]] = {}
+        views: dict[tuple[object, ...], list[int]] = {}
         for i in idxs:
             t = fl.tensors[i][1]
             views.setdefault((t.dtype, t.storage_offset(), tuple(t.shape), t.stride()), []).append(i)
@@ -293,7 +294,7 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
-def _fill_leaf(leaf: dict, t: torch.Tensor, entry: str, *, view: list | None) -> None:
+def _fill_leaf(leaf: dict[str, Any], t: torch.Tensor, entry: str, *, view: list[object] | None) -> None:
     leaf["e"] = entry
     if view is not None:
         leaf["v"] = view
@@ -386,7 +387,7 @@ class _Rebuilder:
             t = self._moved[key] = self._place(entry, recorded)
         return t
 
-    def _view(self, leaf: dict, base: torch.Tensor) -> torch.Tensor:
+    def _view(self, leaf: dict[str, Any], base: torch.Tensor) -> torch.Tensor:
         view = leaf.get("v")
         if view is None:
             return base
@@ -445,7 +446,7 @@ class _Rebuilder:
         # numpy/everyday-values tags only ever wrote ["i", hex] here).
         return [(k if isinstance(k, str) else self.node(k, depth + 1), self.node(v, depth + 1)) for k, v in val]
 
-    def node(self, n: Any, depth: int = 0) -> Any:  # noqa: C901
+    def node(self, n: Any, depth: int = 0) -> Any:
         if depth > MAX_DEPTH + 2:
             raise _bad("nested too deeply")
         if n is None or isinstance(n, (bool, str)):
@@ -456,31 +457,36 @@ class _Rebuilder:
         if tag == "T":
             return self.tensor(val)
         try:
-            if tag == "i":
-                if not isinstance(val, str) or len(val) > 1_000_000:
-                    raise ValueError("int node must be a hex string")
-                return int(val, 16)
-            if tag == "f":
-                return float.fromhex(val) if val not in ("nan", "inf", "-inf") else float(val)
-            if tag == "dtype":
-                return _DTYPE_BY_NAME[val]
-            if tag == "size":
-                return torch.Size([int(v) for v in val])
-            if tag == "dev":
-                return torch.device(val)
-            if tag in ("l", "t"):
-                items = [self.node(v, depth + 1) for v in val]
-                return items if tag == "l" else tuple(items)
-            if tag in ("d", "od"):
-                out = {} if tag == "d" else collections.OrderedDict()
-                out.update(self.items(val, depth))
-                return out
-            if tag in leaves.DECODERS:
-                return leaves.decode(tag, val, self, depth)
+            return self._tagged(tag, val, depth)
         except CertckptError:
             raise
         except (TypeError, ValueError, KeyError, IndexError, AttributeError, RuntimeError, OverflowError) as e:
             raise _bad(f"bad {tag!r} node ({e.__class__.__name__}: {str(e)[:80]})") from e
+
+    def _tagged(self, tag: str, val: Any, depth: int) -> Any:
+        """The value of a tagged node other than a tensor. A malformed ``val`` raises a built-in error,
+        which ``node`` words as a malformed skeleton; an unknown tag raises that error itself."""
+        if tag == "i":
+            if not isinstance(val, str) or len(val) > 1_000_000:
+                raise ValueError("int node must be a hex string")
+            return int(val, 16)
+        if tag == "f":
+            return float.fromhex(val) if val not in ("nan", "inf", "-inf") else float(val)
+        if tag == "dtype":
+            return _DTYPE_BY_NAME[val]
+        if tag == "size":
+            return torch.Size([int(v) for v in val])
+        if tag == "dev":
+            return torch.device(val)
+        if tag in ("l", "t"):
+            items = [self.node(v, depth + 1) for v in val]
+            return items if tag == "l" else tuple(items)
+        if tag in ("d", "od"):
+            out: dict[Any, Any] = {} if tag == "d" else collections.OrderedDict()
+            out.update(self.items(val, depth))
+            return out
+        if tag in leaves.DECODERS:
+            return leaves.decode(tag, val, self, depth)
         raise _bad(f"unknown node tag {tag!r:.20} (written by a newer certckpt? pip install -U certckpt)")
 
 

@@ -10,20 +10,26 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import secrets
 import stat
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import IO, Any
 
 from certckpt.errors import (
     ArgumentTypeError,
-    CheckpointExistsError,
     CheckpointNotFoundError,
     MissingDependencyError,
     ProtectedCheckpointError,
     StorageError,
+)
+from certckpt.format.backends import (
+    filesystem,
+    fsync_dir,
+    publish_local,
+    remote_error_text,
+    storage_for,
+    storage_of,
+    temp_name,
 )
 
 __all__ = [
@@ -44,7 +50,6 @@ __all__ = [
     "LEDGER_DIR",
     "VAULT_MARK",
     "filesystem",
-    "is_s3",
     "remote_error_text",
 ]
 
@@ -53,14 +58,6 @@ __all__ = [
 LEDGER_DIR = "_ledger"
 VAULT_MARK = "vault.json"
 _PROTECT_FIX = "save under a new name (certified files are write-once)"
-
-_BACKEND_PIP = {
-    "s3": "pip install 'certckpt[s3]'  (installs s3fs)",
-    "gs": "pip install gcsfs",
-    "gcs": "pip install gcsfs",
-    "az": "pip install adlfs",
-    "abfs": "pip install adlfs",
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,10 +80,8 @@ class Target:
 def resolve(f: Any) -> Target:
     """Classify what the caller passed, as ``torch.save`` / ``torch.load`` accept it."""
     if hasattr(f, "read") or hasattr(f, "write"):
-        return Target(
-            display=getattr(f, "name", None) if isinstance(getattr(f, "name", None), str) else "<file object>",
-            fileobj=f,
-        )
+        name = getattr(f, "name", None)
+        return Target(display=name if isinstance(name, str) else "<file object>", fileobj=f)
     if isinstance(f, os.PathLike):
         f = os.fspath(f)
     if isinstance(f, bytes):
@@ -99,22 +94,6 @@ def resolve(f: Any) -> Target:
     if scheme == "file":
         return Target(display=f, local=f[len("file://") :])
     return Target(display=f, url=f)
-
-
-def filesystem(url: str):
-    """``(fs, path)`` for an fsspec URL, with a one-line fix when the backend is not installed."""
-    try:
-        import fsspec.core
-    except ImportError as e:  # pragma: no cover - fsspec is a runtime dependency
-        raise MissingDependencyError("fsspec is needed for URLs: pip install fsspec") from e
-    scheme = url.split("://", 1)[0]
-    try:
-        return fsspec.core.url_to_fs(url)
-    except ImportError as e:
-        fix = _BACKEND_PIP.get(scheme, f"install the fsspec backend for {scheme}://")
-        raise MissingDependencyError(f"{url}: the {scheme}:// backend is not installed; {fix}") from e
-    except ValueError as e:
-        raise StorageError(f"{url}: not a usable URL ({e})") from e
 
 
 @contextlib.contextmanager
@@ -141,6 +120,7 @@ def open_read(target: Target) -> Iterator[tuple[IO[bytes], int | None]]:
             fh = open(target.local, "rb")  # noqa: SIM115 - closed below
             size = os.fstat(fh.fileno()).st_size
         else:
+            assert target.url is not None  # resolve() gives a Target a local path, a URL or a file object
             fs, path = filesystem(target.url)
             size = fs.size(path)
             # Few large ranged reads: an object store pays per request (moto even per byte of the
@@ -193,62 +173,13 @@ def _missing_bucket(e: BaseException) -> bool:
     return "NoSuchBucket" in text or "bucket does not exist" in text.lower()
 
 
-def temp_name(final_path: str) -> str:
-    """A temp-file name in the final file's directory, hidden, unique, recognisably ours."""
-    d, base = os.path.split(final_path)
-    return os.path.join(d, f".{base}.certckpt-tmp-{os.getpid()}-{secrets.token_hex(4)}")
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path or ".", os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def commit_local(tmp: str, final: str, *, overwrite: bool, display: str) -> None:
     """Publish a fully written, fsync'd temp file under its final name, then fsync the directory.
 
     Without ``overwrite`` the publish is a hard link, which fails when the name exists, so two
     writers can never replace each other's checkpoint. With it, ``os.replace`` (atomic).
     """
-    try:
-        if overwrite:
-            os.replace(tmp, final)
-        else:
-            try:
-                os.link(tmp, final)
-            except FileExistsError as e:
-                raise CheckpointExistsError(
-                    f"{display}: a checkpoint already exists under this name; pass overwrite=True to replace it"
-                ) from e
-            except OSError as e:
-                if e.errno not in (1, 38, 95):  # EPERM/ENOSYS/EOPNOTSUPP: no hard links here
-                    raise
-                _exclusive_rename(tmp, final, display)
-        fsync_dir(os.path.dirname(final))
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-
-
-def _exclusive_rename(tmp: str, final: str, display: str) -> None:
-    # For file systems without hard links: renameat2(RENAME_NOREPLACE) is not reachable from the
-    # standard library, so claim the name with O_EXCL and then replace the empty claim atomically.
-    try:
-        fd = os.open(final, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    except FileExistsError as e:
-        raise CheckpointExistsError(
-            f"{display}: a checkpoint already exists under this name; pass overwrite=True to replace it"
-        ) from e
-    os.close(fd)
-    os.replace(tmp, final)
-
-
-def is_s3(fs: Any) -> bool:
-    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-    return protocol in ("s3", "s3a")
+    publish_local(tmp, final, create_only=not overwrite, display=display)
 
 
 def commit_remote(
@@ -260,78 +191,18 @@ def commit_remote(
     put_options: dict[str, Any] | None = None,
     callback: Any = None,
 ) -> None:
-    """Upload a finished local temp file to an fsspec URL with a create-only PUT where supported.
+    """Upload a finished local temp file to an fsspec URL, create-only unless ``overwrite``
+    (``Storage.put_file``; messages name ``display``).
 
     Args:
         put_options: extra S3 request parameters (Object Lock mode and retain-until date).
         callback: an fsspec ``Callback`` for progress.
     """
-    fs, path = filesystem(url)
-    extra = {"callback": callback} if callback is not None else {}
+    storage, name = storage_of(url)
     try:
-        if overwrite:
-            # A versioned, locked bucket keeps the replaced version; the new one gets its own lock.
-            fs.put_file(tmp, path, **((put_options or {}) if is_s3(fs) else {}), **extra)
-            return
-        if is_s3(fs):
-            # If-None-Match: * — the server refuses an existing key; s3fs aborts a failed multipart upload
-            fs.put_file(tmp, path, mode="create", **(put_options or {}), **extra)
-        else:
-            # Backends without a conditional PUT: check, then write. Not race-free; documented.
-            if fs.exists(path):
-                raise FileExistsError(path)
-            fs.put_file(tmp, path, **extra)
-    except FileExistsError as e:
-        raise CheckpointExistsError(
-            f"{display}: a checkpoint already exists under this name; pass overwrite=True to replace it"
-        ) from e
-    except PermissionError as e:
-        raise StorageError(f"{display}: permission denied by the store; check credentials and bucket policy") from e
-    except OSError as e:
-        raise StorageError(
-            f"{display}: upload failed ({remote_error_text(e)}); nothing was published under this name"
-        ) from e
-    except Exception as e:  # botocore raises its own types for unreachable endpoints and missing credentials
-        raise StorageError(
-            f"{display}: upload failed ({remote_error_text(e)}); nothing was published under this name"
-        ) from e
-
-
-def remote_error_text(e: BaseException) -> str:
-    """One line for an object-store failure, with the fix for the usual causes."""
-    name = type(e).__name__
-    text = str(e).splitlines()[0] if str(e) else name
-    if name in ("NoCredentialsError", "PartialCredentialsError") or "Unable to locate credentials" in text:
-        return "no credentials: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE"
-    if isinstance(e, ConnectionRefusedError) or "Connection refused" in text:
-        return f"connection refused by the endpoint ({text}); check AWS_ENDPOINT_URL / --endpoint and the network"
-    if (
-        name
-        in (
-            "EndpointConnectionError",
-            "ConnectTimeoutError",
-            "ConnectionClosedError",
-            "ClientConnectorError",
-            "ServerDisconnectedError",
-            "ReadTimeoutError",
-        )
-        or "Could not connect" in text
-        or "Connect call failed" in text
-    ):
-        return f"cannot reach the endpoint ({text}); check AWS_ENDPOINT_URL / --endpoint and the network"
-    if "NoSuchBucket" in text or "bucket does not exist" in text.lower():
-        return f"the bucket does not exist ({text}); create it first (with Object Lock enabled for a vault)"
-    if "InvalidAccessKeyId" in text or "SignatureDoesNotMatch" in text:
-        return f"credentials refused ({text}); check AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY"
-    return text
-
-
-def join(base: str, *parts: str) -> str:
-    """Join path or URL parts with ``/`` (never ``os.path``: it would mangle ``s3://``)."""
-    out = base.rstrip("/")
-    for p in parts:
-        out += "/" + p.strip("/")
-    return out
+        storage.put_file(tmp, name, create_only=not overwrite, lock=put_options, callback=callback)
+    except StorageError as e:
+        raise type(e)(str(e).replace(storage.location(name), display, 1)) from e.__cause__
 
 
 def put_once(location: str, data: bytes) -> bool:
@@ -344,50 +215,16 @@ def put_once(location: str, data: bytes) -> bool:
         CheckpointExistsError: a different object already holds the name.
         StorageError: the store refused the write.
     """
-    target = resolve(location)
-    if target.local is not None:
-        final = os.path.abspath(target.local)
-        os.makedirs(os.path.dirname(final), exist_ok=True)
-        tmp = temp_name(final)
-        with open(tmp, "xb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        try:
-            commit_local(tmp, final, overwrite=False, display=location)
-        except CheckpointExistsError:
-            with open(final, "rb") as f:
-                if f.read() == data:
-                    return False
-            raise
-        return True
-    import tempfile
+    storage, name = storage_of(location)
+    return storage.put_once(name, data)
 
-    fd, tmp = tempfile.mkstemp(prefix=".certckpt-record-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        fs, path = filesystem(target.url)
-        for attempt in range(8):
-            try:
-                commit_remote(tmp, target.url, overwrite=False, display=location)
-                return True
-            except CheckpointExistsError:
-                # A racing writer's PUT can be refused (412/409) before its object is readable:
-                # wait for it, and if it never appears (that writer failed), try again.
-                fs.invalidate_cache()  # a listing cached before the other writer's PUT would hide it
-                try:
-                    existing = fs.cat_file(path)
-                except FileNotFoundError:
-                    time.sleep(0.05 * (attempt + 1))
-                    continue
-                if existing == data:
-                    return False
-                raise
-        raise StorageError(f"{location}: conflicting concurrent writes did not settle; retry")
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+
+def join(base: str, *parts: str) -> str:
+    """Join path or URL parts with ``/`` (never ``os.path``: it would mangle ``s3://``)."""
+    out = base.rstrip("/")
+    for p in parts:
+        out += "/" + p.strip("/")
+    return out
 
 
 def write_atomic(path: str, data: bytes) -> None:
@@ -467,20 +304,21 @@ def refuse_protected(location: str) -> None:
 def refuse_protected_remote(url: str, display: str) -> None:
     """``refuse_protected_local`` for an object store: the key's prefixes are checked for a vault
     mark and its own prefix for commit records (only when the key exists)."""
-    fs, path = filesystem(url)
+    storage, name = storage_of(url)
     try:
-        if not fs.exists(path):
+        if not storage.exists(name):
             return
-        parts = path.rstrip("/").split("/")
-        for i in range(len(parts) - 1, 0, -1):
-            prefix = "/".join(parts[:i])
-            if fs.exists(f"{prefix}/{LEDGER_DIR}/{VAULT_MARK}"):
-                raise ProtectedCheckpointError(f"{display}: the object is inside the vault {prefix}; {_PROTECT_FIX}")
-        store = "/".join(parts[:-1])
-        records = [p for p in fs.find(f"{store}/{LEDGER_DIR}/checkpoints") if p.endswith(".json")]
-        if records and {parts[-1], url} & _committed_names(list(fs.cat(records).values())):
-            raise ProtectedCheckpointError(f"{display}: a commit record of {store} names this object; {_PROTECT_FIX}")
-    except (ProtectedCheckpointError, FileNotFoundError):
+        ancestor = storage.url
+        while "/" in ancestor.split("://", 1)[-1].strip("/"):
+            if storage_for(ancestor).exists(f"{LEDGER_DIR}/{VAULT_MARK}"):
+                raise ProtectedCheckpointError(f"{display}: the object is inside the vault {ancestor}; {_PROTECT_FIX}")
+            ancestor = ancestor.rstrip("/").rsplit("/", 1)[0]
+        records = [e.name for e in storage.walk(f"{LEDGER_DIR}/checkpoints", depth=1) if e.name.endswith(".json")]
+        if records and {name, url} & _committed_names(list(storage.get_many(records).values())):
+            raise ProtectedCheckpointError(
+                f"{display}: a commit record of {storage.url} names this object; {_PROTECT_FIX}"
+            )
+    except ProtectedCheckpointError:
         raise
-    except OSError as e:
-        raise StorageError(f"{display}: cannot check the store before replacing ({remote_error_text(e)})") from e
+    except StorageError as e:
+        raise StorageError(f"{display}: cannot check the store before replacing ({e})") from e

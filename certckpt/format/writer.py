@@ -15,9 +15,10 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import torch
 import xxhash
@@ -32,10 +33,21 @@ from .reader import warn_ignored
 from .record import CheckpointRecord, build_header, state_fingerprint
 from .signing import SigningKey, signing_key_for
 from .skeleton import StoredTensor, flatten
-from .storage import commit_local, commit_remote, refuse_protected_local, refuse_protected_remote, resolve, temp_name
+from .storage import (
+    Target,
+    commit_local,
+    commit_remote,
+    refuse_protected_local,
+    refuse_protected_remote,
+    resolve,
+    temp_name,
+)
 from .tensors import host_bytes
 
-__all__ = ["save", "save_certified", "SaveResult", "host_bytes"]
+__all__ = ["save", "save_certified", "SaveResult", "host_bytes", "TensorIdentity", "prepare", "publish", "SaveJob"]
+
+# A tensor's identity as the auditor records it: ``(data_ptr, dtype, shape, stride, device)``.
+TensorIdentity = tuple[int, torch.dtype, tuple[int, ...], tuple[int, ...], str]
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +85,7 @@ def _plan(stored: list[StoredTensor]) -> tuple[list[StoredTensor], list[TensorEn
 _WRITE_PIECE = 64 << 20
 
 
-def _writeback_starter():
+def _writeback_starter() -> Callable[[int, int, int, int], int] | None:
     """``sync_file_range(fd, off, n, SYNC_FILE_RANGE_WRITE)`` where the platform has it, else None.
 
     Starting writeback of each piece as soon as it is in the page cache overlaps the disk's work with
@@ -102,7 +114,7 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
 
 
 @contextlib.contextmanager
-def _intraop_threads(limit: int):
+def _intraop_threads(limit: int) -> Iterator[None]:
     """Cap torch's intra-op threads while the fingerprint worker runs beside the writing thread.
 
     On a 2-core machine two fingerprint threads plus the writer oversubscribe the cores: measured
@@ -120,7 +132,7 @@ def _intraop_threads(limit: int):
             torch.set_num_threads(before)
 
 
-class _Job:
+class SaveJob:
     """One save in progress: the plan, the record, and the hashing of each stored tensor."""
 
     def __init__(
@@ -131,7 +143,7 @@ class _Job:
         run: str | None,
         metadata: dict[str, str] | None,
         record_fields: dict[str, Any] | None = None,
-        known_fingerprints: dict[tuple, tuple[str, str]] | None = None,
+        known_fingerprints: dict[TensorIdentity, tuple[str, str]] | None = None,
         signer: SigningKey | None = None,
     ):
         self.signer = signer
@@ -177,12 +189,12 @@ class _Job:
     def host(self, s: StoredTensor) -> torch.Tensor:
         return s.tensor if s.tensor.device.type == "cpu" else s.tensor.cpu()
 
-    def data_hasher(self) -> Any:
+    def data_hasher(self) -> BackgroundDigest | None:
         """The digest of the data region that a signature covers, hashed on another core beside the
         write; None when unsigned."""
         return BackgroundDigest(self.digest_field) if self.signer is not None else None
 
-    def finish(self, fps: list[int], digests: list[str], data_hash: Any = None) -> bytes:
+    def finish(self, fps: list[int], digests: list[str], data_hash: BackgroundDigest | None = None) -> bytes:
         self.record.tensors = {s.name: {"fp": f"{fp:016x}", "xxh3": d} for s, fp, d in zip(self.stored, fps, digests)}
         self.record.state_fp = state_fingerprint({k: v["fp"] for k, v in self.record.tensors.items()})
         header = build_header(
@@ -210,12 +222,13 @@ class _Job:
         ]
         return fps, digests
 
-    def write_fd(self, fd: int) -> None:
+    def write_fd(self, fd: int, *, cap_threads: bool = True) -> None:
         """Data first (hashes computed alongside on a worker thread), header last, fsync."""
         base = self.header_length
         host_digests: dict[int, str] = {}
         data_hash = self.data_hasher()
-        with _intraop_threads(1), ThreadPoolExecutor(max_workers=1, thread_name_prefix="certckpt-hash") as pool:
+        capped = _intraop_threads(1) if cap_threads else contextlib.nullcontext()
+        with capped, ThreadPoolExecutor(max_workers=1, thread_name_prefix="certckpt-hash") as pool:
             hashed = pool.submit(self._hash_worker)
             for i, (s, e) in enumerate(zip(self.stored, self.entries)):
                 h = self.host(s)
@@ -226,8 +239,8 @@ class _Job:
                 if data_hash is not None:  # entries are contiguous and in data order
                     data_hash.update(view, keep=h)
                 del view, h
-            fps, digests = hashed.result()
-        digests = [d if d is not None else host_digests[i] for i, d in enumerate(digests)]
+            fps, worker_digests = hashed.result()
+        digests = [d if d is not None else host_digests[i] for i, d in enumerate(worker_digests)]
         _pwrite_all(fd, memoryview(self.finish(fps, digests, data_hash)), 0)
         os.fsync(fd)
 
@@ -244,13 +257,13 @@ class _Job:
                 data_hash.update(host_bytes(h), keep=h)
             hosts.append(h if h is s.tensor else None)  # keep only zero-copy views alive
         f.write(self.finish(fps, digests, data_hash))
-        for s, h in zip(self.stored, hosts):
-            h = h if h is not None else self.host(s)
+        for s, kept in zip(self.stored, hosts):
+            h = kept if kept is not None else self.host(s)
             f.write(host_bytes(h))
         f.flush()
 
 
-def _write_temp(job: _Job, tmp: str, display: str) -> None:
+def _write_temp(job: SaveJob, tmp: str, display: str, *, cap_threads: bool = True) -> None:
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     except FileNotFoundError as e:
@@ -259,7 +272,7 @@ def _write_temp(job: _Job, tmp: str, display: str) -> None:
         raise StorageError(f"{display}: permission denied creating a file in its directory") from e
     try:
         try:
-            job.write_fd(fd)
+            job.write_fd(fd, cap_threads=cap_threads)
         finally:
             os.close(fd)
     except BaseException as e:
@@ -290,7 +303,7 @@ def save(
     run: str | None = None,
     metadata: dict[str, str] | None = None,
     overwrite: bool = True,
-    signing_key: SigningKey | str | os.PathLike | None = None,
+    signing_key: SigningKey | str | os.PathLike[str] | None = None,
 ) -> SaveResult:
     """Save ``obj`` as a certified safetensors checkpoint; ``torch.save``'s signature, never pickles.
 
@@ -358,8 +371,8 @@ def save_certified(
     parent: str | None = None,
     lineage: dict[str, Any] | None = None,
     consensus_fp: str | None = None,
-    known_fingerprints: dict[tuple, tuple[str, str]] | None = None,
-    signing_key: SigningKey | str | os.PathLike | None = None,
+    known_fingerprints: dict[TensorIdentity, tuple[str, str]] | None = None,
+    signing_key: SigningKey | str | os.PathLike[str] | None = None,
 ) -> SaveResult:
     """``save`` plus the audit fields the auditor fills in (see ``docs/format.md``, section 2).
 
@@ -399,18 +412,17 @@ def _save(
     parent: str | None = None,
     lineage: dict[str, Any] | None = None,
     consensus_fp: str | None = None,
-    known_fingerprints: dict[tuple, tuple[str, str]] | None = None,
-    signing_key: SigningKey | str | os.PathLike | None = None,
+    known_fingerprints: dict[TensorIdentity, tuple[str, str]] | None = None,
+    signing_key: SigningKey | str | os.PathLike[str] | None = None,
 ) -> SaveResult:
     t0 = time.perf_counter()
-    if type(overwrite) is not bool:
-        raise ArgumentTypeError(f"overwrite must be True or False, got {overwrite!r}")
-    target = resolve(f)
-    job = _Job(
+    job, target = prepare(
         obj,
+        f,
         step=step,
         run=run,
         metadata=metadata,
+        overwrite=overwrite,
         record_fields={
             "branch": branch,
             "step_range": step_range,
@@ -419,8 +431,47 @@ def _save(
             "consensus_fp": consensus_fp,
         },
         known_fingerprints=known_fingerprints,
+        signing_key=signing_key,
+    )
+    return publish(job, target, overwrite=overwrite, started=t0)
+
+
+def prepare(
+    obj: Any,
+    f: Any,
+    *,
+    step: int | None,
+    run: str | None,
+    metadata: dict[str, str] | None,
+    overwrite: bool,
+    record_fields: dict[str, Any],
+    known_fingerprints: dict[TensorIdentity, tuple[str, str]] | None = None,
+    signing_key: SigningKey | str | os.PathLike[str] | None = None,
+) -> tuple[SaveJob, Target]:
+    """Everything a save checks and plans before it reads a tensor's bytes: the arguments, the
+    flattened object and the file's layout. Raises before anything is written."""
+    if type(overwrite) is not bool:
+        raise ArgumentTypeError(f"overwrite must be True or False, got {overwrite!r}")
+    target = resolve(f)
+    job = SaveJob(
+        obj,
+        step=step,
+        run=run,
+        metadata=metadata,
+        record_fields=record_fields,
+        known_fingerprints=known_fingerprints,
         signer=signing_key_for(signing_key),
     )
+    return job, target
+
+
+def publish(job: SaveJob, target: Target, *, overwrite: bool, started: float, cap_threads: bool = True) -> SaveResult:
+    """Write a prepared save's file (hashes beside the write), fsync it, publish it whole.
+
+    Args:
+        cap_threads: cap torch's intra-op threads while writing (a synchronous save owns the
+            process; a background one must not change a setting the training thread uses).
+    """
     if target.fileobj is not None:
         job.write_stream(target.fileobj)
     elif target.local is not None:
@@ -428,18 +479,19 @@ def _save(
         if overwrite:
             refuse_protected_local(final, target.display)  # before writing: a refusal costs nothing
         tmp = temp_name(final)
-        _write_temp(job, tmp, target.display)
+        _write_temp(job, tmp, target.display, cap_threads=cap_threads)
         commit_local(tmp, final, overwrite=overwrite, display=target.display)
     else:
         # Object stores: build the file locally, then one create-only PUT publishes it whole.
+        url = cast(str, target.url)  # resolve() gives a target with neither a path nor a file object its URL
         fd, tmp = tempfile.mkstemp(prefix=".certckpt-upload-")
         os.close(fd)
         os.unlink(tmp)
         try:
             if overwrite:
-                refuse_protected_remote(target.url, target.display)
-            _write_temp(job, tmp, target.display)
-            commit_remote(tmp, target.url, overwrite=overwrite, display=target.display)
+                refuse_protected_remote(url, target.display)
+            _write_temp(job, tmp, target.display, cap_threads=cap_threads)
+            commit_remote(tmp, url, overwrite=overwrite, display=target.display)
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
@@ -448,6 +500,6 @@ def _save(
         nbytes=job.header_length + job.data_length,
         state_fp=job.record.state_fp,
         tensors=len(job.stored),
-        seconds=time.perf_counter() - t0,
+        seconds=time.perf_counter() - started,
         header_digest=job.record.header_digest,
     )

@@ -485,14 +485,18 @@ def plan(
             rollback is given in GPU-hours only then (costs always use them).
     """
     _check_policy(audit_every, ckpt_every, keep)
-    hw = {"step_time": costs.step_time, "gpus": costs.gpus} if hardware_known else {}
     return Plan(
         audit_every=audit_every,
         ckpt_every=ckpt_every,
         keep=keep,
         costs=costs,
         detection=detection_facts(audit_every=audit_every),
-        rollback=rollback_facts(audit_every=audit_every, ckpt_every=ckpt_every, **hw),
+        rollback=rollback_facts(
+            audit_every=audit_every,
+            ckpt_every=ckpt_every,
+            step_time=costs.step_time if hardware_known else None,
+            gpus=costs.gpus if hardware_known else None,
+        ),
         retention=retention_facts(audit_every=audit_every, ckpt_every=ckpt_every, keep=keep),
         warnings=tuple(
             plan_warnings(audit_every=audit_every, ckpt_every=ckpt_every, keep=keep, run_steps=costs.run_steps)
@@ -677,20 +681,16 @@ def read_policy(url: str) -> FoundPolicy:
         ValueError: a JSON file that is not an envelope report.
     """
     from certckpt.errors import CheckpointNotFoundError
-    from certckpt.format.storage import filesystem, resolve
+    from certckpt.format.backends import storage_of
+    from certckpt.format.storage import resolve
 
     target = resolve(url)
     is_file = os.path.isfile(target.local) if target.local is not None else url.endswith(".json")
     if is_file:
-        try:
-            if target.local is not None:
-                with open(target.local, "rb") as f:
-                    data = f.read()
-            else:
-                fs, path = filesystem(url)
-                data = fs.cat_file(path)
-        except FileNotFoundError as e:
-            raise CheckpointNotFoundError(f"{url}: no such file") from e
+        storage, name = storage_of(url)
+        data = storage.get(name)
+        if data is None:
+            raise CheckpointNotFoundError(f"{url}: no such file")
         try:
             report = json.loads(data)
         except ValueError as e:

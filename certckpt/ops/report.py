@@ -14,7 +14,7 @@ from __future__ import annotations
 import html
 import io
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from certckpt.errors import ConfigurationError, MissingDependencyError
 from certckpt.format.storage import write_atomic
@@ -40,6 +40,10 @@ from .timeline import (
 )
 from .timeline_svg import svg
 
+if TYPE_CHECKING:  # for annotations only: matplotlib is an optional extra, imported when a .png is drawn
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
 __all__ = [
     "Timeline",
     "Lane",
@@ -62,12 +66,10 @@ def _text(s: Any) -> str:
     return str(s).replace("\\", "\\\\").replace("$", r"\$")
 
 
-def _figure(tl: Timeline):  # noqa: C901
+def _figure(tl: Timeline) -> Figure:
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
-        from matplotlib.lines import Line2D
-        from matplotlib.patches import Patch
         from matplotlib.ticker import MaxNLocator
     except ImportError as e:
         raise MissingDependencyError(
@@ -95,173 +97,14 @@ def _figure(tl: Timeline):  # noqa: C901
 
     for lane in lanes:
         y = ys[lane.branch]
-        # suspect intervals: a band on the lane, with the rollback window written in it
-        for a, b in lane.intervals:
-            ax.fill_between([a, b], y - 0.36, y + 0.36, color=RED, alpha=0.13, linewidth=0, zorder=0)
-            ax.plot([a, a], [y - 0.36, y + 0.36], color=RED, alpha=0.35, linewidth=0.8, linestyle=":", zorder=0)
-            ax.text(
-                (a + b) / 2,
-                y + 0.33,
-                _text(interval_label(a, b)),
-                ha="center",
-                va="top",
-                fontsize=7.5,
-                color="#a01010",
-                zorder=1,
-            )
+        _draw_intervals(ax, lane, y)
         ax.plot([lane.start, lane.end], [y, y], color="#5a5a5a", linewidth=1.6, solid_capstyle="round", zorder=1)
-        # fork: from the parent checkpoint to the start of this lane
-        if lane.parent is not None and lane.fork_step is not None:
-            py = ckpt_y.get(lane.parent)
-            if py is not None and py != y:
-                ax.annotate(
-                    "",
-                    xy=(lane.fork_step, y),
-                    xytext=(lane.fork_step, py),
-                    arrowprops=dict(
-                        arrowstyle="-|>",
-                        color="#555555",
-                        linestyle="--",
-                        linewidth=1.1,
-                        shrinkA=ms * 0.55,
-                        shrinkB=2,
-                        connectionstyle="arc3,rad=0",
-                    ),
-                    zorder=1,
-                )
-            ax.text(
-                lane.fork_step,
-                y - 0.08,
-                _text(f"forked from {lane.parent} "),
-                fontsize=7.5,
-                color="#444444",
-                ha="right",
-                va="top",
-                style="italic",
-                zorder=3,
-            )
-        # checks below the lane, one mark per step: a tick for a passed audit (a replay ran), a dot
-        # for a step whose only passing checks were the consensus or the non-finite summary, a
-        # black X for a failed check of any kind
-        steps: dict[int, bool] = {}
-        replayed: set[int] = set()
-        for a in lane.audits:
-            steps[a.step] = steps.get(a.step, False) or a.outcome == "fail"
-            if a.kind == "replay" and a.outcome != "fail":
-                replayed.add(a.step)
-        passed = [s for s, failed in steps.items() if not failed and s in replayed]
-        checked = [s for s, failed in steps.items() if not failed and s not in replayed]
-        failed = [s for s, failed in steps.items() if failed]
-        if passed:
-            ax.plot(passed, [y - 0.22] * len(passed), linestyle="none", marker="|", markersize=8, color=GREY, zorder=2)
-        if checked:
-            ax.plot(
-                checked, [y - 0.22] * len(checked), linestyle="none", marker=".", markersize=4, color=GREY, zorder=2
-            )
-        if failed:
-            ax.plot(
-                failed, [y - 0.22] * len(failed), linestyle="none", marker="X", markersize=6.5, color="black", zorder=4
-            )
-        # detections: a red line across the lane, with the kind and the ranks it names
-        # (uncontained labels above the lane, contained ones below; neighbours staggered)
-        last: dict[bool, tuple[float, int]] = {}
-        for d in lane.detections:
-            color = ORANGE if d.contained else RED
-            ax.plot(
-                [d.step, d.step],
-                [y - 0.42, y + 0.42],
-                color=color,
-                linewidth=2.2,
-                linestyle="--" if d.contained else "-",
-                zorder=3,
-            )
-            label = detection_label(d)
-            prev = last.get(d.contained)
-            level = (prev[1] + 1) % 3 if prev is not None and d.step - prev[0] < close else 0
-            last[d.contained] = (d.step, level)
-            if d.contained:
-                ax.text(
-                    d.step,
-                    y - 0.45 - 0.13 * level,
-                    _text(label),
-                    ha="center",
-                    va="top",
-                    fontsize=7.5,
-                    color="#c47a00",
-                    fontweight="bold",
-                    zorder=5,
-                )
-            else:
-                ax.text(
-                    d.step,
-                    y + 0.45 + 0.13 * level,
-                    _text(label),
-                    ha="center",
-                    va="bottom",
-                    fontsize=8,
-                    color=color,
-                    fontweight="bold",
-                    zorder=5,
-                )
-        # checkpoints, coloured by verdict; hollow when the file is gone
-        groups: dict[tuple[str, bool], list[int]] = {}
-        for c in lane.checkpoints:
-            color = (
-                GREEN if c.verdict == "trusted" else TEAL if c.verdict == "verified" else ORANGE if c.pending else RED
-            )
-            groups.setdefault((color, c.held), []).append(c.step)
-        for (color, held), xs in groups.items():
-            ax.plot(
-                xs,
-                [y] * len(xs),
-                linestyle="none",
-                marker="o",
-                markersize=ms,
-                markerfacecolor=color if held else "white",
-                markeredgecolor="white" if held else color,
-                markeredgewidth=0.8 if held else 1.8,
-                zorder=4,
-            )
-        for dr in lane.drills:
-            if dr.step is None:
-                continue
-            ax.plot(
-                [dr.step],
-                [y + 0.2],
-                linestyle="none",
-                marker="D",
-                markersize=5.5,
-                markerfacecolor=DRILL.get(dr.outcome, "white"),
-                markeredgecolor="#1f77b4",
-                zorder=5,
-            )
-        lg = next((c for c in lane.checkpoints if c.latest_good), None)
-        if lg is not None:
-            ax.plot(
-                [lg.step],
-                [y],
-                linestyle="none",
-                marker="*",
-                markersize=ms * 2.0,
-                markerfacecolor=GOLD,
-                markeredgecolor="black",
-                markeredgewidth=0.8,
-                zorder=6,
-            )
-            ax.annotate(
-                _text(f"latest-good {lg.ckpt_id}"),
-                xy=(lg.step, y),
-                xytext=(0, -22),
-                textcoords="offset points",
-                ha="center",
-                va="top",
-                fontsize=8.5,
-                fontweight="bold",
-                color="#333333",
-                bbox=dict(boxstyle="round,pad=0.25", facecolor="#fff6c2", edgecolor=GOLD, linewidth=0.8),
-                arrowprops=dict(arrowstyle="-", color="#888888", linewidth=0.8),
-                zorder=6,
-            )
+        _draw_fork(ax, lane, y, ckpt_y=ckpt_y, ms=ms)
+        _draw_checks(ax, lane, y)
+        _draw_detections(ax, lane, y, close=close)
+        _draw_checkpoints(ax, lane, y, ms=ms)
+        _draw_drills(ax, lane, y)
+        _draw_latest_good(ax, lane, y, ms=ms)
 
     ax.set_yticks([ys[lane.branch] for lane in lanes], [_text(lane.branch) for lane in lanes], fontsize=10)
     ax.set_ylim(-0.95, n - 0.15)
@@ -278,6 +121,200 @@ def _figure(tl: Timeline):  # noqa: C901
     title, sub = headline(tl)
     ax.set_title(_text(title), fontsize=12, fontweight="bold", loc="left", pad=26)
     ax.text(0, 1.02, _text(sub), transform=ax.transAxes, fontsize=9.5, color="#333333", ha="left", va="bottom")
+
+    _legend(ax, drills=any(lane.drills for lane in lanes), width=width, height=height)
+    fig.tight_layout()
+    return fig
+
+
+def _draw_intervals(ax: Axes, lane: Lane, y: float) -> None:
+    """Suspect intervals: a band on the lane, with the rollback window written in it."""
+    for a, b in lane.intervals:
+        ax.fill_between([a, b], y - 0.36, y + 0.36, color=RED, alpha=0.13, linewidth=0, zorder=0)
+        ax.plot([a, a], [y - 0.36, y + 0.36], color=RED, alpha=0.35, linewidth=0.8, linestyle=":", zorder=0)
+        ax.text(
+            (a + b) / 2,
+            y + 0.33,
+            _text(interval_label(a, b)),
+            ha="center",
+            va="top",
+            fontsize=7.5,
+            color="#a01010",
+            zorder=1,
+        )
+
+
+def _draw_fork(ax: Axes, lane: Lane, y: float, *, ckpt_y: dict[str, int], ms: float) -> None:
+    """A fork: an arrow from the parent checkpoint to the start of this lane, and its name."""
+    if lane.parent is not None and lane.fork_step is not None:
+        py = ckpt_y.get(lane.parent)
+        if py is not None and py != y:
+            ax.annotate(
+                "",
+                xy=(lane.fork_step, y),
+                xytext=(lane.fork_step, py),
+                arrowprops=dict(
+                    arrowstyle="-|>",
+                    color="#555555",
+                    linestyle="--",
+                    linewidth=1.1,
+                    shrinkA=ms * 0.55,
+                    shrinkB=2,
+                    connectionstyle="arc3,rad=0",
+                ),
+                zorder=1,
+            )
+        ax.text(
+            lane.fork_step,
+            y - 0.08,
+            _text(f"forked from {lane.parent} "),
+            fontsize=7.5,
+            color="#444444",
+            ha="right",
+            va="top",
+            style="italic",
+            zorder=3,
+        )
+
+
+def _draw_checks(ax: Axes, lane: Lane, y: float) -> None:
+    # checks below the lane, one mark per step: a tick for a passed audit (a replay ran), a dot
+    # for a step whose only passing checks were the consensus or the non-finite summary, a
+    # black X for a failed check of any kind
+    steps: dict[int, bool] = {}
+    replayed: set[int] = set()
+    for a in lane.audits:
+        steps[a.step] = steps.get(a.step, False) or a.outcome == "fail"
+        if a.kind == "replay" and a.outcome != "fail":
+            replayed.add(a.step)
+    passed = [s for s, failed in steps.items() if not failed and s in replayed]
+    checked = [s for s, failed in steps.items() if not failed and s not in replayed]
+    failed = [s for s, failed in steps.items() if failed]
+    if passed:
+        ax.plot(passed, [y - 0.22] * len(passed), linestyle="none", marker="|", markersize=8, color=GREY, zorder=2)
+    if checked:
+        ax.plot(checked, [y - 0.22] * len(checked), linestyle="none", marker=".", markersize=4, color=GREY, zorder=2)
+    if failed:
+        ax.plot(failed, [y - 0.22] * len(failed), linestyle="none", marker="X", markersize=6.5, color="black", zorder=4)
+
+
+def _draw_detections(ax: Axes, lane: Lane, y: float, *, close: float) -> None:
+    # detections: a red line across the lane, with the kind and the ranks it names
+    # (uncontained labels above the lane, contained ones below; neighbours staggered)
+    last: dict[bool, tuple[float, int]] = {}
+    for d in lane.detections:
+        color = ORANGE if d.contained else RED
+        ax.plot(
+            [d.step, d.step],
+            [y - 0.42, y + 0.42],
+            color=color,
+            linewidth=2.2,
+            linestyle="--" if d.contained else "-",
+            zorder=3,
+        )
+        label = detection_label(d)
+        prev = last.get(d.contained)
+        level = (prev[1] + 1) % 3 if prev is not None and d.step - prev[0] < close else 0
+        last[d.contained] = (d.step, level)
+        if d.contained:
+            ax.text(
+                d.step,
+                y - 0.45 - 0.13 * level,
+                _text(label),
+                ha="center",
+                va="top",
+                fontsize=7.5,
+                color="#c47a00",
+                fontweight="bold",
+                zorder=5,
+            )
+        else:
+            ax.text(
+                d.step,
+                y + 0.45 + 0.13 * level,
+                _text(label),
+                ha="center",
+                va="bottom",
+                fontsize=8,
+                color=color,
+                fontweight="bold",
+                zorder=5,
+            )
+
+
+def _draw_checkpoints(ax: Axes, lane: Lane, y: float, *, ms: float) -> None:
+    """Checkpoints, coloured by verdict; hollow when the file is gone."""
+    groups: dict[tuple[str, bool], list[int]] = {}
+    for c in lane.checkpoints:
+        color = GREEN if c.verdict == "trusted" else TEAL if c.verdict == "verified" else ORANGE if c.pending else RED
+        groups.setdefault((color, c.held), []).append(c.step)
+    for (color, held), xs in groups.items():
+        ax.plot(
+            xs,
+            [y] * len(xs),
+            linestyle="none",
+            marker="o",
+            markersize=ms,
+            markerfacecolor=color if held else "white",
+            markeredgecolor="white" if held else color,
+            markeredgewidth=0.8 if held else 1.8,
+            zorder=4,
+        )
+
+
+def _draw_drills(ax: Axes, lane: Lane, y: float) -> None:
+    """Restore drills above the lane, filled by outcome."""
+    for dr in lane.drills:
+        if dr.step is None:
+            continue
+        ax.plot(
+            [dr.step],
+            [y + 0.2],
+            linestyle="none",
+            marker="D",
+            markersize=5.5,
+            markerfacecolor=DRILL.get(dr.outcome, "white"),
+            markeredgecolor="#1f77b4",
+            zorder=5,
+        )
+
+
+def _draw_latest_good(ax: Axes, lane: Lane, y: float, *, ms: float) -> None:
+    """A gold star on the lane's latest-good checkpoint, with its name below."""
+    lg = next((c for c in lane.checkpoints if c.latest_good), None)
+    if lg is not None:
+        ax.plot(
+            [lg.step],
+            [y],
+            linestyle="none",
+            marker="*",
+            markersize=ms * 2.0,
+            markerfacecolor=GOLD,
+            markeredgecolor="black",
+            markeredgewidth=0.8,
+            zorder=6,
+        )
+        ax.annotate(
+            _text(f"latest-good {lg.ckpt_id}"),
+            xy=(lg.step, y),
+            xytext=(0, -22),
+            textcoords="offset points",
+            ha="center",
+            va="top",
+            fontsize=8.5,
+            fontweight="bold",
+            color="#333333",
+            bbox=dict(boxstyle="round,pad=0.25", facecolor="#fff6c2", edgecolor=GOLD, linewidth=0.8),
+            arrowprops=dict(arrowstyle="-", color="#888888", linewidth=0.8),
+            zorder=6,
+        )
+
+
+def _legend(ax: Axes, *, drills: bool, width: float, height: float) -> None:
+    """The legend under the picture (a restore drill's entry only when there is one)."""
+    # matplotlib is imported already: _figure, the only caller, imported it or said how to install it
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
 
     handles = [
         Line2D(
@@ -343,7 +380,7 @@ def _figure(tl: Timeline):  # noqa: C901
         Patch(facecolor=RED, alpha=0.18, label="suspect interval (c, d]"),
         Line2D([], [], color="#555555", linestyle="--", linewidth=1.1, label="fork (resume from checkpoint)"),
     ]
-    if any(lane.drills for lane in lanes):
+    if drills:
         handles.append(
             Line2D(
                 [],
@@ -366,8 +403,6 @@ def _figure(tl: Timeline):  # noqa: C901
         handlelength=1.6,
         columnspacing=1.4,
     )
-    fig.tight_layout()
-    return fig
 
 
 def _png_bytes(tl: Timeline) -> bytes:

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from certckpt.trust.certify import PENDING_REASONS, Reason
+from certckpt.trust.certify import PENDING_REASONS, Certification, CheckpointEntry, Detection, Reason
+
+if TYPE_CHECKING:  # for annotations only: the timeline reads a snapshot it is given
+    from certckpt.trust.snapshot import LedgerSnapshot
 
 __all__ = [
     "Timeline",
@@ -161,7 +164,7 @@ def _step_of(ckpt_id: str) -> int | None:
         return None
 
 
-def timeline(status: Any) -> Timeline:  # noqa: C901
+def timeline(status: Any) -> Timeline:
     """The timeline of a certified store (a ``runstore.StoreStatus``). Pure: reads nothing."""
     snap, cert = status.snapshot, status.certification
     by_id = {c.ckpt_id: c for c in snap.checkpoints}
@@ -173,23 +176,50 @@ def timeline(status: Any) -> Timeline:  # noqa: C901
     )
     names |= {d.branch for d in cert.detections}
     lanes = {b: Lane(branch=b) for b in names}
-
-    # fork points: the branch record, else a checkpoint whose parent lies on another branch
     for b, lane in lanes.items():
-        parent = snap.branch_parents.get(b)
-        if parent is None:
-            parent = next(
-                (
-                    c.parent
-                    for c in sorted(snap.checkpoints, key=lambda c: c.step)
-                    if c.branch == b and c.parent and (c.parent not in by_id or by_id[c.parent].branch != b)
-                ),
-                None,
-            )
+        parent = _fork_point(snap, by_id, b)
         if parent is not None:
             lane.parent = parent
             lane.fork_step = by_id[parent].step if parent in by_id else _step_of(parent)
 
+    _add_checkpoints(lanes, snap, cert, problems=problems, latest=latest)
+    _add_audits(lanes, snap.events)
+    _add_detections(lanes, cert.detections)
+    _add_drills(lanes, snap.drills, by_id)
+    for lane in lanes.values():
+        _set_extent(lane)
+
+    run = next((r.get("run") for r in snap.records.values() if r.get("run")), None)
+    run = run or next((e.get("run") for e in snap.events if e.get("run")), None)
+    return Timeline(store=status.store, run=run, latest_good=latest, lanes=_ordered(lanes, by_id))
+
+
+def _fork_point(snap: LedgerSnapshot, by_id: Mapping[str, CheckpointEntry], branch: str) -> str | None:
+    """The checkpoint a branch resumed from: its branch record, else a checkpoint of it whose parent
+    lies on another branch (the earliest)."""
+    parent = snap.branch_parents.get(branch)
+    if parent is None:
+        parent = next(
+            (
+                c.parent
+                for c in sorted(snap.checkpoints, key=lambda c: c.step)
+                if c.branch == branch and c.parent and (c.parent not in by_id or by_id[c.parent].branch != branch)
+            ),
+            None,
+        )
+    return parent
+
+
+def _add_checkpoints(
+    lanes: dict[str, Lane],
+    snap: LedgerSnapshot,
+    cert: Certification,
+    *,
+    problems: Mapping[str, str],
+    latest: str | None,
+) -> None:
+    """Every checkpoint on its lane in step order, with its verdict and, in words, what is against it
+    (a revocation's reason, a byte problem found now)."""
     revoked: dict[str, list[str]] = {}
     for r in snap.revocations:
         revoked.setdefault(r.ckpt_id, []).append(f"revoked{' by ' + r.by if r.by else ''}: {r.reason}")
@@ -212,8 +242,11 @@ def timeline(status: Any) -> Timeline:  # noqa: C901
             )
         )
 
+
+def _add_audits(lanes: dict[str, Lane], events: list[dict[str, Any]]) -> None:
+    """One mark per branch, step and kind of check (a failure wins over any pass)."""
     audits: dict[tuple[str, int, str], str] = {}
-    for e in snap.events:
+    for e in events:
         kind = _AUDIT_KINDS.get(e["kind"], e["kind"])
         key = (e["branch"], int(e["step"]), kind)
         if audits.get(key) != "fail":
@@ -221,23 +254,31 @@ def timeline(status: Any) -> Timeline:  # noqa: C901
     for (b, step, kind), outcome in sorted(audits.items(), key=lambda kv: (kv[0][1], kv[0][2])):
         lanes[b].audits.append(AuditMark(step=step, kind=kind, outcome=outcome))
 
-    for d in sorted(cert.detections, key=lambda d: (d.step, d.kind)):
+
+def _add_detections(lanes: dict[str, Lane], detections: list[Detection]) -> None:
+    """Every detection on its lane, and each distinct suspect interval once."""
+    for d in sorted(detections, key=lambda d: (d.step, d.kind)):
         lane = lanes[d.branch]
+        interval = (d.interval[0], d.interval[1]) if d.interval else None
         lane.detections.append(
             DetectionMark(
                 step=d.step,
                 kind=d.kind,
                 suspect_ranks=tuple(d.suspect_ranks),
                 contained=d.contained,
-                interval=tuple(d.interval) if d.interval else None,
+                interval=interval,
                 rollback_window=d.rollback_window,
             )
         )
-        if d.interval and tuple(d.interval) not in lane.intervals:
-            lane.intervals.append(tuple(d.interval))
+        if interval and interval not in lane.intervals:
+            lane.intervals.append(interval)
 
-    for doc in snap.drills:
-        cid = doc.get("ckpt_id")
+
+def _add_drills(lanes: dict[str, Lane], drills: list[dict[str, Any]], by_id: Mapping[str, CheckpointEntry]) -> None:
+    """Every restore drill on the lane of the checkpoint it restored (a lane of its own when the
+    checkpoint's branch has none; a drill that names no checkpoint is left out)."""
+    for doc in drills:
+        cid: Any = doc.get("ckpt_id")  # any JSON: the reader does not check a drill record's fields
         b = by_id[cid].branch if cid in by_id else (cid.rpartition("@")[0] if cid and "@" in cid else None)
         if b is None:
             continue
@@ -251,19 +292,17 @@ def timeline(status: Any) -> Timeline:  # noqa: C901
             )
         )
 
-    for lane in lanes.values():
-        steps = [c.step for c in lane.checkpoints] + [a.step for a in lane.audits] + [d.step for d in lane.detections]
-        steps += [s for iv in lane.intervals for s in iv] + [d.step for d in lane.drills if d.step is not None]
-        if lane.fork_step is not None:
-            lane.start = lane.fork_step
-            steps.append(lane.fork_step)
-        else:
-            lane.start = min(steps, default=0)
-        lane.end = max(steps, default=lane.start)
 
-    run = next((r.get("run") for r in snap.records.values() if r.get("run")), None)
-    run = run or next((e.get("run") for e in snap.events if e.get("run")), None)
-    return Timeline(store=status.store, run=run, latest_good=latest, lanes=_ordered(lanes, by_id))
+def _set_extent(lane: Lane) -> None:
+    """Where a lane starts (its fork step, else its first mark) and ends (its last mark)."""
+    steps = [c.step for c in lane.checkpoints] + [a.step for a in lane.audits] + [d.step for d in lane.detections]
+    steps += [s for iv in lane.intervals for s in iv] + [d.step for d in lane.drills if d.step is not None]
+    if lane.fork_step is not None:
+        lane.start = lane.fork_step
+        steps.append(lane.fork_step)
+    else:
+        lane.start = min(steps, default=0)
+    lane.end = max(steps, default=lane.start)
 
 
 def _ordered(lanes: dict[str, Lane], by_id: dict[str, Any]) -> list[Lane]:

@@ -695,7 +695,7 @@ def _forks(tl: Timeline, x: _Scale, ys: Sequence[float]) -> list[str]:
     """Dashed arrows from each parent checkpoint to the start of the lane forked from it."""
     out = []
     for j, (lane, i) in enumerate(zip(tl.lanes, _parent_lanes(tl))):
-        if i is None:
+        if i is None or lane.fork_step is None:  # (a lane without a fork step has no parent lane either)
             continue
         fx, down = x(lane.fork_step), ys[i] < ys[j]
         y_from = ys[i] + (x.r + 3 if down else -x.r - 3)

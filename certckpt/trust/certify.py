@@ -241,9 +241,9 @@ class _Branch:
         return self.clean[i - 1] if i else self.base
 
 
-def certify(  # noqa: C901
+def certify(
     checkpoints: Sequence[CheckpointEntry],
-    events: Iterable[Any],
+    events: Iterable[Any] | AuditFacts,
     revocations: Iterable[Revocation] = (),
     *,
     corrupt: Iterable[str] = (),
@@ -254,7 +254,8 @@ def certify(  # noqa: C901
 
     Args:
         checkpoints: committed checkpoints (uncommitted files never reach the certifier).
-        events: audit events (``AuditEvent`` or their dicts) of every branch.
+        events: audit events (``AuditEvent`` or their dicts) of every branch, or their ``AuditFacts``
+            folded already.
         revocations: revoked checkpoint ids.
         corrupt: ids whose bytes failed verification.
         branch_parents: per branch, the checkpoint it resumed from (so a branch's suspect intervals
@@ -268,13 +269,57 @@ def certify(  # noqa: C901
         commit on ties). Callers re-verify its bytes and fall back along ``order``.
     """
     by_id = {c.ckpt_id: c for c in checkpoints}
+    facts = events if isinstance(events, AuditFacts) else AuditFacts.of(events)
+    branches = _branches(checkpoints, facts, _branch_bases(checkpoints, by_id, branch_parents or {}))
+    out = Certification(detections=_detections(branches))
+
+    revoked = {r.ckpt_id for r in revocations}
+    own = _own_reasons_by_id(checkpoints, branches, set(corrupt), dict(tampered or {}))
+
+    # Lineage (rule 5): ancestors are the earlier checkpoints of the branch and the fork point with
+    # its own ancestors. Resolved with memoisation; a cycle in bad data counts as tainted.
+    by_branch = _by_branch(checkpoints)
+    first_revoked = _first_revoked(by_branch, revoked)
+
+    # Trust needs a trusted fork point; verified needs one with nothing against it but missing audits.
+    trust_tainted = _lineage(by_id, own, revoked, first_revoked, lambda reasons: not reasons)
+    verify_tainted = _lineage(by_id, own, revoked, first_revoked, lambda reasons: set(reasons) <= PENDING_REASONS)
+
+    superseded = _superseded(by_branch, by_id, branch_parents or {})
+    for c in checkpoints:
+        out.verdicts[c.ckpt_id] = _verdict(
+            c,
+            own[c.ckpt_id],
+            revoked=c.ckpt_id in revoked,
+            trust_tainted=trust_tainted,
+            verify_tainted=verify_tainted,
+            superseded=c.ckpt_id in superseded,
+        )
+
+    out.order = _best_first(checkpoints, out.verdicts, Level.TRUSTED)
+    out.verified_order = _best_first(checkpoints, out.verdicts, Level.VERIFIED)
+    return out
+
+
+def _branch_bases(
+    checkpoints: Sequence[CheckpointEntry], by_id: Mapping[str, CheckpointEntry], branch_parents: Mapping[str, str]
+) -> dict[str, int]:
+    """Per branch, the step it starts from: its recorded fork point's, else its checkpoints' parent's
+    (so a branch's suspect intervals start at its fork point even before its first checkpoint)."""
     bases: dict[str, int] = {}
-    for name, parent in (branch_parents or {}).items():
+    for name, parent in branch_parents.items():
         if parent in by_id:
             bases[name] = by_id[parent].step
     for c in checkpoints:
         if c.parent and c.parent in by_id:
             bases.setdefault(c.branch, by_id[c.parent].step)
+    return bases
+
+
+def _branches(
+    checkpoints: Sequence[CheckpointEntry], facts: AuditFacts, bases: Mapping[str, int]
+) -> dict[str, _Branch]:
+    """Every branch the audit facts or the checkpoints name, with its facts indexed for bisection."""
     branches: dict[str, _Branch] = {}
 
     def branch(name: str) -> _Branch:
@@ -282,7 +327,6 @@ def certify(  # noqa: C901
             branches[name] = _Branch(bases.get(name, 0))
         return branches[name]
 
-    facts = events if isinstance(events, AuditFacts) else AuditFacts.of(events)
     for name, f in facts.effective().items():
         b = branch(name)
         b.facts, b.failures = f, list(f.failures)
@@ -290,101 +334,131 @@ def certify(  # noqa: C901
         branch(c.branch)
     for b in branches.values():
         b.index()
+    return branches
 
-    out = Certification()
+
+def _detections(branches: Mapping[str, _Branch]) -> list[Detection]:
+    """Every failed check, by branch then step, with the interval it makes suspect."""
+    out: list[Detection] = []
     for name, b in sorted(branches.items()):
         for step, kind, suspects, contained in sorted(b.failures):
-            c = b.last_clean_before(step)
-            out.detections.append(
+            clean = b.last_clean_before(step)
+            out.append(
                 Detection(
                     branch=name,
                     step=step,
                     kind=kind,
                     suspect_ranks=suspects,
                     contained=contained,
-                    last_clean=c,
-                    interval=None if contained else (c, step),
-                    rollback_window=0 if contained else step - c,
+                    last_clean=clean,
+                    interval=None if contained else (clean, step),
+                    rollback_window=0 if contained else step - clean,
                 )
             )
+    return out
 
-    revoked = {r.ckpt_id for r in revocations}
-    corrupt = set(corrupt)
+
+def _own_reasons_by_id(
+    checkpoints: Sequence[CheckpointEntry],
+    branches: Mapping[str, _Branch],
+    corrupt: set[str],
+    marks: Mapping[str, int],
+) -> dict[str, list[str]]:
+    """Per checkpoint, the reasons of its own (rules 1-4, and ``tampered`` past its branch's mark),
+    before lineage, revocation and supersession are considered."""
     own: dict[str, list[str]] = {}
-    marks = dict(tampered or {})
     for c in checkpoints:
         own[c.ckpt_id] = _own_reasons(c, branches[c.branch], corrupt)
         mark = min(marks.get(c.branch, _NO_MARK), marks.get("*", _NO_MARK))
         if c.step > mark:
             own[c.ckpt_id].append(Reason.TAMPERED)
+    return own
 
-    # Lineage (rule 5): ancestors are the earlier checkpoints of the branch and the fork point with
-    # its own ancestors. Resolved with memoisation; a cycle in bad data counts as tainted.
+
+def _by_branch(checkpoints: Sequence[CheckpointEntry]) -> dict[str, list[CheckpointEntry]]:
+    """Each branch's checkpoints in step order (commit time on ties)."""
     by_branch: dict[str, list[CheckpointEntry]] = defaultdict(list)
     for c in checkpoints:
         by_branch[c.branch].append(c)
     for lst in by_branch.values():
         lst.sort(key=lambda c: (c.step, c.committed_at))
-    # the first revoked checkpoint of each branch: every later one on the branch descends from it
-    first_revoked = {
+    return by_branch
+
+
+def _first_revoked(
+    by_branch: Mapping[str, list[CheckpointEntry]], revoked: set[str]
+) -> dict[str, tuple[int, float] | None]:
+    """The first revoked checkpoint of each branch, as ``(step, committed_at)``: every later one on the
+    branch descends from it."""
+    return {
         name: next(((c.step, c.committed_at) for c in lst if c.ckpt_id in revoked), None)
         for name, lst in by_branch.items()
     }
 
-    def lineage(parent_ok: Callable[[list[str]], bool]) -> Callable[[str], bool]:
-        """Whether a checkpoint's lineage is tainted: itself or an earlier checkpoint of its branch
-        revoked, or a fork point it descends from failing ``parent_ok`` (on the fork point's own
-        reasons but ``corrupt``: damage after the fork did not feed the new branch)."""
-        memo: dict[str, bool] = {}
 
-        def tainted(cid: str, seen: frozenset = frozenset()) -> bool:
-            if cid in memo:
-                return memo[cid]
-            if cid in seen:
-                return True  # a cycle in bad data counts as tainted
-            c = by_id[cid]
-            fr = first_revoked[c.branch]
-            result = cid in revoked or (fr is not None and fr < (c.step, c.committed_at))
-            if not result and c.parent:
-                p = by_id.get(c.parent)
-                if p is None:
-                    result = True  # descends from a checkpoint the store does not know
-                else:
-                    result = not parent_ok([r for r in own[p.ckpt_id] if r != Reason.CORRUPT]) or tainted(
-                        p.ckpt_id, seen | {cid}
-                    )
-            memo[cid] = result
-            return result
+def _lineage(
+    by_id: Mapping[str, CheckpointEntry],
+    own: Mapping[str, list[str]],
+    revoked: set[str],
+    first_revoked: Mapping[str, tuple[int, float] | None],
+    parent_ok: Callable[[list[str]], bool],
+) -> Callable[[str], bool]:
+    """Whether a checkpoint's lineage is tainted: itself or an earlier checkpoint of its branch
+    revoked, or a fork point it descends from failing ``parent_ok`` (on the fork point's own
+    reasons but ``corrupt``: damage after the fork did not feed the new branch)."""
+    memo: dict[str, bool] = {}
 
-        return tainted
+    def tainted(cid: str, seen: frozenset[str] = frozenset()) -> bool:
+        if cid in memo:
+            return memo[cid]
+        if cid in seen:
+            return True  # a cycle in bad data counts as tainted
+        c = by_id[cid]
+        fr = first_revoked[c.branch]
+        result = cid in revoked or (fr is not None and fr < (c.step, c.committed_at))
+        if not result and c.parent:
+            p = by_id.get(c.parent)
+            if p is None:
+                result = True  # descends from a checkpoint the store does not know
+            else:
+                result = not parent_ok([r for r in own[p.ckpt_id] if r != Reason.CORRUPT]) or tainted(
+                    p.ckpt_id, seen | {cid}
+                )
+        memo[cid] = result
+        return result
 
-    # Trust needs a trusted fork point; verified needs one with nothing against it but missing audits.
-    trust_tainted = lineage(lambda reasons: not reasons)
-    verify_tainted = lineage(lambda reasons: set(reasons) <= PENDING_REASONS)
+    return tainted
 
-    superseded = _superseded(by_branch, by_id, branch_parents or {})
-    for c in checkpoints:
-        reasons = list(own[c.ckpt_id])
-        verified = set(reasons) <= PENDING_REASONS and not verify_tainted(c.ckpt_id)
-        if c.ckpt_id in revoked:
-            reasons.append(Reason.REVOKED)
-        elif trust_tainted(c.ckpt_id):
-            reasons.append(Reason.TAINTED_PARENT)
-        if reasons and set(reasons) <= PENDING_REASONS and c.ckpt_id in superseded:
-            # abandoned work awaiting evidence that will never come: the run went on from an
-            # earlier checkpoint before this one was proven (one condemned already needs no more)
-            reasons.append(Reason.SUPERSEDED)
-            verified = False
-        out.verdicts[c.ckpt_id] = Verdict(not reasons, tuple(dict.fromkeys(reasons)), verified)
 
-    def best_first(level: Level) -> list[str]:
-        chosen = [c for c in checkpoints if out.verdicts[c.ckpt_id].level is level]
-        chosen.sort(key=lambda c: (c.step, c.committed_at), reverse=True)
-        return [c.ckpt_id for c in chosen]
+def _verdict(
+    c: CheckpointEntry,
+    own: list[str],
+    *,
+    revoked: bool,
+    trust_tainted: Callable[[str], bool],
+    verify_tainted: Callable[[str], bool],
+    superseded: bool,
+) -> Verdict:
+    """One checkpoint's verdict from its own reasons, its lineage, a revocation and a resume."""
+    reasons = list(own)
+    verified = set(reasons) <= PENDING_REASONS and not verify_tainted(c.ckpt_id)
+    if revoked:
+        reasons.append(Reason.REVOKED)
+    elif trust_tainted(c.ckpt_id):
+        reasons.append(Reason.TAINTED_PARENT)
+    if reasons and set(reasons) <= PENDING_REASONS and superseded:
+        # abandoned work awaiting evidence that will never come: the run went on from an
+        # earlier checkpoint before this one was proven (one condemned already needs no more)
+        reasons.append(Reason.SUPERSEDED)
+        verified = False
+    return Verdict(not reasons, tuple(dict.fromkeys(reasons)), verified)
 
-    out.order = best_first(Level.TRUSTED)
-    out.verified_order = best_first(Level.VERIFIED)
-    return out
+
+def _best_first(checkpoints: Sequence[CheckpointEntry], verdicts: Mapping[str, Verdict], level: Level) -> list[str]:
+    """Ids of the checkpoints at exactly ``level``, greatest step first (newest commit on ties)."""
+    chosen = [c for c in checkpoints if verdicts[c.ckpt_id].level is level]
+    chosen.sort(key=lambda c: (c.step, c.committed_at), reverse=True)
+    return [c.ckpt_id for c in chosen]
 
 
 def _superseded(

@@ -210,7 +210,7 @@ def _entry_problem(doc: Any, *, writer: str, seq: int) -> str | None:
     return None
 
 
-def check_chains(  # noqa: C901
+def check_chains(
     entries: Mapping[str, Mapping[int, bytes]],
     *,
     stores: Mapping[str, str],
@@ -233,71 +233,148 @@ def check_chains(  # noqa: C901
         remembered: per writer, the head this reader verified last time (a chain that is shorter now,
             or whose entry at that head changed, was truncated or rewritten: a break).
     """
-    out = ChainCheck()
-    at_seq: dict[tuple[str, int], str] = {}  # (writer, seq) -> the intact entry's SHA-256
-    seals: list[tuple[str, int, str, int]] = []  # (sealing writer, its seq, sealed writer, sealed seq)
+    rules = _Rules(stores=stores, record_digest=record_digest, trusted_keys=trusted_keys, optional=optional)
+    found = _Findings()
     for writer in sorted(entries):
-        files = entries[writer]
-        prev: str | None = None
-        authenticated: bool | None = None
-        expected = 1
-        broken: Break | None = None
-        for seq in sorted(files):
-            data = files[seq]
-            try:
-                doc = json.loads(data)
-            except (ValueError, RecursionError, UnicodeDecodeError):
-                doc = None
-            if broken is None:
-                why = declared = None
-                if seq != expected:
-                    why = f"entry {expected} is missing (the chain jumps to {seq})"
-                    seq_at = expected
-                else:
-                    seq_at = seq
-                    why = _entry_problem(doc, writer=writer, seq=seq)
-                    if why is None and doc["store"] not in stores:
-                        why = f"belongs to store {str(doc['store'])[:40]!r}, not this one (replayed from elsewhere)"
-                    if why is None:
-                        want = stores[doc["store"]] if seq == 1 else prev
-                        if doc["prev"] != want:
-                            why = "does not link to the entry before it (reordered, replaced or spliced)"
-                    if why is None and writer in out.scopes and doc["scope"] != out.scopes[writer]:
-                        why = f"changes the writer's scope from {out.scopes[writer]} to {doc['scope']}"
-                    if why is None and trusted_keys is not None:
-                        sig_problem = trusted_keys.problem(doc)
-                        if seq == 1:
-                            authenticated = sig_problem is None
-                            if sig_problem is not None:
-                                out.unauthenticated[writer] = sig_problem
-                        elif authenticated and sig_problem is not None:
-                            why = sig_problem
-                    if why is None:
-                        why = _record_problem(doc, record_digest, optional)
-                        declared = doc["scope"]  # the entry itself is sound: what it says it wrote stands
-                    else:
-                        declared = None
-                if why is not None:
-                    scope = out.scopes.get(writer) or declared or "store"
-                    broken = out.breaks[writer] = Break(writer=writer, seq=seq_at, scope=scope, why=why)
-                else:
-                    out.scopes.setdefault(writer, doc["scope"])
-                    h = digest(data)
-                    at_seq[writer, seq] = h
-                    out.heads[writer] = (seq, h)
-                    prev, expected = h, seq + 1
-                    counts = trusted_keys is None or bool(authenticated)
-                    for kind, name, sha in doc["records"]:
-                        have = out.sealed.get((kind, name))
-                        if have is None or (counts and not have.counts):  # a seal that counts wins
-                            out.sealed[kind, name] = Sealed(sha, writer, seq, counts)
-                    seals.extend((writer, seq, w, s) for w, s in doc["seen"].items() if w != writer)
-                    continue
-            # after a break: what these entries list still counts against trust, never for it
-            if isinstance(doc, dict) and isinstance(doc.get("records"), list):
-                for r in doc["records"]:
-                    if isinstance(r, list) and len(r) == 3 and all(isinstance(x, str) for x in r):
-                        out.sealed.setdefault((r[0], r[1]), Sealed(r[2], writer, seq, False))
+        _walk_chain(writer, entries[writer], rules=rules, found=found)
+    out = found.out
+    _break_truncated(out, found.seals)
+    _break_rolled_back(out, remembered or {}, found.at_seq)
+    if out.breaks:
+        _demote_after_breaks(out)
+    return out
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Rules:
+    """What ``check_chains`` was told to hold every entry to (its arguments, but the entries)."""
+
+    stores: Mapping[str, str]
+    record_digest: Callable[[str, str, str], str | None]
+    trusted_keys: TrustedKeys | None
+    optional: Callable[[str, str], bool]
+
+
+@dataclass(slots=True)
+class _Findings:
+    """What the walk over every chain has found so far (the result, and what its last steps need)."""
+
+    out: ChainCheck = field(default_factory=ChainCheck)
+    at_seq: dict[tuple[str, int], str] = field(default_factory=dict)  # (writer, seq) -> the intact entry's SHA-256
+    seals: list[tuple[str, int, str, int]] = field(default_factory=list)  # (sealer, its seq, sealed writer, seq)
+
+
+@dataclass(slots=True)
+class _Link:
+    """One writer's chain as it is walked: where its intact part ends."""
+
+    prev: str | None = None  # the SHA-256 of its last intact entry
+    authenticated: bool | None = None  # with trusted keys: whether its first entry is signed by one
+    expected: int = 1  # the seq the next entry must have
+    broken: Break | None = None
+
+
+def _walk_chain(writer: str, files: Mapping[int, bytes], *, rules: _Rules, found: _Findings) -> None:
+    """Walk one writer's entries in order: the intact ones seal their records, the first one that is
+    missing, altered or does not link is the writer's break, and what comes after it only counts
+    against trust."""
+    out = found.out
+    link = _Link()
+    for seq in sorted(files):
+        data = files[seq]
+        try:
+            doc = json.loads(data)
+        except (ValueError, RecursionError, UnicodeDecodeError):
+            doc = None
+        if link.broken is None:
+            declared: str | None = None  # the scope a sound entry names (kept if a record it seals is not)
+            if seq != link.expected:
+                why: str | None = f"entry {link.expected} is missing (the chain jumps to {seq})"
+                seq_at = link.expected
+            else:
+                seq_at = seq
+                why = _link_problem(doc, writer=writer, seq=seq, link=link, rules=rules, out=out)
+                if why is None:
+                    why = _record_problem(doc, rules.record_digest, rules.optional)
+                    declared = doc["scope"]  # the entry itself is sound: what it says it wrote stands
+            if why is not None:
+                scope = out.scopes.get(writer) or declared or "store"
+                link.broken = out.breaks[writer] = Break(writer=writer, seq=seq_at, scope=scope, why=why)
+            else:
+                _accept_entry(
+                    writer,
+                    seq,
+                    data,
+                    doc,
+                    link=link,
+                    counts=rules.trusted_keys is None or bool(link.authenticated),
+                    found=found,
+                )
+                continue
+        _seal_against_trust(out, doc, writer=writer, seq=seq)
+
+
+def _link_problem(doc: Any, *, writer: str, seq: int, link: _Link, rules: _Rules, out: ChainCheck) -> str | None:
+    """Why the entry due next in a writer's chain does not continue it (None when it does), checked in
+    this order: its form, its store, its link, its scope, its signature."""
+    why = _entry_problem(doc, writer=writer, seq=seq)
+    if why is None and doc["store"] not in rules.stores:
+        why = f"belongs to store {str(doc['store'])[:40]!r}, not this one (replayed from elsewhere)"
+    if why is None:
+        want = rules.stores[doc["store"]] if seq == 1 else link.prev
+        if doc["prev"] != want:
+            why = "does not link to the entry before it (reordered, replaced or spliced)"
+    if why is None and writer in out.scopes and doc["scope"] != out.scopes[writer]:
+        why = f"changes the writer's scope from {out.scopes[writer]} to {doc['scope']}"
+    if why is None and rules.trusted_keys is not None:
+        why = _signature_problem(doc, writer=writer, seq=seq, link=link, keys=rules.trusted_keys, out=out)
+    return why
+
+
+def _signature_problem(
+    doc: dict[str, Any], *, writer: str, seq: int, link: _Link, keys: TrustedKeys, out: ChainCheck
+) -> str | None:
+    """The first entry decides whether the chain is authenticated (an unauthenticated chain is no
+    break: its records count only against trust); after an authenticated start, an entry no
+    trusted key signed is a break."""
+    sig_problem = keys.problem(doc)
+    if seq == 1:
+        link.authenticated = sig_problem is None
+        if sig_problem is not None:
+            out.unauthenticated[writer] = sig_problem
+    elif link.authenticated and sig_problem is not None:
+        return sig_problem
+    return None
+
+
+def _accept_entry(
+    writer: str, seq: int, data: bytes, doc: dict[str, Any], *, link: _Link, counts: bool, found: _Findings
+) -> None:
+    """An intact entry: it becomes the writer's head, seals the records it lists (for trust when
+    ``counts``) and notes the other writers' heads it saw."""
+    out = found.out
+    out.scopes.setdefault(writer, doc["scope"])
+    h = digest(data)
+    found.at_seq[writer, seq] = h
+    out.heads[writer] = (seq, h)
+    link.prev, link.expected = h, seq + 1
+    for kind, name, sha in doc["records"]:
+        have = out.sealed.get((kind, name))
+        if have is None or (counts and not have.counts):  # a seal that counts wins
+            out.sealed[kind, name] = Sealed(sha, writer, seq, counts)
+    found.seals.extend((writer, seq, w, s) for w, s in doc["seen"].items() if w != writer)
+
+
+def _seal_against_trust(out: ChainCheck, doc: Any, *, writer: str, seq: int) -> None:
+    """An entry at or after a break: what it lists still counts against trust, never for it."""
+    if isinstance(doc, dict) and isinstance(doc.get("records"), list):
+        for r in doc["records"]:
+            if isinstance(r, list) and len(r) == 3 and all(isinstance(x, str) for x in r):
+                out.sealed.setdefault((r[0], r[1]), Sealed(r[2], writer, seq, False))
+
+
+def _break_truncated(out: ChainCheck, seals: list[tuple[str, int, str, int]]) -> None:
+    """A writer whose head is behind what another writer's entry saw of it lost its tail."""
     for sealer, at, writer, seq in seals:
         have = out.heads.get(writer, (0, ""))[0]
         if have < seq and writer not in out.breaks:
@@ -308,23 +385,31 @@ def check_chains(  # noqa: C901
                 why=f"entries up to {seq}, sealed by writer {sealer} entry {at}, are missing (truncated or deleted)",
             )
             out.behind.add(writer)
-    for writer, (seq, h) in (remembered or {}).items():
+
+
+def _break_rolled_back(
+    out: ChainCheck, remembered: Mapping[str, tuple[int, str]], at_seq: Mapping[tuple[str, int], str]
+) -> None:
+    """A writer whose chain is shorter than, or different at, the head this reader verified before."""
+    for writer, (seq, h) in remembered.items():
         if writer in out.breaks:
             continue
-        have = out.heads.get(writer)
-        if have is None or have[0] < seq or at_seq.get((writer, seq)) != h:
+        head = out.heads.get(writer)
+        if head is None or head[0] < seq or at_seq.get((writer, seq)) != h:
             out.breaks[writer] = Break(
                 writer=writer,
-                seq=(have[0] + 1) if have else 1,
+                seq=(head[0] + 1) if head else 1,
                 scope=out.scopes.get(writer, "store"),
                 why=f"shorter or different than when this reader last verified it (entry {seq}): rolled back",
             )
-    if out.breaks:  # records sealed only by entries at or after a break count only against trust
-        for key, s in list(out.sealed.items()):
-            b = out.breaks.get(s.writer)
-            if b is not None and s.seq >= b.seq and s.counts:
-                out.sealed[key] = Sealed(s.sha256, s.writer, s.seq, False)
-    return out
+
+
+def _demote_after_breaks(out: ChainCheck) -> None:
+    """Records sealed only by entries at or after a break count only against trust."""
+    for key, s in list(out.sealed.items()):
+        b = out.breaks.get(s.writer)
+        if b is not None and s.seq >= b.seq and s.counts:
+            out.sealed[key] = Sealed(s.sha256, s.writer, s.seq, False)
 
 
 def _record_problem(

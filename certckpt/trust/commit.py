@@ -13,6 +13,8 @@ import os
 from typing import Any
 
 from certckpt.errors import ArgumentTypeError, CheckpointExistsError, ConfigurationError
+from certckpt.format.asyncsave import AsyncSaver, SaveFuture, default_saver
+from certckpt.format.backends import storage_of
 from certckpt.format.reader import warn_ignored
 from certckpt.format.signing import SigningKey, signing_key_for
 from certckpt.format.storage import resolve
@@ -21,7 +23,7 @@ from certckpt.format.writer import save as plain_save
 
 from .ledger import Ledger, ckpt_id_for, is_ckpt_id
 
-__all__ = ["save", "commit_saved", "name_taken"]
+__all__ = ["save", "async_save", "commit_saved", "name_taken"]
 
 _NOT_GIVEN = object()  # torch.save's pickle options: forwarded only when the caller passed them
 
@@ -41,7 +43,7 @@ def save(
     ledger: str | Ledger | None = None,
     branch: str = "main",
     parent: str | None = None,
-    signing_key: SigningKey | str | os.PathLike | None = None,
+    signing_key: SigningKey | str | os.PathLike[str] | None = None,
 ) -> SaveResult:
     """Save ``obj`` as a certified safetensors checkpoint; with ``ledger``, also commit it there.
 
@@ -102,6 +104,32 @@ def save(
         )
     if given:
         warn_ignored(list(given), function="save")
+    led, key, location = _ledger_target(
+        f, ledger=ledger, step=step, branch=branch, overwrite=overwrite, signing_key=signing_key
+    )
+    try:
+        result = save_certified(
+            obj,
+            location,
+            step=step,
+            run=run,
+            metadata=metadata,
+            overwrite=False,
+            branch=branch,
+            parent=parent,
+            signing_key=key,
+        )
+    except CheckpointExistsError as e:
+        raise name_taken(location, led.store) from e
+    assert step is not None  # _ledger_target refused anything else
+    commit_saved(led, result, run=run, branch=branch, step=step, parent=parent)
+    return result
+
+
+def _ledger_target(
+    f: Any, *, ledger: str | Ledger, step: Any, branch: Any, overwrite: bool | None, signing_key: Any
+) -> tuple[Ledger, SigningKey | None, str]:
+    """Check what a ledger commit needs; returns the ledger, the signing key and the file's location."""
     if overwrite:
         raise ConfigurationError(
             "overwrite=True with a ledger: a committed checkpoint is write-once; save under a new name"
@@ -115,22 +143,83 @@ def save(
     target = resolve(f)
     if target.fileobj is not None:
         raise ArgumentTypeError("a ledger commit names the file's location: pass a path or URL, not a file object")
-    try:
-        result = save_certified(
+    return led, key, target.display
+
+
+def async_save(
+    obj: Any,
+    f: Any,
+    *,
+    step: int | None = None,
+    run: str | None = None,
+    metadata: dict[str, str] | None = None,
+    overwrite: bool | None = None,
+    ledger: str | Ledger | None = None,
+    branch: str = "main",
+    parent: str | None = None,
+    signing_key: SigningKey | str | os.PathLike[str] | None = None,
+    saver: AsyncSaver | None = None,
+) -> SaveFuture:
+    """``save`` in the background: returns once every tensor is snapshotted (see
+    ``certckpt.format.asyncsave`` for what blocks and what the memory costs).
+
+    The file is written, fsync'd and published by a background thread, then, with ``ledger``, its
+    commit record is written: ``latest-good`` never names a checkpoint still being written, and a
+    crash leaves the previous state or the complete new one. Arguments as ``save``.
+
+    Args:
+        saver: the ``AsyncSaver`` to queue on (default: the process's, one save in flight: a second
+            ``async_save`` first waits for the previous one).
+
+    Returns:
+        A ``SaveFuture`` (a ``concurrent.futures.Future``): ``result()`` waits for the file (and the
+        commit) and returns its ``SaveResult`` or raises what failed.
+
+    Raises:
+        AsyncSaveError: an earlier asynchronous save failed and nobody asked its future.
+        UnsupportedObjectError, ConfigurationError, ArgumentTypeError: before anything is started.
+
+    Example:
+        >>> pending = certckpt.async_save(model.state_dict(), "runs/r1/main@100.safetensors",
+        ...                               ledger="runs/r1", step=100)
+        >>> ...  # training goes on
+        >>> pending.result()
+    """
+    saver = saver or default_saver()
+    if ledger is None:
+        if branch != "main" or parent is not None:
+            raise ConfigurationError("branch and parent are recorded by a ledger commit: pass ledger=STORE too")
+        return saver.save(
             obj,
-            target.display,
+            f,
             step=step,
             run=run,
             metadata=metadata,
-            overwrite=False,
-            branch=branch,
-            parent=parent,
-            signing_key=key,
+            overwrite=True if overwrite is None else overwrite,
+            signing_key=signing_key,
         )
-    except CheckpointExistsError as e:
-        raise name_taken(target.display, led.store) from e
-    commit_saved(led, result, run=run, branch=branch, step=step, parent=parent)
-    return result
+    led, key, location = _ledger_target(
+        f, ledger=ledger, step=step, branch=branch, overwrite=overwrite, signing_key=signing_key
+    )
+    assert step is not None  # _ledger_target refused anything else
+    storage, name = storage_of(location)
+    if storage.exists(name):  # said now, in the caller's thread, rather than by the future
+        raise name_taken(location, led.store)
+
+    def commit(result: SaveResult) -> None:
+        commit_saved(led, result, run=run, branch=branch, step=step, parent=parent)
+
+    return saver.save(
+        obj,
+        location,
+        step=step,
+        run=run,
+        metadata=metadata,
+        overwrite=False,
+        signing_key=key,
+        record_fields={"branch": branch, "parent": parent},
+        then=commit,
+    )
 
 
 def name_taken(location: str, store: str) -> CheckpointExistsError:

@@ -39,7 +39,7 @@ class Event(NamedTuple):
     found_by: bool
 
 
-def read_event(e: Any, *, authenticated: bool = True) -> tuple[Event, str | None]:  # noqa: C901
+def read_event(e: Any, *, authenticated: bool = True) -> tuple[Event, str | None]:
     """The facts of one event and why any field was unusable (None when all were).
 
     Args:
@@ -55,14 +55,8 @@ def read_event(e: Any, *, authenticated: bool = True) -> tuple[Event, str | None
             for k in ("branch", "step", "outcome", "kind", "details", "contained", "suspect_ranks")
         }
     get = e.get
-    branch, step, outcome = get("branch"), get("step"), get("outcome")
-    if type(branch) is not str or not 0 < len(branch) <= 200:
-        raise EventProblem(f"branch {str(branch)[:40]!r} is not a branch name")
-    if type(step) is not int or not 0 <= step < _MAX_STEP:
-        raise EventProblem(f"step {str(step)[:40]!r} is not a step number")
-    if outcome != "pass" and outcome != "fail":
-        raise EventProblem(f"outcome {str(outcome)[:40]!r} is neither pass nor fail")
-    problems = None
+    branch, step, outcome = _placement(get("branch"), get("step"), get("outcome"))
+    problems: list[str] | None = None
     kind = get("kind")
     if type(kind) is not str or len(kind) > 40:
         problems = ["kind"]
@@ -78,17 +72,9 @@ def read_event(e: Any, *, authenticated: bool = True) -> tuple[Event, str | None
         if contained is not None:
             problems = [*(problems or ()), "contained"]
         contained = False
-    ranks = get("suspect_ranks")
-    if ranks == [] or ranks == ():
-        suspects = ()
-    elif type(ranks) is list and all(type(r) is int for r in ranks):
-        suspects = tuple(ranks)
-    elif isinstance(ranks, tuple) and all(type(r) is int for r in ranks):
-        suspects = ranks
-    else:
-        if ranks is not None:
-            problems = [*(problems or ()), "suspect_ranks"]
-        suspects = ()
+    suspects, ranks_malformed = _suspect_ranks(get("suspect_ranks"))
+    if ranks_malformed:
+        problems = [*(problems or ()), "suspect_ranks"]
     fp = details.get("fp")
     if fp is not None and type(fp) is not str:
         problems = [*(problems or ()), "details.fp"]
@@ -102,6 +88,33 @@ def read_event(e: Any, *, authenticated: bool = True) -> tuple[Event, str | None
         contained = False
     found_by = kind == "consensus" and bool(details.get("found_by"))
     return Event(branch, step, kind, outcome, contained, suspects, fp, found_by), None
+
+
+def _placement(branch: object, step: object, outcome: object) -> tuple[str, int, str]:
+    """An event's branch, step and outcome: without all three it cannot be placed at all.
+
+    Raises:
+        EventProblem: one of them cannot be read.
+    """
+    if type(branch) is not str or not 0 < len(branch) <= 200:
+        raise EventProblem(f"branch {str(branch)[:40]!r} is not a branch name")
+    if type(step) is not int or not 0 <= step < _MAX_STEP:
+        raise EventProblem(f"step {str(step)[:40]!r} is not a step number")
+    if outcome != "pass" and outcome != "fail":
+        raise EventProblem(f"outcome {str(outcome)[:40]!r} is neither pass nor fail")
+    return branch, step, outcome
+
+
+def _suspect_ranks(ranks: object) -> tuple[tuple[int, ...], bool]:
+    """The ranks an event blames and whether its list was malformed (then it blames nobody: a
+    reader cannot name a rank it cannot read). A missing list is no problem."""
+    if ranks == [] or ranks == ():
+        return (), False
+    if type(ranks) is list and all(type(r) is int for r in ranks):
+        return tuple(ranks), False
+    if isinstance(ranks, tuple) and all(type(r) is int for r in ranks):
+        return ranks, False
+    return (), ranks is not None
 
 
 # Per step, one small int: bit k says kind k was checked there, bit k+3 that it failed.

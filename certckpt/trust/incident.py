@@ -175,7 +175,7 @@ def incident_state(records: Iterable[Mapping[str, Any]]) -> dict[str, Incident]:
     }
 
 
-def check_decision(  # noqa: C901
+def check_decision(
     incident: Incident,
     decision: Mapping[str, Any],
     *,
@@ -199,53 +199,73 @@ def check_decision(  # noqa: C901
     if incident.status == "closed":
         raise IncidentError(f"{incident.incident_id} is closed; open records cannot be reopened (decisions are final)")
     if action == "rollback":
-        ckpt = decision.get("ckpt")
-        if not ckpt:
-            raise IncidentError("a rollback decision must name the checkpoint to restart from (--ckpt ID)")
-        if ckpt not in set(trusted):
-            raise IncidentError(
-                f"{ckpt} is not a trusted checkpoint of this run; roll back to one (see `certckpt latest-good`)"
-            )
+        _check_rollback(decision, trusted)
     if action == "approve":
-        target = next((d for d in incident.decisions if d["decision_id"] == decision.get("approves")), None)
-        if target is None or target["action"] not in _NEEDS_APPROVAL:
-            pending = ", ".join(d["decision_id"] for d in incident.pending_approvals()) or "none"
-            raise IncidentError(
-                f"--approves must name a pending replace or return-to-service decision (pending: {pending})"
-            )
-        if target["by"].strip().lower() == str(decision["by"]).strip().lower():
-            raise IncidentError(f"{target['decision_id']} was proposed by {target['by']}; someone else must approve it")
-        if signer is not None and signer == _signer_of(target):
-            raise IncidentError(
-                f"{target['decision_id']} was signed by key {signer}, the key signing this approval; "
-                "someone else, with their own key, must approve it"
-            )
+        _check_approval(incident, decision, signer)
     if action == "resolve":
-        if incident.rollback_to is None:
-            raise IncidentError(
-                f"{incident.incident_id} cannot be resolved: no rollback decision names the checkpoint to restart from "
-                "(record one with --action rollback --ckpt ID)"
-            )
-        pending = incident.pending_approvals()
-        if pending:
-            raise IncidentError(
-                f"{incident.incident_id} cannot be resolved: "
-                f"{', '.join(d['decision_id'] for d in pending)} await approval"
-            )
+        _check_resolve(incident)
     if action == "close":
-        if incident.status != "resolved":
-            raise IncidentError(f"{incident.incident_id} is {incident.status}; resolve it before closing")
-        drill = next((d for d in drills if d.get("drill_id") == decision.get("drill")), None)
-        if drill is None:
-            raise IncidentError(
-                "closing needs a restore drill of the recovered run: "
-                "run `certckpt drill restore VAULT ...` and pass --drill ID --vault VAULT"
-            )
-        if drill.get("at", 0) < incident.opened.get("opened_at", 0):
-            raise IncidentError(
-                f"drill {decision.get('drill')} ran before the incident opened; run a new one on the recovered run"
-            )
-        if drill.get("outcome") != "pass" or not (drill.get("stages", {}).get("metrics") or {}).get("ok"):
-            raise IncidentError(
-                f"drill {decision.get('drill')} did not pass against a clean reference (outcome {drill.get('outcome')})"
-            )
+        _check_close(incident, decision, drills)
+
+
+def _check_rollback(decision: Mapping[str, Any], trusted: Iterable[str]) -> None:
+    """A rollback names the checkpoint training restarts from, and it is trusted now."""
+    ckpt = decision.get("ckpt")
+    if not ckpt:
+        raise IncidentError("a rollback decision must name the checkpoint to restart from (--ckpt ID)")
+    if ckpt not in set(trusted):
+        raise IncidentError(
+            f"{ckpt} is not a trusted checkpoint of this run; roll back to one (see `certckpt latest-good`)"
+        )
+
+
+def _check_approval(incident: Incident, decision: Mapping[str, Any], signer: str | None) -> None:
+    """An approval names a replace or return-to-service proposal, by another person with another key."""
+    target = next((d for d in incident.decisions if d["decision_id"] == decision.get("approves")), None)
+    if target is None or target["action"] not in _NEEDS_APPROVAL:
+        pending = ", ".join(d["decision_id"] for d in incident.pending_approvals()) or "none"
+        raise IncidentError(
+            f"--approves must name a pending replace or return-to-service decision (pending: {pending})"
+        )
+    if target["by"].strip().lower() == str(decision["by"]).strip().lower():
+        raise IncidentError(f"{target['decision_id']} was proposed by {target['by']}; someone else must approve it")
+    if signer is not None and signer == _signer_of(target):
+        raise IncidentError(
+            f"{target['decision_id']} was signed by key {signer}, the key signing this approval; "
+            "someone else, with their own key, must approve it"
+        )
+
+
+def _check_resolve(incident: Incident) -> None:
+    """Resolving needs a rollback decision that names a checkpoint, and no proposal awaiting approval."""
+    if incident.rollback_to is None:
+        raise IncidentError(
+            f"{incident.incident_id} cannot be resolved: no rollback decision names the checkpoint to restart from "
+            "(record one with --action rollback --ckpt ID)"
+        )
+    pending = incident.pending_approvals()
+    if pending:
+        raise IncidentError(
+            f"{incident.incident_id} cannot be resolved: {', '.join(d['decision_id'] for d in pending)} await approval"
+        )
+
+
+def _check_close(incident: Incident, decision: Mapping[str, Any], drills: Sequence[Mapping[str, Any]]) -> None:
+    """Closing needs the incident resolved and a restore drill, run since it opened, that passed
+    against a clean reference."""
+    if incident.status != "resolved":
+        raise IncidentError(f"{incident.incident_id} is {incident.status}; resolve it before closing")
+    drill = next((d for d in drills if d.get("drill_id") == decision.get("drill")), None)
+    if drill is None:
+        raise IncidentError(
+            "closing needs a restore drill of the recovered run: "
+            "run `certckpt drill restore VAULT ...` and pass --drill ID --vault VAULT"
+        )
+    if drill.get("at", 0) < incident.opened.get("opened_at", 0):
+        raise IncidentError(
+            f"drill {decision.get('drill')} ran before the incident opened; run a new one on the recovered run"
+        )
+    if drill.get("outcome") != "pass" or not (drill.get("stages", {}).get("metrics") or {}).get("ok"):
+        raise IncidentError(
+            f"drill {decision.get('drill')} did not pass against a clean reference (outcome {drill.get('outcome')})"
+        )

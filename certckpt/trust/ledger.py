@@ -27,27 +27,24 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from certckpt.errors import (
     CertckptError,
     CheckpointExistsError,
     CheckpointNotFoundError,
     ConfigurationError,
-    StorageError,
 )
+from certckpt.format.backends import Storage, storage_for
 from certckpt.format.sharded.layout import MANIFEST_NAME
 from certckpt.format.signing import SigningKey, TrustedKeys, signing_key_from_env, trusted_keys_from_env
 from certckpt.format.storage import (
     LEDGER_DIR,
     VAULT_MARK,
-    filesystem,
     join,
     put_once,
-    refuse_special,
-    remote_error_text,
     resolve,
 )
 from certckpt.log import RESUME
@@ -65,7 +62,7 @@ from .chain import (
     scope_of,
 )
 from .factcache import FactsCache
-from .snapshot import KINDS, SOURCES_DIR, LedgerSnapshot, is_ckpt_id, is_plain_name, read_snapshot
+from .snapshot import KINDS, MAX_RECORD_BYTES, SOURCES_DIR, LedgerSnapshot, is_ckpt_id, is_plain_name, read_snapshot
 
 __all__ = ["Ledger", "LedgerSink", "LedgerSnapshot", "ckpt_id_for", "is_ckpt_id", "LEDGER_DIR", "VAULT_MARK"]
 
@@ -104,8 +101,24 @@ class _Chain:
     prev: str
 
 
-def _dumps(doc: dict) -> bytes:
+def _dumps(doc: dict[str, Any]) -> bytes:
     return (json.dumps(doc, separators=(",", ":"), sort_keys=True) + "\n").encode("utf-8")
+
+
+_Key = TypeVar("_Key")
+
+
+def _key_option(value: _Key | None | str, from_env: Callable[[], _Key | None], option: str) -> _Key | None:
+    """A key option of ``Ledger``: ``FROM_ENV`` reads the environment, anything else is the key (or
+    None) itself; the only string it takes is ``FROM_ENV`` (a key file is loaded by its caller)."""
+    if isinstance(value, str):
+        if value != FROM_ENV:
+            raise ConfigurationError(
+                f"{option} {value!r}: pass a key object, None or {FROM_ENV!r} (load a key file with "
+                "certckpt.format.signing first)"
+            )
+        return from_env()
+    return value
 
 
 class Ledger:
@@ -134,8 +147,9 @@ class Ledger:
         """
         self.store = store.rstrip("/") if "://" in store else store.rstrip("/") or "/"
         self.root = join(self.store, LEDGER_DIR)
-        self.signing_key = signing_key_from_env() if signing_key == FROM_ENV else signing_key
-        self.trusted_keys = trusted_keys_from_env() if trusted_keys == FROM_ENV else trusted_keys
+        self.signing_key: SigningKey | None = _key_option(signing_key, signing_key_from_env, "signing_key")
+        self.trusted_keys: TrustedKeys | None = _key_option(trusted_keys, trusted_keys_from_env, "trusted_keys")
+        self._backend: Storage | None = None
         self._chained: bool | None = None  # learnt at the first write (a genesis record, or none)
         self._new_chained = chain  # whether a new ledger gets a genesis record (a vault of an old run: no)
         self._store_id: str | None = None
@@ -148,24 +162,20 @@ class Ledger:
 
     # --- chains -------------------------------------------------------------------------------
 
-    def _read_optional(self, location: str) -> bytes | None:
-        target = resolve(location)
-        try:
-            if target.local is not None:
-                refuse_special(target.local, location)  # a FIFO named like a record would block the writer
-                with open(target.local, "rb") as f:
-                    return f.read()
-            fs, path = filesystem(target.url)
-            return fs.cat_file(path)
-        except FileNotFoundError:
-            return None
+    def _storage(self) -> Storage:
+        """The ledger directory's storage, its cached listings dropped: other processes write here."""
+        if self._backend is None:
+            self._backend = storage_for(self.root)
+        self._backend.refresh()
+        return self._backend
+
+    def _read_optional(self, name: str) -> bytes | None:
+        # the storage refuses a link or a FIFO named like a record (it would block the writer)
+        return self._storage().get(name, limit=MAX_RECORD_BYTES)
 
     def _has_records(self) -> bool:
-        fs, root = self._fs()
-        try:
-            return any(fs.exists(f"{root}/{k}") for k in _KINDS)
-        except FileNotFoundError:
-            return False
+        storage = self._storage()
+        return any(storage.exists(k) for k in _KINDS)
 
     def chained(self) -> bool:
         """Whether this store chains its records (creating its genesis record when the ledger is new;
@@ -176,7 +186,7 @@ class Ledger:
             if self._chained is not None:
                 return self._chained
             path = join(self.root, GENESIS)
-            data = self._read_optional(path)
+            data = self._read_optional(GENESIS)
             if data is None:
                 if not self._new_chained or self._has_records():
                     self._chained = False
@@ -185,7 +195,8 @@ class Ledger:
                     put_once(path, self._dumps(new_genesis(store_id=secrets.token_hex(16), now=time.time())))
                 except CheckpointExistsError:
                     pass  # another writer created the store first: its genesis stands
-                data = self._read_optional(path)
+                data = self._read_optional(GENESIS)
+            doc: Any  # JSON read from the store: anything until genesis_problem vouches for it
             try:
                 doc = json.loads(data) if data is not None else None
             except (ValueError, RecursionError):
@@ -196,6 +207,7 @@ class Ledger:
                     f"{self.store}: {LEDGER_DIR}/{GENESIS} is damaged ({why}); restore it from a good copy "
                     "before writing to this store"
                 )
+            assert data is not None  # no bytes parse as no genesis record, refused above
             self._store_id, self._genesis_sha = doc["store_id"], digest(data)
             self._chained = True
             return True
@@ -206,29 +218,12 @@ class Ledger:
         return self._store_id if self.chained() else None
 
     def genesis_bytes(self) -> bytes | None:
-        return self._read_optional(join(self.root, GENESIS))
+        return self._read_optional(GENESIS)
 
     def _heads(self) -> dict[str, int]:
         """Every writer's last entry number visible now (names only: one listing)."""
-        fs, root = self._fs()
         heads: dict[str, int] = {}
-        target = resolve(self.root)
-        if target.local is not None:  # one listdir per writer: fsspec's local find stats every file
-            base = os.path.join(target.local, CHAINS_DIR)
-            try:
-                writers = os.listdir(base)
-            except FileNotFoundError:
-                return heads
-            for w in writers:
-                try:
-                    seqs = [parse_entry_name(n) for n in os.listdir(os.path.join(base, w))]
-                except (NotADirectoryError, FileNotFoundError):
-                    continue
-                seqs = [q for q in seqs if q is not None]
-                if seqs and w.startswith("w"):
-                    heads[w] = max(seqs)
-            return heads
-        for writer, names in self.chain_listing().items():
+        for writer, names in self.chain_listing(detail=False).items():
             if writer.startswith("w"):
                 heads[writer] = max(parse_entry_name(n) or 0 for n in names)
         return heads
@@ -243,6 +238,7 @@ class Ledger:
             if ch is None:
                 ch = self._chains[scope] = _Chain("w" + secrets.token_hex(8), scope, 0, self._genesis_sha)
             seen = {w: n for w, n in self._heads().items() if w != ch.writer}
+            assert self._store_id is not None  # chained() read it from the genesis record
             doc = entry_doc(
                 store=self._store_id,
                 writer=ch.writer,
@@ -336,7 +332,7 @@ class Ledger:
     def revoke(self, ckpt_id: str, *, reason: str, by: str = "") -> Revocation:
         if not reason.strip():
             raise ConfigurationError("a revocation needs a reason")
-        if not is_ckpt_id(ckpt_id) or not self._exists(join(self.root, "checkpoints", f"{ckpt_id}.json")):
+        if not is_ckpt_id(ckpt_id) or not self._storage().exists(f"checkpoints/{ckpt_id}.json"):
             raise CheckpointNotFoundError(f"{self.store}: no committed checkpoint {ckpt_id!r} (see `certckpt status`)")
         rev = Revocation(ckpt_id=ckpt_id, reason=reason, by=by, at=time.time())
         self._put(
@@ -426,59 +422,25 @@ class Ledger:
 
     def list_raw(self, kind: str) -> list[str]:
         """Names of the records of one kind (empty when there are none)."""
-        fs, root = self._fs()
-        try:
-            return sorted(n for n in (p.rsplit("/", 1)[-1] for p in fs.find(f"{root}/{kind}")) if not n.startswith("."))
-        except FileNotFoundError:
-            return []
-        except Exception as e:  # OSError, and botocore's own types (no credentials, unreachable endpoint)
-            raise StorageError(f"{self.store}: cannot list the ledger ({remote_error_text(e)})") from e
+        return sorted(e.name.rsplit("/", 1)[-1] for e in self._storage().walk(kind, detail=False))
 
-    def chain_listing(self) -> dict[str, list[str]]:
+    def chain_listing(self, *, detail: bool = True) -> dict[str, list[str]]:
         """Every writer's chain entry names (a vault copies them with the records they seal)."""
-        fs, root = self._fs()
         out: dict[str, list[str]] = {}
-        try:
-            paths = fs.find(f"{root}/{CHAINS_DIR}")
-        except FileNotFoundError:
-            return out
-        for p in paths:
-            writer, name = p.rsplit("/", 2)[-2:]
-            if is_plain_name(writer) and parse_entry_name(name) is not None:
+        for e in self._storage().walk(CHAINS_DIR, depth=2, detail=detail):
+            writer, name = e.name.rsplit("/", 2)[-2:]
+            if e.kind == "file" and is_plain_name(writer) and parse_entry_name(name) is not None:
                 out.setdefault(writer, []).append(name)
         return {w: sorted(v) for w, v in out.items()}
 
     def read_raw(self, kind: str, names: list[str]) -> dict[str, bytes]:
         if not names:
             return {}
-        fs, root = self._fs()
-        base = f"{root}/{kind}" if kind else root
-        try:
-            got = fs.cat([f"{base}/{n}" for n in names])
-        except Exception as e:  # OSError, and botocore's own types (no credentials, unreachable endpoint)
-            raise StorageError(f"{self.store}: cannot read the ledger ({remote_error_text(e)})") from e
-        return {p.rsplit("/", 1)[-1]: v for p, v in got.items()}
+        prefix = f"{kind}/" if kind else ""
+        got = self._storage().get_many(prefix + n for n in names)
+        return {n.rsplit("/", 1)[-1]: v for n, v in got.items()}
 
     # --- reading ------------------------------------------------------------------------------
-
-    def _exists(self, location: str) -> bool:
-        target = resolve(location)
-        if target.local is not None:
-            return os.path.exists(target.local)
-        fs, path = filesystem(target.url)
-        return fs.exists(path)
-
-    def _fs(self):
-        target = resolve(self.root)
-        if target.local is not None:
-            import fsspec
-
-            # absolute: fsspec's local listings answer absolute paths, whatever the caller's spelling
-            return fsspec.filesystem("file"), os.path.abspath(target.local)
-        fs, path = filesystem(target.url)
-        # Other processes write this ledger: a listing cached by this process would hide their records.
-        fs.invalidate_cache()
-        return fs, path
 
     def _relative(self, location: str) -> str:
         """The file's path relative to the store when it lies inside it (``main@5.safetensors``,
@@ -513,14 +475,9 @@ class Ledger:
         Raises:
             StorageError: the store cannot be read; CertckptError: an event names no branch or step.
         """
-        try:
-            fs, root = self._fs()
-        except FileNotFoundError as e:
-            raise CheckpointNotFoundError(f"{self.store}: no such run store") from e
         return read_snapshot(
             store=self.store,
-            fs=fs,
-            root=root,
+            storage=self._storage(),
             trusted_keys=self.trusted_keys,
             url_of=self.url_of,
             remembered=remembered,
@@ -533,19 +490,10 @@ class Ledger:
         snap = snap or self.snapshot()
         named = {r["url"].rstrip("/") for r in (snap.holdings if snap.is_vault else snap.records).values()}
         named |= {r["url"] for r in snap.kept.values()}
-        target = resolve(self.store)
-        try:
-            if target.local is not None:
-                names = os.listdir(target.local)
-                sharded = {n for n in names if os.path.isfile(os.path.join(target.local, n, MANIFEST_NAME))}
-            else:
-                fs, path = filesystem(target.url)
-                listing = fs.ls(path, detail=True)
-                names = [e["name"].rstrip("/").rsplit("/", 1)[-1] for e in listing]
-                dirs = [n for n, e in zip(names, listing) if e.get("type") == "directory"]
-                sharded = {n for n in dirs if fs.exists(f"{path}/{n}/{MANIFEST_NAME}")}
-        except FileNotFoundError:
-            return []
+        storage = storage_for(self.store)
+        entries = storage.listdir()
+        names = [e.name for e in entries]
+        sharded = {e.name for e in entries if e.kind == "directory" and storage.exists(f"{e.name}/{MANIFEST_NAME}")}
         return sorted(
             join(self.store, n)
             for n in names

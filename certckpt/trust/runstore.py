@@ -16,12 +16,13 @@ from typing import Any
 
 from certckpt.errors import CertckptError, CheckpointExistsError, CheckpointNotFoundError, StorageError
 from certckpt.format.companions import companion_problems
+from certckpt.format.record import CheckpointRecord
 from certckpt.format.sharded.check import ShardedReport, verify_checkpoint
 from certckpt.format.sharded.layout import is_directory
 from certckpt.format.signing import TrustedKeys
-from certckpt.format.verify import verify
+from certckpt.format.verify import VerifyReport, verify
 
-from .certify import Certification, Level, accept_level, certify
+from .certify import Certification, CheckpointEntry, Level, accept_level, certify
 from .facts import EventProblem, read_event
 from .incident import (
     OPENED_SUFFIX,
@@ -78,7 +79,7 @@ class StoreStatus:
             (c for c in self.certification.order if self.snapshot.available(c) and c not in self.problems), None
         )
 
-    def entry(self, ckpt_id: str):
+    def entry(self, ckpt_id: str) -> CheckpointEntry:
         return next(c for c in self.snapshot.checkpoints if c.ckpt_id == ckpt_id)
 
     def suspect_intervals(self) -> list[dict[str, Any]]:
@@ -101,7 +102,7 @@ def check_file(
     url: str,
     header_digest: str | None,
     *,
-    progress=None,
+    progress: Callable[[int, int], None] | None = None,
     committed: Mapping[str, Any] | None = None,
     trusted_keys: TrustedKeys | None = None,
 ) -> str | None:
@@ -117,6 +118,8 @@ def check_file(
     Returns:
         None when it verifies, else one line saying what is wrong.
     """
+    report: ShardedReport | VerifyReport
+    record: CheckpointRecord | None
     try:
         # a sharded checkpoint (a directory): its manifest, every shard file, nothing extra
         if not url.endswith(".safetensors") and is_directory(url):
@@ -151,8 +154,8 @@ def _disagreement(url: str, embedded: Any, committed: Mapping[str, Any]) -> str 
     return None
 
 
-def _check(status_or_snap, cid: str) -> str | None:
-    snap = getattr(status_or_snap, "snapshot", status_or_snap)
+def _check(status_or_snap: StoreStatus | LedgerSnapshot, cid: str) -> str | None:
+    snap = status_or_snap.snapshot if isinstance(status_or_snap, StoreStatus) else status_or_snap
     entry = next(c for c in snap.checkpoints if c.ckpt_id == cid)
     shared = _shared_files(snap).get(cid)
     if shared:
@@ -336,12 +339,15 @@ def open_incident(ledger: Ledger, ev: Mapping[str, Any], *, status: StoreStatus 
     st = status if status is not None else certify_store(ledger.store, write_certificates=False)
     cert = st.certification
     det = next((d for d in cert.detections if d.branch == ev["branch"] and d.step == ev["step"] and d.interval), None)
-    made = [c.ckpt_id for c in st.snapshot.checkpoints if c.branch == ev["branch"] and det and c.step > det.interval[0]]
+    interval = det.interval if det else None
+    made = [
+        c.ckpt_id for c in st.snapshot.checkpoints if c.branch == ev["branch"] and interval and c.step > interval[0]
+    ]
     doc = build_opening(
         ev,
         latest_good=st.latest_good,
         made_suspect=sorted(made, key=lambda x: int(x.rpartition("@")[2])),
-        interval=det.interval if det else None,
+        interval=interval,
         now=time.time(),
     )
     try:

@@ -19,16 +19,14 @@ own signature, and say so (``LedgerSnapshot.notes``). No torch import.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import re
-import stat
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from certckpt.errors import CertckptError, CheckpointNotFoundError, StorageError
+from certckpt.format.backends import Storage, storage_for
 from certckpt.format.signing import TrustedKeys
 from certckpt.format.storage import VAULT_MARK, remote_error_text
 
@@ -41,6 +39,7 @@ from .incident import incident_state
 __all__ = [
     "KINDS",
     "LedgerSnapshot",
+    "MAX_RECORD_BYTES",
     "SOURCES_DIR",
     "is_ckpt_id",
     "is_plain_name",
@@ -71,7 +70,7 @@ _CKPT_ID = re.compile(r"^([A-Za-z0-9._-]{1,100})@([0-9]{1,18})$")
 _FOR_TRUST = ("checkpoints", "holdings", "branches", "drills", "certificates")
 _BATCH = 256  # event segments read per request: bounded memory, few round trips
 _RELISTS = 3  # listings again when a chain looks truncated (see read_snapshot)
-_MAX_RECORD_BYTES = 1 << 30  # no record or segment is this large (a segment holds 4,096 events)
+MAX_RECORD_BYTES = 1 << 30  # no record or segment is this large (a segment holds 4,096 events)
 
 
 def is_plain_name(name: str) -> bool:
@@ -90,65 +89,111 @@ def _for_trust(kind: str, r: dict[str, Any]) -> bool:
     return kind in _FOR_TRUST or (kind == "incidents" and r.get("record") != "opened")
 
 
-def why_invalid(kind: str, file: str, r: Any) -> str | None:  # noqa: C901
+def why_invalid(kind: str, file: str, r: Any) -> str | None:
     """Why a record read from the store cannot be used (None when it can). Checked like user input:
     a record that fails is evidence of nothing, and never reaches a path, a verdict or a traceback."""
     if not isinstance(r, dict):
         return f"not a JSON object ({type(r).__name__})"
-    if kind in ("checkpoints", "holdings", "retired", "kept", "revocations", "certificates"):
-        cid = r.get("ckpt_id")
-        if not is_ckpt_id(cid):
-            return f"checkpoint id {str(cid)[:80]!r} is not branch@step"
-        if kind in ("checkpoints", "holdings", "retired", "kept") and file != f"{cid}.json":
-            return f"names {cid} but is stored as {file}"
-    if kind == "kept":
-        # where a rotation moved a checkpoint's file to keep it: a plain name in the store itself (the
-        # file there must still match the committed header digest; a move can only lose it, not forge it)
-        url = r.get("url")
-        if not isinstance(url, str) or not _HELD_NAME_ANY.match(url):
-            return f"keeps its file at {str(url)[:80]!r}, not a plain file name in the store"
-    if kind == "checkpoints":
-        step = r.get("step")
-        if not isinstance(step, int) or isinstance(step, bool) or f"{r.get('branch')}@{step}" != r["ckpt_id"]:
-            return f"branch and step ({r.get('branch')!r}, {step!r}) do not make its id {r['ckpt_id']}"
-        if not isinstance(r.get("url"), str) or not r["url"] or "\0" in r["url"]:
-            return "has no file location"
-        if "://" not in r["url"] and not r["url"].startswith("/") and ".." in r["url"].split("/"):
-            return f"names its file {r['url'][:80]!r}, a path that climbs out of the store"
-        for key in ("consensus_fp", "state_fp", "header_digest", "parent", "run"):
-            if r.get(key) is not None and not isinstance(r[key], str):
-                return f"its {key} is not a string"
-        if r.get("parent") is not None and not is_ckpt_id(r["parent"]):
-            return f"its parent {str(r['parent'])[:80]!r} is not branch@step"
-        if not isinstance(r.get("committed_at", 0.0), (int, float)) or isinstance(r.get("committed_at"), bool):
-            return "its commit time is not a number"
-    if kind == "holdings":
-        # A vault holds each copy under its plain name, in the vault itself: a file `<id>.safetensors`,
-        # a sharded checkpoint's directory `<id>`, or a file with companions as `<id>/NAME.safetensors`
-        # (its companions beside it): never a path that leaves `<id>/`.
-        url, cid = r.get("url"), r["ckpt_id"]
-        if not (
-            url in (f"{cid}.safetensors", cid)
-            or (isinstance(url, str) and url.startswith(f"{cid}/") and _HELD_NAME.match(url[len(cid) + 1 :]))
-        ):
-            return f"holds its copy at {str(url)[:80]!r}, not {cid}.safetensors, {cid} or {cid}/NAME.safetensors"
-        if not isinstance(r.get("step"), int) or not isinstance(r.get("branch"), str):
-            return "has no branch and step"
-    if kind == "branches" and (
-        not isinstance(r.get("branch"), str) or not _NAME.match(r["branch"]) or not is_ckpt_id(r.get("parent"))
+    if kind in _NAMED_BY_ID:
+        why = _id_problem(kind, file, r)
+        if why is not None:
+            return why
+    check = _KIND_CHECKS.get(kind)
+    return check(r) if check is not None else None
+
+
+# Records named by the checkpoint they are about; the first four are stored as `<ckpt_id>.json`.
+_NAMED_BY_ID = ("checkpoints", "holdings", "retired", "kept", "revocations", "certificates")
+_STORED_BY_ID = ("checkpoints", "holdings", "retired", "kept")
+
+
+def _id_problem(kind: str, file: str, r: dict[str, Any]) -> str | None:
+    cid = r.get("ckpt_id")
+    if not is_ckpt_id(cid):
+        return f"checkpoint id {str(cid)[:80]!r} is not branch@step"
+    if kind in _STORED_BY_ID and file != f"{cid}.json":
+        return f"names {cid} but is stored as {file}"
+    return None
+
+
+def _kept_problem(r: dict[str, Any]) -> str | None:
+    # where a rotation moved a checkpoint's file to keep it: a plain name in the store itself (the
+    # file there must still match the committed header digest; a move can only lose it, not forge it)
+    url = r.get("url")
+    if not isinstance(url, str) or not _HELD_NAME_ANY.match(url):
+        return f"keeps its file at {str(url)[:80]!r}, not a plain file name in the store"
+    return None
+
+
+def _checkpoint_problem(r: dict[str, Any]) -> str | None:
+    step = r.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or f"{r.get('branch')}@{step}" != r["ckpt_id"]:
+        return f"branch and step ({r.get('branch')!r}, {step!r}) do not make its id {r['ckpt_id']}"
+    if not isinstance(r.get("url"), str) or not r["url"] or "\0" in r["url"]:
+        return "has no file location"
+    if "://" not in r["url"] and not r["url"].startswith("/") and ".." in r["url"].split("/"):
+        return f"names its file {r['url'][:80]!r}, a path that climbs out of the store"
+    for key in ("consensus_fp", "state_fp", "header_digest", "parent", "run"):
+        if r.get(key) is not None and not isinstance(r[key], str):
+            return f"its {key} is not a string"
+    if r.get("parent") is not None and not is_ckpt_id(r["parent"]):
+        return f"its parent {str(r['parent'])[:80]!r} is not branch@step"
+    if not isinstance(r.get("committed_at", 0.0), (int, float)) or isinstance(r.get("committed_at"), bool):
+        return "its commit time is not a number"
+    return None
+
+
+def _holding_problem(r: dict[str, Any]) -> str | None:
+    # A vault holds each copy under its plain name, in the vault itself: a file `<id>.safetensors`,
+    # a sharded checkpoint's directory `<id>`, or a file with companions as `<id>/NAME.safetensors`
+    # (its companions beside it): never a path that leaves `<id>/`.
+    url, cid = r.get("url"), r["ckpt_id"]
+    if not (
+        url in (f"{cid}.safetensors", cid)
+        or (isinstance(url, str) and url.startswith(f"{cid}/") and _HELD_NAME.match(url[len(cid) + 1 :]))
     ):
+        return f"holds its copy at {str(url)[:80]!r}, not {cid}.safetensors, {cid} or {cid}/NAME.safetensors"
+    if not isinstance(r.get("step"), int) or not isinstance(r.get("branch"), str):
+        return "has no branch and step"
+    return None
+
+
+def _branch_problem(r: dict[str, Any]) -> str | None:
+    if not isinstance(r.get("branch"), str) or not _NAME.match(r["branch"]) or not is_ckpt_id(r.get("parent")):
         return "branch or parent is not a valid name"
-    if kind == "incidents" and (not isinstance(r.get("incident_id"), str) or not _NAME.match(r["incident_id"])):
+    return None
+
+
+def _incident_problem(r: dict[str, Any]) -> str | None:
+    if not isinstance(r.get("incident_id"), str) or not _NAME.match(r["incident_id"]):
         return f"incident id {str(r.get('incident_id'))[:80]!r} is not a plain name"
-    if kind == "revocations" and not isinstance(r.get("reason"), str):
-        return "has no reason"
-    if kind == "certificates" and (
+    return None
+
+
+def _revocation_problem(r: dict[str, Any]) -> str | None:
+    return None if isinstance(r.get("reason"), str) else "has no reason"
+
+
+def _certificate_problem(r: dict[str, Any]) -> str | None:
+    if (
         not isinstance(r.get("at"), (int, float))
         or not isinstance(r.get("verdict"), str)
         or not isinstance(r.get("reasons"), list)
     ):
         return "has no time, verdict or reasons"
     return None
+
+
+# What each kind must hold beyond its id (kinds not listed here are checked for their id only, or not at all).
+_KIND_CHECKS: dict[str, Callable[[dict[str, Any]], str | None]] = {
+    "kept": _kept_problem,
+    "checkpoints": _checkpoint_problem,
+    "holdings": _holding_problem,
+    "branches": _branch_problem,
+    "incidents": _incident_problem,
+    "revocations": _revocation_problem,
+    "certificates": _certificate_problem,
+}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -202,7 +247,9 @@ class LedgerSnapshot:
 
     def event_branches(self) -> set[str]:
         """Branches the audit events name (without reading the events again, as ``events`` would)."""
-        failed = {f.get("branch") for f in self.failures if isinstance(f, dict) and isinstance(f.get("branch"), str)}
+        failed: set[str] = {
+            f["branch"] for f in self.failures if isinstance(f, dict) and isinstance(f.get("branch"), str)
+        }
         return set(self.facts.branches) | {e.branch for e in self.facts.doubtful} | failed
 
     def open_incidents(self) -> list[str]:
@@ -221,7 +268,7 @@ def _segment_lines(data: bytes) -> list[Any]:
     """The JSON values of a segment's lines (None for a line that is not JSON); one parse per segment."""
     lines = [ln for ln in data.split(b"\n") if ln.strip()]
     try:
-        values = json.loads(b"[" + b",".join(lines) + b"]")
+        values: list[Any] = json.loads(b"[" + b",".join(lines) + b"]")  # a JSON array: its lines' values
         if len(values) == len(lines):
             return values
     except (ValueError, RecursionError):
@@ -235,92 +282,35 @@ def _segment_lines(data: bytes) -> list[Any]:
     return out
 
 
-def _list(fs: Any, root: str, refused: list[tuple[str, str]], stamps: dict[str, str]) -> dict[str, list[str]]:
-    """Every ledger path, by top-level entry (kind, ``chains``, ``sources``, or ``""`` for files).
+def _list(storage: Storage, refused: list[tuple[str, str]], stamps: dict[str, str]) -> dict[str, list[str]]:
+    """Every ledger name, by top-level entry (kind, ``chains``, ``sources``, or ``""`` for files).
 
-    A local ledger is walked with ``lstat``: a FIFO would block a reader forever, a device never
-    ends, a link may leave the store; each is refused (``refused``: what, why) and never opened."""
+    The storage never follows or opens what is not a regular file: a FIFO would block a reader
+    forever, a device never ends, a link may leave the store; each is refused (``refused``: what,
+    why). So is a file larger than any record."""
     out: dict[str, list[str]] = {}
-    prefix = root.rstrip("/") + "/"
-    chains = prefix + CHAINS_DIR
     # The chains first: a writer seals a record only after writing it, and records are never removed,
     # so every record an entry listed here seals is there when the rest is listed (a writer at work
     # meanwhile cannot make a sealed record look deleted).
-    if _is_local(fs):
-        paths = _local_files(chains, refused, stamps, depth=2)
-        paths += [p for p in _local_files(root, refused, stamps, skip=CHAINS_DIR)]
-    else:
-        found = {}
-        with contextlib.suppress(FileNotFoundError):
-            found.update(fs.find(chains, detail=True))
-        found.update({p: i for p, i in fs.find(root, detail=True).items() if not p.startswith(chains + "/")})
-        paths = list(found)
-        for p, info in found.items():  # what the server says changed: its ETag or time, and the size
-            stamps[p] = f"{info.get('size')}:{info.get('ETag') or info.get('LastModified') or info.get('mtime')}"
-    for p in paths:
-        rel = p[len(prefix) :] if p.startswith(prefix) else p.rsplit("/", 1)[-1]
-        if rel.rsplit("/", 1)[-1].startswith("."):
-            continue  # other writers' temp files, about to be linked and removed: not records
-        top, _, rest = rel.partition("/")
-        out.setdefault(top if rest else "", []).append(p)
-    return out
-
-
-def _is_local(fs: Any) -> bool:
-    protocol = getattr(fs, "protocol", None)
-    return protocol == "file" or (isinstance(protocol, tuple) and "file" in protocol)
-
-
-def _local_files(
-    root: str, refused: list[tuple[str, str]], stamps: dict[str, str], depth: int = 3, skip: str = ""
-) -> list[str]:
-    """Regular files under ``root`` (kinds, then ``chains/WRITER``: three levels at most)."""
-    out: list[str] = []
-    try:
-        entries = list(os.scandir(root))
-    except (FileNotFoundError, NotADirectoryError):
-        return out
+    entries = storage.walk(CHAINS_DIR, depth=2) + storage.walk(depth=3, skip=(CHAINS_DIR,))
     for e in entries:
-        if e.name.startswith(".") or e.name == skip:
-            continue  # another writer's temp file, about to be linked and removed: not a record
-        try:
-            st = e.stat(follow_symlinks=False)
-        except FileNotFoundError:
-            continue  # gone since the listing (a temp file renamed away)
-        mode = st.st_mode
-        if stat.S_ISREG(mode):
-            if st.st_size > _MAX_RECORD_BYTES:
-                refused.append((e.path, f"{st.st_size} bytes, more than any record"))
-            else:
-                out.append(e.path)
-                # a change detector no writer can forge whole: ctime moves on every change of the file
-                stamps[e.path] = f"{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_ino}"
-        elif stat.S_ISDIR(mode) and depth > 1:
-            out.extend(_local_files(e.path, refused, stamps, depth - 1))
-        else:
-            refused.append((e.path, f"not a regular file ({_kind_of(mode)}); never opened"))
+        if e.kind != "file":
+            what = "a directory nested too deep" if e.kind == "directory" else e.what
+            refused.append((e.name, f"not a regular file ({what}); never opened"))
+            continue
+        if e.size is not None and e.size > MAX_RECORD_BYTES:
+            refused.append((e.name, f"{e.size} bytes, more than any record"))
+            continue
+        stamps[e.name] = e.stamp
+        top, _, rest = e.name.partition("/")
+        out.setdefault(top if rest else "", []).append(e.name)
     return out
-
-
-def _kind_of(mode: int) -> str:
-    for test, name in (
-        (stat.S_ISLNK, "a symbolic link"),
-        (stat.S_ISFIFO, "a FIFO"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISSOCK, "a socket"),
-        (stat.S_ISDIR, "a directory nested too deep"),
-    ):
-        if test(mode):
-            return name
-    return "not a file"
 
 
 def read_snapshot(
     *,
     store: str,
-    fs: Any,
-    root: str,
+    storage: Storage,
     trusted_keys: TrustedKeys | None,
     url_of: Callable[..., str],
     remembered: dict[str, tuple[int, str]] | None = None,
@@ -338,21 +328,22 @@ def read_snapshot(
         event names no branch or step (the store cannot be certified until it is repaired).
     """
     try:
-        if not fs.exists(root):
-            if not fs.exists(root.rsplit("/", 1)[0] or "/"):
+        if not storage.exists():
+            if not storage_for(store).exists():
                 raise CheckpointNotFoundError(f"{store}: no such run store")
             return LedgerSnapshot(trusted_keys=trusted_keys)
         for attempt in range(_RELISTS + 1):
             refused: list[tuple[str, str]] = []
             stamps: dict[str, str] = {}
-            listing = _list(fs, root, refused, stamps)
+            listing = _list(storage, refused, stamps)
             small = [p for k, v in listing.items() if k != "events" for p in v]
-            contents = fs.cat(small) if small else {}
-            reader = _Reader(store, root, trusted_keys, url_of, listing, contents, remembered, fs, cache)
+            got = storage.get_many(small)
+            # listed, then gone (records are never removed): read as empty, it fails its checks
+            contents = {p: got.get(p, b"") for p in small}
+            reader = _Reader(store, trusted_keys, url_of, listing, contents, remembered, storage, cache)
             segments = set(listing.get("events", []))
             reader.stamps = {p.rsplit("/", 1)[-1]: v for p, v in stamps.items() if p in segments}
-            prefix = root.rstrip("/") + "/"
-            reader.snap.invalid.extend((p.removeprefix(prefix), why) for p, why in refused)
+            reader.snap.invalid.extend(refused)
             reader.hash_segments()
             reader.check_chains()
             # Chains are listed one after another: a writer that appends to chain A after A was
@@ -374,9 +365,19 @@ def read_snapshot(
 class _Reader:
     """One snapshot's reading, in the order the rules need: chains, records, events."""
 
-    def __init__(self, store, root, trusted_keys, url_of, listing, contents, remembered, fs, cache):
-        self.store, self.root, self.keys, self.url_of = store, root, trusted_keys, url_of
-        self.listing, self.contents, self.remembered, self.fs = listing, contents, remembered, fs
+    def __init__(
+        self,
+        store: str,
+        trusted_keys: TrustedKeys | None,
+        url_of: Callable[..., str],
+        listing: dict[str, list[str]],
+        contents: dict[str, bytes],
+        remembered: dict[str, tuple[int, str]] | None,
+        storage: Storage,
+        cache: FactsCache | None,
+    ) -> None:
+        self.store, self.keys, self.url_of = store, trusted_keys, url_of
+        self.listing, self.contents, self.remembered, self.storage = listing, contents, remembered, storage
         self.digests: dict[tuple[str, str], str] = {}
         self.cache: FactsCache | None = cache
         self.stamps: dict[str, str] = {}  # segment name -> its change detector (see hash_segments)
@@ -392,7 +393,8 @@ class _Reader:
         self.snap = LedgerSnapshot(segments=len(self.files["events"]), trusted_keys=trusted_keys)
         self.check: ChainCheck | None = None
         self.source: str | None = None  # a vault's source run's store id, when the vault vouches for it
-        self.writer_store: dict[str, str] = {}
+        # per writer, the store its first entry names: untrusted JSON (any value), only ever compared
+        self.writer_store: dict[str, object] = {}
         self._chains_checked = False
 
     # --- event segments: hashed first (the chains need their digests), parsed once they are judged --
@@ -401,9 +403,9 @@ class _Reader:
         by_name = {p.rsplit("/", 1)[-1]: p for p in self.files["events"]}
         for i in range(0, len(names), _BATCH):
             paths = [by_name[n] for n in names[i : i + _BATCH]]
-            got = self.fs.cat(paths)
+            got = self.storage.get_many(paths)
             for n, p in zip(names[i : i + _BATCH], paths):
-                yield n, got[p]
+                yield n, got.get(p, b"")  # a sealed segment that vanished breaks its chain
 
     def hash_segments(self) -> None:
         """Every segment's SHA-256. A segment this reader verified before and whose stamp (size,
@@ -429,24 +431,63 @@ class _Reader:
             self._chains_checked = True
             self._chains()
 
-    def _chains(self) -> None:  # noqa: C901
+    def _chains(self) -> None:
         snap = self.snap
         genesis = self._top(GENESIS)
         if genesis is None:
-            if self.listing.get(CHAINS_DIR):
-                # chains without the identity they link to: the genesis record was deleted
-                snap.chained = True
-                snap.breaks.append(
-                    Break(writer="genesis", seq=0, scope="store", why="genesis record missing (deleted)")
-                )
-                snap.tampered["*"] = -1
-            elif any(self.files[k] for k in KINDS):
-                snap.notes.append(
-                    "unchained ledger (written before chained ledgers): a deleted or replayed record cannot be "
-                    "detected; start a new run store (an empty directory or prefix) to get a chained ledger"
-                )
+            self._no_genesis()
             return
         snap.chained = True
+        gdoc = self._genesis(genesis)
+        if gdoc is None:
+            return
+        own: str = gdoc["store_id"]  # genesis_problem checked it is a string
+        snap.store_id = own
+        stores = {own: digest(genesis)}
+        mark = self._mark()
+        source = mark.get("source_store") if isinstance(mark, dict) else None
+        self._source_genesis(source, stores)
+        entries = self._chain_entries()
+
+        def record_digest(store_id: str, kind: str, name: str) -> str | None:
+            return self.digests.get((kind, name))
+
+        self.check = check_chains(
+            entries,
+            stores=stores,
+            record_digest=record_digest,
+            trusted_keys=self.keys,
+            optional=lambda store_id, kind: store_id != own and kind not in MIRRORED_KINDS,
+            remembered=self.remembered,
+        )
+        self._note_writer_stores(entries)
+        if self.source is not None:
+            self._check_vault_mark(self.check, own)
+        snap.heads = dict(self.check.heads)
+        for writer, why in sorted(self.check.unauthenticated.items()):
+            snap.invalid.append((f"{CHAINS_DIR}/{writer}", f"{why}: its records count only against trust"))
+        snap.breaks.extend(self.check.breaks[w] for w in sorted(self.check.breaks))
+        if self.source is None and isinstance(source, str):
+            snap.notes.append(f"this vault's source run {source[:32]} has no authenticated genesis copy")
+
+    def _no_genesis(self) -> None:
+        """A store without a genesis record: chains without it lost it (deleted), records without
+        chains were written before chained ledgers existed."""
+        snap = self.snap
+        if self.listing.get(CHAINS_DIR):
+            # chains without the identity they link to: the genesis record was deleted
+            snap.chained = True
+            snap.breaks.append(Break(writer="genesis", seq=0, scope="store", why="genesis record missing (deleted)"))
+            snap.tampered["*"] = -1
+        elif any(self.files[k] for k in KINDS):
+            snap.notes.append(
+                "unchained ledger (written before chained ledgers): a deleted or replayed record cannot be "
+                "detected; start a new run store (an empty directory or prefix) to get a chained ledger"
+            )
+
+    def _genesis(self, genesis: bytes) -> dict[str, Any] | None:
+        """The genesis record, parsed and checked (None, with every branch marked, when it is not one)."""
+        snap = self.snap
         try:
             gdoc = json.loads(genesis)
         except (ValueError, RecursionError):
@@ -460,11 +501,12 @@ class _Reader:
         if why is not None:
             snap.breaks.append(Break(writer="genesis", seq=0, scope="store", why=f"genesis record: {why}"))
             snap.tampered["*"] = -1
-            return
-        snap.store_id = gdoc["store_id"]
-        stores = {gdoc["store_id"]: digest(genesis)}
-        mark = self._mark()
-        source = mark.get("source_store") if isinstance(mark, dict) else None
+            return None
+        return cast(dict[str, Any], gdoc)  # json.loads gives Any; genesis_problem found a JSON object
+
+    def _source_genesis(self, source: object, stores: dict[str, str]) -> None:
+        """A vault's copy of its source run's genesis record: when it is one, the source's entries
+        belong here too (``stores``) and the vault vouches for that run (``self.source``)."""
         sources = {p.rsplit("/", 1)[-1]: p for p in self.listing.get(SOURCES_DIR, [])}
         if isinstance(source, str) and f"{source}.json" in sources:
             sdata = self.contents[sources[f"{source}.json"]]
@@ -475,48 +517,39 @@ class _Reader:
             if genesis_problem(sdoc) is None and sdoc["store_id"] == source:
                 stores[source] = digest(sdata)  # its entries are what keys authenticate
                 self.source = source
+
+    def _chain_entries(self) -> dict[str, dict[int, bytes]]:
+        """Every chain entry's bytes, by writer and sequence number (a file not named like an entry is
+        recorded as invalid)."""
         entries: dict[str, dict[int, bytes]] = {}
-        prefix = self.root.rstrip("/") + f"/{CHAINS_DIR}/"
+        prefix = f"{CHAINS_DIR}/"
         for p in self.listing.get(CHAINS_DIR, []):
             writer, _, name = p[len(prefix) :].partition("/")
             seq = parse_entry_name(name)
             if seq is None or "/" in name:
-                snap.invalid.append((f"{CHAINS_DIR}/{writer}/{name}"[:120], "not a chain entry name"))
+                self.snap.invalid.append((f"{CHAINS_DIR}/{writer}/{name}"[:120], "not a chain entry name"))
                 continue
             entries.setdefault(writer, {})[seq] = self.contents[p]
-        own = gdoc["store_id"]
+        return entries
 
-        def record_digest(store_id: str, kind: str, name: str) -> str | None:
-            return self.digests.get((kind, name))
-
-        self.check = check_chains(
-            entries,
-            stores=stores,
-            record_digest=record_digest,
-            trusted_keys=self.keys,
-            optional=lambda store_id, kind: store_id != own and kind not in MIRRORED_KINDS,
-            remembered=self.remembered,
-        )
+    def _note_writer_stores(self, entries: dict[str, dict[int, bytes]]) -> None:
+        """The store each writer's first entry names (a vault holds its source run's writers too)."""
         for writer, files in entries.items():
             first = files.get(min(files)) if files else None
             try:
                 self.writer_store[writer] = json.loads(first).get("store") if first else None
             except (ValueError, AttributeError, RecursionError):
                 pass
-        if self.source is not None:
-            s = self.check.sealed.get(("", VAULT_MARK))
-            if s is None or not s.counts or self.writer_store.get(s.writer) != own:
-                snap.notes.append(
-                    "this vault's mark naming its source run is not sealed by the vault's own chain: "
-                    "the run's records count for nothing here"
-                )
-                self.source = None
-        snap.heads = dict(self.check.heads)
-        for writer, why in sorted(self.check.unauthenticated.items()):
-            snap.invalid.append((f"{CHAINS_DIR}/{writer}", f"{why}: its records count only against trust"))
-        snap.breaks.extend(self.check.breaks[w] for w in sorted(self.check.breaks))
-        if self.source is None and isinstance(source, str):
-            snap.notes.append(f"this vault's source run {source[:32]} has no authenticated genesis copy")
+
+    def _check_vault_mark(self, check: ChainCheck, own: str) -> None:
+        """A vault's source run counts only when the vault's own chain seals the mark that names it."""
+        s = check.sealed.get(("", VAULT_MARK))
+        if s is None or not s.counts or self.writer_store.get(s.writer) != own:
+            self.snap.notes.append(
+                "this vault's mark naming its source run is not sealed by the vault's own chain: "
+                "the run's records count for nothing here"
+            )
+            self.source = None
 
     def _mark(self) -> Any:
         data = self._top(VAULT_MARK)
@@ -629,7 +662,7 @@ class _Reader:
             )
         counted = self._fold_events(writer_steps)
         if not snap.chained and self.keys is not None:
-            self._unchained_signed_passes()
+            self._unchained_signed_passes(self.keys)
         for _, d, ok in self._valid("revocations"):
             snap.revocations.append(
                 Revocation(
@@ -767,14 +800,14 @@ class _Reader:
         s = self.check.sealed.get(key) if self.check else None
         return s is not None and self.writer_store.get(s.writer) == self.snap.store_id
 
-    def _unchained_signed_passes(self) -> None:
+    def _unchained_signed_passes(self, keys: TrustedKeys) -> None:
         """Unchained stores with trusted keys: each passing event counts only on its own signature.
         Read again line by line (these stores are small: they predate chains)."""
         for name, data in self._batches(self.segment_names):
             for n, value in enumerate(_segment_lines(data), 1):
                 if not isinstance(value, dict) or value.get("outcome") != "pass":
                     continue
-                why = self.keys.problem(value)
+                why = keys.problem(value)
                 if why is None:
                     ev, bad = read_event(value)
                     if bad is None:
@@ -800,7 +833,7 @@ class _Reader:
         out: list[dict[str, Any]] = []
         for p in self.files["events"]:
             name = p.rsplit("/", 1)[-1]
-            for value in _segment_lines(self.fs.cat_file(p)):
+            for value in _segment_lines(self.storage.get(p, limit=MAX_RECORD_BYTES) or b""):
                 if not isinstance(value, dict):
                     continue
                 failed = value.get("outcome") == "fail"

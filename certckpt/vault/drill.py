@@ -169,13 +169,13 @@ def _deep_check(dest: str, bundle: Bundle) -> _Deep:
     chunk and their composition into the manifest's whole-tensor fingerprints; a file's certified
     companions too."""
     if bundle.kind == "sharded":
-        rep = verify_checkpoint(dest, deep=True)
+        sharded = verify_checkpoint(dest, deep=True)
         return _Deep(
-            ok=rep.ok,
-            step=rep.record.step if rep.record else None,
-            tensors=rep.tensors,
-            problems=[p.message for p in rep.problems],
-            what=f"{rep.files} shard files, composed into the manifest's",
+            ok=sharded.ok,
+            step=sharded.record.step if sharded.record else None,
+            tensors=sharded.tensors,
+            problems=[p.message for p in sharded.problems],
+            what=f"{sharded.files} shard files, composed into the manifest's",
         )
     rep = verify(dest, deep=True)
     out = _Deep(
@@ -246,15 +246,18 @@ def drill_restore(
             no trusted one is held (a run without the auditor).
     """
     t0 = time.perf_counter()
+    metrics_ref: Mapping[str, Any] | None  # the reference, read from its file when given a path
     if isinstance(reference, str):
         with open(reference, encoding="utf-8") as f:
-            reference = json.load(f)
+            metrics_ref = json.load(f)
+    else:
+        metrics_ref = reference
     stages: dict[str, dict[str, Any]] = {s: {"ok": None, "detail": "not run"} for s in STAGES}
     result = DrillResult(
         vault=vault, ckpt_id=None, step=None, outcome="fail", stages=stages, seconds=0.0, time_to_model_s=None
     )
-    tmp = None if scratch else tempfile.mkdtemp(prefix="certckpt-drill-")
-    where = scratch or tmp
+    where = scratch or tempfile.mkdtemp(prefix="certckpt-drill-")
+    tmp = None if scratch else where  # made here: removed afterwards
     try:
         try:
             os.makedirs(where, exist_ok=True)
@@ -306,7 +309,7 @@ def drill_restore(
         except Exception as e:
             stages["metrics"] = {"ok": False, "detail": f"evaluation raised {type(e).__name__}: {e}"}
             return result
-        ref = pick_reference(reference, ckpt_id=result.ckpt_id, step=result.step) if reference else None
+        ref = pick_reference(metrics_ref, ckpt_id=result.ckpt_id, step=result.step) if metrics_ref else None
         result.reference = ref
         if ref is None:
             stages["metrics"] = {

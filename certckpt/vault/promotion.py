@@ -96,8 +96,9 @@ def _mirror(src: Ledger, dst: Ledger, cert_ids: Sequence[str]) -> int:
 
 def _claim(vault: Ledger, run: str | None, source: str, run_ledger: Ledger) -> None:
     """Tie the vault to one run (checkpoint ids are only unique within a run)."""
-    if resolve(source).local is not None:
-        source = os.path.abspath(resolve(source).local)
+    local = resolve(source).local
+    if local is not None:
+        source = os.path.abspath(local)
     mark = {"kind": "certckpt-vault", "run": run, "source": source}
     genesis = run_ledger.genesis_bytes() if run_ledger.chained() else None
     if genesis is not None:

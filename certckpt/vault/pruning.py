@@ -5,15 +5,15 @@ The only code that deletes from a vault; the policies and the guards no policy o
 
 from __future__ import annotations
 
-import datetime
 import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from certckpt.errors import CertckptError, CorruptCheckpointError, StorageError
+from certckpt.format.backends import LocalStorage, Storage, storage_for
 from certckpt.format.sharded.layout import MANIFEST_NAME
-from certckpt.format.storage import filesystem, join, remote_error_text, resolve
+from certckpt.format.storage import join
 from certckpt.trust.certify import Level
 from certckpt.trust.ledger import Ledger
 from certckpt.trust.runstore import StoreStatus, certify_snapshot, check_file, find_latest_good
@@ -106,10 +106,13 @@ def prune(vault: str, policy: RetentionPolicy, *, apply: bool = False, now: floa
             f"`certckpt vault promote RUN_STORE {vault} --repair`, then prune again"
         )
     ledger = Ledger(vault)
+    storage = storage_for(vault)
     for cid in plan.delete:
         h = snap.holdings[cid]
-        url = join(vault, h["url"])
-        refused = _delete(site, url) if h["url"] == f"{cid}.safetensors" else _delete_held_directory(site, vault, h)
+        if h["url"] == f"{cid}.safetensors":
+            refused = storage.delete(h["url"])
+        else:
+            refused = _delete_held_directory(site, storage, h)
         if refused:
             result.refused[cid] = refused
             continue
@@ -146,113 +149,49 @@ def _plan(status: StoreStatus, policy: RetentionPolicy, *, now: float, damaged: 
     return plan_prune(entries, policy, now=now, protected=protected, open_incidents=snap.open_incidents())
 
 
-def _delete_held_directory(site: VaultSite, vault: str, holding: dict[str, Any]) -> str | None:
+def _delete_held_directory(site: VaultSite, storage: Storage, holding: dict[str, Any]) -> str | None:
     """Delete a held directory: the file that commits it (manifest or listing file) FIRST, so that a
     deletion cut short never leaves something taken for a whole checkpoint, then every other file in
     it. Returns why the store refused (nothing is deleted when a lock still holds any file)."""
     cid = holding["ckpt_id"]
-    directory = join(vault, cid)
     marker = MANIFEST_NAME if holding["url"] == cid else holding["url"].rsplit("/", 1)[-1]
     try:
-        names = sorted(_names_in(directory))
+        # every file, hidden ones (a writer's temp files) included
+        entries = storage.walk(cid, depth=1, hidden=True)
+        names = sorted(e.name.rsplit("/", 1)[-1] for e in entries if e.kind != "directory")
     except CertckptError as e:
         return str(e)
     if site.versioned:
         for name in [marker, *names]:  # refuse before deleting anything while a retention holds
-            locked = _locked(site, join(directory, name))
+            locked = _lock_text(storage, f"{cid}/{name}")
             if locked:
                 return f"{name}: {locked}"
-    refused = _delete(site, join(directory, marker))
+    refused = storage.delete(f"{cid}/{marker}")
     if refused:
         return refused
     for name in names:
         if name != marker:
-            refused = _delete(site, join(directory, name))
+            refused = storage.delete(f"{cid}/{name}")
             if refused:
                 return f"{name}: {refused} (its {marker} is deleted: the copy is no longer a checkpoint)"
-    local = resolve(directory).local
-    if local is not None:
+    if isinstance(storage, LocalStorage):
         try:
-            os.rmdir(local)
+            os.rmdir(os.path.join(storage.root, cid))
         except OSError:
             pass  # a file that appeared meanwhile keeps the directory; the copy is gone either way
     return None
 
 
-def _names_in(directory: str) -> list[str]:
-    """Every file name in a held directory, hidden ones (a writer's temp files) included."""
-    target = resolve(directory)
-    if target.local is not None:
-        try:
-            return [e.name for e in os.scandir(target.local) if not e.is_dir(follow_symlinks=False)]
-        except FileNotFoundError:
-            return []
-        except OSError as e:
-            raise StorageError(f"{directory}: cannot list ({e.strerror or e})") from e
-    fs, path = filesystem(target.url)
-    try:
-        entries = fs.ls(path, detail=True, refresh=True)
-    except FileNotFoundError:
-        return []
-    except Exception as e:
-        raise StorageError(f"{directory}: cannot list ({remote_error_text(e)})") from e
-    return [str(e["name"]).rstrip("/").rsplit("/", 1)[-1] for e in entries if e.get("type") != "directory"]
-
-
-def _locked(site: VaultSite, url: str) -> str | None:
-    """The Object Lock retention or legal hold that still protects the current version of ``url``,
+def _lock_text(storage: Storage, name: str) -> str | None:
+    """The Object Lock retention or legal hold that still protects the current version of ``name``,
     else None (a legal hold has no date: it protects until someone with the right lifts it)."""
-    fs, path = filesystem(url)
-    bucket, key = path.split("/", 1)
     try:
-        head = fs.call_s3("head_object", Bucket=bucket, Key=key)
-    except Exception:
+        lock = storage.lock_of(name)
+    except StorageError:
         return None  # gone or unreadable: the delete says what is wrong
-    if head.get("ObjectLockLegalHoldStatus") == "ON":
+    if lock is None or not lock.active():
+        return None
+    if lock.legal_hold:
         return "Object Lock legal hold (lift it with s3api put-object-legal-hold --legal-hold Status=OFF)"
-    until = head.get("ObjectLockRetainUntilDate")
-    if head.get("ObjectLockMode") and until is not None and until > datetime.datetime.now(datetime.timezone.utc):
-        return f"Object Lock {head['ObjectLockMode']} retention until {until.isoformat()}"
-    return None
-
-
-def _delete(site: VaultSite, url: str) -> str | None:
-    """Delete a vaulted file; returns why the store refused, or None when it is gone."""
-    target = resolve(url)
-    if target.local is not None:
-        try:
-            os.unlink(target.local)
-        except FileNotFoundError:
-            return None
-        except OSError as e:
-            return f"cannot delete ({e.strerror or e})"
-        return None
-    fs, path = filesystem(url)
-    if not site.versioned:
-        try:
-            fs.rm_file(path)
-        except FileNotFoundError:
-            pass
-        except Exception as e:
-            return remote_error_text(e)
-        return None
-    # A versioned (Object Lock) bucket: deleting the key only hides it behind a delete marker and
-    # frees nothing; delete each version, which the server refuses while its retention holds.
-    bucket, key = path.split("/", 1)
-    try:
-        listing = fs.call_s3("list_object_versions", Bucket=bucket, Prefix=key)
-        versions = [v for v in listing.get("Versions", []) + listing.get("DeleteMarkers", []) if v["Key"] == key]
-        for v in versions:
-            try:
-                fs.call_s3("delete_object", Bucket=bucket, Key=key, VersionId=v["VersionId"])
-            except PermissionError:
-                head = fs.call_s3("head_object", Bucket=bucket, Key=key, VersionId=v["VersionId"])
-                until = head.get("ObjectLockRetainUntilDate")
-                return (
-                    f"Object Lock {head.get('ObjectLockMode', '')} retention until "
-                    f"{until.isoformat() if until else '?'}"
-                ).replace("  ", " ")
-    except Exception as e:
-        return remote_error_text(e)
-    fs.invalidate_cache(path)
-    return None
+    until = lock.retain_until.isoformat() if lock.retain_until else "?"
+    return f"Object Lock {lock.mode} retention until {until}"

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from certckpt.errors import CheckpointExistsError, CheckpointNotFoundError, UntrustedCheckpointError
-from certckpt.format.storage import filesystem, join, resolve
+from certckpt.format.backends import storage_for
+from certckpt.format.storage import join, resolve
 from certckpt.trust.certify import Level, accept_level
 from certckpt.trust.runstore import certify_store, find_latest_good
 
@@ -151,20 +152,14 @@ def restore(
 def _refuse_other_files(directory: str, bundle: Bundle) -> None:
     """A checkpoint directory is restored only where nothing else is (what is there must be its own
     files: a restore cut short is resumed; anything else would be taken for part of it, or refused)."""
-    target = resolve(directory)
-    if target.local is not None:
-        try:
-            names = {e.name for e in os.scandir(target.local) if not e.name.startswith(".")}
-        except FileNotFoundError:
-            return
-        except NotADirectoryError:
-            raise CheckpointExistsError(f"{directory}: a file is there; nothing was overwritten") from None
-    else:
-        fs, path = filesystem(target.url)
-        try:
-            names = {str(p).rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False)}
-        except FileNotFoundError:
-            return
+    storage = storage_for(directory)
+    here = storage.stat("")
+    if here is None:
+        return
+    if here.kind != "directory":
+        raise CheckpointExistsError(f"{directory}: {here.what or 'a file'} is there; nothing was overwritten")
+    names = {e.name.rsplit("/", 1)[-1] for e in storage.listdir()} - {""}
+    names = {n for n in names if not n.startswith(".")}  # a restore's own temp files
     other = sorted(names - {m.name for m in bundle.members} - {bundle.marker})
     if other:
         raise CheckpointExistsError(

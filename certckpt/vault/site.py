@@ -11,9 +11,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from certckpt.errors import CheckpointNotFoundError, ConfigurationError, StorageError
-from certckpt.format.storage import filesystem, is_s3, remote_error_text, resolve
+from certckpt.format.backends import LocalStorage, S3Storage, storage_for, storage_of
+from certckpt.format.storage import resolve
 
-__all__ = ["LOCK_MODES", "VaultSite", "lock_of", "lock_options", "open_vault"]
+__all__ = ["LOCK_MODES", "VaultSite", "lock_of", "lock_options", "open_vault", "versions_of"]
 
 LOCK_MODES = ("auto", "none", "GOVERNANCE", "COMPLIANCE")
 
@@ -42,43 +43,22 @@ def open_vault(url: str, *, create: bool = False) -> VaultSite:
         CheckpointNotFoundError: a local vault directory or an S3 bucket does not exist.
         StorageError: no credentials, endpoint unreachable, access refused (one line, with the fix).
     """
-    target = resolve(url)
-    if target.local is not None:
+    storage = storage_for(url)
+    if isinstance(storage, LocalStorage):
         if create:
             try:
-                os.makedirs(target.local, exist_ok=True)
+                os.makedirs(storage.root, exist_ok=True)
             except OSError as e:
                 raise StorageError(f"{url}: cannot create the vault directory ({e.strerror or e})") from e
-        elif not os.path.isdir(target.local):
+        elif not os.path.isdir(storage.root):
             raise CheckpointNotFoundError(f"{url}: no such vault (directory not found)")
         return VaultSite(url=url, local=True)
-    fs, path = filesystem(url)
-    if not is_s3(fs):
-        if not create and not fs.exists(path):
+    if not isinstance(storage, S3Storage):
+        if not create and not storage.exists():
             raise CheckpointNotFoundError(f"{url}: no such vault")
         return VaultSite(url=url)
-    bucket = path.split("/", 1)[0]
-    try:
-        fs.call_s3("head_bucket", Bucket=bucket)
-    except FileNotFoundError as e:
-        raise CheckpointNotFoundError(
-            f"{url}: bucket {bucket!r} does not exist; create it with Object Lock enabled "
-            f"(aws s3api create-bucket --bucket {bucket} --object-lock-enabled-for-bucket)"
-        ) from e
-    except PermissionError as e:
-        raise StorageError(f"{url}: access to bucket {bucket!r} denied; check credentials and bucket policy") from e
-    except Exception as e:  # botocore: no credentials, unreachable endpoint
-        raise StorageError(f"{url}: {remote_error_text(e)}") from e
-    try:
-        conf = fs.call_s3("get_object_lock_configuration", Bucket=bucket)
-        lock = conf.get("ObjectLockConfiguration", {}).get("ObjectLockEnabled") == "Enabled"
-    except Exception:  # ObjectLockConfigurationNotFoundError: a bucket without Object Lock
-        lock = False
-    try:
-        versioned = fs.call_s3("get_bucket_versioning", Bucket=bucket).get("Status") == "Enabled"
-    except Exception:
-        versioned = lock
-    return VaultSite(url=url, s3=True, bucket=bucket, object_lock=lock, versioned=versioned)
+    found = storage.protection()
+    return VaultSite(url=url, s3=True, bucket=found.bucket, object_lock=found.object_lock, versioned=found.versioned)
 
 
 def lock_options(site: VaultSite, *, mode: str, retain_days: float) -> dict[str, Any]:
@@ -121,16 +101,14 @@ def lock_of(site: VaultSite, url: str) -> dict[str, Any] | None:
     """What protects a vaulted object now (read from the store, so racing promoters agree)."""
     if not site.s3:
         return {"mode": "read-only file"} if resolve(url).local is not None else None
-    fs, path = filesystem(url)
-    bucket, key = path.split("/", 1)
-    head = fs.call_s3("head_object", Bucket=bucket, Key=key)
-    if not head.get("ObjectLockMode"):
+    storage, name = storage_of(url)
+    lock = storage.lock_of(name)
+    if lock is None or not lock.mode:
         return None
-    until = head.get("ObjectLockRetainUntilDate")
     return {
-        "mode": head["ObjectLockMode"],
-        "retain_until": until.astimezone(datetime.timezone.utc).isoformat() if until else None,
-        "version_id": head.get("VersionId"),
+        "mode": lock.mode,
+        "retain_until": lock.retain_until.isoformat() if lock.retain_until else None,
+        "version_id": lock.version_id,
     }
 
 
@@ -145,18 +123,8 @@ def versions_of(site: VaultSite, url: str) -> dict[str, Any] | None:
     """
     if not site.s3 or not site.versioned:
         return None
-    fs, path = filesystem(url)
-    bucket, key = path.split("/", 1)
-    versions = markers = 0
-    deleted = False
-    kwargs: dict[str, str] = {}
-    while True:
-        out = fs.call_s3("list_object_versions", Bucket=bucket, Prefix=key, **kwargs)
-        versions += sum(1 for v in out.get("Versions", []) if v.get("Key") == key)
-        for m in out.get("DeleteMarkers", []):
-            if m.get("Key") == key:
-                markers += 1
-                deleted = deleted or bool(m.get("IsLatest"))
-        if not out.get("IsTruncated"):
-            return {"versions": versions, "delete_markers": markers, "deleted": deleted}
-        kwargs = {"KeyMarker": out.get("NextKeyMarker", ""), "VersionIdMarker": out.get("NextVersionIdMarker", "")}
+    storage, name = storage_of(url)
+    found = storage.versions(name)
+    if found is None:
+        return None
+    return {"versions": found.versions, "delete_markers": found.delete_markers, "deleted": found.deleted}

@@ -20,8 +20,9 @@ from certckpt.errors import (
     CorruptCheckpointError,
     StorageError,
 )
+from certckpt.format.backends import storage_of
 from certckpt.format.signing import TrustedKeys
-from certckpt.format.storage import commit_local, commit_remote, filesystem, join, open_read, resolve, temp_name
+from certckpt.format.storage import commit_local, commit_remote, join, open_read, resolve, temp_name
 from certckpt.format.verify import verify
 from certckpt.trust.runstore import check_file
 
@@ -152,7 +153,7 @@ def copy_once(
             except CheckpointExistsError:
                 # A racing promoter's PUT may be refused (412/409) before its object is readable:
                 # wait for it; if it never appears (that promoter failed), upload again.
-                filesystem(dst)[0].invalidate_cache()
+                storage_of(dst)[0].refresh()
                 try:
                     return _already_there(dst, present), size
                 except CheckpointNotFoundError:
@@ -184,11 +185,8 @@ def _already_there(dst: str, check: Check) -> bool:
 
 
 def _exists(url: str) -> bool:
-    target = resolve(url)
-    if target.local is not None:
-        return os.path.exists(target.local)
-    fs, path = filesystem(url)
-    return fs.exists(path)
+    storage, name = storage_of(url)
+    return storage.exists(name)
 
 
 def repair_copy(
@@ -233,7 +231,7 @@ def repair_copy(
     local, spool = _local_source(src_url)
     try:
         commit_remote(local, dst, overwrite=True, display=dst, put_options=put_options)
-        filesystem(dst)[0].invalidate_cache()
+        storage_of(dst)[0].refresh()
         problem = checked(dst)
         if problem:
             raise CorruptCheckpointError(f"{dst}: the repaired copy does not verify when read back ({problem})")

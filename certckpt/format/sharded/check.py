@@ -21,16 +21,18 @@ from certckpt.format.header import DTYPE_SIZES, printable
 from certckpt.format.record import CheckpointRecord, check_header, state_fingerprint
 from certckpt.format.signing import TrustedKeys
 from certckpt.format.storage import LEDGER_DIR, open_read, resolve
-from certckpt.format.verify import Problem, digest_problem, read_checkpoint_header, verify
+from certckpt.format.verify import CheckpointInfo, Problem, digest_problem, read_checkpoint_header, read_into, verify
 
 from .composition import hex64
-from .layout import MANIFEST_NAME, exists, is_shard_name, join, list_directory
-from .manifest import Manifest, ShardFile, consistency_problems, read_manifest
+from .layout import MANIFEST_NAME, Listing, exists, is_shard_name, join, list_directory
+from .manifest import Chunk, Manifest, ShardFile, consistency_problems, read_manifest
 
 __all__ = ["ShardedReport", "verify_checkpoint", "inspect_checkpoint"]
 
 Progress = Callable[[int, int], None]
 _PIECE = 16 << 20  # streaming buffer for --deep: a multiple of the fingerprint's chunk (256 KiB)
+# A chunk with the tensor it belongs to: ``(fqn, index in the manifest's tensors, chunk)``.
+_Owned = tuple[str, int, Chunk]
 
 
 @dataclass(slots=True)
@@ -87,7 +89,7 @@ class ShardedReport:
         }
 
 
-def _not_committed(location: str, listing=None) -> NotACheckpointError:
+def _not_committed(location: str, listing: Listing | None = None) -> NotACheckpointError:
     if exists(join(location, ".metadata")):
         return NotACheckpointError(
             f"{location}: a plain torch.distributed.checkpoint directory (its .metadata is a pickle);"
@@ -128,15 +130,17 @@ def _total(m: Manifest) -> int:
     return sum(f.nbytes for f in m.files)
 
 
-def _chunks_by_file(m: Manifest) -> dict[int, list[tuple[str, int, Any]]]:
-    out: dict[int, list[tuple[str, int, Any]]] = {}
+def _chunks_by_file(m: Manifest) -> dict[int, list[_Owned]]:
+    out: dict[int, list[_Owned]] = {}
     for ti, t in enumerate(m.tensors):
         for c in t.chunks:
             out.setdefault(c.file, []).append((t.fqn, ti, c))
     return out
 
 
-def _check_entries(report: ShardedReport, m: Manifest, sf: ShardFile, info, chunks) -> None:
+def _check_entries(
+    report: ShardedReport, m: Manifest, sf: ShardFile, info: CheckpointInfo, chunks: list[_Owned]
+) -> None:
     entries = {e.name: e for e in info.header.entries}
     for fqn, ti, c in chunks:
         e = entries.get(c.entry)
@@ -151,7 +155,14 @@ def _check_entries(report: ShardedReport, m: Manifest, sf: ShardFile, info, chun
             )
 
 
-def _deep_file(report: ShardedReport, location: str, sf: ShardFile, chunks, m: Manifest, progress) -> Any:
+def _deep_file(
+    report: ShardedReport,
+    location: str,
+    sf: ShardFile,
+    chunks: list[_Owned],
+    m: Manifest,
+    progress: Progress | None,
+) -> CheckpointInfo | None:
     """One pass over a shard file: every tensor's xxh3, its own fingerprint, its chunk's contribution."""
     import torch
 
@@ -161,7 +172,7 @@ def _deep_file(report: ShardedReport, location: str, sf: ShardFile, chunks, m: M
     from .shardfp import contribution
 
     target = resolve(join(location, sf.name))
-    by_entry: dict[str, list[tuple[str, int, Any]]] = {}  # tied weights: one stored tensor, two names
+    by_entry: dict[str, list[_Owned]] = {}  # tied weights: one stored tensor, two names
     for fqn, ti, c in chunks:
         by_entry.setdefault(c.entry, []).append((fqn, ti, c))
     with open_read(target) as (fh, size):
@@ -177,21 +188,21 @@ def _deep_file(report: ShardedReport, location: str, sf: ShardFile, chunks, m: M
             report.fail("state", f"{target.display}: whole-file fingerprint does not match its tensors' fingerprints")
         buf = torch.empty(_PIECE, dtype=torch.uint8)
         mv = host_bytes(buf)
-        for e in info.header.entries:
+        for entry in info.header.entries:
             h = xxhash.xxh3_128()
-            fp = StreamingFingerprint(e.dtype, e.shape)
-            owners = by_entry.get(e.name, [])
+            fp = StreamingFingerprint(entry.dtype, entry.shape)
+            owners = by_entry.get(entry.name, [])
             owner = owners[0] if owners else None
             raws = [0] * len(owners)  # each name's contribution (tied weights: one stored tensor, two names)
-            done, esize = 0, DTYPE_SIZES[e.dtype]
-            while done < e.nbytes:
-                want = min(e.nbytes - done, _PIECE)
+            done, esize = 0, DTYPE_SIZES[entry.dtype]
+            while done < entry.nbytes:
+                want = min(entry.nbytes - done, _PIECE)
                 got = 0
                 while got < want:
-                    n = fh.readinto(mv[got:want])
+                    n = read_into(fh, mv[got:want])
                     if not n:
                         report.fail(
-                            "truncated", f"{target.display}: truncated: tensor `{printable(e.name)}` ends early"
+                            "truncated", f"{target.display}: truncated: tensor `{printable(entry.name)}` ends early"
                         )
                         return info
                     got += n
@@ -208,15 +219,15 @@ def _deep_file(report: ShardedReport, location: str, sf: ShardFile, chunks, m: M
                     )
                 done += want
                 if progress:
-                    progress(report.nbytes + info.header.data_start + e.begin + done, _total(m))
-            rec = info.record.tensors[e.name]
+                    progress(report.nbytes + info.header.data_start + entry.begin + done, _total(m))
+            rec = info.record.tensors[entry.name]
             where = f"{target.display}: "
             if h.hexdigest() != rec["xxh3"]:
-                report.fail("digest", where + digest_problem(e, rec["xxh3"], h.hexdigest()), owner and owner[0])
+                report.fail("digest", where + digest_problem(entry, rec["xxh3"], h.hexdigest()), owner and owner[0])
             if fp.hexdigest() != rec["fp"]:
                 report.fail(
                     "fingerprint",
-                    f"{where}tensor `{printable(e.name)}`: device fingerprint mismatch (expected {rec['fp']},"
+                    f"{where}tensor `{printable(entry.name)}`: device fingerprint mismatch (expected {rec['fp']},"
                     f" found {fp.hexdigest()})",
                     owner and owner[0],
                 )
@@ -224,7 +235,7 @@ def _deep_file(report: ShardedReport, location: str, sf: ShardFile, chunks, m: M
                 if hex64(raw) != c.raw:
                     report.fail(
                         "fingerprint",
-                        f"{where}tensor `{printable(e.name)}`: its contribution to `{printable(fqn)}`'s fingerprint"
+                        f"{where}tensor `{printable(entry.name)}`: its contribution to `{printable(fqn)}`'s fingerprint"
                         f" is {hex64(raw)}, the manifest says {c.raw}",
                         fqn,
                     )
@@ -232,7 +243,7 @@ def _deep_file(report: ShardedReport, location: str, sf: ShardFile, chunks, m: M
     return info
 
 
-def verify_checkpoint(  # noqa: C901
+def verify_checkpoint(
     location: str, *, deep: bool = False, progress: Progress | None = None, trusted_keys: TrustedKeys | None = None
 ) -> ShardedReport:
     """Check a sharded checkpoint directory: its manifest, every byte of every shard file, that no
@@ -268,6 +279,31 @@ def verify_checkpoint(  # noqa: C901
         report.fail("manifest", str(e))
         report.seconds = time.perf_counter() - t0
         return report
+    _check_manifest(report, location, manifest, info, trusted_keys)
+    by_file = _chunks_by_file(manifest)
+    for i, sf in enumerate(manifest.files):
+        chunks = by_file.get(i, [])
+        if sf.name not in listing.files:
+            _report_missing(report, sf, chunks)
+            continue
+        report.files += 1
+        if deep:
+            finfo = _verify_deep(report, location, sf, chunks, manifest, progress, trusted_keys)
+        else:
+            finfo = _verify_streaming(report, location, sf, chunks, manifest, progress, trusted_keys)
+        if finfo is None:
+            continue
+        _check_identity(report, location, sf, finfo)
+        _check_entries(report, manifest, sf, finfo, chunks)
+    _report_extra(report, location, listing, manifest)
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def _check_manifest(
+    report: ShardedReport, location: str, manifest: Manifest, info: CheckpointInfo, trusted_keys: TrustedKeys | None
+) -> None:
+    """Take the manifest's counts into the report, with its signature's and its consistency's problems."""
     report.manifest, report.record = manifest, info.record
     if trusted_keys is not None:
         signed = verify(join(location, MANIFEST_NAME), trusted_keys=trusted_keys)
@@ -276,52 +312,77 @@ def verify_checkpoint(  # noqa: C901
     report.tensors = len(manifest.tensors)
     report.chunks = sum(len(t.chunks) for t in manifest.tensors)
     report.nbytes = info.nbytes
-    for p in consistency_problems(manifest):
-        report.fail("manifest", f"{location}/{MANIFEST_NAME}: {p}")
-    by_file = _chunks_by_file(manifest)
-    for i, sf in enumerate(manifest.files):
-        chunks = by_file.get(i, [])
-        if sf.name not in listing.files:
-            names = sorted({fqn for fqn, _, _ in chunks})
-            report.fail(
-                "missing",
-                f"shard file {sf.name} (rank {sf.rank}) is missing: it holds {len(chunks)} chunk(s) of"
-                f" {', '.join(f'`{printable(n)}`' for n in names[:3])}{' ...' if len(names) > 3 else ''}",
-            )
-            continue
-        report.files += 1
-        if deep:
-            finfo = _deep_file(report, location, sf, chunks, manifest, progress)
-            if trusted_keys is not None:
-                for p in verify(join(location, sf.name), trusted_keys=trusted_keys).problems:
-                    report.fail(p.kind, p.message if sf.name in p.message else f"{location}/{sf.name}: {p.message}")
-        else:
-            done = report.nbytes
-            r = verify(
-                join(location, sf.name),
-                progress=(lambda d, _t, base=done: progress(base + d, _total(manifest))) if progress else None,
-                trusted_keys=trusted_keys,
-            )
-            owners = {c.entry: fqn for fqn, _, c in chunks}
-            for p in r.problems:
-                msg = p.message if sf.name in p.message else f"{location}/{sf.name}: {p.message}"
-                report.fail(p.kind, msg, owners.get(p.tensor, p.tensor))
-            report.nbytes += r.nbytes
-            finfo = r.info
-        if finfo is None:
-            continue
-        if finfo.record.header_digest != sf.header_digest or finfo.nbytes != sf.nbytes:
-            report.fail(
-                "mismatch",
-                f"{location}/{sf.name}: not the shard file the manifest names (header digest"
-                f" {finfo.record.header_digest}, {finfo.nbytes} bytes; expected {sf.header_digest}, {sf.nbytes}"
-                " bytes): it was replaced after the checkpoint was committed",
-            )
-        _check_entries(report, manifest, sf, finfo, chunks)
+    for problem in consistency_problems(manifest):
+        report.fail("manifest", f"{location}/{MANIFEST_NAME}: {problem}")
+
+
+def _report_missing(report: ShardedReport, sf: ShardFile, chunks: list[_Owned]) -> None:
+    names = sorted({fqn for fqn, _, _ in chunks})
+    report.fail(
+        "missing",
+        f"shard file {sf.name} (rank {sf.rank}) is missing: it holds {len(chunks)} chunk(s) of"
+        f" {', '.join(f'`{printable(n)}`' for n in names[:3])}{' ...' if len(names) > 3 else ''}",
+    )
+
+
+def _verify_deep(
+    report: ShardedReport,
+    location: str,
+    sf: ShardFile,
+    chunks: list[_Owned],
+    manifest: Manifest,
+    progress: Progress | None,
+    trusted_keys: TrustedKeys | None,
+) -> CheckpointInfo | None:
+    """The deep pass over one shard file; with keys, its signature checked in a second read."""
+    finfo = _deep_file(report, location, sf, chunks, manifest, progress)
+    if trusted_keys is not None:
+        for p in verify(join(location, sf.name), trusted_keys=trusted_keys).problems:
+            report.fail(p.kind, p.message if sf.name in p.message else f"{location}/{sf.name}: {p.message}")
+    return finfo
+
+
+def _verify_streaming(
+    report: ShardedReport,
+    location: str,
+    sf: ShardFile,
+    chunks: list[_Owned],
+    manifest: Manifest,
+    progress: Progress | None,
+    trusted_keys: TrustedKeys | None,
+) -> CheckpointInfo | None:
+    """One shard file through the format layer's verifier, its problems named by the tensors' fqns."""
+    r = verify(
+        join(location, sf.name),
+        progress=_after(progress, report.nbytes, manifest) if progress else None,
+        trusted_keys=trusted_keys,
+    )
+    owners = {c.entry: fqn for fqn, _, c in chunks}
+    for p in r.problems:
+        msg = p.message if sf.name in p.message else f"{location}/{sf.name}: {p.message}"
+        report.fail(p.kind, msg, owners.get(p.tensor, p.tensor) if p.tensor is not None else None)
+    report.nbytes += r.nbytes
+    return r.info
+
+
+def _after(progress: Progress, base: int, manifest: Manifest) -> Progress:
+    """``progress`` for one file's verify: its bytes counted after the ``base`` bytes already read."""
+    return lambda done, _total_of_file: progress(base + done, _total(manifest))
+
+
+def _check_identity(report: ShardedReport, location: str, sf: ShardFile, finfo: CheckpointInfo) -> None:
+    if finfo.record.header_digest != sf.header_digest or finfo.nbytes != sf.nbytes:
+        report.fail(
+            "mismatch",
+            f"{location}/{sf.name}: not the shard file the manifest names (header digest"
+            f" {finfo.record.header_digest}, {finfo.nbytes} bytes; expected {sf.header_digest}, {sf.nbytes}"
+            " bytes): it was replaced after the checkpoint was committed",
+        )
+
+
+def _report_extra(report: ShardedReport, location: str, listing: Listing, manifest: Manifest) -> None:
     listed = {f.name for f in manifest.files} | {MANIFEST_NAME}
     for name in sorted(listing.files - listed):
         report.fail("extra", f"{location}/{name}: not part of this checkpoint (the manifest does not list it)")
     for name in sorted(listing.dirs):
         report.fail("extra", f"{location}/{name}/: a directory inside the checkpoint (the manifest does not list it)")
-    report.seconds = time.perf_counter() - t0
-    return report

@@ -10,9 +10,10 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
+from typing import Any, cast
 
 from certckpt.errors import CheckpointNotFoundError, StorageError
-from certckpt.format.storage import LEDGER_DIR, filesystem, join, remote_error_text, resolve
+from certckpt.format.storage import LEDGER_DIR, Target, filesystem, join, remote_error_text, resolve
 
 __all__ = [
     "MANIFEST_NAME",
@@ -59,6 +60,13 @@ class Listing:
     dirs: frozenset[str]
 
 
+def _remote(target: Target) -> tuple[Any, str]:
+    """``(fs, path)`` of a location that is not a local path (fsspec's filesystems are untyped)."""
+    # resolve() gives a str location that is not local its URL; storage.filesystem is unannotated
+    fs_path: tuple[Any, str] = filesystem(cast(str, target.url))
+    return fs_path
+
+
 def list_directory(location: str) -> Listing:
     """List a checkpoint directory's top level.
 
@@ -67,28 +75,29 @@ def list_directory(location: str) -> Listing:
         StorageError: the store could not be listed.
     """
     target = resolve(location)
-    files, dirs = set(), set()
+    files: set[str] = set()
+    dirs: set[str] = set()
     if target.local is not None:
         try:
             with os.scandir(target.local) as it:
-                for e in it:
-                    (dirs if e.is_dir(follow_symlinks=False) else files).add(e.name)
+                for entry in it:
+                    (dirs if entry.is_dir(follow_symlinks=False) else files).add(entry.name)
         except (FileNotFoundError, NotADirectoryError) as e:
             raise CheckpointNotFoundError(f"{location}: no such checkpoint directory") from e
         except PermissionError as e:
             raise StorageError(f"{location}: permission denied listing the directory") from e
     else:
-        fs, path = filesystem(target.url)
+        fs, path = _remote(target)
         try:
             entries = fs.ls(path, detail=True)
         except FileNotFoundError as e:
             raise CheckpointNotFoundError(f"{location}: no such checkpoint directory") from e
         except OSError as e:
             raise StorageError(f"{location}: cannot list ({remote_error_text(e)})") from e
-        for e in entries:
-            name = str(e.get("name", "")).rstrip("/").rsplit("/", 1)[-1]
+        for listed in entries:
+            name = str(listed.get("name", "")).rstrip("/").rsplit("/", 1)[-1]
             if name:
-                (dirs if e.get("type") == "directory" else files).add(name)
+                (dirs if listed.get("type") == "directory" else files).add(name)
     hidden = {n for n in files | dirs if n.startswith(".")}
     return Listing(files=frozenset(files - hidden), dirs=frozenset(dirs - hidden - {LEDGER_DIR}))
 
@@ -98,7 +107,7 @@ def is_directory(location: str) -> bool:
     target = resolve(location)
     if target.local is not None:
         return os.path.isdir(target.local)
-    fs, path = filesystem(target.url)
+    fs, path = _remote(target)
     try:
         return bool(fs.isdir(path)) or bool(fs.exists(join(path, MANIFEST_NAME)))
     except Exception:  # OSError, and botocore's own types: then reading it says what is wrong, once
@@ -110,7 +119,7 @@ def exists(location: str) -> bool:
     target = resolve(location)
     if target.local is not None:
         return os.path.exists(target.local)
-    fs, path = filesystem(target.url)
+    fs, path = _remote(target)
     try:
         return bool(fs.exists(path))
     except OSError as e:
@@ -124,7 +133,7 @@ def remove(location: str) -> None:
         if target.local is not None:
             os.unlink(target.local)
         else:
-            fs, path = filesystem(target.url)
+            fs, path = _remote(target)
             fs.rm_file(path)
     except FileNotFoundError:
         return

@@ -11,7 +11,7 @@ checkpoint's, and the header stays small however many shards there are. No torch
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import xxhash
 
@@ -202,7 +202,7 @@ def _dims(v: object) -> bool:
     return isinstance(v, list) and len(v) <= MAX_DIMS and all(_nonneg(x) for x in v)
 
 
-def _exact_keys(d: object, keys: set[str]) -> bool:
+def _exact_keys(d: object, keys: set[str]) -> TypeGuard[dict[str, Any]]:
     return isinstance(d, dict) and set(d) == keys
 
 

@@ -23,7 +23,7 @@ from .shardfp import tensor_contribution
 
 __all__ = ["local_regions", "compose_tensors", "Region"]
 
-Region = list  # [fqn, offsets, sizes, contribution hex]: JSON as it travels between ranks
+Region = list[Any]  # [fqn, offsets, sizes, contribution hex]: JSON as it travels between ranks
 
 
 def local_regions(state: Mapping[str, Any]) -> tuple[list[Region], dict[str, tuple[str, tuple[int, ...]]]]:
@@ -55,7 +55,7 @@ def local_regions(state: Mapping[str, Any]) -> tuple[list[Region], dict[str, tup
                     " to Replicate or Shard first"
                 )
             local = v.to_local()
-            for chunk in v.__create_chunk_list__():
+            for chunk in v.__create_chunk_list__():  # type: ignore[no-untyped-call]  # torch leaves it unannotated
                 offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
                 raw = tensor_contribution(local, offsets=offsets, global_shape=shape) if local.numel() else 0
                 regions.append([fqn, list(offsets), list(sizes), hex64(raw)])
@@ -66,7 +66,10 @@ def local_regions(state: Mapping[str, Any]) -> tuple[list[Region], dict[str, tup
 
 
 def compose_tensors(
-    chosen: Mapping[str, Mapping[tuple, str]], meta: Mapping[str, tuple[str, tuple[int, ...]]], *, advice: str
+    chosen: Mapping[str, Mapping[tuple[tuple[int, ...], tuple[int, ...]], str]],
+    meta: Mapping[str, tuple[str, tuple[int, ...]]],
+    *,
+    advice: str,
 ) -> dict[str, str]:
     """``{fqn: fingerprint hex}`` from one contribution per region (``{fqn: {(offsets, sizes): hex}}``).
 

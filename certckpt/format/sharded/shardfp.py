@@ -157,7 +157,15 @@ def runs_of(offsets: Sequence[int], sizes: Sequence[int], global_shape: Sequence
     return d, run, strides
 
 
-def _run_starts(first: int, count: int, d: int, offsets, sizes, strides, device) -> torch.Tensor:
+def _run_starts(
+    first: int,
+    count: int,
+    d: int,
+    offsets: Sequence[int],
+    sizes: Sequence[int],
+    strides: Sequence[int],
+    device: torch.device,
+) -> torch.Tensor:
     """Global element index of the first element of runs ``first .. first+count-1``."""
     r = torch.arange(first, first + count, dtype=torch.int64, device=device)
     start = torch.full_like(r, offsets[d] * strides[d] if strides else 0)
@@ -167,7 +175,7 @@ def _run_starts(first: int, count: int, d: int, offsets, sizes, strides, device)
     return start
 
 
-def _run_start(r: int, d: int, offsets, sizes, strides) -> int:
+def _run_start(r: int, d: int, offsets: Sequence[int], sizes: Sequence[int], strides: Sequence[int]) -> int:
     start = offsets[d] * strides[d] if strides else 0
     for a in range(d - 1, -1, -1):
         start += (offsets[a] + r % sizes[a]) * strides[a]

@@ -149,7 +149,7 @@ def _audited_block(aud: Auditor, batches: Sequence[Any], *, with_audit: bool) ->
         aud.step = -(-aud.step // k) * k  # the block starts right after a multiple of K
     for b in batches:
         aud.train_step(b)
-    assert aud.last.audited == with_audit
+    assert aud.last is not None and aud.last.audited == with_audit
 
 
 def _consensus_block(aud: Auditor, m: int) -> None:
@@ -313,6 +313,13 @@ def result(rig: Rig, shapes: list[dict[str, Any]]) -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "deterministic": torch.are_deterministic_algorithms_enabled(),
         "shapes": shapes,
-        "events": {k: len(a.sink.events) for k, a in rig.auditors.items()},
+        "events": {k: _events_kept(a) for k, a in rig.auditors.items()},
         "rank_elapsed_s": time.perf_counter() - rig.t_start,
     }
+
+
+def _events_kept(aud: Auditor) -> int:
+    """How many events an auditor's sink holds (setup gives every auditor a MemorySink)."""
+    sink = aud.sink
+    assert isinstance(sink, MemorySink)
+    return len(sink.events)
