@@ -24,7 +24,8 @@ from collections.abc import Sequence
 import torch
 
 from certckpt.errors import PlatformError
-from certckpt.format.fingerprinting import CUDA_BLOCK_CHUNKS, FP_CHUNK_WORDS, as_words, per_thread, tables_for
+from certckpt.format.fingerprinting import as_words
+from certckpt.format.fpsum import CUDA_BLOCK_CHUNKS, FP_CHUNK_WORDS, per_thread, tables_for
 
 __all__ = ["digest", "digests"]
 

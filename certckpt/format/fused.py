@@ -28,7 +28,7 @@ from typing import SupportsInt, TypedDict
 
 import torch
 
-from .fingerprinting import FP_CHUNK_WORDS, SEED_V, raw_sum_eager, tables_for, torch_splitmix64
+from .fpsum import FP_CHUNK_WORDS, SEED_V, raw_sum_eager, tables_for, torch_splitmix64
 
 __all__ = [
     "LAUNCH",

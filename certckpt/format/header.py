@@ -37,6 +37,7 @@ __all__ = [
     "nesting_depth",
     "strict_json_loads",
     "sniff_foreign_format",
+    "MAX_DIMS",
 ]
 
 # Bytes per element of every dtype safetensors 0.8 stores (its `Dtype` enum).

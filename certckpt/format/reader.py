@@ -26,7 +26,7 @@ from .storage import Target, open_read, resolve
 from .tensors import ST_TO_TORCH, host_bytes
 from .verify import CheckpointInfo, digest_problem, read_checkpoint_header, read_tensor
 
-__all__ = ["load"]
+__all__ = ["load", "warn_ignored"]
 
 _warned: set[str] = set()
 

@@ -46,7 +46,17 @@ if TYPE_CHECKING:
     from .datahash import BackgroundDigest
     from .signing import TrustedKeys
 
-__all__ = ["verify", "inspect", "VerifyReport", "Problem", "CheckpointInfo", "read_checkpoint_header", "read_into"]
+__all__ = [
+    "verify",
+    "inspect",
+    "VerifyReport",
+    "Problem",
+    "CheckpointInfo",
+    "read_checkpoint_header",
+    "read_into",
+    "digest_problem",
+    "read_tensor",
+]
 
 _CHUNK = 16 << 20  # streaming buffer: bounded memory whatever the file size
 _RING, _RING_PIECE = 8, 8 << 20  # keyed reads: buffers the background digest may still hold

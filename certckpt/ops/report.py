@@ -54,6 +54,7 @@ __all__ = [
     "timeline",
     "render",
     "FORMATS",
+    "check_format",
 ]
 
 FORMATS = (".png", ".svg", ".html")

@@ -20,7 +20,8 @@ from collections.abc import Sequence
 import torch
 
 from certckpt.errors import ArgumentTypeError
-from certckpt.format.fingerprinting import FP_CHUNK_WORDS, SEED_V, as_words, raw_sum, tables_for
+from certckpt.format.fingerprinting import as_words, raw_sum
+from certckpt.format.fpsum import FP_CHUNK_WORDS, SEED_V, tables_for
 
 from .composition import M64
 

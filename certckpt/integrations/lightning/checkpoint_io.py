@@ -34,7 +34,7 @@ from typing import Any
 from certckpt.detect.session import CheckpointEvidence
 from certckpt.errors import ArgumentTypeError, CheckpointNotFoundError, ConfigurationError, NotACheckpointError
 from certckpt.format.reader import load
-from certckpt.format.storage import filesystem, fsync_dir, join, resolve, temp_name
+from certckpt.format.storage import Target, filesystem, fsync_dir, join, resolve, temp_name
 from certckpt.format.verify import inspect
 from certckpt.format.writer import SaveResult, save_certified
 from certckpt.log import enable as enable_log
@@ -68,11 +68,18 @@ def _directory(location: str) -> str:
     return location.rstrip("/").rsplit("/", 1)[0]
 
 
+def _remote(target: Target) -> tuple[Any, str]:
+    """``(fs, path)`` of a location that is not a local path (``resolve`` of a ``str`` sets ``url`` then)."""
+    if target.url is None:  # pragma: no cover - resolve() of a str sets local or url
+        raise ArgumentTypeError(f"{target.display}: neither a local path nor a URL")
+    return filesystem(target.url)
+
+
 def _exists(location: str) -> bool:
     target = resolve(location)
     if target.local is not None:
         return os.path.exists(target.local)
-    fs, p = filesystem(target.url)
+    fs, p = _remote(target)
     return fs.exists(p)
 
 
@@ -106,7 +113,9 @@ class _Store:
         return store
 
 
-class CertifiedCheckpointIO(*CHECKPOINT_IO_BASES):
+# The bases are every installed Lightning's CheckpointIO, found at import time (compat.py); mypy cannot
+# follow a starred base list and takes the class as deriving from Any.
+class CertifiedCheckpointIO(*CHECKPOINT_IO_BASES):  # type: ignore[misc]
     """Lightning's ``CheckpointIO``, writing certified, ledger-committed checkpoints.
 
     Args:
@@ -347,7 +356,7 @@ class CertifiedCheckpointIO(*CHECKPOINT_IO_BASES):
         if target.local is not None:
             os.unlink(target.local)
         else:
-            fs, p = filesystem(target.url)
+            fs, p = _remote(target)
             fs.rm(p)
         if cid is not None:
             reason = "Lightning removed the file (ModelCheckpoint save_top_k)"
@@ -415,7 +424,7 @@ class CertifiedCheckpointIO(*CHECKPOINT_IO_BASES):
                 if target.local is not None:
                     os.unlink(target.local)
                 else:
-                    fs, p = filesystem(target.url)
+                    fs, p = _remote(target)
                     fs.rm(p)
             store.ledger.retire(
                 cid, reason=f"kept while it was the latest-good; {latest} is trusted now", policy="lightning"
@@ -437,7 +446,7 @@ class CertifiedCheckpointIO(*CHECKPOINT_IO_BASES):
         if target.local is not None:
             os.makedirs(os.path.dirname(os.path.abspath(target.local)), exist_ok=True)
         else:
-            fs, p = filesystem(target.url)
+            fs, p = _remote(target)
             parent = p.rstrip("/").rsplit("/", 1)[0]
             with contextlib.suppress(FileExistsError):
                 fs.makedirs(parent, exist_ok=True)
@@ -462,19 +471,19 @@ class CertifiedCheckpointIO(*CHECKPOINT_IO_BASES):
         keep = replaces is not None and self._is_latest_good(store, replaces)
         target = resolve(url)
         if target.local is None:
-            if keep:
+            if keep and replaces is not None:  # keep implies replaces; said for the type checker
                 self._keep_aside(store, replaces, url)
             elif replaces is not None:
                 store.ledger.retire(replaces, reason=reason, policy="lightning")
                 store.named.pop(_key(url), None)
-            fs, p = filesystem(target.url)
+            fs, p = _remote(target)
             fs.rm(p)
             return save_certified(checkpoint, url, overwrite=False, metadata=metadata, **fields)
         final = os.path.abspath(target.local)
         tmp = temp_name(final)
         try:
             result = save_certified(checkpoint, tmp, overwrite=False, metadata=metadata, **fields)
-            if keep:
+            if keep and replaces is not None:  # keep implies replaces; said for the type checker
                 self._keep_aside(store, replaces, url)
             elif replaces is not None:
                 store.ledger.retire(replaces, reason=reason, policy="lightning")

@@ -34,7 +34,7 @@ def _default_map_location(tensor: torch.Tensor, saved: str) -> torch.Tensor | No
 
 
 def load_from_checkpoint(
-    cls: type,
+    cls: type[Any],
     checkpoint_path: Any,
     *,
     map_location: Any = None,

@@ -185,8 +185,9 @@ class AuditCallback(TrainerCallback):
 
     # --- checkpoints --------------------------------------------------------------------------
 
-    def checkpoint_consensus(self, s: int) -> tuple[str, dict[str, str]] | None:
-        """The fingerprint consensus of checkpoint step ``s`` (collective): ``(state fp, per-tensor fps)``.
+    def checkpoint_consensus(self, s: int) -> tuple[str | None, dict[str, str]] | None:
+        """The fingerprint consensus of checkpoint step ``s`` (collective): ``(state fp, per-tensor fps)``;
+        the state fp None when there is no agreement (``CheckpointEvidence.consensus_fp``).
 
         Takes the session's checkpoint evidence: the lineage since the previous checkpoint is
         ``lineage()`` until ``checkpoint_done()``.

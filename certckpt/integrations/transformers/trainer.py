@@ -33,7 +33,7 @@ import random
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -77,6 +77,14 @@ __all__ = ["CertifiedTrainerMixin", "CertifiedTrainer", "CertifiedRun"]
 
 logger = logging.getLogger(__name__)
 
+if TYPE_CHECKING:
+    # The mixin is written against the Trainer it precedes in the MRO: mypy checks it as a subclass
+    # of transformers.Trainer (the attributes it reads, the methods it overrides, its super() calls).
+    # At run time it derives from object, as it always did, and mixes into any Trainer subclass.
+    _TrainerBase = transformers.Trainer
+else:
+    _TrainerBase = object
+
 
 @dataclass(kw_only=True, slots=True)
 class CertifiedRun:
@@ -105,8 +113,14 @@ class CertifiedRun:
     last_step: int | None = None  # the previous checkpoint's step on this branch (the record's step range)
     resumed_state: dict[str, Any] | None = None  # the manifest's content, loaded once per resume
 
+    def decided_branch(self) -> str:
+        """``branch``, which ``train()`` decides before any checkpoint is written or committed."""
+        if self.branch is None:
+            raise CertckptError("the certified Trainer has no branch yet: it decides one in train()")
+        return self.branch
 
-class CertifiedTrainerMixin:
+
+class CertifiedTrainerMixin(_TrainerBase):
     """Put it before the Trainer class: ``class MyTrainer(CertifiedTrainerMixin, Trainer)``.
 
     Args:
@@ -129,11 +143,17 @@ class CertifiedTrainerMixin:
         if self.args.process_index == 0:
             enable_log()  # one line per audit and per resume, from the main process (docs/integrations.md)
         _refuse_unsupported(self)
-        store = ledger or self.args.output_dir
-        name = run or os.path.basename(os.path.abspath(self.args.output_dir).rstrip("/")) or "run"
+        store = ledger or self._certckpt_output_dir()
+        name = run or os.path.basename(os.path.abspath(self._certckpt_output_dir()).rstrip("/")) or "run"
         if branch is not None and not is_ckpt_id(ckpt_id_for(branch, 0)):
             raise ConfigurationError(f"branch {branch!r}: use 1-100 letters, digits, '.', '_' or '-'")
         self.certckpt = CertifiedRun(ledger=Ledger(os.fspath(store)), run=name, requested=branch)
+
+    def _certckpt_output_dir(self) -> str:
+        """``args.output_dir``, which ``TrainingArguments`` always sets (``trainer_output`` by default)."""
+        if self.args.output_dir is None:
+            raise ConfigurationError("TrainingArguments.output_dir is None: the certified Trainer needs a directory")
+        return self.args.output_dir
 
     # --- resuming -----------------------------------------------------------------------------
 
@@ -169,8 +189,9 @@ class CertifiedTrainerMixin:
         if run.parent is not None:
             # Written once every rank has decided: a rank still reading the ledger would otherwise see
             # the new branch taken and name another.
+            branch = run.decided_branch()
             self._certckpt_together(
-                lambda: run.ledger.start_branch(run.branch, parent=run.parent) if self.args.should_save else None,
+                lambda: run.ledger.start_branch(branch, parent=run.parent) if self.args.should_save else None,
                 what="resume",
             )
         run.resumed_state = None
@@ -303,7 +324,7 @@ class CertifiedTrainerMixin:
         return os.path.join(base, run.branch) if run.subdir and run.branch else base
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        output_dir = output_dir if output_dir is not None else self._certckpt_output_dir()
         if not self.args.should_save:
             return
         os.makedirs(output_dir, exist_ok=True)
@@ -315,13 +336,14 @@ class CertifiedTrainerMixin:
         else:
             # The plain Trainer writes such a model's state dict as model.safetensors: so does this.
             writer(
-                state_dict if state_dict is not None else self.model.state_dict(),
+                # the Trainer holds a model whenever it saves (model_init builds one before training)
+                state_dict if state_dict is not None else self.model.state_dict(),  # type: ignore[union-attr]
                 os.path.join(output_dir, "model.safetensors"),
             )
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
-        elif getattr(self.data_collator, "tokenizer", None) is not None:
-            self.data_collator.tokenizer.save_pretrained(output_dir)
+        elif (tokenizer := getattr(self.data_collator, "tokenizer", None)) is not None:
+            tokenizer.save_pretrained(output_dir)
         write_atomic(os.path.join(output_dir, ARGS_NAME), self.args.to_json_string().encode("utf-8"))
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
@@ -366,7 +388,7 @@ class CertifiedTrainerMixin:
         one is never written over."""
         if not os.path.exists(output_dir):
             return
-        cid = ckpt_id_for(self.certckpt.branch, step)
+        cid = ckpt_id_for(self.certckpt.decided_branch(), step)
         if cid in self.certckpt.ledger.snapshot().records:
             raise CheckpointExistsError(f"{output_dir}: {cid} is committed already; it is never written over")
         logger.warning("certckpt: removing %s, left uncommitted by an earlier save", output_dir)
@@ -385,7 +407,8 @@ class CertifiedTrainerMixin:
             if consensus is not None:
                 _check_weights_match(output_dir, consensus[1])
             state = {
-                "optimizer": None if self.args.save_only_model else self.optimizer.state_dict(),
+                # the Trainer creates the optimizer before it saves a checkpoint
+                "optimizer": None if self.args.save_only_model else self.optimizer.state_dict(),  # type: ignore[union-attr]
                 "scheduler": None
                 if self.args.save_only_model or self.lr_scheduler is None
                 else self.lr_scheduler.state_dict(),
@@ -397,7 +420,7 @@ class CertifiedTrainerMixin:
                 state,
                 step=step,
                 run=run.run,
-                branch=run.branch,
+                branch=run.decided_branch(),
                 parent=run.parent,
                 consensus_fp=consensus[0] if consensus else None,
                 lineage=run.audit.lineage() if run.audit is not None else None,
@@ -406,7 +429,7 @@ class CertifiedTrainerMixin:
             if run.audit is not None:
                 run.audit.flush()  # the events up to this checkpoint reach the ledger before its commit
             run.ledger.commit_checkpoint(
-                branch=run.branch,
+                branch=run.decided_branch(),
                 step=step,
                 location=result.location,
                 run=run.run,
@@ -507,7 +530,8 @@ class CertifiedTrainerMixin:
             return
         state = self._certckpt_state(checkpoint)
         if state.get("optimizer") is not None:
-            self.optimizer.load_state_dict(state["optimizer"])
+            # the Trainer creates the optimizer before it loads one from a checkpoint
+            self.optimizer.load_state_dict(state["optimizer"])  # type: ignore[union-attr]
         if state.get("scheduler") is not None and self.lr_scheduler is not None:
             self.lr_scheduler.load_state_dict(state["scheduler"])
 
@@ -537,7 +561,8 @@ class CertifiedTrainerMixin:
             set_rng_state_for_device("CUDA", torch.cuda, states, distributed)
 
     def _load_best_model(self) -> None:
-        require_intact(self.state.best_model_checkpoint)
+        # the Trainer calls this only when best_model_checkpoint is set
+        require_intact(self.state.best_model_checkpoint)  # type: ignore[arg-type]
         super()._load_best_model()
 
     # --- the audit's hand-off -----------------------------------------------------------------
@@ -554,7 +579,8 @@ class CertifiedTrainerMixin:
         """The loss ``training_step`` back-propagates for one micro-batch, computed on ``module``
         (the bare model: the audit's replay). Mirrors ``Trainer.training_step`` of transformers 5.x."""
         with self.compute_loss_context_manager():
-            loss = self.compute_loss(module, dict(inputs), num_items_in_batch=num_items_in_batch)
+            # without return_outputs, compute_loss returns the loss alone
+            loss = cast(torch.Tensor, self.compute_loss(module, dict(inputs), num_items_in_batch=num_items_in_batch))
         if self.args.n_gpu > 1:
             loss = loss.mean()
         scaled = self.loss_is_scaled_for_ga
