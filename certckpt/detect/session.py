@@ -303,8 +303,7 @@ class AuditSession:
         self.setup.check_world_agrees()
         ddp.register_comm_hook(self._hook, comm_hook)
         if hand_over:
-            # DDP's private switch for its optimizer-in-backward mode (docs/detection.md); not in torch's stubs
-            ddp.reducer._set_optimizer_in_backward()  # type: ignore[attr-defined]
+            ddp.reducer._set_optimizer_in_backward()
         mine = json.dumps(rank_inventory(self.device)).encode()
         payloads = all_gather_bytes(mine, group=self.group, wire_device=wire)
         self.inventory = report.inventory = {str(r): json.loads(b) for r, b in enumerate(payloads)}
