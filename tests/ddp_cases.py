@@ -265,8 +265,8 @@ def trains_like_plain_ddp(args):
         "channels_last_grads": [
             p.grad.is_contiguous(memory_format=torch.channels_last) for p in aud_m.parameters() if p.dim() == 4
         ],
-        "outcomes": sorted({(k, o) for _, k, o in aud._events}),
-        "audits": sum(k == "replay" for _, k, _ in aud._events),
+        "outcomes": sorted({(k, o) for _, k, o in aud.state.lineage}),
+        "audits": sum(k == "replay" for _, k, _ in aud.state.lineage),
     }
 
 
@@ -361,7 +361,7 @@ def replay_tied_and_unused(args):
         except FaultDetectedError as e:
             caught = (e.event.step, e.event.kind, e.event.suspect_ranks, e.event.details["mismatched"])
             break
-    return {"outcomes": sorted({(k, o) for _, k, o in aud._events}), "caught": caught}
+    return {"outcomes": sorted({(k, o) for _, k, o in aud.state.lineage}), "caught": caught}
 
 
 def one_rank_reduction_fault(args):
@@ -409,7 +409,7 @@ def hand_over_conditions(args):
         out[name] = {
             "hand_over": aud._hook.hand_over,
             "views": [p.grad is not None and p.grad._base is not None for p in m.parameters()],
-            "outcomes": sorted({(k, o) for _, k, o in aud._events}),
+            "outcomes": sorted({(k, o) for _, k, o in aud.state.lineage}),
         }
     # the guard against a DDP that would not leave the handed-over gradients alone
     m, aud = cases["default"]

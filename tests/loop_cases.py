@@ -59,7 +59,7 @@ def _same(a: torch.nn.Module, b: torch.nn.Module) -> bool:
 
 def _failures(aud) -> list:
     """Failed checks as (step, kind), as every rank records them (rank 0 alone emits the events)."""
-    return [(s, k) for s, k, o in aud._events if o == "fail"]
+    return [(s, k) for s, k, o in aud.state.lineage if o == "fail"]
 
 
 def _suspects(aud) -> list:
@@ -89,7 +89,7 @@ def accumulation_and_clipping(args):
         _plain_accumulated_step(plain, popt, _micro(16))
         out[f"accumulate_view={view}"] = {
             "bit_equal": _same(pm, am),
-            "replays": sorted({(k, o) for _, k, o in aud._events if k == "replay"}),
+            "replays": sorted({(k, o) for _, k, o in aud.state.lineage if k == "replay"}),
             "failures": _failures(aud),
             "loss_is_mean": abs(got - want) < 1e-6,
         }
@@ -139,7 +139,7 @@ def accumulation_and_clipping(args):
         aud.train_step(micro_batches=_micro(s))
     out["clean_100"] = {
         "failures": _failures(aud),
-        "replay_passes": sum(1 for _, k, o in aud._events if k == "replay" and o == "pass"),
+        "replay_passes": sum(1 for _, k, o in aud.state.lineage if k == "replay" and o == "pass"),
         "last_clean_audit": aud.last_clean_audit,
     }
     m = _model()
@@ -385,7 +385,7 @@ def amp_loops(args):
         if s == 34:
             out["bit_equal_at_34"] = _same(pm, am)
             out["scales_at_34"] = [pscaler.get_scale(), ascaler.get_scale()]
-            out["overflow_steps"] = [st for st, k, _ in aud._events if k == "overflow"]
+            out["overflow_steps"] = [st for st, k, _ in aud.state.lineage if k == "overflow"]
             out["skipped_plain"] = skipped_plain
             out["failures_to_34"] = _failures(aud)
             scale_before_fault = ascaler.get_scale()

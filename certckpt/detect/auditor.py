@@ -38,14 +38,14 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from certckpt.errors import AuditSetupError, ConfigurationError, FaultDetectedError
 
-from .digest import digests
 from .events import log_audit_pass
 from .exchange import RingShift
 from .hook import nonfinite_flag
@@ -64,17 +64,31 @@ __all__ = [
 ]
 
 
-def _accumulator(acc: list, i: int):
+def _accumulator(acc: list[torch.Tensor | None], i: int) -> Callable[[torch.Tensor], None]:
     """A tensor hook adding parameter i's gradient of each backward into ``acc[i]`` (as autograd
     accumulates ``.grad``), leaving the gradient itself alone."""
 
     def hook(grad: torch.Tensor) -> None:
-        if acc[i] is None:
+        a = acc[i]
+        if a is None:
             acc[i] = grad.detach().clone()
         else:
-            acc[i].add_(grad.detach())
+            a.add_(grad.detach())
 
     return hook
+
+
+@dataclass(slots=True)
+class _Shipment:
+    """What this rank ships for the audit of the step under way, and the ring shift carrying it.
+
+    ``payload``: its micro-batches (all of them, or an audit's sample) and their RNG state, kept for
+    an arbitration; ``sampled``: the signature of a sample's gradients, taken in training.
+    """
+
+    payload: dict[str, Any]
+    shift: RingShift | None = None
+    sampled: torch.Tensor | None = None
 
 
 class Auditor(AuditSession):
@@ -87,7 +101,7 @@ class Auditor(AuditSession):
     consensus; ``save`` writes a checkpoint with its evidence.
     """
 
-    def train_step(self, batch: Any = None, *, micro_batches: Sequence[Any] | None = None) -> torch.Tensor:  # noqa: C901
+    def train_step(self, batch: Any = None, *, micro_batches: Sequence[Any] | None = None) -> torch.Tensor:
         """One optimizer step with the checks; returns the (local) loss.
 
         Pass one batch (``train_step(batch)``), or the micro-batches of one accumulated step
@@ -106,93 +120,116 @@ class Auditor(AuditSession):
             FaultDetectedError: a check failed and the policy is ``raise`` (the update was not applied).
             ConfigurationError: neither or both of ``batch`` and ``micro_batches``, or no micro-batch.
         """
+        ctx, state = self.ctx, self.state
         units, micro = self._units(batch, micro_batches)
-        if self._first:
-            self._first_step_checks(units, micro)
-            self._first = False
-        s = self.step + 1
+        if state.first_step:
+            self.setup.first_step_checks(units, micro)
+            state.first_step = False
+        s = state.step + 1
         audit = self.is_audit_step(s)
-        self.last = StepOutcome(step=s, audited=audit)
+        state.last = StepOutcome(step=s, audited=audit)
         # An audit of a sample of the micro-batches signs them in training (``_forward_backward``);
         # otherwise the hook signs the local gradients, on audit steps and for the replay check.
         block = self._sample_block(s, len(units)) if audit and micro else None
-        sign = (audit and block is None) or self._path_check_pending
+        sign = (audit and block is None) or state.path_check_pending
         # With a scaler, a non-finite step may be an overflow, told apart by a neighbour's replay
         # of the step: the RNG state is kept at every step then (a small host copy).
-        rng = self._rng_state() if audit or sign or self.grad_scaler is not None else None
-        self._sample_sig = None
+        rng = ctx.rng_state() if audit or sign or ctx.grad_scaler is not None else None
         # What this rank ships for its audit (kept for an arbitration): its step, or a sample of
         # it; it travels to the neighbour while this rank computes its own step.
-        self._audit_payload = {"units": units, "micro": micro, "n": len(units), "rng": rng}
-        shift = (
-            RingShift(
-                self._audit_payload,
-                group=self.group,
-                wire_device=self.wire_device,
-                out_device=self.device,
+        shipment = _Shipment({"units": units, "micro": micro, "n": len(units), "rng": rng})
+        if audit and block is None:
+            shipment.shift = RingShift(
+                shipment.payload,
+                group=ctx.group,
+                wire_device=ctx.wire_device,
+                out_device=ctx.device,
             )
-            if audit and block is None
-            else None
-        )
-        self._zero_grad()
-        self._hook.reset(audit=sign, average=1.0 / self.world if micro and self.world > 1 else None)
-        if self.injector is not None:
-            self.injector.begin(s, "train")
-        if self._seal_source:
-            self._check_seal()  # before the forward, where DDP broadcasts rank 0's buffers
-        loss, shift = self._forward_backward(units, micro, shift, block)
-        if self._seal_source:
-            self._seal = digests(self.buffers)
-        if self._hook.hand_over and not self._hook.handed_over_intact():
+        ctx.drop_grads()
+        ctx.hook.reset(audit=sign, average=1.0 / ctx.world if micro and ctx.world > 1 else None)
+        if ctx.injector is not None:
+            ctx.injector.begin(s, "train")
+        if self.consensus.seal_source:
+            self.consensus.check_seal()  # before the forward, where DDP broadcasts rank 0's buffers
+        loss = self._forward_backward(units, micro, shipment, block)
+        if self.consensus.seal_source:
+            self.consensus.seal()
+        if ctx.hook.hand_over and not ctx.hook.handed_over_intact():
             raise AuditSetupError(
-                f"rank {self.rank}: after backward, .grad no longer views DDP's reduced bucket "
+                f"rank {ctx.rank}: after backward, .grad no longer views DDP's reduced bucket "
                 f"(torch {torch.__version__}"
                 " changed how DDP finalizes gradients); construct the Auditor with hand_over_grads=False"
             )
-        failed = self._nonfinite_due(s, now=self._must_read_now(s, audit) or self.grad_scaler is not None)
-        self.step = s  # the step is attempted from here on, applied or not
+        replay_seconds = self._checks(s, audit, units, micro, rng, shipment)
+        if replay_seconds is not None:
+            self._update(s, audit, replay_seconds)
+        return loss
+
+    def _checks(
+        self,
+        s: int,
+        audit: bool,
+        units: list[Any],
+        micro: bool,
+        rng: dict[str, torch.Tensor] | None,
+        shipment: _Shipment,
+    ) -> float | None:
+        """The checks of step s before its update: the non-finite flags, the replay-path check and,
+        on an audit step, the replay. Returns the replay's time when the update may be applied,
+        None when it was refused (its gradients dropped)."""
+        ctx, state = self.ctx, self.state
+        now = self.nonfinite.must_read_now(s, audit=audit) or ctx.grad_scaler is not None
+        failed = self.nonfinite.due(s, now=now)
+        state.step = s  # the step is attempted from here on, applied or not
         if failed is not None:  # the same on every rank: all drain the shift, so no message is left behind
-            if shift is not None:
-                shift.finish()
-            if self.grad_scaler is not None:  # never deferred: the failing step is this one
-                self._scaler_nonfinite(s, failed[1], units, micro, rng)
+            if shipment.shift is not None:
+                shipment.shift.finish()
+            if ctx.grad_scaler is not None:  # never deferred: the failing step is this one
+                self.nonfinite.scaler_nonfinite(s, failed[1], units, micro, rng)
             else:
-                self._nonfinite_detected(*failed)
-            return loss
-        self._checked_since_audit += 1
-        if self._path_check_pending:
-            self._check_replay_path(s, units, micro, rng)
+                self.nonfinite.detected(*failed)
+            return None
+        state.checked_since_audit += 1
+        if state.path_check_pending:
+            self.replay.check_path(s, units, micro, rng)
         t0 = time.perf_counter()
-        if audit and not self._replay_audit(s, units, micro, rng, shift.finish()):
-            return loss
-        replay_seconds = time.perf_counter() - t0
+        if audit:
+            assert shipment.shift is not None, "an audit step's micro-batches travel to the neighbour"
+            prev = shipment.shift.finish()
+            if not self.replay.audit(s, units, prev, payload=shipment.payload, sampled=shipment.sampled):
+                return None
+        return time.perf_counter() - t0
+
+    def _update(self, s: int, audit: bool, replay_seconds: float) -> None:
+        """Step s's update, once its checks passed: clipping and the user's transform, the optimizer
+        step, and the consensus (audit and consensus steps) with an audit step's summary."""
+        ctx, state = self.ctx, self.state
         self._before_optimizer()
-        if self.grad_scaler is not None:
+        if ctx.grad_scaler is not None:
             # The scaler unscales (unless _before_optimizer did), finds the gradients finite, as the
             # hook did, and steps; then it grows its scale on schedule, as in any AMP loop.
-            self.grad_scaler.step(self.optimizer)
-            self.grad_scaler.update()
+            ctx.grad_scaler.step(ctx.optimizer)
+            ctx.grad_scaler.update()
         else:
-            self.optimizer.step()
-        if self.injector is not None:
-            self.injector.after_optimizer(list(zip(self.param_names, self.params)))
-            self.injector.after_optimizer_buffers(list(zip(self.buffer_names, self.buffers)))
-        due = audit or (self.consensus_every is not None and s % self.consensus_every == 0)
+            ctx.optimizer.step()
+        if ctx.injector is not None:
+            ctx.injector.after_optimizer(list(zip(ctx.param_names, ctx.params)))
+            ctx.injector.after_optimizer_buffers(list(zip(ctx.buffer_names, ctx.buffers)))
+        due = audit or (ctx.consensus_every is not None and s % ctx.consensus_every == 0)
         t1 = time.perf_counter()
         consensus_ok = self.weight_consensus(s) if due else True
         if audit:
-            extra = {"overflows": self._overflows} if self.grad_scaler is not None else {}
-            self._event("nonfinite", "pass", step=s, steps_checked=self._checked_since_audit, **extra)
+            extra: dict[str, Any] = {"overflows": state.overflows} if ctx.grad_scaler is not None else {}
+            ctx.report.event("nonfinite", "pass", step=s, steps_checked=state.checked_since_audit, **extra)
             if consensus_ok:
-                self.last_clean_audit = s
-                if self.rank == 0:
+                state.last_clean_audit = s
+                if ctx.rank == 0:
                     seconds = replay_seconds + time.perf_counter() - t1
                     log_audit_pass(
-                        step=s, branch=self.branch, ranks=self.world, checked=self._checked_since_audit, seconds=seconds
+                        step=s, branch=self.branch, ranks=ctx.world, checked=state.checked_since_audit, seconds=seconds
                     )
-            self._checked_since_audit = 0
-            self._overflows = 0
-        return loss
+            state.checked_since_audit = 0
+            state.overflows = 0
 
     @staticmethod
     def _units(batch: Any, micro_batches: Sequence[Any] | None) -> tuple[list[Any], bool]:
@@ -211,54 +248,56 @@ class Auditor(AuditSession):
         return units, True
 
     def _forward_backward(
-        self, units: list[Any], micro: bool, shift: RingShift | None, block: tuple[int, int] | None
-    ) -> tuple[torch.Tensor, RingShift | None]:
+        self, units: list[Any], micro: bool, shipment: _Shipment, block: tuple[int, int] | None
+    ) -> torch.Tensor:
         """Forward and backward of every micro-batch, as plain DDP accumulation runs them.
 
         All but the last backward run under ``no_sync`` (gradients accumulate in ``.grad``); the
         last one triggers the all-reduce of the accumulated gradients. Each graph is freed before
         the next forward. ``block`` (an audit that samples micro-batches ``[a, b)``): the ring shift
-        starts at micro-batch a with the RNG state of that moment, and tensor hooks add up those
-        micro-batches' own gradients (before autograd accumulates them), signed at b. Returns the
-        detached (mean) loss and the ring shift.
+        starts at micro-batch a with the RNG state of that moment (``shipment``'s payload and
+        shift), and tensor hooks add up those micro-batches' own gradients (before autograd
+        accumulates them), signed at b (``shipment.sampled``). Returns the detached (mean) loss.
         """
+        ctx = self.ctx
         n = len(units)
         total: torch.Tensor | None = None
         acc: list[torch.Tensor | None] = []
-        handles: list = []
+        handles: list[Any] = []
         advanced = False
         for k, unit in enumerate(units):
             if block is not None and k == block[0]:
-                self._audit_payload = {
+                shipment.payload = {
                     "units": units[block[0] : block[1]],
                     "micro": True,
                     "n": n,
-                    "rng": self._rng_state(),
+                    "rng": ctx.rng_state(),
                 }
-                shift = RingShift(
-                    self._audit_payload,
-                    group=self.group,
-                    wire_device=self.wire_device,
-                    out_device=self.device,
+                shipment.shift = RingShift(
+                    shipment.payload,
+                    group=ctx.group,
+                    wire_device=ctx.wire_device,
+                    out_device=ctx.device,
                 )
-                acc = [None] * len(self.params)
-                handles = [p.register_hook(_accumulator(acc, i)) for i, p in enumerate(self.params)]
+                acc = [None] * len(ctx.params)
+                handles = [p.register_hook(_accumulator(acc, i)) for i, p in enumerate(ctx.params)]
             sync = k == n - 1
-            with contextlib.nullcontext() if sync else self.model.no_sync():
-                loss = self.loss_fn(self.train_model, unit)
-                if shift is not None and not advanced:
-                    shift.advance()
+            with contextlib.nullcontext() if sync else ctx.model.no_sync():
+                loss = ctx.loss_fn(self.train_model, unit)
+                if shipment.shift is not None and not advanced:
+                    shipment.shift.advance()
                     advanced = True
-                self._scaled(loss, n=n, micro=micro).backward()
+                ctx.scaled(loss, n=n, micro=micro).backward()
             part = loss.detach() / n if micro and n > 1 else loss.detach()
             total = part if total is None else total + part
             del loss
             if block is not None and k == block[1] - 1:
                 for h in handles:
                     h.remove()
-                self._sample_sig = self._sign_accumulated(acc, phase="train")
+                shipment.sampled = self._sign_accumulated(acc, phase="train")
                 acc = []
-        return total, shift
+        assert total is not None  # units holds at least one micro-batch (``_units``)
+        return total
 
     def _sample_block(self, s: int, n: int) -> tuple[int, int] | None:
         """The micro-batches ``[a, b)`` an audit at step s replays, or None for all of them.
@@ -277,26 +316,30 @@ class Auditor(AuditSession):
     def _sign_accumulated(self, acc: list[torch.Tensor | None], *, phase: str) -> torch.Tensor:
         """Signatures of accumulated gradients (zeros for a parameter that got none), after a
         drill's backward faults, which hit an accumulated gradient as they hit DDP's bucket."""
-        if self.injector is not None:
-            step = self.injector.step
-            self.injector.begin(step, phase)
-            present = [i for i, a in enumerate(acc) if a is not None]
-            self.injector.on_local_grads([self.param_names[i] for i in present], [acc[i] for i in present])
-            self.injector.begin(step, "train")
+        ctx = self.ctx
+        if ctx.injector is not None:
+            step = ctx.injector.step
+            ctx.injector.begin(step, phase)
+            present = [(i, a) for i, a in enumerate(acc) if a is not None]
+            ctx.injector.on_local_grads([ctx.param_names[i] for i, _ in present], [a for _, a in present])
+            ctx.injector.begin(step, "train")
         rows = []
-        for i, (a, p) in enumerate(zip(acc, self.params)):
-            probes = self._probes.subset([i]) if self._probes is not None else None
-            rows.append(signature([a if a is not None else torch.zeros_like(p)], mode=self.mode, probes=probes)[0])
+        for i, (a, p) in enumerate(zip(acc, ctx.params)):
+            probes = ctx.probes.subset([i]) if ctx.probes is not None else None
+            rows.append(signature([a if a is not None else torch.zeros_like(p)], mode=ctx.mode, probes=probes)[0])
             acc[i] = None
         return torch.stack(rows)
 
     def _before_optimizer(self) -> None:
         """Clipping and the user's gradient transform, on the reduced gradients, on every rank."""
-        if self.grad_scaler is not None and (self.clip_grad_norm is not None or self.before_optimizer_step):
-            self.grad_scaler.unscale_(self.optimizer)  # clip true gradients, as AMP code must
-        if self.clip_grad_norm is not None:
+        ctx = self.ctx
+        if ctx.grad_scaler is not None and (ctx.clip_grad_norm is not None or ctx.before_optimizer_step):
+            ctx.grad_scaler.unscale_(ctx.optimizer)  # clip true gradients, as AMP code must
+        if ctx.clip_grad_norm is not None:
             # The same call, on the same averaged gradients in the same order, as a plain DDP loop
             # makes after backward: every rank computes the same norm and the same scaling.
-            self.last.grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.clip_grad_norm)
-        if self.before_optimizer_step is not None:
-            self.before_optimizer_step(self.model.module, self.optimizer)
+            norm = torch.nn.utils.clip_grad_norm_(ctx.params, ctx.clip_grad_norm)
+            if self.state.last is not None:
+                self.state.last.grad_norm = norm
+        if ctx.before_optimizer_step is not None:
+            ctx.before_optimizer_step(ctx.model.module, ctx.optimizer)

@@ -5,8 +5,8 @@ At audit, consensus and checkpoint steps every replica's parameters and floating
 is reported as such. A checkpoint step compares the 64-bit fingerprints instead, which the writer
 reuses. Under DDP's ``broadcast_buffers`` the broadcast source (rank 0) seals its buffers after
 each forward and checks the seal before the next one, and the consensus broadcasts rank 0's buffers
-first, as DDP's next forward would. ``WeightConsensus`` is a mixin of ``session.AuditSession`` and
-works on the session's attributes.
+first, as DDP's next forward would. ``WeightConsensus`` is a check object of ``session.AuditSession``,
+built on its ``context.CheckContext``.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from certckpt.format.fingerprinting import as_words, finalize, raw_sum
 from certckpt.format.record import state_fingerprint
 
 from .attribution import consensus_verdict
+from .context import CheckContext
 from .digest import digests
 
 __all__ = ["WeightConsensus", "consensus_buffers"]
@@ -53,30 +54,41 @@ def consensus_buffers(module: torch.nn.Module, *, broadcast: bool) -> tuple[list
 
 
 class WeightConsensus:
-    """The weight consensus of ``AuditSession`` (a mixin: the session holds the state it reads).
+    """The weight consensus of ``AuditSession``, on the context's parameters and buffers.
 
-    It compares the session's parameters and ``consensus_buffers``, keeps the agreed fingerprints
-    in ``_consensus`` for the checkpoint evidence, and uses its ``_gather_rows``, ``_event`` and
-    ``_fail``.
+    A consensus on fingerprints that agrees is kept in ``ctx.state.agreed`` for the checkpoint
+    evidence. On the broadcast source (rank 0 under ``broadcast_buffers``) it also keeps the seal of
+    the buffers (``seal``, ``check_seal``), its own state.
     """
 
-    def weight_consensus(self, s: int, *, found_by: str | None = None, fingerprints: bool = False) -> bool:
+    def __init__(self, ctx: CheckContext) -> None:
+        self.ctx = ctx
+        # With DDP's broadcast_buffers every forward starts from rank 0's copy, so rank 0 seals its
+        # buffers after each forward and checks the seal before the next one: a change in between
+        # (stored state corrupted) would be broadcast to every replica and into the checkpoints, and
+        # is reported at the next consensus instead.
+        self.seal_source = ctx.broadcast_buffers and bool(ctx.buffers) and ctx.rank == 0
+        self._seal: torch.Tensor | None = None
+        self._seal_bad: torch.Tensor | None = None
+
+    def check(self, s: int, *, found_by: str | None = None, fingerprints: bool = False) -> bool:
         """Compare every replica's weights; returns whether they agree.
 
         Audits compare 32-bit audit digests (``digest.py``). A checkpoint step (``fingerprints=True``)
         compares the 64-bit fingerprints instead, which the checkpoint writer then reuses, and its
-        pass event carries the state fingerprint the certifier matches against the file.
+        pass event carries the state fingerprint the certifier matches against the file. The caller
+        reads a pending deferred non-finite check first (``AuditSession.weight_consensus``).
         """
-        self._settle_deferred()  # no consensus vouches for weights a pending non-finite step updated
-        state = [p.detach() for p in self.params]
-        names = list(self.param_names)
-        if self.buffers:
-            if self._seal_source:
-                self._check_seal()
-            if self._bcast_buffers:
+        ctx = self.ctx
+        state = [p.detach() for p in ctx.params]
+        names = list(ctx.param_names)
+        if ctx.buffers:
+            if self.seal_source:
+                self.check_seal()
+            if ctx.broadcast_buffers:
                 self._broadcast_buffers()
-            state += [b.detach() for b in self.buffers]
-            names += self.buffer_names
+            state += [b.detach() for b in ctx.buffers]
+            names += ctx.buffer_names
         if not state:
             raw = torch.zeros(0, dtype=torch.int64)
         elif fingerprints:
@@ -84,32 +96,33 @@ class WeightConsensus:
         else:
             raw = digests(state)
         columns = list(names)
-        if self._bcast_buffers and self.buffers:
+        if ctx.broadcast_buffers and ctx.buffers:
             # The broadcast source's seal flags vote too: only rank 0 can set them, so a broken seal
             # makes rank 0 the minority, naming the buffer that changed outside a forward.
-            bad = self._seal_bad if self._seal_bad is not None else torch.zeros(len(self.buffers), dtype=torch.bool)
+            bad = self._seal_bad if self._seal_bad is not None else torch.zeros(len(ctx.buffers), dtype=torch.bool)
             raw = torch.cat([raw, bad.to(device=raw.device, dtype=torch.int64)])
-            columns += [f"{n} (changed on the broadcast source outside a forward)" for n in self.buffer_names]
+            columns += [f"{n} (changed on the broadcast source outside a forward)" for n in ctx.buffer_names]
             self._seal_bad = None  # reported once; the seal restarts from the values held now
-            if self._seal_source:
-                self._seal = digests(self.buffers)
-        rows = [r.tolist() for r in self._gather_rows(raw)]
+            if self.seal_source:
+                self.seal()
+        rows = [r.tolist() for r in ctx.gather_rows(raw)]
         verdict = consensus_verdict(rows)
         if verdict.agreed:
-            details: dict[str, Any] = {"params": len(self.params)}
-            if self.buffers:
-                details["buffers"] = len(self.buffers)
+            details: dict[str, Any] = {"params": len(ctx.params)}
+            if ctx.buffers:
+                details["buffers"] = len(ctx.buffers)
             if fingerprints:
                 fps = {n: f"{finalize(r, t):016x}" for n, r, t in zip(names, rows[0], state)}
                 details["fp"] = state_fingerprint(fps)
-                self._consensus = (s, fps, details["fp"])
+                ctx.state.agreed = (s, fps, details["fp"])
             if found_by is None:
-                self._event("consensus", "pass", step=s, **details)
+                ctx.report.event("consensus", "pass", step=s, **details)
             return True
         names = [columns[j] for j in verdict.mismatched][:20]
-        if self.last is not None and found_by is None:
-            self.last.applied = False
-        ev = self._event(
+        last = ctx.state.last
+        if last is not None and found_by is None:
+            last.applied = False
+        ev = ctx.report.event(
             "consensus",
             "fail",
             step=s,
@@ -120,21 +133,25 @@ class WeightConsensus:
             **({"found_by": found_by} if found_by else {}),
             **({} if verdict.majority is not None else {"note": "no majority: every rank differs (or a tie)"}),
         )
-        self._consensus = None
+        ctx.state.agreed = None
         minority = list(verdict.minority_ranks) if verdict.majority is not None else "no majority"
-        self._fail(
+        ctx.report.fail(
             ev,
             f"weights differ across replicas after step {s} (minority: {minority}; tensors {names[:3]})",
-            policy=self.on_fault,
+            policy=ctx.on_fault,
         )
         return False
 
-    def _check_seal(self) -> None:
+    def seal(self) -> None:
+        """On the broadcast source, after a forward: the buffers' digests, checked before the next one."""
+        self._seal = digests(self.ctx.buffers)
+
+    def check_seal(self) -> None:
         """On the broadcast source: flag every buffer that changed since the last forward sealed it
         (device-side, no host synchronisation; the flags are read at the next consensus)."""
         if self._seal is None:
             return
-        bad = digests(self.buffers) != self._seal
+        bad = digests(self.ctx.buffers) != self._seal
         self._seal_bad = bad if self._seal_bad is None else self._seal_bad | bad
 
     def _broadcast_buffers(self) -> None:
@@ -143,22 +160,17 @@ class WeightConsensus:
         Done early at a consensus step, so that every replica holds the buffers the next step will
         use and their agreement (and the fingerprints a checkpoint reuses) can be checked.
         """
-        src = dist.get_global_rank(self.group, 0)
+        ctx = self.ctx
+        src = dist.get_global_rank(ctx.group, 0)
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for b in self.buffers:
+        for b in ctx.buffers:
             by_dtype.setdefault(b.dtype, []).append(b)
         for same in by_dtype.values():
-            flat = torch.cat([b.detach().reshape(-1) for b in same]).to(self.wire_device)
-            dist.broadcast(flat, src, group=self.group)
-            if self.rank != 0:
+            flat = torch.cat([b.detach().reshape(-1) for b in same]).to(ctx.wire_device)
+            dist.broadcast(flat, src, group=ctx.group)
+            if ctx.rank != 0:
                 with torch.no_grad():
                     offset = 0
                     for b in same:
                         b.copy_(flat[offset : offset + b.numel()].view_as(b))
                         offset += b.numel()
-
-    def consensus_fingerprints(self) -> dict[str, str] | None:
-        """Per-parameter fingerprints every replica agreed on at the current step, if checked."""
-        if self._consensus and self._consensus[0] == self.step:
-            return dict(self._consensus[1])
-        return None

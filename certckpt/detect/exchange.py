@@ -119,12 +119,13 @@ class RingShift:
         self._next = dist.get_global_rank(group, (rank + 1) % world)
         self._prev = dist.get_global_rank(group, (rank - 1) % world)
         meta, tensors = encode_payload(obj)
-        self._out = _pack(meta, tensors, wire_device)
-        self._out_header = torch.tensor([meta.numel(), self._out.numel()], dtype=torch.int64, device=wire_device)
+        out = _pack(meta, tensors, wire_device)
+        self._out: torch.Tensor | None = out  # (both dropped once the payload is in)
+        self._out_header = torch.tensor([meta.numel(), out.numel()], dtype=torch.int64, device=wire_device)
         self._in_header = torch.empty(2, dtype=torch.int64, device=wire_device)
         self._in: torch.Tensor | None = None
         self._header_works = self._swap(self._out_header, self._in_header, _TAG_HEADER)
-        self._payload_works: list | None = None
+        self._payload_works: list[Any] | None = None
 
     def _swap(self, out: torch.Tensor, inp: torch.Tensor, tag: int) -> list:
         ops = [
@@ -140,6 +141,7 @@ class RingShift:
         for work in self._header_works:
             work.wait()
         self._in = torch.empty(int(self._in_header[1].item()), dtype=torch.uint8, device=self.wire_device)
+        assert self._out is not None  # until finish() has the payload
         self._payload_works = self._swap(self._out, self._in, _TAG_PAYLOAD)
 
     def finish(self) -> Any:
@@ -147,6 +149,7 @@ class RingShift:
         if self._done:
             return self._result
         self.advance()
+        assert self._payload_works is not None and self._in is not None  # posted by advance()
         for work in self._payload_works:
             work.wait()
         doc, tensors = _unpack(self._in, int(self._in_header[0].item()))

@@ -164,7 +164,7 @@ def hand_over_possible(model: DistributedDataParallel) -> bool:
     Only where that is exactly what DDP would have produced: every parameter gets a gradient each
     step (no ``find_unused_parameters``, no static graph), the bucket has the parameters' dtype
     (no mixed precision), and gradients are not bucket views already. (Every view is dropped by the
-    auditor's ``_zero_grad`` before the next backward, which would otherwise accumulate into it.)
+    auditor's ``CheckContext.drop_grads`` before the next backward, which would otherwise accumulate into it.)
     """
     reducer = getattr(model, "reducer", None)
     return (

@@ -4,8 +4,8 @@ The communication hook leaves per-bucket flags on the device; ``NonFiniteCheck``
 before the optimizer step (exchanging them between ranks only on a failing step, unless
 ``exchange_flags="every-step"``), tells a gradient scaler's overflow from a fault by having a
 neighbour recompute the flagged ranks' micro-batches, and records (and, by policy, raises) a
-detection naming the rank whose local gradients went bad, or the reduction. It is a mixin of
-``session.AuditSession`` and works on the session's attributes.
+detection naming the rank whose local gradients went bad, or the reduction. ``NonFiniteCheck`` is a
+check object of ``session.AuditSession``, built on its ``context.CheckContext``.
 """
 
 from __future__ import annotations
@@ -16,21 +16,36 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .context import CheckContext
 from .exchange import recv_payload, send_payload
 from .hook import any_nonfinite
+from .replay import RingReplay
 from .setup_checks import late_detection_note
 
 __all__ = ["NonFiniteCheck"]
 
+Flags = tuple[list[int], list[int]]  # per rank: (pre-reduce flags, post-reduce flags)
+
 
 class NonFiniteCheck:
-    """The non-finite check of ``AuditSession`` (a mixin: the session holds the state it reads).
+    """The non-finite check of ``AuditSession``: reads the hook's flags (``ctx.hook``).
 
-    It reads the hook's flags (``_hook``) and uses the session's ``_replay`` (a scaler's overflow
-    check), ``_event``, ``_fail`` and ``_zero_grad``.
+    ``replay``: the ring replay that tells a gradient scaler's overflow from a fault. Its own state
+    is the deferred read still on its way (``nonfinite_read="deferred"``).
     """
 
-    def _nonfinite_due(self, s: int, *, now: bool) -> tuple[int, tuple[list[int], list[int]]] | None:
+    def __init__(self, ctx: CheckContext, *, replay: RingReplay) -> None:
+        self.ctx, self.replay = ctx, replay
+        self._pending: tuple[int, tuple[int, torch.Tensor, Any]] | None = None  # a deferred read's step and sums
+
+    def must_read_now(self, s: int, *, audit: bool) -> bool:
+        """Steps whose non-finite flags are read before their update even when reads are deferred:
+        audits and consensus steps (their evidence covers the step) and the replay-path check."""
+        every = self.ctx.consensus_every
+        due = every is not None and s % every == 0
+        return audit or due or self.ctx.state.path_check_pending
+
+    def due(self, s: int, *, now: bool) -> tuple[int, Flags] | None:
         """The non-finite check of step s: ``(failing step, flags)``, or None when clean.
 
         Immediate (``nonfinite_read="immediate"``, and at every step that must know now: audits,
@@ -44,16 +59,20 @@ class NonFiniteCheck:
         failed = self._settle_deferred_flags()
         if failed is not None:
             return failed
-        if self.nonfinite_read == "deferred" and not now:
-            self._pending_flags = (s, self._queue_flags())
+        if self.ctx.nonfinite_read == "deferred" and not now:
+            self._pending = (s, self._queue_flags())
             return None
         flags = self._read_flags()
         return None if flags is None else (s, flags)
 
+    def discard_pending(self) -> None:
+        """Forget a deferred read still pending (``close``: no checkpoint covers that step)."""
+        self._pending = None
+
     def _queue_flags(self) -> tuple[int, torch.Tensor, Any]:
         """This step's per-bucket sums, local (pre-reduce) ones first, on their way to the host (no
         wait): ``(how many are local, the sums, the event that marks their arrival)``."""
-        hook = self._hook
+        hook = self.ctx.hook
         sums = list(hook.pre) + list(hook.post)
         if not sums:
             return 0, torch.zeros(0), None
@@ -66,13 +85,14 @@ class NonFiniteCheck:
         event.record()
         return len(hook.pre), host, event
 
-    def _settle_deferred_flags(self) -> tuple[int, tuple[list[int], list[int]]] | None:
+    def _settle_deferred_flags(self) -> tuple[int, Flags] | None:
         """Read the pending (deferred) step's flags: ``(that step, flags)`` when they fail, else None.
 
         Every rank holds the same pending step, and a non-finite reduced bucket reaches every rank
         alike, so the ranks enter the flag exchange together, as in an immediate read.
         """
-        pending, self._pending_flags = self._pending_flags, None
+        ctx = self.ctx
+        pending, self._pending = self._pending, None
         if pending is None:
             return None
         s, (n_pre, host, event) = pending
@@ -81,21 +101,21 @@ class NonFiniteCheck:
         values = [float(x) for x in host.tolist()]
         if all(math.isfinite(v) for v in values[n_pre:]):
             return None
-        flags = torch.zeros(2 * self.world, dtype=torch.int32, device=self.wire_device)
-        flags[self.world + self.rank] = 1
-        flags[self.rank] = int(not all(math.isfinite(v) for v in values[:n_pre]))
-        dist.all_reduce(flags, group=self.group)
-        values = flags.tolist()
-        return s, (values[: self.world], values[self.world :])
+        flags = torch.zeros(2 * ctx.world, dtype=torch.int32, device=ctx.wire_device)
+        flags[ctx.world + ctx.rank] = 1
+        flags[ctx.rank] = int(not all(math.isfinite(v) for v in values[:n_pre]))
+        dist.all_reduce(flags, group=ctx.group)
+        exchanged = flags.tolist()
+        return s, (exchanged[: ctx.world], exchanged[ctx.world :])
 
-    def _settle_deferred(self) -> None:
+    def settle_deferred(self) -> None:
         """Before anything that vouches for the weights (a consensus, a checkpoint, the end of the
         run): the pending step's flags are read, and a failure is detected (and raised) now."""
         failed = self._settle_deferred_flags()
         if failed is not None:
-            self._nonfinite_detected(*failed)
+            self.detected(*failed)
 
-    def _read_flags(self) -> tuple[list[int], list[int]] | None:
+    def _read_flags(self) -> Flags | None:
         """None on a clean step; else per rank ``(pre-reduce flags, post-reduce flags)``.
 
         A non-finite value in any rank's local gradients survives the averaging (NaN and Inf
@@ -109,23 +129,23 @@ class NonFiniteCheck:
         pays one small all-reduce per step so that every rank always learns every rank's flags, and
         such a fault becomes a contained detection on all ranks.
         """
-        hook = self._hook
+        ctx, hook = self.ctx, self.ctx.hook
         post_local = bool(any_nonfinite(hook.post)) if hook.post else False  # the step's one host read
-        if not post_local and self.exchange_flags == "on-failure":
+        if not post_local and ctx.exchange_flags == "on-failure":
             return None
-        flags = torch.zeros(2 * self.world, dtype=torch.int32, device=self.wire_device)
+        flags = torch.zeros(2 * ctx.world, dtype=torch.int32, device=ctx.wire_device)
         if post_local:
-            flags[self.world + self.rank] = 1
+            flags[ctx.world + ctx.rank] = 1
         if hook.pre:  # eager: every bucket's; lazy: those of the buckets that came back non-finite
-            flags[self.rank] = any_nonfinite(hook.pre).to(self.wire_device)
-        dist.all_reduce(flags, group=self.group)
+            flags[ctx.rank] = any_nonfinite(hook.pre).to(ctx.wire_device)
+        dist.all_reduce(flags, group=ctx.group)
         values = flags.tolist()
         if not any(values):
             return None
-        return values[: self.world], values[self.world :]
+        return values[: ctx.world], values[ctx.world :]
 
-    def _scaler_nonfinite(
-        self, s: int, flags: tuple[list[int], list[int]], units: list[Any], micro: bool, rng: dict[str, torch.Tensor]
+    def scaler_nonfinite(
+        self, s: int, flags: Flags, units: list[Any], micro: bool, rng: dict[str, torch.Tensor] | None
     ) -> None:
         """A non-finite step under a gradient scaler: an overflow (the scaler's business) or a fault.
 
@@ -137,61 +157,64 @@ class NonFiniteCheck:
         a ``nonfinite-pre`` detection naming it, the update dropped and the scale left alone.
         Non-finite reduced gradients from finite local ones are a detection as without a scaler.
         """
+        ctx = self.ctx
         pre = [r for r, f in enumerate(flags[0]) if f]
         if not pre:
-            self._nonfinite_detected(s, flags)
+            self.detected(s, flags)
             return
-        verdict = torch.zeros(self.world, dtype=torch.int64, device=self.wire_device)  # 1: finite on replay
+        verdict = torch.zeros(ctx.world, dtype=torch.int64, device=ctx.wire_device)  # 1: finite on replay
         for origin in pre:
-            replayer = (origin + 1) % self.world
-            payload = {"units": units, "micro": micro, "rng": rng}
-            if self.world == 1:
+            replayer = (origin + 1) % ctx.world
+            payload: dict[str, Any] = {"units": units, "micro": micro, "rng": rng}
+            if ctx.world == 1:
                 got = payload  # one rank: the same device recomputes (a transient fault only shows)
-            elif self.rank == origin:
+            elif ctx.rank == origin:
                 send_payload(
-                    payload, dist.get_global_rank(self.group, replayer), group=self.group, wire_device=self.wire_device
+                    payload, dist.get_global_rank(ctx.group, replayer), group=ctx.group, wire_device=ctx.wire_device
                 )
                 continue
-            elif self.rank == replayer:
+            elif ctx.rank == replayer:
                 got = recv_payload(
-                    dist.get_global_rank(self.group, origin),
-                    group=self.group,
-                    wire_device=self.wire_device,
-                    out_device=self.device,
+                    dist.get_global_rank(ctx.group, origin),
+                    group=ctx.group,
+                    wire_device=ctx.wire_device,
+                    out_device=ctx.device,
                 )
             else:
                 continue
-            bad = self._replay(self.model.module, got["units"], bool(got["micro"]), got["rng"], s, finite=True)
+            bad = self.replay.recompute(ctx.model.module, got["units"], bool(got["micro"]), got["rng"], s, finite=True)
             verdict[origin] = 0 if bool(bad) else 1
-        dist.all_reduce(verdict, group=self.group)
+        dist.all_reduce(verdict, group=ctx.group)
         faulty = [r for r in pre if int(verdict[r])]
         if faulty:
-            self._nonfinite_detected(s, flags, faulty=faulty, overflow_replayed=[r for r in pre if r not in faulty])
+            self.detected(s, flags, faulty=faulty, overflow_replayed=[r for r in pre if r not in faulty])
             return
-        scale = float(self.grad_scaler.get_scale())
-        self.grad_scaler.step(self.optimizer)  # finds the Inf/NaN itself and skips the update
-        self.grad_scaler.update()
-        self.last.applied = False
-        self._overflows += 1
-        self._event(
+        scaler = ctx.grad_scaler
+        scale = float(scaler.get_scale())
+        scaler.step(ctx.optimizer)  # finds the Inf/NaN itself and skips the update
+        scaler.update()
+        if ctx.state.last is not None:
+            ctx.state.last.applied = False
+        ctx.state.overflows += 1
+        ctx.report.event(
             "overflow",
             "pass",
             step=s,
             contained=True,
             pre_ranks=pre,
-            replayed_by=[(r + 1) % self.world for r in pre],
+            replayed_by=[(r + 1) % ctx.world for r in pre],
             scale=scale,
-            new_scale=float(self.grad_scaler.get_scale()),
+            new_scale=float(scaler.get_scale()),
         )
 
-    def _nonfinite_detected(
-        self, s: int, flags: tuple[list[int], list[int]], *, faulty: list[int] | None = None, **extra: Any
-    ) -> None:
+    def detected(self, s: int, flags: Flags, *, faulty: list[int] | None = None, **extra: Any) -> None:
         """Record (and, by policy, raise) a non-finite detection; ``faulty``: with a gradient scaler,
         the flagged ranks whose micro-batches a neighbour recomputed finite (the others overflowed)."""
-        late = self.last is None or self.last.step != s  # a deferred read: step s's update was applied
-        if self.last is not None:
-            self.last.applied = False
+        ctx = self.ctx
+        last = ctx.state.last
+        late = last is None or last.step != s  # a deferred read: step s's update was applied
+        if last is not None:
+            last.applied = False
         pre = [r for r, f in enumerate(flags[0]) if f]
         post = [r for r, f in enumerate(flags[1]) if f]
         bad = (
@@ -199,12 +222,12 @@ class NonFiniteCheck:
             if late
             else [
                 n
-                for n, p in zip(self.param_names, self.params)
+                for n, p in zip(ctx.param_names, ctx.params)
                 if p.grad is not None and not torch.isfinite(p.grad).all()
             ]
         )
         if late:
-            extra = {**extra, "read": "deferred", "detected_at": self.last.step if self.last else s}
+            extra = {**extra, "read": "deferred", "detected_at": last.step if last else s}
         if pre:
             kind, suspects = "nonfinite-pre", pre if faulty is None else faulty
             msg = f"non-finite local gradients on rank(s) {suspects} before the all-reduce"
@@ -216,7 +239,7 @@ class NonFiniteCheck:
                 f"gradients became non-finite in the all-reduce (seen on rank(s) {post}) while every rank's local"
                 " gradients were finite: suspect the reduction (interconnect, or a rank's reduction arithmetic)"
             )
-        ev = self._event(
+        ev = ctx.report.event(
             kind,
             "fail",
             step=s,
@@ -225,12 +248,12 @@ class NonFiniteCheck:
             pre_ranks=pre,
             post_ranks=post,
             tensors=bad[:20],
-            policy=self.on_nonfinite,
+            policy=ctx.on_nonfinite,
             **extra,
         )
-        self._zero_grad()
+        ctx.drop_grads()
         if late:
             msg += late_detection_note(s)
         else:
             msg += "; the update was not applied"
-        self._fail(ev, msg, policy="raise" if self.on_nonfinite == "raise" else "skip")
+        ctx.report.fail(ev, msg, policy="raise" if ctx.on_nonfinite == "raise" else "skip")

@@ -71,7 +71,7 @@ class NonfiniteRead(_Choice):
     DEFERRED = "deferred"  # a step later, without waiting for the GPU (docs/detection.md)
 
 
-_CHOICES = {
+_CHOICES: dict[str, type[_Choice]] = {
     "mode": Mode,
     "on_nonfinite": OnNonfinite,
     "on_fault": OnFault,

@@ -5,13 +5,13 @@ the RNG state they started with) with its own weights, signs the gradients and c
 the signatures the predecessor computed in training; a failed comparison is checked against the
 weight consensus and arbitrated by a third rank's replay, then attributed (``attribution.py``). The
 same replay serves the first step's checks (the model is deterministic; a replay reproduces
-training) and a gradient scaler's overflow check. ``RingReplay`` is a mixin of
-``session.AuditSession`` and works on the session's attributes.
+training) and a gradient scaler's overflow check. ``RingReplay`` is a check object of
+``session.AuditSession``, built on its ``context.CheckContext``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -19,9 +19,11 @@ import torch.distributed as dist
 
 from .agreement import refuse_together
 from .attribution import arbitration_plan, attribute_replay, ring_pairs
+from .consensus import WeightConsensus
+from .context import CheckContext
 from .exchange import recv_payload, send_payload
 from .hook import nonfinite_flag
-from .signature import Probes, matches, signature
+from .signature import matches, signature
 
 __all__ = ["RingReplay", "restore_rng"]
 
@@ -32,7 +34,7 @@ SIGN_BATCH_BYTES = 16 << 20
 
 
 def restore_rng(state: dict[str, torch.Tensor], device: torch.device) -> None:
-    """Set the RNG states a micro-batch was computed with (as ``Auditor._rng_state`` took them).
+    """Set the RNG states a micro-batch was computed with (as ``CheckContext.rng_state`` took them).
 
     The neighbour's states travel with its micro-batch and arrive on the wire device (CUDA under
     NCCL, the model's device under gloo); torch's setters accept only a CPU ByteTensor.
@@ -42,15 +44,105 @@ def restore_rng(state: dict[str, torch.Tensor], device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"].to(device="cpu", dtype=torch.uint8), device)
 
 
-class RingReplay:
-    """The ring replay of ``AuditSession`` (a mixin: the session holds the state it reads).
+class _ReplaySigner:
+    """Signs one replay's gradients as backward produces them (see ``RingReplay.recompute``).
 
-    It replays through the session's bare module and ``loss_fn`` and uses its ``_scaled``,
-    ``_rng_state``, ``_gather_rows``, ``weight_consensus`` (a failed replay's precondition),
-    ``_event``, ``_fail`` and ``_zero_grad``.
+    One batch: each gradient is signed by its tensor hook (small ones batched, up to
+    SIGN_BATCH_BYTES, into one launch). Several micro-batches: the hook adds each gradient into
+    a per-parameter accumulator (``acc``) in micro-batch order, signed at the end. ``finite``: each
+    row is a non-finite flag instead of a signature.
     """
 
-    def _replay(  # noqa: C901
+    def __init__(self, ctx: CheckContext, *, finite: bool, accumulate: bool) -> None:
+        self.ctx, self.finite = ctx, finite
+        self.rows: list[torch.Tensor | None] = [None] * len(ctx.params)
+        self.acc: list[torch.Tensor | None] | None = [None] * len(ctx.params) if accumulate else None
+        # Small gradients are signed in batches: on a GPU one launch per small parameter costs more
+        # host time than the replay's own backward (issue 15); a few MiB held at a time.
+        self.batched = ctx.mode == "deterministic" and not finite
+        self.pending: list[tuple[int, torch.Tensor]] = []
+        self.held = 0
+
+    def sign(self, i: int, g: torch.Tensor) -> torch.Tensor:
+        if self.finite:
+            return nonfinite_flag(g)
+        probes = self.ctx.probes.subset([i]) if self.ctx.probes is not None else None
+        return signature([g], mode=self.ctx.mode, probes=probes)[0]
+
+    def flush(self) -> None:
+        if self.pending:
+            for (i, _), row in zip(self.pending, signature([g for _, g in self.pending], mode=self.ctx.mode)):
+                self.rows[i] = row
+            self.pending.clear()
+            self.held = 0
+
+    def sign_later(self, i: int, g: torch.Tensor) -> None:
+        size = g.numel() * g.element_size()
+        if not self.batched or size >= SIGN_ALONE_BYTES:
+            self.rows[i] = self.sign(i, g)
+            return
+        self.pending.append((i, g))
+        self.held += size
+        if self.held >= SIGN_BATCH_BYTES:
+            self.flush()
+
+    def hook(self, i: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            if self.acc is not None:
+                a = self.acc[i]
+                if a is None:
+                    self.acc[i] = grad.detach().clone()
+                else:
+                    a.add_(grad.detach())
+            else:
+                g = grad
+                injector = self.ctx.injector
+                if injector is not None:  # drills only: a persistent fault corrupts replays too
+                    g = grad.detach().clone()
+                    injector.on_local_grads([self.ctx.param_names[i]], [g])
+                self.sign_later(i, g.detach())
+            return torch.zeros((), dtype=grad.dtype, device=grad.device).expand_as(grad)
+
+        return hook
+
+    def sign_accumulated(self, s: int) -> None:
+        """Sign the accumulators (after a drill's backward faults, which hit an accumulated
+        gradient as they hit DDP's bucket in training)."""
+        acc, injector = self.acc, self.ctx.injector
+        if acc is None:
+            return
+        if injector is not None:
+            injector.begin(s, "replay")
+            present = [(i, a) for i, a in enumerate(acc) if a is not None]
+            injector.on_local_grads([self.ctx.param_names[i] for i, _ in present], [a for _, a in present])
+            injector.begin(s, "train")
+        for i, a in enumerate(acc):
+            if a is not None:
+                self.sign_later(i, a)
+                acc[i] = None
+        self.flush()
+
+    def result(self) -> torch.Tensor:
+        """The stacked rows (a parameter unused in the forward signs zeros, as DDP's bucket holds
+        them), or one flag with ``finite``."""
+        rows = [
+            r if r is not None else self.sign(i, torch.zeros_like(p))
+            for i, (r, p) in enumerate(zip(self.rows, self.ctx.params))
+        ]
+        return torch.stack(rows).any() if self.finite else torch.stack(rows)
+
+
+class RingReplay:
+    """The ring replay of ``AuditSession``: replays through the bare module and ``loss_fn``.
+
+    ``consensus``: the weight consensus a failed replay checks first (the replicas must hold the
+    same weights for a replay to be compared).
+    """
+
+    def __init__(self, ctx: CheckContext, *, consensus: WeightConsensus) -> None:
+        self.ctx, self.consensus = ctx, consensus
+
+    def recompute(
         self,
         module: torch.nn.Module,
         units: list[Any],
@@ -84,112 +176,64 @@ class RingReplay:
         ``rngs``: the RNG state each micro-batch started with (a loop someone else runs may draw
         random numbers between micro-batches, e.g. in its data pipeline); default: ``rng`` once.
         """
+        ctx = self.ctx
         buffers = [b.detach().clone() for b in module.buffers()]
-        devices = [self.device] if self.device.type == "cuda" else []
-        n = len(units)
-        scale_n = n_total or n
-        rows: list[torch.Tensor | None] = [None] * len(self.params)
-        acc: list[torch.Tensor | None] | None = [None] * len(self.params) if n > 1 else None
-
-        def probes_of(i: int) -> Probes | None:
-            return self._probes.subset([i]) if self._probes is not None else None
-
-        def sign(i: int, g: torch.Tensor) -> torch.Tensor:
-            if finite:
-                return nonfinite_flag(g)
-            return signature([g], mode=self.mode, probes=probes_of(i))[0]
-
-        # Small gradients are signed in batches: on a GPU one launch per small parameter costs more
-        # host time than the replay's own backward (issue 15); a few MiB held at a time.
-        batched = self.mode == "deterministic" and not finite
-        pending: list[tuple[int, torch.Tensor]] = []
-        held = [0]
-
-        def flush() -> None:
-            if pending:
-                for (i, _), row in zip(pending, signature([g for _, g in pending], mode=self.mode)):
-                    rows[i] = row
-                pending.clear()
-                held[0] = 0
-
-        def sign_later(i: int, g: torch.Tensor) -> None:
-            size = g.numel() * g.element_size()
-            if not batched or size >= SIGN_ALONE_BYTES:
-                rows[i] = sign(i, g)
-                return
-            pending.append((i, g))
-            held[0] += size
-            if held[0] >= SIGN_BATCH_BYTES:
-                flush()
-
-        def signer(i: int):
-            def hook(grad: torch.Tensor) -> torch.Tensor:
-                if acc is not None:
-                    if acc[i] is None:
-                        acc[i] = grad.detach().clone()
-                    else:
-                        acc[i].add_(grad.detach())
-                else:
-                    g = grad
-                    if self.injector is not None:  # drills only: a persistent fault corrupts replays too
-                        g = grad.detach().clone()
-                        self.injector.on_local_grads([self.param_names[i]], [g])
-                    sign_later(i, g.detach())
-                return torch.zeros((), dtype=grad.dtype, device=grad.device).expand_as(grad)
-
-            return hook
-
-        handles = [p.register_hook(signer(i)) for i, p in enumerate(self.params)]
+        signer = _ReplaySigner(ctx, finite=finite, accumulate=len(units) > 1)
+        handles = [p.register_hook(signer.hook(i)) for i, p in enumerate(ctx.params)]
         try:
-            with torch.random.fork_rng(devices=devices):
-                restore_rng(rng, self.device)
-                if self.injector is not None:
-                    self.injector.begin(s, "replay")
-                for k, unit in enumerate(units):
-                    if rngs is not None and k:
-                        restore_rng(rngs[k], self.device)
-                    loss = self.loss_fn(module, unit)
-                    torch.autograd.grad(self._scaled(loss, n=scale_n, micro=micro), self.params, allow_unused=True)
-                    del loss
-            flush()
+            self._forward_backward(module, units, micro, rng, s, n=n_total or len(units), rngs=rngs)
+            signer.flush()
         finally:
             for h in handles:
                 h.remove()
             with torch.no_grad():
                 for b, saved in zip(module.buffers(), buffers):
                     b.copy_(saved)
-            if self.injector is not None:
-                self.injector.begin(s, "train")
-        if acc is not None:
-            if self.injector is not None:  # as in training: a backward fault hits the accumulated gradient
-                self.injector.begin(s, "replay")
-                present = [i for i, a in enumerate(acc) if a is not None]
-                self.injector.on_local_grads([self.param_names[i] for i in present], [acc[i] for i in present])
-                self.injector.begin(s, "train")
-            for i, a in enumerate(acc):
-                if a is not None:
-                    sign_later(i, a)
-                    acc[i] = None
-            flush()
-        for i, p in enumerate(self.params):
-            if rows[i] is None:  # unused in this forward: DDP's bucket holds zeros for it
-                rows[i] = sign(i, torch.zeros_like(p))
-        return torch.stack(rows).any() if finite else torch.stack(rows)
+            if ctx.injector is not None:
+                ctx.injector.begin(s, "train")
+        signer.sign_accumulated(s)
+        return signer.result()
 
-    def _check_deterministic(self, units: list[Any], micro: bool) -> None:
+    def _forward_backward(
+        self,
+        module: torch.nn.Module,
+        units: list[Any],
+        micro: bool,
+        rng: dict[str, torch.Tensor],
+        s: int,
+        *,
+        n: int,
+        rngs: Sequence[dict[str, torch.Tensor]] | None,
+    ) -> None:
+        """Forward and backward of ``units`` from their RNG states, gradients to the tensor hooks only."""
+        ctx = self.ctx
+        devices = [ctx.device] if ctx.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            restore_rng(rng, ctx.device)
+            if ctx.injector is not None:
+                ctx.injector.begin(s, "replay")
+            for k, unit in enumerate(units):
+                if rngs is not None and k:
+                    restore_rng(rngs[k], ctx.device)
+                loss = ctx.loss_fn(module, unit)
+                torch.autograd.grad(ctx.scaled(loss, n=n, micro=micro), ctx.params, allow_unused=True)
+                del loss
+
+    def check_deterministic(self, units: list[Any], micro: bool) -> None:
         """Replay the rank's own first step twice; refuse (on every rank together) if they differ."""
-        rng = self._rng_state()
-        module = self.model.module
-        a, b = self._replay(module, units, micro, rng, 0), self._replay(module, units, micro, rng, 0)
+        ctx = self.ctx
+        rng = ctx.rng_state()
+        module = ctx.model.module
+        a, b = self.recompute(module, units, micro, rng, 0), self.recompute(module, units, micro, rng, 0)
         same = matches(a.cpu(), b.cpu(), mode="deterministic", rtol=0)
         reason = None
         if not all(same):
-            names = [n for n, ok in zip(self.param_names, same) if not ok][:5]
+            names = [n for n, ok in zip(ctx.param_names, same) if not ok][:5]
             reason = f"gradients differ between two identical computations (e.g. {names})"
         refuse_together(
             reason,
-            group=self.group,
-            wire_device=self.wire_device,
+            group=ctx.group,
+            wire_device=ctx.wire_device,
             what="the determinism check (deterministic mode)",
             advice=(
                 "the replay restores torch's RNG state only, so the likely causes are: randomness drawn outside"
@@ -200,12 +244,12 @@ class RingReplay:
             ),
         )
 
-    def _check_replay_path(
+    def check_path(
         self,
         s: int,
         units: list[Any],
         micro: bool,
-        rng: dict[str, torch.Tensor],
+        rng: dict[str, torch.Tensor] | None,
         *,
         n_total: int | None = None,
         rngs: Sequence[dict[str, torch.Tensor]] | None = None,
@@ -214,19 +258,22 @@ class RingReplay:
 
         This is the comparison every audit makes between two ranks, made on one rank with the same
         weights, so that a set-up the audits would always flag is refused at once, on every rank.
+        ``rng`` is always there on that step (the session keeps it whenever the check is pending).
         """
-        self._path_check_pending = False
-        local = torch.stack([self._hook.local_sig[i] for i in range(len(self.params))])
-        again = self._replay(self.model.module, units, micro, rng, s, n_total=n_total, rngs=rngs)
-        same = matches(again.cpu(), local.cpu(), mode=self.mode, rtol=self.rtol)
+        ctx = self.ctx
+        assert rng is not None, "the replay-path check needs the step's RNG state"
+        ctx.state.path_check_pending = False
+        local = self._local_signatures()
+        again = self.recompute(ctx.model.module, units, micro, rng, s, n_total=n_total, rngs=rngs)
+        same = matches(again.cpu(), local.cpu(), mode=ctx.mode, rtol=ctx.rtol)
         reason = None
         if not all(same):
-            names = [n for n, ok in zip(self.param_names, same) if not ok][:5]
+            names = [n for n, ok in zip(ctx.param_names, same) if not ok][:5]
             reason = f"the replay of the first step gives other gradients than training did (e.g. {names})"
         refuse_together(
             reason,
-            group=self.group,
-            wire_device=self.wire_device,
+            group=ctx.group,
+            wire_device=ctx.wire_device,
             what="the replay check",
             advice=(
                 "a replay calls loss_fn(model.module, batch) on the bare module, outside DDP and outside a"
@@ -237,17 +284,30 @@ class RingReplay:
             ),
         )
 
-    def _replay_audit(
-        self, s: int, units: list[Any], micro: bool, rng: dict[str, torch.Tensor], prev: dict[str, Any]
+    def _local_signatures(self) -> torch.Tensor:
+        """The signatures the hook took of this rank's local gradients, in parameter order."""
+        return torch.stack([self.ctx.hook.local_sig[i] for i in range(len(self.ctx.params))])
+
+    def audit(
+        self,
+        s: int,
+        units: list[Any],
+        prev: dict[str, Any],
+        *,
+        payload: dict[str, Any],
+        sampled: torch.Tensor | None = None,
     ) -> bool:
         """Run the ring replay of ``prev`` (the previous rank's micro-batches and RNG state); returns
-        whether the update may be applied."""
-        if self._sample_sig is not None:
-            local = self._sample_sig
-        else:
-            local = torch.stack([self._hook.local_sig[i] for i in range(len(self.params))])
-        replay = self._replay(
-            self.model.module,
+        whether the update may be applied.
+
+        ``payload``: what this rank shipped to its neighbour (sent again to an arbiter); ``sampled``:
+        the signature of an audit's sampled micro-batches, taken in training (default: the hook's
+        signatures of the step's local gradients).
+        """
+        ctx = self.ctx
+        local = sampled if sampled is not None else self._local_signatures()
+        replay = self.recompute(
+            ctx.model.module,
             prev["units"],
             bool(prev["micro"]),
             prev["rng"],
@@ -255,69 +315,77 @@ class RingReplay:
             n_total=int(prev["n"]),
             rngs=prev.get("rngs"),
         )
-        gathered = self._gather_rows(torch.stack([local, replay]))  # [W, 2, P, ...]
+        gathered = ctx.gather_rows(torch.stack([local, replay]))  # [W, 2, P, ...]
         failed, mismatched = [], {}
-        for origin, replayer in ring_pairs(self.world):
-            ok = matches(gathered[replayer][1], gathered[origin][0], mode=self.mode, rtol=self.rtol)
+        for origin, replayer in ring_pairs(ctx.world):
+            ok = matches(gathered[replayer][1], gathered[origin][0], mode=ctx.mode, rtol=ctx.rtol)
             if not all(ok):
                 failed.append((origin, replayer))
-                mismatched[f"{origin}->{replayer}"] = [n for n, good in zip(self.param_names, ok) if not good][:10]
+                mismatched[f"{origin}->{replayer}"] = [n for n, good in zip(ctx.param_names, ok) if not good][:10]
         if not failed:
-            self._event(
+            ctx.report.event(
                 "replay",
                 "pass",
                 step=s,
-                comparisons=len(ring_pairs(self.world)),
-                mode=self.mode,
+                comparisons=len(ring_pairs(ctx.world)),
+                mode=ctx.mode,
                 micro_batches=len(units),
             )
             return True
-        self.last.applied = False
+        if ctx.state.last is not None:
+            ctx.state.last.applied = False
         # A replay can only be trusted between replicas that hold the same weights: check first.
-        if not self.weight_consensus(s - 1, found_by="replay precondition"):
-            self._zero_grad()
+        if not self.consensus.check(s - 1, found_by="replay precondition"):
+            ctx.drop_grads()
             return False
-        arbitration = self._arbitrate(s, failed, self._audit_payload, gathered)
-        verdict = attribute_replay(self.world, failed, arbitration)
-        ev = self._event(
+        arbitration = self._arbitrate(s, failed, payload, gathered)
+        verdict = attribute_replay(ctx.world, failed, arbitration)
+        ev = ctx.report.event(
             "replay",
             "fail",
             step=s,
             suspects=verdict.suspects,
             contained=False,
-            mode=self.mode,
+            mode=ctx.mode,
             micro_batches=len(units),
             failed=[{"origin": o, "replayer": r} for o, r in failed],
             mismatched=mismatched,
             arbitration={f"{o}->{r}": v for (o, r), v in arbitration.items()},
             notes=list(verdict.notes),
         )
-        self._zero_grad()
+        ctx.drop_grads()
         who = f"rank(s) {list(verdict.suspects)}" if verdict.suspects else "no rank could be named"
-        self._fail(ev, f"replay audit failed ({who}); the update was not applied", policy=self.on_fault)
+        ctx.report.fail(ev, f"replay audit failed ({who}); the update was not applied", policy=ctx.on_fault)
         return False
 
-    def _arbitrate(self, s, failed, payload, gathered) -> dict[tuple[int, int], str]:
+    def _arbitrate(
+        self,
+        s: int,
+        failed: list[tuple[int, int]],
+        payload: dict[str, Any],
+        gathered: list[torch.Tensor],
+    ) -> dict[tuple[int, int], str]:
         """For each failed comparison no persistent fault explains, a third rank replays the batch."""
+        ctx = self.ctx
         results: dict[tuple[int, int], str] = {}
-        for origin, replayer, arbiter in arbitration_plan(self.world, failed):
-            if self.rank == origin:
+        for origin, replayer, arbiter in arbitration_plan(ctx.world, failed):
+            if ctx.rank == origin:
                 send_payload(
                     payload,
-                    dist.get_global_rank(self.group, arbiter),
-                    group=self.group,
-                    wire_device=self.wire_device,
+                    dist.get_global_rank(ctx.group, arbiter),
+                    group=ctx.group,
+                    wire_device=ctx.wire_device,
                 )
                 sig = torch.zeros_like(gathered[origin][1])
-            elif self.rank == arbiter:
+            elif ctx.rank == arbiter:
                 got = recv_payload(
-                    dist.get_global_rank(self.group, origin),
-                    group=self.group,
-                    wire_device=self.wire_device,
-                    out_device=self.device,
+                    dist.get_global_rank(ctx.group, origin),
+                    group=ctx.group,
+                    wire_device=ctx.wire_device,
+                    out_device=ctx.device,
                 )
-                sig = self._replay(
-                    self.model.module,
+                sig = self.recompute(
+                    ctx.model.module,
                     got["units"],
                     bool(got["micro"]),
                     got["rng"],
@@ -327,10 +395,10 @@ class RingReplay:
                 ).cpu()
             else:
                 sig = torch.zeros_like(gathered[origin][1])
-            wire = sig.to(self.wire_device)
-            dist.broadcast(wire, dist.get_global_rank(self.group, arbiter), group=self.group)
+            wire = sig.to(ctx.wire_device)
+            dist.broadcast(wire, dist.get_global_rank(ctx.group, arbiter), group=ctx.group)
             arb = wire.cpu()
-            with_origin = all(matches(arb, gathered[origin][0], mode=self.mode, rtol=self.rtol))
-            with_replayer = all(matches(arb, gathered[replayer][1], mode=self.mode, rtol=self.rtol))
+            with_origin = all(matches(arb, gathered[origin][0], mode=ctx.mode, rtol=ctx.rtol))
+            with_replayer = all(matches(arb, gathered[replayer][1], mode=ctx.mode, rtol=ctx.rtol))
             results[(origin, replayer)] = "origin" if with_origin else "replayer" if with_replayer else "neither"
         return results

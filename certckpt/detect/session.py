@@ -16,10 +16,13 @@ callbacks; its backward divides each micro-batch's loss by its accumulation coun
 averages the reduced buckets over the ranks as DDP does. ``certckpt.detect.auditor.Auditor`` is
 the loop certckpt runs itself (``train_step``), built on the same session.
 
-The checks themselves are mixins the session inherits, one module each: ``setup_checks``
-(the set-up refusals), ``nonfinite`` (check 1), ``replay`` (check 2, the ring replay) and
-``consensus`` (check 3, the weight consensus); ``evidence`` holds what the session reports.
-This module is their public home: it re-exports the names callers import from it.
+The checks themselves are objects the session owns, one module each: ``setup_checks`` (the
+set-up refusals, ``session.setup``), ``nonfinite`` (check 1, ``session.nonfinite``), ``replay``
+(check 2, the ring replay, ``session.replay``) and ``consensus`` (check 3, the weight consensus,
+``session.consensus``). Each is built on one ``context.CheckContext`` (what they share, fixed at
+construction), whose ``SessionState`` is the one place the session's mutable state lives;
+``evidence`` holds what the session reports. This module is their public home: it re-exports the
+names callers import from it.
 """
 
 from __future__ import annotations
@@ -38,18 +41,16 @@ from certckpt.errors import (
     CertckptError,
     CheckpointExistsError,
     ConfigurationError,
-    FaultDetectedError,
 )
 from certckpt.format.signing import signing_key_for
-from certckpt.format.writer import save_certified
+from certckpt.format.writer import SaveResult, save_certified
 from certckpt.trust.commit import name_taken
-from certckpt.trust.incident import incident_id_for
 from certckpt.trust.ledger import Ledger, LedgerSink
 
 from .agreement import all_gather_bytes, refuse_together, wire_device_for
 from .consensus import WeightConsensus, consensus_buffers
-from .digest import digests
-from .events import AuditEvent, EventSink, MemorySink, emit_event, log_audit_pass, rank_inventory
+from .context import CheckContext, EventLog, SessionState
+from .events import EventSink, MemorySink, log_audit_pass, rank_inventory
 from .evidence import CheckpointEvidence, StepOutcome
 from .exchange import RingShift
 from .hook import HookState, comm_hook, hand_over_possible, lazy_pre_possible
@@ -70,9 +71,6 @@ __all__ = [
 ]
 
 
-_MAX_LINEAGE = 100_000  # audit results kept for one checkpoint's lineage (a bound, not a design limit)
-
-
 def unwrap_compiled(model: Any) -> tuple[bool, Any]:
     """``(compiled, ddp)``: ``torch.compile(DDP(m))`` is an ``OptimizedModule`` around the DDP model.
 
@@ -85,7 +83,7 @@ def unwrap_compiled(model: Any) -> tuple[bool, Any]:
     return False, model
 
 
-class AuditSession(SetupChecks, NonFiniteCheck, RingReplay, WeightConsensus):
+class AuditSession:
     """The checks of one DDP run, called at the hook points of a loop (see the module docstring).
 
     Every rank constructs one (a collective: the ranks agree on the set-up or all refuse together)
@@ -159,7 +157,7 @@ class AuditSession(SetupChecks, NonFiniteCheck, RingReplay, WeightConsensus):
             # No process group: nothing to agree with, and no rank can be waiting in a collective.
             raise AuditSetupError("torch.distributed is not initialized; call dist.init_process_group first")
         compiled, ddp = unwrap_compiled(model)
-        group = ddp.process_group if isinstance(ddp, DistributedDataParallel) else dist.group.WORLD
+        group: Any = ddp.process_group if isinstance(ddp, DistributedDataParallel) else dist.group.WORLD
         first = next((p for p in ddp.parameters()), None) if isinstance(ddp, torch.nn.Module) else None
         wire = wire_device_for(group, first.device if first is not None else torch.device("cpu"))
         opts, bad = session_options(options, shorthand, unused=SHARDED_ONLY, where="the DDP auditor")
@@ -196,132 +194,182 @@ class AuditSession(SetupChecks, NonFiniteCheck, RingReplay, WeightConsensus):
         self.model, self.optimizer, self.loss_fn = ddp, optimizer, loss_fn
         # The object the user passed: ``torch.compile(DDP(m))`` trains through the compiled wrapper.
         self.train_model = model if compiled else ddp
+        # The configuration, as plain values; the checks read the same values from ``self.ctx``.
         self.run, self.branch, self.mode, self.rtol = run, branch, mode, rtol
         self.audit_every, self.consensus_every = audit_every, consensus_every
         self.on_nonfinite, self.on_fault, self.exchange_flags = on_nonfinite, on_fault, exchange_flags
         self.nonfinite_read = nonfinite_read
-        self._pending_flags: tuple[int, Any] | None = None  # a deferred read's step and its sums on the way
         self.clip_grad_norm, self.before_optimizer_step = clip_grad_norm, before_optimizer_step
         # A disabled scaler (GradScaler(enabled=False)) scales nothing and never overflows.
         enabled = grad_scaler is not None and getattr(grad_scaler, "is_enabled", lambda: True)()
         self.grad_scaler = grad_scaler if enabled else None
-        self._overflows = 0  # overflow steps since the last audit
         self.replay_micro_batches = replay_micro_batches
-        self._sample_sig: torch.Tensor | None = None  # local signature of an audit's sampled micro-batches
-        self._audit_payload: dict[str, Any] = {}
         self.group = group
         self.world = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
-        self.step = start_step
         self.signing_key = signing_key_for(signing_key)  # a bad key file is refused before any step
         if isinstance(ledger, str):
             ledger = Ledger(ledger, signing_key=self.signing_key)
         self.ledger, self.parent = ledger, parent
         if sink is None and ledger is not None:
             sink = LedgerSink(ledger)
-        self.sink = sink if sink is not None else MemorySink()
+        self.sink: EventSink = sink if sink is not None else MemorySink()
         self.check_determinism = check_determinism and mode == "deterministic"
         named = [(n, p) for n, p in ddp.module.named_parameters() if p.requires_grad]
         self.param_names = [n for n, _ in named]
         self.params = [p for _, p in named]
-        self._param_index = {id(p): i for i, p in enumerate(self.params)}
+        index = {id(p): i for i, p in enumerate(self.params)}
         owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        self._not_in_optimizer = [p for p in self.params if id(p) not in owned]
         self.device = self.params[0].device if self.params else torch.device("cpu")
         self.wire_device = wire
-        # Buffers (see ``consensus_buffers``): with DDP's broadcast_buffers, every forward starts
-        # from rank 0's copy, so rank 0 seals its buffers after each forward and checks the seal
-        # before the next one: a change in between (stored state corrupted) would be broadcast to
-        # every replica and into the checkpoints, and is reported at the next consensus instead.
-        self._bcast_buffers = bool(getattr(ddp, "broadcast_buffers", False))
-        self.buffer_names, self.buffers = consensus_buffers(ddp.module, broadcast=self._bcast_buffers)
-        self._seal_source = self._bcast_buffers and bool(self.buffers) and self.rank == 0
-        self._seal: torch.Tensor | None = None
-        self._seal_bad: torch.Tensor | None = None
-        self._probes = Probes(self.params) if mode == "tolerance" else None
+        # Buffers (see ``consensus_buffers``; the consensus seals the broadcast source's copy).
+        broadcast = bool(getattr(ddp, "broadcast_buffers", False))
+        self.buffer_names, self.buffers = consensus_buffers(ddp.module, broadcast=broadcast)
+        probes = Probes(self.params) if mode == "tolerance" else None
         self.injector = Injector(injector_faults or [], rank=self.rank) if injector_faults else None
         if self.injector is not None:
             self.injector.install(ddp.module)
-        self._check_world_agrees()
         hand_over = hand_over_grads and hand_over_possible(ddp)
         self._hook = HookState(
             names=self.param_names,
-            index=self._param_index,
+            index=index,
             mode=mode,
-            probes=self._probes,
+            probes=probes,
             injector=self.injector,
             group=self.group,
             eager_pre=not lazy_pre_possible(ddp, self.device),
             hand_over=hand_over,
         )
-        ddp.register_comm_hook(self._hook, comm_hook)
-        if hand_over:
-            ddp.reducer._set_optimizer_in_backward()
-        self.inventory = self._gather_inventory()
-        self._checked_since_audit = 0  # steps whose non-finite checks passed since the last audit
-        self._audit_seconds = 0.0  # the last replay audit's time (its log line)
-        self._events: list[tuple[int, str, str]] = []  # (step, kind, outcome) since the last checkpoint (lineage)
-        self.last_clean_audit: int | None = start_step if start_step else None
-        self.last_checkpoint_step: int | None = start_step if start_step else None
-        self._consensus: tuple[int, dict[str, str], str] | None = None  # (step, {param: fp}, state fp)
-        self._first = True
         # At the first step whose gradients are finite, the rank replays its own step and compares
         # with what training computed: a replay path that computes differently from training
         # (torch.compile around DDP, a loss_fn that treats the bare module differently) is refused
         # then, on every rank, instead of raising a false alarm at every audit.
-        self._path_check_pending = check_determinism
-        self.last: StepOutcome | None = None
-        # A step run by someone else's loop (the hook points below): its micro-batches and the RNG
-        # state each started with, collected until ``before_update``.
-        self._open: dict[str, Any] | None = None
+        self.state = SessionState(
+            step=start_step,
+            last_clean_audit=start_step if start_step else None,
+            last_checkpoint_step=start_step if start_step else None,
+            path_check_pending=check_determinism,
+        )
+        report = EventLog(
+            run=run,
+            branch=branch,
+            rank=self.rank,
+            world=self.world,
+            group=self.group,
+            wire_device=wire,
+            sink=self.sink,
+            ledger=ledger,
+            state=self.state,
+        )
+        self.ctx = CheckContext(
+            model=ddp,
+            optimizer=optimizer,
+            loss_fn=loss_fn,
+            group=self.group,
+            rank=self.rank,
+            world=self.world,
+            device=self.device,
+            wire_device=wire,
+            mode=mode,
+            rtol=rtol,
+            audit_every=audit_every,
+            consensus_every=consensus_every,
+            on_nonfinite=on_nonfinite,
+            on_fault=on_fault,
+            exchange_flags=exchange_flags,
+            nonfinite_read=nonfinite_read,
+            clip_grad_norm=clip_grad_norm,
+            before_optimizer_step=before_optimizer_step,
+            grad_scaler=self.grad_scaler,
+            replay_micro_batches=replay_micro_batches,
+            check_determinism=self.check_determinism,
+            param_names=self.param_names,
+            params=self.params,
+            not_in_optimizer=[p for p in self.params if id(p) not in owned],
+            buffer_names=self.buffer_names,
+            buffers=self.buffers,
+            broadcast_buffers=broadcast,
+            probes=probes,
+            hook=self._hook,
+            injector=self.injector,
+            report=report,
+            state=self.state,
+        )
+        # The checks, each on the shared context; the session's methods below drive them.
+        self.consensus = WeightConsensus(self.ctx)
+        self.replay = RingReplay(self.ctx, consensus=self.consensus)
+        self.nonfinite = NonFiniteCheck(self.ctx, replay=self.replay)
+        self.setup = SetupChecks(self.ctx, consensus=self.consensus, replay=self.replay)
+        self.setup.check_world_agrees()
+        ddp.register_comm_hook(self._hook, comm_hook)
+        if hand_over:
+            ddp.reducer._set_optimizer_in_backward()
+        mine = json.dumps(rank_inventory(self.device)).encode()
+        payloads = all_gather_bytes(mine, group=self.group, wire_device=wire)
+        self.inventory = report.inventory = {str(r): json.loads(b) for r, b in enumerate(payloads)}
         if expect_consensus_fp is not None:
-            self._check_resumed_weights(expect_consensus_fp)
+            self.setup.check_resumed_weights(expect_consensus_fp, parent=parent)
         # recorded only once the resumed weights are known to be the parent's
         if ledger is not None and parent is not None and self.rank == 0:
             ledger.start_branch(branch, parent=parent)
 
-    # --- gathering from every rank ----------------------------------------------------------
+    # --- the mutable state, kept in ``self.state`` --------------------------------------------
 
-    def _gather_inventory(self) -> dict[str, dict[str, Any]]:
-        mine = json.dumps(rank_inventory(self.device)).encode()
-        payloads = self._all_gather_bytes(mine)
-        return {str(r): json.loads(b) for r, b in enumerate(payloads)}
+    @property
+    def step(self) -> int:
+        """Optimizer steps attempted so far (applied or not)."""
+        return self.state.step
 
-    def _all_gather_bytes(self, data: bytes) -> list[bytes]:
-        return all_gather_bytes(data, group=self.group, wire_device=self.wire_device)
+    @step.setter
+    def step(self, value: int) -> None:
+        self.state.step = value
 
-    def _gather_rows(self, mine: torch.Tensor) -> list[torch.Tensor]:
-        wire = mine.to(self.wire_device)
-        out = [torch.empty_like(wire) for _ in range(self.world)]
-        dist.all_gather(out, wire, group=self.group)
-        return [o.cpu() for o in out]
+    @property
+    def last(self) -> StepOutcome | None:
+        """What happened at the step under way or the last one (None before the first)."""
+        return self.state.last
 
-    # --- events -----------------------------------------------------------------------------
+    @last.setter
+    def last(self, value: StepOutcome | None) -> None:
+        self.state.last = value
 
-    def _event(self, kind: str, outcome: str, *, step: int, suspects=(), contained=False, **details) -> AuditEvent:
-        ev = emit_event(self, kind, outcome, step=step, suspects=suspects, contained=contained, details=details)
-        if len(self._events) < _MAX_LINEAGE:
-            self._events.append((ev.step, ev.kind, ev.outcome))
-        if self.last is not None:
-            self.last.events.append(ev)
-        return ev
+    @property
+    def last_clean_audit(self) -> int | None:
+        """The last step whose full audit passed (a clean audit point)."""
+        return self.state.last_clean_audit
 
-    def _fail(self, ev: AuditEvent, message: str, *, policy: str) -> None:
-        if policy == "raise":
-            incident = None if ev.contained else incident_id_for(ev.to_dict())
-            if self.world > 1:
-                # Every rank fails here together, and rank 0 has just written the event and the
-                # incident (``_event``). No rank leaves before that is done: a launcher (torchrun,
-                # Lightning's) stops the other ranks as soon as one exits, and a rank 0 stopped in the
-                # middle of its write would leave a detection without its incident record.
-                done = torch.zeros(1, dtype=torch.int64, device=self.wire_device)
-                dist.all_reduce(done, group=self.group)
-            raise FaultDetectedError(f"step {ev.step}: {message}", ev, incident_id=incident)
+    @last_clean_audit.setter
+    def last_clean_audit(self, value: int | None) -> None:
+        self.state.last_clean_audit = value
+
+    @property
+    def last_checkpoint_step(self) -> int | None:
+        """The step of the last checkpoint taken through the session."""
+        return self.state.last_checkpoint_step
+
+    @last_checkpoint_step.setter
+    def last_checkpoint_step(self, value: int | None) -> None:
+        self.state.last_checkpoint_step = value
 
     # --- the step ---------------------------------------------------------------------------
 
     def is_audit_step(self, step: int) -> bool:
-        return step % self.audit_every == 0
+        return step % self.ctx.audit_every == 0
+
+    def weight_consensus(self, s: int, *, found_by: str | None = None, fingerprints: bool = False) -> bool:
+        """Compare every replica's weights (collective); returns whether they agree.
+
+        Audits compare 32-bit audit digests (``digest.py``). A checkpoint step (``fingerprints=True``)
+        compares the 64-bit fingerprints instead, which the checkpoint writer then reuses, and its
+        pass event carries the state fingerprint the certifier matches against the file.
+        """
+        self.nonfinite.settle_deferred()  # no consensus vouches for weights a pending non-finite step updated
+        return self.consensus.check(s, found_by=found_by, fingerprints=fingerprints)
+
+    def consensus_fingerprints(self) -> dict[str, str] | None:
+        """Per-parameter fingerprints every replica agreed on at the current step, if checked."""
+        agreed = self.state.agreed_at(self.state.step)
+        return dict(agreed[0]) if agreed is not None else None
 
     # --- hook points for a loop someone else runs -------------------------------------------
 
@@ -340,27 +388,28 @@ class AuditSession(SetupChecks, NonFiniteCheck, RingReplay, WeightConsensus):
             ConfigurationError: the session has a ``grad_scaler``: telling an overflow from a fault
                 is done by ``Auditor.train_step`` only (here a non-finite step would be a detection).
         """
-        if self.grad_scaler is not None:
+        ctx, state = self.ctx, self.state
+        if ctx.grad_scaler is not None:
             raise ConfigurationError(
                 "grad_scaler is handled by Auditor.train_step only; at the hook points an overflow would read as a"
                 " fault: construct the session without grad_scaler (fp16 with a scaler is not audited here)"
             )
-        if self._open is None:
-            s = self.step + 1
+        if state.open is None:
+            s = state.step + 1
             audit = self.is_audit_step(s)
-            self.last = StepOutcome(step=s, audited=audit)
-            sign = audit or self._path_check_pending
-            for p in self._not_in_optimizer:
+            state.last = StepOutcome(step=s, audited=audit)
+            sign = audit or state.path_check_pending
+            for p in ctx.not_in_optimizer:
                 p.grad = None
-            self._hook.reset(audit=sign, average=1.0 / self.world if self.world > 1 else None)
-            if self.injector is not None:
-                self.injector.begin(s, "train")
-            if self._seal_source:
-                self._check_seal()  # before the forward, where DDP broadcasts rank 0's buffers
-            self._open = {"s": s, "audit": audit, "units": [], "rngs": [], "rng": audit or sign or self._first}
-        self._open["units"].append(unit)
-        if self._open["rng"]:
-            self._open["rngs"].append(self._rng_state())
+            ctx.hook.reset(audit=sign, average=1.0 / ctx.world if ctx.world > 1 else None)
+            if ctx.injector is not None:
+                ctx.injector.begin(s, "train")
+            if self.consensus.seal_source:
+                self.consensus.check_seal()  # before the forward, where DDP broadcasts rank 0's buffers
+            state.open = {"s": s, "audit": audit, "units": [], "rngs": [], "rng": audit or sign or state.first_step}
+        state.open["units"].append(unit)
+        if state.open["rng"]:
+            state.open["rngs"].append(ctx.rng_state())
 
     def before_update(self, *, loss_divisor: int | None = None) -> bool:
         """Call on every rank after the step's last backward, before the optimizer step.
@@ -385,33 +434,32 @@ class AuditSession(SetupChecks, NonFiniteCheck, RingReplay, WeightConsensus):
             AuditSetupError, UnsupportedObjectError: a first-step check refused, on every rank.
             ConfigurationError: no ``begin_micro_batch`` since the last step.
         """
-        step = self._open
+        ctx, state = self.ctx, self.state
+        step = state.open
         if step is None:
             raise ConfigurationError("before_update without begin_micro_batch: call it before each forward")
         s, units, rngs = step["s"], step["units"], step["rngs"] or None
         n = loss_divisor or len(units)
-        if self._seal_source:
-            self._seal = digests(self.buffers)
-        if self._first:
-            self._first_step_checks(units, True)
-            self._first = False
-        failed = self._nonfinite_due(s, now=self._must_read_now(s, step["audit"]))
-        self.step = s  # the step is attempted from here on, applied or not
+        if self.consensus.seal_source:
+            self.consensus.seal()
+        if state.first_step:
+            self.setup.first_step_checks(units, True)
+            state.first_step = False
+        failed = self.nonfinite.due(s, now=self.nonfinite.must_read_now(s, audit=step["audit"]))
+        state.step = s  # the step is attempted from here on, applied or not
         if failed is not None:
-            self._nonfinite_detected(*failed)  # raises, or drops the gradients (skip)
+            self.nonfinite.detected(*failed)  # raises, or drops the gradients (skip)
             return False
-        self._checked_since_audit += 1
+        state.checked_since_audit += 1
         rng = rngs[0] if rngs else None
-        if self._path_check_pending:
-            self._check_replay_path(s, units, True, rng, n_total=n, rngs=rngs)
+        if state.path_check_pending:
+            self.replay.check_path(s, units, True, rng, n_total=n, rngs=rngs)
         if step["audit"]:
             t0 = time.perf_counter()
-            self._audit_payload = {"units": units, "micro": True, "n": n, "rng": rng, "rngs": rngs}
-            prev = RingShift(
-                self._audit_payload, group=self.group, wire_device=self.wire_device, out_device=self.device
-            ).finish()
-            passed = self._replay_audit(s, units, True, rng, prev)
-            self._audit_seconds = time.perf_counter() - t0
+            payload = {"units": units, "micro": True, "n": n, "rng": rng, "rngs": rngs}
+            prev = RingShift(payload, group=ctx.group, wire_device=ctx.wire_device, out_device=ctx.device).finish()
+            passed = self.replay.audit(s, units, prev, payload=payload)
+            state.audit_seconds = time.perf_counter() - t0
             if not passed:
                 return False
         return True
@@ -419,83 +467,45 @@ class AuditSession(SetupChecks, NonFiniteCheck, RingReplay, WeightConsensus):
     def after_update(self) -> None:
         """Call on every rank after the optimizer step (also when ``before_update`` refused
         the update): the weight consensus at audit steps and every ``consensus_every`` steps."""
-        step, self._open = self._open, None
-        if step is None or self.last is None or not self.last.applied:
+        ctx, state = self.ctx, self.state
+        step, state.open = state.open, None
+        if step is None or state.last is None or not state.last.applied:
             return
         s = step["s"]
-        if self.injector is not None:
-            self.injector.after_optimizer(list(zip(self.param_names, self.params)))
-            self.injector.after_optimizer_buffers(list(zip(self.buffer_names, self.buffers)))
-        due = step["audit"] or (self.consensus_every is not None and s % self.consensus_every == 0)
+        if ctx.injector is not None:
+            ctx.injector.after_optimizer(list(zip(ctx.param_names, ctx.params)))
+            ctx.injector.after_optimizer_buffers(list(zip(ctx.buffer_names, ctx.buffers)))
+        due = step["audit"] or (ctx.consensus_every is not None and s % ctx.consensus_every == 0)
         t0 = time.perf_counter()
         consensus_ok = self.weight_consensus(s) if due else True
         if step["audit"]:
-            self._event("nonfinite", "pass", step=s, steps_checked=self._checked_since_audit)
+            ctx.report.event("nonfinite", "pass", step=s, steps_checked=state.checked_since_audit)
             if consensus_ok:
-                self.last_clean_audit = s
-                if self.rank == 0:
+                state.last_clean_audit = s
+                if ctx.rank == 0:
                     log_audit_pass(
                         step=s,
                         branch=self.branch,
-                        ranks=self.world,
-                        checked=self._checked_since_audit,
-                        seconds=self._audit_seconds + time.perf_counter() - t0,
+                        ranks=ctx.world,
+                        checked=state.checked_since_audit,
+                        seconds=state.audit_seconds + time.perf_counter() - t0,
                     )
-            self._checked_since_audit = 0
-
-    def _must_read_now(self, s: int, audit: bool) -> bool:
-        """Steps whose non-finite flags are read before their update even when reads are deferred:
-        audits and consensus steps (their evidence covers the step) and the replay-path check."""
-        due = self.consensus_every is not None and s % self.consensus_every == 0
-        return audit or due or self._path_check_pending
-
-    def _zero_grad(self) -> None:
-        """Drop every trained parameter's gradient, the optimizer's and any it does not own.
-
-        A step's local gradients must be that step's alone: the replay recomputes one step's
-        gradient, so a parameter whose ``.grad`` accumulated across steps (trained by DDP but
-        outside this optimizer) would be a false alarm at every audit.
-        """
-        self.optimizer.zero_grad(set_to_none=True)
-        for p in self._not_in_optimizer:
-            p.grad = None
-
-    def _scaled(self, loss: torch.Tensor, *, n: int = 1, micro: bool = False) -> torch.Tensor:
-        """The loss to back-propagate, so that the reduced gradients are DDP's averaged ones.
-
-        One batch: the loss divided by the world size, and the hook's all-reduce sums. Dividing
-        the scalar loss costs nothing, where dividing the gradients in the hook costs a pass over
-        them. Micro-batches: ``loss / n``, as plain DDP users accumulate, and the hook multiplies
-        the accumulated bucket by ``1 / world`` before the all-reduce, as DDP does: one pass per
-        optimizer step (amortised over n backward passes) buys weights bit-equal to plain DDP's.
-        Replays scale the same way, so that a replayed gradient is bit-for-bit the local one.
-        """
-        if micro:
-            out = loss / n if n > 1 else loss
-        else:
-            out = loss / self.world if self.world > 1 else loss
-        # As plain AMP code writes it: ``scaler.scale(loss / n).backward()``.
-        return self.grad_scaler.scale(out) if self.grad_scaler is not None else out
-
-    def _rng_state(self) -> dict[str, torch.Tensor]:
-        state = {"cpu": torch.get_rng_state()}
-        if self.device.type == "cuda":
-            state["cuda"] = torch.cuda.get_rng_state(self.device)
-        return state
+            state.checked_since_audit = 0
 
     # --- checkpoints --------------------------------------------------------------------------
 
     def _evidence(self, s: int) -> CheckpointEvidence:
         """What a checkpoint at step s carries, from the consensus at s (run it first)."""
-        fps = self._consensus[1] if self._consensus and self._consensus[0] == s else {}
-        agreed = self._consensus[2] if self._consensus and self._consensus[0] == s else None
-        first = (self.last_checkpoint_step or 0) + 1
+        state = self.state
+        agreed_at = state.agreed_at(s)
+        fps, agreed = agreed_at if agreed_at is not None else ({}, None)
+        first = (state.last_checkpoint_step or 0) + 1
         lineage = {
-            "audit_every": self.audit_every,
-            "world": self.world,
-            "mode": self.mode,
-            "audits": [{"step": st, "kind": k, "outcome": o} for st, k, o in self._events],
-            "last_clean_audit": self.last_clean_audit,
+            "audit_every": self.ctx.audit_every,
+            "world": self.ctx.world,
+            "mode": self.ctx.mode,
+            "audits": [{"step": st, "kind": k, "outcome": o} for st, k, o in state.lineage],
+            "last_clean_audit": state.last_clean_audit,
             "consensus": {"step": s, "fp": agreed} if agreed else None,
         }
         # The tensors whose fingerprints every replica agreed on, by identity: the writer finds them
@@ -517,6 +527,20 @@ class AuditSession(SetupChecks, NonFiniteCheck, RingReplay, WeightConsensus):
             known_fingerprints=known,
         )
 
+    def _fingerprint_consensus(self) -> int:
+        """Read a pending non-finite check, then run the fingerprint consensus at the current step
+        unless it ran already; returns the step."""
+        self.nonfinite.settle_deferred()
+        s = self.state.step
+        if self.state.agreed_at(s) is None:
+            self.weight_consensus(s, fingerprints=True)
+        return s
+
+    def _end_lineage(self, s: int) -> None:
+        """A checkpoint at step s was taken: the next one's lineage starts after it."""
+        self.state.last_checkpoint_step = s
+        self.state.lineage = []
+
     def checkpoint_evidence(self) -> CheckpointEvidence:
         """The evidence a checkpoint taken now carries (collective: every rank calls it).
 
@@ -528,13 +552,9 @@ class AuditSession(SetupChecks, NonFiniteCheck, RingReplay, WeightConsensus):
         Raises:
             FaultDetectedError: the replicas disagree (policy ``on_fault="raise"``).
         """
-        self._settle_deferred()
-        s = self.step
-        if not (self._consensus and self._consensus[0] == s):
-            self.weight_consensus(s, fingerprints=True)
+        s = self._fingerprint_consensus()
         evidence = self._evidence(s)
-        self.last_checkpoint_step = s
-        self._events = []
+        self._end_lineage(s)
         return evidence
 
     def flush(self) -> None:
@@ -542,7 +562,7 @@ class AuditSession(SetupChecks, NonFiniteCheck, RingReplay, WeightConsensus):
         if self.rank == 0:
             self.sink.flush()
 
-    def save(self, obj: Any, f: Any, **kwargs: Any):
+    def save(self, obj: Any, f: Any, **kwargs: Any) -> SaveResult | None:
         """Save a checkpoint at the current step with its audit lineage (collective; rank 0 writes).
 
         Runs the weight consensus at this step if it has not run yet, and hands its fingerprints to
@@ -551,36 +571,12 @@ class AuditSession(SetupChecks, NonFiniteCheck, RingReplay, WeightConsensus):
         Returns:
             ``SaveResult`` on rank 0, None elsewhere.
         """
-        self._settle_deferred()
-        s = self.step
-        if not (self._consensus and self._consensus[0] == s):
-            self.weight_consensus(s, fingerprints=True)
+        s = self._fingerprint_consensus()
         evidence = self._evidence(s)
         result, error = None, None
         if self.rank == 0:
             try:
-                try:
-                    result = save_certified(
-                        obj, f, **evidence.save_kwargs(), **{"signing_key": self.signing_key, **kwargs}
-                    )
-                except CheckpointExistsError as e:
-                    if self.ledger is None:
-                        raise
-                    raise name_taken(str(f), self.ledger.store) from e
-                self.sink.flush()  # the events up to this checkpoint reach the ledger before its commit record
-                if self.ledger is not None:
-                    self.ledger.commit_checkpoint(
-                        branch=self.branch,
-                        step=s,
-                        location=str(f),
-                        run=self.run,
-                        parent=self.parent,
-                        consensus_fp=evidence.consensus_fp,
-                        state_fp=result.state_fp,
-                        header_digest=result.header_digest,
-                        step_range=evidence.step_range,
-                        nbytes=result.nbytes,
-                    )
+                result = self._write(obj, f, s, evidence, kwargs)
             except Exception as e:
                 error = e
         # Every rank learns whether rank 0's write succeeded, so all raise (or go on) together
@@ -593,8 +589,31 @@ class AuditSession(SetupChecks, NonFiniteCheck, RingReplay, WeightConsensus):
             raise CertckptError(
                 f"rank {self.rank}: rank 0 could not write checkpoint {f!s} at step {s}; see rank 0's error"
             )
-        self.last_checkpoint_step = s
-        self._events = []
+        self._end_lineage(s)
+        return result
+
+    def _write(self, obj: Any, f: Any, s: int, evidence: CheckpointEvidence, kwargs: dict[str, Any]) -> SaveResult:
+        """Rank 0's part of ``save``: the file, the events before it, its commit record."""
+        try:
+            result = save_certified(obj, f, **evidence.save_kwargs(), **{"signing_key": self.signing_key, **kwargs})
+        except CheckpointExistsError as e:
+            if self.ledger is None:
+                raise
+            raise name_taken(str(f), self.ledger.store) from e
+        self.sink.flush()  # the events up to this checkpoint reach the ledger before its commit record
+        if self.ledger is not None:
+            self.ledger.commit_checkpoint(
+                branch=self.branch,
+                step=s,
+                location=str(f),
+                run=self.run,
+                parent=self.parent,
+                consensus_fp=evidence.consensus_fp,
+                state_fp=result.state_fp,
+                header_digest=result.header_digest,
+                step_range=evidence.step_range,
+                nbytes=result.nbytes,
+            )
         return result
 
     def close(self) -> None:
@@ -603,7 +622,7 @@ class AuditSession(SetupChecks, NonFiniteCheck, RingReplay, WeightConsensus):
         handlers (Lightning's ``on_exception``, ``stop_on_fault``), where another rank may never
         join one. A deferred read still pending is left unread: no checkpoint covers that step
         (``save`` and ``checkpoint_evidence`` read it first)."""
-        self._pending_flags = None
+        self.nonfinite.discard_pending()
         self._hook.kept = []
         if self.injector is not None:
             self.injector.remove()

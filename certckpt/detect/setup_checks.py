@@ -4,8 +4,8 @@ Before the first step can be trusted, the session checks that its options make s
 (``option_problem``), that every rank built the same model with the same audit settings, that
 resumed weights are the checkpoint resumed from, and, at the first step, that the batch can travel
 to a neighbour and the model computes deterministically. A refusal is collective: every rank raises
-the same error, so that none is left waiting in the next collective. ``SetupChecks`` is a mixin of
-``session.AuditSession`` and works on the session's attributes.
+the same error, so that none is left waiting in the next collective. ``SetupChecks`` is a check
+object of ``session.AuditSession``, built on its ``context.CheckContext``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from certckpt.errors import AuditSetupError
 
+from .consensus import WeightConsensus
+from .context import CheckContext
 from .exchange import refuse_unshippable
+from .replay import RingReplay
 
 __all__ = ["SetupChecks", "option_problem"]
 
@@ -111,49 +114,54 @@ def late_detection_note(step: int) -> str:
 
 
 class SetupChecks:
-    """The set-up checks of ``AuditSession`` (a mixin: the session holds the state they read).
+    """The set-up checks of ``AuditSession``: on the context's configuration, parameters and buffers.
 
-    They read the session's configuration, parameters and buffers, and use its
-    ``weight_consensus`` (resumed weights) and ``_check_deterministic`` (the first step).
+    ``consensus`` checks resumed weights; ``replay`` makes the first step's determinism check.
     """
 
-    def _check_resumed_weights(self, expected: str) -> None:
+    def __init__(self, ctx: CheckContext, *, consensus: WeightConsensus, replay: RingReplay) -> None:
+        self.ctx, self.consensus, self.replay = ctx, consensus, replay
+
+    def check_resumed_weights(self, expected: str, *, parent: str | None) -> None:
         """Every replica's weights at ``start_step`` must be the checkpoint resumed from: they agree
         (a disagreement is a fault, as at any consensus) and their state fingerprint is ``expected``.
         Every rank computes the same agreed value, so every rank refuses together."""
-        self.weight_consensus(self.step, found_by="resume", fingerprints=True)
-        agreed = self._consensus[2] if self._consensus and self._consensus[0] == self.step else None
+        step = self.ctx.state.step
+        self.consensus.check(step, found_by="resume", fingerprints=True)
+        agreed_at = self.ctx.state.agreed_at(step)
+        agreed = agreed_at[1] if agreed_at is not None else None
         if agreed != expected:
             raise AuditSetupError(
-                f"the weights loaded for step {self.step} have consensus fingerprint {agreed}, but the checkpoint "
-                f"resumed from ({self.parent or 'the parent'}) recorded {expected}: load that checkpoint's state "
+                f"the weights loaded for step {step} have consensus fingerprint {agreed}, but the checkpoint "
+                f"resumed from ({parent or 'the parent'}) recorded {expected}: load that checkpoint's state "
                 "(model and buffers) into every replica before creating the auditor"
             )
 
-    def _check_world_agrees(self) -> None:
+    def check_world_agrees(self) -> None:
         """Every rank must have the same parameters and the same audit configuration.
 
         Every rank raises the same message, naming the groups of ranks that agree with each other.
         """
+        ctx = self.ctx
         desc = json.dumps(
             [
-                self.audit_every,
-                self.consensus_every,
-                self.mode,
-                self.exchange_flags,
-                self.clip_grad_norm,
-                self.before_optimizer_step is not None,
-                self.grad_scaler is not None,
-                self.replay_micro_batches,
-                [(n, list(p.shape), str(p.dtype)) for n, p in zip(self.param_names, self.params)],
-                [(n, list(b.shape), str(b.dtype)) for n, b in zip(self.buffer_names, self.buffers)],
+                ctx.audit_every,
+                ctx.consensus_every,
+                ctx.mode,
+                ctx.exchange_flags,
+                ctx.clip_grad_norm,
+                ctx.before_optimizer_step is not None,
+                ctx.grad_scaler is not None,
+                ctx.replay_micro_batches,
+                [(n, list(p.shape), str(p.dtype)) for n, p in zip(ctx.param_names, ctx.params)],
+                [(n, list(b.shape), str(b.dtype)) for n, b in zip(ctx.buffer_names, ctx.buffers)],
             ]
         ).encode()
         mine = torch.tensor(
-            [xxhash.xxh3_64_intdigest(desc) & ((1 << 62) - 1)], dtype=torch.int64, device=self.wire_device
+            [xxhash.xxh3_64_intdigest(desc) & ((1 << 62) - 1)], dtype=torch.int64, device=ctx.wire_device
         )
-        allv = [torch.empty_like(mine) for _ in range(self.world)]
-        dist.all_gather(allv, mine, group=self.group)
+        allv = [torch.empty_like(mine) for _ in range(ctx.world)]
+        dist.all_gather(allv, mine, group=ctx.group)
         values = [int(v) for v in allv]
         if len(set(values)) != 1:
             groups: dict[int, list[int]] = {}
@@ -165,8 +173,9 @@ class SetupChecks:
                 " every rank must build the same model and Auditor(audit_every=..., mode=..., clip_grad_norm=...)"
             )
 
-    def _first_step_checks(self, units: list[Any], micro: bool) -> None:
+    def first_step_checks(self, units: list[Any], micro: bool) -> None:
         """Refuse, on every rank together, a batch that cannot travel or a model that is not deterministic."""
-        refuse_unshippable(units if micro else units[0], group=self.group, wire_device=self.wire_device)
-        if self.check_determinism:
-            self._check_deterministic(units, micro)
+        ctx = self.ctx
+        refuse_unshippable(units if micro else units[0], group=ctx.group, wire_device=ctx.wire_device)
+        if ctx.check_determinism:
+            self.replay.check_deterministic(units, micro)

@@ -46,23 +46,19 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from certckpt.errors import (
-    AuditSetupError,
-    ConfigurationError,
-    FaultDetectedError,
-)
+from certckpt.errors import AuditSetupError, ConfigurationError
 from certckpt.format.sharded.regions import local_regions
-from certckpt.trust.incident import incident_id_for
 from certckpt.trust.ledger import Ledger, LedgerSink
 
 from .agreement import all_gather_bytes, refuse_together, wire_device_for
-from .events import AuditEvent, EventSink, MemorySink, emit_event, log_audit_pass, rank_inventory
+from .events import EventSink, MemorySink, log_audit_pass, rank_inventory
 from .exchange import refuse_unshippable
 from .options import DDP_ONLY, AuditOptions, session_options
 from .session import CheckpointEvidence
 from .setup_checks import nonfinite_read_problem
 from .sharded_audit import ShardedReplayAudit
 from .sharded_consensus import ShardConsensus, decide_consensus
+from .sharded_context import ShardedContext, ShardedEventLog, ShardedState
 from .sharded_nonfinite import ShardedNonFiniteCheck
 from .sharded_replay import (
     GradientRecorder,
@@ -98,7 +94,7 @@ def _replay_problem(model: torch.nn.Module, loss_fn: Any, audit_every: Any) -> s
     return None
 
 
-class ShardedAuditSession(ShardedNonFiniteCheck, ShardedReplayAudit):
+class ShardedAuditSession:
     """The checks of an FSDP2 / HSDP run (see the module docstring).
 
     Every rank constructs one after ``fully_shard`` and before the first backward (a collective: the
@@ -187,10 +183,8 @@ class ShardedAuditSession(ShardedNonFiniteCheck, ShardedReplayAudit):
         self.consensus_every = consensus_every
         self.state_fn = state_fn or (lambda: {"model": model.state_dict()})
         self.on_nonfinite, self.on_fault = on_nonfinite, on_fault
-        self.step = start_step
-        self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.params: list[tuple[str, torch.Tensor]] = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.nonfinite_read = nonfinite_read
-        self._pending_flags: dict[str, Any] | None = None  # a deferred read's step, still on its way
         problem = bad or nonfinite_read_problem(nonfinite_read, on_nonfinite=on_nonfinite)
         if problem is not None:
             pass  # (reported below, by every rank together)
@@ -201,18 +195,13 @@ class ShardedAuditSession(ShardedNonFiniteCheck, ShardedReplayAudit):
         elif audit_updates:
             problem = "audit_updates=True needs loss_fn: the optimizer step is recomputed at the replay's audit steps"
         self.loss_fn, self.audit_every = loss_fn, audit_every
-        self._not_replayed = [n for n, p in self.params if not isinstance(p, DTensor)]
         if audit_updates is None:  # no replicas: nothing else checks the optimizer step
             audit_updates = loss_fn is not None and problem is None and shard_group_size(model) == self.world
         self.audit_updates = bool(audit_updates) and loss_fn is not None
-        self._names_by_id = {id(p): n for n, p in self.params}
-        self._update: tuple[dict[str, Any], list[torch.Tensor]] | None = None  # inputs of the audited step
-        self._update_checked = False  # the first update audit also recomputes the rank's own step
-        self._update_skip_warned = False
-        self._recorder: GradientRecorder | None = None
+        recorder: GradientRecorder | None = None
         if problem is None and loss_fn is not None:
             try:
-                self._recorder = GradientRecorder(model)
+                recorder = GradientRecorder(model)
             except ValueError as e:  # FSDP refuses a custom reduce-scatter with several param groups
                 problem = f"the replay cannot sign the local gradients: {e}"
         setup = json.dumps(
@@ -242,19 +231,75 @@ class ShardedAuditSession(ShardedNonFiniteCheck, ShardedReplayAudit):
         inv = all_gather_bytes(json.dumps(rank_inventory()).encode(), group=self.group, wire_device=self.wire_device)
         self.inventory = {str(r): json.loads(t) for r, t in enumerate(inv)}
         self.last_consensus: ShardConsensus | None = None
-        self.last_checkpoint_step: int | None = start_step or None
-        self._checked = 0  # steps whose non-finite check passed since the last summary
-        self._audit_seconds = 0.0  # the last replay audit's time (its log line)
-        self._first_checked: int | None = None
-        self._events: list[tuple[int, str, str]] = []  # (step, kind, outcome) since the last checkpoint
-        self.last_clean_audit: int | None = start_step or None
-        # the step under way, from its first begin_micro_batch to after_update (replay audits only)
-        self._open: dict[str, Any] | None = None
-        self._path_check_pending = loss_fn is not None and check_determinism
-        self._first_batch = True
-        self._audited: tuple[int, bool] | None = None  # (audit step, replay passed) until after_update
+        self.state = ShardedState(
+            step=start_step,
+            last_clean_audit=start_step or None,
+            last_checkpoint_step=start_step or None,
+            path_check_pending=loss_fn is not None and check_determinism,
+        )
+        self.ctx = ShardedContext(
+            model=model,
+            optimizer=optimizer,
+            loss_fn=loss_fn,
+            group=self.group,
+            rank=self.rank,
+            world=self.world,
+            device=self.device,
+            wire_device=self.wire_device,
+            on_nonfinite=on_nonfinite,
+            on_fault=on_fault,
+            nonfinite_read=nonfinite_read,
+            params=self.params,
+            names_by_id={id(p): n for n, p in self.params},
+            not_replayed=[n for n, p in self.params if not isinstance(p, DTensor)],
+            recorder=recorder,
+            report=ShardedEventLog(
+                run=run,
+                branch=branch,
+                rank=self.rank,
+                world=self.world,
+                group=self.group,
+                sink=self.sink,
+                ledger=self.ledger,
+                inventory=self.inventory,
+                state=self.state,
+            ),
+            state=self.state,
+        )
+        # The checks, each on the shared context; the session's methods below drive them.
+        self.nonfinite = ShardedNonFiniteCheck(self.ctx)
+        self.replay = ShardedReplayAudit(self.ctx, consensus=self.weight_consensus)
         if expect_consensus_fp is not None:
             self._check_resumed_state(resume_state, expect_consensus_fp)
+
+    # --- the mutable state, kept in ``self.state`` ------------------------------------------------
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps done so far."""
+        return self.state.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.state.step = value
+
+    @property
+    def last_clean_audit(self) -> int | None:
+        """The last step whose full audit passed (a clean audit point)."""
+        return self.state.last_clean_audit
+
+    @last_clean_audit.setter
+    def last_clean_audit(self, value: int | None) -> None:
+        self.state.last_clean_audit = value
+
+    @property
+    def last_checkpoint_step(self) -> int | None:
+        """The step of the last checkpoint's evidence."""
+        return self.state.last_checkpoint_step
+
+    @last_checkpoint_step.setter
+    def last_checkpoint_step(self, value: int | None) -> None:
+        self.state.last_checkpoint_step = value
 
     def _check_resumed_state(self, state: dict[str, Any] | None, expected: str) -> None:
         """The replicas must agree on the resumed state and it must be the parent checkpoint's (the
@@ -268,24 +313,6 @@ class ShardedAuditSession(ShardedNonFiniteCheck, ShardedReplayAudit):
                 " rank (dcp.load, then set_state_dict) and pass the same dict as resume_state"
             )
 
-    # --- events ---------------------------------------------------------------------------------
-
-    def _event(self, kind: str, outcome: str, *, step: int, suspects=(), contained=False, **details) -> AuditEvent:
-        ev = emit_event(self, kind, outcome, step=step, suspects=suspects, contained=contained, details=details)
-        self._events.append((step, kind, outcome))
-        return ev
-
-    def _fail(self, ev: AuditEvent, message: str, *, policy: str) -> None:
-        if policy != "raise":
-            return
-        # every rank raises here together, after rank 0 has written the event (see AuditSession._fail)
-        dist.barrier(group=self.group)
-        raise FaultDetectedError(
-            f"step {ev.step}: {message}", ev, incident_id=None if ev.contained else incident_id_for(ev.to_dict())
-        )
-
-    # --- the non-finite check -------------------------------------------------------------------
-
     # --- hook points ------------------------------------------------------------------------------
 
     def begin_micro_batch(self, unit: Any) -> None:
@@ -298,19 +325,20 @@ class ShardedAuditSession(ShardedNonFiniteCheck, ShardedReplayAudit):
         Raises:
             ConfigurationError: the session has no ``loss_fn`` (nothing to replay).
         """
-        if self._recorder is None:
+        recorder, state = self.ctx.recorder, self.state
+        if recorder is None:
             raise ConfigurationError("begin_micro_batch is for the replay audit: construct the session with loss_fn=")
-        step = self._open
+        step = state.open
         if step is None:
-            s = self.step + 1
+            s = state.step + 1
             audit = s % self.audit_every == 0
-            signed = audit or self._path_check_pending
-            step = self._open = {"s": s, "audit": audit, "signed": signed, "units": [], "rngs": []}
-            self._recorder.new_step()
+            signed = audit or state.path_check_pending
+            step = state.open = {"s": s, "audit": audit, "signed": signed, "units": [], "rngs": []}
+            recorder.new_step()
             if signed:
-                self._recorder.arm("train")
+                recorder.arm("train")
         if step["signed"]:
-            self._recorder.micro = len(step["units"])
+            recorder.micro = len(step["units"])
             step["rngs"].append(_rng_state(self.device))
         step["units"].append(unit)
 
@@ -330,34 +358,35 @@ class ShardedAuditSession(ShardedNonFiniteCheck, ShardedReplayAudit):
             AuditSetupError, UnsupportedObjectError: the first step's replay check refused, on every rank.
             ConfigurationError: with ``loss_fn``, no ``begin_micro_batch`` since the last step.
         """
-        s = self.step + 1
-        step, self._open = self._open, None
-        self._audited = None
-        if self._recorder is not None and step is None:
+        recorder, state = self.ctx.recorder, self.state
+        s = state.step + 1
+        step, state.open = state.open, None
+        state.audited = None
+        if recorder is not None and step is None:
             raise ConfigurationError(
                 "before_update without begin_micro_batch: with loss_fn (the replay audit), call"
                 " session.begin_micro_batch(unit) before each micro-batch's forward"
             )
-        trained = self._recorder.take() if step is not None and step["signed"] else None
-        now = (step is not None and step["audit"]) or self._consensus_due(s) or self._path_check_pending
-        if not self._nonfinite_check(s, now=now):
+        trained = recorder.take() if recorder is not None and step is not None and step["signed"] else None
+        now = (step is not None and step["audit"]) or self._consensus_due(s) or state.path_check_pending
+        if not self.nonfinite.check(s, now=now):
             return False
-        if trained is None:
+        if trained is None or step is None:
             return True
         n = loss_divisor or len(step["units"])
-        if self._first_batch:
-            self._first_batch = False
+        if state.first_batch:
+            state.first_batch = False
             refuse_unshippable(step["units"], group=self.group, wire_device=self.wire_device)
-        if self._path_check_pending:
-            self._check_replay_path(step, trained, n)
+        if state.path_check_pending:
+            self.replay.check_path(step, trained, n)
         if not step["audit"]:
             return True
         t0 = time.perf_counter()
-        ok = self._replay_audit(s, step, trained, n)
-        self._audit_seconds = time.perf_counter() - t0
-        self._audited = (s, ok)
+        ok = self.replay.audit(s, step, trained, n)
+        state.audit_seconds = time.perf_counter() - t0
+        state.audited = (s, ok)
         if ok and self.audit_updates:
-            self._update = update_inputs(self.optimizer, self._names_by_id)  # copies, before the step
+            state.update = update_inputs(self.optimizer, self.ctx.names_by_id)  # copies, before the step
         return ok
 
     # --- the weight consensus -------------------------------------------------------------------
@@ -369,24 +398,25 @@ class ShardedAuditSession(ShardedNonFiniteCheck, ShardedReplayAudit):
         """Call on every rank after the optimizer step (or its refusal): counts the step and runs the
         weight consensus at audit steps and every ``consensus_every`` steps. Returns False when the
         consensus failed (policy ``on_fault="continue"``)."""
-        self.step += 1
-        audited, self._audited = self._audited, None
-        if audited is not None and audited[0] == self.step:
+        state = self.state
+        state.step += 1
+        audited, state.audited = state.audited, None
+        if audited is not None and audited[0] == state.step:
             t0 = time.perf_counter()
-            update, self._update = self._update, None
-            updated = self._update_audit(self.step, *update) if update is not None else True
+            update, state.update = state.update, None
+            updated = self.replay.audit_update(state.step, *update) if update is not None else True
             agreed = self.weight_consensus().agreed
             if audited[1] and updated:
-                checked = self._summarise_nonfinite(self.step)  # with the replay and the consensus: a full audit
+                checked = self.nonfinite.summarise(state.step)  # with the replay and the consensus: a full audit
                 if agreed:
-                    self.last_clean_audit = self.step
+                    state.last_clean_audit = state.step
                     if self.rank == 0:
-                        seconds = self._audit_seconds + time.perf_counter() - t0
+                        seconds = state.audit_seconds + time.perf_counter() - t0
                         log_audit_pass(
-                            step=self.step, branch=self.branch, ranks=self.world, checked=checked, seconds=seconds
+                            step=state.step, branch=self.branch, ranks=self.world, checked=checked, seconds=seconds
                         )
             return agreed
-        if not self._consensus_due(self.step):
+        if not self._consensus_due(state.step):
             return True
         return self.weight_consensus().agreed
 
@@ -402,36 +432,35 @@ class ShardedAuditSession(ShardedNonFiniteCheck, ShardedReplayAudit):
             FaultDetectedError: replicas disagree and ``on_fault="raise"``.
             ConfigurationError: the ranks' pieces of a tensor do not cover it exactly once.
         """
-        self._settle_nonfinite()  # no consensus vouches for weights a pending non-finite step updated
+        self.nonfinite.settle()  # no consensus vouches for weights a pending non-finite step updated
+        report = self.ctx.report
         s = self.step
         mine, meta = local_regions(self.state_fn() if state is None else state)
         texts = all_gather_bytes(json.dumps(mine).encode(), group=self.group, wire_device=self.wire_device)
         result, counts = decide_consensus(s, [json.loads(t) for t in texts], meta)
         self.last_consensus = result
+        details: dict[str, Any] = dict(counts)  # the event's details, in this order
         if result.agreed:
             if checkpoint:
-                self._summarise_nonfinite(s)
-            extra = {"fp": result.state_fp} if checkpoint else {"state_fp": result.state_fp}
+                self.nonfinite.summarise(s)
+            details.update({"fp": result.state_fp} if checkpoint else {"state_fp": result.state_fp})
             if found_by:
-                extra["found_by"] = found_by
-            self._event("consensus", "pass", step=s, **counts, **extra)
+                details["found_by"] = found_by
+            report.event("consensus", "pass", step=s, **details)
             return result
         note = None
         if result.candidates:
             note = "two replicas disagree and no majority decides: attribution needs >= 3 replicas of a shard"
-        ev = self._event(
-            "consensus",
-            "fail",
-            step=s,
-            suspects=result.suspect_ranks,
-            **counts,
+        details.update(
             tensors=sorted({k.rsplit("@", 1)[0] for k in result.disputed}),
             regions_disputed={k: {str(r): v for r, v in vals.items()} for k, vals in result.disputed.items()},
             candidates=list(result.candidates),
             note=note,
-            **({"found_by": found_by} if found_by else {}),
         )
-        self._fail(
+        if found_by:
+            details["found_by"] = found_by
+        ev = report.event("consensus", "fail", step=s, suspects=result.suspect_ranks, **details)
+        report.fail(
             ev,
             f"replicas disagree after step {s} on {sorted(result.disputed)[:3]}"
             f" (outvoted: {list(result.suspect_ranks)}; undecided between: {list(result.candidates)})",
@@ -455,18 +484,18 @@ class ShardedAuditSession(ShardedNonFiniteCheck, ShardedReplayAudit):
         """
         s = self.step
         result = self.weight_consensus(state, checkpoint=True)
-        first = (self.last_checkpoint_step or 0) + 1
+        first = (self.state.last_checkpoint_step or 0) + 1
         lineage = {
             "world": self.world,
             "mode": "sharded-replay" if self.loss_fn is not None else "sharded-consensus",
             "audit_every": self.audit_every if self.loss_fn is not None else None,
-            "audits": [{"step": st, "kind": k, "outcome": o} for st, k, o in self._events],
-            "last_clean_audit": self.last_clean_audit,
+            "audits": [{"step": st, "kind": k, "outcome": o} for st, k, o in self.state.lineage],
+            "last_clean_audit": self.state.last_clean_audit,
             "consensus": {"step": s, "fp": result.state_fp} if result.agreed else None,
         }
         self.flush()
-        self.last_checkpoint_step = s
-        self._events = []
+        self.state.last_checkpoint_step = s
+        self.state.lineage = []
         return CheckpointEvidence(
             step=s,
             run=self.run,
@@ -488,6 +517,6 @@ class ShardedAuditSession(ShardedNonFiniteCheck, ShardedReplayAudit):
         """Report the non-finite checks not summarised yet and flush the events. A deferred read still
         pending is left unread (no checkpoint covers that step; ``checkpoint_evidence`` reads it
         first): ``close`` also runs in exception handlers, where a collective could hang."""
-        self._pending_flags = None
-        self._summarise_nonfinite(self.step)
+        self.nonfinite.discard_pending()
+        self.nonfinite.summarise(self.step)
         self.flush()

@@ -3,8 +3,8 @@
 At audit steps every rank replays its predecessor's micro-batches collectively through the sharded
 model (``sharded_replay.GradientRecorder``) and the ranks compare the layers' digest lists ring-wise,
 with attribution and a two-hop arbitration; with ``audit_updates`` the next rank also recomputes each
-rank's optimizer step on its shard. ``ShardedReplayAudit`` is a mixin of
-``sharded.ShardedAuditSession`` and works on the session's attributes.
+rank's optimizer step on its shard. ``ShardedReplayAudit`` is a check object of
+``sharded.ShardedAuditSession``, built on its ``sharded_context.ShardedContext``.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import operator
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,7 +21,9 @@ from torch.distributed.tensor import DTensor
 from .agreement import all_gather_bytes, refuse_together
 from .attribution import arbitration_plan, attribute_replay, ring_pairs
 from .exchange import RingShift
-from .session import restore_rng
+from .replay import restore_rng
+from .sharded_consensus import ShardConsensus
+from .sharded_context import ShardedContext
 from .sharded_replay import (
     LayerDigest,
     arbitrate,
@@ -35,32 +38,41 @@ __all__ = ["ShardedReplayAudit"]
 
 
 class ShardedReplayAudit:
-    """The replay audits of ``ShardedAuditSession`` (a mixin: the session holds the state they read).
+    """The replay audits of ``ShardedAuditSession``, through the context's recorder and ``loss_fn``.
 
-    They use the session's recorder, model, optimizer, group and ``_event`` / ``_fail``.
+    ``consensus(found_by=...)``: the session's weight consensus, which a failed replay checks first.
+    Its own state: whether the first update audit's self-check ran, and its one warning.
     """
 
+    def __init__(self, ctx: ShardedContext, *, consensus: Callable[..., ShardConsensus]) -> None:
+        self.ctx, self.consensus = ctx, consensus
+        self._update_checked = False  # the first update audit also recomputes the rank's own step
+        self._update_skip_warned = False
+
     def _replay(self, payload: dict[str, Any], trained: list[LayerDigest]) -> list[LayerDigest]:
-        return self._recorder.replay(
-            self.model,
-            self.loss_fn,
+        ctx = self.ctx
+        assert ctx.recorder is not None and ctx.loss_fn is not None, "the replay audit runs with loss_fn only"
+        return ctx.recorder.replay(
+            ctx.model,
+            ctx.loss_fn,
             payload["units"],
             payload["rngs"],
             divisor=int(payload["n"]),
             pattern=sync_pattern(trained),
-            restore_rng=lambda state: restore_rng(state, self.device),
+            restore_rng=lambda state: restore_rng(state, ctx.device),
         )
 
-    def _gather_digests(self, *lists: list[LayerDigest]) -> list[list]:
+    def _gather_digests(self, *lists: list[LayerDigest]) -> list[list[Any]]:
         """Every rank's digest lists, in rank order (one small all-gather)."""
         mine = json.dumps([[d.as_list() for d in lst] for lst in lists]).encode()
-        return [json.loads(t) for t in all_gather_bytes(mine, group=self.group, wire_device=self.wire_device)]
+        return [json.loads(t) for t in all_gather_bytes(mine, group=self.ctx.group, wire_device=self.ctx.wire_device)]
 
-    def _check_replay_path(self, step: dict[str, Any], trained: list[LayerDigest], n: int) -> None:
+    def check_path(self, step: dict[str, Any], trained: list[LayerDigest], n: int) -> None:
         """At the first step with finite gradients, every rank replays its own micro-batches and
         must sign exactly what training reduce-scattered; else every rank refuses together (a
         set-up the audits would always flag)."""
-        self._path_check_pending = False
+        ctx = self.ctx
+        ctx.state.path_check_pending = False
         reason = self._unsigned_problem(trained)
         if reason is None:
             again = self._replay({"units": step["units"], "rngs": step["rngs"], "n": n}, trained)
@@ -71,8 +83,8 @@ class ShardedReplayAudit:
                 )
         refuse_together(
             reason,
-            group=self.group,
-            wire_device=self.wire_device,
+            group=ctx.group,
+            wire_device=ctx.wire_device,
             what="the replay check",
             advice=(
                 "the replay calls loss_fn(model, unit) for each micro-batch given to begin_micro_batch and"
@@ -85,7 +97,7 @@ class ShardedReplayAudit:
 
     def _unsigned_problem(self, trained: list[LayerDigest]) -> str | None:
         # Gradients were reduced but nothing signed them: an audit would compare two empty lists and pass.
-        if trained or not any(p.grad is not None and isinstance(p, DTensor) for _, p in self.params):
+        if trained or not any(p.grad is not None and isinstance(p, DTensor) for _, p in self.ctx.params):
             return None
         return (
             "no reduce-scatter was signed: something replaced certckpt's reduce-scatter after the session was"
@@ -93,35 +105,43 @@ class ShardedReplayAudit:
             " creating the session, which then signs around them"
         )
 
-    def _replay_audit(self, s: int, step: dict[str, Any], trained: list[LayerDigest], n: int) -> bool:
+    def audit(self, s: int, step: dict[str, Any], trained: list[LayerDigest], n: int) -> bool:
         """Every rank replays its predecessor's micro-batches; returns whether the update may be applied."""
+        ctx = self.ctx
         refuse_together(
-            self._unsigned_problem(trained), group=self.group, wire_device=self.wire_device, what="the replay audit"
+            self._unsigned_problem(trained),
+            group=ctx.group,
+            wire_device=ctx.wire_device,
+            what="the replay audit",
         )
         payload = {"units": step["units"], "rngs": step["rngs"], "n": n}
-        prev = RingShift(payload, group=self.group, wire_device=self.wire_device, out_device=self.device).finish()
+        prev = RingShift(payload, group=ctx.group, wire_device=ctx.wire_device, out_device=ctx.device).finish()
         replayed = self._replay(prev, trained)
         docs = self._gather_digests(trained, replayed)
         trained_all, replayed_all = [d[0] for d in docs], [d[1] for d in docs]
         result = compare_ring(trained_all, replayed_all)
-        details = {"comparisons": self.world, "layers": len(trained), "micro_batches": len(step["units"])}
-        if self._not_replayed:
-            details["params_not_replayed"] = self._not_replayed[:20]  # not fully_shard-ed: FSDP never reduces them
+        details: dict[str, Any] = {
+            "comparisons": ctx.world,
+            "layers": len(trained),
+            "micro_batches": len(step["units"]),
+        }
+        if ctx.not_replayed:
+            details["params_not_replayed"] = ctx.not_replayed[:20]  # not fully_shard-ed: FSDP never reduces them
         if result.passed:
-            self._event("replay", "pass", step=s, mode="deterministic", **details)
+            ctx.report.event("replay", "pass", step=s, mode="deterministic", **details)
             return True
         # A replay can only be trusted between replicas holding the same weights: check them first.
-        if not self.weight_consensus(found_by="replay precondition").agreed:
-            self._drop_grads()
+        if not self.consensus(found_by="replay precondition").agreed:
+            ctx.drop_grads()
             return False
         arbitration: dict[tuple[int, int], str] = {}
-        if arbitrate_needed := bool(arbitration_plan(self.world, result.failed)):
+        if arbitrate_needed := bool(arbitration_plan(ctx.world, result.failed)):
             # two hops round the ring: the rank after each replayer recomputes the origin's micro-batches
-            prev2 = RingShift(prev, group=self.group, wire_device=self.wire_device, out_device=self.device).finish()
+            prev2 = RingShift(prev, group=ctx.group, wire_device=ctx.wire_device, out_device=ctx.device).finish()
             arbiters = [d[0] for d in self._gather_digests(self._replay(prev2, trained))]
-            arbitration = arbitrate(self.world, result.failed, trained_all, replayed_all, arbiters)
-        verdict = attribute_replay(self.world, result.failed, arbitration)
-        ev = self._event(
+            arbitration = arbitrate(ctx.world, result.failed, trained_all, replayed_all, arbiters)
+        verdict = attribute_replay(ctx.world, result.failed, arbitration)
+        ev = ctx.report.event(
             "replay",
             "fail",
             step=s,
@@ -134,18 +154,19 @@ class ShardedReplayAudit:
             arbitrated=arbitrate_needed,
             notes=list(verdict.notes),
         )
-        self._drop_grads()
+        ctx.drop_grads()
         who = f"rank(s) {list(verdict.suspects)}" if verdict.suspects else "no rank could be named"
-        self._fail(ev, f"replay audit failed ({who}); the update was not applied", policy=self.on_fault)
+        ctx.report.fail(ev, f"replay audit failed ({who}); the update was not applied", policy=ctx.on_fault)
         return False
 
     # --- the update replay ------------------------------------------------------------------------
 
-    def _update_audit(self, s: int, inputs: dict[str, Any], params: list[torch.Tensor]) -> bool:
+    def audit_update(self, s: int, inputs: dict[str, Any], params: list[torch.Tensor]) -> bool:
         """After the optimizer step: the next rank recomputes this rank's update (see
         ``sharded_replay``); returns whether every recomputation matched (collective)."""
+        ctx = self.ctx
         gone = any(p.grad is None for p in params)
-        flags = all_gather_bytes(b"1" if gone else b"0", group=self.group, wire_device=self.wire_device)
+        flags = all_gather_bytes(b"1" if gone else b"0", group=ctx.group, wire_device=ctx.wire_device)
         if b"1" in flags:  # zero_grad ran before after_update on some rank: nothing to recompute from
             if not self._update_skip_warned:
                 self._update_skip_warned = True
@@ -158,21 +179,23 @@ class ShardedReplayAudit:
             return True
         items = [item for g in inputs["groups"] for item in g["params"]]
         for item, p in zip(items, params):
-            item["g"] = (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).detach()
-        actual = update_digests(self.optimizer, params)
-        labels = update_labels(self.optimizer, params, self._names_by_id)
-        cls = type(self.optimizer)
-        prev = RingShift(inputs, group=self.group, wire_device=self.wire_device, out_device=self.device).finish()
-        recomputed = recompute_update(cls, prev, device=self.device)
+            g = p.grad
+            assert g is not None  # every rank has them (checked above)
+            item["g"] = (g.to_local() if isinstance(g, DTensor) else g).detach()
+        actual = update_digests(ctx.optimizer, params)
+        labels = update_labels(ctx.optimizer, params, ctx.names_by_id)
+        cls = type(ctx.optimizer)
+        prev = RingShift(inputs, group=ctx.group, wire_device=ctx.wire_device, out_device=ctx.device).finish()
+        recomputed = recompute_update(cls, prev, device=ctx.device)
         if not self._update_checked:
             self._update_checked = True
-            own = recompute_update(cls, inputs, device=self.device)
+            own = recompute_update(cls, inputs, device=ctx.device)
             differ = sorted({lab for lab, a, b in zip(labels, own, actual) if a != b})
             differ = differ or (["*"] if own != actual else [])
             refuse_together(
                 f"recomputing this rank's own optimizer step gives other values ({differ[:5]})" if differ else None,
-                group=self.group,
-                wire_device=self.wire_device,
+                group=ctx.group,
+                wire_device=ctx.wire_device,
                 what="the update audit check",
                 advice=(
                     f"the step is recomputed with a fresh {cls.__name__} over plain copies of the shards; a loop"
@@ -182,29 +205,34 @@ class ShardedReplayAudit:
                 ),
             )
         mine = json.dumps([actual, recomputed, labels]).encode()
-        docs = [json.loads(t) for t in all_gather_bytes(mine, group=self.group, wire_device=self.wire_device)]
+        docs = [json.loads(t) for t in all_gather_bytes(mine, group=ctx.group, wire_device=ctx.wire_device)]
         failed, mismatched = [], {}
-        for origin, replayer in ring_pairs(self.world):
+        for origin, replayer in ring_pairs(ctx.world):
             got, want, names = docs[replayer][1], docs[origin][0], docs[origin][2]
             if got != want:
                 failed.append((origin, replayer))
                 diff = [n for n, a, b in zip(names, got, want) if a != b] if len(got) == len(want) else ["*"]
                 mismatched[f"{origin}->{replayer}"] = diff[:10]
-        details = {"phase": "update", "comparisons": self.world, "params": len(params), "optimizer": cls.__name__}
+        details: dict[str, Any] = {
+            "phase": "update",
+            "comparisons": ctx.world,
+            "params": len(params),
+            "optimizer": cls.__name__,
+        }
         if not failed:
-            self._event("replay", "pass", step=s, **details)
+            ctx.report.event("replay", "pass", step=s, **details)
             return True
         arbitration: dict[tuple[int, int], str] = {}
-        if arbitration_plan(self.world, failed):
+        if arbitration_plan(ctx.world, failed):
             # two hops round the ring: the rank after each replayer recomputes the origin's step too
-            prev2 = RingShift(prev, group=self.group, wire_device=self.wire_device, out_device=self.device).finish()
-            third = recompute_update(cls, prev2, device=self.device)
-            texts = all_gather_bytes(json.dumps(third).encode(), group=self.group, wire_device=self.wire_device)
+            prev2 = RingShift(prev, group=ctx.group, wire_device=ctx.wire_device, out_device=ctx.device).finish()
+            third = recompute_update(cls, prev2, device=ctx.device)
+            texts = all_gather_bytes(json.dumps(third).encode(), group=ctx.group, wire_device=ctx.wire_device)
             actual_all, recomputed_all = [d[0] for d in docs], [d[1] for d in docs]
             third_all = [json.loads(t) for t in texts]
-            arbitration = arbitrate(self.world, failed, actual_all, recomputed_all, third_all, same=operator.eq)
-        verdict = attribute_replay(self.world, failed, arbitration)
-        ev = self._event(
+            arbitration = arbitrate(ctx.world, failed, actual_all, recomputed_all, third_all, same=operator.eq)
+        verdict = attribute_replay(ctx.world, failed, arbitration)
+        ev = ctx.report.event(
             "replay",
             "fail",
             step=s,
@@ -217,5 +245,5 @@ class ShardedReplayAudit:
         )
         who = f"rank(s) {list(verdict.suspects)}" if verdict.suspects else "no rank could be named"
         message = f"the optimizer step's recomputation differs ({who}); the update was applied"
-        self._fail(ev, message, policy=self.on_fault)
+        ctx.report.fail(ev, message, policy=ctx.on_fault)
         return False

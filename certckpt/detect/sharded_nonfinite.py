@@ -4,8 +4,8 @@ Each rank sees only its own gradient shards, so the ranks exchange one flag pair
 rank's reduced shards non-finite; its local gradient non-finite before the reduce-scatter, known
 when the replay's reduce-scatter is installed), immediately or, with ``nonfinite_read="deferred"``,
 by an asynchronous all-gather read a step later; a failing step is attributed from where each rank
-found the values. ``ShardedNonFiniteCheck`` is a mixin of ``sharded.ShardedAuditSession`` and works
-on the session's attributes.
+found the values. ``ShardedNonFiniteCheck`` is a check object of ``sharded.ShardedAuditSession``,
+built on its ``sharded_context.ShardedContext``.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from .agreement import all_gather_bytes
 from .setup_checks import late_detection_note
+from .sharded_context import ShardedContext
 
 __all__ = ["ShardedNonFiniteCheck", "shard_offsets"]
 
@@ -50,13 +51,19 @@ def _nonfinite_flags(grads: list[torch.Tensor], pre_sums: torch.Tensor | None = 
 
 
 class ShardedNonFiniteCheck:
-    """The non-finite check of ``ShardedAuditSession`` (a mixin: the session holds the state it reads).
+    """The non-finite check of ``ShardedAuditSession``, on the context's parameters and recorder.
 
-    It reads the session's parameters, group and recorder (``_recorder``'s pre-reduce sums), and
-    uses its ``_event`` and ``_fail``.
+    Its own state: the deferred read still on its way, and the clean steps counted since the last
+    summary (``summarise``).
     """
 
-    def _nonfinite_check(self, s: int, *, now: bool = True) -> bool:
+    def __init__(self, ctx: ShardedContext) -> None:
+        self.ctx = ctx
+        self._pending: dict[str, Any] | None = None  # a deferred read's step, still on its way
+        self._checked = 0  # steps whose non-finite check passed since the last summary
+        self._first_checked: int | None = None
+
+    def check(self, s: int, *, now: bool = True) -> bool:
         """Check the reduced gradients of the coming update (collective); returns whether to apply it.
 
         Every rank sums its local gradient shards (one reduction each), the ranks all-gather one flag
@@ -65,47 +72,55 @@ class ShardedNonFiniteCheck:
         holder of the region it came through the reduction from some rank's local gradient, which
         FSDP's reduce-scatter has consumed, and names nobody. A refused update's gradients are dropped.
         """
-        self._settle_nonfinite(at=s)  # a deferred read of the previous step raises here
-        named = [(n, p.grad) for n, p in self.params if p.grad is not None]
+        ctx = self.ctx
+        self.settle(at=s)  # a deferred read of the previous step raises here
+        named = [(n, p.grad) for n, p in ctx.params if p.grad is not None]
         grads = [g.to_local() if isinstance(g, DTensor) else g for _, g in named]
-        pre_sums = self._recorder.take_pre_sums() if self._recorder is not None else None
-        if self.nonfinite_read == "deferred" and not now:
-            self._pending_flags = self._queue_nonfinite(s, named, grads, pre_sums)
+        pre_sums = ctx.recorder.take_pre_sums() if ctx.recorder is not None else None
+        if ctx.nonfinite_read == "deferred" and not now:
+            self._pending = self._queue(s, named, grads, pre_sums)
             return True
         flags, pre_bad = _nonfinite_flags(grads, pre_sums)
-        mine = torch.tensor([int(flags.any()), int(pre_bad)], dtype=torch.int64, device=self.wire_device)
-        everyone = [torch.empty_like(mine) for _ in range(self.world)]
-        dist.all_gather(everyone, mine, group=self.group)
+        mine = torch.tensor([int(flags.any()), int(pre_bad)], dtype=torch.int64, device=ctx.wire_device)
+        everyone = [torch.empty_like(mine) for _ in range(ctx.world)]
+        dist.all_gather(everyone, mine, group=ctx.group)
         rows = [[int(x) for x in f.tolist()] for f in everyone]
         bad = [[n, shard_offsets(g)] for (n, g), b in zip(named, flags.tolist()) if b]
-        return self._nonfinite_outcome(s, rows, bad)
+        return self._outcome(s, rows, bad)
 
-    def _queue_nonfinite(self, s: int, named: list, grads: list[torch.Tensor], pre_sums: Any) -> dict[str, Any]:
+    def discard_pending(self) -> None:
+        """Forget a deferred read still pending (``close``: no checkpoint covers that step)."""
+        self._pending = None
+
+    def _queue(self, s: int, named: list[Any], grads: list[torch.Tensor], pre_sums: Any) -> dict[str, Any]:
         """Start the exchange of step s's flags without waiting for the device or the other ranks: the
         sums stay on the device, an asynchronous all-gather carries them, and on a GPU the result
         is copied to pinned host memory behind an event (read at the next step)."""
+        ctx = self.ctx
         sums = [g.sum(dtype=torch.float32) for g in grads]
-        device = sums[0].device if sums else self.device
+        device = sums[0].device if sums else ctx.device
         sums.append(pre_sums.to(device).sum() if pre_sums is not None else torch.zeros((), device=device))
         bad = ~torch.isfinite(torch.stack(sums))
         mine = torch.stack([bad[:-1].any(), bad[-1]]).to(torch.int64)
-        if mine.device != self.wire_device:  # CUDA gradients on a gloo group (tests): a synchronisation
-            mine = mine.to(self.wire_device)
-        everyone = [torch.empty_like(mine) for _ in range(self.world)]
-        work = dist.all_gather(everyone, mine, group=self.group, async_op=True)
+        if mine.device != ctx.wire_device:  # CUDA gradients on a gloo group (tests): a synchronisation
+            mine = mine.to(ctx.wire_device)
+        everyone = [torch.empty_like(mine) for _ in range(ctx.world)]
+        work = dist.all_gather(everyone, mine, group=ctx.group, async_op=True)
         host, event = None, None
         if mine.device.type == "cuda":
+            assert work is not None  # async_op=True returns the work
             work.wait()  # the current stream waits for the collective; the host does not
-            host = torch.empty(2 * self.world, dtype=torch.int64, pin_memory=True)
+            host = torch.empty(2 * ctx.world, dtype=torch.int64, pin_memory=True)
             host.copy_(torch.cat(everyone), non_blocking=True)
             event = torch.cuda.Event()
             event.record()
         return {"s": s, "work": work, "everyone": everyone, "host": host, "event": event, "bad": bad, "named": named}
 
-    def _settle_nonfinite(self, *, at: int | None = None) -> None:
+    def settle(self, *, at: int | None = None) -> None:
         """Read the pending (deferred) step's exchanged flags; a failure is detected (and raised) now,
         at step ``at`` (default: the current step count)."""
-        pending, self._pending_flags = self._pending_flags, None
+        ctx = self.ctx
+        pending, self._pending = self._pending, None
         if pending is None:
             return
         if pending["event"] is not None:
@@ -114,44 +129,28 @@ class ShardedNonFiniteCheck:
         else:
             pending["work"].wait()
             flat = [int(x) for f in pending["everyone"] for x in f.tolist()]
-        rows = [flat[2 * r : 2 * r + 2] for r in range(self.world)]
+        rows = [flat[2 * r : 2 * r + 2] for r in range(ctx.world)]
         if not any(any(row) for row in rows):
-            self._nonfinite_outcome(pending["s"], rows, [])
+            self._outcome(pending["s"], rows, [])
             return
         flags = pending["bad"][:-1].tolist()
-        params = dict(self.params)
+        params = dict(ctx.params)
         bad = [[n, shard_offsets(params[n])] for (n, _), b in zip(pending["named"], flags) if b]
-        self._nonfinite_outcome(pending["s"], rows, bad, late=self.step if at is None else at)
+        self._outcome(pending["s"], rows, bad, late=ctx.state.step if at is None else at)
 
-    def _nonfinite_outcome(self, s: int, rows: list[list[int]], mine_bad: list, *, late: int | None = None) -> bool:
+    def _outcome(self, s: int, rows: list[list[int]], mine_bad: list[Any], *, late: int | None = None) -> bool:
         """Step s's exchanged flags (per rank: reduced shard non-finite, local gradient non-finite)
         and this rank's non-finite gradient regions: count a clean step, or detect (collective).
         ``late``: the step at which a deferred read found them (step s's update was applied)."""
+        ctx = self.ctx
         bad_ranks = [r for r, f in enumerate(rows) if f[0]]
         pre_ranks = [r for r, f in enumerate(rows) if f[1]]
         if not bad_ranks and not pre_ranks:
             self._checked += 1
             self._first_checked = s if self._first_checked is None else self._first_checked
             return True
-        # the failing step: which tensors, and which regions, on every rank
-        held = [[n, shard_offsets(p)] for n, p in self.params]
-        texts = all_gather_bytes(
-            json.dumps({"bad": mine_bad, "held": held}).encode(), group=self.group, wire_device=self.wire_device
-        )
-        reports = [json.loads(t) for t in texts]
-        holders: dict[str, list[int]] = {}
-        for r, rep in enumerate(reports):
-            for n, off in rep["held"]:
-                holders.setdefault(json.dumps([n, off]), []).append(r)
-        suspects, where = set(), {}
-        for r, rep in enumerate(reports):
-            for n, off in rep["bad"]:
-                where.setdefault(str(r), []).append(n if off is None else f"{n}@{','.join(map(str, off))}")
-                region = json.dumps([n, off])
-                flagged = [h for h in holders.get(region, [r]) if any(b == [n, off] for b in reports[h]["bad"])]
-                if len(flagged) < len(holders.get(region, [r])):
-                    suspects.add(r)  # its replicas of the same region hold finite values
-        self._drop_grads()  # this step's update is dropped: it never reaches the weights
+        suspects, where = self._where(mine_bad)
+        ctx.drop_grads()  # this step's update is dropped: it never reaches the weights
         if pre_ranks:
             # With the replay's reduce-scatter installed every rank knows whether its own local
             # gradient was finite before the reduction, as under DDP: those ranks produced the values.
@@ -161,7 +160,7 @@ class ShardedNonFiniteCheck:
             kind = "nonfinite-post"
             message = f"non-finite reduced gradients on rank(s) {bad_ranks} ({where})"
         extra = {"read": "deferred", "detected_at": late} if late is not None else {}
-        ev = self._event(
+        ev = ctx.report.event(
             kind,
             "fail",
             step=s,
@@ -171,26 +170,46 @@ class ShardedNonFiniteCheck:
             pre_ranks=pre_ranks,
             tensors=where,
             where="reduced gradient shards (after FSDP's reduce-scatter and the replicas' all-reduce)",
-            policy=self.on_nonfinite,
+            policy=ctx.on_nonfinite,
             **extra,
         )
         if late is not None:
             message += late_detection_note(s)
         else:
             message += "; the update was dropped"
-        self._fail(ev, message, policy="raise" if self.on_nonfinite == "raise" else "skip")
+        ctx.report.fail(ev, message, policy="raise" if ctx.on_nonfinite == "raise" else "skip")
         return False
 
-    def _drop_grads(self) -> None:
-        for _, p in self.params:
-            p.grad = None
+    def _where(self, mine_bad: list[Any]) -> tuple[set[int], dict[str, list[str]]]:
+        """A failing step: which tensors, and which regions, on every rank (collective); the ranks
+        whose replicas of a region hold finite values are the suspects."""
+        ctx = self.ctx
+        held = [[n, shard_offsets(p)] for n, p in ctx.params]
+        texts = all_gather_bytes(
+            json.dumps({"bad": mine_bad, "held": held}).encode(), group=ctx.group, wire_device=ctx.wire_device
+        )
+        reports = [json.loads(t) for t in texts]
+        holders: dict[str, list[int]] = {}
+        for r, rep in enumerate(reports):
+            for n, off in rep["held"]:
+                holders.setdefault(json.dumps([n, off]), []).append(r)
+        suspects: set[int] = set()
+        where: dict[str, list[str]] = {}
+        for r, rep in enumerate(reports):
+            for n, off in rep["bad"]:
+                where.setdefault(str(r), []).append(n if off is None else f"{n}@{','.join(map(str, off))}")
+                region = json.dumps([n, off])
+                flagged = [h for h in holders.get(region, [r]) if any(b == [n, off] for b in reports[h]["bad"])]
+                if len(flagged) < len(holders.get(region, [r])):
+                    suspects.add(r)  # its replicas of the same region hold finite values
+        return suspects, where
 
-    def _summarise_nonfinite(self, s: int) -> int:
+    def summarise(self, s: int) -> int:
         """Emit the per-step checks since the last summary, as the DDP auditor reports them at audit
         steps (here at checkpoints and at close: there are no audit steps without a replay); returns
         how many steps they were."""
         checked = self._checked
         if checked:
-            self._event("nonfinite", "pass", step=s, steps_checked=self._checked, first=self._first_checked)
+            self.ctx.report.event("nonfinite", "pass", step=s, steps_checked=self._checked, first=self._first_checked)
             self._checked, self._first_checked = 0, None
         return checked

@@ -87,7 +87,7 @@ class _SigningReduceScatter(_ReduceScatterBase):
     def __init__(self, layer: str, recorder: GradientRecorder, inner: Any):
         self.layer, self.recorder, self.inner = layer, recorder, inner
 
-    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         if self.inner is not None:
             return self.inner.allocate(size, dtype=dtype, device=device)
         return torch.empty(*size, dtype=dtype, device=device)
@@ -328,7 +328,8 @@ def recompute_update(cls: type, inputs: dict[str, Any], *, device: torch.device)
     """Run ``cls``'s step over plain copies of ``inputs`` (``update_inputs`` plus each item's ``g``)
     and return ``update_digests`` of the result: what the origin's own step must have produced."""
     groups, params, kwargs = [], [], {}
-    accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "params"}
+    # the optimizer class's own __init__ (mypy cannot vouch for __init__ read off a type object)
+    accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "params"}  # type: ignore[misc]
     for gi, g in enumerate(inputs["groups"]):
         hyper = dict(g["hyper"])
         if gi == 0:  # the constructor checks its own arguments (SGD: nesterov needs momentum)

@@ -49,6 +49,8 @@ def signature(grads: Sequence[torch.Tensor], *, mode: str, probes: Probes | None
     """
     if mode == "deterministic":
         return digests(grads)
+    if probes is None:
+        raise ValueError("signature(mode='tolerance') needs the parameters' probes")
     rows = []
     for g, idx, w in zip(grads, probes.index, probes.weight):
         flat = g.detach().reshape(-1).to(torch.float64)

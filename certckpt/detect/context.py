@@ -1,0 +1,215 @@
+"""What the checks of a DDP audit session share: one frozen context and one mutable state.
+
+``session.AuditSession`` builds a ``CheckContext`` once and hands it to each of its check objects
+(``SetupChecks``, ``NonFiniteCheck``, ``RingReplay``, ``WeightConsensus``). The context is fixed for
+the session's life: the model and its optimizer, the process group, the trained parameters and the
+buffers the consensus covers, the options as plain values, the communication hook's state, a drill's
+injector and ``EventLog`` (where events go and how a failure raises). What changes from step to step
+and is shared between the checks and the session lives in one place, ``SessionState``
+(``ctx.state``): the step counter, the outcome of the step under way, the lineage since the last
+checkpoint, the agreed fingerprints. A check keeps only its own state besides (the non-finite
+check's pending read, the consensus's buffer seal).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from certckpt.errors import FaultDetectedError
+from certckpt.trust.incident import incident_id_for
+
+from .events import AuditEvent, EventSink, emit_event
+from .evidence import StepOutcome
+from .hook import HookState
+from .inject import Injector
+from .signature import Probes
+
+__all__ = ["CheckContext", "EventLog", "SessionState", "MAX_LINEAGE"]
+
+
+MAX_LINEAGE = 100_000  # audit results kept for one checkpoint's lineage (a bound, not a design limit)
+
+
+@dataclass(kw_only=True, slots=True)
+class SessionState:
+    """The mutable state of a DDP audit session, shared by its checks (``ctx.state``)."""
+
+    step: int
+    """Optimizer steps attempted so far (``session.step``)."""
+    last: StepOutcome | None = None
+    """The outcome of the step under way or last run (``session.last``)."""
+    lineage: list[tuple[int, str, str]] = field(default_factory=list)
+    """``(step, kind, outcome)`` of every event since the last checkpoint (at most ``MAX_LINEAGE``)."""
+    last_clean_audit: int | None = None
+    """The last step whose full audit passed."""
+    last_checkpoint_step: int | None = None
+    """The step of the last checkpoint taken (its lineage ends there)."""
+    checked_since_audit: int = 0
+    """Steps whose non-finite checks passed since the last audit."""
+    overflows: int = 0
+    """A gradient scaler's overflow steps since the last audit."""
+    agreed: tuple[int, dict[str, str], str] | None = None
+    """The last fingerprint consensus that agreed: ``(step, {tensor: fp}, state fp)``."""
+    first_step: bool = True
+    """The first step's set-up checks are still due."""
+    path_check_pending: bool = False
+    """The replay-path check (a replay of the rank's own step) is still due."""
+    open: dict[str, Any] | None = None
+    """A step run by someone else's loop: its micro-batches and RNG states until ``before_update``."""
+    audit_seconds: float = 0.0
+    """The last replay audit's time (its log line)."""
+
+    def agreed_at(self, step: int) -> tuple[dict[str, str], str] | None:
+        """``({tensor: fp}, state fp)`` when the replicas agreed on their fingerprints at ``step``."""
+        if self.agreed is not None and self.agreed[0] == step:
+            return self.agreed[1], self.agreed[2]
+        return None
+
+
+class EventLog:
+    """The session's events: built alike on every rank, published by rank 0, kept in the lineage.
+
+    ``emit_event`` reads the identity from here (``run``, ``branch``, ``world``, ``inventory``,
+    ``rank``, ``sink``, ``ledger``). ``inventory`` is filled in once every rank's is gathered.
+    """
+
+    def __init__(
+        self,
+        *,
+        run: str,
+        branch: str,
+        rank: int,
+        world: int,
+        group: Any,
+        wire_device: torch.device,
+        sink: EventSink,
+        ledger: Any,
+        state: SessionState,
+    ) -> None:
+        self.run, self.branch, self.rank, self.world = run, branch, rank, world
+        self.group, self.wire_device = group, wire_device
+        self.sink, self.ledger, self.state = sink, ledger, state
+        self.inventory: dict[str, dict[str, Any]] = {}
+
+    def event(
+        self, kind: str, outcome: str, *, step: int, suspects: Any = (), contained: bool = False, **details: Any
+    ) -> AuditEvent:
+        """Emit one check's event; it joins the lineage and the step's outcome."""
+        ev = emit_event(self, kind, outcome, step=step, suspects=suspects, contained=contained, details=details)
+        if len(self.state.lineage) < MAX_LINEAGE:
+            self.state.lineage.append((ev.step, ev.kind, ev.outcome))
+        if self.state.last is not None:
+            self.state.last.events.append(ev)
+        return ev
+
+    def fail(self, ev: AuditEvent, message: str, *, policy: str) -> None:
+        """Raise ``FaultDetectedError`` on every rank together when ``policy`` is ``"raise"``."""
+        if policy == "raise":
+            incident = None if ev.contained else incident_id_for(ev.to_dict())
+            if self.world > 1:
+                # Every rank fails here together, and rank 0 has just written the event and the
+                # incident (``event``). No rank leaves before that is done: a launcher (torchrun,
+                # Lightning's) stops the other ranks as soon as one exits, and a rank 0 stopped in the
+                # middle of its write would leave a detection without its incident record.
+                done = torch.zeros(1, dtype=torch.int64, device=self.wire_device)
+                dist.all_reduce(done, group=self.group)
+            raise FaultDetectedError(f"step {ev.step}: {message}", ev, incident_id=incident)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CheckContext:
+    """What the checks of one DDP audit session share, fixed at construction (see the module docstring)."""
+
+    # --- the model and the process group
+    model: DistributedDataParallel
+    """The DDP model (``model.module``: the bare module replays run on)."""
+    optimizer: torch.optim.Optimizer
+    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor]
+    group: Any
+    rank: int
+    world: int
+    device: torch.device
+    """Where the parameters live."""
+    wire_device: torch.device
+    """Where the group's collectives take their tensors."""
+    # --- the options, as plain values (the enums' text)
+    mode: str
+    rtol: float
+    audit_every: int
+    consensus_every: int | None
+    on_nonfinite: str
+    on_fault: str
+    exchange_flags: str
+    nonfinite_read: str
+    clip_grad_norm: float | None
+    before_optimizer_step: Callable[[torch.nn.Module, torch.optim.Optimizer], Any] | None
+    grad_scaler: Any
+    """An enabled ``torch.amp.GradScaler``, or None."""
+    replay_micro_batches: int | None
+    check_determinism: bool
+    # --- what is trained and compared
+    param_names: list[str]
+    params: list[torch.Tensor]
+    """The trained parameters, in the order every signature and digest list follows."""
+    not_in_optimizer: list[torch.Tensor]
+    """Trained parameters the optimizer does not own (their gradients are dropped by hand)."""
+    buffer_names: list[str]
+    buffers: list[torch.Tensor]
+    """The floating-point buffers the consensus covers (``consensus.consensus_buffers``)."""
+    broadcast_buffers: bool
+    """DDP broadcasts rank 0's buffers at each synced forward."""
+    probes: Probes | None
+    """Tolerance mode's random projections."""
+    # --- the objects the checks act through
+    hook: HookState
+    injector: Injector | None
+    report: EventLog
+    state: SessionState
+
+    def drop_grads(self) -> None:
+        """Drop every trained parameter's gradient, the optimizer's and any it does not own.
+
+        A step's local gradients must be that step's alone: the replay recomputes one step's
+        gradient, so a parameter whose ``.grad`` accumulated across steps (trained by DDP but
+        outside this optimizer) would be a false alarm at every audit.
+        """
+        self.optimizer.zero_grad(set_to_none=True)
+        for p in self.not_in_optimizer:
+            p.grad = None
+
+    def scaled(self, loss: torch.Tensor, *, n: int = 1, micro: bool = False) -> torch.Tensor:
+        """The loss to back-propagate, so that the reduced gradients are DDP's averaged ones.
+
+        One batch: the loss divided by the world size, and the hook's all-reduce sums. Dividing
+        the scalar loss costs nothing, where dividing the gradients in the hook costs a pass over
+        them. Micro-batches: ``loss / n``, as plain DDP users accumulate, and the hook multiplies
+        the accumulated bucket by ``1 / world`` before the all-reduce, as DDP does: one pass per
+        optimizer step (amortised over n backward passes) buys weights bit-equal to plain DDP's.
+        Replays scale the same way, so that a replayed gradient is bit-for-bit the local one.
+        """
+        if micro:
+            out = loss / n if n > 1 else loss
+        else:
+            out = loss / self.world if self.world > 1 else loss
+        # As plain AMP code writes it: ``scaler.scale(loss / n).backward()``.
+        return self.grad_scaler.scale(out) if self.grad_scaler is not None else out
+
+    def rng_state(self) -> dict[str, torch.Tensor]:
+        """The RNG states a micro-batch starts with (``replay.restore_rng`` sets them back)."""
+        state = {"cpu": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            state["cuda"] = torch.cuda.get_rng_state(self.device)
+        return state
+
+    def gather_rows(self, mine: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``mine``, in rank order, on the CPU (one all-gather)."""
+        wire = mine.to(self.wire_device)
+        out = [torch.empty_like(wire) for _ in range(self.world)]
+        dist.all_gather(out, wire, group=self.group)
+        return [o.cpu() for o in out]
