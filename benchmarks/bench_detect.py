@@ -44,7 +44,7 @@ A last phase shows where the extra time goes. Single steps, each between two bar
 step by step: audit/10 (audit and non-audit steps), plain DDP, and a fifth DDP copy with torch's own
 Python ``allreduce_hook`` (the price of any Python comm hook). During these steps the auditor's
 parts are timed in place: its methods and the module functions it calls (``signature``,
-``RingShift``, ``nonfinite_flag``, ``_replay``, ``_replay_audit``, ``weight_consensus``) are
+``RingShift``, ``nonfinite_flag``, ``replay.recompute``, ``replay.audit``, ``consensus.check``) are
 wrapped with timers in the rank processes (no library file is changed). Then
 ``auditor.weight_consensus(step)``, ``signature()`` over all gradients and two flag sums are
 called alone between barriers, a few times each.
@@ -351,9 +351,14 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
     auditor_mod.nonfinite_flag = hook_mod.nonfinite_flag = replay_mod.nonfinite_flag = timed(
         "nonfinite_flags", auditor_mod.nonfinite_flag
     )
-    wrapped = [("_replay", "replay"), ("_replay_audit", "replay_audit"), ("weight_consensus", "consensus")]
-    for attr, key in wrapped:
-        setattr(aud, attr, timed(key, getattr(aud, attr), in_replay if attr == "_replay" else None))
+    # the checks are objects on the auditor: wrap their methods where every caller reaches them
+    wrapped = [
+        (aud.replay, "recompute", "replay"),
+        (aud.replay, "audit", "replay_audit"),
+        (aud.consensus, "check", "consensus"),
+    ]
+    for owner, attr, key in wrapped:
+        setattr(owner, attr, timed(key, getattr(owner, attr), in_replay if attr == "recompute" else None))
     parts: dict[str, list[dict[str, float]]] = {"audit": [], "nonaudit": []}
     plain_b, hooked_b = 10**6, 10**6  # their own batch streams for these steps
     while len(bd["audit_step"]) < reps:
@@ -407,7 +412,7 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
         "bookkeeping": {
             n: {
                 "since_audit": getattr(a, "_checked_since_audit", 0),
-                "events_since_checkpoint": len(a._events),
+                "events_since_checkpoint": len(a.state.lineage),
                 "sink_events": len(a.sink.events),
             }
             for n, a in auditors.items()

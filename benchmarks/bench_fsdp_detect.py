@@ -312,16 +312,17 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
 
     replay_mod.digest = digest_timed
     sharded_mod.RingShift = TimedRingShift
-    wrapped = [
-        ("_nonfinite_check", "nonfinite_check", None),
-        ("_replay_audit", "replay_audit", None),
-        ("_replay", "replay", in_replay),
-        ("weight_consensus", "consensus", None),
-        ("_update_audit", "update_audit", in_update),
-    ]
     for sess in (sessions["audit/10"], sessions["consensus/10"]):
-        for attr, key, flag in wrapped:
-            setattr(sess, attr, timed(key, getattr(sess, attr), flag))
+        # the checks are objects on the session: wrap their methods where every caller reaches them
+        wrapped = [
+            (sess.nonfinite, "check", "nonfinite_check", None),
+            (sess.replay, "audit", "replay_audit", None),
+            (sess.replay, "_replay", "replay", in_replay),
+            (sess, "weight_consensus", "consensus", None),
+            (sess.replay, "audit_update", "update_audit", in_update),
+        ]
+        for owner, attr, key, flag in wrapped:
+            setattr(owner, attr, timed(key, getattr(owner, attr), flag))
 
     bd: dict[str, list[float]] = {
         k: [] for k in ("plain", "consensus_other", "consensus_step", "nonaudit_step", "audit_step")
