@@ -550,3 +550,39 @@ def deferred_hook_points(args):
         "bit_equal": all(torch.equal(a, b) for a, b in zip(plain.parameters(), deferred.parameters())),
         "raised": raised,
     }
+
+
+def async_checkpoints(args):
+    """Auditor.async_save on every rank: a failed background write at step 5 is raised on every rank
+    at the next save (step 10); the saves at 15 and 20 are written while training goes on."""
+    from certckpt import CertckptError
+
+    m = _model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+    store = args["dir"]
+    aud = Auditor(DDP(m), opt, loss_fn=_loss, run="as", audit_every=5, ledger=store)
+    out: dict = {"raised": [], "locations": []}
+    pending = []
+
+    def state():
+        return {"model": m.state_dict(), "optim": opt.state_dict()}
+
+    for s in range(1, 21):
+        aud.train_step(_batch(s))
+        if s == 5:
+            aud.async_save(state(), os.path.join(store, "missing-dir", "x.safetensors"))
+        elif s == 10:
+            try:
+                aud.async_save(state(), os.path.join(store, "main@10.safetensors"))
+            except CertckptError as e:
+                out["raised"].append(f"{type(e).__name__}: {e}")
+        elif s in (15, 20):
+            pending.append(aud.async_save(state(), os.path.join(store, f"main@{s}.safetensors")))
+            out[f"consensus{s}"] = aud.consensus_fingerprints()
+            out[f"weights{s}"] = {k: v.clone() for k, v in m.state_dict().items()}
+    if dist.get_rank() == 0:
+        out["locations"] = [f.result().location for f in pending]
+    aud.close()
+    out["weights15"] = {k: v.tolist() for k, v in out["weights15"].items()}
+    out["weights20"] = {k: v.tolist() for k, v in out["weights20"].items()}
+    return out

@@ -341,3 +341,27 @@ def test_the_drill_matrix_on_cuda(tmp_path):
     for c in m["cases"]:  # the same designed outcomes as on the CPU, gradients computed on the GPU
         assert (c["caught_by"], c["detected_step"]) == (c["expected"]["caught_by"], c["expected"]["detected_step"]), c
         assert c["caught_by"] is None or c["suspect_ranks"] == [1], c
+
+
+def test_async_checkpoints_through_the_auditor_on_three_ranks(tmp_path):
+    import torch
+
+    out = ranks("async_checkpoints", 3, {"dir": str(tmp_path)})
+    # the background failure at step 5 is raised on every rank at the next save, together
+    assert (
+        out[0]["raised"] and out[0]["raised"][0].startswith("AsyncSaveError: ") and "missing-dir" in out[0]["raised"][0]
+    )
+    assert all(o["raised"] and "rank 0 could not write" in o["raised"][0] for o in out[1:])
+    assert out[0]["locations"] == [str(tmp_path / "main@15.safetensors"), str(tmp_path / "main@20.safetensors")]
+    assert out[1]["locations"] == []  # rank 0 writes
+    for s in (15, 20):
+        path = tmp_path / f"main@{s}.safetensors"
+        assert certckpt.verify(path, deep=True).ok
+        rec = certckpt.inspect(path).record
+        assert (rec.run, rec.step, rec.branch) == ("as", s, "main")
+        mapping = rec.lineage["consensus"]["tensors"]  # the consensus fingerprints, reused by the writer
+        assert {p: rec.tensors[t]["fp"] for p, t in mapping.items()} == out[0][f"consensus{s}"]
+        loaded = certckpt.load(path)["model"]  # the weights of that step, not of a later one
+        assert all(torch.equal(loaded[k], torch.tensor(v)) for k, v in out[0][f"weights{s}"].items())
+    _, latest = certckpt.find_latest_good(str(tmp_path), write_certificates=False)
+    assert latest == "main@20"

@@ -42,6 +42,8 @@ from certckpt.errors import (
     CheckpointExistsError,
     ConfigurationError,
 )
+from certckpt.format.asyncsave import AsyncSaver, SaveFuture
+from certckpt.format.backends import storage_of
 from certckpt.format.signing import signing_key_for
 from certckpt.format.writer import SaveResult, save_certified
 from certckpt.trust.commit import name_taken
@@ -208,6 +210,7 @@ class AuditSession:
         self.world = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
         self.signing_key = signing_key_for(signing_key)  # a bad key file is refused before any step
+        self._saver: AsyncSaver | None = None  # rank 0's background writer, made at the first async_save
         if isinstance(ledger, str):
             ledger = Ledger(ledger, signing_key=self.signing_key)
         self.ledger, self.parent = ledger, parent
@@ -579,8 +582,39 @@ class AuditSession:
                 result = self._write(obj, f, s, evidence, kwargs)
             except Exception as e:
                 error = e
-        # Every rank learns whether rank 0's write succeeded, so all raise (or go on) together
-        # instead of the others hanging in the next collective.
+        self._agree_on_write(error, f, s)
+        self._end_lineage(s)
+        return result
+
+    def async_save(self, obj: Any, f: Any, **kwargs: Any) -> SaveFuture | None:
+        """``save`` that returns once rank 0 has snapshotted ``obj`` (collective; rank 0 writes).
+
+        The consensus, the evidence and the lineage are as ``save``'s, at this step; rank 0 then
+        copies every tensor into staging memory it keeps between saves (``certckpt.AsyncSaver``,
+        one save in flight: the next one first waits for this one) and a background thread writes,
+        publishes and commits the file. A background failure is raised by the future's
+        ``result()``, or on every rank by the next ``async_save``/``save``, or by ``close()`` on
+        rank 0.
+
+        Returns:
+            A ``SaveFuture`` on rank 0 (``result()`` gives the ``SaveResult`` once the file is
+            durable and committed), None elsewhere.
+        """
+        s = self._fingerprint_consensus()
+        evidence = self._evidence(s)
+        future, error = None, None
+        if self.rank == 0:
+            try:
+                future = self._write_async(obj, f, s, evidence, kwargs)
+            except Exception as e:
+                error = e
+        self._agree_on_write(error, f, s)
+        self._end_lineage(s)
+        return future
+
+    def _agree_on_write(self, error: Exception | None, f: Any, s: int) -> None:
+        """Every rank learns whether rank 0's write succeeded, so all raise (or go on) together
+        instead of the others hanging in the next collective."""
         status = torch.tensor([0 if error is None else 1], dtype=torch.int64, device=self.wire_device)
         dist.broadcast(status, dist.get_global_rank(self.group, 0), group=self.group)
         if error is not None:
@@ -589,8 +623,44 @@ class AuditSession:
             raise CertckptError(
                 f"rank {self.rank}: rank 0 could not write checkpoint {f!s} at step {s}; see rank 0's error"
             )
-        self._end_lineage(s)
-        return result
+
+    def _write_async(
+        self, obj: Any, f: Any, s: int, evidence: CheckpointEvidence, kwargs: dict[str, Any]
+    ) -> SaveFuture:
+        """Rank 0's part of ``async_save``: the events flushed now, the file and its commit record
+        in the background (the record only once the file is published)."""
+        if self._saver is None:
+            self._saver = AsyncSaver()
+        self._saver.wait()  # a failure of the previous save is raised here, on every rank (above)
+        self.sink.flush()  # the events up to this checkpoint reach the ledger before its commit record
+        if self.ledger is not None:
+            storage, name = storage_of(str(f))
+            if storage.exists(name):
+                raise name_taken(str(f), self.ledger.store)
+        fields = evidence.save_kwargs()
+        known = fields.pop("known_fingerprints")
+        step, run = fields.pop("step"), fields.pop("run")
+        ledger = self.ledger
+
+        def commit(result: SaveResult) -> None:
+            if ledger is not None:
+                ledger.commit_checkpoint(
+                    branch=self.branch,
+                    step=s,
+                    location=str(f),
+                    run=self.run,
+                    parent=self.parent,
+                    consensus_fp=evidence.consensus_fp,
+                    state_fp=result.state_fp,
+                    header_digest=result.header_digest,
+                    step_range=evidence.step_range,
+                    nbytes=result.nbytes,
+                )
+
+        options = {"signing_key": self.signing_key, "overwrite": False, **kwargs}
+        return self._saver.save(
+            obj, f, step=step, run=run, record_fields=fields, known_fingerprints=known, then=commit, **options
+        )
 
     def _write(self, obj: Any, f: Any, s: int, evidence: CheckpointEvidence, kwargs: dict[str, Any]) -> SaveResult:
         """Rank 0's part of ``save``: the file, the events before it, its commit record."""
@@ -621,9 +691,15 @@ class AuditSession:
         the events flushed. Not a collective and never raises for a check: it also runs in exception
         handlers (Lightning's ``on_exception``, ``stop_on_fault``), where another rank may never
         join one. A deferred read still pending is left unread: no checkpoint covers that step
-        (``save`` and ``checkpoint_evidence`` read it first)."""
+        (``save`` and ``checkpoint_evidence`` read it first).
+
+        On rank 0 it waits for an ``async_save`` still being written and frees its staging memory;
+        a background failure nobody looked at is raised then (``AsyncSaveError``), after the rest."""
         self.nonfinite.discard_pending()
         self._hook.kept = []
         if self.injector is not None:
             self.injector.remove()
         self.sink.flush()
+        if self._saver is not None:
+            saver, self._saver = self._saver, None
+            saver.close()

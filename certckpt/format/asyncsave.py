@@ -37,7 +37,7 @@ from certckpt.errors import AsyncSaveError, ConfigurationError
 from .fingerprinting import fingerprint_many
 from .skeleton import StoredTensor
 from .storage import Target
-from .writer import SaveJob, SaveResult, prepare, publish
+from .writer import SaveJob, SaveResult, TensorIdentity, prepare, publish
 
 __all__ = ["AsyncSaver", "SaveFuture", "StagingArea", "async_save", "default_saver"]
 
@@ -163,6 +163,7 @@ class AsyncSaver:
         overwrite: bool = True,
         signing_key: Any = None,
         record_fields: dict[str, Any] | None = None,
+        known_fingerprints: dict[TensorIdentity, tuple[str, str]] | None = None,
         then: Callable[[SaveResult], None] | None = None,
     ) -> SaveFuture:
         """Snapshot ``obj`` and save it in the background (arguments as ``certckpt.save``).
@@ -170,6 +171,8 @@ class AsyncSaver:
         Args:
             record_fields: the audit fields ``save_certified`` takes (branch, step_range, parent,
                 lineage, consensus_fp).
+            known_fingerprints: fingerprints the caller computed at this step (the auditor's
+                consensus), as ``save_certified`` takes them: not computed again.
             then: called in the background with the ``SaveResult`` once the file is published (the
                 ledger commit); the future resolves after it, and fails if it raises.
 
@@ -188,6 +191,7 @@ class AsyncSaver:
                 metadata=metadata,
                 overwrite=overwrite,
                 record_fields=record_fields or {},
+                known_fingerprints=known_fingerprints,
                 signing_key=signing_key,
             )
             _fingerprint_on_device(job)
