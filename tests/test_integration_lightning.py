@@ -189,6 +189,25 @@ def test_last_ckpt_rotation_and_resaved_names_keep_a_coherent_ledger(tmp_path):
     assert cli.returncode == 0 and cli.stdout.strip().endswith("rolling.ckpt"), cli.stderr
 
 
+def test_under_lightnings_async_checkpoint_io_rotation_and_commits_match_the_synchronous_run(tmp_path):
+    """Lightning's AsyncCheckpointIO saves on its own thread and rotates on the training thread,
+    before the file it lets go (or the newer one) is even written: those removals wait for a later
+    commit, so the store ends as a synchronous run leaves it."""
+    from pytorch_lightning.plugins.io import AsyncCheckpointIO
+
+    d = tmp_path / "rotating"
+    callbacks = [ModelCheckpoint(dirpath=d, every_n_train_steps=5, save_top_k=1, save_last=True)]
+    model = _model()
+    _trainer(max_steps=20, callbacks=callbacks, plugins=[AsyncCheckpointIO(CertifiedCheckpointIO())]).fit(
+        model, _data()
+    )
+    assert sorted(os.listdir(d)) == ["_ledger", "epoch=1-step=20.ckpt", "last.ckpt"]
+    status, latest = find_latest_good(str(d), accept="verified", write_certificates=False)
+    assert sorted(status.snapshot.retired) == ["main@10", "main@15", "main@5"] and latest == "main@20"
+    assert not status.problems and status.uncommitted == []
+    _same(certckpt.load(str(d / "epoch=1-step=20.ckpt"))["state_dict"], model.saved[20]["state_dict"], "step 20")
+
+
 def test_resume_through_the_plugin_trains_like_an_uninterrupted_run(tmp_path):
     whole = _model()
     _trainer(max_epochs=2).fit(whole, _data())

@@ -26,6 +26,7 @@ import dataclasses
 import errno
 import os
 import shutil
+import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -96,6 +97,7 @@ class _Store:
     named: dict[str, str] = field(default_factory=dict)  # file -> id of the unretired commit naming it
     branches: set[str] = field(default_factory=set)  # branch records written by this process
     kept: dict[str, str] = field(default_factory=dict)  # id -> file a rotation moved aside (unretired)
+    deferred: list[str] = field(default_factory=list)  # files save_top_k let go that were latest-good then
 
     @classmethod
     def read(cls, ledger: Ledger) -> _Store:
@@ -150,6 +152,9 @@ class CertifiedCheckpointIO(*CHECKPOINT_IO_BASES):  # type: ignore[misc]
         self._run = run
         self._branch = branch
         self.keep_latest_good = keep_latest_good
+        # Under Lightning's AsyncCheckpointIO, saves run on its thread while rotations run on the
+        # training thread: the bookkeeping of both is done under this lock (the writes are not).
+        self._lock = threading.RLock()
         self.resume_point: ResumePoint | None = None  # set when a checkpoint is loaded
         self._resumed_run: str | None = None
         self._audit_store: str | None = None
@@ -243,6 +248,22 @@ class CertifiedCheckpointIO(*CHECKPOINT_IO_BASES):  # type: ignore[misc]
             "framework": version_text(),
         }
         result = self._write(checkpoint, url, fields, metadata, store=store, replaces=holder, step=step)
+        with self._lock:
+            self._commit(store, result, url=url, step=step, evidence=evidence, run=run, key=key)
+
+    def _commit(
+        self,
+        store: _Store,
+        result: SaveResult,
+        *,
+        url: str,
+        step: int,
+        evidence: CheckpointEvidence | None,
+        run: str | None,
+        key: str,
+    ) -> None:
+        """The commit record of a file just written, then what rotations left for later."""
+        branch, parent, cid = self.branch, self.parent, ckpt_id_for(self.branch, step)
         if cid in store.committed:
             return  # a second file at a committed step (last.ckpt after the ModelCheckpoint file): not committed
         if evidence is not None and self._flush is not None:
@@ -265,6 +286,19 @@ class CertifiedCheckpointIO(*CHECKPOINT_IO_BASES):  # type: ignore[misc]
         store.committed.add(cid)
         store.named[key] = cid
         self._release_kept(store)
+        self._retry_deferred(store, just=cid)
+
+    def _retry_deferred(self, store: _Store, *, just: str) -> None:
+        """Delete the files ``save_top_k`` let go before they could be: not written yet, or the
+        run's latest-good then. Under Lightning's ``AsyncCheckpointIO`` both happen at every
+        rotation: Lightning lets the previous file go before its own save (or the newer one) has run.
+        Never the file of the checkpoint ``just`` committed."""
+        pending, store.deferred = store.deferred, []
+        for url in pending:
+            if store.named.get(_key(url)) == just:
+                store.deferred.append(url)
+            else:
+                self._remove(url, warn=False)
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: Any = None) -> dict[str, Any]:
         """Read a certified checkpoint (digests checked; nothing unpickled) and plan where training
@@ -338,19 +372,28 @@ class CertifiedCheckpointIO(*CHECKPOINT_IO_BASES):  # type: ignore[misc]
         """Delete a checkpoint Lightning no longer keeps, and retire its commit; the run's
         latest-good is kept (with a warning) unless ``keep_latest_good=False``."""
         url = _location(path)
-        if not _exists(url):
-            return
+        with self._lock:
+            self._remove(url)
+
+    def _remove(self, url: str, *, warn: bool = True) -> None:
         store = self._store(self.store_for(url))
+        if not _exists(url):
+            if url not in store.deferred:
+                store.deferred.append(url)  # a save queued by AsyncCheckpointIO may write it yet
+            return
         cid = store.named.get(_key(url))
         if cid is not None and self.keep_latest_good:
             status = certify_store(store.ledger.store, write_certificates=False)
             if status.latest_good == cid:
-                warnings.warn(
-                    f"certckpt: kept {url} ({cid}): it is the run's latest-good; Lightning's save_top_k no longer"
-                    " tracks it, delete it yourself once a newer checkpoint is trusted",
-                    UserWarning,
-                    stacklevel=2,
-                )
+                if url not in store.deferred:
+                    store.deferred.append(url)
+                if warn:
+                    warnings.warn(
+                        f"certckpt: kept {url} ({cid}): it is the run's latest-good; it is deleted after a later"
+                        " save of this run, once a newer checkpoint is latest-good",
+                        UserWarning,
+                        stacklevel=3,
+                    )
                 return
         target = resolve(url)
         if target.local is not None:
