@@ -35,7 +35,8 @@ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,clo
 # the tests that only run with CUDA (they skip without), with the CPU tests of the same files around them
 timeout 150 "$PY" -m pytest -q -p no:cacheprovider -m "not slow" -o addopts="" \
     tests/test_fused.py tests/test_staging.py tests/test_digest.py tests/test_fingerprint.py \
-    tests/test_detect_unit.py tests/test_roundtrip.py tests/test_torch_compat.py -k "cuda or gpu or fused or staging" \
+    tests/test_detect_unit.py tests/test_roundtrip.py tests/test_torch_compat.py tests/test_async_save.py \
+    -k "cuda or gpu or fused or staging or device_tensors" \
     2>&1 | tee "$OUT/pytest-cuda.txt" | tail -15
 device="${GPU_SESSION_DEVICE:-cuda}"
 only=()
@@ -46,3 +47,5 @@ else
     timeout 400 "$PY" benchmarks/bench_gpu.py --state-gib 2 --fp-gib 4 --trials 4 --device "$device" --out "$OUT" \
         --envelope-seconds "${GPU_SESSION_ENVELOPE_SECONDS:-8}" "${only[@]}" 2>&1 | tail -80
 fi
+# issue 30: the asynchronous save's blocking time on a 4 GiB CUDA state, against a pinned copy and dcp.async_save
+[ "$device" = cuda ] && timeout 120 "$PY" benchmarks/bench_async.py --device cuda --trials 3 2>&1 | tee "$OUT/bench-async-cuda.txt" | tail -5
