@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar, cast, overload
 
 import torch
 import torch.distributed as dist
@@ -30,7 +30,30 @@ from .hook import HookState
 from .inject import Injector
 from .signature import Probes
 
-__all__ = ["CheckContext", "EventLog", "SessionState", "MAX_LINEAGE"]
+__all__ = ["CheckContext", "EventLog", "SessionState", "StateField", "MAX_LINEAGE"]
+
+T = TypeVar("T")
+
+
+class StateField(Generic[T]):
+    """A session attribute that lives in its ``state`` (the one place for mutable state), read and
+    written through under its old name: ``step = StateField[int]()`` makes ``session.step`` be
+    ``session.state.step``."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, obj: None, objtype: type | None = None) -> StateField[T]: ...
+    @overload
+    def __get__(self, obj: object, objtype: type | None = None) -> T: ...
+    def __get__(self, obj: object | None, objtype: type | None = None) -> T | StateField[T]:
+        if obj is None:
+            return self
+        return cast(T, getattr(obj.state, self.name))  # type: ignore[attr-defined]  # a session has .state
+
+    def __set__(self, obj: object, value: T) -> None:
+        setattr(obj.state, self.name, value)  # type: ignore[attr-defined]  # a session has .state
 
 
 MAX_LINEAGE = 100_000  # audit results kept for one checkpoint's lineage (a bound, not a design limit)

@@ -51,7 +51,7 @@ from certckpt.trust.ledger import Ledger, LedgerSink
 
 from .agreement import all_gather_bytes, refuse_together, wire_device_for
 from .consensus import WeightConsensus, consensus_buffers
-from .context import CheckContext, EventLog, SessionState
+from .context import CheckContext, EventLog, SessionState, StateField
 from .events import EventSink, MemorySink, log_audit_pass, rank_inventory
 from .evidence import CheckpointEvidence, StepOutcome
 from .exchange import RingShift
@@ -316,43 +316,16 @@ class AuditSession:
         if ledger is not None and parent is not None and self.rank == 0:
             ledger.start_branch(branch, parent=parent)
 
-    # --- the mutable state, kept in ``self.state`` --------------------------------------------
+    # --- the mutable state, kept in ``self.state`` ------------------------------------------
 
-    @property
-    def step(self) -> int:
-        """Optimizer steps attempted so far (applied or not)."""
-        return self.state.step
-
-    @step.setter
-    def step(self, value: int) -> None:
-        self.state.step = value
-
-    @property
-    def last(self) -> StepOutcome | None:
-        """What happened at the step under way or the last one (None before the first)."""
-        return self.state.last
-
-    @last.setter
-    def last(self, value: StepOutcome | None) -> None:
-        self.state.last = value
-
-    @property
-    def last_clean_audit(self) -> int | None:
-        """The last step whose full audit passed (a clean audit point)."""
-        return self.state.last_clean_audit
-
-    @last_clean_audit.setter
-    def last_clean_audit(self, value: int | None) -> None:
-        self.state.last_clean_audit = value
-
-    @property
-    def last_checkpoint_step(self) -> int | None:
-        """The step of the last checkpoint taken through the session."""
-        return self.state.last_checkpoint_step
-
-    @last_checkpoint_step.setter
-    def last_checkpoint_step(self, value: int | None) -> None:
-        self.state.last_checkpoint_step = value
+    # optimizer steps done so far (applied or not)
+    step = StateField[int]()
+    # what happened at the step under way or the last one (None before the first)
+    last = StateField[StepOutcome | None]()
+    # the last step whose full audit passed (a clean audit point)
+    last_clean_audit = StateField[int | None]()
+    # the step of the last checkpoint taken through the session
+    last_checkpoint_step = StateField[int | None]()
 
     # --- the step ---------------------------------------------------------------------------
 

@@ -51,6 +51,7 @@ from certckpt.format.sharded.regions import local_regions
 from certckpt.trust.ledger import Ledger, LedgerSink
 
 from .agreement import all_gather_bytes, refuse_together, wire_device_for
+from .context import StateField
 from .events import EventSink, MemorySink, log_audit_pass, rank_inventory
 from .exchange import refuse_unshippable
 from .options import DDP_ONLY, AuditOptions, session_options
@@ -272,34 +273,14 @@ class ShardedAuditSession:
         if expect_consensus_fp is not None:
             self._check_resumed_state(resume_state, expect_consensus_fp)
 
-    # --- the mutable state, kept in ``self.state`` ------------------------------------------------
+    # --- the mutable state, kept in ``self.state`` ------------------------------------------
 
-    @property
-    def step(self) -> int:
-        """Optimizer steps done so far."""
-        return self.state.step
-
-    @step.setter
-    def step(self, value: int) -> None:
-        self.state.step = value
-
-    @property
-    def last_clean_audit(self) -> int | None:
-        """The last step whose full audit passed (a clean audit point)."""
-        return self.state.last_clean_audit
-
-    @last_clean_audit.setter
-    def last_clean_audit(self, value: int | None) -> None:
-        self.state.last_clean_audit = value
-
-    @property
-    def last_checkpoint_step(self) -> int | None:
-        """The step of the last checkpoint's evidence."""
-        return self.state.last_checkpoint_step
-
-    @last_checkpoint_step.setter
-    def last_checkpoint_step(self, value: int | None) -> None:
-        self.state.last_checkpoint_step = value
+    # optimizer steps done so far (applied or not)
+    step = StateField[int]()
+    # the last step whose full audit passed (a clean audit point)
+    last_clean_audit = StateField[int | None]()
+    # the step of the last checkpoint taken through the session
+    last_checkpoint_step = StateField[int | None]()
 
     def _check_resumed_state(self, state: dict[str, Any] | None, expected: str) -> None:
         """The replicas must agree on the resumed state and it must be the parent checkpoint's (the
