@@ -85,6 +85,35 @@ def unwrap_compiled(model: Any) -> tuple[bool, Any]:
     return False, model
 
 
+def _agreed_options(
+    ddp: Any, options: AuditOptions | None, shorthand: dict[str, Any], *, group: Any, wire_device: torch.device
+) -> AuditOptions:
+    """The session's options, validated on every rank, then decided together: a refusal on some
+    ranks only would leave the others waiting in the next collective."""
+    opts, bad = session_options(options, shorthand, unused=SHARDED_ONLY, where="the DDP auditor")
+    refuse_together(
+        bad
+        or option_problem(
+            ddp,
+            mode=opts.mode.value,
+            on_nonfinite=opts.on_nonfinite.value,
+            on_fault=opts.on_fault.value,
+            exchange_flags=opts.exchange_flags.value,
+            nonfinite_read=opts.nonfinite_read.value,
+            audit_every=opts.audit_every,
+            consensus_every=opts.consensus_every,
+            clip_grad_norm=opts.clip_grad_norm,
+            before_optimizer_step=opts.before_optimizer_step,
+            grad_scaler=opts.grad_scaler,
+            replay_micro_batches=opts.replay_micro_batches,
+        ),
+        group=group,
+        wire_device=wire_device,
+        what="Auditor set-up",
+    )
+    return opts
+
+
 class AuditSession:
     """The checks of one DDP run, called at the hook points of a loop (see the module docstring).
 
@@ -162,8 +191,7 @@ class AuditSession:
         group: Any = ddp.process_group if isinstance(ddp, DistributedDataParallel) else dist.group.WORLD
         first = next((p for p in ddp.parameters()), None) if isinstance(ddp, torch.nn.Module) else None
         wire = wire_device_for(group, first.device if first is not None else torch.device("cpu"))
-        opts, bad = session_options(options, shorthand, unused=SHARDED_ONLY, where="the DDP auditor")
-        self.options = opts
+        opts = self.options = _agreed_options(ddp, options, shorthand, group=group, wire_device=wire)
         # plain values below (the enums are str: events and records hold the same text)
         audit_every, consensus_every, rtol = opts.audit_every, opts.consensus_every, opts.rtol
         mode, on_nonfinite, on_fault = opts.mode.value, opts.on_nonfinite.value, opts.on_fault.value
@@ -171,28 +199,6 @@ class AuditSession:
         hand_over_grads, clip_grad_norm = opts.hand_over_grads, opts.clip_grad_norm
         before_optimizer_step, grad_scaler = opts.before_optimizer_step, opts.grad_scaler
         replay_micro_batches, check_determinism = opts.replay_micro_batches, opts.check_determinism
-        # Every rank validates, then all decide together: a refusal on some ranks only would leave
-        # the others waiting in the next collective.
-        refuse_together(
-            bad
-            or option_problem(
-                ddp,
-                mode=mode,
-                on_nonfinite=on_nonfinite,
-                on_fault=on_fault,
-                exchange_flags=exchange_flags,
-                nonfinite_read=nonfinite_read,
-                audit_every=audit_every,
-                consensus_every=consensus_every,
-                clip_grad_norm=clip_grad_norm,
-                before_optimizer_step=before_optimizer_step,
-                grad_scaler=grad_scaler,
-                replay_micro_batches=replay_micro_batches,
-            ),
-            group=group,
-            wire_device=wire,
-            what="Auditor set-up",
-        )
         self.model, self.optimizer, self.loss_fn = ddp, optimizer, loss_fn
         # The object the user passed: ``torch.compile(DDP(m))`` trains through the compiled wrapper.
         self.train_model = model if compiled else ddp
@@ -303,18 +309,23 @@ class AuditSession:
         self.replay = RingReplay(self.ctx, consensus=self.consensus)
         self.nonfinite = NonFiniteCheck(self.ctx, replay=self.replay)
         self.setup = SetupChecks(self.ctx, consensus=self.consensus, replay=self.replay)
+        self._join(ddp, report, hand_over=hand_over, expect_consensus_fp=expect_consensus_fp)
+
+    def _join(self, ddp: Any, report: EventLog, *, hand_over: bool, expect_consensus_fp: str | None) -> None:
+        """The collective part of starting (the same calls, in the same order, on every rank): the
+        world agrees, the hook goes in, the inventories are exchanged, a resumed state is proven."""
         self.setup.check_world_agrees()
         ddp.register_comm_hook(self._hook, comm_hook)
         if hand_over:
             ddp.reducer._set_optimizer_in_backward()
         mine = json.dumps(rank_inventory(self.device)).encode()
-        payloads = all_gather_bytes(mine, group=self.group, wire_device=wire)
+        payloads = all_gather_bytes(mine, group=self.group, wire_device=self.wire_device)
         self.inventory = report.inventory = {str(r): json.loads(b) for r, b in enumerate(payloads)}
         if expect_consensus_fp is not None:
-            self.setup.check_resumed_weights(expect_consensus_fp, parent=parent)
+            self.setup.check_resumed_weights(expect_consensus_fp, parent=self.parent)
         # recorded only once the resumed weights are known to be the parent's
-        if ledger is not None and parent is not None and self.rank == 0:
-            ledger.start_branch(branch, parent=parent)
+        if self.ledger is not None and self.parent is not None and self.rank == 0:
+            self.ledger.start_branch(self.branch, parent=self.parent)
 
     # --- the mutable state, kept in ``self.state`` ------------------------------------------
 
