@@ -129,6 +129,23 @@ def test_suspect_fork_point_taints_the_branch_but_later_corruption_does_not():
     assert cert2.verdicts["main@10"].reasons == ("corrupt",) and cert2.verdicts["b2@20"].trusted
 
 
+def test_a_fork_chain_deeper_than_the_recursion_limit_is_certified_not_crashed():
+    """A hostile store can record thousands of branches, each forked from the last: the lineage walk
+    is iterative, and a revoked root still taints every descendant."""
+    import sys
+
+    depth = sys.getrecursionlimit() + 500
+    cks = [ckpt(10)] + [
+        ckpt(10 + i, f"b{i}", parent="main@10" if i == 1 else f"b{i - 1}@{9 + i}") for i in range(1, depth)
+    ]
+    events = full_audit(10) + [e for i in range(1, depth) for e in full_audit(10 + i, f"b{i}")]
+    cert = certify(cks, events)
+    deepest = f"b{depth - 1}@{9 + depth}"
+    assert cert.verdicts[deepest].trusted and cert.latest_good == deepest
+    revoked = certify(cks, events, revocations=[Revocation(ckpt_id="main@10", reason="bad node")])
+    assert revoked.verdicts[deepest].reasons == ("tainted-parent",) and revoked.latest_good is None
+
+
 def test_newest_commit_wins_ties():
     events = full_audit(10) + full_audit(10, "b2")
     a = CheckpointEntry(ckpt_id="main@10", branch="main", step=10, consensus_fp="main10", committed_at=1.0)

@@ -408,24 +408,44 @@ def _lineage(
     reasons but ``corrupt``: damage after the fork did not feed the new branch)."""
     memo: dict[str, bool] = {}
 
-    def tainted(cid: str, seen: frozenset[str] = frozenset()) -> bool:
-        if cid in memo:
-            return memo[cid]
-        if cid in seen:
-            return True  # a cycle in bad data counts as tainted
+    def decided(cid: str) -> bool | None:
+        """The answer from the checkpoint itself and its fork point, or None: its parent's."""
         c = by_id[cid]
         fr = first_revoked[c.branch]
-        result = cid in revoked or (fr is not None and fr < (c.step, c.committed_at))
-        if not result and c.parent:
-            p = by_id.get(c.parent)
-            if p is None:
-                result = True  # descends from a checkpoint the store does not know
-            else:
-                result = not parent_ok([r for r in own[p.ckpt_id] if r != Reason.CORRUPT]) or tainted(
-                    p.ckpt_id, seen | {cid}
-                )
-        memo[cid] = result
-        return result
+        if cid in revoked or (fr is not None and fr < (c.step, c.committed_at)):
+            return True
+        if not c.parent:
+            return False
+        p = by_id.get(c.parent)
+        if p is None:
+            return True  # descends from a checkpoint the store does not know
+        return True if not parent_ok([r for r in own[p.ckpt_id] if r != Reason.CORRUPT]) else None
+
+    def tainted(cid: str) -> bool:
+        # Up the parents iteratively: a store may hold a fork chain of any depth (a recursion would
+        # let a hostile one end the certifier with RecursionError).
+        path: list[str] = []
+        seen: set[str] = set()
+        cur = cid
+        while True:
+            if cur in memo:
+                answer = memo[cur]
+                break
+            if cur in seen:
+                answer = True  # a cycle in bad data counts as tainted
+                break
+            seen.add(cur)
+            here = decided(cur)
+            if here is not None:
+                memo[cur] = answer = here
+                break
+            path.append(cur)
+            parent = by_id[cur].parent
+            assert parent is not None  # decided() answers for a checkpoint without one
+            cur = parent
+        for node in path:
+            memo[node] = answer
+        return memo.get(cid, answer)
 
     return tainted
 
