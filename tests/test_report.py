@@ -163,6 +163,24 @@ def test_timeline_pruned_revoked_and_drills(store):
     assert [(d.ckpt_id, d.step, d.outcome) for d in tl.lane("b2").drills] == [("b2@25", 25, "pass")]
 
 
+def test_hostile_drill_records_are_reported_invalid_and_the_report_still_renders(store, tmp_path):
+    """A writer without a key records drills whose fields are not what a drill holds: each is listed
+    as invalid, left out of the timeline, and the picture is drawn (they used to raise TypeError)."""
+    ledger = Ledger(str(store))
+    for doc in (
+        {"ckpt_id": ["b2@25"], "step": 25, "outcome": "pass"},
+        {"ckpt_id": 25, "outcome": "pass"},
+        {"ckpt_id": "b2@25", "step": "25", "outcome": "pass"},
+        {"ckpt_id": "b2@25", "step": 25, "outcome": {"x": 1}},
+    ):
+        ledger.record_drill(doc)
+    status = certify_store(str(store), write_certificates=False)
+    assert len([f for f, _ in status.snapshot.invalid if f.startswith("drills/")]) == 4
+    tl = timeline(status)
+    assert all(not lane.drills for lane in tl.lanes)
+    assert render(tl, tmp_path / "t.svg") == ".svg"
+
+
 def test_png_is_written_and_plausible(store, tmp_path):
     out = tmp_path / "timeline.png"
     assert render(timeline(certify_store(str(store), write_certificates=False)), out) == ".png"

@@ -184,6 +184,18 @@ def _certificate_problem(r: dict[str, Any]) -> str | None:
     return None
 
 
+def _drill_problem(r: dict[str, Any]) -> str | None:
+    # the timeline and the report place a drill by these: a hostile value must not reach them
+    if not is_ckpt_id(r.get("ckpt_id")):
+        return f"checkpoint id {str(r.get('ckpt_id'))[:80]!r} is not branch@step"
+    step = r.get("step")
+    if step is not None and (type(step) is not int or step < 0):
+        return "step is not a non-negative int"
+    if not isinstance(r.get("outcome", ""), str):
+        return "outcome is not text"
+    return None
+
+
 # What each kind must hold beyond its id (kinds not listed here are checked for their id only, or not at all).
 _KIND_CHECKS: dict[str, Callable[[dict[str, Any]], str | None]] = {
     "kept": _kept_problem,
@@ -193,6 +205,7 @@ _KIND_CHECKS: dict[str, Callable[[dict[str, Any]], str | None]] = {
     "incidents": _incident_problem,
     "revocations": _revocation_problem,
     "certificates": _certificate_problem,
+    "drills": _drill_problem,
 }
 
 
