@@ -178,7 +178,9 @@ class SaveJob:
                 self.known[i] = hit[1]
                 mapping[hit[0]] = s.name
         if mapping and isinstance(self.record.lineage, dict) and isinstance(self.record.lineage.get("consensus"), dict):
-            self.record.lineage["consensus"]["tensors"] = mapping
+            # a new dict: the caller's lineage (which it may reuse for its next file) stays as it was
+            lineage = self.record.lineage
+            self.record.lineage = {**lineage, "consensus": {**lineage["consensus"], "tensors": mapping}}
         # Header length is value-independent; build once with placeholders to learn it.
         self.record.tensors = {s.name: {"fp": "0" * 16, "xxh3": "0" * 32} for s in self.stored}
         self.digest_field = preferred_digest_field()  # the signature's data digest (BLAKE3 when installed)
