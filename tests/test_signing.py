@@ -240,3 +240,14 @@ def test_a_trusted_keys_value_with_no_key_is_an_error_never_no_checks(tmp_path, 
     r = subprocess.run(args, capture_output=True, text=True, env=env, timeout=60)
     assert r.returncode == 2 and "no public key file" in r.stderr and r.stdout == ""
     assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+
+
+def test_a_ledger_refuses_a_key_given_as_a_string(tmp_path, monkeypatch):
+    """A path or a key's text passed where a key object goes used to fail at the first signature
+    with an AttributeError; it is refused at once, saying what to pass."""
+    monkeypatch.delenv("CERTCKPT_SIGNING_KEY", raising=False)
+    with pytest.raises(ConfigurationError, match="signing_key 'k.pem': pass a key object, None or 'from-env'"):
+        Ledger(str(tmp_path), signing_key="k.pem")
+    with pytest.raises(ConfigurationError, match="trusted_keys 'pub.pem': pass a key object"):
+        Ledger(str(tmp_path), trusted_keys="pub.pem")
+    assert Ledger(str(tmp_path), signing_key="from-env").signing_key is None  # nothing in the environment

@@ -182,3 +182,21 @@ def test_a_read_only_file_is_never_replaced(tmp_path):
     with pytest.raises(certckpt.ProtectedCheckpointError, match="read-only"):
         certckpt.save({"w": torch.zeros(2)}, p)
     assert torch.equal(certckpt.load(p)["w"], torch.ones(2))
+
+
+def test_a_non_blocking_stream_without_data_is_an_error_not_stale_bytes(tmp_path):
+    """``readinto`` answers None when a non-blocking stream has nothing ready: it used to slice the
+    whole read buffer (stale bytes) into the digests; it is now one clear error."""
+    import io
+
+    buf = io.BytesIO()
+    certckpt.save({"w": torch.arange(1000.0)}, buf)
+
+    class NotReady(io.BytesIO):
+        def readinto(self, b):
+            return None
+
+    with pytest.raises(certckpt.StorageError, match="non-blocking stream had no data ready"):
+        certckpt.load(NotReady(buf.getvalue()))
+    with pytest.raises(certckpt.StorageError, match="non-blocking stream had no data ready"):
+        certckpt.verify(NotReady(buf.getvalue()))

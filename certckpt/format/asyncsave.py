@@ -168,6 +168,9 @@ class AsyncSaver:
     ) -> SaveFuture:
         """Snapshot ``obj`` and save it in the background (arguments as ``certckpt.save``).
 
+        ``f`` may be a binary file object, as for ``certckpt.save``: it is written in the background,
+        so keep it open until the future is done.
+
         Args:
             record_fields: the audit fields ``save_certified`` takes (branch, step_range, parent,
                 lineage, consensus_fp).

@@ -17,7 +17,7 @@ from typing import IO, TYPE_CHECKING, Any, Protocol, cast
 
 import xxhash
 
-from certckpt.errors import CorruptCheckpointError, NotACheckpointError
+from certckpt.errors import CorruptCheckpointError, NotACheckpointError, StorageError
 
 from .header import (
     MAX_HEADER_BYTES,
@@ -209,10 +209,22 @@ class _ReadsInto(Protocol):
     def readinto(self, buffer: memoryview, /) -> int | None: ...
 
 
-def read_into(fh: IO[bytes], view: memoryview) -> int | None:
-    """``fh.readinto(view)``. typing's ``IO`` does not declare ``readinto``, yet every stream
-    ``storage.open_read`` yields has it (``io.BufferedReader``, fsspec's buffered files)."""
-    return cast(_ReadsInto, fh).readinto(view)
+def read_into(fh: IO[bytes], view: memoryview) -> int:
+    """``fh.readinto(view)``: the bytes read, 0 at the end. typing's ``IO`` does not declare
+    ``readinto``, yet every stream ``storage.open_read`` yields has it (``io.BufferedReader``,
+    fsspec's buffered files).
+
+    Raises:
+        StorageError: a non-blocking stream with nothing ready (its None would otherwise slice a
+            whole stale buffer into the digests).
+    """
+    n = cast(_ReadsInto, fh).readinto(view)
+    if n is None:
+        raise StorageError(
+            f"{getattr(fh, 'name', 'the file object')}: a non-blocking stream had no data ready; "
+            "pass a blocking binary file object or a path"
+        )
+    return n
 
 
 def read_tensor(fh: IO[bytes], e: TensorEntry, source: str) -> tuple[torch.Tensor, memoryview]:
