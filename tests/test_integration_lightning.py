@@ -326,10 +326,11 @@ def test_ddp_audits_leave_accumulation_and_clipping_alone_and_make_checkpoints_t
         assert (res["step"], res["last_clean_audit"]) == (20, 20)
         assert res["bf16"] == [True, 10]  # bf16-mixed: the same bits, and both audits clean
     st = out[0]["status"]
-    # save_top_k=1 removed main@5 and main@15; main@10 was kept (it was latest-good when Lightning
-    # rotated it out, main@15 still awaiting its audit); last.ckpt is not a commit of its own
-    assert out[0]["files"] == ["_ledger", "epoch=1-step=10.ckpt", "epoch=3-step=20.ckpt", "last.ckpt"]
-    assert st["retired"] == ["main@15", "main@5"]
+    # save_top_k=1 removed main@5 and main@15 when Lightning let them go; main@10 was kept then (it
+    # was latest-good, main@15 still awaiting its audit) and deleted after main@20 was committed and
+    # trusted; last.ckpt is not a commit of its own
+    assert out[0]["files"] == ["_ledger", "epoch=3-step=20.ckpt", "last.ckpt"]
+    assert st["retired"] == ["main@10", "main@15", "main@5"]
     assert {c: v[0] for c, v in st["verdicts"].items()} == {
         "main@5": "trusted",
         "main@10": "trusted",

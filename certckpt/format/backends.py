@@ -311,7 +311,9 @@ class LocalStorage(Storage):
 
     def stat(self, name: str) -> Entry | None:
         try:
-            st = os.lstat(self._path(name))
+            # the root may be a link the user chose (a data directory mounted elsewhere); what is
+            # inside it is never followed
+            st = os.lstat(self._path(name)) if name else os.stat(self.root)
         except (FileNotFoundError, NotADirectoryError):
             return None
         except OSError as e:

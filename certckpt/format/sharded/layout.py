@@ -10,10 +10,10 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, cast
 
 from certckpt.errors import CheckpointNotFoundError, StorageError
-from certckpt.format.storage import LEDGER_DIR, Target, filesystem, join, remote_error_text, resolve
+from certckpt.format.backends import storage_for, storage_of
+from certckpt.format.storage import LEDGER_DIR, join, resolve
 
 __all__ = [
     "MANIFEST_NAME",
@@ -60,13 +60,6 @@ class Listing:
     dirs: frozenset[str]
 
 
-def _remote(target: Target) -> tuple[Any, str]:
-    """``(fs, path)`` of a location that is not a local path (fsspec's filesystems are untyped)."""
-    # resolve() gives a str location that is not local its URL; storage.filesystem is unannotated
-    fs_path: tuple[Any, str] = filesystem(cast(str, target.url))
-    return fs_path
-
-
 def list_directory(location: str) -> Listing:
     """List a checkpoint directory's top level.
 
@@ -74,71 +67,45 @@ def list_directory(location: str) -> Listing:
         CheckpointNotFoundError: there is no directory at ``location``.
         StorageError: the store could not be listed.
     """
-    target = resolve(location)
+    storage = storage_for(location)
+    here = storage.stat("")
+    if here is not None and here.kind != "directory":
+        raise CheckpointNotFoundError(f"{location}: no such checkpoint directory (it is {here.what or 'a file'})")
+    entries = storage.listdir()
+    if not entries and not storage.exists():  # an object store lists a missing prefix as empty
+        raise CheckpointNotFoundError(f"{location}: no such checkpoint directory")
     files: set[str] = set()
     dirs: set[str] = set()
-    if target.local is not None:
-        try:
-            with os.scandir(target.local) as it:
-                for entry in it:
-                    (dirs if entry.is_dir(follow_symlinks=False) else files).add(entry.name)
-        except (FileNotFoundError, NotADirectoryError) as e:
-            raise CheckpointNotFoundError(f"{location}: no such checkpoint directory") from e
-        except PermissionError as e:
-            raise StorageError(f"{location}: permission denied listing the directory") from e
-    else:
-        fs, path = _remote(target)
-        try:
-            entries = fs.ls(path, detail=True)
-        except FileNotFoundError as e:
-            raise CheckpointNotFoundError(f"{location}: no such checkpoint directory") from e
-        except OSError as e:
-            raise StorageError(f"{location}: cannot list ({remote_error_text(e)})") from e
-        for listed in entries:
-            name = str(listed.get("name", "")).rstrip("/").rsplit("/", 1)[-1]
-            if name:
-                (dirs if listed.get("type") == "directory" else files).add(name)
+    for entry in entries:
+        name = entry.name.rsplit("/", 1)[-1]
+        if name:
+            (dirs if entry.kind == "directory" else files).add(name)
     hidden = {n for n in files | dirs if n.startswith(".")}
     return Listing(files=frozenset(files - hidden), dirs=frozenset(dirs - hidden - {LEDGER_DIR}))
 
 
 def is_directory(location: str) -> bool:
     """True when ``location`` is a directory (local) or a prefix holding a manifest (object stores)."""
-    target = resolve(location)
-    if target.local is not None:
-        return os.path.isdir(target.local)
-    fs, path = _remote(target)
+    storage = storage_for(location)
     try:
-        return bool(fs.isdir(path)) or bool(fs.exists(join(path, MANIFEST_NAME)))
-    except Exception:  # OSError, and botocore's own types: then reading it says what is wrong, once
+        here = storage.stat("")
+        return (here is not None and here.kind == "directory") or storage.exists(MANIFEST_NAME)
+    except StorageError:  # then reading it says what is wrong, once
         return False
 
 
 def exists(location: str) -> bool:
     """True when a file exists at ``location``."""
-    target = resolve(location)
-    if target.local is not None:
-        return os.path.exists(target.local)
-    fs, path = _remote(target)
-    try:
-        return bool(fs.exists(path))
-    except OSError as e:
-        raise StorageError(f"{location}: cannot check the store ({remote_error_text(e)})") from e
+    storage, name = storage_of(location)
+    return storage.exists(name)
 
 
 def remove(location: str) -> None:
     """Delete the file at ``location`` (already gone is fine)."""
-    target = resolve(location)
-    try:
-        if target.local is not None:
-            os.unlink(target.local)
-        else:
-            fs, path = _remote(target)
-            fs.rm_file(path)
-    except FileNotFoundError:
-        return
-    except OSError as e:
-        raise StorageError(f"{location}: cannot delete ({e})") from e
+    storage, name = storage_of(location)
+    refused = storage.delete(name)
+    if refused is not None:
+        raise StorageError(f"{location}: cannot delete ({refused})")
 
 
 def make_directory(location: str) -> None:
