@@ -216,7 +216,7 @@ KILLER = textwrap.dedent(
             while True:
                 certckpt.async_save(state, f"{store}/main@{i * 1000 + k}.safetensors", ledger=store, step=i * 1000 + k)
                 k += 1
-        delay = rng.uniform(0.0, 0.5)
+        delay = rng.uniform(0.0, 0.3)
         time.sleep(delay)
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
