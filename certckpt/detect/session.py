@@ -624,22 +624,9 @@ class AuditSession:
         fields = evidence.save_kwargs()
         known = fields.pop("known_fingerprints")
         step, run = fields.pop("step"), fields.pop("run")
-        ledger = self.ledger
 
         def commit(result: SaveResult) -> None:
-            if ledger is not None:
-                ledger.commit_checkpoint(
-                    branch=self.branch,
-                    step=s,
-                    location=str(f),
-                    run=self.run,
-                    parent=self.parent,
-                    consensus_fp=evidence.consensus_fp,
-                    state_fp=result.state_fp,
-                    header_digest=result.header_digest,
-                    step_range=evidence.step_range,
-                    nbytes=result.nbytes,
-                )
+            self._commit(f, s, evidence, result)
 
         options = {"signing_key": self.signing_key, "overwrite": False, **kwargs}
         return self._saver.save(
@@ -655,6 +642,11 @@ class AuditSession:
                 raise
             raise name_taken(str(f), self.ledger.store) from e
         self.sink.flush()  # the events up to this checkpoint reach the ledger before its commit record
+        self._commit(f, s, evidence, result)
+        return result
+
+    def _commit(self, f: Any, s: int, evidence: CheckpointEvidence, result: SaveResult) -> None:
+        """The commit record of a checkpoint file just published (with a ledger; else nothing)."""
         if self.ledger is not None:
             self.ledger.commit_checkpoint(
                 branch=self.branch,
@@ -668,7 +660,6 @@ class AuditSession:
                 step_range=evidence.step_range,
                 nbytes=result.nbytes,
             )
-        return result
 
     def close(self) -> None:
         """End the session on this rank: the hook's kept gradients dropped, a drill's injector removed,
