@@ -133,6 +133,7 @@ def test_close_raises_what_failed_in_the_background(tmp_path):
     saver.save(_state(), tmp_path / "missing-dir" / "a.safetensors")
     with pytest.raises(certckpt.AsyncSaveError, match="nothing was published"):
         saver.close()
+    assert saver.staging_bytes == 0  # given back all the same
 
 
 def test_bad_input_is_refused_in_the_callers_thread(tmp_path):

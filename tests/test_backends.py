@@ -156,3 +156,17 @@ def test_s3_missing_bucket_is_one_line_with_the_fix(s3_server):
     storage = storage_for(f"s3://certckpt-absent-{uuid.uuid4().hex[:8]}/vault")
     with pytest.raises(CheckpointNotFoundError, match="does not exist; create it with Object Lock enabled"):
         storage.protection()
+
+
+def test_an_object_in_a_vault_at_the_bucket_root_is_never_replaced(s3_bucket, tmp_path):
+    """The vault mark is looked for in every prefix above the object, the bucket itself included."""
+    from certckpt.errors import ProtectedCheckpointError
+    from certckpt.format.storage import refuse_protected
+
+    root = storage_for(s3_bucket)
+    root.put_once("_ledger/vault.json", b"{}")
+    root.put_once("main@5.safetensors", b"held")
+    root.put_once("exp/main@6.safetensors", b"held")
+    for url in (f"{s3_bucket}/main@5.safetensors", f"{s3_bucket}/exp/main@6.safetensors"):
+        with pytest.raises(ProtectedCheckpointError, match="inside the vault"):
+            refuse_protected(url)

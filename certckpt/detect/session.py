@@ -635,6 +635,8 @@ class AuditSession:
 
     def _write(self, obj: Any, f: Any, s: int, evidence: CheckpointEvidence, kwargs: dict[str, Any]) -> SaveResult:
         """Rank 0's part of ``save``: the file, the events before it, its commit record."""
+        if self._saver is not None:
+            self._saver.wait()  # an async_save still in flight ends first; its unseen failure is raised here
         try:
             result = save_certified(obj, f, **evidence.save_kwargs(), **{"signing_key": self.signing_key, **kwargs})
         except CheckpointExistsError as e:

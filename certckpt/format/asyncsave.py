@@ -281,10 +281,12 @@ class AsyncSaver:
 
     def close(self) -> None:
         """``wait()``, then free the staging memory."""
-        self.wait()
-        with self._lock:
-            self._areas = [StagingArea() for _ in range(self.max_in_flight)]
-            self._free = list(self._areas)
+        try:
+            self.wait()
+        finally:  # the staging memory is given back even when a failure is raised
+            with self._lock:
+                self._areas = [StagingArea() for _ in range(self.max_in_flight)]
+                self._free = list(self._areas)
 
 
 def _fingerprint_on_device(job: SaveJob) -> None:

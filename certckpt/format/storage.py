@@ -309,9 +309,11 @@ def refuse_protected_remote(url: str, display: str) -> None:
         if not storage.exists(name):
             return
         ancestor = storage.url
-        while "/" in ancestor.split("://", 1)[-1].strip("/"):
+        while True:  # every prefix above the object, the bucket itself included
             if storage_for(ancestor).exists(f"{LEDGER_DIR}/{VAULT_MARK}"):
                 raise ProtectedCheckpointError(f"{display}: the object is inside the vault {ancestor}; {_PROTECT_FIX}")
+            if "/" not in ancestor.split("://", 1)[-1].strip("/"):
+                break
             ancestor = ancestor.rstrip("/").rsplit("/", 1)[0]
         records = [e.name for e in storage.walk(f"{LEDGER_DIR}/checkpoints", depth=1) if e.name.endswith(".json")]
         if records and {name, url} & _committed_names(list(storage.get_many(records).values())):
