@@ -130,7 +130,8 @@ def audited_run(args):
         gradient_accumulation_steps=args.get("ga", 1),
         logging_steps=100,
         save_total_limit=args.get("save_total_limit"),
-        trainer_kwargs={"eval_dataset": TokenData(24)} if args.get("best") else None,
+        trainer_kwargs=({"eval_dataset": TokenData(24)} if args.get("best") else {})
+        | ({"async_save": True} if args.get("async_save") else {}),
         **(
             dict(eval_strategy="steps", eval_steps=2, load_best_model_at_end=True, metric_for_best_model="loss")
             | {"greater_is_better": args["best"] == "highest-loss"}

@@ -136,6 +136,25 @@ def test_close_raises_what_failed_in_the_background(tmp_path):
     assert saver.staging_bytes == 0  # given back all the same
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread priority is Linux's")
+def test_the_background_runs_at_a_lower_cpu_priority_than_the_caller(tmp_path):
+    seen: dict[str, int] = {}
+
+    def then(result):  # runs in the background thread, after the write
+        seen["nice"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    saver = certckpt.AsyncSaver()
+    saver.save(_state(), tmp_path / "a.safetensors", then=then).result()
+    assert seen["nice"] == min(19, mine + 10)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine  # the caller's is untouched
+    same = certckpt.AsyncSaver(background_nice=0)
+    same.save(_state(), tmp_path / "b.safetensors", then=then).result()
+    assert seen["nice"] == mine
+    with pytest.raises(certckpt.ConfigurationError, match="background_nice"):
+        certckpt.AsyncSaver(background_nice=20)
+
+
 def test_bad_input_is_refused_in_the_callers_thread(tmp_path):
     saver = certckpt.AsyncSaver()
     with pytest.raises(certckpt.UnsupportedObjectError):

@@ -274,6 +274,52 @@ def test_load_best_model_at_end_verifies_the_best_checkpoint(tmp_path, tamper):
     assert all(torch.equal(v, loaded[k]) for k, v in trainer.model.state_dict().items() if k in loaded)
 
 
+def _tensors(path: str) -> dict[str, torch.Tensor]:
+    return safetensors.torch.load_file(path)
+
+
+def test_async_checkpoints_equal_the_synchronous_ones_and_rotate_alike(trained, tmp_path):
+    out = str(tmp_path / "async")
+    trainer = certified_trainer(out, trainer_kwargs={"async_save": True})
+    trainer.train()
+    assert not trainer.certckpt.pipeline.in_flight  # train() returns once the last one is committed
+    for step in (3, 6):
+        a, s = os.path.join(out, f"checkpoint-{step}"), os.path.join(trained["out"], f"checkpoint-{step}")
+        assert set(os.listdir(a)) == EXPECTED and verify_checkpoint(a).ok
+        got, want = _tensors(os.path.join(a, "model.safetensors")), _tensors(os.path.join(s, "model.safetensors"))
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+        ga, gs = (certckpt.load(os.path.join(d, MANIFEST_NAME))["optimizer"]["state"] for d in (a, s))
+        assert all(torch.equal(ga[i]["exp_avg"], gs[i]["exp_avg"]) for i in gs)  # copied at its step
+    assert _verdicts(out) == {"main@3": "verified", "main@6": "verified"}
+    weights = os.path.getsize(os.path.join(out, "checkpoint-6", "model.safetensors"))
+    assert 0.9 * weights < trainer.certckpt.pipeline.staging_bytes <= weights  # the shard's snapshot, reused
+
+    rot = str(tmp_path / "rot")
+    certified_trainer(rot, save_steps=2, save_total_limit=1, trainer_kwargs={"async_save": True}).train()
+    assert sorted(os.listdir(rot)) == ["_ledger", "checkpoint-6"]
+    assert sorted(os.listdir(os.path.join(rot, "_ledger", "retired"))) == ["main@2.json", "main@4.json"]
+
+
+def test_an_async_checkpoint_that_fails_in_the_background_is_raised_at_the_next_one(tmp_path):
+    from certckpt.errors import AsyncSaveError
+    from certckpt.integrations.transformers import CertifiedTrainer
+
+    class PlantsAPickle(CertifiedTrainer):
+        def _save_rng_state(self, output_dir):
+            super()._save_rng_state(output_dir)
+            if self.state.global_step == 3:  # the background manifest writer refuses the directory
+                torch.save({"w": torch.ones(1)}, os.path.join(output_dir, "optimizer.pt"))
+
+    out = str(tmp_path / "fails")
+    trainer = PlantsAPickle(model=tiny_gpt2(), args=training_args(out), train_dataset=TokenData(), async_save=True)
+    with pytest.raises(AsyncSaveError, match=r"checkpoint-3: the asynchronous checkpoint failed .*a pickled file"):
+        trainer.train()
+    assert trainer.state.global_step == 6  # training went on until the next checkpoint asked for it
+    assert not os.path.exists(os.path.join(out, "checkpoint-3", MANIFEST_NAME))
+    assert not os.path.exists(os.path.join(out, "checkpoint-6"))  # not started: the failure came first
+    assert _cli("status", out).output.strip() == "no committed checkpoints"
+
+
 @pytest.mark.parametrize(
     "name, words",
     [("extra.pt", "a pickled file"), ("extra.safetensors", "without a certckpt record")],
@@ -418,8 +464,11 @@ def test_save_total_limit_never_deletes_the_latest_good_and_it_survives_a_detect
     out = str(tmp_path / "rot")
     # save_total_limit=1, checkpoints every 2 steps, audits every 4, a persistent fault from step 5:
     # checkpoint-4 (latest-good) would be deleted when checkpoint-6 is saved, before the audit at 8.
+    # Saved in the background (async_save): the commits, the rotation and the detection's stop all
+    # happen with a checkpoint in flight, and end as the synchronous path ends.
     fault = {"kind": "backward", "rank": 1, "step": 5, "persistent": True}
-    got = _ranks({"out": out, "faults": [fault], "audit_every": 4, "save_total_limit": 1, "max_steps": 10})
+    args = {"out": out, "faults": [fault], "audit_every": 4, "save_total_limit": 1, "max_steps": 10}
+    got = _ranks(args | {"async_save": True})
     assert [(g["kind"], g["step"], g["suspects"]) for g in got] == [("replay", 8, [1])] * 3
     assert sorted(n for n in os.listdir(out) if n.startswith("checkpoint-")) == ["checkpoint-4", "checkpoint-6"]
     assert _verdicts(out)["main@4"] == "trusted" and _verdicts(out)["main@6"] == "suspect"

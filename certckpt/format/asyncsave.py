@@ -15,6 +15,10 @@ write, fsync, the no-replace publish, and (``then``) the ledger commit. A crash 
 leaves the previous state or the complete new one, as the synchronous path does: the file appears
 under its name only once it is durable, and its commit record only after that.
 
+The background thread runs at a lower CPU priority (``nice`` +10 on Linux, for that thread and the
+threads it starts): where training and the save compete for cores, the kernel gives them to
+training first and the save takes what is left.
+
 One save is in flight by default: the next ``save`` first waits for the previous one (DCP's
 ``async_save`` asks the same of its callers) and reuses its staging memory. A background failure is
 raised by the future's ``result()``; if nobody asked for it, by the saver's next ``save``, ``wait``
@@ -24,6 +28,8 @@ process that exits with a save in flight finishes that save first.
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -137,10 +143,18 @@ class AsyncSaver:
         >>> saver.close()   # waits for the last save; raises what failed
     """
 
-    def __init__(self, *, max_in_flight: int = 1):
+    def __init__(self, *, max_in_flight: int = 1, background_nice: int = 10):
+        """Args:
+        max_in_flight: saves in the background at once; each holds its own staging memory.
+        background_nice: how much lower the background thread's CPU priority is (Linux ``nice``
+            increments, 0-19; 0 keeps the caller's).
+        """
         if type(max_in_flight) is not int or max_in_flight < 1:
             raise ConfigurationError(f"max_in_flight must be an int >= 1, got {max_in_flight!r}")
+        if type(background_nice) is not int or not 0 <= background_nice <= 19:
+            raise ConfigurationError(f"background_nice must be an int from 0 to 19, got {background_nice!r}")
         self.max_in_flight = max_in_flight
+        self.background_nice = background_nice
         self._free = [StagingArea() for _ in range(max_in_flight)]
         self._areas: list[StagingArea] = list(self._free)
         self._in_flight: list[SaveFuture] = []
@@ -224,6 +238,7 @@ class AsyncSaver:
         area: StagingArea,
         future: SaveFuture,
     ) -> None:
+        _lower_priority(self.background_nice)
         try:
             result = publish(job, target, overwrite=overwrite, started=t0, cap_threads=False)
             if then is not None:
@@ -287,6 +302,19 @@ class AsyncSaver:
             with self._lock:
                 self._areas = [StagingArea() for _ in range(self.max_in_flight)]
                 self._free = list(self._areas)
+
+
+def _lower_priority(by: int) -> None:
+    """Lower the calling thread's CPU priority by ``by`` (Linux: ``setpriority`` on a thread id acts
+    on that thread alone, and the threads it starts inherit it; elsewhere it would act on the whole
+    process, so nothing is done)."""
+    if by <= 0 or not sys.platform.startswith("linux"):
+        return
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + by))
+    except OSError:
+        pass  # a sandbox that forbids it: the save runs at the caller's priority
 
 
 def _fingerprint_on_device(job: SaveJob) -> None:

@@ -24,7 +24,10 @@ from typing import Any
 import transformers.modeling_utils as modeling_utils
 
 from certckpt.errors import ConfigurationError, MissingDependencyError, UnsupportedObjectError
+from certckpt.format.asyncsave import SaveFuture
 from certckpt.format.writer import SaveResult, save_certified
+
+from .background import CheckpointPipeline
 
 __all__ = ["save_function", "save_pretrained", "ShardWriter"]
 
@@ -40,11 +43,21 @@ class ShardWriter:
         run: the run name recorded there.
         overwrite: replace an existing file (as safetensors' ``save_file`` does; a committed or
             read-only file is never replaced whatever this says).
+        pipeline: save each shard in the background through this pipeline's savers (the shard is
+            snapshotted before the call returns); its future goes into ``pending``.
     """
 
-    def __init__(self, *, step: int | None = None, run: str | None = None, overwrite: bool = True):
-        self.step, self.run, self.overwrite = step, run, overwrite
+    def __init__(
+        self,
+        *,
+        step: int | None = None,
+        run: str | None = None,
+        overwrite: bool = True,
+        pipeline: CheckpointPipeline | None = None,
+    ):
+        self.step, self.run, self.overwrite, self.pipeline = step, run, overwrite, pipeline
         self.written: dict[str, SaveResult] = {}
+        self.pending: dict[str, SaveFuture] = {}
 
     def __call__(self, state_dict: Mapping[str, Any], filename: Any, metadata: Mapping[str, str] | None = None):
         meta = dict(metadata or {})
@@ -61,6 +74,11 @@ class ShardWriter:
                 "save this model (a quantized one?) with the plain save_pretrained"
             )
         path = os.fspath(filename)
+        if self.pipeline is not None:
+            saver = self.pipeline.saver_for(os.path.basename(path))
+            future = saver.save(dict(state_dict), path, step=self.step, run=self.run, overwrite=self.overwrite)
+            self.pending[os.path.abspath(path)] = future
+            return future
         result = save_certified(dict(state_dict), path, step=self.step, run=self.run, overwrite=self.overwrite)
         self.written[os.path.abspath(path)] = result
         return result
@@ -169,8 +187,9 @@ def _check_all_certified(directory: str, writer: ShardWriter) -> None:
         names = {
             n for n in os.listdir(directory) if n.endswith(".safetensors") and n.startswith(("model", "adapter_model"))
         }
-    missing = sorted(n for n in names if os.path.join(directory, n) not in writer.written)
-    if missing or not writer.written:
+    made = writer.written.keys() | writer.pending.keys()
+    missing = sorted(n for n in names if os.path.join(directory, n) not in made)
+    if missing or not made:
         raise MissingDependencyError(
             f"transformers {_version()}: save_pretrained wrote {missing or 'its weights'} in {directory} without "
             "the certified writer; these files are plain safetensors. certckpt was tested with transformers 5.23"

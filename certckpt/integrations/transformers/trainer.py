@@ -31,7 +31,7 @@ import logging
 import os
 import random
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -52,6 +52,7 @@ from certckpt.errors import (
     ConfigurationError,
     CorruptCheckpointError,
 )
+from certckpt.format.asyncsave import SaveFuture
 from certckpt.format.reader import load
 from certckpt.format.storage import write_atomic
 from certckpt.format.verify import inspect
@@ -62,6 +63,7 @@ from certckpt.trust.resume import next_branch
 from certckpt.trust.runstore import certify_store, check_file
 
 from .audit import AuditCallback
+from .background import CheckpointPipeline, host_copy
 from .checkpoint import (
     ARGS_NAME,
     MANIFEST_NAME,
@@ -112,6 +114,8 @@ class CertifiedRun:
     saving_step: int | None = None  # set while a checkpoint is written (its shards carry the step)
     last_step: int | None = None  # the previous checkpoint's step on this branch (the record's step range)
     resumed_state: dict[str, Any] | None = None  # the manifest's content, loaded once per resume
+    pipeline: CheckpointPipeline | None = None  # async_save=True: the checkpoint in flight
+    shards: dict[str, SaveFuture] = field(default_factory=dict)  # this checkpoint's shards in flight
 
     def decided_branch(self) -> str:
         """``branch``, which ``train()`` decides before any checkpoint is written or committed."""
@@ -128,6 +132,11 @@ class CertifiedTrainerMixin(_TrainerBase):
         branch: the branch to train on (default: ``main`` for a fresh run, ``<branch>-r<N>`` for a
             resume).
         ledger: the run store (default: ``args.output_dir``; ``certckpt status`` reads it).
+        async_save: save checkpoints in the background: training waits only for a snapshot of the
+            weights and the optimizer state in host memory; the files, the manifest and the commit
+            follow (docs/integrations.md, "Saving in the background"). One checkpoint is in flight
+            at a time: the next waits for it, and a failure is raised at the next checkpoint or at
+            the end of training, on every rank.
         *args, **kwargs: the Trainer's own.
 
     Example:
@@ -137,7 +146,13 @@ class CertifiedTrainerMixin(_TrainerBase):
     """
 
     def __init__(
-        self, *args: Any, run: str | None = None, branch: str | None = None, ledger: str | None = None, **kwargs: Any
+        self,
+        *args: Any,
+        run: str | None = None,
+        branch: str | None = None,
+        ledger: str | None = None,
+        async_save: bool = False,
+        **kwargs: Any,
     ):
         super().__init__(*args, **kwargs)
         if self.args.process_index == 0:
@@ -148,6 +163,8 @@ class CertifiedTrainerMixin(_TrainerBase):
         if branch is not None and not is_ckpt_id(ckpt_id_for(branch, 0)):
             raise ConfigurationError(f"branch {branch!r}: use 1-100 letters, digits, '.', '_' or '-'")
         self.certckpt = CertifiedRun(ledger=Ledger(os.fspath(store)), run=name, requested=branch)
+        if async_save:
+            self.certckpt.pipeline = CheckpointPipeline()
 
     def _certckpt_output_dir(self) -> str:
         """``args.output_dir``, which ``TrainingArguments`` always sets (``trainer_output`` by default)."""
@@ -196,11 +213,34 @@ class CertifiedTrainerMixin(_TrainerBase):
             )
         run.resumed_state = None
         try:
-            return super().train(chosen["dir"], *args, **kwargs)
+            result = super().train(chosen["dir"], *args, **kwargs)
+        except BaseException:
+            self._certckpt_drain()  # the checkpoint in flight is finished; the training error is raised
+            raise
+        else:
+            self._certckpt_wait()
+            return result
         finally:
             run.resumed_state = None
             if self.args.should_save:
                 self._certckpt_retire_deleted()
+
+    def _certckpt_wait(self) -> None:
+        """Wait for the checkpoint in flight (``async_save=True``); when it failed on the saving rank,
+        every rank raises ``AsyncSaveError``."""
+        pipeline = self.certckpt.pipeline
+        if pipeline is not None:
+            self._certckpt_together(pipeline.wait, what="asynchronous checkpoint")
+
+    def _certckpt_drain(self) -> None:
+        """After a training error: finish the checkpoint in flight, logging (not raising) its failure."""
+        pipeline = self.certckpt.pipeline
+        if pipeline is None:
+            return
+        try:
+            pipeline.wait()
+        except CertckptError as e:
+            logger.error("certckpt: %s", e)
 
     def _certckpt_latest_good(self) -> str | None:
         """The newest good checkpoint (trusted first, then verified) whose every file verifies now;
@@ -329,7 +369,13 @@ class CertifiedTrainerMixin(_TrainerBase):
             return
         os.makedirs(output_dir, exist_ok=True)
         run = self.certckpt
-        writer = ShardWriter(step=run.saving_step, run=run.run, overwrite=run.saving_step is None)
+        in_training = run.saving_step is not None
+        writer = ShardWriter(
+            step=run.saving_step,
+            run=run.run,
+            overwrite=not in_training,
+            pipeline=run.pipeline if in_training else None,
+        )
         model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
         if isinstance(model, transformers.PreTrainedModel):
             save_pretrained(model, output_dir, writer=writer, state_dict=state_dict, is_main_process=True)
@@ -340,6 +386,8 @@ class CertifiedTrainerMixin(_TrainerBase):
                 state_dict if state_dict is not None else self.model.state_dict(),  # type: ignore[union-attr]
                 os.path.join(output_dir, "model.safetensors"),
             )
+        if in_training:
+            run.shards = writer.pending
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
         elif (tokenizer := getattr(self.data_collator, "tokenizer", None)) is not None:
@@ -369,6 +417,7 @@ class CertifiedTrainerMixin(_TrainerBase):
         run = self.certckpt
         step = self.state.global_step
         output_dir = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{step}")
+        self._certckpt_wait()  # one checkpoint in flight: the previous one is committed (or failed) first
         self._certckpt_together(
             lambda: self._certckpt_clear(output_dir, step) if self.args.should_save else None, what="checkpoint"
         )
@@ -395,26 +444,30 @@ class CertifiedTrainerMixin(_TrainerBase):
         shutil.rmtree(output_dir)
 
     def _certckpt_commit(self, output_dir: str, step: int, *, run_dir: str | None = None) -> None:
-        """Write the manifest and commit the checkpoint (rank 0); every rank raises if that fails."""
+        """Write the manifest and commit the checkpoint (rank 0); every rank raises if that fails.
+        With ``async_save`` the manifest and the commit run in the background once the shards are
+        durable; what they need from this step is copied first."""
         run = self.certckpt
         if dist.is_available() and dist.is_initialized():
             dist.barrier()  # every rank's RNG file is on disk
         consensus = run.audit.checkpoint_consensus(step) if run.audit is not None else None
+        state = {
+            # the Trainer creates the optimizer before it saves a checkpoint
+            "optimizer": None if self.args.save_only_model else self.optimizer.state_dict(),  # type: ignore[union-attr]
+            "scheduler": None
+            if self.args.save_only_model or self.lr_scheduler is None
+            else self.lr_scheduler.state_dict(),
+            "scaler": _scaler_state(self),
+        }
+        lineage = run.audit.lineage() if run.audit is not None else None
+        if run.audit is not None and self.args.should_save:
+            run.audit.flush()  # the events up to this checkpoint reach the ledger before its commit
+        first = (run.last_step or 0) + 1
+        limit, best = self.args.save_total_limit, self.state.best_model_checkpoint
 
         def commit() -> None:
-            if not self.args.should_save:
-                return
             if consensus is not None:
                 _check_weights_match(output_dir, consensus[1])
-            state = {
-                # the Trainer creates the optimizer before it saves a checkpoint
-                "optimizer": None if self.args.save_only_model else self.optimizer.state_dict(),  # type: ignore[union-attr]
-                "scheduler": None
-                if self.args.save_only_model or self.lr_scheduler is None
-                else self.lr_scheduler.state_dict(),
-                "scaler": _scaler_state(self),
-            }
-            first = (run.last_step or 0) + 1
             result = write_manifest(
                 output_dir,
                 state,
@@ -423,11 +476,9 @@ class CertifiedTrainerMixin(_TrainerBase):
                 branch=run.decided_branch(),
                 parent=run.parent,
                 consensus_fp=consensus[0] if consensus else None,
-                lineage=run.audit.lineage() if run.audit is not None else None,
+                lineage=lineage,
                 step_range=[first, step],
             )
-            if run.audit is not None:
-                run.audit.flush()  # the events up to this checkpoint reach the ledger before its commit
             run.ledger.commit_checkpoint(
                 branch=run.decided_branch(),
                 step=step,
@@ -441,10 +492,16 @@ class CertifiedTrainerMixin(_TrainerBase):
                 nbytes=result.nbytes,
             )
             if run_dir is not None:
-                self._certckpt_rotate(run_dir)
+                self._certckpt_rotate(run_dir, limit=limit, best=best)
             self._certckpt_retire_deleted()
 
-        self._certckpt_together(commit, what="checkpoint commit")
+        shards, run.shards = run.shards, {}
+        if run.pipeline is not None:
+            if self.args.should_save:
+                state = host_copy(state)  # training moves the optimizer on while the manifest is written
+                run.pipeline.submit(f"{output_dir}", list(shards.values()), commit)
+        else:
+            self._certckpt_together(lambda: commit() if self.args.should_save else None, what="checkpoint commit")
         run.last_step = step
         if run.audit is not None:
             run.audit.checkpoint_done()
@@ -452,6 +509,7 @@ class CertifiedTrainerMixin(_TrainerBase):
     def _finalize_training(self, trial: Any, num_train_samples: Any, start_time: Any):
         # At the end of training the plain Trainer deletes every checkpoint but the best one when
         # save_total_limit=1 (with a best model): that cleanup runs here instead, latest-good kept.
+        self._certckpt_wait()  # the best model may be the checkpoint in flight
         limit, self.args.save_total_limit = self.args.save_total_limit, None
         try:
             result = super()._finalize_training(trial, num_train_samples, start_time)
@@ -461,20 +519,23 @@ class CertifiedTrainerMixin(_TrainerBase):
             self._certckpt_rotate(self._get_output_dir(trial=trial), limit=1, keep_newest=False)
         return result
 
-    def _certckpt_rotate(self, run_dir: str, *, limit: int | None = None, keep_newest: bool = True) -> None:
+    def _certckpt_rotate(
+        self, run_dir: str, *, limit: int | None = None, keep_newest: bool = True, best: str | None = None
+    ) -> None:
         """``save_total_limit`` as the Trainer applies it (the newest and the best checkpoint kept, the
         oldest others deleted; at the end of training only the best), after the new checkpoint is
         committed, and never deleting the run's latest-good: it stays, with a warning, until a newer
         checkpoint is trusted."""
         limit = self.args.save_total_limit if limit is None else limit
+        best = self.state.best_model_checkpoint if best is None else best
         if limit is None or limit <= 0:
             return
         checkpoints = sort_checkpoints(run_dir, PREFIX_CHECKPOINT_DIR, use_mtime=False)
         if len(checkpoints) <= limit:
             return
         protected = {checkpoints[-1]} if keep_newest else set()
-        if self.state.best_model_checkpoint is not None:
-            protected.add(str(Path(self.state.best_model_checkpoint)))
+        if best is not None:
+            protected.add(str(Path(best)))
         ledger = self.certckpt.ledger
         status = certify_store(ledger.store, write_certificates=False)
         good = status.entry(status.latest_good).url if status.latest_good else None
