@@ -49,3 +49,10 @@ else
 fi
 # issue 30: the asynchronous save's blocking time on a 4 GiB CUDA state, against a pinned copy and dcp.async_save
 [ "$device" = cuda ] && timeout 120 "$PY" benchmarks/bench_async.py --device cuda --trials 3 2>&1 | tee "$OUT/bench-async-cuda.txt" | tail -5
+# issue 30: the detection envelope on a model people train (GPT-2 small's shape, 124M parameters; a
+# step of 8 x 1024 tokens takes well over 100 ms): audit every 100 within 1 point of the replay
+# floor, every 10 within 2 points. One NCCL rank: a single H200 holds no second replica.
+[ "$device" = cuda ] && timeout 240 "$PY" -m certckpt_cli.main envelope --model gpt2-small --device cuda \
+    --backend nccl --ranks 1 --seq-lens 1024 --micro-batches 8 --audit-every 10,100 \
+    --seconds-per-shape "${GPU_SESSION_ENVELOPE_SECONDS:-20}" --max-premium 1 \
+    2>&1 | tee "$OUT/envelope-gpt2-small.txt" | tail -12

@@ -39,7 +39,8 @@ from .common import EXIT_FAILED, EXIT_OK, EXIT_UNVERIFIABLE, OneLineUsage, expec
     "--model",
     default="tiny-transformer",
     show_default=True,
-    help="tiny-transformer, or MODULE:FACTORY where FACTORY() returns (model, batch_fn, loss_fn).",
+    help="tiny-transformer (133k parameters), gpt2-small (124M, for a GPU), or MODULE:FACTORY where FACTORY() "
+    "returns (model, batch_fn, loss_fn).",
 )
 @click.option(
     "--max-premium",

@@ -263,11 +263,24 @@ def test_plot_without_matplotlib(monkeypatch, tmp_path):
 
 def test_resolve_model():
     assert resolve_model("tiny-transformer") == ("tiny-transformer", None)
+    assert resolve_model("gpt2-small") == ("gpt2-small", None)
     spec, extra = resolve_model("test_envelope:user_factory")
     assert spec == "test_envelope:user_factory" and extra is not None and extra.endswith("tests")
     for bad in ("nomodule_xyz:f", "test_envelope:nothing", "test_envelope", "a:b:c"):
         with pytest.raises(ConfigurationError):
             resolve_model(bad)
+
+
+def test_gpt2_small_has_gpt2s_shape():
+    import torch
+
+    from certckpt.tools.envelope.models import load_factory
+
+    with torch.device("meta"):  # the shape without 0.5 GB of weights; the GPU session trains it
+        model, batch_fn, loss_fn = load_factory("gpt2-small")()
+    assert model.head.weight is model.embed.weight  # tied, as GPT-2's
+    assert 123e6 < sum(p.numel() for p in model.parameters()) < 125e6
+    assert len(model.blocks) == 12 and model.embed.weight.shape == (50257, 768)
 
 
 @pytest.mark.parametrize(

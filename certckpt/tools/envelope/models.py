@@ -11,18 +11,21 @@ from typing import Any
 
 from certckpt.errors import ConfigurationError
 
-__all__ = ["BUILTIN_MODEL", "load_factory", "resolve_model", "tiny_transformer"]
+__all__ = ["BUILTIN_MODEL", "BUILTIN_MODELS", "gpt2_small", "load_factory", "resolve_model", "tiny_transformer"]
 
 BUILTIN_MODEL = "tiny-transformer"
 
 
-def tiny_transformer(*, vocab: int = 256, d_model: int = 64, heads: int = 4, layers: int = 2, mlp_ratio: int = 4):
+def tiny_transformer(
+    *, vocab: int = 256, d_model: int = 64, heads: int = 4, layers: int = 2, mlp_ratio: int = 4, tied: bool = False
+):
     """The default model: a small causal language model, so that sequence length matters.
 
     Token embedding plus fixed sinusoidal positions (no parameter, any length), ``layers`` pre-norm
     blocks (causal self-attention through ``torch.nn.functional.scaled_dot_product_attention``,
     then a GELU MLP), a final layer norm and an LM head; next-token cross-entropy on uniform random
-    tokens. About 133k parameters at the defaults.
+    tokens. About 133k parameters at the defaults. ``tied``: the LM head shares the embedding's
+    weight (as GPT-2's does).
 
     Returns:
         ``(model, batch_fn, loss_fn)``: ``batch_fn(rank, step, seq_len, micro_batch)`` gives
@@ -58,6 +61,10 @@ def tiny_transformer(*, vocab: int = 256, d_model: int = 64, heads: int = 4, lay
             self.blocks = nn.ModuleList(Block() for _ in range(layers))
             self.norm = nn.LayerNorm(d_model)
             self.head = nn.Linear(d_model, vocab, bias=False)
+            if tied:
+                # GPT-2's initialisation of a shared embedding (N(0, 1) would give logits of ~30 sigma)
+                nn.init.normal_(self.embed.weight, std=0.02)
+                self.head.weight = self.embed.weight
 
         @staticmethod
         def positions(n: int, device, dtype):
@@ -93,6 +100,20 @@ def tiny_transformer(*, vocab: int = 256, d_model: int = 64, heads: int = 4, lay
     return model, batch_fn, loss_fn
 
 
+def gpt2_small():
+    """A model people train: GPT-2 small's shape (12 layers, width 768, 12 heads, vocabulary 50,257,
+    LM head tied to the embedding), 124M parameters; positions are sinusoidal, as in the tiny model,
+    so any sequence length runs. What the envelope measures on a GPU (``--model gpt2-small``), where
+    the 133k-parameter default is bound by the host, not the device."""
+    return tiny_transformer(vocab=50257, d_model=768, heads=12, layers=12, tied=True)
+
+
+BUILTIN_MODELS: dict[str, Callable[[], tuple[Any, Callable, Callable]]] = {
+    BUILTIN_MODEL: tiny_transformer,
+    "gpt2-small": gpt2_small,
+}
+
+
 def resolve_model(spec: str) -> tuple[str, str | None]:
     """Check ``--model`` in the driver: ``tiny-transformer`` or an importable ``MODULE:FACTORY``.
 
@@ -103,11 +124,11 @@ def resolve_model(spec: str) -> tuple[str, str | None]:
     Raises:
         ConfigurationError: malformed, not importable, or not callable (a usage error).
     """
-    if spec == BUILTIN_MODEL:
+    if spec in BUILTIN_MODELS:
         return spec, None
     mod_name, sep, fn_name = spec.partition(":")
     if not sep or not mod_name or not fn_name or ":" in fn_name:
-        raise ConfigurationError(f"--model: expected {BUILTIN_MODEL!r} or MODULE:FACTORY, got {spec!r}")
+        raise ConfigurationError(f"--model: expected {' or '.join(BUILTIN_MODELS)} or MODULE:FACTORY, got {spec!r}")
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())  # as `python -m` gives the rank processes
     try:
@@ -129,7 +150,7 @@ def resolve_model(spec: str) -> tuple[str, str | None]:
 
 def load_factory(spec: str) -> Callable[[], tuple[Any, Callable, Callable]]:
     """The factory a rank calls for ``(model, batch_fn, loss_fn)``; ``spec`` was checked by :func:`resolve_model`."""
-    if spec == BUILTIN_MODEL:
-        return tiny_transformer
+    if spec in BUILTIN_MODELS:
+        return BUILTIN_MODELS[spec]
     mod_name, _, fn_name = spec.partition(":")
     return getattr(importlib.import_module(mod_name), fn_name)
