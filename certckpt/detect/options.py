@@ -24,6 +24,7 @@ __all__ = [
     "OnFault",
     "ExchangeFlags",
     "NonfiniteRead",
+    "FleetPolicy",
     "DDP_ONLY",
     "SHARDED_ONLY",
     "unused_problem",
@@ -71,7 +72,15 @@ class NonfiniteRead(_Choice):
     DEFERRED = "deferred"  # a step later, without waiting for the GPU (docs/detection.md)
 
 
+class FleetPolicy(_Choice):
+    """What a run configured with a fleet registry does when a rank's device is convicted there."""
+
+    REFUSE = "refuse"  # every rank raises DeviceConvictedError before the first step
+    WARN = "warn"  # every rank warns, training goes on
+
+
 _CHOICES: dict[str, type[_Choice]] = {
+    "fleet_policy": FleetPolicy,
     "mode": Mode,
     "on_nonfinite": OnNonfinite,
     "on_fault": OnFault,
@@ -130,6 +139,9 @@ class AuditOptions:
             whose gradients differ (deterministic mode only); and, in either mode, at the first
             step with finite gradients, replay the step once and refuse when the replay does not
             reproduce what training computed (every rank refuses together).
+        fleet_policy: with a fleet registry (``fleet=URL``), what a convicted device (or a registry
+            that cannot be read or is tampered) does at the start: ``"refuse"`` (default: every rank
+            raises ``DeviceConvictedError`` with the same message) or ``"warn"``.
     """
 
     audit_every: int = 10
@@ -147,6 +159,7 @@ class AuditOptions:
     grad_scaler: Any = None
     replay_micro_batches: int | None = None
     audit_updates: bool | None = None
+    fleet_policy: FleetPolicy = FleetPolicy.REFUSE
 
     def __post_init__(self) -> None:
         for name, kind in _CHOICES.items():
