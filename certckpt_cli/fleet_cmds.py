@@ -227,7 +227,9 @@ def fleet_rates_cmd(fleet_url: str | None, as_json: bool, out: str | None, force
     def rate(r: dict[str, Any]) -> str:
         return "-" if r["per_million"] is None else f"{r['per_million']:.1f}"
 
-    rows = [(r["device"], r["host"] or "-", str(r["detections"]), str(r["device_steps"]), rate(r)) for r in doc["devices"]]
+    rows = [
+        (r["device"], r["host"] or "-", str(r["detections"]), str(r["device_steps"]), rate(r)) for r in doc["devices"]
+    ]
     echo_table(("device", "host", "detections", "device-steps", "per million"), rows)
     click.echo("")
     rows = [(r["host"] or "-", str(r["detections"]), str(r["device_steps"]), rate(r)) for r in doc["hosts"]]

@@ -180,9 +180,8 @@ def inventory_override(rank: int | None) -> dict[str, Any]:
         (k == "*" or k.isdigit()) and isinstance(v, dict) and all(isinstance(x, (str, int)) for x in v.values())
         for k, v in doc.items()
     ):
-        raise ConfigurationError(
-            f'${INVENTORY_ENV} must map "*" or rank numbers to objects of strings, e.g. {{"1": {{"device_id": "GPU-7"}}}}'
-        )
+        example = '{"1": {"device_id": "GPU-7"}}'
+        raise ConfigurationError(f'${INVENTORY_ENV} must map "*" or rank numbers to objects of strings, e.g. {example}')
     out = dict(doc.get("*", {}))
     out.update(doc.get(str(rank), {}) if rank is not None else {})
     return out

@@ -53,9 +53,9 @@ from .agreement import all_gather_bytes, refuse_together, wire_device_for
 from .consensus import WeightConsensus, consensus_buffers
 from .context import CheckContext, EventLog, SessionState, StateField
 from .events import EventSink, MemorySink, log_audit_pass, rank_inventory
-from .fleet_check import check_fleet_at_start, fleet_for
 from .evidence import CheckpointEvidence, StepOutcome
 from .exchange import RingShift
+from .fleet_check import check_fleet_at_start, fleet_for
 from .hook import HookState, comm_hook, hand_over_possible, lazy_pre_possible
 from .inject import Injector
 from .nonfinite import NonFiniteCheck

@@ -54,8 +54,8 @@ from certckpt.trust.ledger import Ledger, LedgerSink
 from .agreement import all_gather_bytes, refuse_together, wire_device_for
 from .context import StateField
 from .events import EventSink, MemorySink, log_audit_pass, rank_inventory
-from .fleet_check import check_fleet_at_start, fleet_for
 from .exchange import refuse_unshippable
+from .fleet_check import check_fleet_at_start, fleet_for
 from .options import DDP_ONLY, AuditOptions, session_options
 from .session import CheckpointEvidence
 from .setup_checks import nonfinite_read_problem

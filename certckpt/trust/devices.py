@@ -60,7 +60,7 @@ def device_of(inv: Mapping[str, Any]) -> str:
 
 def host_of(inv: Mapping[str, Any]) -> str:
     """The host a rank ran on (scheduler node names first, as incidents name nodes)."""
-    env = inv.get("env") if isinstance(inv.get("env"), Mapping) else {}
+    env: Mapping[str, Any] = inv["env"] if isinstance(inv.get("env"), Mapping) else {}
     for value in (inv.get("node"), env.get("SLURMD_NODENAME"), env.get("KUBERNETES_NODE_NAME"), inv.get("host")):
         if isinstance(value, str) and value:
             return value[:200]
@@ -248,7 +248,9 @@ def unaudited_overlap(ranges: Sequence[Range], *, last_clean: int, step: int) ->
     return any(max(last_clean, lo) < (step if hi is None else min(step, hi)) for lo, hi in ranges)
 
 
-def device_steps(placements: Sequence[Placement], last_step: Mapping[str, int]) -> tuple[dict[str, int], dict[str, str]]:
+def device_steps(
+    placements: Sequence[Placement], last_step: Mapping[str, int]
+) -> tuple[dict[str, int], dict[str, str]]:
     """Steps each device computed (``last_step``: per branch, the last step its ledger shows), and
     each device's host."""
     steps: dict[str, int] = {}

@@ -28,8 +28,8 @@ from typing import Any
 from certckpt.errors import CheckpointNotFoundError, FleetError
 from certckpt.format.signing import SigningKey, TrustedKeys
 
-from .incident import incident_id_for
 from .devices import DeviceStanding, check_appeal, check_clearance, device_of, fleet_standing, host_of, is_device_id
+from .incident import incident_id_for
 from .ledger import FROM_ENV, Ledger
 from .memory import recall, remember
 
@@ -85,8 +85,7 @@ class FleetView:
         if not bad:
             return None
         return (
-            "; ".join(bad)
-            + f"; see `certckpt fleet show DEVICE --fleet {self.url}`; a device returns only through "
+            "; ".join(bad) + f"; see `certckpt fleet show DEVICE --fleet {self.url}`; a device returns only through "
             "`certckpt fleet appeal` and a `certckpt fleet clear` by someone else"
         )
 

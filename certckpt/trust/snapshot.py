@@ -32,9 +32,9 @@ from certckpt.format.storage import VAULT_MARK, remote_error_text
 
 from .certify import CheckpointEntry, Revocation
 from .chain import CHAINS_DIR, GENESIS, Break, ChainCheck, check_chains, digest, genesis_problem, parse_entry_name
+from .devices import is_device_id
 from .factcache import FactsCache
 from .facts import AuditFacts, EventProblem, read_event
-from .devices import is_device_id
 from .incident import incident_state
 
 __all__ = [
@@ -727,10 +727,7 @@ class _Reader:
         snap.incident_records = [r for _, r, _ in self._valid("incidents")]
         for _, b, _ in self._valid("branches"):
             snap.branch_parents[b["branch"]] = b["parent"]
-        snap.placements = [(r, ok) for _, r, ok in self._valid("placements")]
-        authenticated = snap.chained or self.keys is not None
-        for kind in FLEET_KINDS:
-            snap.fleet[kind] = [dict(r, authenticated=ok and authenticated) for _, r, ok in self._valid(kind)]
+        self._fleet_records()
         for r in snap.records.values():
             snap.checkpoints.append(
                 CheckpointEntry(
@@ -768,6 +765,14 @@ class _Reader:
         snap.event_loader = lambda: self._events(counted)
         self.contents = {}  # the records are parsed; the bytes are not needed any more
         return snap
+
+    def _fleet_records(self) -> None:
+        """A run's placements, and a fleet registry's records (each with whether it is authenticated)."""
+        snap = self.snap
+        snap.placements = [(r, ok) for _, r, ok in self._valid("placements")]
+        authenticated = snap.chained or self.keys is not None
+        for kind in FLEET_KINDS:
+            snap.fleet[kind] = [dict(r, authenticated=ok and authenticated) for _, r, ok in self._valid(kind)]
 
     def _segment_standing(self, name: str) -> tuple[bool, str | None, str | None, str | None]:
         """(counts, why not, its chain's branch, its writer) of one event segment."""
