@@ -227,10 +227,11 @@ def fleet_rates_cmd(fleet_url: str | None, as_json: bool, out: str | None, force
     def rate(r: dict[str, Any]) -> str:
         return "-" if r["per_million"] is None else f"{r['per_million']:.1f}"
 
-    rows = [
-        (r["device"], r["host"] or "-", str(r["detections"]), str(r["device_steps"]), rate(r)) for r in doc["devices"]
-    ]
-    echo_table(("device", "host", "detections", "device-steps", "per million"), rows)
+    def counts(r: dict[str, Any]) -> tuple[str, str, str]:
+        return str(r["detections"]), str(r["device_steps"]), rate(r)
+
+    device_rows: list[tuple[str, ...]] = [(str(r["device"]), str(r["host"] or "-"), *counts(r)) for r in doc["devices"]]
+    host_rows: list[tuple[str, ...]] = [(str(r["host"] or "-"), *counts(r)) for r in doc["hosts"]]
+    echo_table(("device", "host", "detections", "device-steps", "per million"), device_rows)
     click.echo("")
-    rows = [(r["host"] or "-", str(r["detections"]), str(r["device_steps"]), rate(r)) for r in doc["hosts"]]
-    echo_table(("host", "detections", "device-steps", "per million"), rows)
+    echo_table(("host", "detections", "device-steps", "per million"), host_rows)
