@@ -285,7 +285,10 @@ def rates(
     per_host = [row(h, "host", n, s) for h, (n, s) in sorted(by_host.items())]
 
     def order(r: dict[str, Any]) -> tuple[float, int]:
+        # detections without recorded steps first (no rate, all of it unexplained); no steps and no
+        # detections last
         rate = r["per_million"]
-        return (-(rate if rate is not None else float("inf")), -r["detections"])
+        known = rate if rate is not None else (float("inf") if r["detections"] else -1.0)
+        return (-known, -r["detections"])
 
     return {"devices": sorted(per_device, key=order), "hosts": sorted(per_host, key=order)}
