@@ -107,7 +107,7 @@ def fleet_story(args):
         )
         forger.ledger.write_record(
             "clearances",
-            "clear-forged.json",
+            "clear-f.json",
             {
                 "clearance_id": "clear-forged",
                 "device": "gpu-x",

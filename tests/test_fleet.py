@@ -165,17 +165,14 @@ def test_forged_clearances_are_ignored_where_keys_are_trusted(tmp_path, keys):
     root = _convicted_fleet(tmp_path, keys)
     conv = [c["conviction_id"] for c in Fleet(str(root)).read().devices["gpu-x"].convictions]
     forger = _fleet(root)  # unsigned chain entries: a writer without a key
-    forger.ledger.write_record(
-        "appeals", "appeal-f.json", {"appeal_id": "appeal-f", "device": "gpu-x", "convictions": conv, "by": "m", "reason": "r"}
-    )  # fmt: skip
-    forger.ledger.write_record(
-        "clearances", "clear-f.json", {"clearance_id": "clear-f", "device": "gpu-x", "approves": "appeal-f", "by": "e", "reason": "r"}
-    )  # fmt: skip
+    base = {"device": "gpu-x", "reason": "r"}
+    appeal_doc = {**base, "appeal_id": "appeal-f", "convictions": conv, "by": "m"}
+    forger.ledger.write_record("appeals", "appeal-f.json", appeal_doc)
+    clearance = {**base, "clearance_id": "clear-f", "approves": "appeal-f", "by": "e"}
+    forger.ledger.write_record("clearances", "clear-f.json", clearance)
     # a raw file written beside the chains, sealed by nothing
     raw = root / "_ledger" / "clearances" / "clear-raw.json"
-    raw.write_text(
-        json.dumps({"clearance_id": "clear-raw", "device": "gpu-x", "approves": "appeal-f", "by": "e", "reason": "r"})
-    )
+    raw.write_text(json.dumps({**clearance, "clearance_id": "clear-raw"}))
     view = Fleet(str(root)).read()
     assert view.devices["gpu-x"].convicted and view.start_problem({"1": "gpu-x"}) is not None
     ignored = {k for k, _ in view.invalid}
