@@ -43,7 +43,7 @@ def _warn_view(view: Any) -> None:
 
 @click.group()
 def fleet() -> None:
-    """The fleet registry: convicted devices, appeals and clearances, the stores that report to it."""
+    """The fleet registry: convicted devices, appeals, clearances, what a conviction changes, detection rates."""
 
 
 @fleet.command("ls")

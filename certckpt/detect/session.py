@@ -165,10 +165,6 @@ class AuditSession:
             (``certckpt.plan_resume(...).consensus_fp``): the replicas' weights (and buffers) are
             fingerprinted at the start and must agree on exactly it, else every rank refuses to
             start (a wrong, partial or damaged load).
-        fleet: a fleet registry (``certckpt.trust.fleet.Fleet`` or its URL): every rank's device is
-            looked up there before the first step (``fleet_policy`` says whether a convicted one
-            refuses or warns), the run's store registers there, and the devices a failed check
-            blames are convicted there (``docs/operations.md``, "Convicted devices").
     """
 
     def __init__(
@@ -187,7 +183,6 @@ class AuditSession:
         parent: str | None = None,
         signing_key: Any = None,
         expect_consensus_fp: str | None = None,
-        fleet: Any = None,
         **shorthand: Any,
     ):
         if not dist.is_available() or not dist.is_initialized():
@@ -229,7 +224,7 @@ class AuditSession:
         if sink is None and ledger is not None:
             sink = LedgerSink(ledger)
         self.sink: EventSink = sink if sink is not None else MemorySink()
-        self.fleet = fleet_for(fleet, signing_key=self.signing_key)
+        self.fleet = fleet_for(opts.fleet, signing_key=self.signing_key)
         self.check_determinism = check_determinism and mode == "deterministic"
         named = [(n, p) for n, p in ddp.module.named_parameters() if p.requires_grad]
         self.param_names = [n for n, _ in named]

@@ -166,7 +166,6 @@ class ShardedAuditSession:
         options: AuditOptions | None = None,
         expect_consensus_fp: str | None = None,
         resume_state: dict[str, Any] | None = None,
-        fleet: Any = None,
         **shorthand: Any,
     ) -> None:
         if not (dist.is_available() and dist.is_initialized()):
@@ -235,7 +234,7 @@ class ShardedAuditSession:
         mine = json.dumps(rank_inventory(rank=self.rank)).encode()
         inv = all_gather_bytes(mine, group=self.group, wire_device=self.wire_device)
         self.inventory = {str(r): json.loads(t) for r, t in enumerate(inv)}
-        self.fleet = fleet_for(fleet, signing_key=signing_key_from_env())
+        self.fleet = fleet_for(opts.fleet, signing_key=signing_key_from_env())
         self.last_consensus: ShardConsensus | None = None
         self.state = ShardedState(
             step=start_step,

@@ -95,8 +95,6 @@ class AuditCallback(*CALLBACK_BASES):  # type: ignore[misc]
             for a ``training_step`` with side effects a replay must not repeat (metric objects
             updated in place, counters).
         injector_faults: ``certckpt.detect.Fault`` objects, for drills and tests.
-        fleet: a fleet registry's URL: devices looked up at the start, detections convicted there
-            (``AuditSession``'s ``fleet``; ``fleet_policy`` is an option).
 
     Example:
         >>> audit = AuditCallback(audit_every=10)
@@ -114,11 +112,9 @@ class AuditCallback(*CALLBACK_BASES):  # type: ignore[misc]
         run: str | None = None,
         replay_fn: Callable[[Any, Any, int], Any] | None = None,
         injector_faults: list | None = None,
-        fleet: str | None = None,
         **shorthand: Any,
     ):
         super().__init__()
-        self.fleet = fleet
         if replay_fn is not None and not callable(replay_fn):
             raise ConfigurationError("replay_fn must be callable as fn(module, batch, batch_idx) -> loss")
         self.options = AuditOptions.build(options, **shorthand)
@@ -211,7 +207,6 @@ class AuditCallback(*CALLBACK_BASES):  # type: ignore[misc]
             hand_over_grads=False,  # Lightning zeroes the gradients itself (the hand-over needs set_to_none)
             injector_faults=self.injector_faults or None,
             options=self.options,
-            fleet=self.fleet,
         )
         if certified:
             io.bind_audits(store=store, run=run, flush=session.flush)

@@ -59,8 +59,6 @@ class AuditCallback(TrainerCallback):
             and ``hand_over_grads=False`` (the Trainer zeroes the gradients itself).
         check_replay: the same as ``check_determinism`` (this callback's earlier name for it).
         injector_faults: synthetic faults (``certckpt.detect.Fault``) for drills and tests.
-        fleet: a fleet registry's URL: devices looked up at the start, detections convicted there
-            (``AuditSession``'s ``fleet``; ``fleet_policy`` is an option).
 
     Example::
 
@@ -76,10 +74,8 @@ class AuditCallback(TrainerCallback):
         options: AuditOptions | None = None,
         check_replay: bool | None = None,
         injector_faults: list[Fault] | None = None,
-        fleet: str | None = None,
         **shorthand: Any,
     ):
-        self.fleet = fleet
         if check_replay is not None:
             shorthand.setdefault("check_determinism", check_replay)
         try:
@@ -139,7 +135,6 @@ class AuditCallback(TrainerCallback):
             injector_faults=self.faults or None,
             start_step=int(state.global_step),
             ledger=run.ledger,
-            fleet=self.fleet,
         )
         self._evidence = None
         return control
