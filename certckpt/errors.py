@@ -27,6 +27,8 @@ __all__ = [
     "PlatformError",
     "IncidentError",
     "AuditSetupError",
+    "DeviceConvictedError",
+    "FleetError",
     "FaultDetectedError",
     "RanksFailedError",
     "ProtectedCheckpointError",
@@ -107,11 +109,21 @@ class IncidentError(CertckptError, ValueError):
     """A decision on an incident breaks its rules (approval by the proposer, closing without a drill...)."""
 
 
+class FleetError(CertckptError, ValueError):
+    """A decision in a fleet registry breaks its rules (a clearance approved by its own proposer or
+    key, an appeal of a device with no conviction, a device name that is not one)."""
+
+
 # --- detection ------------------------------------------------------------------------------------------
 
 
 class AuditSetupError(CertckptError, ValueError):
     """The training set-up cannot be audited as configured (found at start, not at step 10,000)."""
+
+
+class DeviceConvictedError(AuditSetupError):
+    """A run configured with a fleet registry was refused at its start: a rank's device is convicted
+    there (every rank raises the same message; ``certckpt fleet show DEVICE`` has the evidence)."""
 
 
 class FaultDetectedError(CertckptError, RuntimeError):

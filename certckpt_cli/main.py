@@ -72,6 +72,11 @@ COMMANDS: dict[str, Entry] = {
     "incident": Entry(
         "incident_cmds", "incident", "Incidents opened by uncontained detections, and the decisions taken on them."
     ),
+    "fleet": Entry(
+        "fleet_cmds",
+        "fleet",
+        "The fleet registry: convicted devices, appeals, clearances, what a conviction changes, detection rates.",
+    ),
     "plan": Entry(
         "plan_cmd",
         "plan_cmd",

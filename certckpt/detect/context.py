@@ -99,7 +99,7 @@ class EventLog:
     """The session's events: built alike on every rank, published by rank 0, kept in the lineage.
 
     ``emit_event`` reads the identity from here (``run``, ``branch``, ``world``, ``inventory``,
-    ``rank``, ``sink``, ``ledger``). ``inventory`` is filled in once every rank's is gathered.
+    ``rank``, ``sink``, ``ledger``, ``fleet``). ``inventory`` is filled in once every rank's is gathered.
     """
 
     def __init__(
@@ -119,6 +119,7 @@ class EventLog:
         self.group, self.wire_device = group, wire_device
         self.sink, self.ledger, self.state = sink, ledger, state
         self.inventory: dict[str, dict[str, Any]] = {}
+        self.fleet: Any = None  # a fleet registry convicts the devices rank 0's failures blame
 
     def event(
         self, kind: str, outcome: str, *, step: int, suspects: Any = (), contained: bool = False, **details: Any

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 from certckpt.errors import CertckptError, ConfigurationError
 from certckpt.log import AUDIT
+from certckpt.trust.fleet import Fleet
 from certckpt.trust.runstore import open_incident
 
 __all__ = [
@@ -27,6 +28,8 @@ __all__ = [
     "JsonlSink",
     "KINDS",
     "rank_inventory",
+    "inventory_override",
+    "INVENTORY_ENV",
     "make_event",
     "publish",
 ]
@@ -158,8 +161,35 @@ class JsonlSink:
             return [AuditEvent.from_dict(json.loads(line)) for line in f if line.strip()]
 
 
-def rank_inventory(device: Any = None) -> dict[str, Any]:
-    """Where this process runs: host, scheduler identifiers, and the CUDA device's name and UUID."""
+INVENTORY_ENV = "CERTCKPT_INVENTORY"
+
+
+def inventory_override(rank: int | None) -> dict[str, Any]:
+    """What ``$CERTCKPT_INVENTORY`` says about this rank: a JSON object whose ``"*"`` entry applies
+    to every rank and whose ``"0"``, ``"1"``... entries to one rank each (the later wins), e.g.
+    ``{"*": {"host": "node-7"}, "1": {"device_id": "GPU-bad"}}``. For a scheduler that knows device
+    identities the process cannot read, and for tests; a fleet registry names devices by it."""
+    raw = os.environ.get(INVENTORY_ENV, "").strip()
+    if not raw:
+        return {}
+    try:
+        doc = json.loads(raw)
+    except ValueError as e:
+        raise ConfigurationError(f"${INVENTORY_ENV} is not JSON ({e}); see docs/detection.md") from e
+    if not isinstance(doc, dict) or not all(
+        (k == "*" or k.isdigit()) and isinstance(v, dict) and all(isinstance(x, (str, int)) for x in v.values())
+        for k, v in doc.items()
+    ):
+        example = '{"1": {"device_id": "GPU-7"}}'
+        raise ConfigurationError(f'${INVENTORY_ENV} must map "*" or rank numbers to objects of strings, e.g. {example}')
+    out = dict(doc.get("*", {}))
+    out.update(doc.get(str(rank), {}) if rank is not None else {})
+    return out
+
+
+def rank_inventory(device: Any = None, *, rank: int | None = None) -> dict[str, Any]:
+    """Where this process runs: host, scheduler identifiers, and the CUDA device's name and UUID,
+    with ``$CERTCKPT_INVENTORY``'s entries for this rank on top (``inventory_override``)."""
     inv: dict[str, Any] = {"host": socket.gethostname(), "pid": os.getpid()}
     env = {k: os.environ[k] for k in _NODE_ENV if os.environ.get(k)}
     if env:
@@ -174,6 +204,7 @@ def rank_inventory(device: Any = None) -> dict[str, Any]:
             inv["device_uuid"] = f"GPU-{uuid}"
     else:
         inv["device"] = "cpu"
+    inv.update(inventory_override(rank))
     return inv
 
 
@@ -224,24 +255,32 @@ def emit_event(
         details=details,
     )
     if owner.rank == 0:
-        publish(ev, sink=owner.sink, ledger=owner.ledger)
+        publish(ev, sink=owner.sink, ledger=owner.ledger, fleet=getattr(owner, "fleet", None))
     return ev
 
 
-def publish(ev: AuditEvent, *, sink: EventSink, ledger: Any = None) -> None:
+def publish(ev: AuditEvent, *, sink: EventSink, ledger: Any = None, fleet: Fleet | None = None) -> None:
     """Rank 0's part of an event: into the sink; a failure is flushed at once and, when it reached the
-    weights (uncontained, not a replay's precondition check), opens an incident in ``ledger``. A ledger
-    that cannot be written must not hide the detection itself: ``certckpt status`` opens it later."""
+    weights (uncontained, not a replay's precondition check), opens an incident in ``ledger`` and
+    convicts the blamed ranks' devices in ``fleet``. A ledger or a fleet that cannot be written must
+    not hide the detection itself: ``certckpt status`` opens the incident later."""
     sink.emit(ev)
     if not ev.failed:
         return
     sink.flush()
-    if ev.contained or ledger is None or ev.details.get("found_by"):
+    if ev.contained or ev.details.get("found_by"):
         return
-    try:
-        open_incident(ledger, ev.to_dict())
-    except (CertckptError, OSError) as e:
-        print(f"certckpt: could not record the incident in {getattr(ledger, 'store', ledger)}: {e}", file=sys.stderr)
+    if ledger is not None:
+        try:
+            open_incident(ledger, ev.to_dict())
+        except (CertckptError, OSError) as e:
+            where = getattr(ledger, "store", ledger)
+            print(f"certckpt: could not record the incident in {where}: {e}", file=sys.stderr)
+    if fleet is not None:
+        try:
+            fleet.report_detection(ev.to_dict(), store=getattr(ledger, "store", None))
+        except (CertckptError, OSError) as e:
+            print(f"certckpt: could not record the conviction in fleet {fleet.url}: {e}", file=sys.stderr)
 
 
 def log_audit_pass(*, step: int, branch: str | None, ranks: int, checked: int, seconds: float) -> None:

@@ -24,6 +24,7 @@ __all__ = [
     "OnFault",
     "ExchangeFlags",
     "NonfiniteRead",
+    "FleetPolicy",
     "DDP_ONLY",
     "SHARDED_ONLY",
     "unused_problem",
@@ -71,7 +72,15 @@ class NonfiniteRead(_Choice):
     DEFERRED = "deferred"  # a step later, without waiting for the GPU (docs/detection.md)
 
 
+class FleetPolicy(_Choice):
+    """What a run configured with a fleet registry does when a rank's device is convicted there."""
+
+    REFUSE = "refuse"  # every rank raises DeviceConvictedError before the first step
+    WARN = "warn"  # every rank warns, training goes on
+
+
 _CHOICES: dict[str, type[_Choice]] = {
+    "fleet_policy": FleetPolicy,
     "mode": Mode,
     "on_nonfinite": OnNonfinite,
     "on_fault": OnFault,
@@ -130,6 +139,12 @@ class AuditOptions:
             whose gradients differ (deterministic mode only); and, in either mode, at the first
             step with finite gradients, replay the step once and refuse when the replay does not
             reproduce what training computed (every rank refuses together).
+        fleet: a fleet registry's path or URL (``docs/operations.md``, "Convicted devices"): every
+            rank's device is looked up there before the first step, the run's store registers
+            there, and the devices a failed check blames are convicted there (None: no fleet).
+        fleet_policy: with a fleet registry (``fleet=URL``), what a convicted device (or a registry
+            that cannot be read or is tampered) does at the start: ``"refuse"`` (default: every rank
+            raises ``DeviceConvictedError`` with the same message) or ``"warn"``.
     """
 
     audit_every: int = 10
@@ -147,6 +162,8 @@ class AuditOptions:
     grad_scaler: Any = None
     replay_micro_batches: int | None = None
     audit_updates: bool | None = None
+    fleet: str | None = None
+    fleet_policy: FleetPolicy = FleetPolicy.REFUSE
 
     def __post_init__(self) -> None:
         for name, kind in _CHOICES.items():
@@ -157,6 +174,8 @@ class AuditOptions:
                 names = [repr(c.value) for c in kind]
                 allowed = f"{', '.join(names[:-1])} or {names[-1]}"
                 raise ConfigurationError(f"{name} must be {allowed}, got {value!r}") from None
+        if self.fleet is not None and (not isinstance(self.fleet, str) or not self.fleet.strip()):
+            raise ConfigurationError(f"fleet must be None or a fleet registry's path or URL, got {self.fleet!r}")
         for name, low, optional in (
             ("audit_every", 1, False),
             ("consensus_every", 1, True),

@@ -55,6 +55,7 @@ from .context import CheckContext, EventLog, SessionState, StateField
 from .events import EventSink, MemorySink, log_audit_pass, rank_inventory
 from .evidence import CheckpointEvidence, StepOutcome
 from .exchange import RingShift
+from .fleet_check import check_fleet_at_start, fleet_for
 from .hook import HookState, comm_hook, hand_over_possible, lazy_pre_possible
 from .inject import Injector
 from .nonfinite import NonFiniteCheck
@@ -223,6 +224,7 @@ class AuditSession:
         if sink is None and ledger is not None:
             sink = LedgerSink(ledger)
         self.sink: EventSink = sink if sink is not None else MemorySink()
+        self.fleet = fleet_for(opts.fleet, signing_key=self.signing_key)
         self.check_determinism = check_determinism and mode == "deterministic"
         named = [(n, p) for n, p in ddp.module.named_parameters() if p.requires_grad]
         self.param_names = [n for n, _ in named]
@@ -318,11 +320,25 @@ class AuditSession:
         ddp.register_comm_hook(self._hook, comm_hook)
         if hand_over:
             ddp.reducer._set_optimizer_in_backward()
-        mine = json.dumps(rank_inventory(self.device)).encode()
+        mine = json.dumps(rank_inventory(self.device, rank=self.rank)).encode()
         payloads = all_gather_bytes(mine, group=self.group, wire_device=self.wire_device)
         self.inventory = report.inventory = {str(r): json.loads(b) for r, b in enumerate(payloads)}
         if expect_consensus_fp is not None:
             self.setup.check_resumed_weights(expect_consensus_fp, parent=self.parent)
+        if self.fleet is not None:
+            report.fleet = self.fleet
+            check_fleet_at_start(
+                self.fleet,
+                policy=self.options.fleet_policy.value,
+                inventory=self.inventory,
+                rank=self.rank,
+                group=self.group,
+                wire_device=self.wire_device,
+                ledger=self.ledger,
+                run=self.run,
+                branch=self.branch,
+                start_step=self.state.step,
+            )
         # recorded only once the resumed weights are known to be the parent's
         if self.ledger is not None and self.parent is not None and self.rank == 0:
             self.ledger.start_branch(self.branch, parent=self.parent)

@@ -48,12 +48,14 @@ from torch.distributed.tensor import DTensor
 
 from certckpt.errors import AuditSetupError, ConfigurationError
 from certckpt.format.sharded.regions import local_regions
+from certckpt.format.signing import signing_key_from_env
 from certckpt.trust.ledger import Ledger, LedgerSink
 
 from .agreement import all_gather_bytes, refuse_together, wire_device_for
 from .context import StateField
 from .events import EventSink, MemorySink, log_audit_pass, rank_inventory
 from .exchange import refuse_unshippable
+from .fleet_check import check_fleet_at_start, fleet_for
 from .options import DDP_ONLY, AuditOptions, session_options
 from .session import CheckpointEvidence
 from .setup_checks import nonfinite_read_problem
@@ -229,8 +231,10 @@ class ShardedAuditSession:
         if sink is None and self.ledger is not None:
             sink = LedgerSink(self.ledger)
         self.sink: EventSink = sink if sink is not None else MemorySink()
-        inv = all_gather_bytes(json.dumps(rank_inventory()).encode(), group=self.group, wire_device=self.wire_device)
+        mine = json.dumps(rank_inventory(rank=self.rank)).encode()
+        inv = all_gather_bytes(mine, group=self.group, wire_device=self.wire_device)
         self.inventory = {str(r): json.loads(t) for r, t in enumerate(inv)}
+        self.fleet = fleet_for(opts.fleet, signing_key=signing_key_from_env())
         self.last_consensus: ShardConsensus | None = None
         self.state = ShardedState(
             step=start_step,
@@ -272,6 +276,20 @@ class ShardedAuditSession:
         self.replay = ShardedReplayAudit(self.ctx, consensus=self.weight_consensus)
         if expect_consensus_fp is not None:
             self._check_resumed_state(resume_state, expect_consensus_fp)
+        if self.fleet is not None:
+            self.ctx.report.fleet = self.fleet
+            check_fleet_at_start(
+                self.fleet,
+                policy=opts.fleet_policy.value,
+                inventory=self.inventory,
+                rank=self.rank,
+                group=self.group,
+                wire_device=self.wire_device,
+                ledger=self.ledger,
+                run=run,
+                branch=branch,
+                start_step=start_step,
+            )
 
     # --- the mutable state, kept in ``self.state`` ------------------------------------------
 

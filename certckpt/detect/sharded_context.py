@@ -73,6 +73,7 @@ class ShardedEventLog:
     ) -> None:
         self.run, self.branch, self.rank, self.world, self.group = run, branch, rank, world, group
         self.sink, self.ledger, self.inventory, self.state = sink, ledger, inventory, state
+        self.fleet: Any = None  # a fleet registry convicts the devices rank 0's failures blame
 
     def event(
         self, kind: str, outcome: str, *, step: int, suspects: Any = (), contained: bool = False, **details: Any

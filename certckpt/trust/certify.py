@@ -34,6 +34,7 @@ from typing import Any
 
 from certckpt.errors import ConfigurationError
 
+from .devices import unaudited_overlap
 from .facts import FAILED_ANY, SEEN_ALL, AuditFacts, BranchFacts
 
 __all__ = [
@@ -67,6 +68,7 @@ class Reason(str, Enum):
     TAINTED_PARENT = "tainted-parent"  # rule 5: a checkpoint it descends from is not trusted
     REVOKED = "revoked"  # rule 5: someone revoked it (or an ancestor)
     SUPERSEDED = "superseded"  # a resume forked before it: its audit will never come
+    DEVICE_CONVICTED = "device-convicted"  # a step of its unaudited interval ran on a convicted device
 
     def __str__(self) -> str:
         return self.value
@@ -249,6 +251,7 @@ def certify(
     corrupt: Iterable[str] = (),
     branch_parents: dict[str, str] | None = None,
     tampered: Mapping[str, int] | None = None,
+    convicted: Mapping[str, Sequence[tuple[int, int | None]]] | None = None,
 ) -> Certification:
     """Verdicts for every checkpoint, the detections with their suspect intervals, latest-good order.
 
@@ -263,6 +266,9 @@ def certify(
         tampered: per branch, the last step its ledger chain proves intact: a checkpoint after it
             is ``tampered`` (records of that branch are missing or altered); the key ``"*"`` marks
             every branch (a store-wide record, such as a revocation, may be missing).
+        convicted: per branch, the step ranges ``(lo, hi]`` (hi None: open-ended) that a device a
+            fleet registry convicts computed: a checkpoint whose unaudited interval ``(c, s]`` (c its
+            branch's last clean audit point before s) holds one of those steps is ``device-convicted``.
 
     Returns:
         A ``Certification``; ``latest_good`` is the trusted checkpoint with the greatest step (newest
@@ -274,7 +280,7 @@ def certify(
     out = Certification(detections=_detections(branches))
 
     revoked = {r.ckpt_id for r in revocations}
-    own = _own_reasons_by_id(checkpoints, branches, set(corrupt), dict(tampered or {}))
+    own = _own_reasons_by_id(checkpoints, branches, set(corrupt), dict(tampered or {}), convicted or {})
 
     # Lineage (rule 5): ancestors are the earlier checkpoints of the branch and the fork point with
     # its own ancestors. Resolved with memoisation; a cycle in bad data counts as tainted.
@@ -363,12 +369,17 @@ def _own_reasons_by_id(
     branches: Mapping[str, _Branch],
     corrupt: set[str],
     marks: Mapping[str, int],
+    convicted: Mapping[str, Sequence[tuple[int, int | None]]],
 ) -> dict[str, list[str]]:
-    """Per checkpoint, the reasons of its own (rules 1-4, and ``tampered`` past its branch's mark),
-    before lineage, revocation and supersession are considered."""
+    """Per checkpoint, the reasons of its own (rules 1-4, ``tampered`` past its branch's mark,
+    ``device-convicted``), before lineage, revocation and supersession are considered."""
     own: dict[str, list[str]] = {}
     for c in checkpoints:
-        own[c.ckpt_id] = _own_reasons(c, branches[c.branch], corrupt)
+        b = branches[c.branch]
+        own[c.ckpt_id] = _own_reasons(c, b, corrupt)
+        ranges = convicted.get(c.branch)
+        if ranges and unaudited_overlap(ranges, last_clean=b.last_clean_before(c.step), step=c.step):
+            own[c.ckpt_id].append(Reason.DEVICE_CONVICTED)
         mark = min(marks.get(c.branch, _NO_MARK), marks.get("*", _NO_MARK))
         if c.step > mark:
             own[c.ckpt_id].append(Reason.TAMPERED)

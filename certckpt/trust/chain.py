@@ -92,7 +92,7 @@ def is_writer_id(value: Any) -> bool:
 
 def scope_of(kind: str, branch: str | None = None) -> str:
     """The chain a record of ``kind`` belongs to."""
-    if kind in ("events", "checkpoints", "branches"):
+    if kind in ("events", "checkpoints", "branches", "placements"):
         return f"branch:{branch}"
     return "cache" if kind == "certificates" else "store"
 

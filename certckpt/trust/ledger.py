@@ -11,6 +11,7 @@ Layout under ``<store>/_ledger/``::
     kept/<ckpt_id>.json                  a checkpoint whose file a rotation moved aside to keep it
     drills/<time_ns>-<rand>.json         restore-drill results
     incidents/<incident_id>--<...>.json  incident openings and decisions (see incident.py)
+    placements/<branch>--<time_ns>-<rand>.json  runs with a fleet: per rank, the device a start ran on
     holdings/<ckpt_id>.json              vaults only: the checkpoint's copy held here (see vault.py)
 
 A vault's ledger mirrors its source run's records (commit records keep pointing at the source, as
@@ -303,6 +304,16 @@ class Ledger:
         if self._put("branches", f"{branch}.json", self._dumps({"branch": branch, "parent": parent}), branch=branch):
             RESUME.info("resumed from %s: new checkpoints go on branch %s (%s)", parent, branch, self.store)
 
+    def record_placement(self, *, branch: str, start_step: int, devices: dict[str, str], **fields: Any) -> str:
+        """Record where this start of ``branch`` runs (per rank, its device; ``fields``: hosts, run,
+        fleet), sealed in the branch's chain; returns the record's name. A fleet's conviction of
+        one of these devices makes this branch's checkpoints after ``start_step`` suspect."""
+        _check_name("branch", branch)
+        name = f"{branch}--{time.time_ns():020d}-{secrets.token_hex(4)}.json"
+        doc = {"branch": branch, "start_step": start_step, "devices": devices, "at": time.time(), **fields}
+        self._put("placements", name, self._dumps(doc), branch=branch)
+        return name
+
     def append_events(self, events: Iterable[Any]) -> str | None:
         """Write the events, one segment per branch, each sealed in its branch's chain with one
         signature (an unchained store signs every line, as it always did); returns the last
@@ -399,7 +410,7 @@ class Ledger:
     def write_record(self, kind: str, name: str, doc: dict[str, Any]) -> bool:
         """Write one record create-only, signed when this ledger has a signing key, sealed in this
         writer's chain; idempotent."""
-        if kind not in _KINDS or kind in ("events", "checkpoints", "branches"):
+        if kind not in _KINDS or kind in ("events", "checkpoints", "branches", "placements"):
             raise ConfigurationError(f"write_record: kind {kind!r} is written by its own method")
         return self._put(kind, name, self._dumps(doc))
 

@@ -10,7 +10,7 @@ import errno
 import json
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +23,9 @@ from certckpt.format.signing import TrustedKeys
 from certckpt.format.verify import VerifyReport, verify
 
 from .certify import Certification, CheckpointEntry, Level, accept_level, certify
+from .devices import convicted_ranges, placements_of
 from .facts import EventProblem, read_event
+from .fleet import Fleet, FleetView
 from .incident import (
     OPENED_SUFFIX,
     Incident,
@@ -39,6 +41,7 @@ __all__ = [
     "StoreStatus",
     "certify_snapshot",
     "certify_store",
+    "convicted_ranges_for",
     "find_latest_good",
     "check_file",
     "open_incident",
@@ -194,15 +197,59 @@ def _shared_files(snap: LedgerSnapshot) -> dict[str, str]:
     }
 
 
+def convicted_ranges_for(
+    snap: LedgerSnapshot,
+    *,
+    extra: Iterable[str] = (),
+    authenticated_only: bool = False,
+    views: dict[str, FleetView] | None = None,
+) -> dict[str, list[tuple[int, int | None]]]:
+    """Per branch, the step ranges that devices convicted in the run's fleet registries computed.
+
+    The registries are those the run's placement records name (with trusted keys, only placements a
+    trusted writer vouches for name one: a forged record must not send the reader anywhere).
+
+    Args:
+        extra: devices to count as convicted too (``certckpt fleet impact``: before it happens).
+        authenticated_only: count only convictions a trusted writer vouches for (a prune).
+        views: registries read already, by URL (read here otherwise, and kept there).
+    """
+    if not snap.placements:
+        return {}
+    convicted = set(extra)
+    views = {} if views is None else views
+    for url in sorted({r["fleet"] for r, ok in snap.placements if ok and isinstance(r.get("fleet"), str)}):
+        if url not in views:
+            views[url] = Fleet(url, signing_key=None, trusted_keys=snap.trusted_keys).read()
+        view = views[url]
+        if view.breaks:
+            note = f"fleet registry {url} is tampered ({view.breaks[0]}): a conviction may be missing"
+            if note not in snap.notes:
+                snap.notes.append(note)
+        for dev, st in view.devices.items():
+            if st.convicted and (not authenticated_only or any(c["authenticated"] for c in st.open_convictions)):
+                convicted.add(dev)
+    return convicted_ranges(placements_of(snap.placements), convicted)
+
+
 def certify_snapshot(
-    snap: LedgerSnapshot, *, corrupt: Mapping[str, str] | None = None, authenticated_only: bool = False
+    snap: LedgerSnapshot,
+    *,
+    corrupt: Mapping[str, str] | None = None,
+    authenticated_only: bool = False,
+    convicted: Mapping[str, list[tuple[int, int | None]]] | None = None,
 ) -> Certification:
-    """The certifier over one ledger snapshot: its audit facts, revocations, forks and broken chains.
+    """The certifier over one ledger snapshot: its audit facts, revocations, forks and broken chains,
+    and the devices its fleet registries convict.
 
     Args:
         authenticated_only: leave out evidence against trust that no trusted writer vouches for
-            (unsigned failures and revocations): what a destructive step (a prune) may act on.
+            (unsigned failures, revocations and convictions): what a destructive step (a prune) may act on.
+        convicted: per branch, the step ranges computed on convicted devices (default: read from the
+            fleet registries the run's placements name, ``convicted_ranges_for``).
     """
+    if convicted is None:
+        convicted = convicted_ranges_for(snap, authenticated_only=authenticated_only)
     return certify(
         snap.checkpoints,
         snap.facts.trusted_only() if authenticated_only else snap.facts,
@@ -210,6 +257,7 @@ def certify_snapshot(
         corrupt=corrupt or {},
         branch_parents=snap.branch_parents,
         tampered=snap.tampered,
+        convicted=convicted,
     )
 
 

@@ -32,11 +32,13 @@ from certckpt.format.storage import VAULT_MARK, remote_error_text
 
 from .certify import CheckpointEntry, Revocation
 from .chain import CHAINS_DIR, GENESIS, Break, ChainCheck, check_chains, digest, genesis_problem, parse_entry_name
+from .devices import is_device_id
 from .factcache import FactsCache
 from .facts import AuditFacts, EventProblem, read_event
 from .incident import incident_state
 
 __all__ = [
+    "FLEET_KINDS",
     "KINDS",
     "LedgerSnapshot",
     "MAX_RECORD_BYTES",
@@ -47,6 +49,8 @@ __all__ = [
     "why_invalid",
 ]
 
+# A fleet registry's records (``certckpt.trust.fleet``): a Ledger at its own URL holds these.
+FLEET_KINDS = ("convictions", "appeals", "clearances", "stores")
 KINDS = (
     "checkpoints",
     "branches",
@@ -58,6 +62,8 @@ KINDS = (
     "kept",
     "drills",
     "incidents",
+    "placements",
+    *FLEET_KINDS,
 )
 SOURCES_DIR = "sources"  # a vault's copy of its source run's genesis record
 # What a vault copies from its run (the rest of a run's records may be absent there).
@@ -67,7 +73,10 @@ _HELD_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,240}\.safetensors$")  # 
 _HELD_NAME_ANY = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._@=-]{0,240}$")  # a plain file name, any suffix
 _CKPT_ID = re.compile(r"^([A-Za-z0-9._-]{1,100})@([0-9]{1,18})$")
 # Records that can move a verdict toward trusted (or make a copy count as held).
-_FOR_TRUST = ("checkpoints", "holdings", "branches", "drills", "certificates")
+# Appeals and clearances set a device's convictions aside: they count only authenticated. Convictions,
+# placements and a fleet's store registrations only add doubt: they count signed or not.
+_FOR_TRUST = ("checkpoints", "holdings", "branches", "drills", "certificates", "appeals", "clearances")
+BRANCH_KINDS = ("checkpoints", "branches", "placements")  # records sealed by their branch's chain
 _BATCH = 256  # event segments read per request: bounded memory, few round trips
 _RELISTS = 3  # listings again when a chain looks truncated (see read_snapshot)
 MAX_RECORD_BYTES = 1 << 30  # no record or segment is this large (a segment holds 4,096 events)
@@ -98,6 +107,8 @@ def why_invalid(kind: str, file: str, r: Any) -> str | None:
         why = _id_problem(kind, file, r)
         if why is not None:
             return why
+    if kind in FLEET_KINDS:
+        return _fleet_problem(kind, file, r)
     check = _KIND_CHECKS.get(kind)
     return check(r) if check is not None else None
 
@@ -196,6 +207,60 @@ def _drill_problem(r: dict[str, Any]) -> str | None:
     return None
 
 
+def _location_problem(value: Any, what: str) -> str | None:
+    if not isinstance(value, str) or not value or len(value) > 1000 or "\0" in value:
+        return f"its {what} is not a path or URL"
+    return None
+
+
+def _placement_problem(r: dict[str, Any]) -> str | None:
+    start, devices, hosts = r.get("start_step"), r.get("devices"), r.get("hosts", {})
+    if not isinstance(r.get("branch"), str) or not _NAME.match(r["branch"]):
+        return "branch is not a valid name"
+    if type(start) is not int or start < 0:
+        return "start_step is not a non-negative int"
+    if not isinstance(devices, dict) or not devices or len(devices) > 1 << 20:
+        return "names no devices"
+    if not all(isinstance(k, str) and k.isdigit() and is_device_id(v) for k, v in devices.items()):
+        return "a rank or a device id is not well formed"
+    if not isinstance(hosts, dict) or not all(isinstance(v, str) and len(v) <= 200 for v in hosts.values()):
+        return "hosts are not names"
+    return None if r.get("fleet") is None else _location_problem(r["fleet"], "fleet")
+
+
+def _fleet_id_problem(r: dict[str, Any], key: str, file: str) -> str | None:
+    rid = r.get(key)
+    if not isinstance(rid, str) or not _NAME.match(rid) or file != f"{rid}.json":
+        return f"{key} {str(rid)[:80]!r} is not a plain name matching its file {file}"
+    if not is_device_id(r.get("device")):
+        return f"device {str(r.get('device'))[:80]!r} is not a device id"
+    if not isinstance(r.get("at", 0.0), (int, float)) or isinstance(r.get("at"), bool):
+        return "its time is not a number"
+    return None
+
+
+def _decision_problem(r: dict[str, Any]) -> str | None:
+    if not isinstance(r.get("by"), str) or not isinstance(r.get("reason"), str):
+        return "has no by or reason"
+    return None
+
+
+def _fleet_problem(kind: str, file: str, r: dict[str, Any]) -> str | None:
+    if kind == "stores":
+        return _location_problem(r.get("store"), "store")
+    key = {"convictions": "conviction_id", "appeals": "appeal_id", "clearances": "clearance_id"}[kind]
+    why = _fleet_id_problem(r, key, file)
+    if why is not None or kind == "convictions":
+        return why or (None if isinstance(r.get("evidence"), dict) else "has no evidence")
+    if kind == "appeals":
+        ids = r.get("convictions")
+        if not isinstance(ids, list) or not all(isinstance(i, str) and _NAME.match(i) for i in ids):
+            return "its convictions are not a list of conviction ids"
+    elif not isinstance(r.get("approves"), str) or not _NAME.match(r["approves"]):
+        return "approves no appeal id"
+    return _decision_problem(r)
+
+
 # What each kind must hold beyond its id (kinds not listed here are checked for their id only, or not at all).
 _KIND_CHECKS: dict[str, Callable[[dict[str, Any]], str | None]] = {
     "kept": _kept_problem,
@@ -206,6 +271,7 @@ _KIND_CHECKS: dict[str, Callable[[dict[str, Any]], str | None]] = {
     "revocations": _revocation_problem,
     "certificates": _certificate_problem,
     "drills": _drill_problem,
+    "placements": _placement_problem,
 }
 
 
@@ -245,6 +311,10 @@ class LedgerSnapshot:
     breaks: list[Break] = field(default_factory=list)
     tampered: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    # (record, counts): where a run's ranks ran at each start (runs configured with a fleet)
+    placements: list[tuple[dict[str, Any], bool]] = field(default_factory=list)
+    # a fleet registry's records by kind, each with "authenticated" (a trusted writer vouches for it)
+    fleet: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     heads: dict[str, tuple[int, str]] = field(default_factory=dict)
     event_loader: Callable[[], list[dict[str, Any]]] | None = None
     facts_cache: FactsCache | None = None  # what a reader keeps to read only new segments next time
@@ -614,7 +684,7 @@ class _Reader:
             why = "not readable JSON" if r is None else why_invalid(kind, name, r)
             ok = True
             if why is None:
-                branch = r.get("branch") if kind in ("checkpoints", "branches") else None
+                branch = r.get("branch") if kind in BRANCH_KINDS else None
                 if snap.chained:
                     ok, reason = self.counts(kind, name, branch=branch if isinstance(branch, str) else None)
                 elif self.keys is not None:
@@ -657,6 +727,7 @@ class _Reader:
         snap.incident_records = [r for _, r, _ in self._valid("incidents")]
         for _, b, _ in self._valid("branches"):
             snap.branch_parents[b["branch"]] = b["parent"]
+        self._fleet_records()
         for r in snap.records.values():
             snap.checkpoints.append(
                 CheckpointEntry(
@@ -694,6 +765,14 @@ class _Reader:
         snap.event_loader = lambda: self._events(counted)
         self.contents = {}  # the records are parsed; the bytes are not needed any more
         return snap
+
+    def _fleet_records(self) -> None:
+        """A run's placements, and a fleet registry's records (each with whether it is authenticated)."""
+        snap = self.snap
+        snap.placements = [(r, ok) for _, r, ok in self._valid("placements")]
+        authenticated = snap.chained or self.keys is not None
+        for kind in FLEET_KINDS:
+            snap.fleet[kind] = [dict(r, authenticated=ok and authenticated) for _, r, ok in self._valid(kind)]
 
     def _segment_standing(self, name: str) -> tuple[bool, str | None, str | None, str | None]:
         """(counts, why not, its chain's branch, its writer) of one event segment."""

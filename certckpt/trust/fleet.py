@@ -1,0 +1,223 @@
+"""A fleet registry: convictions of devices that outlive the run, appeals and clearances, and the run
+stores that report to it (``docs/operations.md``, "Convicted devices").
+
+A fleet registry is a ledger at its own URL (any fsspec URL, like a run store), so it is append-only,
+chained and signed exactly as a run's ledger is (``docs/signing.md``). Layout under ``<fleet>/_ledger/``::
+
+    genesis.json, chains/<writer>/<seq>.json      the ledger's identity and its writers' chains
+    convictions/<conviction_id>.json              {device, host, inventory, evidence: {store, run, branch,
+                                                   step, check, incident_id, rank}, at}
+    appeals/<appeal_id>.json                      {device, convictions: [ids], by, reason, at}
+    clearances/<clearance_id>.json                {device, approves: appeal_id, by, reason, at}
+    stores/<sha256(store)[:32]>.json              {store}: a run store that reports here
+
+Convictions count signed or not (they only add doubt, as a failed check does); appeals and
+clearances count only when a trusted writer's intact chain seals them, where keys are trusted. The
+rules are pure (``certckpt.trust.devices``); this module reads and writes. No torch import.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from certckpt.errors import CheckpointNotFoundError, FleetError
+from certckpt.format.signing import SigningKey, TrustedKeys
+
+from .devices import DeviceStanding, check_appeal, check_clearance, device_of, fleet_standing, host_of, is_device_id
+from .incident import incident_id_for
+from .ledger import FROM_ENV, Ledger
+from .memory import recall, remember
+
+__all__ = ["Fleet", "FleetView", "FLEET_ENV"]
+
+FLEET_ENV = "CERTCKPT_FLEET"  # a default fleet registry for the `certckpt fleet` commands
+
+
+@dataclass(kw_only=True, slots=True)
+class FleetView:
+    """A fleet registry, read at one moment.
+
+    Attributes:
+        devices: every device its records name, with its standing.
+        stores: the run stores that report here.
+        breaks: broken links of its chains (a conviction may be missing: it cannot vouch for anyone).
+        invalid: records used for nothing, with the reason (a forged clearance lands here).
+        exists: False when nothing was ever written there.
+    """
+
+    url: str
+    devices: dict[str, DeviceStanding] = field(default_factory=dict)
+    stores: list[str] = field(default_factory=list)
+    breaks: list[str] = field(default_factory=list)
+    invalid: list[tuple[str, str]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    exists: bool = True
+
+    def convicted(self) -> set[str]:
+        return {d for d, st in self.devices.items() if st.convicted}
+
+    def standing(self, device: str) -> DeviceStanding | None:
+        return self.devices.get(device)
+
+    def start_problem(self, devices: Mapping[str, str]) -> str | None:
+        """Why a run on these devices (per rank) must not start (None: it may)."""
+        if self.breaks:
+            return (
+                f"fleet registry {self.url} is tampered ({self.breaks[0]}): a conviction may be missing; "
+                "restore it from a good copy before starting runs"
+            )
+        bad = []
+        for rank, dev in sorted(devices.items(), key=lambda kv: int(kv[0])):
+            st = self.devices.get(dev)
+            if st is not None and st.convicted:
+                first = st.open_convictions[0]
+                ev = first.get("evidence") or {}
+                bad.append(
+                    f"rank {rank} runs on device {dev} (host {st.host or '?'}), convicted by "
+                    f"{first['conviction_id']} ({ev.get('check')} at step {ev.get('step')} of run {ev.get('run')}"
+                    f"{', incident ' + str(ev['incident_id']) if ev.get('incident_id') else ''})"
+                )
+        if not bad:
+            return None
+        return (
+            "; ".join(bad) + f"; see `certckpt fleet show DEVICE --fleet {self.url}`; a device returns only through "
+            "`certckpt fleet appeal` and a `certckpt fleet clear` by someone else"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "fleet": self.url,
+            "devices": [st.to_dict() for _, st in sorted(self.devices.items())],
+            "stores": self.stores,
+            "breaks": self.breaks,
+            "invalid": [{"record": k, "why": w} for k, w in self.invalid],
+            "notes": self.notes,
+        }
+
+
+def _store_key(store: str) -> str:
+    return hashlib.sha256(store.encode("utf-8")).hexdigest()[:32]
+
+
+class Fleet:
+    """A fleet registry at ``url`` (a directory or prefix of its own).
+
+    Example:
+        >>> fleet = Fleet("s3://ops/fleet")
+        >>> fleet.read().convicted()
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        signing_key: SigningKey | None | str = FROM_ENV,
+        trusted_keys: TrustedKeys | None | str = FROM_ENV,
+    ) -> None:
+        """Args:
+        url: the registry's path or URL.
+        signing_key: signs every record written (default ``$CERTCKPT_SIGNING_KEY``).
+        trusted_keys: appeals and clearances count only when one of these keys vouches for them
+            (default ``$CERTCKPT_TRUSTED_KEYS``; none: every record counts, see docs/operations.md).
+        """
+        self.ledger = Ledger(url, signing_key=signing_key, trusted_keys=trusted_keys)
+        self.url = self.ledger.store
+
+    # --- reading -------------------------------------------------------------------------------
+
+    def read(self) -> FleetView:
+        """Every record, checked like a run's ledger (chains, signatures, the heads this reader saw
+        before: a registry rolled back to before a conviction is a break)."""
+        try:
+            snap = self.ledger.snapshot(remembered=recall(self.url))
+        except CheckpointNotFoundError:
+            return FleetView(url=self.url, exists=False, notes=["no fleet registry here yet"])
+        if snap.chained:
+            remember(self.url, snap.heads)
+        recs = snap.fleet
+        view = FleetView(
+            url=self.url,
+            devices=fleet_standing(recs.get("convictions", []), recs.get("appeals", []), recs.get("clearances", [])),
+            stores=sorted({r["store"] for r in recs.get("stores", [])}),
+            breaks=[f"writer {b.writer} entry {b.seq}: {b.why}" for b in snap.breaks],
+            invalid=list(snap.invalid),
+            notes=list(snap.notes),
+        )
+        return view
+
+    # --- writing -------------------------------------------------------------------------------
+
+    def register_store(self, store: str) -> bool:
+        """Record that ``store`` reports here (idempotent); returns whether it was new."""
+        name = f"{_store_key(store)}.json"
+        if name in self.ledger.list_raw("stores"):
+            return False
+        return self.ledger.write_record("stores", name, {"store": store})
+
+    def convict(self, *, device: str, inventory: Mapping[str, Any], evidence: Mapping[str, Any]) -> str:
+        """Record a conviction of ``device``; returns its id."""
+        if not is_device_id(device):
+            raise FleetError(f"device {device!r} is not a device id (letters, digits and ._:@/+-)")
+        cid = f"conv-{time.time_ns():020d}-{secrets.token_hex(3)}"
+        doc = {
+            "conviction_id": cid,
+            "device": device,
+            "host": host_of(inventory),
+            "inventory": dict(inventory),
+            "evidence": dict(evidence),
+            "at": time.time(),
+        }
+        self.ledger.write_record("convictions", f"{cid}.json", doc)
+        return cid
+
+    def report_detection(self, event: Mapping[str, Any], *, store: str | None) -> list[str]:
+        """Convict the device of every rank an uncontained failed check blames (rank 0 of a run with
+        a fleet calls it); returns the conviction ids. Ranks without a usable identity are skipped."""
+        inventory = event.get("inventory") or {}
+        out = []
+        for rank in event.get("suspect_ranks") or []:
+            inv = inventory.get(str(rank)) or {}
+            device = device_of(inv)
+            if not device:
+                continue
+            evidence = {
+                "store": store,
+                "run": event.get("run"),
+                "branch": event.get("branch"),
+                "step": event.get("step"),
+                "check": event.get("kind"),
+                "rank": rank,
+                "incident_id": incident_id_for(event),
+            }
+            out.append(self.convict(device=device, inventory=inv, evidence=evidence))
+        return out
+
+    def appeal(self, device: str, *, by: str, reason: str) -> dict[str, Any]:
+        """File an appeal of ``device``'s open convictions; it takes effect when someone else clears it."""
+        view = self.read()
+        st = view.standing(device)
+        doc: dict[str, Any] = {"device": device, "by": by, "reason": reason}
+        check_appeal(st, doc)
+        assert st is not None  # check_appeal refuses a device without convictions
+        doc["appeal_id"] = aid = f"appeal-{time.time_ns():020d}-{secrets.token_hex(3)}"
+        doc["convictions"] = [c["conviction_id"] for c in st.open_convictions]
+        doc["at"] = time.time()
+        self.ledger.write_record("appeals", f"{aid}.json", doc)
+        return doc
+
+    def clear(self, device: str, *, approves: str, by: str, reason: str) -> dict[str, Any]:
+        """Approve an appeal: the convictions it names are set aside (runs on the device start again,
+        the checkpoints it made suspect are judged without them)."""
+        view = self.read()
+        doc: dict[str, Any] = {"device": device, "approves": approves, "by": by, "reason": reason}
+        signer = self.ledger.signing_key.key_id if self.ledger.signing_key is not None else None
+        check_clearance(view.standing(device), doc, signer=signer)
+        doc["clearance_id"] = cid = f"clear-{time.time_ns():020d}-{secrets.token_hex(3)}"
+        doc["at"] = time.time()
+        self.ledger.write_record("clearances", f"{cid}.json", doc)
+        return doc
