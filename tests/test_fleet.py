@@ -274,6 +274,24 @@ def test_impact_and_rates_read_the_registered_stores(tmp_path, keys):
     assert svg.startswith("<svg") and "gpu-x" in svg and "node-x" in svg
 
 
+def test_deleting_the_fleet_a_run_was_placed_under_does_not_clear_its_devices(tmp_path, keys):
+    root = _convicted_fleet(tmp_path, keys)
+    store = tmp_path / "run"
+    store.mkdir()
+    led = Ledger(str(store), signing_key=SigningKey.load(keys["writer"]))
+    led.record_placement(branch="b", start_step=4, devices={"0": "gpu-x"}, fleet=str(root))
+    for s in (4, 10):
+        led.commit_checkpoint(branch="b", step=s, location=str(store / f"b{s}.safetensors"))
+    assert certify_store(str(store), write_certificates=False).certification.verdicts["b@10"].reasons[-1] == (
+        "device-convicted"
+    )
+    shutil.rmtree(root)  # an attacker who can write the fleet's storage removes it, convictions and all
+    status = certify_store(str(store), write_certificates=False)
+    assert status.certification.verdicts["b@10"].reasons[-1] == "tampered"  # unproven, never cleared
+    assert "b@4" in status.certification.verdicts and "tampered" not in status.certification.verdicts["b@4"].reasons
+    assert any("fleet registry" in n and "missing" in n for n in status.snapshot.notes)
+
+
 # --- three stores, three gloo ranks each, in one launch ----------------------------------------------------
 
 

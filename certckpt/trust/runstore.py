@@ -222,6 +222,9 @@ def convicted_ranges_for(
         if url not in views:
             views[url] = Fleet(url, signing_key=None, trusted_keys=snap.trusted_keys).read()
         view = views[url]
+        if not view.exists:
+            _fleet_gone(snap, url)
+            continue
         if view.breaks:
             note = f"fleet registry {url} is tampered ({view.breaks[0]}): a conviction may be missing"
             if note not in snap.notes:
@@ -230,6 +233,20 @@ def convicted_ranges_for(
             if st.convicted and (not authenticated_only or any(c["authenticated"] for c in st.open_convictions)):
                 convicted.add(dev)
     return convicted_ranges(placements_of(snap.placements), convicted)
+
+
+def _fleet_gone(snap: LedgerSnapshot, url: str) -> None:
+    """A fleet registry this run's placements name is not there: it was, since the run registered
+    with it before training. Deleted (or moved), it can no longer say which devices are convicted,
+    so every step placed under it is unproven: its branches are ``tampered`` from each placement's
+    start (an attacker who deletes a fleet must not clear the devices it convicted)."""
+    note = f"fleet registry {url} named by this run's placements is missing: its convictions cannot be checked"
+    if note not in snap.notes:
+        snap.notes.append(note)
+    for r, _ in snap.placements:
+        if r.get("fleet") == url:
+            branch, start = r["branch"], int(r["start_step"])
+            snap.tampered[branch] = min(snap.tampered.get(branch, start), start)
 
 
 def certify_snapshot(
