@@ -123,9 +123,14 @@ def _choose(ckpt: str, store: str | None, level: Level) -> tuple[StoreStatus, st
     if store is None and "://" not in ckpt and os.path.isdir(os.path.join(ckpt, LEDGER_DIR)):
         status, cid = find_latest_good(ckpt, accept=level, write_certificates=False)
         if cid is None:
-            raise UntrustedCheckpointError(
-                f"{ckpt}: no checkpoint is {level.value} (`certckpt status {ckpt}` says why)"
+            verified = [c for c in status.certification.verified_order if status.snapshot.available(c)]
+            why = (
+                f"newest verified, without audit evidence: {verified[0]}; `--accept verified` releases it and"
+                " its certificate says so"
+                if verified and level is Level.TRUSTED
+                else f"`certckpt status {ckpt}` says why"
             )
+            raise UntrustedCheckpointError(f"{ckpt}: no checkpoint is {level.value} ({why})")
         return status, cid
     store = store or enclosing_store(ckpt)
     if store is None:
@@ -341,6 +346,22 @@ def _release_files(directory: str) -> dict[str, str]:
     return out
 
 
+def _said(e: Exception) -> str:
+    """The model_signing verifier's complaint in one short line (it prints digests as bytes)."""
+    import re
+
+    text = str(e).strip()
+    changed = re.findall(r"Hash mismatch for '([^']{1,200})'", text)
+    extra = re.search(r"Extra files found in model '[^']*': ([^\"\]]{1,300})", text)
+    missing = re.search(r"Missing files in model '[^']*': ([^\"\]]{1,300})", text)
+    parts = [f"{n} changed since it was signed" for n in changed]
+    parts += [f"files not signed: {extra.group(1)}"] if extra else []
+    parts += [f"signed files missing: {missing.group(1)}"] if missing else []
+    if parts:
+        return "; ".join(parts)
+    return text.splitlines()[0][:300] if text else type(e).__name__
+
+
 def verify_release(directory: str, *, public_key: str, accept: str = "trusted") -> ReleaseCheck:
     """Check a release directory against one trusted public key.
 
@@ -362,8 +383,7 @@ def verify_release(directory: str, *, public_key: str, accept: str = "trusted") 
     try:
         ms.verifying.Config().use_elliptic_key_verifier(public_key=public_key).verify(directory, sig_path)
     except Exception as e:  # whatever the third-party verifier raises, the check failed
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ReleaseVerificationError(f"{sig_path}: model_signing verification failed: {first}") from e
+        raise ReleaseVerificationError(f"{sig_path}: model_signing verification failed: {_said(e)}") from e
     try:
         with open(os.path.join(directory, CERTIFICATE_NAME), encoding="utf-8") as f:
             envelope = json.load(f)
