@@ -108,7 +108,7 @@ def checkpoint_directory(url: str) -> str:
 @click.command()
 @click.argument("store")
 @click.option("--verify-bytes", is_flag=True, help="Verify every checkpoint's bytes (slower).")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON (with every checkpoint's coverage).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (with --coverage: every checkpoint's coverage).")
 @click.option(
     "--coverage",
     "show_coverage",
@@ -129,7 +129,8 @@ def status(store: str, verify_bytes: bool, as_json: bool, show_coverage: bool = 
     focus = _checkpoint_in(st, directory) if inside is not None else None
     cert = st.certification
     rows = sorted(st.snapshot.checkpoints, key=lambda c: (c.branch, c.step))
-    cov = st.coverage() if as_json or show_coverage else {}
+    # coverage reads every audit event again (a big ledger's are folded while reading, not kept): asked for
+    cov = st.coverage() if show_coverage else {}
     if as_json:
         click.echo(
             json.dumps(
@@ -146,7 +147,7 @@ def status(store: str, verify_bytes: bool, as_json: bool, show_coverage: bool = 
                             "verdict": cert.verdicts[c.ckpt_id].label,
                             "reasons": list(cert.verdicts[c.ckpt_id].reasons),
                             "held": st.snapshot.available(c.ckpt_id),
-                            "coverage": cov[c.ckpt_id].to_json(),
+                            **({"coverage": cov[c.ckpt_id].to_json()} if show_coverage else {}),
                         }
                         for c in rows
                     ],

@@ -93,7 +93,7 @@ def test_coverage_in_status_inspect_and_the_timeline(demo):
     assert r.exit_code == 0, r.output
     row = next(line for line in r.output.splitlines() if line.startswith("b2@60 ") and "1/5" in line)
     assert "1/10 over 60 steps" in row and "rank named" in row
-    doc = json.loads(runner.invoke(cli, ["status", store, "--json"]).output)
+    doc = json.loads(runner.invoke(cli, ["status", store, "--json", "--coverage"]).output)
     b60 = next(c for c in doc["checkpoints"] if c["ckpt_id"] == "b2@60")["coverage"]
     assert b60["bound"]["one_time_replayed"] == "1/5" and b60["lineage"]["one_time_replayed"] == "1/10"
     url = next(c["url"] for c in doc["checkpoints"] if c["ckpt_id"] == "b2@60")
