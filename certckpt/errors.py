@@ -22,6 +22,7 @@ __all__ = [
     "MissingDependencyError",
     "DeviceUnavailableError",
     "UntrustedCheckpointError",
+    "ReleaseVerificationError",
     "ConfigurationError",
     "ArgumentTypeError",
     "PlatformError",
@@ -103,6 +104,11 @@ class PlatformError(CertckptError, RuntimeError):
 
 class UntrustedCheckpointError(CertckptError, ValueError):
     """An operation that needs a trusted checkpoint (promotion to the vault) was given a suspect one."""
+
+
+class ReleaseVerificationError(UntrustedCheckpointError):
+    """A release directory does not verify: a file changed, its certificate belongs to another
+    release, a signature is not by the trusted key, or its verdict is below what was accepted."""
 
 
 class IncidentError(CertckptError, ValueError):

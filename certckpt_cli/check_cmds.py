@@ -174,11 +174,38 @@ def _ledger_verdict(location: str, ledger_url: str, report) -> dict:
     return {"ckpt_id": None, "trusted": False, "verdict": "suspect", "reasons": ["uncommitted"]}
 
 
+def _ledger_coverage(location: str, ledger_url: str) -> dict:
+    """The verdict and coverage the store's ledger gives the checkpoint at ``location`` (by its URL)."""
+    from certckpt.trust.runstore import certify_store
+
+    status = certify_store(ledger_url, write_certificates=False)
+    want = os.path.abspath(location) if "://" not in location else location
+    for entry in status.snapshot.checkpoints:
+        have = os.path.abspath(entry.url) if "://" not in entry.url else entry.url
+        if have == want:
+            v = status.certification.verdicts[entry.ckpt_id]
+            cov = status.coverage()[entry.ckpt_id]
+            return {
+                "ckpt_id": entry.ckpt_id,
+                "verdict": v.label,
+                "reasons": list(v.reasons),
+                "coverage": cov.to_json(),
+                "coverage_text": cov.summary(),
+            }
+    return {"ckpt_id": None, "verdict": "suspect", "reasons": ["uncommitted"], "coverage": None}
+
+
 @click.command()
 @click.argument("location")
 @click.option("--json", "as_json", is_flag=True, help="Print the header as JSON.")
+@click.option(
+    "--ledger",
+    "ledger_url",
+    default=None,
+    help="The run store that committed LOCATION: also show its verdict and audit coverage.",
+)
 @expected_errors
-def inspect(location: str, as_json: bool) -> None:
+def inspect(location: str, as_json: bool, ledger_url: str | None = None) -> None:
     """Show the tensor table and certckpt record of LOCATION without reading the data."""
     companions = None
     if _is_directory(location):
@@ -214,6 +241,8 @@ def inspect(location: str, as_json: bool) -> None:
             ],
             "problem": problem,
         }
+        if ledger_url is not None:
+            doc["ledger"] = _ledger_coverage(location, ledger_url)
         if companions is not None:
             doc["companions"] = [{"name": n, **e} for n, e in sorted(companions.items())]
         click.echo(json.dumps(doc, indent=2))
@@ -245,6 +274,14 @@ def inspect(location: str, as_json: bool) -> None:
         )
         for e in info.header.entries
     ]
+    if ledger_url is not None:
+        found = _ledger_coverage(location, ledger_url)
+        if found["ckpt_id"] is None:
+            click.echo(f"  {'verdict':<16} not committed to {printable(ledger_url)}")
+        else:
+            reasons = f" ({', '.join(found['reasons'])})" if found["reasons"] else ""
+            click.echo(f"  {'verdict':<16} {found['ckpt_id']}: {found['verdict']}{reasons}")
+            click.echo(f"  {'coverage':<16} {printable(found['coverage_text'])}")
     echo_table(("tensor", "dtype", "shape", "size", "fingerprint"), rows, indent="  ")
     if companions:
         click.echo(f"  companion files (certified with it; `certckpt verify {os.path.dirname(location)}` checks them):")

@@ -88,6 +88,16 @@ COMMANDS: dict[str, Entry] = {
     "envelope": Entry(
         "envelope_cmd", "envelope", "Measure the auditor's per-step premium over plain DDP, and gate on it."
     ),
+    "release": Entry(
+        "release_cmds",
+        "release",
+        "Release CKPT (a checkpoint, or a store's latest-good) as signed safetensors with its certificate.",
+    ),
+    "verify-release": Entry(
+        "release_cmds",
+        "verify_release",
+        "Check a release DIRECTORY: model_signing signature, certificate, files, verdict (exit 1 if not).",
+    ),
     "certify": Entry(
         "certify_cmd", "certify", "Certify SRC (a torch.save file, a safetensors file or a model directory) into DEST."
     ),

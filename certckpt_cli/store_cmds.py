@@ -108,10 +108,16 @@ def checkpoint_directory(url: str) -> str:
 @click.command()
 @click.argument("store")
 @click.option("--verify-bytes", is_flag=True, help="Verify every checkpoint's bytes (slower).")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (with --coverage: every checkpoint's coverage).")
+@click.option(
+    "--coverage",
+    "show_coverage",
+    is_flag=True,
+    help="Also print each checkpoint's audit coverage since its parent, and the detection bound.",
+)
 @trusted_keys_option
 @expected_errors
-def status(store: str, verify_bytes: bool, as_json: bool) -> None:
+def status(store: str, verify_bytes: bool, as_json: bool, show_coverage: bool = False) -> None:
     """Every checkpoint of STORE with its verdict and reasons, the detections, uncommitted files.
 
     STORE may also be one checkpoint's directory inside a store (a Trainer ``checkpoint-N/``): the
@@ -123,6 +129,8 @@ def status(store: str, verify_bytes: bool, as_json: bool) -> None:
     focus = _checkpoint_in(st, directory) if inside is not None else None
     cert = st.certification
     rows = sorted(st.snapshot.checkpoints, key=lambda c: (c.branch, c.step))
+    # coverage reads every audit event again (a big ledger's are folded while reading, not kept): asked for
+    cov = st.coverage() if show_coverage else {}
     if as_json:
         click.echo(
             json.dumps(
@@ -139,6 +147,7 @@ def status(store: str, verify_bytes: bool, as_json: bool) -> None:
                             "verdict": cert.verdicts[c.ckpt_id].label,
                             "reasons": list(cert.verdicts[c.ckpt_id].reasons),
                             "held": st.snapshot.available(c.ckpt_id),
+                            **({"coverage": cov[c.ckpt_id].to_json()} if show_coverage else {}),
                         }
                         for c in rows
                     ],
@@ -173,6 +182,44 @@ def status(store: str, verify_bytes: bool, as_json: bool) -> None:
             click.echo(f"{directory}: {focus} in the store {store}: {v.label}{reasons}")
     for line in status_lines(st):
         click.echo(line)
+    if show_coverage:
+        for line in coverage_lines(st, cov):
+            click.echo(line)
+
+
+def coverage_lines(st: StoreStatus, cov: dict) -> list[str]:
+    """The coverage table of ``certckpt status --coverage``: per checkpoint, over the steps since its
+    parent, what the checks recomputed and the detection bound that follows."""
+    rows = sorted(st.snapshot.checkpoints, key=lambda c: (c.branch != "main", c.branch, c.step))
+    head = ("checkpoint", "steps", "replayed", "consensus", "non-finite", "persistent", "one-time", "lineage")
+    table = []
+    for c in rows:
+        x = cov[c.ckpt_id]
+        w = x.window
+        sampled = f" ({len(w.sampled_steps)} sampled)" if w.sampled_steps else ""
+        persistent = "unbounded" if x.persistent_within is None else f"<= {x.persistent_within} steps"
+        if x.persistent_within is not None:
+            persistent += ", rank named" if x.rank_named else ", rank unnamed"
+        table.append(
+            (
+                c.ckpt_id,
+                f"{w.start + 1}-{w.end}" if w.steps else "-",
+                f"{len(w.replay_steps)}/{w.steps}{sampled}",
+                f"{len(w.consensus_steps)}/{w.steps}",
+                f"{w.nonfinite_steps}/{w.steps}",
+                persistent,
+                f"{x.one_time_replayed} ({float(x.one_time_replayed):.0%})",
+                f"{x.lineage_replayed} over {x.lineage_steps} steps",
+            )
+        )
+    if not table:
+        return []
+    return [
+        "",
+        "coverage since each checkpoint's parent (from the signed events): steps replayed, weights compared,",
+        "non-finite checks; a persistent fault caught within; the chance a one-time fault was replayed",
+        *table_lines(head, table),
+    ]
 
 
 def enclosing_store(location: str) -> str | None:

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Install certckpt from this checkout on a fresh machine (Python >= 3.10 and pip).
 #   bash scripts/install.sh         the library and the `certckpt` command
-#   bash scripts/install.sh test    plus what the test suite needs (pytest, hypothesis, s3fs, moto server)
+#   bash scripts/install.sh test    plus what the test suite needs (pytest, hypothesis, s3fs, moto server,
+#                                   model-signing)
+#   bash scripts/install.sh release plus what `certckpt release` needs (OpenSSF model-signing)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -13,6 +15,8 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
 fi
 if [ "${1:-}" = "test" ]; then
   pipi -e ".[test]"
+elif [ "${1:-}" = "release" ]; then
+  pipi -e ".[release]"
 else
   pipi -e .
 fi

@@ -37,6 +37,19 @@ def console_script(name: str) -> str:
 
 
 @pytest.fixture(scope="session")
+def demo_run(tmp_path_factory):
+    """``certckpt demo`` run once per session (3 gloo ranks, ~15 s): its directory and its process.
+    test_demo checks the story it tells; test_release reuses its run store (no second launch)."""
+    import subprocess
+
+    d = tmp_path_factory.mktemp("demo") / "demo"
+    r = subprocess.run(
+        [console_script("certckpt"), "demo", "--dir", str(d)], capture_output=True, text=True, timeout=300
+    )
+    return d, r
+
+
+@pytest.fixture(scope="session")
 def s3_server():
     """A real S3-protocol server (moto's standalone server) on 127.0.0.1, stopped by its pid.
 

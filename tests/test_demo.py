@@ -16,11 +16,8 @@ from certckpt.trust.runstore import find_latest_good, get_incident
 pytestmark = pytest.mark.slow
 
 
-def test_demo_catches_the_fault_rolls_back_and_proves_the_restore(tmp_path):
-    d = tmp_path / "demo"
-    r = subprocess.run(
-        [console_script("certckpt"), "demo", "--dir", str(d)], capture_output=True, text=True, timeout=300
-    )
+def test_demo_catches_the_fault_rolls_back_and_proves_the_restore(demo_run):
+    d, r = demo_run
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     out = r.stdout
     assert "warn" not in (out + r.stderr).lower(), r.stderr[-3000:]  # e.g. torch's "Failed to initialize NumPy"

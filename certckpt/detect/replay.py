@@ -330,6 +330,7 @@ class RingReplay:
                 comparisons=len(ring_pairs(ctx.world)),
                 mode=ctx.mode,
                 micro_batches=len(units),
+                replayed_micro_batches=len(prev["units"]),  # an audit's sample: fewer (coverage reads it)
             )
             return True
         if ctx.state.last is not None:
@@ -348,6 +349,7 @@ class RingReplay:
             contained=False,
             mode=ctx.mode,
             micro_batches=len(units),
+            replayed_micro_batches=len(prev["units"]),
             failed=[{"origin": o, "replayer": r} for o, r in failed],
             mismatched=mismatched,
             arbitration={f"{o}->{r}": v for (o, r), v in arbitration.items()},

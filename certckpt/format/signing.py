@@ -37,6 +37,7 @@ __all__ = [
     "SigningKey",
     "TrustedKeys",
     "generate_key",
+    "write_key_pair",
     "signed_bytes",
     "signing_key_for",
     "signing_key_from_env",
@@ -163,6 +164,11 @@ def generate_key(path: str | os.PathLike[str]) -> tuple[str, str]:
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     )
     public = key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    return write_key_pair(path, private=private, public=public)
+
+
+def write_key_pair(path: str | os.PathLike[str], *, private: bytes, public: bytes) -> tuple[str, str]:
+    """Write a PEM key pair as ``generate_key`` does (any key type: a release's is elliptic-curve)."""
     path = os.fspath(path)
     pub = path + ".pub"
     for p in (path, pub):

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from certckpt.trust.certify import PENDING_REASONS, Certification, CheckpointEntry, Detection, Reason
+from certckpt.trust.coverage import Coverage, coverage
 
 if TYPE_CHECKING:  # for annotations only: the timeline reads a snapshot it is given
     from certckpt.trust.snapshot import LedgerSnapshot
@@ -64,6 +65,8 @@ class CheckpointMark:
     pruned: bool = False
     latest_good: bool = False
     note: str = ""  # why, in words: the revocation's reason, the byte problem
+    coverage: dict[str, Any] | None = None  # trust.coverage's figures (Coverage.to_json)
+    coverage_text: str = ""  # the same in one line (the drawing's tooltip)
 
     @property
     def pending(self) -> bool:
@@ -182,7 +185,8 @@ def timeline(status: Any) -> Timeline:
             lane.parent = parent
             lane.fork_step = by_id[parent].step if parent in by_id else _step_of(parent)
 
-    _add_checkpoints(lanes, snap, cert, problems=problems, latest=latest)
+    cov = coverage(snap.checkpoints, snap.events, branch_parents=snap.branch_parents)
+    _add_checkpoints(lanes, snap, cert, problems=problems, latest=latest, cov=cov)
     _add_audits(lanes, snap.events)
     _add_detections(lanes, cert.detections)
     _add_drills(lanes, snap.drills, by_id)
@@ -217,6 +221,7 @@ def _add_checkpoints(
     *,
     problems: Mapping[str, str],
     latest: str | None,
+    cov: Mapping[str, Coverage],
 ) -> None:
     """Every checkpoint on its lane in step order, with its verdict and, in words, what is against it
     (a revocation's reason, a byte problem found now)."""
@@ -239,6 +244,8 @@ def _add_checkpoints(
                 pruned=c.ckpt_id in snap.retired,
                 latest_good=c.ckpt_id == latest,
                 note="; ".join(notes),
+                coverage=cov[c.ckpt_id].to_json(),
+                coverage_text=cov[c.ckpt_id].summary(),
             )
         )
 

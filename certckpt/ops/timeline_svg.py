@@ -399,7 +399,8 @@ def _tooltip(c: Any) -> str:
     state = "pruned" if c.pruned else ("held" if c.held else "not held here")
     why = f" ({', '.join(c.reasons)})" if c.reasons else ""
     note = f" — {c.note}" if c.note else ""
-    return f"{c.ckpt_id} at step {c.step}: {c.verdict}{why}{note}; file {state}"
+    cov = f"; coverage: {c.coverage_text}" if getattr(c, "coverage_text", "") else ""
+    return f"{c.ckpt_id} at step {c.step}: {c.verdict}{why}{note}{cov}; file {state}"
 
 
 def _checkpoint_color(c: Any) -> tuple[str, str]:

@@ -23,6 +23,7 @@ from certckpt.format.signing import TrustedKeys
 from certckpt.format.verify import VerifyReport, verify
 
 from .certify import Certification, CheckpointEntry, Level, accept_level, certify
+from .coverage import Coverage, coverage
 from .devices import convicted_ranges, placements_of
 from .facts import EventProblem, read_event
 from .fleet import Fleet, FleetView
@@ -84,6 +85,11 @@ class StoreStatus:
 
     def entry(self, ckpt_id: str) -> CheckpointEntry:
         return next(c for c in self.snapshot.checkpoints if c.ckpt_id == ckpt_id)
+
+    def coverage(self) -> dict[str, Coverage]:
+        """Every checkpoint's audit coverage, from the events that count (``trust.coverage``)."""
+        snap = self.snapshot
+        return coverage(snap.checkpoints, snap.events, branch_parents=snap.branch_parents)
 
     def suspect_intervals(self) -> list[dict[str, Any]]:
         return [

@@ -1,0 +1,414 @@
+"""Releases: a certified checkpoint's model as plain safetensors, signed twice.
+
+``make_release`` writes, into a new directory:
+
+- ``model.safetensors``: the checkpoint's model tensors (its ``model`` entry, or ``--part``), a plain
+  safetensors file that ``safetensors``/``from_pretrained`` load without certckpt; extra files the
+  user names (a ``config.json``) beside it;
+- ``model.sig``: an OpenSSF ``model_signing`` signature (Sigstore bundle, key-based, made by the
+  ``model_signing`` package itself) over every file of the directory but the two signatures;
+- ``certckpt-certificate.dsse.json``: certckpt's certificate (``release_cert``) binding the same
+  files' SHA-256 and that very ``model.sig`` to the verdict, lineage, coverage and ledger position.
+
+``verify_release`` checks all of it against one trusted public key. See docs/release.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from certckpt.errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    ConfigurationError,
+    CorruptCheckpointError,
+    MissingDependencyError,
+    ReleaseVerificationError,
+    UntrustedCheckpointError,
+)
+from certckpt.format.storage import LEDGER_DIR
+from certckpt.trust.certify import Level, accept_level
+from certckpt.trust.coverage import lineage_of, parents_of
+from certckpt.trust.runstore import StoreStatus, certify_store, check_file, find_latest_good
+from certckpt.version import __version__
+
+from .release_cert import (
+    CERTIFICATE_NAME,
+    SIGNATURE_NAME,
+    check_statement,
+    key_hint,
+    load_private_key,
+    load_public_key,
+    open_envelope,
+    sign_envelope,
+    statement,
+)
+
+__all__ = ["Release", "ReleaseCheck", "make_release", "verify_release", "MODEL_NAME"]
+
+MODEL_NAME = "model.safetensors"
+_RANK = {"trusted": 2, "verified": 1}
+_MODEL_SIGNING = "https://model_signing/signature/v1.0"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Release:
+    """What ``make_release`` wrote.
+
+    Attributes:
+        directory: the release directory.
+        ckpt_id: the checkpoint released.
+        level: its verdict (``trusted`` or, when accepted, ``verified``).
+        files: the model files with their SHA-256 (what both signatures cover).
+        key_id: SHA-256 of the public key's PEM (what ``model_signing`` records as its hint).
+    """
+
+    directory: str
+    ckpt_id: str
+    level: str
+    files: dict[str, str]
+    key_id: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ReleaseCheck:
+    """What ``verify_release`` proved: ``files`` are the signed ones, and the certificate says."""
+
+    directory: str
+    ckpt_id: str
+    level: str
+    reasons: list[str]
+    files: dict[str, str]
+    coverage: str = ""
+    predicate: dict[str, Any] = field(default_factory=dict)
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _model_signing() -> Any:
+    try:
+        import model_signing  # optional: the `release` extra
+    except ImportError as e:
+        raise MissingDependencyError(
+            f"releases are signed with OpenSSF model_signing: pip install 'certckpt[release]' ({e})"
+        ) from e
+    return model_signing
+
+
+def enclosing_store(path: str) -> str | None:
+    """The run store holding a local checkpoint file: the nearest directory (up to 3 up) with a ledger."""
+    here = os.path.abspath(path)
+    for _ in range(3):
+        here = os.path.dirname(here)
+        if os.path.isdir(os.path.join(here, LEDGER_DIR)):
+            return here
+    return None
+
+
+def _choose(ckpt: str, store: str | None, level: Level) -> tuple[StoreStatus, str]:
+    """The store's certified status and the checkpoint to release, its bytes verified now."""
+    if store is None and "://" not in ckpt and os.path.isdir(os.path.join(ckpt, LEDGER_DIR)):
+        status, cid = find_latest_good(ckpt, accept=level, write_certificates=False)
+        if cid is None:
+            verified = [c for c in status.certification.verified_order if status.snapshot.available(c)]
+            why = (
+                f"newest verified, without audit evidence: {verified[0]}; `--accept verified` releases it and"
+                " its certificate says so"
+                if verified and level is Level.TRUSTED
+                else f"`certckpt status {ckpt}` says why"
+            )
+            raise UntrustedCheckpointError(f"{ckpt}: no checkpoint is {level.value} ({why})")
+        return status, cid
+    store = store or enclosing_store(ckpt)
+    if store is None:
+        raise ConfigurationError(f"{ckpt}: no run store around it; name the store that committed it with --store")
+    status = certify_store(store, write_certificates=False)
+    want = os.path.abspath(ckpt) if "://" not in ckpt else ckpt
+    snap = status.snapshot
+    for c in snap.checkpoints:
+        if c.ckpt_id == ckpt or (os.path.abspath(c.url) if "://" not in c.url else c.url) == want:
+            v = status.certification.verdicts[c.ckpt_id]
+            if v.level.rank < level.rank:
+                hint = " (`--accept verified` takes a run without audit evidence)" if v.label == "verified" else ""
+                raise UntrustedCheckpointError(
+                    f"{c.ckpt_id}: {v.label} ({', '.join(v.reasons) or 'no reason'}); a release takes"
+                    f" {level.value}{hint}"
+                )
+            rec = snap.records[c.ckpt_id]
+            problem = check_file(c.url, rec.get("header_digest"), committed=rec, trusted_keys=snap.trusted_keys)
+            if problem:
+                raise CorruptCheckpointError(problem)
+            return status, c.ckpt_id
+    raise CheckpointNotFoundError(f"{ckpt}: not a checkpoint committed to {store}")
+
+
+def _model_tensors(url: str, part: str | None) -> dict[str, Any]:
+    """The model's tensors from the checkpoint: ``part`` (default: ``model``, else ``state_dict``,
+    else the whole object when it is a flat mapping of tensors)."""
+    import torch
+
+    from certckpt.format.reader import load
+
+    obj = load(url, "cpu")
+    if part is None:
+        part = next((k for k in ("model", "state_dict") if isinstance(obj, dict) and isinstance(obj.get(k), dict)), "")
+    if part:
+        if not isinstance(obj, dict) or not isinstance(obj.get(part), dict):
+            keys = sorted(map(str, obj))[:8] if isinstance(obj, dict) else type(obj).__name__
+            raise ConfigurationError(f"{url}: no mapping of tensors at {part!r} (found {keys}); choose one with --part")
+        obj = obj[part]
+    if not isinstance(obj, dict) or not obj or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise ConfigurationError(f"{url}: {part or 'the checkpoint'} is not a flat mapping of tensors; choose --part")
+    return {str(k): v.detach().contiguous().clone() for k, v in obj.items()}
+
+
+def _ledger_position(status: StoreStatus, cid: str) -> dict[str, Any]:
+    snap = status.snapshot
+    cert = snap.certificates.get(cid)
+    return {
+        "store": status.store,
+        "store_id": snap.store_id,
+        "chained": snap.chained,
+        "heads": {w: [seq, digest] for w, (seq, digest) in sorted(snap.heads.items())},
+        "segments": snap.segments,
+        "events": len(snap.events),
+        "breaks": len(snap.breaks),
+        "certificate": {k: cert.get(k) for k in ("verdict", "reasons", "at") if k in cert} if cert else None,
+    }
+
+
+def _predicate(status: StoreStatus, cid: str, *, accept: Level, signature: dict[str, Any]) -> dict[str, Any]:
+    snap, cert = status.snapshot, status.certification
+    rec, v = snap.records[cid], cert.verdicts[cid]
+    cov = status.coverage()[cid]
+    by_id = {c.ckpt_id: c for c in snap.checkpoints}
+    chain = lineage_of(cid, parents_of(snap.checkpoints, snap.branch_parents))
+    audited = v.trusted and cov.audited
+    return {
+        "verdict": {
+            "level": v.label,
+            "reasons": list(v.reasons),
+            "accepted": accept.value,
+            "audited": audited,
+            **(
+                {}
+                if audited
+                else {"note": "no audit evidence: bytes and records verified, the computation was never replayed"}
+            ),
+        },
+        "checkpoint": {
+            "ckpt_id": cid,
+            "run": rec.get("run"),
+            "branch": by_id[cid].branch,
+            "step": by_id[cid].step,
+            "step_range": rec.get("step_range"),
+            "state_fp": rec.get("state_fp"),
+            "consensus_fp": rec.get("consensus_fp"),
+            "header_digest": rec.get("header_digest"),
+        },
+        "consensus_fp": rec.get("consensus_fp"),
+        "lineage": {
+            "run": rec.get("run"),
+            "branch": by_id[cid].branch,
+            "steps": [0, by_id[cid].step],
+            "parents": [
+                {"ckpt_id": x, "branch": by_id[x].branch, "step": by_id[x].step, "verdict": cert.verdicts[x].label}
+                for x in chain[1:]
+            ],
+            "branch_parents": dict(sorted(snap.branch_parents.items())),
+        },
+        "coverage": cov.to_json(),
+        "ledger": _ledger_position(status, cid),
+        "model_signature": signature,
+        "issued": {"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "by": f"certckpt {__version__}"},
+    }
+
+
+def _signature_facts(sig_path: str, key: Any) -> dict[str, Any]:
+    """What the certificate records of ``model.sig``: its SHA-256 and the root digest it signs."""
+    with open(sig_path, "rb") as f:
+        raw = f.read()
+    root = None
+    try:
+        import base64
+
+        bundle = json.loads(raw)
+        signed = json.loads(base64.b64decode(bundle["dsseEnvelope"]["payload"]))
+        root = signed["subject"][0]["digest"]["sha256"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        pass  # another bundle layout: the file's digest still binds it
+    return {
+        "file": SIGNATURE_NAME,
+        "sha256": hashlib.sha256(raw).hexdigest(),
+        "predicate_type": _MODEL_SIGNING,
+        "root_digest": root,
+        "key": key_hint(key.public_key()),
+    }
+
+
+def make_release(
+    ckpt: str,
+    *,
+    key: str,
+    out: str,
+    store: str | None = None,
+    accept: str = "trusted",
+    part: str | None = None,
+    extra_files: Sequence[str] = (),
+) -> Release:
+    """Release a checkpoint (or a store's latest-good) into the new directory ``out``.
+
+    Args:
+        ckpt: a committed checkpoint file, its id (with ``store``), or a run store (its latest-good).
+        key: an elliptic-curve private key, PEM (``certckpt keygen --release``).
+        out: the release directory (must not exist, or be empty).
+        store: the run store that committed ``ckpt`` (default: the one around it).
+        accept: the lowest verdict released: ``trusted`` (default) or ``verified``.
+        part: the entry of the checkpoint holding the model's tensors (default ``model``).
+        extra_files: files copied beside the model and signed with it (``config.json``...).
+
+    Raises:
+        UntrustedCheckpointError: the checkpoint's verdict is below ``accept``.
+        CorruptCheckpointError: its bytes do not verify now.
+        CheckpointExistsError: ``out`` holds files.
+
+    Example::
+
+        make_release("runs/r1", key="keys/release", out="release/r1")
+    """
+    level = accept_level(accept)
+    private = load_private_key(key)
+    ms = _model_signing()
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+        raise CheckpointExistsError(f"{out}: exists and is not empty; a release goes into a new directory")
+    names = [os.path.basename(p) for p in extra_files]
+    if len(set(names)) != len(names) or {MODEL_NAME, SIGNATURE_NAME, CERTIFICATE_NAME} & set(names):
+        raise ConfigurationError(f"extra files {names}: names must be unique and not {MODEL_NAME} or a signature's")
+    status, cid = _choose(ckpt, store, level)
+    from safetensors.torch import save_file
+
+    tensors = _model_tensors(status.entry(cid).url, part)
+    os.makedirs(out, exist_ok=True)
+    save_file(tensors, os.path.join(out, MODEL_NAME), metadata={"format": "pt"})
+    os.chmod(os.path.join(out, MODEL_NAME), 0o644)  # a release is for others to read
+    for src in extra_files:
+        shutil.copyfile(src, os.path.join(out, os.path.basename(src)))
+    files = {n: _sha256(os.path.join(out, n)) for n in sorted([MODEL_NAME, *names])}
+    hashing = ms.hashing.Config().set_ignored_paths(paths=[SIGNATURE_NAME, CERTIFICATE_NAME], ignore_git_paths=False)
+    ms.signing.Config().use_elliptic_key_signer(private_key=key).set_hashing_config(hashing).sign(
+        out, os.path.join(out, SIGNATURE_NAME)
+    )
+    sig = _signature_facts(os.path.join(out, SIGNATURE_NAME), private)
+    doc = statement(files=files, predicate=_predicate(status, cid, accept=level, signature=sig))
+    with open(os.path.join(out, CERTIFICATE_NAME), "x", encoding="utf-8") as f:
+        json.dump(sign_envelope(doc, private), f, indent=2)
+        f.write("\n")
+    return Release(
+        directory=out,
+        ckpt_id=cid,
+        level=status.certification.verdicts[cid].label,
+        files=files,
+        key_id=sig["key"],
+    )
+
+
+def _release_files(directory: str) -> dict[str, str]:
+    """The model files found in a release directory now (name -> SHA-256): every regular file but
+    the two signatures; a link or a subdirectory is refused (nothing is followed out of it)."""
+    if not os.path.isdir(directory):
+        raise ReleaseVerificationError(f"{directory}: not a release directory")
+    out: dict[str, str] = {}
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        if name in (SIGNATURE_NAME, CERTIFICATE_NAME):
+            if os.path.islink(path) or not os.path.isfile(path):
+                raise ReleaseVerificationError(f"{path}: not a plain file")
+            continue
+        if os.path.islink(path) or not os.path.isfile(path):
+            raise ReleaseVerificationError(f"{path}: not a plain file (a release holds files only)")
+        out[name] = _sha256(path)
+    for name in (SIGNATURE_NAME, CERTIFICATE_NAME):
+        if not os.path.isfile(os.path.join(directory, name)):
+            raise ReleaseVerificationError(f"{directory}: no {name}; not a certckpt release")
+    return out
+
+
+def _said(e: Exception) -> str:
+    """The model_signing verifier's complaint in one short line (it prints digests as bytes)."""
+    import re
+
+    text = str(e).strip()
+    changed = re.findall(r"Hash mismatch for '([^']{1,200})'", text)
+    extra = re.search(r"Extra files found in model '[^']*': ([^\"\]]{1,300})", text)
+    missing = re.search(r"Missing files in model '[^']*': ([^\"\]]{1,300})", text)
+    parts = [f"{n} changed since it was signed" for n in changed]
+    parts += [f"files not signed: {extra.group(1)}"] if extra else []
+    parts += [f"signed files missing: {missing.group(1)}"] if missing else []
+    if parts:
+        return "; ".join(parts)
+    return text.splitlines()[0][:300] if text else type(e).__name__
+
+
+def verify_release(directory: str, *, public_key: str, accept: str = "trusted") -> ReleaseCheck:
+    """Check a release directory against one trusted public key.
+
+    1. ``model.sig`` verifies with ``model_signing`` (its own verifier, key-based, offline): every
+       file is the one signed, none missing or added, signed by this key;
+    2. the certificate's DSSE signature verifies with the same key;
+    3. the certificate names exactly these files with these SHA-256 and this very ``model.sig``;
+    4. its verdict is at least ``accept`` (``trusted`` by default: a ``verified`` release, a run
+       without audit evidence, is refused unless accepted).
+
+    Raises:
+        ReleaseVerificationError: the first check that fails, in one line.
+    """
+    level = accept_level(accept)
+    ms = _model_signing()
+    pub = load_public_key(public_key)
+    files = _release_files(directory)
+    sig_path = os.path.join(directory, SIGNATURE_NAME)
+    try:
+        ms.verifying.Config().use_elliptic_key_verifier(public_key=public_key).verify(directory, sig_path)
+    except Exception as e:  # whatever the third-party verifier raises, the check failed
+        raise ReleaseVerificationError(f"{sig_path}: model_signing verification failed: {_said(e)}") from e
+    try:
+        with open(os.path.join(directory, CERTIFICATE_NAME), encoding="utf-8") as f:
+            envelope = json.load(f)
+    except ValueError as e:
+        raise ReleaseVerificationError(f"{directory}/{CERTIFICATE_NAME}: not JSON ({e})") from e
+    doc = open_envelope(envelope, pub)
+    ranks = {k: r for k, r in _RANK.items() if r >= level.rank}
+    predicate = check_statement(doc, files=files, signature_sha256=_sha256(sig_path), accept_rank=ranks)
+    ck, verdict = predicate.get("checkpoint") or {}, predicate.get("verdict") or {}
+    cov = predicate.get("coverage") or {}
+    bound = cov.get("bound") or {}
+    lineage = cov.get("lineage") or {}
+    text = (
+        f"one-time fault replayed {bound.get('one_time_replayed')} since {cov.get('parent')},"
+        f" {lineage.get('one_time_replayed')} over the lineage's {lineage.get('steps')} steps;"
+        f" persistent fault caught within {bound.get('persistent_within')} step(s)"
+        if isinstance(cov, dict) and cov
+        else ""
+    )
+    return ReleaseCheck(
+        directory=directory,
+        ckpt_id=str(ck.get("ckpt_id")),
+        level=str(verdict.get("level")),
+        reasons=[str(r) for r in verdict.get("reasons") or []],
+        files=files,
+        coverage=text,
+        predicate=predicate,
+    )
