@@ -229,3 +229,13 @@ def test_a_verified_run_says_so_and_is_refused_by_default(keys, tmp_path):
     cli_r = CliRunner().invoke(cli, ["verify-release", str(out), "--public-key", keys["pub"]])
     assert cli_r.exit_code == 1 and "'verified'" in cli_r.output and "--accept verified" in cli_r.output
     assert verify_release(str(out), public_key=keys["pub"], accept="verified").level == "verified"
+
+
+def test_a_hostile_certificate_is_one_line(released, keys, tmp_path):
+    d = _copy(released, tmp_path)
+    (d / CERTIFICATE_NAME).write_text("[" * 100_000 + "]" * 100_000)  # nested past any parser's stack
+    r = CliRunner().invoke(cli, ["verify-release", str(d), "--public-key", keys["pub"]])
+    assert r.exit_code == 1 and "not a certificate" in r.output and r.output.count("\n") == 1, r.output
+    (d / CERTIFICATE_NAME).write_text('{"payloadType": "x"}' + " " * (17 << 20))  # past the size bound
+    with pytest.raises(ReleaseVerificationError, match="not a certificate"):
+        verify_release(str(d), public_key=keys["pub"])

@@ -54,6 +54,7 @@ from .release_cert import (
 __all__ = ["Release", "ReleaseCheck", "make_release", "verify_release", "MODEL_NAME"]
 
 MODEL_NAME = "model.safetensors"
+MAX_CERTIFICATE_BYTES = 16 << 20  # a lineage of thousands of checkpoints is well under 1 MB
 _RANK = {"trusted": 2, "verified": 1}
 _MODEL_SIGNING = "https://model_signing/signature/v1.0"
 
@@ -386,9 +387,14 @@ def verify_release(directory: str, *, public_key: str, accept: str = "trusted") 
         raise ReleaseVerificationError(f"{sig_path}: model_signing verification failed: {_said(e)}") from e
     try:
         with open(os.path.join(directory, CERTIFICATE_NAME), encoding="utf-8") as f:
-            envelope = json.load(f)
-    except ValueError as e:
-        raise ReleaseVerificationError(f"{directory}/{CERTIFICATE_NAME}: not JSON ({e})") from e
+            data = f.read(MAX_CERTIFICATE_BYTES + 1)
+        if len(data) > MAX_CERTIFICATE_BYTES:
+            raise ValueError(f"over {MAX_CERTIFICATE_BYTES >> 20} MiB")
+        envelope = json.loads(data)
+    except (ValueError, RecursionError) as e:  # RecursionError: nested too deep to be a certificate
+        raise ReleaseVerificationError(
+            f"{directory}/{CERTIFICATE_NAME}: not a certificate ({str(e)[:80] or 'too deeply nested'})"
+        ) from e
     doc = open_envelope(envelope, pub)
     ranks = {k: r for k, r in _RANK.items() if r >= level.rank}
     predicate = check_statement(doc, files=files, signature_sha256=_sha256(sig_path), accept_rank=ranks)
