@@ -292,6 +292,29 @@ def test_deleting_the_fleet_a_run_was_placed_under_does_not_clear_its_devices(tm
     assert any("fleet registry" in n and "missing" in n for n in status.snapshot.notes)
 
 
+def test_a_vault_copy_is_rejudged_when_the_device_it_ran_on_is_convicted_later(tmp_path, keys, monkeypatch):
+    import torch
+
+    import certckpt
+    from certckpt.vault.promotion import promote
+
+    monkeypatch.setenv("CERTCKPT_SIGNING_KEY", keys["writer"])  # the vault's own records are signed too
+    root = tmp_path / "fleet"
+    root.mkdir()
+    store, vault = tmp_path / "run", tmp_path / "vault"
+    store.mkdir()
+    led = Ledger(str(store), signing_key=SigningKey.load(keys["writer"]))
+    led.record_placement(branch="main", start_step=0, devices={"0": "gpu-x"}, fleet=str(root))
+    for s in (5, 10):
+        certckpt.save({"w": torch.full((4,), float(s))}, str(store / f"s{s}.safetensors"), ledger=led, step=s)
+    assert [p.ckpt_id for p in promote(str(store), str(vault), accept="verified")] == ["main@5", "main@10"]
+    assert certify_store(str(vault), write_certificates=False).certification.verdicts["main@10"].label == "verified"
+    # later, another run convicts gpu-x: the vault's copies computed on it are re-judged too
+    _fleet(root, keys["writer"]).convict(device="gpu-x", inventory={}, evidence=EVIDENCE)
+    verdicts = certify_store(str(vault), write_certificates=False).certification.verdicts
+    assert [verdicts[c].reasons[-1] for c in ("main@5", "main@10")] == ["device-convicted"] * 2
+
+
 # --- three stores, three gloo ranks each, in one launch ----------------------------------------------------
 
 

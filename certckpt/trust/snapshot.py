@@ -67,7 +67,7 @@ KINDS = (
 )
 SOURCES_DIR = "sources"  # a vault's copy of its source run's genesis record
 # What a vault copies from its run (the rest of a run's records may be absent there).
-MIRRORED_KINDS = frozenset({"checkpoints", "branches", "events", "revocations", "incidents"})
+MIRRORED_KINDS = frozenset({"checkpoints", "branches", "events", "revocations", "incidents", "placements"})
 _NAME = re.compile(r"^[A-Za-z0-9._-]{1,100}$")
 _HELD_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,240}\.safetensors$")  # a plain file name
 _HELD_NAME_ANY = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._@=-]{0,240}$")  # a plain file name, any suffix

@@ -38,7 +38,7 @@ from .transfer import Progress, copy_bundle, copy_once, repair_bundle, repair_co
 
 __all__ = ["Promotion", "holdings", "promote"]
 
-_MIRRORED = ("checkpoints", "branches", "events", "revocations", "incidents")
+_MIRRORED = ("checkpoints", "branches", "events", "revocations", "incidents", "placements")  # as MIRRORED_KINDS
 
 
 @dataclass(kw_only=True, slots=True)
