@@ -315,6 +315,62 @@ def test_a_vault_copy_is_rejudged_when_the_device_it_ran_on_is_convicted_later(t
     assert [verdicts[c].reasons[-1] for c in ("main@5", "main@10")] == ["device-convicted"] * 2
 
 
+@pytest.fixture
+def one_rank(tmp_path):
+    """A gloo process group of one rank in this process (the collectives run for real), torn down after."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        yield {"group": dist.group.WORLD, "wire_device": torch.device("cpu")}
+    finally:
+        dist.destroy_process_group()
+
+
+def _start(fleet_root, store, policy, pg, device="gpu-x"):
+    from certckpt.detect.fleet_check import check_fleet_at_start
+
+    check_fleet_at_start(
+        Fleet(str(fleet_root)),
+        policy=policy,
+        inventory={"0": {"host": "node-x", "device_id": device}},
+        rank=0,
+        ledger=Ledger(str(store)),
+        run="r",
+        branch="main",
+        start_step=0,
+        **pg,
+    )
+
+
+def test_warn_policy_trains_on_a_convicted_device_and_records_where(tmp_path, keys, one_rank):
+    from certckpt.errors import DeviceConvictedError
+
+    root = _convicted_fleet(tmp_path, keys)
+    store = tmp_path / "run"
+    store.mkdir()
+    with pytest.raises(DeviceConvictedError, match="gpu-x"):
+        _start(root, store, "refuse", one_rank)
+    assert not (store / "_ledger").exists()  # a refused start writes nothing
+    with pytest.warns(RuntimeWarning, match="gpu-x.*fleet_policy='warn': training anyway"):
+        _start(root, store, "warn", one_rank)
+    placed = os.listdir(store / "_ledger" / "placements")
+    assert len(placed) == 1  # so that its checkpoints are judged against the conviction
+
+
+def test_a_run_whose_placement_cannot_be_recorded_does_not_start(tmp_path, keys, one_rank):
+    from certckpt.errors import DeviceConvictedError
+
+    root = tmp_path / "fleet"
+    root.mkdir()
+    store = tmp_path / "run"
+    store.mkdir()
+    (store / "_ledger").write_text("not a directory")  # the run store's ledger cannot be written
+    with pytest.raises(DeviceConvictedError, match="cannot be recorded .* does not start"):
+        _start(root, store, "warn", one_rank, device="gpu-ok")  # whatever the policy
+
+
 # --- three stores, three gloo ranks each, in one launch ----------------------------------------------------
 
 

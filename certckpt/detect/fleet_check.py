@@ -10,7 +10,7 @@ of one of its devices re-judges its checkpoints.
 
 from __future__ import annotations
 
-import sys
+import json
 import warnings
 from typing import Any
 
@@ -30,11 +30,26 @@ def fleet_for(value: Any, *, signing_key: Any) -> Fleet | None:
     return Fleet(str(value), signing_key=signing_key)
 
 
-def _rank0_verdict(fleet: Fleet, devices: dict[str, str]) -> str:
+def _rank0_verdict(fleet: Fleet, devices: dict[str, str], *, policy: str, record: Any) -> tuple[str, bool]:
+    """Rank 0's look-up: (what is wrong, whether it refuses whatever the policy). A run that goes on
+    registers its store and records its placement here, before any rank trains: a run whose
+    placement cannot be recorded does not start (a later conviction could not reach its checkpoints)."""
     try:
-        return fleet.read().start_problem(devices) or ""
+        problem = fleet.read().start_problem(devices) or ""
     except (CertckptError, OSError) as e:
-        return f"fleet registry {fleet.url} cannot be read ({str(e).splitlines()[0][:300]}); no run starts unchecked"
+        why = str(e).splitlines()[0][:300]
+        return f"fleet registry {fleet.url} cannot be read ({why}); no run starts unchecked", True
+    if problem and policy == "refuse":
+        return problem, False
+    try:
+        record()
+    except (CertckptError, OSError) as e:
+        why = str(e).splitlines()[0][:300]
+        return (problem + "; " if problem else "") + (
+            f"this run's devices cannot be recorded for fleet {fleet.url} ({why}): without them a later"
+            " conviction could not re-judge its checkpoints, so it does not start"
+        ), True
+    return problem, False
 
 
 def check_fleet_at_start(
@@ -51,34 +66,35 @@ def check_fleet_at_start(
     start_step: int,
 ) -> None:
     """Look every rank's device up (a collective: every rank calls it, after the inventories are
-    gathered); refuse or warn together; then (rank 0) register the store and record the placement.
+    gathered); rank 0 registers the store and records the placement of a run that goes on; every
+    rank then refuses or warns together.
 
     Raises:
-        DeviceConvictedError: on every rank, with rank 0's text, when a device is convicted (or the
-            registry cannot be read or is tampered) and ``policy`` is ``"refuse"``.
+        DeviceConvictedError: on every rank, with rank 0's text, when a device is convicted and
+            ``policy`` is ``"refuse"``, or whatever the policy when the registry cannot be read or
+            is tampered, or the placement cannot be recorded.
     """
     devices = {r: device_of(inv) for r, inv in inventory.items()}
-    verdict = _rank0_verdict(fleet, devices) if rank == 0 else ""
-    text = all_gather_bytes(verdict.encode("utf-8"), group=group, wire_device=wire_device)[0].decode("utf-8")
-    if text:
-        message = f"fleet check at the start of run {run}, branch {branch}: {text}"
-        if policy == "refuse":
-            raise DeviceConvictedError(message + " (fleet_policy='refuse'; every rank refused)")
-        warnings.warn(message + " (fleet_policy='warn': training anyway)", RuntimeWarning, stacklevel=3)
-    if rank != 0:
+
+    def record() -> None:
+        if ledger is None:
+            return
+        fleet.register_store(ledger.store)
+        ledger.record_placement(
+            branch=branch,
+            start_step=start_step,
+            devices={r: d for r, d in devices.items() if d},
+            hosts={r: host_of(inv) for r, inv in inventory.items()},
+            run=run,
+            fleet=fleet.url,
+        )
+
+    mine = _rank0_verdict(fleet, devices, policy=policy, record=record) if rank == 0 else ("", False)
+    wire = json.dumps(list(mine)).encode("utf-8")
+    text, fatal = json.loads(all_gather_bytes(wire, group=group, wire_device=wire_device)[0].decode("utf-8"))
+    if not text:
         return
-    try:
-        if ledger is not None:
-            fleet.register_store(ledger.store)
-            ledger.record_placement(
-                branch=branch,
-                start_step=start_step,
-                devices={r: d for r, d in devices.items() if d},
-                hosts={r: host_of(inv) for r, inv in inventory.items()},
-                run=run,
-                fleet=fleet.url,
-            )
-    except (CertckptError, OSError) as e:
-        # training goes on; the run's checkpoints then carry no placement (a later conviction cannot
-        # reach them): say so where the operator looks
-        print(f"certckpt: could not record this run's devices for fleet {fleet.url}: {e}", file=sys.stderr)
+    message = f"fleet check at the start of run {run}, branch {branch}: {text}"
+    if policy == "refuse" or fatal:
+        raise DeviceConvictedError(message + f" (fleet_policy={policy!r}; every rank refused)")
+    warnings.warn(message + " (fleet_policy='warn': training anyway)", RuntimeWarning, stacklevel=3)
