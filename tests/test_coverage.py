@@ -136,3 +136,30 @@ def test_lineage_fraction_is_one_over_audit_every(every, ck_every, n):
             assert c.lineage_replayed == Fraction(1, every)
         assert c.persistent_within is not None and c.persistent_within <= every
         assert c.window.nonfinite_steps == c.window.steps
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    checks=st.lists(st.tuples(st.integers(1, 60), st.integers(0, 20), st.booleans()), min_size=0, max_size=12),
+    cuts=st.lists(st.integers(1, 70), min_size=1, max_size=8, unique=True),
+)
+def test_windows_count_the_non_finite_steps_a_scan_of_every_event_would(checks, cuts):
+    # the bisection over merged spans against the definition: each summary covers the steps since the
+    # previous one (its last steps_checked), a failure its own step; counted per window by a plain scan
+    events = [
+        ev(step, "nonfinite-pre", "fail", tensors=["w"]) if failed else ev(step, "nonfinite", steps_checked=n)
+        for step, n, failed in checks
+    ]
+    cov = coverage(ckpts(*sorted(cuts)), events, branch_parents={})
+    covered: set[int] = set()
+    prev = 0
+    for step, n, failed in sorted(checks, key=lambda c: c[0]):
+        if failed:
+            covered.add(step)
+        else:
+            covered.update(range(max(prev, step - n) + 1, step + 1))
+            prev = max(prev, step)
+    start = 0
+    for cut in sorted(cuts):
+        assert cov[f"main@{cut}"].window.nonfinite_steps == len([s for s in covered if start < s <= cut])
+        start = cut

@@ -26,6 +26,7 @@ previous checkpoint of b, else b's fork point, else the branch's start): ``(p, s
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -132,6 +133,12 @@ class _BranchChecks:
     consensus: dict[int, _Check] = field(default_factory=dict)
     nonfinite: list[_Check] = field(default_factory=list)  # summaries and per-step failures, by step
     replay_steps: list[int] = field(default_factory=list)  # sorted, for the persistent bound
+    # Sorted once per branch, so that a window is a slice (bisect), never a scan of every event:
+    # a store of thousands of checkpoints and audits stays linear-logarithmic.
+    update_steps: list[int] = field(default_factory=list)
+    consensus_steps: list[int] = field(default_factory=list)
+    nonfinite_spans: list[tuple[int, int]] = field(default_factory=list)  # disjoint (lo, hi], sorted
+    nonfinite_before: list[int] = field(default_factory=list)  # steps covered by the spans before each
 
 
 def _index(events: Iterable[object]) -> dict[str, _BranchChecks]:
@@ -153,8 +160,44 @@ def _index(events: Iterable[object]) -> dict[str, _BranchChecks]:
             b.nonfinite.append(c)
     for b in out.values():
         b.replay_steps = sorted(b.replays)
+        b.update_steps = sorted(b.update_replays)
+        b.consensus_steps = sorted(b.consensus)
         b.nonfinite.sort(key=lambda c: c.step)
+        b.nonfinite_spans = _nonfinite_spans(b.nonfinite)
+        total, before = 0, []
+        for lo, hi in b.nonfinite_spans:
+            before.append(total)
+            total += hi - lo
+        b.nonfinite_before = before
     return out
+
+
+def _nonfinite_spans(checks: Sequence[_Check]) -> list[tuple[int, int]]:
+    """The steps non-finite checks covered, as disjoint sorted spans ``(lo, hi]``: each audit's
+    summary covers the steps since the previous summary (the last ``steps_checked`` of them); a
+    failure covers its own step."""
+    spans: list[tuple[int, int]] = []
+    prev = 0
+    for c in checks:
+        if c.phase == "failure":
+            lo = c.step - 1
+        else:
+            lo = max(prev, c.step - c.steps_checked)
+            prev = max(prev, c.step)
+        if lo < c.step:
+            spans.append((lo, c.step))
+    merged: list[tuple[int, int]] = []
+    for lo, hi in sorted(spans):
+        if merged and lo <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+        else:
+            merged.append((lo, hi))
+    return merged
+
+
+def _between(steps: list[int], start: int, end: int) -> list[int]:
+    """The steps of a sorted list in ``(start, end]``."""
+    return steps[bisect_right(steps, start) : bisect_right(steps, end)]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -310,40 +353,42 @@ def lineage_of(ckpt_id: str, parents: Mapping[str, str | None]) -> list[str]:
 def _window(b: _BranchChecks | None, branch: str, start: int, end: int) -> WindowCoverage:
     if b is None:
         b = _BranchChecks()
-    inside = range(start + 1, end + 1)
-    replays = {s: c for s, c in b.replays.items() if s in inside}
+    replayed = _between(b.replay_steps, start, end)
+    consensus = _between(b.consensus_steps, start, end)
     covered: dict[str, int] = {}
-    for s, c in b.consensus.items():
-        if s in inside:
-            for k, v in c.covered.items():
-                covered[k] = max(covered.get(k, 0), v)
+    for step in consensus:
+        for k, v in b.consensus[step].covered.items():
+            covered[k] = max(covered.get(k, 0), v)
     return WindowCoverage(
         branch=branch,
         start=start,
         end=end,
-        replay_steps={s: c.ranks for s, c in sorted(replays.items())},
-        sampled_steps={s: str(c.fraction) for s, c in sorted(replays.items()) if c.fraction < 1},
-        update_replay_steps=sorted(s for s in b.update_replays if s in inside),
-        consensus_steps=sorted(s for s in b.consensus if s in inside),
+        replay_steps={st: b.replays[st].ranks for st in replayed},
+        sampled_steps={st: str(b.replays[st].fraction) for st in replayed if b.replays[st].fraction < 1},
+        update_replay_steps=_between(b.update_steps, start, end),
+        consensus_steps=consensus,
         consensus_covered=covered,
-        nonfinite_steps=_nonfinite_steps(b.nonfinite, start, end),
-        replayed=sum((c.fraction for c in replays.values()), Fraction(0)),
+        nonfinite_steps=_nonfinite_steps(b, start, end),
+        replayed=sum((b.replays[st].fraction for st in replayed), Fraction(0)),
     )
 
 
-def _nonfinite_steps(checks: Sequence[_Check], start: int, end: int) -> int:
-    """Steps of ``(start, end]`` a non-finite check covered: each audit's summary covers the steps
-    since the previous summary (the last ``steps_checked`` of them); a failure covers its own step."""
-    steps: set[int] = set()
-    prev = 0
-    for c in checks:
-        if c.phase == "failure":
-            lo = c.step - 1
-        else:
-            lo = max(prev, c.step - c.steps_checked)
-            prev = max(prev, c.step)
-        steps.update(range(max(lo, start) + 1, min(c.step, end) + 1))
-    return len(steps)
+def _nonfinite_steps(b: _BranchChecks, start: int, end: int) -> int:
+    """Steps of ``(start, end]`` a non-finite check covered (the spans overlapping it, by bisection)."""
+    spans, before = b.nonfinite_spans, b.nonfinite_before
+    if end <= start or not spans:
+        return 0
+    first = bisect_right(spans, (start, _MAX_STEP))  # spans starting at or before start stay candidates
+    first = max(0, first - 1)
+    last = bisect_left(spans, (end, -1))  # spans starting at or after end cover nothing of the window
+    if first >= last:
+        return 0
+    count = (before[last - 1] + spans[last - 1][1] - spans[last - 1][0]) - before[first]  # whole spans
+    lo0, hi0 = spans[first]
+    count -= max(0, min(hi0, start) - lo0)  # the part of the first span before the window
+    lo1, hi1 = spans[last - 1]
+    count -= max(0, hi1 - max(lo1, end))  # the part of the last span after it
+    return max(0, count)
 
 
 def _bound(b: _BranchChecks | None, start: int, end: int) -> tuple[int | None, int]:
@@ -355,9 +400,10 @@ def _bound(b: _BranchChecks | None, start: int, end: int) -> tuple[int | None, i
     worst, world = 0, 0
     t = start + 1
     while t <= end:
-        nxt = next((s for s in steps if s >= t), None)
-        if nxt is None:
+        i = bisect_left(steps, t)
+        if i == len(steps):
             return None, 0
+        nxt = steps[i]
         worst = max(worst, nxt - t + 1)
         ranks = b.replays[nxt].ranks
         world = ranks if world == 0 else min(world, ranks)
