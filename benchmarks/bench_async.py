@@ -9,7 +9,11 @@ In one run, on the CPU:
 2. **Training throughput**: a loop (an MLP and Adam, ~0.2 s a step on 2 cores) that saves its model and
    optimizer every N steps, timed with no saving, ``certckpt.async_save``, ``certckpt.save``,
    ``torch.save`` and ``dcp.async_save``; each mode's loss of throughput against no saving
-   (target for certckpt.async_save: <= 5%). Every mode writes the same state at the same steps.
+   (target for certckpt.async_save: <= 5%). Every mode writes the same state at the same steps,
+   half an interval off the loop's end (steps N/2, 3N/2, ...), and the timed window ends when the
+   last save is durable: each save has the same steps after it, so the figure is the steady-state
+   loss, not one final write left to finish after the last step (that tail would count for
+   ``certckpt.save`` and ``torch.save`` in full either way).
 
     python benchmarks/bench_async.py [--trials 5] [--steps 100] [--every 25] [--json]
 """
@@ -146,7 +150,7 @@ def _loop(mode: str, d: str, steps: int, every: int) -> tuple[float, int]:
     t = time.perf_counter()
     for s in range(1, steps + 1):
         step()
-        if s % every or mode == "none":
+        if (s - every // 2) % every or mode == "none":
             continue
         state = {"model": model.state_dict(), "optim": opt.state_dict()}
         where = os.path.join(d, f"{mode}-{s}")

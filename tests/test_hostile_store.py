@@ -317,6 +317,7 @@ def test_gc_lists_and_removes_only_stale_temp_files_of_killed_writers(tmp_path):
     assert r.returncode == 2 and "no such run store" in r.stderr and r.stderr.count("\n") == 1
 
 
+@pytest.mark.slow  # builds a million-entry header (several seconds)
 def test_a_header_listing_too_many_tensors_is_refused_before_it_is_parsed(tmp_path):
     import struct
     import time
