@@ -103,6 +103,7 @@ def clean(args):
     audits (every 10 steps, checkpoints every 5, only the newest kept); the weights must be the same
     bits, every checkpoint trusted, and the latest-good never rotated out."""
     from pytorch_lightning.callbacks import ModelCheckpoint
+    from pytorch_lightning.plugins.io import AsyncCheckpointIO
 
     from certckpt.integrations.lightning import AuditCallback, CertifiedCheckpointIO
 
@@ -113,7 +114,10 @@ def clean(args):
     audited = _module()
     audit = AuditCallback(audit_every=10)
     ckpt = ModelCheckpoint(dirpath=args["dir"], every_n_train_steps=5, save_top_k=1, save_last=True)
-    trainer = _trainer(max_steps=20, callbacks=[ckpt, audit], plugins=[CertifiedCheckpointIO()], **config)
+    # Saved through Lightning's AsyncCheckpointIO: the evidence of each step reaches the file written
+    # on the saver thread, and the commits, rotation and kept copy end as a synchronous run's do.
+    io = AsyncCheckpointIO(CertifiedCheckpointIO()) if args.get("async_io") else CertifiedCheckpointIO()
+    trainer = _trainer(max_steps=20, callbacks=[ckpt, audit], plugins=[io], **config)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(audited, _data())

@@ -319,7 +319,8 @@ def test_audit_callback_refuses_a_run_without_ddp(tmp_path):
 def test_ddp_audits_leave_accumulation_and_clipping_alone_and_make_checkpoints_trusted(tmp_path):
     from certckpt.detect.launch import run_ranks
 
-    out = run_ranks("lightning_cases:clean", 3, {"dir": str(tmp_path / "ckpt")}, timeout=400, extra_path=TESTS)
+    args = {"dir": str(tmp_path / "ckpt"), "async_io": True}  # AsyncCheckpointIO(CertifiedCheckpointIO())
+    out = run_ranks("lightning_cases:clean", 3, args, timeout=400, extra_path=TESTS)
     for rank, res in enumerate(out):
         # accumulate_grad_batches=2 and gradient_clip_val: the same bits as plain Lightning DDP
         assert res["bit_equal"], rank

@@ -513,19 +513,25 @@ class Ledger:
 
 
 class LedgerSink:
-    """An ``EventSink`` that batches events into ledger segments (written at ``flush``)."""
+    """An ``EventSink`` that batches events into ledger segments (written at ``flush``).
+
+    Thread-safe: a checkpoint committed from a background saver (Lightning's ``AsyncCheckpointIO``)
+    flushes while the training thread emits; segments are written one at a time, in order."""
 
     def __init__(self, ledger: Ledger, *, max_buffer: int = 4096):
         self.ledger = ledger
         self.max_buffer = max_buffer
         self._buffer: list[Any] = []
+        self._lock = threading.RLock()
 
     def emit(self, event: Any) -> None:
-        self._buffer.append(event)
-        if len(self._buffer) >= self.max_buffer:
-            self.flush()
+        with self._lock:
+            self._buffer.append(event)
+            if len(self._buffer) >= self.max_buffer:
+                self.flush()
 
     def flush(self) -> None:
-        if self._buffer:
-            batch, self._buffer = self._buffer, []
-            self.ledger.append_events(batch)
+        with self._lock:
+            if self._buffer:
+                batch, self._buffer = self._buffer, []
+                self.ledger.append_events(batch)

@@ -165,7 +165,7 @@ class AuditCallback(*CALLBACK_BASES):  # type: ignore[misc]
         group = dist.group.WORLD
         wire = wire_device_for(group, pl_module.device)
         refuse_together(self._problem(trainer, pl_module), group=group, wire_device=wire, what="AuditCallback set-up")
-        io = trainer.strategy.checkpoint_io
+        io = certified_io(trainer)
         store = self._store(trainer, io)
         if not isinstance(io, CertifiedCheckpointIO):
             warnings.warn(
@@ -259,7 +259,7 @@ class AuditCallback(*CALLBACK_BASES):  # type: ignore[misc]
         if self.session is None:
             return
         evidence = self.session.checkpoint_evidence()
-        io = trainer.strategy.checkpoint_io
+        io = certified_io(trainer)
         if isinstance(io, CertifiedCheckpointIO):
             io.offer_evidence(evidence)
 
@@ -275,3 +275,17 @@ class AuditCallback(*CALLBACK_BASES):  # type: ignore[misc]
         """Flush the events to the ledger (``stop_on_fault`` calls it too); safe to call twice."""
         if self.session is not None:
             self.session.close()
+
+
+def certified_io(trainer: Any) -> Any:
+    """The trainer's checkpoint plugin, seen through wrappers that hold one (Lightning's
+    ``AsyncCheckpointIO(CertifiedCheckpointIO())`` saves on its own thread through the inner one)."""
+    io = trainer.strategy.checkpoint_io
+    for _ in range(4):  # a wrapper of a wrapper at most, in practice
+        if isinstance(io, CertifiedCheckpointIO):
+            return io
+        inner = getattr(io, "checkpoint_io", None)
+        if inner is None or inner is io:
+            break
+        io = inner
+    return trainer.strategy.checkpoint_io

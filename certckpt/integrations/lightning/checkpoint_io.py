@@ -159,7 +159,9 @@ class CertifiedCheckpointIO(*CHECKPOINT_IO_BASES):  # type: ignore[misc]
         self._resumed_run: str | None = None
         self._audit_store: str | None = None
         self._flush: Callable[[], None] | None = None
-        self._evidence: CheckpointEvidence | None = None
+        # by step: under AsyncCheckpointIO the next checkpoint's evidence may be offered (training
+        # thread) before this one's file is written (saver thread)
+        self._evidence: dict[int, CheckpointEvidence] = {}
         self._stores: dict[str, _Store] = {}
 
     # --- identity -----------------------------------------------------------------------------
@@ -202,7 +204,8 @@ class CertifiedCheckpointIO(*CHECKPOINT_IO_BASES):  # type: ignore[misc]
     def offer_evidence(self, evidence: CheckpointEvidence) -> None:
         """Called by ``AuditCallback`` on every rank as Lightning builds a checkpoint: the consensus
         fingerprints and lineage of the step the next file is written at."""
-        self._evidence = evidence
+        with self._lock:
+            self._evidence[evidence.step] = evidence
 
     # --- CheckpointIO -----------------------------------------------------------------------------
 
@@ -237,7 +240,10 @@ class CertifiedCheckpointIO(*CHECKPOINT_IO_BASES):  # type: ignore[misc]
                 stacklevel=2,
             )
             return
-        evidence = self._evidence if self._evidence is not None and self._evidence.step == step else None
+        with self._lock:
+            evidence = self._evidence.get(step)
+            for older in [s for s in self._evidence if s < step]:
+                del self._evidence[older]  # a step saved no file (or saved it already): never used again
         fields: dict[str, Any] = (
             evidence.save_kwargs() if evidence is not None else {"step": step, "branch": branch, "parent": parent}
         )
