@@ -250,6 +250,7 @@ def test_impact_and_rates_read_the_registered_stores(tmp_path, keys):
     store = tmp_path / "run"
     store.mkdir()
     led = Ledger(str(store), signing_key=SigningKey.load(keys["writer"]))
+    assert _fleet(root, keys["writer"]).register_store(str(store))  # as a run does before its placement
     led.record_placement(branch="main", start_step=0, devices={"0": "gpu-y", "1": "gpu-z"}, fleet=str(root))
     led.record_placement(branch="b", start_step=0, devices={"0": "gpu-x"}, hosts={"0": "node-x"}, fleet=str(root))
     for s in (10, 20):
@@ -258,7 +259,6 @@ def test_impact_and_rates_read_the_registered_stores(tmp_path, keys):
     assert certify_store(str(store), write_certificates=False).certification.verdicts["b@10"].reasons[-1] == (
         "device-convicted"
     )
-    _fleet(root, keys["writer"]).register_store(str(store))
     assert not _fleet(root, keys["writer"]).register_store(str(store))  # once
     out = impact(str(root), "gpu-y")
     assert [c["ckpt_id"] for c in out.changes] == ["main@10", "main@20"] and not out.already_convicted
@@ -279,17 +279,29 @@ def test_deleting_the_fleet_a_run_was_placed_under_does_not_clear_its_devices(tm
     store = tmp_path / "run"
     store.mkdir()
     led = Ledger(str(store), signing_key=SigningKey.load(keys["writer"]))
+    _fleet(root, keys["writer"]).register_store(str(store))
     led.record_placement(branch="b", start_step=4, devices={"0": "gpu-x"}, fleet=str(root))
     for s in (4, 10):
         led.commit_checkpoint(branch="b", step=s, location=str(store / f"b{s}.safetensors"))
     assert certify_store(str(store), write_certificates=False).certification.verdicts["b@10"].reasons[-1] == (
         "device-convicted"
     )
-    shutil.rmtree(root)  # an attacker who can write the fleet's storage removes it, convictions and all
-    status = certify_store(str(store), write_certificates=False)
-    assert status.certification.verdicts["b@10"].reasons[-1] == "tampered"  # unproven, never cleared
-    assert "b@4" in status.certification.verdicts and "tampered" not in status.certification.verdicts["b@4"].reasons
-    assert any("fleet registry" in n and "missing" in n for n in status.snapshot.notes)
+    saved = tmp_path / "fleet-copy"
+    shutil.copytree(root, saved)
+    # what someone who can write the fleet's storage but holds no key may try, each time afresh:
+    # delete the registry, empty it, or delete only the conviction
+    for attack, words in (
+        (lambda: shutil.rmtree(root), "missing"),
+        (lambda: [p.unlink() for p in root.rglob("*") if p.is_file()], "no registered store"),
+        (lambda: [p.unlink() for p in (root / "_ledger" / "convictions").iterdir()], "tampered"),
+    ):
+        shutil.rmtree(root, ignore_errors=True)
+        shutil.copytree(saved, root)
+        attack()
+        status = certify_store(str(store), write_certificates=False)
+        assert status.certification.verdicts["b@10"].reasons[-1] == "tampered", words  # unproven, never cleared
+        assert "tampered" not in status.certification.verdicts["b@4"].reasons  # steps before the placement
+        assert any("fleet registry" in n and words in n for n in status.snapshot.notes), status.snapshot.notes
 
 
 def test_a_vault_copy_is_rejudged_when_the_device_it_ran_on_is_convicted_later(tmp_path, keys, monkeypatch):
@@ -304,6 +316,7 @@ def test_a_vault_copy_is_rejudged_when_the_device_it_ran_on_is_convicted_later(t
     store, vault = tmp_path / "run", tmp_path / "vault"
     store.mkdir()
     led = Ledger(str(store), signing_key=SigningKey.load(keys["writer"]))
+    _fleet(root, keys["writer"]).register_store(str(store))
     led.record_placement(branch="main", start_step=0, devices={"0": "gpu-x"}, fleet=str(root))
     for s in (5, 10):
         certckpt.save({"w": torch.full((4,), float(s))}, str(store / f"s{s}.safetensors"), ledger=led, step=s)

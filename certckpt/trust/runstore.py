@@ -228,25 +228,27 @@ def convicted_ranges_for(
         if url not in views:
             views[url] = Fleet(url, signing_key=None, trusted_keys=snap.trusted_keys).read()
         view = views[url]
+        # The run registered its store there before training: a registry that is gone, lists no
+        # store, or whose chains are broken may have lost a conviction, so nothing it says clears a step.
         if not view.exists:
-            _fleet_gone(snap, url)
+            _fleet_unproven(snap, url, "is missing")
+            continue
+        if not view.stores:
+            _fleet_unproven(snap, url, "holds no registered store (emptied?)")
             continue
         if view.breaks:
-            note = f"fleet registry {url} is tampered ({view.breaks[0]}): a conviction may be missing"
-            if note not in snap.notes:
-                snap.notes.append(note)
+            _fleet_unproven(snap, url, f"is tampered ({view.breaks[0]}): a conviction may be missing")
         for dev, st in view.devices.items():
             if st.convicted and (not authenticated_only or any(c["authenticated"] for c in st.open_convictions)):
                 convicted.add(dev)
     return convicted_ranges(placements_of(snap.placements), convicted)
 
 
-def _fleet_gone(snap: LedgerSnapshot, url: str) -> None:
-    """A fleet registry this run's placements name is not there: it was, since the run registered
-    with it before training. Deleted (or moved), it can no longer say which devices are convicted,
-    so every step placed under it is unproven: its branches are ``tampered`` from each placement's
-    start (an attacker who deletes a fleet must not clear the devices it convicted)."""
-    note = f"fleet registry {url} named by this run's placements is missing: its convictions cannot be checked"
+def _fleet_unproven(snap: LedgerSnapshot, url: str, why: str) -> None:
+    """A fleet registry this run's placements name cannot vouch for its convictions (``why``): every
+    step placed under it is unproven, its branches ``tampered`` from each placement's start (an
+    attacker who deletes or empties a fleet must not clear the devices it convicted)."""
+    note = f"fleet registry {url} named by this run's placements {why}: its convictions cannot be checked"
     if note not in snap.notes:
         snap.notes.append(note)
     for r, _ in snap.placements:
