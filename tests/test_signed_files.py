@@ -159,6 +159,59 @@ def test_an_xxh3_forgery_keeps_every_unkeyed_digest_and_fails_every_keyed_load(t
     assert not r.ok and "BLAKE3 differs" in r.problems[0].message
 
 
+class _OneWay:
+    """A stream that cannot seek back (a pipe): keyed verify hashes xxh3 and the signed digest in
+    the one pass it gets."""
+
+    def __init__(self, data: bytes) -> None:
+        import io
+
+        self._f = io.BytesIO(data)
+
+    def read(self, n: int = -1) -> bytes:
+        return self._f.read(n)
+
+    def readinto(self, b) -> int:
+        return self._f.readinto(b)
+
+    def seekable(self) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["path", "one-way-stream"])
+def test_keyed_verify_passes_the_signed_file_and_names_damage_forgery_truncation_and_trailing_bytes(
+    tmp_path, keys, stream
+):
+    """Keyed verify of a seekable file reads the data once for the signed digest alone; whatever fails
+    it is read again to name the tensor. Both ways must give the same verdicts and names."""
+    p = tmp_path / "ck.safetensors"
+    torch.manual_seed(1)
+    state = {**_state(), "big": torch.randn(64, 64)}
+    certckpt.save(state, p, signing_key=keys["signing"])
+    raw = p.read_bytes()
+    info = certckpt.inspect(p)
+    big = next(e for e in info.header.entries if e.name == "big")
+    flipped = bytearray(raw)
+    flipped[info.header.data_start + big.begin + 100] ^= 0x10
+
+    def check(data: bytes):
+        q = tmp_path / "q.safetensors"
+        q.write_bytes(data)
+        return certckpt.verify(_OneWay(data) if stream else q, trusted_keys=keys["trusted"])
+
+    ok = check(raw)
+    assert ok.ok and ok.tensors == len(info.header.entries), ok.problems
+    r = check(bytes(flipped))
+    assert not r.ok and [(x.kind, x.tensor) for x in r.problems] == [("digest", "big")], r.problems
+    r = check(_xxh3_forgery(p))
+    assert not r.ok and [x.kind for x in r.problems] == ["signature"], r.problems
+    assert "BLAKE3 differs from the one signed" in r.problems[0].message
+    r = check(raw[:-5])
+    assert not r.ok and r.problems[0].kind == "truncated", r.problems
+    r = check(raw + b"\0")
+    assert not r.ok and "trailing bytes" in r.problems[0].message, r.problems
+
+
 def test_a_keyed_load_refuses_unsigned_and_foreign_files_and_an_unverified_read(tmp_path, keys):
     from certckpt.errors import ConfigurationError, UntrustedCheckpointError
 
@@ -384,11 +437,23 @@ def test_files_signed_with_sha256_still_verify_and_load_keyed_and_catch_the_forg
 
 
 def test_new_signed_files_carry_a_blake3_digest_of_their_data(tmp_path, keys):
+    """The digest is hashed piecewise beside each tensor's xxh3 (``datahash.CACHE_PIECE``): a tensor
+    spanning several pieces and one ending mid-piece must still give BLAKE3 of the whole data region,
+    written to a path or streamed to a file object alike."""
+    import io
+
     import blake3
 
+    from certckpt.format.datahash import CACHE_PIECE
+
+    state = {**_state(), "big": torch.randn(CACHE_PIECE // 4 * 2 + 3)}  # two pieces and 12 bytes
     p = tmp_path / "ck.safetensors"
-    certckpt.save(_state(), p, signing_key=keys["signing"])
+    certckpt.save(state, p, signing_key=keys["signing"])
     info = certckpt.inspect(p)
     sig = json.loads(info.header.metadata[SIG_KEY])
     assert set(sig) == {"key", "data_blake3", "ed25519"}
     assert sig["data_blake3"] == blake3.blake3(p.read_bytes()[info.header.data_start :]).hexdigest()
+    streamed = io.BytesIO()
+    certckpt.save(state, streamed, signing_key=keys["signing"])
+    assert streamed.getvalue() == p.read_bytes()
+    assert certckpt.verify(p, trusted_keys=keys["trusted"]).ok

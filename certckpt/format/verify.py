@@ -293,6 +293,34 @@ def _check_data(
         report.fail("truncated", f"{info.source}: unexpected trailing bytes after the last tensor")
 
 
+def _signed_digest_matches(
+    fh: IO[bytes], info: CheckpointInfo, progress: Progress | None, signed: tuple[str, str]
+) -> bool:
+    """One pass over the data region hashing only the signed digest: True when every byte is there,
+    nothing trails it, and the digest is the one signed.
+
+    A signature the trusted keys accept covers the header, hence every tensor's xxh3, and the data
+    through this digest: when it matches, the bytes are the signer's and the per-tensor digests hold
+    by construction, so they are not recomputed. The digest runs inline on 1 MiB pieces while each
+    is still in this core's cache (measured on 1 GiB in the page cache: 0.29 s, against 0.45-0.70 s
+    for xxh3 here and BLAKE3 on other threads over 8 MiB pieces).
+    """
+    from .datahash import CACHE_PIECE, DIGEST_FIELDS, new_hash
+
+    h = new_hash(DIGEST_FIELDS[signed[0]], threads=False)
+    total = left = info.header.data_length
+    buf = memoryview(bytearray(min(CACHE_PIECE, max(total, 1))))
+    while left:
+        n = read_into(fh, buf[: min(left, len(buf))])
+        if not n:
+            return False
+        h.update(buf[:n])
+        left -= n
+        if progress:
+            progress(total - left, total)
+    return not fh.read(1) and h.hexdigest() == signed[1]
+
+
 def _fill(fh: IO[bytes], view: memoryview) -> int:
     """Read until ``view`` is full or the stream ends; returns the bytes read."""
     got = 0
@@ -353,6 +381,20 @@ def _check_deep(
             )
 
 
+def _position(fh: IO[bytes]) -> int | None:
+    """The stream's offset when it can seek back to it, else None."""
+    try:
+        return fh.tell() if fh.seekable() else None
+    except (OSError, AttributeError, ValueError):
+        return None
+
+
+def _changed_after_signing(source: str, field: str) -> str:
+    from .datahash import digest_name
+
+    return f"{source}: the data's {digest_name(field)} differs from the one signed: the tensors changed after signing"
+
+
 def verify(
     f: Any, *, deep: bool = False, progress: Progress | None = None, trusted_keys: TrustedKeys | None = None
 ) -> VerifyReport:
@@ -400,18 +442,27 @@ def verify(
             problem, signed = signature_problem(info.header, trusted_keys)
             if problem:
                 report.fail("signature", f"{target.display}: {problem}")
-        data_hash = None
-        if signed is not None:
-            from .datahash import BackgroundDigest
+        data_start = _position(fh)
+        if signed is not None and report.ok and not deep and data_start is not None:
+            # Keyed and sound so far: the signed digest alone decides. Only a file that fails it is
+            # read again, tensor by tensor, to name what changed (a forgery that keeps every xxh3
+            # names nothing, and the signature line says why it fails).
+            if _signed_digest_matches(fh, info, progress, signed):
+                report.tensors = len(info.header.entries)
+            else:
+                fh.seek(data_start)
+                _check_data(fh, info, report, None)
+                if report.ok:
+                    report.fail("signature", _changed_after_signing(target.display, signed[0]))
+        else:
+            data_hash = None
+            if signed is not None:
+                from .datahash import BackgroundDigest
 
-            data_hash = BackgroundDigest(signed[0])
-        (_check_deep if deep else _check_data)(fh, info, report, progress, data_hash)
-        if signed is not None and data_hash is not None and report.ok and data_hash.finish() != signed[1]:
-            report.fail(
-                "signature",
-                f"{target.display}: the data's {data_hash.name} differs from the one signed: the tensors changed after"
-                " signing",
-            )
+                data_hash = BackgroundDigest(signed[0])
+            (_check_deep if deep else _check_data)(fh, info, report, progress, data_hash)
+            if signed is not None and data_hash is not None and report.ok and data_hash.finish() != signed[1]:
+                report.fail("signature", _changed_after_signing(target.display, signed[0]))
         report.nbytes = info.header.file_length
     report.seconds = time.perf_counter() - t0
     return report
