@@ -657,3 +657,79 @@ def test_the_deepest_object_save_accepts_still_loads(tmp_path):
     while isinstance(out, list):
         out, levels = out[0], levels + 1
     assert levels == MAX_DEPTH - 2 and torch.equal(out, torch.ones(1))
+
+
+JSON_VALUES = st.recursive(
+    st.one_of(st.none(), st.booleans(), INTS, st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=6)),
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=4), children, max_size=3),
+    max_leaves=12,
+)
+
+
+@fuzz(300)
+@given(
+    doc=st.dictionaries(st.text(max_size=5), JSON_VALUES, max_size=6),
+    indent=st.sampled_from([None, 0, 2]),
+    tail=st.sampled_from(["", " ", "\n", "x", "}", ",", "{}"]),
+)
+def test_json_object_fields_reads_what_json_loads_reads(doc, indent, tail):
+    """The member-by-member reader behind verify's lean record parse: the same members, each span
+    holding exactly its value, and the same refusals (trailing data, non-objects)."""
+    from certckpt.format.header import json_object_fields, strict_json_loads
+
+    text = json.dumps(doc, indent=indent) + tail
+    try:
+        expected = strict_json_loads(text)
+    except ValueError:
+        expected = None
+    try:
+        members = list(json_object_fields(text))
+    except ValueError:
+        members = None
+    if expected is None or not isinstance(expected, dict):
+        assert members is None
+        return
+    assert members is not None
+    assert {k: v for k, _, _, v in members} == expected
+    for _k, start, end, v in members:
+        assert json.loads(text[start:end]) == v
+
+
+@pytest.mark.parametrize(
+    "rewrite, canonical",
+    [
+        (lambda sk: sk, True),  # the control: the same bytes, the digest recomputed, verifies
+        (lambda sk: json.dumps(json.loads(sk), indent=1), False),  # whitespace inside the skeleton
+        (lambda sk: sk + ' ,"skeleton":' + sk, False),  # the key twice
+    ],
+    ids=["unchanged", "whitespace", "duplicate-key"],
+)
+def test_verify_drops_the_skeleton_yet_refuses_one_not_written_canonically(tmp_path, rewrite, canonical):
+    """verify parses the skeleton only to check its form, then drops it (``keep_skeleton=False``): a
+    skeleton rewritten with the header digest recomputed must still fail as not certckpt's form."""
+    path = tmp_path / "ck.safetensors"
+    certckpt.save({"a": {"w": torch.ones(3)}, "n": [torch.zeros(2), 4]}, path)
+    report = certckpt.verify(path)
+    assert report.ok and report.info is not None and report.info.record.skeleton is None
+    data = path.read_bytes()
+    n = struct.unpack("<Q", data[:8])[0]
+    doc = json.loads(data[8 : 8 + n])
+    text = doc[METADATA_KEY][RECORD_KEY]
+    start = text.index('"skeleton":') + len('"skeleton":')
+    end = text.index(',"writer":')
+    text = text[:start] + rewrite(text[start:end]) + text[end:]
+    record = json.loads(text)  # still the same document
+    assert record["skeleton"] == json.loads(json.loads(data[8 : 8 + n])[METADATA_KEY][RECORD_KEY])["skeleton"]
+    digest = re.search(r'"header_digest":"([0-9a-f]{32})"', text)
+    assert digest is not None
+    text = text.replace(digest.group(1), "0" * 32)
+    doc[METADATA_KEY][RECORD_KEY] = text
+    text = text.replace("0" * 32, header_digest(padded_json(doc)))
+    doc[METADATA_KEY][RECORD_KEY] = text
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(encode_header(doc) + data[8 + n :])
+    report = certckpt.verify(bad)
+    if canonical:
+        assert report.ok, report.problems
+        return
+    assert not report.ok and "not in the form certckpt writes" in report.problems[0].message, report.problems

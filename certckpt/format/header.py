@@ -36,6 +36,7 @@ __all__ = [
     "gc_paused",
     "nesting_depth",
     "strict_json_loads",
+    "json_object_fields",
     "sniff_foreign_format",
     "MAX_DIMS",
 ]
@@ -97,6 +98,9 @@ class HeaderCache(TypedDict, total=False):
     doc: dict[str, Any]
     form: CanonicalForm | None
     canonical: bool
+    # where the record's skeleton lies in the record text when it was checked canonical and dropped
+    # (``record.parse_record(keep_skeleton=False)``); None when it was not canonical
+    skeleton_span: tuple[int, int] | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +145,55 @@ def _reject_constant(name: str) -> None:
 def strict_json_loads(text: str | bytes) -> Any:
     """``json.loads`` without NaN/Infinity (which the canonical form cannot write back)."""
     return json.loads(text, parse_constant=_reject_constant)
+
+
+_STRICT = json.JSONDecoder(parse_constant=_reject_constant)
+_WS = frozenset(" \t\n\r")
+
+
+def _skip_ws(text: str, i: int) -> int:
+    while i < len(text) and text[i] in _WS:
+        i += 1
+    return i
+
+
+def json_object_fields(text: str) -> Iterator[tuple[str, int, int, Any]]:
+    """The members of the JSON object ``text``, one at a time: ``(key, start, end, value)`` with the
+    value's span in ``text``. A caller that drops a value before asking for the next one never holds
+    two large members at once. As strict as ``strict_json_loads``; a later duplicate key is yielded
+    again (``json.loads`` keeps the last).
+
+    Raises:
+        ValueError: ``text`` is not one JSON object.
+    """
+    i = _skip_ws(text, 0)
+    if not text.startswith("{", i):
+        raise ValueError("expected a JSON object")
+    i = _skip_ws(text, i + 1)
+    if text.startswith("}", i):
+        i += 1
+    else:
+        while True:
+            key, i = _STRICT.raw_decode(text, i)
+            if not isinstance(key, str):
+                raise ValueError("object keys must be strings")
+            i = _skip_ws(text, i)
+            if not text.startswith(":", i):
+                raise ValueError("expected ':'")
+            start = _skip_ws(text, i + 1)
+            value, i = _STRICT.raw_decode(text, start)
+            yield key, start, i, value
+            del value
+            i = _skip_ws(text, i)
+            if text.startswith(",", i):
+                i = _skip_ws(text, i + 1)
+            elif text.startswith("}", i):
+                i += 1
+                break
+            else:
+                raise ValueError("expected ',' or '}'")
+    if _skip_ws(text, i) != len(text):
+        raise ValueError("extra data after the object")
 
 
 def nesting_depth(value: object, *, limit: int) -> int:
