@@ -1,10 +1,11 @@
 """Keyed reads and signed writes, side by side with what they add to (issue 27's targets).
 
 In one run, on a 1 GiB state (32 fp32 tensors of 32 MiB) in the page cache:
-- signed save vs unsigned save (target <= 1.10x): the signature's BLAKE3 digest of the data is
-  hashed on another core beside the write;
+- signed save vs unsigned save (target <= 1.10x): the signature's BLAKE3 digest of the data is fed
+  the same 1 MiB pieces as each tensor's xxh3, on the save's hashing thread beside the write;
 - keyed load vs unkeyed load (target <= 1.25x): the BLAKE3 digest checked in the same pass;
-- keyed `certckpt verify --trusted-keys` vs `sha256sum`, both whole processes (target >= 8x faster);
+- keyed `certckpt verify --trusted-keys` vs `sha256sum`, both whole processes (target >= 8x faster):
+  the signed digest alone, hashed inline as each 1 MiB piece is read;
 and a file of 100,000 small tensors: `certckpt verify` and `certckpt.load` as whole processes, three
 runs each (median time, largest peak memory; targets: verify <= 3 s and <= 200 MB, load <= 6 s).
 
