@@ -191,6 +191,39 @@ def test_a_tampered_checkpoint_is_refused_on_resume(run_copy, target, words):
     assert trainer.state.global_step == 0  # nothing was loaded, nothing trained
 
 
+@pytest.mark.slow  # a signed training run (~10 s)
+def test_a_keyed_resume_refuses_weights_forged_to_keep_every_xxh3(tmp_path, monkeypatch):
+    """A signed run, and weights rewritten by someone with write access and no key: an xxh3 second
+    preimage keeps the file's header (its digests and signature) byte for byte. Without keys the
+    checkpoint still verifies; with the keys the resume refuses it on the signed BLAKE3."""
+    pytest.importorskip("cryptography")
+    from xxh3_forge import forge
+
+    from certckpt.format.signing import generate_key
+
+    priv, pub = generate_key(tmp_path / "key")
+    monkeypatch.setenv("CERTCKPT_SIGNING_KEY", str(priv))
+    out = str(tmp_path / "out")
+    certified_trainer(out, stop=3).train()
+    ckpt = os.path.join(out, "checkpoint-3")
+    weights = os.path.join(ckpt, "model.safetensors")
+    info = certckpt.inspect(weights)
+    e = max(info.header.entries, key=lambda e: e.nbytes)
+    os.chmod(weights, 0o644)
+    with open(weights, "r+b") as f:
+        f.seek(info.header.data_start + e.begin)
+        data = f.read(e.nbytes)
+        f.seek(info.header.data_start + e.begin)
+        f.write(forge(data))
+    monkeypatch.delenv("CERTCKPT_SIGNING_KEY")
+    assert verify_checkpoint(ckpt).ok  # every xxh3 digest and the header still hold
+    monkeypatch.setenv("CERTCKPT_TRUSTED_KEYS", str(pub))
+    trainer = certified_trainer(out)
+    with pytest.raises(CorruptCheckpointError, match="model.safetensors.*BLAKE3 differs from the one signed"):
+        trainer.train(resume_from_checkpoint=ckpt)
+    assert trainer.state.global_step == 0
+
+
 def test_resume_from_latest_good_skips_a_checkpoint_with_a_damaged_file(tmp_path, caplog):
     # `certckpt latest-good` re-verifies the committed manifest only; resuming checks every file of
     # the directory and falls back to the next good checkpoint (a rollback: a new branch).
