@@ -59,6 +59,9 @@ __all__ = [
 ]
 
 _CHUNK = 16 << 20  # streaming buffer: bounded memory whatever the file size
+# The digest pass reads pieces that stay in this core's cache while xxh3 hashes them (1 GiB in the
+# page cache: 0.16-0.18 s in 1 MiB pieces, 0.25-0.27 s in 16 MiB pieces).
+_PIECE = 1 << 20
 _RING, _RING_PIECE = 8, 8 << 20  # keyed reads: buffers the background digest may still hold
 
 Progress = Callable[[int, int], None]
@@ -267,7 +270,7 @@ def _check_data(
     # With a signed digest to check, the digest runs on other cores and holds each chunk until it is
     # hashed: a small ring of reused buffers (fresh ones cost a page fault per 4 KiB; measured on
     # 1 GiB, 0.33 s -> 0.27 s), each refilled only once its hash is done.
-    size = min(_RING_PIECE if data_hash is not None else _CHUNK, max(info.header.data_length, 1))
+    size = min(_RING_PIECE if data_hash is not None else _PIECE, max(info.header.data_length, 1))
     ring = [memoryview(bytearray(size)) for _ in range(_RING if data_hash is not None else 1)]
     hashing: deque[Future[None]] = deque()
     total, done, pieces = info.header.data_length, 0, 0
@@ -411,8 +414,10 @@ def verify(
         deep: also recompute each tensor's device fingerprint (imports torch; slower).
         progress: called as ``progress(bytes_done, bytes_total)`` while data is read.
         trusted_keys: also require a signature by one of these keys over the header and the data's
-            SHA-256 (``docs/signing.md``): an unsigned file, or one forged with recomputed digests,
-            fails. Hashing the data with SHA-256 costs about one more pass.
+            cryptographic digest (``docs/signing.md``): an unsigned file, or one forged with
+            recomputed digests or an xxh3 second preimage, fails. The signed digest (BLAKE3, or
+            SHA-256 in older files) is then what the one read of the data checks; the per-tensor xxh3
+            digests are recomputed only to name what changed when it fails.
 
     Returns:
         A ``VerifyReport``; ``report.ok`` is False for corrupt, truncated or tampered files.
