@@ -16,7 +16,7 @@ import xxhash
 
 from certckpt.errors import ConfigurationError, CorruptCheckpointError, UntrustedCheckpointError
 
-from .datahash import BackgroundDigest
+from .datahash import DIGEST_FIELDS, digest_name, hash_pieces, new_hash
 from .header import TensorEntry, gc_paused
 from .record import check_header, signature_problem
 from .signing import KEYS_FROM_ENV, TrustedKeys, trusted_keys_for
@@ -128,7 +128,10 @@ def load(
     with open_read(target) as (fh, size), gc_paused():
         info = read_checkpoint_header(fh, size, target.display)
         signed = _check_header(info, keys, verify=verify, display=target.display)
-        data_hash = BackgroundDigest(signed[0]) if signed is not None else None
+        # The signed digest is fed each piece as it is read, beside xxh3, on this thread: on two cores
+        # a hash on other threads competed with the read (measured on 1 GiB: keyed load 0.98 s inline
+        # against 1.16 s, unkeyed 0.90 s).
+        data_hash = new_hash(DIGEST_FIELDS[signed[0]], threads=False) if signed is not None else None
         # a keyed load reads through the host (the GPU staging path checks xxh3 only)
         device = staging_device(map_location, mmap=bool(mmap)) if data_hash is None else None
         if device is not None:  # straight to the GPU through pinned buffers, every digest checked
@@ -136,10 +139,10 @@ def load(
             return _rebuild(info, tensors, map_location, target.display)
         storage = _file_mapping(target, size, info) if mmap else None
         tensors = _read_on_host(fh, info, storage, verify=verify, data_hash=data_hash, display=target.display)
-        if signed is not None and data_hash is not None and data_hash.finish() != signed[1]:
+        if signed is not None and data_hash is not None and data_hash.hexdigest() != signed[1]:
             raise CorruptCheckpointError(
-                f"{target.display}: the data's {data_hash.name} differs from the one signed: the tensors changed"
-                " after signing (their xxh3 digests were forged or collide); restore the file from a good copy"
+                f"{target.display}: the data's {digest_name(signed[0])} differs from the one signed: the tensors"
+                " changed after signing (their xxh3 digests were forged or collide); restore the file from a good copy"
             )
         return _rebuild(info, tensors, map_location, target.display)
 
@@ -182,28 +185,30 @@ def _read_on_host(
     storage: torch.UntypedStorage | None,
     *,
     verify: bool,
-    data_hash: BackgroundDigest | None,
+    data_hash: Any,
     display: str,
 ) -> dict[str, torch.Tensor]:
     """Every tensor in host memory (backed by ``storage``, the mapped file, where it can be), each
-    checked against its digest when ``verify`` and fed to ``data_hash`` when given."""
+    checked against its digest when ``verify`` and fed to ``data_hash`` (a hashlib-style object of
+    the whole data region) when given."""
     tensors: dict[str, torch.Tensor] = {}
+    extra = (data_hash,) if data_hash is not None else ()  # entries come in file order
     for e in info.header.entries:
+        x = xxhash.xxh3_128() if verify else None
+        hashes = ((x,) if x is not None else ()) + extra
         t = _mapped(storage, info, e) if storage is not None else None
         if t is None:
             if storage is not None:
                 fh.seek(info.header.data_start + e.begin)
-            t, view = read_tensor(fh, e, display)
+            t, view = read_tensor(fh, e, display, hashes=hashes)
         else:
             view = host_bytes(t)
-        if verify:
-            expected = info.record.tensors[e.name]["xxh3"]
-            found = xxhash.xxh3_128_hexdigest(view)
-            if found != expected:
-                raise CorruptCheckpointError(f"{display}: {digest_problem(e, expected, found)}")
-        if data_hash is not None:
-            data_hash.update(view, keep=t)  # entries come in file order: the data region's signed digest
+            hash_pieces(view, *hashes)
         del view
+        if x is not None:
+            expected = info.record.tensors[e.name]["xxh3"]
+            if x.hexdigest() != expected:
+                raise CorruptCheckpointError(f"{display}: {digest_problem(e, expected, x.hexdigest())}")
         tensors[e.name] = t
     return tensors
 

@@ -236,8 +236,14 @@ def read_into(fh: IO[bytes], view: memoryview) -> int:
     return n
 
 
-def read_tensor(fh: IO[bytes], e: TensorEntry, source: str) -> tuple[torch.Tensor, memoryview]:
+def read_tensor(
+    fh: IO[bytes], e: TensorEntry, source: str, *, hashes: tuple[Any, ...] = ()
+) -> tuple[torch.Tensor, memoryview]:
     """Read one tensor's bytes from the stream into a new CPU tensor (imports torch).
+
+    Args:
+        hashes: hashlib-style objects fed each piece as soon as it is read, while it is still in
+            this core's cache (a second pass over the tensor would read it from memory again).
 
     Returns:
         ``(tensor, memoryview of its bytes)``; keep the tensor alive while using the view.
@@ -253,9 +259,11 @@ def read_tensor(fh: IO[bytes], e: TensorEntry, source: str) -> tuple[torch.Tenso
     view = host_bytes(t)
     got = 0
     while got < e.nbytes:
-        n = read_into(fh, view[got:])
+        n = read_into(fh, view[got : got + _PIECE] if hashes else view[got:])
         if not n:
             raise CorruptCheckpointError(truncated_problem(source, e, e.nbytes - got))
+        for h in hashes:
+            h.update(view[got : got + n])
         got += n
     return t, view
 
