@@ -1,12 +1,13 @@
-"""The data region's cryptographic digest, hashed on another core while the caller reads or writes.
+"""The data region's cryptographic digest, fed in cache-sized pieces or hashed on another core.
 
 A signature covers a file's data through a digest of its data region (``docs/signing.md``). New
-signed files carry BLAKE3 (``data_blake3``: 6-7 GB/s with its own threads on two cores, so a keyed
-read costs little more than an unkeyed one); files signed before, or where the ``blake3`` package is
-missing, carry SHA-256 (``data_sha256``, about 1.7 GB/s). Either is hashed on a worker thread: both
-release the GIL for large buffers, and the buffers are the caller's own (nothing is copied). The
-bytes waiting to be hashed are bounded, so a writer that stages device tensors through host copies
-never holds more than ``max_pending`` of them for the hash.
+signed files carry BLAKE3 (``data_blake3``); files signed before, or where the ``blake3`` package is
+missing, carry SHA-256 (``data_sha256``). Where one pass already touches every byte (a host save's
+xxh3, a load, a keyed verify), ``hash_pieces`` feeds each 1 MiB piece to every digest while it is in
+this core's cache: memory is read once (measured on two cores, this beat a digest on other threads,
+which competed with the pass for the cores and read memory a second time). ``BackgroundDigest`` is
+for the rest (a save of device tensors, whose host copies appear only in the writer; a deep or
+one-way verify): one worker thread, bounded bytes waiting, the caller's buffers hashed without copies.
 """
 
 from __future__ import annotations
