@@ -239,3 +239,33 @@ def test_a_hostile_certificate_is_one_line(released, keys, tmp_path):
     (d / CERTIFICATE_NAME).write_text('{"payloadType": "x"}' + " " * (17 << 20))  # past the size bound
     with pytest.raises(ReleaseVerificationError, match="not a certificate"):
         verify_release(str(d), public_key=keys["pub"])
+
+
+def test_the_released_weights_are_the_ones_checked_even_if_the_store_file_is_swapped_after(keys, tmp_path, monkeypatch):
+    """Someone who can write the store swaps the checkpoint file right after its bytes are checked:
+    the release must hold the checked weights (it reads the file once, into a private copy)."""
+    import certckpt.ops.release as release
+
+    store = tmp_path / "r1"
+    store.mkdir()
+    torch.manual_seed(0)
+    good = {"w": torch.randn(4, 3)}
+    path = store / "step100.safetensors"
+    certckpt.save({"model": good}, str(path), ledger=str(store), step=100)
+    checked = release.check_file
+
+    def check_then_swap(*args, **kwargs):
+        problem = checked(*args, **kwargs)
+        evil = tmp_path / "evil.safetensors"
+        certckpt.save({"model": {"w": torch.zeros(4, 3)}}, str(evil), step=100)
+        path.chmod(0o644)
+        evil.replace(path)  # the store's file now holds other weights
+        return problem
+
+    monkeypatch.setattr(release, "check_file", check_then_swap)
+    out = tmp_path / "rel"
+    make_release(str(store), key=keys["key"], out=str(out), accept="verified")
+    from safetensors.torch import load_file
+
+    assert torch.equal(load_file(str(out / "model.safetensors"))["w"], good["w"])
+    assert torch.equal(certckpt.load(str(path))["model"]["w"], torch.zeros(4, 3))  # the swap did happen

@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import shutil
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -120,7 +121,8 @@ def enclosing_store(path: str) -> str | None:
 
 
 def _choose(ckpt: str, store: str | None, level: Level) -> tuple[StoreStatus, str]:
-    """The store's certified status and the checkpoint to release, its bytes verified now."""
+    """The store's certified status and the checkpoint to release (its bytes are checked by
+    ``_checked_copy``, on the copy that is released)."""
     if store is None and "://" not in ckpt and os.path.isdir(os.path.join(ckpt, LEDGER_DIR)):
         status, cid = find_latest_good(ckpt, accept=level, write_certificates=False)
         if cid is None:
@@ -148,22 +150,37 @@ def _choose(ckpt: str, store: str | None, level: Level) -> tuple[StoreStatus, st
                     f"{c.ckpt_id}: {v.label} ({', '.join(v.reasons) or 'no reason'}); a release takes"
                     f" {level.value}{hint}"
                 )
-            rec = snap.records[c.ckpt_id]
-            problem = check_file(c.url, rec.get("header_digest"), committed=rec, trusted_keys=snap.trusted_keys)
-            if problem:
-                raise CorruptCheckpointError(problem)
             return status, c.ckpt_id
     raise CheckpointNotFoundError(f"{ckpt}: not a checkpoint committed to {store}")
 
 
-def _model_tensors(url: str, part: str | None) -> dict[str, Any]:
-    """The model's tensors from the checkpoint: ``part`` (default: ``model``, else ``state_dict``,
-    else the whole object when it is a flat mapping of tensors)."""
+def _checked_copy(status: StoreStatus, cid: str, directory: str) -> str:
+    """The checkpoint's bytes, read once into a private file in ``directory``, then verified there as
+    the very file committed (``check_file``): what is released is what was checked, whatever happens
+    to the store's file meanwhile (checking the store's file, then loading it again, left a window
+    in which someone who can write the store could swap in other weights)."""
+    from certckpt.format.storage import open_read, resolve
+
+    url = status.entry(cid).url
+    local = os.path.join(directory, "checkpoint.safetensors")
+    with open_read(resolve(url)) as (fh, _size), open(local, "xb") as out:
+        shutil.copyfileobj(fh, out, 1 << 20)
+    rec = status.snapshot.records[cid]
+    problem = check_file(local, rec.get("header_digest"), committed=rec, trusted_keys=status.snapshot.trusted_keys)
+    if problem:
+        raise CorruptCheckpointError(problem.replace(local, url))
+    return local
+
+
+def _model_tensors(path: str, part: str | None, *, url: str) -> dict[str, Any]:
+    """The model's tensors from the checkpoint file at ``path`` (``url`` names it in messages):
+    ``part`` (default: ``model``, else ``state_dict``, else the whole object when it is a flat mapping
+    of tensors)."""
     import torch
 
     from certckpt.format.reader import load
 
-    obj = load(url, "cpu")
+    obj = load(path, "cpu")
     if part is None:
         part = next((k for k in ("model", "state_dict") if isinstance(obj, dict) and isinstance(obj.get(k), dict)), "")
     if part:
@@ -301,7 +318,8 @@ def make_release(
     status, cid = _choose(ckpt, store, level)
     from safetensors.torch import save_file
 
-    tensors = _model_tensors(status.entry(cid).url, part)
+    with tempfile.TemporaryDirectory(prefix="certckpt-release-") as tmp:
+        tensors = _model_tensors(_checked_copy(status, cid, tmp), part, url=status.entry(cid).url)
     os.makedirs(out, exist_ok=True)
     save_file(tensors, os.path.join(out, MODEL_NAME), metadata={"format": "pt"})
     os.chmod(os.path.join(out, MODEL_NAME), 0o644)  # a release is for others to read
