@@ -666,7 +666,7 @@ JSON_VALUES = st.recursive(
 )
 
 
-@fuzz(300)
+@fuzz(150)
 @given(
     doc=st.dictionaries(st.text(max_size=5), JSON_VALUES, max_size=6),
     indent=st.sampled_from([None, 0, 2]),
