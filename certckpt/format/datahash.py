@@ -101,6 +101,8 @@ class BackgroundDigest:
     Args:
         field: the signature entry's field (``DIGEST_FIELDS``): which algorithm.
         max_pending: bytes queued at most; ``update`` waits beyond.
+        threads: let BLAKE3 spread large updates over its own threads (``new_hash``); False when the
+            caller feeds cache-sized pieces and reads the next one on its own core meanwhile.
 
     Example:
         >>> h = BackgroundDigest("data_sha256")
@@ -109,9 +111,9 @@ class BackgroundDigest:
         'ba7816bf'
     """
 
-    def __init__(self, field: str, *, max_pending: int = 256 << 20) -> None:
+    def __init__(self, field: str, *, max_pending: int = 256 << 20, threads: bool = True) -> None:
         self.field = field
-        self._hash: _Hash = new_hash(DIGEST_FIELDS[field])
+        self._hash: _Hash = new_hash(DIGEST_FIELDS[field], threads=threads)
         self._pool = SerialWorker("certckpt-digest")
         self._max = max_pending
         self._pending = 0
