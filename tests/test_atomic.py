@@ -12,26 +12,54 @@ import torch
 
 import certckpt
 
-WRITER = textwrap.dedent(
+# One writer per kill, each forked from a process that imported torch and certckpt once (a fresh
+# python would spend seconds importing torch per writer). A request line "PATH OVERWRITE SEED" forks
+# a writer, which prints "ready PID" once its state is built and "done" once the save returned; the
+# forker prints "exited STATUS" when the writer is gone, killed or finished.
+FORKER = textwrap.dedent(
     """
-    import sys, torch, certckpt
-    torch.manual_seed(int(sys.argv[3]))
-    state = {f"t{i}": torch.randn(2_000_000) for i in range(12)}  # ~96 MB
-    print("ready", flush=True)
-    certckpt.save(state, sys.argv[1], step=int(sys.argv[3]), overwrite=sys.argv[2] == "1")
-    print("done", flush=True)
+    import os, sys, torch, certckpt
+    for line in sys.stdin:
+        path, overwrite, seed = line.split()
+        pid = os.fork()
+        if pid == 0:
+            torch.set_num_threads(1)
+            torch.manual_seed(int(seed))
+            state = {f"t{i}": torch.randn(2_000_000) for i in range(12)}  # ~96 MB
+            print("ready", os.getpid(), flush=True)
+            certckpt.save(state, path, step=int(seed), overwrite=overwrite == "1")
+            print("done", flush=True)
+            os._exit(0)
+        print("exited", os.waitpid(pid, 0)[1], flush=True)
     """
 )
 
 
-def _start(path, overwrite, seed):
-    p = subprocess.Popen(
-        [sys.executable, "-c", WRITER, str(path), "1" if overwrite else "0", str(seed)],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert p.stdout.readline().strip() == "ready"
-    return p
+class Writers:
+    def __init__(self):
+        self.forker = subprocess.Popen(
+            [sys.executable, "-c", FORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+
+    def start(self, path, overwrite, seed) -> int:
+        """A writer saving to ``path``, its state built: its pid."""
+        self.forker.stdin.write(f"{path} {1 if overwrite else 0} {seed}\n")
+        self.forker.stdin.flush()
+        word, pid = self.line().split()
+        assert word == "ready"
+        return int(pid)
+
+    def line(self) -> str:
+        return self.forker.stdout.readline().strip()
+
+    def wait(self) -> None:
+        """Until the writer has exited (a "done" before that is its save finishing)."""
+        while not self.line().startswith("exited"):
+            pass
+
+    def close(self):
+        self.forker.stdin.close()
+        self.forker.wait(timeout=60)
 
 
 @pytest.mark.slow
@@ -42,14 +70,15 @@ def test_killed_writer_leaves_old_or_complete_checkpoint(tmp_path, overwrite):
     if not overwrite:
         final = tmp_path / "new.safetensors"
     outcomes = set()
+    writers = Writers()
     for i, delay in enumerate([0.0, 0.02, 0.05, 0.1, 0.2, 0.4, None]):
-        p = _start(final, overwrite, seed=i + 1)
-        if delay is None:  # the last one is let finish: "done", then the kill finds it exited
-            assert p.stdout.readline().strip() == "done"
+        pid = writers.start(final, overwrite, seed=i + 1)
+        if delay is None:  # the last one is let finish: "done", then it exits
+            assert writers.line() == "done"
         else:
             time.sleep(delay)
-        p.send_signal(signal.SIGKILL)
-        p.wait()
+            os.kill(pid, signal.SIGKILL)  # not yet reaped (the forker waits for it): the pid is still its
+        writers.wait()
         if final.exists():
             report = certckpt.verify(final)
             assert report.ok, report.problems  # never a partial file under the final name
@@ -63,6 +92,7 @@ def test_killed_writer_leaves_old_or_complete_checkpoint(tmp_path, overwrite):
         old = tmp_path / "ck.safetensors"
         if not overwrite:
             assert certckpt.verify(old).ok and torch.equal(certckpt.load(old)["old"], torch.ones(3))
+    writers.close()
     # the schedule spans "killed before publishing" and "finished": both outcomes must occur
     assert len(outcomes) >= 2, outcomes
 
