@@ -1,7 +1,6 @@
 """Atomic, create-only writes: killed writers, refused overwrites, a full disk."""
 
 import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -14,11 +13,13 @@ import certckpt
 
 # One writer per kill, each forked from a process that imported torch and certckpt once (a fresh
 # python would spend seconds importing torch per writer). A request line "PATH OVERWRITE SEED" forks
-# a writer, which prints "ready PID" once its state is built and "done" once the save returned; the
-# forker prints "exited STATUS" when the writer is gone, killed or finished.
+# a writer, which prints "ready" once its state is built and "done" once the save returned; the next
+# line, "kill" or "wait", has the forker SIGKILL it at once or let it finish, then reap it and print
+# "exited STATUS". Only the forker signals it, before reaping it: a writer that already finished is a
+# zombie then, never another process under a reused pid.
 FORKER = textwrap.dedent(
     """
-    import os, sys, torch, certckpt
+    import os, signal, sys, torch, certckpt
     for line in sys.stdin:
         path, overwrite, seed = line.split()
         pid = os.fork()
@@ -26,10 +27,12 @@ FORKER = textwrap.dedent(
             torch.set_num_threads(1)
             torch.manual_seed(int(seed))
             state = {f"t{i}": torch.randn(2_000_000) for i in range(12)}  # ~96 MB
-            print("ready", os.getpid(), flush=True)
+            print("ready", flush=True)
             certckpt.save(state, path, step=int(seed), overwrite=overwrite == "1")
             print("done", flush=True)
             os._exit(0)
+        if sys.stdin.readline().strip() == "kill":
+            os.kill(pid, signal.SIGKILL)
         print("exited", os.waitpid(pid, 0)[1], flush=True)
     """
 )
@@ -41,19 +44,22 @@ class Writers:
             [sys.executable, "-c", FORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )
 
-    def start(self, path, overwrite, seed) -> int:
-        """A writer saving to ``path``, its state built: its pid."""
-        self.forker.stdin.write(f"{path} {1 if overwrite else 0} {seed}\n")
+    def send(self, line: str) -> None:
+        self.forker.stdin.write(line + "\n")
         self.forker.stdin.flush()
-        word, pid = self.line().split()
-        assert word == "ready"
-        return int(pid)
+
+    def start(self, path, overwrite, seed) -> None:
+        """A writer saving to ``path``, once its state is built."""
+        self.send(f"{path} {1 if overwrite else 0} {seed}")
+        assert self.line() == "ready"
 
     def line(self) -> str:
         return self.forker.stdout.readline().strip()
 
-    def wait(self) -> None:
-        """Until the writer has exited (a "done" before that is its save finishing)."""
+    def end(self, how: str) -> None:
+        """``kill`` the writer now or ``wait`` for it; returns once it is reaped (a "done" before
+        that is its save finishing)."""
+        self.send(how)
         while not self.line().startswith("exited"):
             pass
 
@@ -72,13 +78,13 @@ def test_killed_writer_leaves_old_or_complete_checkpoint(tmp_path, overwrite):
     outcomes = set()
     writers = Writers()
     for i, delay in enumerate([0.0, 0.02, 0.05, 0.1, 0.2, 0.4, None]):
-        pid = writers.start(final, overwrite, seed=i + 1)
+        writers.start(final, overwrite, seed=i + 1)
         if delay is None:  # the last one is let finish: "done", then it exits
             assert writers.line() == "done"
+            writers.end("wait")
         else:
             time.sleep(delay)
-            os.kill(pid, signal.SIGKILL)  # not yet reaped (the forker waits for it): the pid is still its
-        writers.wait()
+            writers.end("kill")  # SIGKILL (a no-op on one that already finished)
         if final.exists():
             report = certckpt.verify(final)
             assert report.ok, report.problems  # never a partial file under the final name
