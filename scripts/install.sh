@@ -4,19 +4,22 @@
 #   bash scripts/install.sh test    plus what the test suite needs (pytest, hypothesis, s3fs, moto server,
 #                                   model-signing)
 #   bash scripts/install.sh release plus what `certckpt release` needs (OpenSSF model-signing)
+# Arguments after the first go to every `pip install` (CI passes --no-compile: see .ci/run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+what=${1:-}
+shift || true
 pipi() { "$PY" -m pip install --disable-pip-version-check -q "$@"; }
 # An unpinned `torch` would pull a multi-GB CUDA build; take the CPU build first when torch is missing.
 if ! "$PY" -c "import torch" >/dev/null 2>&1; then
   echo "installing torch==2.13.0 (CPU build)" >&2
-  pipi torch==2.13.0
+  pipi "$@" torch==2.13.0
 fi
-if [ "${1:-}" = "test" ]; then
-  pipi -e ".[test]"
-elif [ "${1:-}" = "release" ]; then
-  pipi -e ".[release]"
+if [ "$what" = "test" ]; then
+  pipi "$@" -e ".[test]"
+elif [ "$what" = "release" ]; then
+  pipi "$@" -e ".[release]"
 else
-  pipi -e .
+  pipi "$@" -e .
 fi

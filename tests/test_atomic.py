@@ -1,7 +1,6 @@
 """Atomic, create-only writes: killed writers, refused overwrites, a full disk."""
 
 import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -12,26 +11,61 @@ import torch
 
 import certckpt
 
-WRITER = textwrap.dedent(
+# One writer per kill, each forked from a process that imported torch and certckpt once (a fresh
+# python would spend seconds importing torch per writer). A request line "PATH OVERWRITE SEED" forks
+# a writer, which prints "ready" once its state is built and "done" once the save returned; the next
+# line, "kill" or "wait", has the forker SIGKILL it at once or let it finish, then reap it and print
+# "exited STATUS". Only the forker signals it, before reaping it: a writer that already finished is a
+# zombie then, never another process under a reused pid.
+FORKER = textwrap.dedent(
     """
-    import sys, torch, certckpt
-    torch.manual_seed(int(sys.argv[3]))
-    state = {f"t{i}": torch.randn(2_000_000) for i in range(12)}  # ~96 MB
-    print("ready", flush=True)
-    certckpt.save(state, sys.argv[1], step=int(sys.argv[3]), overwrite=sys.argv[2] == "1")
-    print("done", flush=True)
+    import os, signal, sys, torch, certckpt
+    for line in sys.stdin:
+        path, overwrite, seed = line.split()
+        pid = os.fork()
+        if pid == 0:
+            torch.set_num_threads(1)
+            torch.manual_seed(int(seed))
+            state = {f"t{i}": torch.randn(2_000_000) for i in range(12)}  # ~96 MB
+            print("ready", flush=True)
+            certckpt.save(state, path, step=int(seed), overwrite=overwrite == "1")
+            print("done", flush=True)
+            os._exit(0)
+        if sys.stdin.readline().strip() == "kill":
+            os.kill(pid, signal.SIGKILL)
+        print("exited", os.waitpid(pid, 0)[1], flush=True)
     """
 )
 
 
-def _start(path, overwrite, seed):
-    p = subprocess.Popen(
-        [sys.executable, "-c", WRITER, str(path), "1" if overwrite else "0", str(seed)],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert p.stdout.readline().strip() == "ready"
-    return p
+class Writers:
+    def __init__(self):
+        self.forker = subprocess.Popen(
+            [sys.executable, "-c", FORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+
+    def send(self, line: str) -> None:
+        self.forker.stdin.write(line + "\n")
+        self.forker.stdin.flush()
+
+    def start(self, path, overwrite, seed) -> None:
+        """A writer saving to ``path``, once its state is built."""
+        self.send(f"{path} {1 if overwrite else 0} {seed}")
+        assert self.line() == "ready"
+
+    def line(self) -> str:
+        return self.forker.stdout.readline().strip()
+
+    def end(self, how: str) -> None:
+        """``kill`` the writer now or ``wait`` for it; returns once it is reaped (a "done" before
+        that is its save finishing)."""
+        self.send(how)
+        while not self.line().startswith("exited"):
+            pass
+
+    def close(self):
+        self.forker.stdin.close()
+        self.forker.wait(timeout=60)
 
 
 @pytest.mark.slow
@@ -42,14 +76,15 @@ def test_killed_writer_leaves_old_or_complete_checkpoint(tmp_path, overwrite):
     if not overwrite:
         final = tmp_path / "new.safetensors"
     outcomes = set()
+    writers = Writers()
     for i, delay in enumerate([0.0, 0.02, 0.05, 0.1, 0.2, 0.4, None]):
-        p = _start(final, overwrite, seed=i + 1)
-        if delay is None:  # the last one is let finish: "done", then the kill finds it exited
-            assert p.stdout.readline().strip() == "done"
+        writers.start(final, overwrite, seed=i + 1)
+        if delay is None:  # the last one is let finish: "done", then it exits
+            assert writers.line() == "done"
+            writers.end("wait")
         else:
             time.sleep(delay)
-        p.send_signal(signal.SIGKILL)
-        p.wait()
+            writers.end("kill")  # SIGKILL (a no-op on one that already finished)
         if final.exists():
             report = certckpt.verify(final)
             assert report.ok, report.problems  # never a partial file under the final name
@@ -63,6 +98,7 @@ def test_killed_writer_leaves_old_or_complete_checkpoint(tmp_path, overwrite):
         old = tmp_path / "ck.safetensors"
         if not overwrite:
             assert certckpt.verify(old).ok and torch.equal(certckpt.load(old)["old"], torch.ones(3))
+    writers.close()
     # the schedule spans "killed before publishing" and "finished": both outcomes must occur
     assert len(outcomes) >= 2, outcomes
 

@@ -1,11 +1,11 @@
 """The fused fingerprint and audit-digest kernels (certckpt/format/fused.py, Triton, for CUDA).
 
-Without a GPU their arithmetic is checked through Triton's interpreter (``TRITON_INTERPRET=1``, in a
-subprocess: the variable is read when the kernels are defined): the same bits as the eager paths for
-lengths around every boundary (a word, a program's columns, a chunk, many chunks per program), at a
-chunk offset (streamed pieces), for both sums; a kernel that disagrees is refused by the first-use
-check with a warning. The CPU paths never import Triton. On CUDA (skipped without): the dispatch
-serves CUDA tensors and agrees with the CPU."""
+Without a GPU their arithmetic is checked through Triton's interpreter (``TRITON_INTERPRET=1``, in two
+subprocesses that share the cases: the variable is read when the kernels are defined): the same bits
+as the eager paths for lengths around every boundary (a word, a program's columns, a chunk, many
+chunks per program), at a chunk offset (streamed pieces), for both sums; a kernel that disagrees is
+refused by the first-use check with a warning. The CPU paths never import Triton. On CUDA (skipped
+without): the dispatch serves CUDA tensors and agrees with the CPU."""
 
 from __future__ import annotations
 
@@ -20,16 +20,22 @@ import torch
 
 INTERPRETED = textwrap.dedent(
     """
-    import json, warnings
+    import json, sys, warnings
     import torch
     from certckpt.format import fused
     from certckpt.format.fingerprinting import FP_CHUNK_WORDS as C, raw_sum_eager
     from certckpt.detect.digest import digest_words_eager
 
+    # Two processes share the work (the interpreter runs on one core): "big" checks the largest length,
+    # "rest" everything else. Both draw every input, so each case sees the same words either way.
+    part = sys.argv[1]
     g = torch.Generator().manual_seed(7)
     out = {"cases": 0, "bad": []}
-    for n in [1, 3, 1023, 1024, 1025, C - 1, C, C + 1, 3 * C + 1234, 70 * C + 5]:
+    sizes = [1, 3, 1023, 1024, 1025, C - 1, C, C + 1, 3 * C + 1234, 70 * C + 5]
+    for n in sizes:
         w = torch.randint(-(2**31), 2**31, (n,), dtype=torch.int32, generator=g)
+        if (n == sizes[-1]) != (part == "big"):
+            continue
         for first in (0, 7):
             out["cases"] += 1
             if int(fused.raw_sum_fused(w, first)) != int(raw_sum_eager(w, first)):
@@ -43,6 +49,9 @@ INTERPRETED = textwrap.dedent(
     parts = [torch.randint(-(2**31), 2**31, (n,), dtype=torch.int32, generator=g) for n in (7, 0, C + 1)]
     parts += [bucket[:1], bucket[1:0], bucket[1 : C + 3], bucket[C + 3 :]]
     parts += [torch.randint(-(2**31), 2**31, (1025,), dtype=torch.int32, generator=g)]
+    if part == "big":
+        print(json.dumps(out))
+        sys.exit()
     for _ in range(2):
         out["many_cases"] = out.get("many_cases", 0) + 2 * len(parts)
         if fused.raw_sums_fused(parts).tolist() != [int(raw_sum_eager(w)) for w in parts]:
@@ -70,9 +79,28 @@ INTERPRETED = textwrap.dedent(
 def test_fused_kernels_compute_the_specified_bits_in_tritons_interpreter():
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
-    run = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    out = json.loads(run.stdout.strip().splitlines()[-1])
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", INTERPRETED, part],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for part in ("big", "rest")
+    ]
+    big, out = {}, {}
+    try:
+        for p, into in zip(procs, (big, out)):
+            stdout, stderr = p.communicate(timeout=600)
+            assert p.returncode == 0, stderr[-3000:]
+            into.update(json.loads(stdout.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    out["cases"] += big["cases"]
+    out["bad"] += big["bad"]
     assert out["cases"] == 30 and out["many_cases"] == 32 and out["bad"] == []
     assert out["self_check"] is True and out["ready_cpu"] is False
     assert out["many_check"] is True and out["many_digest_check"] is True and out["many_broken"] is False

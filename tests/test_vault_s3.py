@@ -247,8 +247,10 @@ def test_missing_credentials_wrong_endpoint_missing_bucket_one_line_each_nothing
             f"s3://{bucket}/v",
             "no credentials: set AWS_ACCESS_KEY_ID",
         ),
+        # one attempt: botocore's retries of a refused connection (~6 s) only delay the same line
+        # (test_remote_errors waits them out once; AWS_MAX_ATTEMPTS is a user's knob too)
         "wrong endpoint": (
-            cli_env(AWS_ENDPOINT_URL="http://127.0.0.1:9", **creds),
+            cli_env(AWS_ENDPOINT_URL="http://127.0.0.1:9", AWS_MAX_ATTEMPTS="1", **creds),
             f"s3://{bucket}/v",
             "cannot reach the endpoint",
         ),
