@@ -269,3 +269,4 @@ def test_the_released_weights_are_the_ones_checked_even_if_the_store_file_is_swa
 
     assert torch.equal(load_file(str(out / "model.safetensors"))["w"], good["w"])
     assert torch.equal(certckpt.load(str(path))["model"]["w"], torch.zeros(4, 3))  # the swap did happen
+    assert not list(tmp_path.glob(".certckpt-release-*"))  # the private copy beside the release is gone

@@ -212,6 +212,26 @@ def test_keyed_verify_passes_the_signed_file_and_names_damage_forgery_truncation
     assert not r.ok and "trailing bytes" in r.problems[0].message, r.problems
 
 
+def test_keyed_verify_of_a_file_that_shrinks_after_it_was_sized_names_the_truncated_tensor(tmp_path, keys):
+    """The signed-digest pass ends early when the data stops before the size the header and the stat
+    promised (a file cut while it is read): it is read again, and the truncation named."""
+    import io
+
+    p = tmp_path / "ck.safetensors"
+    torch.manual_seed(1)
+    certckpt.save({**_state(), "big": torch.randn(64, 64)}, p, signing_key=keys["signing"])
+    raw = p.read_bytes()
+
+    class Shrunk(io.BytesIO):  # reports the full size, holds 5 bytes less
+        def seek(self, offset, whence=0):
+            pos = super().seek(offset, whence)
+            return pos + 5 if whence == 2 else pos
+
+    r = certckpt.verify(Shrunk(raw[:-5]), trusted_keys=keys["trusted"])
+    assert not r.ok and [x.kind for x in r.problems] == ["truncated"], r.problems
+    assert certckpt.verify(io.BytesIO(raw), trusted_keys=keys["trusted"]).ok  # the control
+
+
 def test_a_keyed_load_refuses_unsigned_and_foreign_files_and_an_unverified_read(tmp_path, keys):
     from certckpt.errors import ConfigurationError, UntrustedCheckpointError
 

@@ -61,7 +61,7 @@ __all__ = [
 
 _CHUNK = 16 << 20  # streaming buffer: bounded memory whatever the file size
 # The digest pass reads pieces that stay in this core's cache while xxh3 hashes them (1 GiB in the
-# page cache: 0.16-0.18 s in 1 MiB pieces, 0.25-0.27 s in 16 MiB pieces).
+# page cache: 0.16-0.18 s in 1 MiB pieces, 0.23-0.28 s in 16 MiB pieces).
 _PIECE = 1 << 20
 _DIGEST_PIECE = 512 << 10  # keyed verify: pieces the digest worker hashes while the next is read
 _RING, _RING_PIECE = 8, 8 << 20  # keyed reads: buffers the background digest may still hold
@@ -332,8 +332,8 @@ def _signed_digest_matches(
     through this digest: when it matches, the bytes are the signer's and the per-tensor digests hold
     by construction, so they are not recomputed. This thread reads small pieces into a ring of
     buffers while one worker hashes the piece before, still in the shared cache (measured on 1 GiB in
-    the page cache, two quiet cores: 0.19 s, against 0.34 s reading and hashing on one thread and
-    0.45-0.70 s for xxh3 here with BLAKE3 on its own threads over 8 MiB pieces).
+    the page cache, two quiet cores: 0.20-0.27 s, against 0.34 s reading and hashing on one thread;
+    xxh3 here with BLAKE3 on its own threads over 8 MiB pieces took 0.42-0.70 s on a busier machine).
     """
     from .datahash import BackgroundDigest
 

@@ -163,8 +163,15 @@ def _checked_copy(status: StoreStatus, cid: str, directory: str) -> str:
 
     url = status.entry(cid).url
     local = os.path.join(directory, "checkpoint.safetensors")
-    with open_read(resolve(url)) as (fh, _size), open(local, "xb") as out:
-        shutil.copyfileobj(fh, out, 1 << 20)
+    with open_read(resolve(url)) as (fh, size), open(local, "xb") as out:
+        # no more than the size the store reported (a file that grows meanwhile fails the check below)
+        left = size
+        while left is None or left > 0:
+            chunk = fh.read(1 << 20 if left is None else min(left, 1 << 20))
+            if not chunk:
+                break
+            out.write(chunk)
+            left = None if left is None else left - len(chunk)
     rec = status.snapshot.records[cid]
     problem = check_file(local, rec.get("header_digest"), committed=rec, trusted_keys=status.snapshot.trusted_keys)
     if problem:
@@ -318,7 +325,11 @@ def make_release(
     status, cid = _choose(ckpt, store, level)
     from safetensors.torch import save_file
 
-    with tempfile.TemporaryDirectory(prefix="certckpt-release-") as tmp:
+    # the private copy goes beside the release (the checkpoint's size in free space is needed there
+    # anyway), not to a system temp directory that may be far smaller
+    parent = os.path.dirname(os.path.abspath(out))
+    os.makedirs(parent, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".certckpt-release-", dir=parent) as tmp:
         tensors = _model_tensors(_checked_copy(status, cid, tmp), part, url=status.entry(cid).url)
     os.makedirs(out, exist_ok=True)
     save_file(tensors, os.path.join(out, MODEL_NAME), metadata={"format": "pt"})
