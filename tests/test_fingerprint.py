@@ -197,6 +197,84 @@ def test_streaming_pieces_equal_the_whole():
         sfp.update(raw_bytes[:4])  # after a ragged piece nothing may follow
 
 
+class _SmallSlices:
+    """SharedFingerprints cut into one-chunk slices, so small tensors span several."""
+
+    @staticmethod
+    def make(tensors):
+        from certckpt.format.fingerprinting import SharedFingerprints, StreamingFingerprint
+
+        class Small(SharedFingerprints):
+            SLICE_BYTES = StreamingFingerprint.PIECE_ALIGN
+
+        return Small(tensors)
+
+
+def test_shared_slices_taken_by_two_threads_equal_the_whole():
+    import threading
+
+    tensors = [
+        torch.randn(5 * FP_CHUNK_WORDS + 3),  # six slices, the last one ragged
+        torch.zeros(0),
+        torch.arange(7, dtype=torch.uint8),  # 7 bytes: a zero-padded last word
+        torch.randn(300, 301)[:, :7],  # not contiguous
+        torch.randn(2 * FP_CHUNK_WORDS).to(torch.bfloat16),
+    ]
+    shared = _SmallSlices.make(tensors)
+    taken = {}
+    real_sum = raw_sum
+
+    def counting_sum(words, first_chunk=0):
+        name = threading.current_thread().name
+        taken[name] = taken.get(name, 0) + 1
+        return real_sum(words, first_chunk)
+
+    import certckpt.format.fingerprinting as fpmod
+
+    fpmod.raw_sum = counting_sum
+    try:
+        other = threading.Thread(target=shared.work, name="other")
+        other.start()
+        shared.work()
+        other.join()
+    finally:
+        fpmod.raw_sum = real_sum
+    assert shared.results() == fingerprint_many(tensors)
+    assert sum(taken.values()) == 6 + 1 + 1 + 1  # each slice once; the empty tensor has none
+
+
+def test_shared_slices_refuse_results_before_the_work_and_device_tensors():
+    from certckpt.format.fingerprinting import SharedFingerprints
+
+    shared = _SmallSlices.make([torch.randn(3 * FP_CHUNK_WORDS)])
+    with pytest.raises(ValueError, match="before every slice"):
+        shared.results()
+    shared.cancel()
+    shared.work()  # nothing left to take
+    with pytest.raises(ValueError, match="after cancel"):
+        shared.results()
+    with pytest.raises(TypeError, match="host tensors"):
+        SharedFingerprints([torch.empty(4, device="meta")])
+
+
+def test_a_save_whose_writer_and_worker_share_the_slices_records_the_true_fingerprints(tmp_path, monkeypatch):
+    from certckpt.format import fingerprinting
+    from certckpt.format.fingerprinting import StreamingFingerprint
+
+    monkeypatch.setattr(fingerprinting.SharedFingerprints, "SLICE_BYTES", StreamingFingerprint.PIECE_ALIGN)
+    state = {"big": torch.randn(40 * FP_CHUNK_WORDS + 9), "small": torch.ones(3), "half": torch.randn(999).half()}
+    for signed in (False, True):
+        kw = {}
+        if signed:
+            from certckpt.format.signing import generate_key
+
+            kw["signing_key"] = generate_key(str(tmp_path / "k"))[0]
+        p = tmp_path / f"c{signed}.safetensors"
+        certckpt.save(state, p, **kw)
+        assert {k: v["fp"] for k, v in certckpt.inspect(p).record.tensors.items()} == certckpt.fingerprint_state(state)
+        assert certckpt.verify(p, deep=True).ok
+
+
 def test_deep_verify_catches_a_wrong_fingerprint_with_consistent_digests(tmp_path):
     from certckpt.format.record import build_header, state_fingerprint
 

@@ -53,6 +53,7 @@ __all__ = [
     "fingerprint_state",
     "enable_compile",
     "StreamingFingerprint",
+    "SharedFingerprints",
     "FP_CHUNK_WORDS",
     "as_words",
     "raw_sum",
@@ -206,6 +207,65 @@ class StreamingFingerprint:
 
     def hexdigest(self) -> str:
         return f"{self.intdigest():016x}"
+
+
+class SharedFingerprints:
+    """The fingerprints of host tensors, cut into slices that several threads take in turn.
+
+    A save's two threads finish their own ordered work at different times: the writer its writes,
+    the hashing worker its digests (longer when signed: BLAKE3 has to see the data in order). Each
+    then calls ``work``, which takes the next slice until none is left, so neither waits idle while
+    the other fingerprints alone. Slices start on chunk boundaries and their sums add mod 2**64, so
+    the result never depends on who took which slice.
+
+    Example:
+        >>> shared = SharedFingerprints(tensors)
+        >>> worker.submit(shared.work); shared.work()  # on two threads, then wait for the worker
+        >>> fps = shared.results()
+    """
+
+    SLICE_BYTES = 16 << 20  # a multiple of PIECE_ALIGN; ~5 ms of one core, 64 slices per GiB
+
+    def __init__(self, tensors: Sequence[torch.Tensor]):
+        if any(t.device.type != "cpu" for t in tensors):
+            raise ArgumentTypeError("SharedFingerprints takes host tensors (device ones: fingerprint_many)")
+        self._tensors = list(tensors)
+        self._sums = [0] * len(self._tensors)
+        self._words: list[torch.Tensor] = []
+        self._slices: list[tuple[int, int, int]] = []  # (tensor, first word, end word), taken from the end
+        step = self.SLICE_BYTES // 4
+        for i, t in enumerate(self._tensors):
+            w = as_words(t)
+            self._words.append(w)
+            self._slices.extend((i, a, min(a + step, w.numel())) for a in range(0, w.numel(), step))
+        self._slices.reverse()
+        self._lock = threading.Lock()
+        self._cancelled = False
+
+    def work(self) -> None:
+        """Fingerprint slices until none is left (any number of threads at once)."""
+        while True:
+            with self._lock:
+                if not self._slices:
+                    return
+                i, a, b = self._slices.pop()
+            part = int(raw_sum(self._words[i][a:b], a // FP_CHUNK_WORDS))
+            with self._lock:
+                self._sums[i] = (self._sums[i] + part) & M64
+
+    def cancel(self) -> None:
+        """Drop the slices no thread has taken yet (the save they were for has failed)."""
+        with self._lock:
+            self._slices.clear()
+            self._cancelled = True
+
+    def results(self) -> list[int]:
+        """Each tensor's fingerprint; call once every ``work`` has returned."""
+        if self._cancelled:
+            raise ConfigurationError("SharedFingerprints.results() after cancel()")
+        if self._slices:
+            raise ConfigurationError("SharedFingerprints.results() before every slice was fingerprinted")
+        return [finalize(s, t) for s, t in zip(self._sums, self._tensors)]
 
 
 def _raw_sums(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
