@@ -71,7 +71,7 @@ def setup_errors(args):
 def checkpoint_lineage(args):
     import certckpt.format.writer as writer
 
-    counted = []
+    counted = []  # tensors the writer fingerprints: on their devices, and on the host in shared slices
     real = writer.fingerprint_many
 
     def counting(tensors):
@@ -79,7 +79,14 @@ def checkpoint_lineage(args):
         counted.append(len(tensors))
         return real(tensors)
 
+    class CountingShared(writer.SharedFingerprints):
+        def __init__(self, tensors):
+            tensors = list(tensors)
+            counted.append(len(tensors))
+            super().__init__(tensors)
+
     writer.fingerprint_many = counting
+    writer.SharedFingerprints = CountingShared
     m = _model()
     opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
     aud = Auditor(DDP(m), opt, loss_fn=_loss, run="lin", audit_every=5, sink=MemorySink())
