@@ -32,18 +32,22 @@ import certckpt
 from certckpt.format.signing import TrustedKeys, generate_key
 
 
-def _interleaved(a, b, trials: int) -> tuple[float, float, float, float]:
-    """Medians of ``a`` and ``b`` timed in alternation (which goes first alternates too), then their
-    fastest trials: on two busy cores a drift in the machine's load lands on both sides, and on this
-    VM a page-cache allocation stalls a write for 1-3 s of system time now and then, whichever side is
-    running, so a median of 7 trials can land on a stall where the fastest trials do not."""
+def _interleaved(a, b, trials: int) -> tuple[float, float, float, float, float]:
+    """Medians of ``a`` and ``b`` timed in alternation (which goes first alternates too), their
+    fastest trials, and the median of the ratios b/a of each trial's pair. On two busy cores a drift
+    in the machine's load lands on both sides, and on this VM a page-cache allocation stalls a write
+    for 1-3 s of system time now and then, whichever side is running, so a median of 7 trials can
+    land on a stall where the fastest trials do not; the two runs of a pair are seconds apart, so
+    their ratio also cancels the drift of the VM's speed over minutes (measured: 0.44 -> 0.55 s for
+    the same save, 20 minutes apart)."""
     ta, tb = [], []
     for i in range(trials):
         for fn, out in ((a, ta), (b, tb)) if i % 2 == 0 else ((b, tb), (a, ta)):
             t = time.perf_counter()
             fn(i)
             out.append(time.perf_counter() - t)
-    return statistics.median(ta), statistics.median(tb), min(ta), min(tb)
+    paired = statistics.median(y / x for x, y in zip(ta, tb))
+    return statistics.median(ta), statistics.median(tb), min(ta), min(tb), paired
 
 
 def _process(args: list[str]) -> tuple[float, float]:
@@ -79,9 +83,13 @@ def _save_pair(folder: str, state: dict, priv: str, trials: int) -> dict[str, fl
         os.remove(path)  # one copy at a time
 
     r: dict[str, float] = {}
-    r["save_unsigned_s"], r["save_signed_s"], r["save_unsigned_fastest_s"], r["save_signed_fastest_s"] = _interleaved(
-        lambda i: save(2 * i), lambda i: save(2 * i + 1, signing_key=priv), trials
-    )
+    (
+        r["save_unsigned_s"],
+        r["save_signed_s"],
+        r["save_unsigned_fastest_s"],
+        r["save_signed_fastest_s"],
+        r["save_paired_ratio"],
+    ) = _interleaved(lambda i: save(2 * i), lambda i: save(2 * i + 1, signing_key=priv), trials)
     r["save_unsigned_cpu_s"] = statistics.median(cpu[False])
     r["save_signed_cpu_s"] = statistics.median(cpu[True])
     return r
@@ -151,6 +159,8 @@ def main() -> None:
         fast_s, fast_u = res[f"{where}_save_signed_fastest_s"], res[f"{where}_save_unsigned_fastest_s"]
         cpu_s, cpu_u = res[f"{where}_save_signed_cpu_s"], res[f"{where}_save_unsigned_cpu_s"]
         print(f"    fastest trials: signed {fast_s:.2f} s / unsigned {fast_u:.2f} s = {fast_s / fast_u:.2f}x")
+        paired = res[f"{where}_save_paired_ratio"]
+        print(f"    median of each pair's ratio (its two saves run seconds apart): {paired:.2f}x")
         print(
             f"    CPU time of a save, all threads: unsigned {cpu_u:.2f} s, signed {cpu_s:.2f} s; with"
             f" {os.cpu_count()} cores the signed save cannot take less than {cpu_s / (os.cpu_count() or 1):.2f} s"
