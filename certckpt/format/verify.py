@@ -280,6 +280,29 @@ def fill_view(fh: IO[bytes], view: memoryview, e: TensorEntry, source: str, *, h
         got += n
 
 
+class _BufferRing:
+    """Read buffers reused in turn while a background digest hashes what was read into them: a
+    buffer is handed out again only once its last piece is hashed (fresh buffers cost a page fault
+    per 4 KiB; measured on 1 GiB, 0.33 s -> 0.27 s)."""
+
+    def __init__(self, count: int, size: int) -> None:
+        self._buffers = [memoryview(bytearray(size)) for _ in range(count)]
+        self._hashing: deque[Future[None]] = deque()
+        self._next = 0
+
+    def buffer(self) -> memoryview:
+        """The next buffer, once the digest is done with what it held."""
+        if len(self._hashing) == len(self._buffers):
+            self._hashing.popleft().result()
+        buf = self._buffers[self._next % len(self._buffers)]
+        self._next += 1
+        return buf
+
+    def hashing(self, done: Future[None]) -> None:
+        """The piece just read into the last buffer handed out is queued; ``done`` says when hashed."""
+        self._hashing.append(done)
+
+
 def _check_data(
     fh: IO[bytes],
     info: CheckpointInfo,
@@ -287,24 +310,19 @@ def _check_data(
     progress: Progress | None,
     data_hash: BackgroundDigest | None = None,
 ) -> None:
-    # With a signed digest to check, the digest runs on other cores and holds each chunk until it is
-    # hashed: a small ring of reused buffers (fresh ones cost a page fault per 4 KiB; measured on
-    # 1 GiB, 0.33 s -> 0.27 s), each refilled only once its hash is done.
+    # With a signed digest to check, the digest runs on another core and holds each piece until it
+    # is hashed: a small ring of reused buffers. Without one, one buffer.
     size = min(_RING_PIECE if data_hash is not None else _PIECE, max(info.header.data_length, 1))
-    ring = [memoryview(bytearray(size)) for _ in range(_RING if data_hash is not None else 1)]
-    hashing: deque[Future[None]] = deque()
-    total, done, pieces = info.header.data_length, 0, 0
+    ring = _BufferRing(_RING if data_hash is not None else 1, size)
+    total, done = info.header.data_length, 0
     for e in info.header.entries:
         h = xxhash.xxh3_128()
         left = e.nbytes
         while left:
-            if len(hashing) == len(ring):
-                hashing.popleft().result()
-            mv = ring[pieces % len(ring)]
-            pieces += 1
+            mv = ring.buffer()
             chunk = mv[: read_into(fh, mv[: min(left, size)])]
             if data_hash is not None and len(chunk):
-                hashing.append(data_hash.update(chunk))
+                ring.hashing(data_hash.update(chunk))
             n = len(chunk)
             if not n:
                 report.fail("truncated", truncated_problem(info.source, e, left), e.name)
@@ -340,19 +358,14 @@ def _signed_digest_matches(
     digest = BackgroundDigest(signed[0], threads=False)
     total = left = info.header.data_length
     size = min(_DIGEST_PIECE, max(total, 1))
-    ring = [memoryview(bytearray(size)) for _ in range(_RING)]
-    hashing: deque[Future[None]] = deque()
-    pieces = 0
+    ring = _BufferRing(_RING, size)
     try:
         while left:
-            if len(hashing) == len(ring):
-                hashing.popleft().result()  # the oldest buffer is hashed: it can be refilled
-            buf = ring[pieces % len(ring)]
-            pieces += 1
+            buf = ring.buffer()
             n = read_into(fh, buf[: min(left, size)])
             if not n:
                 return False
-            hashing.append(digest.update(buf[:n]))
+            ring.hashing(digest.update(buf[:n]))
             left -= n
             if progress:
                 progress(total - left, total)
