@@ -456,7 +456,7 @@ def test_files_signed_with_sha256_still_verify_and_load_keyed_and_catch_the_forg
         certckpt.load(forged, trusted_keys=keys["trusted"])
 
 
-def test_new_signed_files_carry_a_blake3_digest_of_their_data(tmp_path, keys):
+def test_new_signed_files_carry_a_blake3_digest_of_their_data(tmp_path, keys, monkeypatch):
     """The digest is hashed piecewise beside each tensor's xxh3 (``datahash.CACHE_PIECE``): a tensor
     spanning several pieces and one ending mid-piece must still give BLAKE3 of the whole data region,
     written to a path or streamed to a file object alike."""
@@ -464,12 +464,18 @@ def test_new_signed_files_carry_a_blake3_digest_of_their_data(tmp_path, keys):
 
     import blake3
 
+    from certckpt.format import writer
     from certckpt.format.datahash import CACHE_PIECE
 
+    # the writer's inventory records the second it was taken: both saves get the same one, or a
+    # second boundary between them would make the headers differ (seen once in CI)
+    inventory = writer.writer_inventory
+    monkeypatch.setattr(writer, "writer_inventory", lambda devices: {**inventory(devices), "time": "pinned"})
     state = {**_state(), "big": torch.randn(CACHE_PIECE // 4 * 2 + 3)}  # two pieces and 12 bytes
     p = tmp_path / "ck.safetensors"
     certckpt.save(state, p, signing_key=keys["signing"])
     info = certckpt.inspect(p)
+    assert info.record.writer["time"] == "pinned"
     sig = json.loads(info.header.metadata[SIG_KEY])
     assert set(sig) == {"key", "data_blake3", "ed25519"}
     assert sig["data_blake3"] == blake3.blake3(p.read_bytes()[info.header.data_start :]).hexdigest()
