@@ -3,11 +3,12 @@
 A signature covers a file's data through a digest of its data region (``docs/signing.md``). New
 signed files carry BLAKE3 (``data_blake3``); files signed before, or where the ``blake3`` package is
 missing, carry SHA-256 (``data_sha256``). Where one pass already touches every byte (a host save's
-xxh3, a load, a keyed verify), ``hash_pieces`` feeds each 1 MiB piece to every digest while it is in
-this core's cache: memory is read once (measured on two cores, this beat a digest on other threads,
+xxh3, a verify), each 1 MiB piece goes to every digest while it is in this core's cache
+(``hash_pieces``): memory is read once (measured on two cores, this beat a digest on other threads,
 which competed with the pass for the cores and read memory a second time). ``BackgroundDigest`` is
-for the rest (a save of device tensors, whose host copies appear only in the writer; a deep or
-one-way verify): one worker thread, bounded bytes waiting, the caller's buffers hashed without copies.
+for a pass with other work to overlap (a load, which also builds tensors; a save of device tensors,
+whose host copies appear only in the writer): one worker thread, bounded bytes waiting, the
+caller's buffers hashed without copies.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ __all__ = [
     "new_hash",
     "hash_pieces",
     "CACHE_PIECE",
+    "HashObject",
 ]
 
 # Bytes hashed per call when one pass feeds several digests: a piece just read or copied is still in
@@ -57,7 +59,7 @@ def preferred_digest_field() -> str:
     return "data_blake3"
 
 
-def new_hash(algorithm: str, *, threads: bool = True) -> Any:
+def new_hash(algorithm: str, *, threads: bool = True) -> HashObject:
     """A hashlib-style object for ``"blake3"`` or ``"sha256"``.
 
     Args:
@@ -87,7 +89,7 @@ def hash_pieces(view: Any, *hashes: Any) -> None:
             h.update(piece)
 
 
-class _Hash(Protocol):
+class HashObject(Protocol):
     """What ``new_hash`` returns: hashlib's interface, which ``blake3`` shares."""
 
     def update(self, data: Any, /) -> Any: ...
@@ -113,7 +115,7 @@ class BackgroundDigest:
 
     def __init__(self, field: str, *, max_pending: int = 256 << 20, threads: bool = True) -> None:
         self.field = field
-        self._hash: _Hash = new_hash(DIGEST_FIELDS[field], threads=threads)
+        self._hash: HashObject = new_hash(DIGEST_FIELDS[field], threads=threads)
         self._pool = SerialWorker("certckpt-digest")
         self._max = max_pending
         self._pending = 0
