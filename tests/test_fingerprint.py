@@ -219,6 +219,8 @@ def test_shared_slices_taken_by_two_threads_equal_the_whole():
         torch.arange(7, dtype=torch.uint8),  # 7 bytes: a zero-padded last word
         torch.randn(300, 301)[:, :7],  # not contiguous
         torch.randn(2 * FP_CHUNK_WORDS).to(torch.bfloat16),
+        torch.randint(0, 256, (12 * FP_CHUNK_WORDS + 7,), dtype=torch.uint8),  # 4 slices, the last ragged
+        torch.randint(0, 256, (12 * FP_CHUNK_WORDS + 9,), dtype=torch.uint8)[1:],  # at an odd byte offset
     ]
     shared = _SmallSlices.make(tensors)
     taken = {}
@@ -240,7 +242,7 @@ def test_shared_slices_taken_by_two_threads_equal_the_whole():
     finally:
         fpmod.raw_sum = real_sum
     assert shared.results() == fingerprint_many(tensors)
-    assert sum(taken.values()) == 6 + 1 + 1 + 1  # each slice once; the empty tensor has none
+    assert sum(taken.values()) == 6 + 1 + 1 + 1 + 4 + 4  # each slice once; the empty tensor has none
 
 
 def test_shared_slices_refuse_results_before_the_work_and_device_tensors():

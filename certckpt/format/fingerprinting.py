@@ -224,20 +224,26 @@ class SharedFingerprints:
         >>> fps = shared.results()
     """
 
-    SLICE_BYTES = 16 << 20  # a multiple of PIECE_ALIGN; ~5 ms of one core, 64 slices per GiB
+    SLICE_BYTES = 16 << 20  # a multiple of PIECE_BYTES; ~5 ms of one core, 64 slices per GiB
+    PIECE_BYTES = 4 * FP_CHUNK_WORDS  # one multiplier chunk: slices start on chunk boundaries
 
     def __init__(self, tensors: Sequence[torch.Tensor]):
         if any(t.device.type != "cpu" for t in tensors):
             raise ArgumentTypeError("SharedFingerprints takes host tensors (device ones: fingerprint_many)")
         self._tensors = list(tensors)
         self._sums = [0] * len(self._tensors)
-        self._words: list[torch.Tensor] = []
-        self._slices: list[tuple[int, int, int]] = []  # (tensor, first word, end word), taken from the end
-        step = self.SLICE_BYTES // 4
+        # Each tensor's bytes, cut into words slice by slice: a tensor whose length is not a multiple
+        # of 4 bytes (or that starts at an odd offset) copies one slice at a time, never all of it.
+        self._bytes: list[torch.Tensor] = []
+        self._slices: list[tuple[int, int, int]] = []  # (tensor, first byte, end byte), taken from the end
+        step = self.SLICE_BYTES
         for i, t in enumerate(self._tensors):
-            w = as_words(t)
-            self._words.append(w)
-            self._slices.extend((i, a, min(a + step, w.numel())) for a in range(0, w.numel(), step))
+            t = t.detach()
+            if not t.is_contiguous():
+                t = t.contiguous()  # (a save's tensors are contiguous already)
+            flat = t.reshape(-1) if t.dtype == torch.uint8 else t.reshape(-1).view(torch.uint8)
+            self._bytes.append(flat)
+            self._slices.extend((i, a, min(a + step, flat.numel())) for a in range(0, flat.numel(), step))
         self._slices.reverse()
         self._lock = threading.Lock()
         self._cancelled = False
@@ -249,7 +255,7 @@ class SharedFingerprints:
                 if not self._slices:
                     return
                 i, a, b = self._slices.pop()
-            part = int(raw_sum(self._words[i][a:b], a // FP_CHUNK_WORDS))
+            part = int(raw_sum(as_words(self._bytes[i][a:b]), a // self.PIECE_BYTES))
             with self._lock:
                 self._sums[i] = (self._sums[i] + part) & M64
 

@@ -250,9 +250,10 @@ class SaveJob:
         # slower than unsigned; fused, the worker reads memory once for both). Device tensors reach
         # host memory only in the writer's copies, which feed a background digest instead.
         # Host fingerprints are cut into slices that both threads take once their ordered work is
-        # done: BLAKE3 (~0.27 s per GiB on one core here) makes the worker's share longer than the
-        # writer's, and the writer helps instead of waiting (1 GiB in tmpfs, fastest of 7: signed
-        # over unsigned 1.13-1.22x with the worker fingerprinting alone, 1.10-1.13x shared).
+        # done: BLAKE3 (0.2-0.27 s per GiB on one core here) makes the worker's share longer than
+        # the writer's, and the writer helps instead of waiting (1 GiB in tmpfs, alternating runs of
+        # 7 trials: the fastest signed save took 0.50-0.53 s shared, 0.52-0.65 s with the worker
+        # fingerprinting alone; unsigned saves, writer-bound, did not change).
         fused = self.signer is not None and all(s.tensor.device.type == "cpu" for s in self.stored)
         fused_hash = new_hash(DIGEST_FIELDS[self.digest_field], threads=False) if fused else None
         data_hash = None if fused else self.data_hasher()
