@@ -178,12 +178,17 @@ class _OneWay:
         return False
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["path", "one-way-stream"])
+@pytest.mark.parametrize(
+    ("stream", "mapped"),
+    [(False, True), (False, False), (True, True)],
+    ids=["mapped-path", "read-path", "one-way-stream"],
+)
 def test_keyed_verify_passes_the_signed_file_and_names_damage_forgery_truncation_and_trailing_bytes(
-    tmp_path, keys, stream
+    tmp_path, keys, stream, mapped
 ):
-    """Keyed verify of a seekable file reads the data once for the signed digest alone; whatever fails
-    it is read again to name the tensor. Both ways must give the same verdicts and names."""
+    """Keyed verify of a seekable file hashes the data once for the signed digest alone (a local file
+    through a map unless mmap=False); whatever fails it is read again to name the tensor. Every way
+    must give the same verdicts and names."""
     p = tmp_path / "ck.safetensors"
     torch.manual_seed(1)
     state = {**_state(), "big": torch.randn(64, 64)}
@@ -197,7 +202,7 @@ def test_keyed_verify_passes_the_signed_file_and_names_damage_forgery_truncation
     def check(data: bytes):
         q = tmp_path / "q.safetensors"
         q.write_bytes(data)
-        return certckpt.verify(_OneWay(data) if stream else q, trusted_keys=keys["trusted"])
+        return certckpt.verify(_OneWay(data) if stream else q, trusted_keys=keys["trusted"], mmap=mapped)
 
     ok = check(raw)
     assert ok.ok and ok.tensors == len(info.header.entries), ok.problems
@@ -210,6 +215,51 @@ def test_keyed_verify_passes_the_signed_file_and_names_damage_forgery_truncation
     assert not r.ok and r.problems[0].kind == "truncated", r.problems
     r = check(raw + b"\0")
     assert not r.ok and "trailing bytes" in r.problems[0].message, r.problems
+
+
+def test_the_mapped_keyed_digest_spans_unaligned_windows_and_stands_aside_for_what_it_cannot_map(
+    tmp_path, keys, monkeypatch
+):
+    """The mapped digest maps one window at a time from an offset rounded down to the mapping
+    granularity: with windows of an odd size every window but the first starts mid-page, and the
+    digest must still be the signed one. A stream, a file whose size is not the header's, and a
+    SHA-256 signature take the reading path (None)."""
+    import io
+
+    from certckpt.format import verify as verify_mod
+    from certckpt.format.record import signature_problem
+
+    p = tmp_path / "ck.safetensors"
+    torch.manual_seed(2)
+    state = {**_state(), "big": torch.randn(128, 128)}  # 64 KiB: seven windows of 10,007 bytes
+    certckpt.save(state, p, signing_key=keys["signing"])
+    info = certckpt.inspect(p)
+    problem, signed = signature_problem(info.header, keys["trusted"])
+    assert problem is None and signed[0] == "data_blake3"
+    monkeypatch.setattr(verify_mod, "_MAP_SLICE", 10_007)
+    seen = []
+    with open(p, "rb") as fh:
+        got = verify_mod._mapped_digest(fh, info, signed[0], lambda done, total: seen.append((done, total)))
+    assert got == signed[1]
+    length = info.header.data_length
+    assert len(seen) == -(-length // 10_007) >= 7 and seen[-1] == (length, length)
+    assert all(a[0] < b[0] for a, b in zip(seen, seen[1:]))
+    with open(p, "rb") as fh:  # the library's verify takes the same windows
+        assert certckpt.verify(fh, trusted_keys=keys["trusted"]).ok
+    forged = tmp_path / "forged.safetensors"
+    forged.write_bytes(_xxh3_forgery(p))
+    with open(forged, "rb") as fh:
+        assert verify_mod._mapped_digest(fh, info, signed[0], None) not in (None, signed[1])
+    r = certckpt.verify(forged, trusted_keys=keys["trusted"])
+    assert [x.kind for x in r.problems] == ["signature"], r.problems
+
+    assert verify_mod._mapped_digest(io.BytesIO(p.read_bytes()), info, signed[0], None) is None
+    longer = tmp_path / "longer.safetensors"
+    longer.write_bytes(p.read_bytes() + b"\0")
+    with open(longer, "rb") as fh:
+        assert verify_mod._mapped_digest(fh, info, signed[0], None) is None
+    with open(p, "rb") as fh:
+        assert verify_mod._mapped_digest(fh, info, "data_sha256", None) is None
 
 
 def test_keyed_verify_of_a_file_that_shrinks_after_it_was_sized_names_the_truncated_tensor(tmp_path, keys):
@@ -347,6 +397,15 @@ def test_cli_verify_trusted_keys_passes_the_signed_file_and_fails_the_forgery(tm
     assert ok.returncode == 0 and ok.stdout.startswith("OK"), ok.stdout + ok.stderr
     bad = _cli("verify", "--trusted-keys", pub, str(forged))
     assert bad.returncode == 1 and "bad signature" in bad.stdout, bad.stdout + bad.stderr
+    # an xxh3 forgery keeps the signature: the data's digest fails it, mapped or read
+    torch.manual_seed(1)
+    certckpt.save({**_state(), "big": torch.randn(64, 64)}, p, signing_key=keys["signing"])
+    forged.write_bytes(_xxh3_forgery(p))
+    for extra in ((), ("--no-mmap",)):
+        ok = _cli("verify", *extra, "--trusted-keys", pub, str(p))
+        assert ok.returncode == 0 and ok.stdout.startswith("OK"), ok.stdout + ok.stderr
+        bad = _cli("verify", *extra, "--trusted-keys", pub, str(forged))
+        assert bad.returncode == 1 and "BLAKE3 differs from the one signed" in bad.stdout, bad.stdout + bad.stderr
 
 
 AUDITOR_SIGNS = """

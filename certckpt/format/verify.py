@@ -8,6 +8,10 @@ raise.
 
 from __future__ import annotations
 
+import io
+import mmap
+import os
+import stat
 import struct
 import time
 from collections.abc import Callable
@@ -60,6 +64,10 @@ _CHUNK = 16 << 20  # streaming buffer: bounded memory whatever the file size
 # The digest pass reads pieces that stay in this core's cache while xxh3 hashes them (1 GiB in the
 # page cache: 0.16-0.18 s in 1 MiB pieces, 0.23-0.28 s in 16 MiB pieces).
 _PIECE = 1 << 20
+# A mapped digest maps and hashes this much at a time: large enough for BLAKE3 to spread it over
+# every core (1 GiB: 0.10-0.11 s in 16, 64 or 256 MiB windows alike), small enough to bound the
+# process's resident pages and let progress move.
+_MAP_SLICE = 64 << 20
 
 Progress = Callable[[int, int], None]
 
@@ -312,20 +320,29 @@ def _check_data(
 
 
 def _signed_digest_matches(
-    fh: IO[bytes], info: CheckpointInfo, progress: Progress | None, signed: tuple[str, str]
+    fh: IO[bytes],
+    info: CheckpointInfo,
+    progress: Progress | None,
+    signed: tuple[str, str],
+    *,
+    mapped: bool,
 ) -> bool:
     """One pass over the data region hashing only the signed digest: True when every byte is there,
     nothing trails it, and the digest is the one signed.
 
     A signature the trusted keys accept covers the header, hence every tensor's xxh3, and the data
     through this digest: when it matches, the bytes are the signer's and the per-tensor digests hold
-    by construction, so they are not recomputed. Each 1 MiB piece is hashed on this thread as soon
-    as it is read. Measured on 1 GiB in the page cache, 2 cores, 2026-12-02: 0.22 s every time,
-    against 0.48-0.50 s (once 0.19 s) for the same pieces handed to a worker thread through a ring
-    of buffers, which the session before had measured at 0.20-0.27 s: the hand-off's cost depends
-    on the machine's mood, the single thread's does not.
+    by construction, so they are not recomputed. A local file is mapped when ``mapped`` (see
+    ``_mapped_digest``); anything else is read in 1 MiB pieces, each hashed on this thread as soon
+    as it is read (0.22-0.26 s per GiB in the page cache here, every time; the same pieces handed to
+    a worker through a ring of buffers took 0.20-0.50 s, depending on the machine's mood).
     """
-    digest = new_hash(DIGEST_FIELDS[signed[0]], threads=False)
+    field, expected = signed
+    if mapped:
+        got = _mapped_digest(fh, info, field, progress)
+        if got is not None:
+            return got == expected
+    digest = new_hash(DIGEST_FIELDS[field], threads=False)
     total = left = info.header.data_length
     buf = memoryview(bytearray(min(_PIECE, max(total, 1))))
     while left:
@@ -336,7 +353,49 @@ def _signed_digest_matches(
         left -= n
         if progress:
             progress(total - left, total)
-    return not fh.read(1) and digest.hexdigest() == signed[1]
+    return not fh.read(1) and digest.hexdigest() == expected
+
+
+def _mapped_digest(fh: IO[bytes], info: CheckpointInfo, field: str, progress: Progress | None) -> str | None:
+    """The data region's BLAKE3 digest hashed straight from the page cache through a read-only map,
+    every core on it; None when ``fh`` is not a local regular file of exactly the size the header
+    states (the reading path then says what is missing or trailing) or the digest is not BLAKE3.
+
+    No copy into a buffer, and BLAKE3's tree spreads each 64 MiB slice over its threads. Measured on
+    1 GiB in the page cache, 2 cores, 2026-12-02: 0.09-0.10 s, against 0.26 s read in 1 MiB pieces
+    and hashed inline (0.19 s mapped but on one thread). The cost is a mapped read's: a file another
+    process shrinks while it is being hashed, or an I/O error under a network mount, ends this
+    process with SIGBUS instead of a one-line message; ``verify(..., mmap=False)`` reads instead.
+    """
+    if DIGEST_FIELDS[field] != "blake3":
+        return None  # SHA-256 (older files) has no tree to spread: the reading path is as fast
+    try:
+        fd = fh.fileno()
+        st = os.fstat(fd)
+    except (OSError, AttributeError, ValueError, io.UnsupportedOperation):
+        return None
+    start, length = info.header.data_start, info.header.data_length
+    if not stat.S_ISREG(st.st_mode) or st.st_size != start + length or not length:
+        return None
+    digest = new_hash("blake3", threads=True)
+    end = start + length
+    for at in range(start, end, _MAP_SLICE):
+        # one window per slice, unmapped once hashed: the process never holds more than a slice of
+        # the file's pages (a whole-file map showed the file's size as peak resident memory)
+        window = at - at % mmap.ALLOCATIONGRANULARITY
+        stop = min(at + _MAP_SLICE, end)
+        try:
+            region = mmap.mmap(fd, stop - window, access=mmap.ACCESS_READ, offset=window)
+        except (OSError, ValueError):
+            return None  # a filesystem that cannot map: the reading path hashes it from the start
+        try:
+            with memoryview(region) as view:
+                digest.update(view[at - window :])
+        finally:
+            region.close()
+        if progress:
+            progress(stop - start, length)
+    return digest.hexdigest()
 
 
 def _fill(fh: IO[bytes], view: memoryview) -> int:
@@ -414,7 +473,12 @@ def _changed_after_signing(source: str, field: str) -> str:
 
 
 def verify(
-    f: Any, *, deep: bool = False, progress: Progress | None = None, trusted_keys: TrustedKeys | None = None
+    f: Any,
+    *,
+    deep: bool = False,
+    progress: Progress | None = None,
+    trusted_keys: TrustedKeys | None = None,
+    mmap: bool = True,
 ) -> VerifyReport:
     """Check every byte of a checkpoint against its embedded digests.
 
@@ -427,6 +491,10 @@ def verify(
             recomputed digests or an xxh3 second preimage, fails. The signed digest (BLAKE3, or
             SHA-256 in older files) is then what the one read of the data checks; the per-tensor xxh3
             digests are recomputed only to name what changed when it fails.
+        mmap: with ``trusted_keys``, hash a local file's data through a read-only map, every core
+            on the BLAKE3 tree (about 2.5x faster than reading it here). As with any mapped read, a
+            file shrunk by another process meanwhile, or an I/O error under a network mount, ends
+            the process with SIGBUS; False reads it instead (``certckpt verify --no-mmap``).
 
     Returns:
         A ``VerifyReport``; ``report.ok`` is False for corrupt, truncated or tampered files.
@@ -467,7 +535,7 @@ def verify(
             # Keyed and sound so far: the signed digest alone decides. Only a file that fails it is
             # read again, tensor by tensor, to name what changed (a forgery that keeps every xxh3
             # names nothing, and the signature line says why it fails).
-            if _signed_digest_matches(fh, info, progress, signed):
+            if _signed_digest_matches(fh, info, progress, signed, mapped=mmap):
                 report.tensors = len(info.header.entries)
             else:
                 fh.seek(data_start)
