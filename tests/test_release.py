@@ -168,6 +168,28 @@ def test_a_tampered_file_fails_both_verifiers(released, keys, tmp_path, tamper, 
     assert "Verification succeeded" not in ms.stdout
 
 
+@pytest.mark.parametrize("digest_bytes", [b"no quote", b"it's"], ids=["plain-repr", "escaped-repr"])
+def test_the_verifiers_complaint_names_the_file_whatever_quotes_its_digest_bytes_took(digest_bytes):
+    """model_signing reports a list's repr: when a digest's bytes hold a quote, the names' quotes in
+    that entry come out escaped (which happened at random in CI, with real digests)."""
+    from model_signing._hashing.hashing import Digest
+
+    from certckpt.ops.release import _said
+
+    expected, actual = Digest("sha256", digest_bytes), Digest("sha256", b"x")
+    diffs = [
+        "Extra files found in model 'copy': notes.txt",
+        "Missing files in model 'copy': tokenizer.json",
+        f"Hash mismatch for 'model.safetensors': Expected '{expected}', Actual '{actual}'",
+    ]
+    said = _said(ValueError(f"Signature mismatch: {diffs}"))
+    assert said == (
+        "model.safetensors changed since it was signed; files not signed: notes.txt; "
+        "signed files missing: tokenizer.json"
+    )
+    assert ("\\'" in str(diffs)) == (digest_bytes == b"it's")  # the case is the one named
+
+
 def test_an_untrusted_key_fails(released, keys):
     r = CliRunner().invoke(cli, ["verify-release", str(released), "--public-key", keys["other_pub"]])
     assert r.exit_code == 1 and "Key mismatch" in r.output and r.output.count("\n") == 1

@@ -380,10 +380,13 @@ def _said(e: Exception) -> str:
     """The model_signing verifier's complaint in one short line (it prints digests as bytes)."""
     import re
 
+    # The verifier's message holds the repr of a list of strings that contain both quote kinds
+    # whenever a digest's bytes repr has a quote in it: the names' quotes are then escaped (\\'),
+    # depending on the digest's value, so both forms are read.
     text = str(e).strip()
-    changed = re.findall(r"Hash mismatch for '([^']{1,200})'", text)
-    extra = re.search(r"Extra files found in model '[^']*': ([^\"\]]{1,300})", text)
-    missing = re.search(r"Missing files in model '[^']*': ([^\"\]]{1,300})", text)
+    changed = re.findall(r"Hash mismatch for \\?'([^'\\]{1,200})\\?'", text)
+    extra = re.search(r"Extra files found in model \\?'[^']*': ([^\"\]\\]{1,300})", text)
+    missing = re.search(r"Missing files in model \\?'[^']*': ([^\"\]\\]{1,300})", text)
     parts = [f"{n} changed since it was signed" for n in changed]
     parts += [f"files not signed: {extra.group(1)}"] if extra else []
     parts += [f"signed files missing: {missing.group(1)}"] if missing else []
