@@ -222,8 +222,9 @@ def test_the_mapped_keyed_digest_spans_unaligned_windows_and_stands_aside_for_wh
 ):
     """The mapped digest maps one window at a time from an offset rounded down to the mapping
     granularity: with windows of an odd size every window but the first starts mid-page, and the
-    digest must still be the signed one. A stream, a file whose size is not the header's, and a
-    SHA-256 signature take the reading path (None)."""
+    digest must still be the signed one, also for a file object holding the checkpoint after other
+    bytes. A stream, a file whose size is not the header's, and a SHA-256 signature take the reading
+    path (None)."""
     import io
 
     from certckpt.format import verify as verify_mod
@@ -238,8 +239,13 @@ def test_the_mapped_keyed_digest_spans_unaligned_windows_and_stands_aside_for_wh
     assert problem is None and signed[0] == "data_blake3"
     monkeypatch.setattr(verify_mod, "_MAP_SLICE", 10_007)
     seen = []
-    with open(p, "rb") as fh:
-        got = verify_mod._mapped_digest(fh, info, signed[0], lambda done, total: seen.append((done, total)))
+
+    def mapped(path, field=signed[0], at=info.header.data_start, progress=None):
+        with open(path, "rb") as fh:
+            fh.seek(at)  # where verify leaves it: at the data region's first byte
+            return verify_mod._mapped_digest(fh, info, field, progress)
+
+    got = mapped(p, progress=lambda done, total: seen.append((done, total)))
     assert got == signed[1]
     length = info.header.data_length
     assert len(seen) == -(-length // 10_007) >= 7 and seen[-1] == (length, length)
@@ -248,18 +254,30 @@ def test_the_mapped_keyed_digest_spans_unaligned_windows_and_stands_aside_for_wh
         assert certckpt.verify(fh, trusted_keys=keys["trusted"]).ok
     forged = tmp_path / "forged.safetensors"
     forged.write_bytes(_xxh3_forgery(p))
-    with open(forged, "rb") as fh:
-        assert verify_mod._mapped_digest(fh, info, signed[0], None) not in (None, signed[1])
+    assert mapped(forged) not in (None, signed[1])
     r = certckpt.verify(forged, trusted_keys=keys["trusted"])
     assert [x.kind for x in r.problems] == ["signature"], r.problems
 
     assert verify_mod._mapped_digest(io.BytesIO(p.read_bytes()), info, signed[0], None) is None
     longer = tmp_path / "longer.safetensors"
     longer.write_bytes(p.read_bytes() + b"\0")
-    with open(longer, "rb") as fh:
-        assert verify_mod._mapped_digest(fh, info, signed[0], None) is None
-    with open(p, "rb") as fh:
-        assert verify_mod._mapped_digest(fh, info, "data_sha256", None) is None
+    assert mapped(longer) is None
+    assert mapped(p, field="data_sha256") is None
+
+    # a caller's file object holding the checkpoint after other bytes: the map starts where the
+    # data does in that file, and the prefix is no part of the digest
+    prefixed = tmp_path / "prefixed.bin"
+    prefixed.write_bytes(b"P" * 12_345 + p.read_bytes())
+    assert mapped(prefixed, at=12_345 + info.header.data_start) == signed[1]
+    with open(prefixed, "rb") as fh:
+        fh.seek(12_345)
+        assert certckpt.verify(fh, trusted_keys=keys["trusted"]).ok
+    forged_prefixed = tmp_path / "forged-prefixed.bin"
+    forged_prefixed.write_bytes(b"P" * 12_345 + forged.read_bytes())
+    with open(forged_prefixed, "rb") as fh:
+        fh.seek(12_345)
+        r = certckpt.verify(fh, trusted_keys=keys["trusted"])
+    assert [x.kind for x in r.problems] == ["signature"], r.problems
 
 
 def test_keyed_verify_of_a_file_that_shrinks_after_it_was_sized_names_the_truncated_tensor(tmp_path, keys):
