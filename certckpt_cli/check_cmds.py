@@ -21,7 +21,17 @@ from certckpt.format.signing import TrustedKeys, trusted_keys_from_env
 from certckpt.format.verify import inspect as run_inspect
 from certckpt.format.verify import verify as run_verify
 
-from .common import EXIT_FAILED, EXIT_OK, Progress, echo_table, expected_errors, fail, human_bytes, trusted_keys_option
+from .common import (
+    EXIT_FAILED,
+    EXIT_OK,
+    Progress,
+    echo_table,
+    expected_errors,
+    fail,
+    human_bytes,
+    no_mmap_option,
+    trusted_keys_option,
+)
 
 
 def _is_directory(location: str) -> bool:
@@ -76,18 +86,10 @@ def _verify_sharded(location: str, deep: bool, as_json: bool, progress: Progress
     help="Run store whose ledger certifies it: adds the verdict (exit 1 when suspect).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON report.")
-@click.option(
-    "--no-mmap",
-    "no_mmap",
-    is_flag=True,
-    help=(
-        "Read the file instead of mapping it for the keyed digest "
-        "(slower; for mounts where an I/O error would end a mapped read with SIGBUS)."
-    ),
-)
+@no_mmap_option
 @trusted_keys_option
 @expected_errors
-def verify(location: str, deep: bool, ledger_url: str | None, as_json: bool, no_mmap: bool) -> None:
+def verify(location: str, deep: bool, ledger_url: str | None, as_json: bool) -> None:
     """Check every byte of the checkpoint at LOCATION (path or fsspec URL)."""
     # --deep reads at fingerprint speed (a few GB/s, not tens): show progress from 256 MB on
     threshold = 256 << 20 if deep else 1 << 30
@@ -105,7 +107,6 @@ def verify(location: str, deep: bool, ledger_url: str | None, as_json: bool, no_
         deep=deep,
         progress=Progress(f"verifying {location}", threshold=threshold),
         trusted_keys=keys,
-        mmap=not no_mmap,
     )
     if report.info is not None and not report.problems:
         # a file whose record lists companion files (a Trainer manifest): they are part of what it certifies

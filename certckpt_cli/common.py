@@ -93,6 +93,27 @@ def trusted_keys_option(fn: F) -> F:
     )(wrapper)  # type: ignore[return-value]
 
 
+def no_mmap_option(fn: F) -> F:
+    """``--no-mmap``: read files instead of mapping them for a keyed digest. Like ``--trusted-keys``,
+    it stands for its variable (``CERTCKPT_NO_MMAP=1``) for this command, so it reaches every verify
+    the command runs (a directory's companions and shards too)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, no_mmap: bool = False, **kwargs: Any) -> Any:
+        if no_mmap:
+            from certckpt.format.verify import NO_MMAP_ENV
+
+            os.environ[NO_MMAP_ENV] = "1"
+        return fn(*args, **kwargs)
+
+    return click.option(
+        "--no-mmap",
+        is_flag=True,
+        help="Read files instead of mapping them for the keyed digest, companions and shards included "
+        "(slower; for mounts where an I/O error would end a mapped read with SIGBUS; default: $CERTCKPT_NO_MMAP).",
+    )(wrapper)  # type: ignore[return-value]
+
+
 def human_bytes(n: float) -> str:
     """``1234567`` -> ``"1.2 MB"`` (decimal units, as disks and object stores count)."""
     for unit in ("B", "kB", "MB", "GB", "TB"):

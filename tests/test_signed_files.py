@@ -5,6 +5,7 @@ certckpt (and safetensors) file."""
 from __future__ import annotations
 
 import json
+import os
 import struct
 
 import pytest
@@ -278,6 +279,49 @@ def test_the_mapped_keyed_digest_spans_unaligned_windows_and_stands_aside_for_wh
         fh.seek(12_345)
         r = certckpt.verify(fh, trusted_keys=keys["trusted"])
     assert [x.kind for x in r.problems] == ["signature"], r.problems
+
+
+def test_no_mmap_reaches_every_keyed_verify_a_command_runs_and_verdicts_do_not_change(tmp_path, keys, monkeypatch):
+    """`verify --no-mmap` on a directory-shaped checkpoint reads its certified file and its companion
+    weights too (CERTCKPT_NO_MMAP, which it sets, is read by every verify); by default both are
+    mapped. The forged companion fails either way."""
+    from click.testing import CliRunner
+
+    from certckpt.format import verify as verify_mod
+    from certckpt_cli.main import main as cli
+
+    d = tmp_path / "checkpoint-3"
+    d.mkdir()
+    torch.manual_seed(3)
+    w = certckpt.save({"big": torch.randn(64, 64)}, d / "model.safetensors", signing_key=keys["signing"])
+    files = {"model.safetensors": {"bytes": (d / "model.safetensors").stat().st_size, "header_digest": w.header_digest}}
+    meta = {"layout": "test-bundle/1", "files": json.dumps(files, sort_keys=True, separators=(",", ":"))}
+    certckpt.save({"optim": torch.ones(2)}, d / "manifest.safetensors", metadata=meta, signing_key=keys["signing"])
+    mapped_files = []
+    real = verify_mod._mapped_digest
+    monkeypatch.setattr(
+        verify_mod, "_mapped_digest", lambda fh, *a, **k: mapped_files.append(fh.name) or real(fh, *a, **k)
+    )
+    monkeypatch.setenv("CERTCKPT_TRUSTED_KEYS", str(keys["priv"]) + ".pub")
+    monkeypatch.setenv("CERTCKPT_NO_MMAP", "0")  # restored after the test: the flag sets it in-process
+
+    def run(*extra):
+        mapped_files.clear()
+        r = CliRunner().invoke(cli, ["verify", *extra, str(d)])
+        return r.exit_code, r.output, sorted(os.path.basename(f) for f in mapped_files)
+
+    code, out, mapped = run()
+    assert code == 0 and out.startswith("OK"), out
+    assert mapped == ["manifest.safetensors", "model.safetensors"]
+    code, out, mapped = run("--no-mmap")
+    assert code == 0 and out.startswith("OK") and mapped == [], (out, mapped)
+
+    (d / "model.safetensors").write_bytes(_xxh3_forgery(d / "model.safetensors"))
+    for extra in ((), ("--no-mmap",)):
+        monkeypatch.setenv("CERTCKPT_NO_MMAP", "0")
+        code, out, mapped = run(*extra)
+        assert code == 1 and "model.safetensors" in out and "BLAKE3 differs from the one signed" in out, out
+        assert ("model.safetensors" in mapped) == (not extra)
 
 
 def test_keyed_verify_of_a_file_that_shrinks_after_it_was_sized_names_the_truncated_tensor(tmp_path, keys):

@@ -70,6 +70,8 @@ _PIECE = 1 << 20
 _MAP_SLICE = 64 << 20
 
 Progress = Callable[[int, int], None]
+# The operator's switch for mounts where a mapped read's I/O error would end the process (SIGBUS).
+NO_MMAP_ENV = "CERTCKPT_NO_MMAP"
 
 
 @dataclass(frozen=True, slots=True)
@@ -469,6 +471,12 @@ def _position(fh: IO[bytes]) -> int | None:
         return None
 
 
+def maps_files() -> bool:
+    """Whether a keyed verify maps local files by default: yes unless ``CERTCKPT_NO_MMAP`` is set to
+    anything but ``0`` (read at each call, so an operator's setting reaches every verify)."""
+    return os.environ.get(NO_MMAP_ENV, "").strip() in ("", "0")
+
+
 def _changed_after_signing(source: str, field: str) -> str:
     from .datahash import digest_name
 
@@ -481,7 +489,7 @@ def verify(
     deep: bool = False,
     progress: Progress | None = None,
     trusted_keys: TrustedKeys | None = None,
-    mmap: bool = True,
+    mmap: bool | None = None,
 ) -> VerifyReport:
     """Check every byte of a checkpoint against its embedded digests.
 
@@ -497,7 +505,9 @@ def verify(
         mmap: with ``trusted_keys``, hash a local file's data through a read-only map, every core
             on the BLAKE3 tree (about 2.5x faster than reading it here). As with any mapped read, a
             file shrunk by another process meanwhile, or an I/O error under a network mount, ends
-            the process with SIGBUS; False reads it instead (``certckpt verify --no-mmap``).
+            the process with SIGBUS; False reads it instead. None (the default): map, unless the
+            environment sets ``CERTCKPT_NO_MMAP=1``, which reaches every verify certckpt runs
+            (latest-good, resume, restore, companions, shards; ``certckpt verify --no-mmap`` sets it).
 
     Returns:
         A ``VerifyReport``; ``report.ok`` is False for corrupt, truncated or tampered files.
@@ -538,7 +548,7 @@ def verify(
             # Keyed and sound so far: the signed digest alone decides. Only a file that fails it is
             # read again, tensor by tensor, to name what changed (a forgery that keeps every xxh3
             # names nothing, and the signature line says why it fails).
-            if _signed_digest_matches(fh, info, progress, signed, mapped=mmap):
+            if _signed_digest_matches(fh, info, progress, signed, mapped=maps_files() if mmap is None else mmap):
                 report.tensors = len(info.header.entries)
             else:
                 fh.seek(data_start)

@@ -207,14 +207,21 @@ class SaveJob:
             raise PlatformError("certckpt: header length changed between planning and writing")
         return header
 
-    def fingerprints(self) -> list[int]:
-        todo = [i for i in range(len(self.stored)) if i not in self.known]
-        computed = dict(zip(todo, fingerprint_many([self.stored[i].tensor for i in todo])))
+    def _todo(self) -> list[int]:
+        """The stored tensors whose fingerprints the caller did not already hold."""
+        return [i for i in range(len(self.stored)) if i not in self.known]
+
+    def _all_fingerprints(self, computed: dict[int, int]) -> list[int]:
+        """Every stored tensor's fingerprint: the ones held already, and ``computed`` for the rest."""
         return [int(self.known[i], 16) if i in self.known else computed[i] for i in range(len(self.stored))]
+
+    def fingerprints(self) -> list[int]:
+        todo = self._todo()
+        return self._all_fingerprints(dict(zip(todo, fingerprint_many([self.stored[i].tensor for i in todo]))))
 
     def _fingerprint_plan(self) -> tuple[list[int], list[int], SharedFingerprints]:
         """(device tensors to fingerprint on their devices, host ones, their shared slices)."""
-        todo = [i for i in range(len(self.stored)) if i not in self.known]
+        todo = self._todo()
         on_device = [i for i in todo if self.stored[i].tensor.device.type != "cpu"]
         on_host = [i for i in todo if self.stored[i].tensor.device.type == "cpu"]
         return on_device, on_host, SharedFingerprints([self.stored[i].tensor for i in on_host])
@@ -278,8 +285,7 @@ class SaveJob:
             # instead of waiting for it to fingerprint alone.
             shared.work()
             device_fps, worker_digests = hashed.result()
-        computed = dict(zip(on_device, device_fps)) | dict(zip(on_host, shared.results()))
-        fps = [int(self.known[i], 16) if i in self.known else computed[i] for i in range(len(self.stored))]
+        fps = self._all_fingerprints(dict(zip(on_device, device_fps)) | dict(zip(on_host, shared.results())))
         digests = [d if d is not None else host_digests[i] for i, d in enumerate(worker_digests)]
         data_digest = fused_hash.hexdigest() if fused_hash is not None else None
         if data_hash is not None:
