@@ -58,6 +58,8 @@ __all__ = [
     "digest_problem",
     "read_tensor",
     "fill_view",
+    "maps_files",
+    "NO_MMAP_ENV",
 ]
 
 _CHUNK = 16 << 20  # streaming buffer: bounded memory whatever the file size
