@@ -85,13 +85,17 @@ def load(
             (copy-on-write: changing a tensor never changes the file). With ``verify=True`` every
             digest is still checked here, by reading the mapped pages once (they stay file-backed, so
             the kernel may drop them again); ``verify=False`` skips that and leaves the check to
-            ``certckpt.verify``. Bytes changed on disk after loading may show through.
+            ``certckpt.verify``. Bytes changed on disk after loading may show through. With trusted
+            keys nothing is mapped: every tensor is read into memory the load owns and checked there
+            (a keyed read never returns bytes it did not check), as with ``mmap=False``.
         verify: check the header digest and every tensor's xxh3-128 digest while reading (cheap:
             xxh3 runs at tens of GB/s). Device fingerprints are checked by ``verify(deep=True)``.
         trusted_keys: public keys (``TrustedKeys``, or key files ``PUB[,PUB...]``; default
             ``$CERTCKPT_TRUSTED_KEYS``; None: no keys). With keys, the file must be signed by one of
-            them and every byte returned is checked against the signed SHA-256 of the data, in the
-            same pass: xxh3 stops accidents, not someone who can write the file (docs/signing.md).
+            them and every byte returned is checked against the signed digest of the data (BLAKE3,
+            SHA-256 in older files), in the same pass, in memory the load owns (``mmap=True`` reads
+            instead of mapping): xxh3 stops accidents, not someone who can write the file
+            (docs/signing.md).
         **pickle_load_args: ``torch.load``'s unpickler options (``encoding=``...): ignored, with one
             warning.
 
@@ -137,7 +141,10 @@ def load(
         if device is not None:  # straight to the GPU through pinned buffers, every digest checked
             tensors = _read_to_device(fh, info, device, verify=verify, display=target.display)
             return _rebuild(info, tensors, map_location, target.display)
-        storage = _file_mapping(target, size, info) if mmap else None
+        # Keyed: never mapped. A mapped tensor is the file's page, so bytes written to the file after
+        # this check would show through a keyed read; each tensor is read into memory of its own and
+        # checked there instead (one read, the same cost as mmap=False).
+        storage = _file_mapping(target, size, info) if mmap and keys is None else None
         try:
             tensors = _read_on_host(fh, info, storage, verify=verify, data_hash=data_hash, display=target.display)
         finally:
