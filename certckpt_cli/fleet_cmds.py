@@ -1,4 +1,4 @@
-"""``certckpt fleet ls|show|appeal|clear|impact|rates``: thin wrappers over certckpt.trust.fleet."""
+"""``certckpt fleet init|ls|show|appeal|clear|impact|rates``: thin wrappers over certckpt.trust.fleet."""
 
 from __future__ import annotations
 
@@ -46,6 +46,32 @@ def fleet() -> None:
     """The fleet registry: convicted devices, appeals, clearances, what a conviction changes, detection rates."""
 
 
+@fleet.command("init")
+@click.argument("url", required=False)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@expected_errors
+def fleet_init(url: str | None, as_json: bool) -> None:
+    """Create the fleet registry at URL (default $CERTCKPT_FLEET) once; exit 0 (also when it exists).
+
+    Runs never create a registry: one that disappears must read as missing, never as empty.
+    """
+    from certckpt.trust.fleet import Fleet
+
+    fleet_obj = Fleet(_url(url))
+    existed = fleet_obj.ledger.genesis_bytes() is not None
+    store_id = fleet_obj.create()
+    if as_json:
+        click.echo(json.dumps({"fleet": fleet_obj.url, "store_id": store_id, "created": not existed}))
+        return
+    click.echo(f"{'exists' if existed else 'created'}: fleet registry {fleet_obj.url} (id {store_id})")
+
+
+def _require(view: Any) -> None:
+    """A registry that is not there, or cannot vouch for its records, answers nothing (exit 2)."""
+    if not view.exists:
+        fail(f"no fleet registry at {view.url}; create it once with `certckpt fleet init {view.url}`", EXIT_UNVERIFIABLE)
+
+
 @fleet.command("ls")
 @_fleet_option
 @click.option("--all", "show_all", is_flag=True, help="Also list cleared devices.")
@@ -57,6 +83,7 @@ def fleet_ls(fleet_url: str | None, show_all: bool, as_json: bool) -> None:
     from certckpt.trust.fleet import Fleet
 
     view = Fleet(_url(fleet_url), signing_key=None).read()
+    _require(view)
     if as_json:
         click.echo(json.dumps(view.to_dict(), indent=2))
         return
@@ -79,6 +106,8 @@ def fleet_ls(fleet_url: str | None, show_all: bool, as_json: bool) -> None:
                 ",".join(a["appeal_id"] for a in st.pending_appeals()) or "-",
             )
         )
+    if not rows and view.breaks:
+        fail(f"{view.url} is tampered: it cannot show that no device is convicted (see above)", EXIT_UNVERIFIABLE)
     if not rows:
         click.echo(f"no convicted device in {view.url} ({len(view.stores)} store(s) report to it)")
         return
@@ -97,6 +126,7 @@ def fleet_show(device: str, fleet_url: str | None, as_json: bool) -> None:
     from certckpt.trust.fleet import Fleet
 
     view = Fleet(_url(fleet_url), signing_key=None).read()
+    _require(view)
     st = view.standing(device)
     if st is None:
         raise CheckpointNotFoundError(f"{view.url}: no record names device {device!r} (see `certckpt fleet ls --all`)")

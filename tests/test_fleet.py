@@ -51,6 +51,7 @@ def _fleet(path, key=None):
 def _convicted_fleet(tmp_path, keys):
     root = tmp_path / "fleet"
     root.mkdir()
+    _fleet(root, keys["writer"]).create()  # an operator creates the registry once; runs never do
     _fleet(root, keys["writer"]).convict(device="gpu-x", inventory={"host": "node-x"}, evidence=EVIDENCE)
     return root
 
@@ -199,6 +200,7 @@ def test_without_keys_an_unsigned_clearance_by_another_name_counts(tmp_path, mon
     root = tmp_path / "fleet"
     root.mkdir()
     f = Fleet(str(root))
+    f.create()
     f.convict(device="gpu-x", inventory={}, evidence=EVIDENCE)
     appeal = f.appeal("gpu-x", by="alice", reason="r")
     f.clear("gpu-x", approves=appeal["appeal_id"], by="bob", reason="r")  # documented: nothing tells them apart
@@ -291,8 +293,8 @@ def test_deleting_the_fleet_a_run_was_placed_under_does_not_clear_its_devices(tm
     # what someone who can write the fleet's storage but holds no key may try, each time afresh:
     # delete the registry, empty it, or delete only the conviction
     for attack, words in (
-        (lambda: shutil.rmtree(root), "missing"),
-        (lambda: [p.unlink() for p in root.rglob("*") if p.is_file()], "no registered store"),
+        (lambda: shutil.rmtree(root), "is tampered (writer genesis entry 0: the ledger is gone (deleted)"),
+        (lambda: [p.unlink() for p in root.rglob("*") if p.is_file()], "genesis record missing"),
         (lambda: [p.unlink() for p in (root / "_ledger" / "convictions").iterdir()], "tampered"),
     ):
         shutil.rmtree(root, ignore_errors=True)
@@ -316,8 +318,9 @@ def test_a_vault_copy_is_rejudged_when_the_device_it_ran_on_is_convicted_later(t
     store, vault = tmp_path / "run", tmp_path / "vault"
     store.mkdir()
     led = Ledger(str(store), signing_key=SigningKey.load(keys["writer"]))
+    fleet_id = _fleet(root, keys["writer"]).create()
     _fleet(root, keys["writer"]).register_store(str(store))
-    led.record_placement(branch="main", start_step=0, devices={"0": "gpu-x"}, fleet=str(root))
+    led.record_placement(branch="main", start_step=0, devices={"0": "gpu-x"}, fleet=str(root), fleet_id=fleet_id)
     for s in (5, 10):
         certckpt.save({"w": torch.full((4,), float(s))}, str(store / f"s{s}.safetensors"), ledger=led, step=s)
     assert [p.ckpt_id for p in promote(str(store), str(vault), accept="verified")] == ["main@5", "main@10"]
@@ -377,6 +380,7 @@ def test_a_run_whose_placement_cannot_be_recorded_does_not_start(tmp_path, keys,
 
     root = tmp_path / "fleet"
     root.mkdir()
+    _fleet(root, keys["writer"]).create()
     store = tmp_path / "run"
     store.mkdir()
     (store / "_ledger").write_text("not a directory")  # the run store's ledger cannot be written
@@ -396,6 +400,7 @@ def test_a_conviction_rejudges_other_runs_and_refuses_the_device_until_cleared(t
     for p in dirs.values():
         p.mkdir()
     args = {k: str(p) for k, p in dirs.items()} | {"alice": keys["alice"], "bob": keys["bob"]}
+    _fleet(args["fleet"], keys["writer"]).create()
     out = run_ranks("fleet_cases:fleet_story", 3, args, timeout=300, extra_path=TESTS)
     r0 = out[0]
     assert [o["a_caught"] for o in out] == [5, 5, 5]

@@ -16,7 +16,7 @@ from typing import Any
 
 from certckpt.errors import CertckptError, DeviceConvictedError
 from certckpt.trust.devices import device_of, host_of
-from certckpt.trust.fleet import Fleet
+from certckpt.trust.fleet import Fleet, FleetView, absolute_url
 
 from .agreement import all_gather_bytes
 
@@ -30,19 +30,52 @@ def fleet_for(value: Any, *, signing_key: Any) -> Fleet | None:
     return Fleet(str(value), signing_key=signing_key)
 
 
-def _rank0_verdict(fleet: Fleet, devices: dict[str, str], *, policy: str, record: Any) -> tuple[str, bool]:
-    """Rank 0's look-up: (what is wrong, whether it refuses whatever the policy). A run that goes on
-    registers its store and records its placement here, before any rank trains: a run whose
-    placement cannot be recorded does not start (a later conviction could not reach its checkpoints)."""
+def _known_problem(view: FleetView, ledger: Any) -> str | None:
+    """What the run store itself knows of this registry and the registry no longer shows: a placement
+    that pinned another registry identity (re-created), or this store missing from its list (emptied)."""
+    if ledger is None:
+        return None
+    pinned: set[str] = set()
     try:
-        problem = fleet.read().start_problem(devices) or ""
+        names = ledger.list_raw("placements")
+        for data in ledger.read_raw("placements", names).values():
+            try:
+                doc = json.loads(data)
+            except (ValueError, RecursionError):
+                continue
+            if isinstance(doc, dict) and doc.get("fleet") == view.url and isinstance(doc.get("fleet_id"), str):
+                pinned.add(doc["fleet_id"])
+    except (CertckptError, OSError) as e:
+        return f"this run's placements cannot be read ({str(e).splitlines()[0][:200]})"
+    if pinned - {view.store_id}:
+        return (
+            f"fleet registry {view.url} is not the one this run was placed under before (re-created: its id is "
+            f"{view.store_id}, the run's placements name {', '.join(sorted(pinned))}); restore the registry"
+        )
+    if pinned and absolute_url(ledger.store) not in view.stores:
+        return f"fleet registry {view.url} no longer lists this run's store (emptied?); restore the registry"
+    return None
+
+
+def _rank0_verdict(fleet: Fleet, devices: dict[str, str], *, policy: str, ledger: Any, record: Any) -> tuple[str, bool]:
+    """Rank 0's look-up: (what is wrong, whether it refuses whatever the policy). A registry that is
+    missing, tampered, re-created or emptied behind the run's back refuses whatever the policy
+    (doubt never lets a run start). A run that goes on registers its store and records its placement
+    here, before any rank trains: a run whose placement cannot be recorded does not start (a later
+    conviction could not reach its checkpoints)."""
+    try:
+        view = fleet.read()
+        doubt = view.doubt() or _known_problem(view, ledger)
+        problem = "" if doubt else view.start_problem(devices) or ""
     except (CertckptError, OSError) as e:
         why = str(e).splitlines()[0][:300]
         return f"fleet registry {fleet.url} cannot be read ({why}); no run starts unchecked", True
+    if doubt:
+        return doubt, True
     if problem and policy == "refuse":
         return problem, False
     try:
-        record()
+        record(view)
     except (CertckptError, OSError) as e:
         why = str(e).splitlines()[0][:300]
         return (problem + "; " if problem else "") + (
@@ -76,10 +109,10 @@ def check_fleet_at_start(
     """
     devices = {r: device_of(inv) for r, inv in inventory.items()}
 
-    def record() -> None:
+    def record(view: FleetView) -> None:
         if ledger is None:
             return
-        fleet.register_store(ledger.store)
+        fleet.register_store(ledger.store, store_id=ledger.store_id)
         ledger.record_placement(
             branch=branch,
             start_step=start_step,
@@ -87,9 +120,10 @@ def check_fleet_at_start(
             hosts={r: host_of(inv) for r, inv in inventory.items()},
             run=run,
             fleet=fleet.url,
+            fleet_id=view.store_id,
         )
 
-    mine = _rank0_verdict(fleet, devices, policy=policy, record=record) if rank == 0 else ("", False)
+    mine = _rank0_verdict(fleet, devices, policy=policy, ledger=ledger, record=record) if rank == 0 else ("", False)
     wire = json.dumps(list(mine)).encode("utf-8")
     text, fatal = json.loads(all_gather_bytes(wire, group=group, wire_device=wire_device)[0].decode("utf-8"))
     if not text:

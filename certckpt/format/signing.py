@@ -105,6 +105,10 @@ class SigningKey:
         sig = self.sign_bytes(signed_bytes(doc))
         return {**{k: v for k, v in doc.items() if k != "sig"}, "sig": {"key": self.key_id, "ed25519": sig}}
 
+    def trusted(self) -> TrustedKeys:
+        """This key's public half, as the only trusted key (a writer given no trusted keys trusts itself)."""
+        return TrustedKeys(keys={self.key_id: self._private.public_key()})
+
 
 @dataclass(frozen=True, slots=True)
 class TrustedKeys:

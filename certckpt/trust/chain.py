@@ -238,7 +238,7 @@ def check_chains(
     for writer in sorted(entries):
         _walk_chain(writer, entries[writer], rules=rules, found=found)
     out = found.out
-    _break_truncated(out, found.seals)
+    _break_truncated(out, found.seals, keyed=trusted_keys is not None)
     _break_rolled_back(out, remembered or {}, found.at_seq)
     if out.breaks:
         _demote_after_breaks(out)
@@ -373,9 +373,13 @@ def _seal_against_trust(out: ChainCheck, doc: Any, *, writer: str, seq: int) -> 
                 out.sealed.setdefault((r[0], r[1]), Sealed(r[2], writer, seq, False))
 
 
-def _break_truncated(out: ChainCheck, seals: list[tuple[str, int, str, int]]) -> None:
-    """A writer whose head is behind what another writer's entry saw of it lost its tail."""
+def _break_truncated(out: ChainCheck, seals: list[tuple[str, int, str, int]], *, keyed: bool) -> None:
+    """A writer whose head is behind what another writer's entry saw of it lost its tail. With
+    trusted keys, only an authenticated writer's word counts: anyone can write an unsigned entry
+    claiming to have seen entry 999 of a real writer."""
     for sealer, at, writer, seq in seals:
+        if keyed and sealer in out.unauthenticated:
+            continue
         have = out.heads.get(writer, (0, ""))[0]
         if have < seq and writer not in out.breaks:
             out.breaks[writer] = Break(

@@ -9,7 +9,14 @@ chained and signed exactly as a run's ledger is (``docs/signing.md``). Layout un
                                                    step, check, incident_id, rank}, at}
     appeals/<appeal_id>.json                      {device, convictions: [ids], by, reason, at}
     clearances/<clearance_id>.json                {device, approves: appeal_id, by, reason, at}
-    stores/<sha256(store)[:32]>.json              {store}: a run store that reports here
+    stores/<sha256(store)[:32]>.json              {store, store_id}: a run store that reports here (its
+                                                   absolute URL and the identity of its ledger)
+
+A registry is created once, on purpose (``Fleet.create``, ``certckpt fleet init``): a run or a
+conviction never creates one, so a registry deleted or emptied behind a run's back reads as missing
+(every start refuses) instead of coming back empty. Each run's placement records pin the registry's
+identity (its store id), so a registry re-created at the same URL is visible to every reader of
+those runs.
 
 Convictions count signed or not (they only add doubt, as a failed check does); appeals and
 clearances count only when a trusted writer's intact chain seals them, where keys are trusted. The
@@ -19,6 +26,7 @@ rules are pure (``certckpt.trust.devices``); this module reads and writes. No to
 from __future__ import annotations
 
 import hashlib
+import os
 import secrets
 import time
 from collections.abc import Mapping
@@ -26,14 +34,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from certckpt.errors import CheckpointNotFoundError, FleetError
-from certckpt.format.signing import SigningKey, TrustedKeys
+from certckpt.format.signing import SigningKey, TrustedKeys, signing_key_from_env, trusted_keys_from_env
 
 from .devices import DeviceStanding, check_appeal, check_clearance, device_of, fleet_standing, host_of, is_device_id
 from .incident import incident_id_for
-from .ledger import FROM_ENV, Ledger
-from .memory import recall, remember
+from .ledger import FROM_ENV, Ledger, key_option
+from .memory import recall, recall_genesis, remember_snapshot
 
-__all__ = ["Fleet", "FleetView", "FLEET_ENV"]
+__all__ = ["Fleet", "FleetView", "FLEET_ENV", "absolute_url"]
 
 FLEET_ENV = "CERTCKPT_FLEET"  # a default fleet registry for the `certckpt fleet` commands
 
@@ -47,10 +55,13 @@ class FleetView:
         stores: the run stores that report here.
         breaks: broken links of its chains (a conviction may be missing: it cannot vouch for anyone).
         invalid: records used for nothing, with the reason (a forged clearance lands here).
-        exists: False when nothing was ever written there.
+        exists: False when there is no registry there (no genesis record: never created, or deleted
+            before this reader ever read it).
+        store_id: the registry's identity (its genesis record's id).
     """
 
     url: str
+    store_id: str | None = None
     devices: dict[str, DeviceStanding] = field(default_factory=dict)
     stores: list[str] = field(default_factory=list)
     breaks: list[str] = field(default_factory=list)
@@ -64,13 +75,26 @@ class FleetView:
     def standing(self, device: str) -> DeviceStanding | None:
         return self.devices.get(device)
 
-    def start_problem(self, devices: Mapping[str, str]) -> str | None:
-        """Why a run on these devices (per rank) must not start (None: it may)."""
+    def doubt(self) -> str | None:
+        """Why this registry cannot vouch for any device (missing, or its chains broken: a conviction
+        may be missing); None when it can. Refuses every start, whatever the policy."""
+        if not self.exists:
+            return (
+                f"no fleet registry at {self.url} (never created, or deleted): create it once with "
+                f"`certckpt fleet init {self.url}`; a run never creates one"
+            )
         if self.breaks:
             return (
                 f"fleet registry {self.url} is tampered ({self.breaks[0]}): a conviction may be missing; "
                 "restore it from a good copy before starting runs"
             )
+        return None
+
+    def start_problem(self, devices: Mapping[str, str]) -> str | None:
+        """Why a run on these devices (per rank) must not start (None: it may)."""
+        doubt = self.doubt()
+        if doubt is not None:
+            return doubt
         bad = []
         for rank, dev in sorted(devices.items(), key=lambda kv: int(kv[0])):
             st = self.devices.get(dev)
@@ -104,6 +128,12 @@ def _store_key(store: str) -> str:
     return hashlib.sha256(store.encode("utf-8")).hexdigest()[:32]
 
 
+def absolute_url(url: str) -> str:
+    """A store's URL as a registry records it: a local path made absolute (a relative one would name
+    another store from another directory)."""
+    return url.rstrip("/") if "://" in url else os.path.abspath(url)
+
+
 class Fleet:
     """A fleet registry at ``url`` (a directory or prefix of its own).
 
@@ -124,8 +154,14 @@ class Fleet:
         signing_key: signs every record written (default ``$CERTCKPT_SIGNING_KEY``).
         trusted_keys: appeals and clearances count only when one of these keys vouches for them
             (default ``$CERTCKPT_TRUSTED_KEYS``; none: every record counts, see docs/operations.md).
+            A writer that signs and is given no trusted keys trusts its own key's public half: a
+            training node with a signing key never takes an unsigned clearance at its start check.
         """
-        self.ledger = Ledger(url, signing_key=signing_key, trusted_keys=trusted_keys)
+        key = key_option(signing_key, signing_key_from_env, "signing_key")
+        trusted = key_option(trusted_keys, trusted_keys_from_env, "trusted_keys")
+        if trusted is None and key is not None:
+            trusted = key.trusted()
+        self.ledger = Ledger(absolute_url(url), signing_key=key, trusted_keys=trusted)
         self.url = self.ledger.store
 
     # --- reading -------------------------------------------------------------------------------
@@ -134,14 +170,16 @@ class Fleet:
         """Every record, checked like a run's ledger (chains, signatures, the heads this reader saw
         before: a registry rolled back to before a conviction is a break)."""
         try:
-            snap = self.ledger.snapshot(remembered=recall(self.url))
+            snap = self.ledger.snapshot(remembered=recall(self.url), remembered_genesis=recall_genesis(self.url))
         except CheckpointNotFoundError:
-            return FleetView(url=self.url, exists=False, notes=["no fleet registry here yet"])
-        if snap.chained:
-            remember(self.url, snap.heads)
+            return FleetView(url=self.url, exists=False, notes=["no fleet registry here"])
+        remember_snapshot(self.url, snap)
+        if not snap.chained:  # no genesis, no chains: not a registry (a run never makes one)
+            return FleetView(url=self.url, exists=False, notes=["no fleet registry here (no genesis record)"])
         recs = snap.fleet
         view = FleetView(
             url=self.url,
+            store_id=snap.store_id,
             devices=fleet_standing(recs.get("convictions", []), recs.get("appeals", []), recs.get("clearances", [])),
             stores=sorted({r["store"] for r in recs.get("stores", [])}),
             breaks=[f"writer {b.writer} entry {b.seq}: {b.why}" for b in snap.breaks],
@@ -152,12 +190,46 @@ class Fleet:
 
     # --- writing -------------------------------------------------------------------------------
 
-    def register_store(self, store: str) -> bool:
-        """Record that ``store`` reports here (idempotent); returns whether it was new."""
-        name = f"{_store_key(store)}.json"
-        if name in self.ledger.list_raw("stores"):
+    def create(self) -> str:
+        """Create the registry (its genesis record) unless it exists; returns its store id.
+
+        Raises:
+            FleetError: trusted keys are configured but no signing key: readers with those keys would
+                take the unsigned genesis for a re-created registry and refuse every start.
+        """
+        if self.ledger.trusted_keys is not None and self.ledger.signing_key is None:
+            if self.ledger.genesis_bytes() is None:
+                raise FleetError(
+                    f"{self.url}: not created: trusted keys are configured but no signing key; readers would take an "
+                    "unsigned registry for a re-created one. Set CERTCKPT_SIGNING_KEY and run it again"
+                )
+        self.ledger.create()
+        store_id = self.ledger.store_id
+        assert store_id is not None  # create() wrote or read a genesis record
+        return store_id
+
+    def _existing(self) -> Ledger:
+        """The registry's ledger, refusing to write where there is no registry: writing would create
+        an empty one, which would read as "no convictions"."""
+        if self.ledger.genesis_bytes() is None:
+            raise FleetError(
+                f"no fleet registry at {self.url} (never created, or deleted); create it once with "
+                f"`certckpt fleet init {self.url}`, or restore it from a good copy"
+            )
+        return self.ledger
+
+    def register_store(self, store: str, *, store_id: str | None = None) -> bool:
+        """Record that ``store`` (its absolute URL and, for a chained store, its ledger's identity)
+        reports here (idempotent); returns whether it was new."""
+        url = absolute_url(store)
+        ledger = self._existing()
+        name = f"{_store_key(url)}.json"
+        if name in ledger.list_raw("stores"):
             return False
-        return self.ledger.write_record("stores", name, {"store": store})
+        doc: dict[str, Any] = {"store": url}
+        if store_id is not None:
+            doc["store_id"] = store_id
+        return ledger.write_record("stores", name, doc)
 
     def convict(self, *, device: str, inventory: Mapping[str, Any], evidence: Mapping[str, Any]) -> str:
         """Record a conviction of ``device``; returns its id."""
@@ -172,7 +244,7 @@ class Fleet:
             "evidence": dict(evidence),
             "at": time.time(),
         }
-        self.ledger.write_record("convictions", f"{cid}.json", doc)
+        self._existing().write_record("convictions", f"{cid}.json", doc)
         return cid
 
     def report_detection(self, event: Mapping[str, Any], *, store: str | None) -> list[str]:
@@ -207,7 +279,7 @@ class Fleet:
         doc["appeal_id"] = aid = f"appeal-{time.time_ns():020d}-{secrets.token_hex(3)}"
         doc["convictions"] = [c["conviction_id"] for c in st.open_convictions]
         doc["at"] = time.time()
-        self.ledger.write_record("appeals", f"{aid}.json", doc)
+        self._existing().write_record("appeals", f"{aid}.json", doc)
         return doc
 
     def clear(self, device: str, *, approves: str, by: str, reason: str) -> dict[str, Any]:
@@ -219,5 +291,5 @@ class Fleet:
         check_clearance(view.standing(device), doc, signer=signer)
         doc["clearance_id"] = cid = f"clear-{time.time_ns():020d}-{secrets.token_hex(3)}"
         doc["at"] = time.time()
-        self.ledger.write_record("clearances", f"{cid}.json", doc)
+        self._existing().write_record("clearances", f"{cid}.json", doc)
         return doc

@@ -109,7 +109,7 @@ def _dumps(doc: dict[str, Any]) -> bytes:
 _Key = TypeVar("_Key")
 
 
-def _key_option(value: _Key | None | str, from_env: Callable[[], _Key | None], option: str) -> _Key | None:
+def key_option(value: _Key | None | str, from_env: Callable[[], _Key | None], option: str) -> _Key | None:
     """A key option of ``Ledger``: ``FROM_ENV`` reads the environment, anything else is the key (or
     None) itself; the only string it takes is ``FROM_ENV`` (a key file is loaded by its caller)."""
     if isinstance(value, str):
@@ -148,8 +148,8 @@ class Ledger:
         """
         self.store = store.rstrip("/") if "://" in store else store.rstrip("/") or "/"
         self.root = join(self.store, LEDGER_DIR)
-        self.signing_key: SigningKey | None = _key_option(signing_key, signing_key_from_env, "signing_key")
-        self.trusted_keys: TrustedKeys | None = _key_option(trusted_keys, trusted_keys_from_env, "trusted_keys")
+        self.signing_key: SigningKey | None = key_option(signing_key, signing_key_from_env, "signing_key")
+        self.trusted_keys: TrustedKeys | None = key_option(trusted_keys, trusted_keys_from_env, "trusted_keys")
         self._backend: Storage | None = None
         self._chained: bool | None = None  # learnt at the first write (a genesis record, or none)
         self._new_chained = chain  # whether a new ledger gets a genesis record (a vault of an old run: no)
@@ -212,6 +212,19 @@ class Ledger:
             self._store_id, self._genesis_sha = doc["store_id"], digest(data)
             self._chained = True
             return True
+
+    def create(self) -> None:
+        """Create this store's ledger (its genesis record) now, unless it exists: what ``certckpt
+        fleet init`` does for a registry, which nothing else creates.
+
+        Raises:
+            CertckptError: records are there already but no genesis (an unchained or damaged store).
+        """
+        if not self.chained():
+            raise CertckptError(
+                f"{self.store}: records are here but no genesis record (written before chained ledgers, or its "
+                "genesis was deleted); create the ledger in an empty directory or prefix"
+            )
 
     @property
     def store_id(self) -> str | None:
@@ -473,13 +486,19 @@ class Ledger:
         return u if "://" in u or u.startswith("/") else join(base or self.store, u)
 
     def snapshot(
-        self, *, remembered: dict[str, tuple[int, str]] | None = None, cache: FactsCache | None = None
+        self,
+        *,
+        remembered: dict[str, tuple[int, str]] | None = None,
+        remembered_genesis: str | None = None,
+        cache: FactsCache | None = None,
     ) -> LedgerSnapshot:
         """Read every record, check every chain (missing ledger: an empty snapshot).
 
         Args:
             remembered: per writer, the chain head a reader verified before (a chain that is shorter
                 now was rolled back: a break).
+            remembered_genesis: the SHA-256 of the genesis record a reader verified before (a store
+                without it, or with another, was deleted or re-created: a break).
             cache: event segments a reader verified and folded before (only what was appended since
                 is parsed; used only where the chains still seal them as they were).
 
@@ -492,6 +511,7 @@ class Ledger:
             trusted_keys=self.trusted_keys,
             url_of=self.url_of,
             remembered=remembered,
+            remembered_genesis=remembered_genesis,
             cache=cache,
         )
 

@@ -7,6 +7,13 @@ each reader keeps, per store, the head of every writer's chain it verified, outs
 (``$CERTCKPT_STATE_DIR``, default ``~/.cache/certckpt/ledgers``). A chain that is shorter or
 different on the next read is a break. The memory is a cache in the other direction too: deleting
 it forgets nothing that matters except the rollback check (the chains themselves prove the rest).
+
+Beside the heads, the reader keeps the store's identity: the SHA-256 of the genesis record it
+verified. A store whose genesis is then gone, or another one, was deleted or re-created at the same
+URL, which no chain inside it can show: a break, until someone accepts the new store deliberately
+(``forget``; ``certckpt status --forget-memory STORE``). With trusted keys only the heads of
+authenticated writers are kept: an unsigned writer's entries must not become a memory that later
+reads as a rollback when they disappear.
 No torch import.
 """
 
@@ -16,21 +23,27 @@ import hashlib
 import json
 import os
 import tempfile
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .factcache import FactsCache
 
-__all__ = ["STATE_ENV", "recall", "remember", "recall_facts", "remember_facts"]
+if TYPE_CHECKING:
+    from .snapshot import LedgerSnapshot
+
+__all__ = ["STATE_ENV", "forget", "recall", "recall_genesis", "remember", "recall_facts", "remember_facts", "remember_snapshot", "state_dir"]
 
 STATE_ENV = "CERTCKPT_STATE_DIR"
 _MAX_BYTES = 16 << 20  # a memory file larger than this is not ours
 _MAX_FACTS_BYTES = 1 << 30
 
 
+def state_dir() -> str:
+    return os.environ.get(STATE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "certckpt", "ledgers")
+
+
 def _path(store: str, suffix: str = ".json") -> str:
-    base = os.environ.get(STATE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "certckpt", "ledgers")
     key = os.path.abspath(store) if "://" not in store else store.rstrip("/")
-    return os.path.join(base, hashlib.sha256(key.encode("utf-8")).hexdigest()[:32] + suffix)
+    return os.path.join(state_dir(), hashlib.sha256(key.encode("utf-8")).hexdigest()[:32] + suffix)
 
 
 def _write(path: str, doc: Any) -> None:
@@ -60,14 +73,24 @@ def remember_facts(store: str, cache: FactsCache | None) -> None:
         _write(_path(store, ".facts.json"), cache.to_json())
 
 
-def recall(store: str) -> dict[str, tuple[int, str]]:
-    """The heads this reader verified for ``store`` (empty when it never read it, or forgot)."""
+def _recall_doc(store: str) -> dict[str, Any]:
     try:
         with open(_path(store), "rb") as f:
             doc: Any = json.loads(f.read(_MAX_BYTES))
     except (OSError, ValueError, RecursionError):
         return {}
-    heads = doc.get("heads") if isinstance(doc, dict) else None
+    return doc if isinstance(doc, dict) else {}
+
+
+def recall_genesis(store: str) -> str | None:
+    """The SHA-256 of the genesis record this reader verified for ``store`` (None: never, or forgot)."""
+    g = _recall_doc(store).get("genesis")
+    return g if isinstance(g, str) and len(g) == 64 else None
+
+
+def recall(store: str) -> dict[str, tuple[int, str]]:
+    """The heads this reader verified for ``store`` (empty when it never read it, or forgot)."""
+    heads = _recall_doc(store).get("heads")
     if not isinstance(heads, dict):
         return {}
     out = {}
@@ -83,14 +106,41 @@ def recall(store: str) -> dict[str, tuple[int, str]]:
     return out
 
 
-def remember(store: str, heads: dict[str, tuple[int, str]]) -> None:
-    """Keep the newest heads seen (never a shorter one); silently skipped where nothing can be written."""
-    if not heads:
-        return
+def remember(store: str, heads: dict[str, tuple[int, str]], *, genesis: str | None = None) -> None:
+    """Keep the newest heads seen (never a shorter one) and the store's identity (``genesis``: the
+    SHA-256 of its genesis record; a different one is never written over the one kept: only
+    ``forget`` accepts a re-created store); silently skipped where nothing can be written."""
+    doc = _recall_doc(store)
     before = recall(store)
     merged = dict(before)
     for w, (seq, h) in heads.items():
         if seq >= merged.get(w, (0, ""))[0]:
             merged[w] = (seq, h)
-    if merged != before:
-        _write(_path(store), {"store": store, "heads": {w: list(v) for w, v in sorted(merged.items())}})
+    kept = recall_genesis(store)
+    identity = kept or genesis
+    if merged != before or identity != doc.get("genesis"):
+        out: dict[str, Any] = {"store": store, "heads": {w: list(v) for w, v in sorted(merged.items())}}
+        if identity is not None:
+            out["genesis"] = identity
+        _write(_path(store), out)
+
+
+def remember_snapshot(store: str, snap: LedgerSnapshot) -> None:
+    """Keep what a read of ``store`` proved: its identity and the heads of the writers that count."""
+    if snap.chained and snap.genesis is not None:
+        remember(store, snap.memorable_heads, genesis=snap.genesis)
+
+
+def forget(store: str) -> list[str]:
+    """Forget what this reader verified of ``store`` (its identity, heads and folded segments): the
+    deliberate way to accept a store re-created at the same URL, or to drop heads an earlier version
+    remembered of unauthenticated writers. Returns the files removed."""
+    removed = []
+    for suffix in (".json", ".facts.json"):
+        p = _path(store, suffix)
+        try:
+            os.remove(p)
+            removed.append(p)
+        except FileNotFoundError:
+            pass
+    return removed

@@ -36,7 +36,7 @@ from .incident import (
     incident_state,
 )
 from .ledger import Ledger, LedgerSnapshot
-from .memory import recall, recall_facts, remember, remember_facts
+from .memory import recall, recall_facts, recall_genesis, remember_facts, remember_snapshot
 
 __all__ = [
     "StoreStatus",
@@ -229,15 +229,20 @@ def convicted_ranges_for(
             views[url] = Fleet(url, signing_key=None, trusted_keys=snap.trusted_keys).read()
         view = views[url]
         # The run registered its store there before training: a registry that is gone, lists no
-        # store, or whose chains are broken may have lost a conviction, so nothing it says clears a step.
+        # store, was re-created, or whose chains are broken may have lost a conviction, so nothing it
+        # says clears a step.
         if not view.exists:
             _fleet_unproven(snap, url, "is missing")
             continue
-        if not view.stores:
-            _fleet_unproven(snap, url, "holds no registered store (emptied?)")
+        pinned = {r.get("fleet_id") for r, ok in snap.placements if ok and r.get("fleet") == url} - {None}
+        if pinned - {view.store_id}:
+            _fleet_unproven(snap, url, f"is not the registry this run was placed under (re-created: now {view.store_id})")
             continue
         if view.breaks:
             _fleet_unproven(snap, url, f"is tampered ({view.breaks[0]}): a conviction may be missing")
+        elif not view.stores:
+            _fleet_unproven(snap, url, "holds no registered store (emptied?)")
+            continue
         for dev, st in view.devices.items():
             if st.convicted and (not authenticated_only or any(c["authenticated"] for c in st.open_convictions)):
                 convicted.add(dev)
@@ -339,9 +344,9 @@ def read_remembering(ledger: Ledger, *, use_cache: bool = True) -> LedgerSnapsho
             since is read); False re-reads and re-hashes every segment.
     """
     cache = recall_facts(ledger.store) if use_cache else None
-    snap = ledger.snapshot(remembered=recall(ledger.store), cache=cache)
+    snap = ledger.snapshot(remembered=recall(ledger.store), remembered_genesis=recall_genesis(ledger.store), cache=cache)
+    remember_snapshot(ledger.store, snap)
     if snap.chained:
-        remember(ledger.store, snap.heads)
         remember_facts(ledger.store, snap.facts_cache)
     return snap
 

@@ -225,6 +225,9 @@ def _placement_problem(r: dict[str, Any]) -> str | None:
         return "a rank or a device id is not well formed"
     if not isinstance(hosts, dict) or not all(isinstance(v, str) and len(v) <= 200 for v in hosts.values()):
         return "hosts are not names"
+    fid = r.get("fleet_id")
+    if fid is not None and not (isinstance(fid, str) and re.fullmatch(r"[0-9a-f]{32}", fid)):
+        return "fleet_id is not a store id"
     return None if r.get("fleet") is None else _location_problem(r["fleet"], "fleet")
 
 
@@ -247,6 +250,9 @@ def _decision_problem(r: dict[str, Any]) -> str | None:
 
 def _fleet_problem(kind: str, file: str, r: dict[str, Any]) -> str | None:
     if kind == "stores":
+        sid = r.get("store_id")
+        if sid is not None and not (isinstance(sid, str) and re.fullmatch(r"[0-9a-f]{32}", sid)):
+            return "store_id is not a store id"
         return _location_problem(r.get("store"), "store")
     key = {"convictions": "conviction_id", "appeals": "appeal_id", "clearances": "clearance_id"}[kind]
     why = _fleet_id_problem(r, key, file)
@@ -316,6 +322,10 @@ class LedgerSnapshot:
     # a fleet registry's records by kind, each with "authenticated" (a trusted writer vouches for it)
     fleet: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     heads: dict[str, tuple[int, str]] = field(default_factory=dict)
+    # what a reader may remember of this store: its genesis's SHA-256, and the heads of the writers
+    # that count (with trusted keys, an unauthenticated writer's head is never remembered)
+    genesis: str | None = None
+    memorable_heads: dict[str, tuple[int, str]] = field(default_factory=dict)
     event_loader: Callable[[], list[dict[str, Any]]] | None = None
     facts_cache: FactsCache | None = None  # what a reader keeps to read only new segments next time
     loaded_events: list[dict[str, Any]] | None = None
@@ -397,12 +407,15 @@ def read_snapshot(
     trusted_keys: TrustedKeys | None,
     url_of: Callable[..., str],
     remembered: dict[str, tuple[int, str]] | None = None,
+    remembered_genesis: str | None = None,
     cache: FactsCache | None = None,
 ) -> LedgerSnapshot:
     """Read and check every record of one ledger (missing ledger: an empty snapshot).
 
     Args:
         remembered: per writer, the chain head this reader verified before (rollback check).
+        remembered_genesis: the SHA-256 of the genesis record this reader verified before: a store
+            without it, or with another one, was deleted or re-created (a break).
         cache: event segments this reader verified and folded before: used only where the chains
             still seal them as they were (``LedgerSnapshot.facts_cache`` is the cache to keep next).
 
@@ -412,6 +425,8 @@ def read_snapshot(
     """
     try:
         if not storage.exists():
+            if remembered_genesis is not None:
+                return _gone(trusted_keys, "the ledger is gone (deleted)")
             if not storage_for(store).exists():
                 raise CheckpointNotFoundError(f"{store}: no such run store")
             return LedgerSnapshot(trusted_keys=trusted_keys)
@@ -424,6 +439,7 @@ def read_snapshot(
             # listed, then gone (records are never removed): read as empty, it fails its checks
             contents = {p: got.get(p, b"") for p in small}
             reader = _Reader(store, trusted_keys, url_of, listing, contents, remembered, storage, cache)
+            reader.remembered_genesis = remembered_genesis
             segments = set(listing.get("events", []))
             reader.stamps = {p.rsplit("/", 1)[-1]: v for p, v in stamps.items() if p in segments}
             reader.snap.invalid.extend(refused)
@@ -438,11 +454,24 @@ def read_snapshot(
     except (CertckptError, FileNotFoundError) as e:
         if isinstance(e, CertckptError):
             raise
+        if remembered_genesis is not None:
+            return _gone(trusted_keys, "the store is gone (deleted)")
         if "NoSuchBucket" in str(e) or "bucket does not exist" in str(e).lower():
             raise StorageError(f"{store}: cannot read the ledger ({remote_error_text(e)})") from e
         raise CheckpointNotFoundError(f"{store}: no such run store") from e
     except Exception as e:  # OSError, and botocore's own types (no credentials, unreachable endpoint)
         raise StorageError(f"{store}: cannot read the ledger ({remote_error_text(e)})") from e
+
+
+_FORGET = "`certckpt status --forget-memory STORE` accepts a store re-created on purpose"
+
+
+def _gone(trusted_keys: TrustedKeys | None, why: str) -> LedgerSnapshot:
+    """A store this reader verified before that is not there now: a break, never an empty store."""
+    snap = LedgerSnapshot(trusted_keys=trusted_keys, chained=True)
+    snap.breaks.append(Break(writer="genesis", seq=0, scope="store", why=f"{why}; this reader verified it before"))
+    snap.tampered["*"] = -1
+    return snap
 
 
 class _Reader:
@@ -478,6 +507,7 @@ class _Reader:
         self.source: str | None = None  # a vault's source run's store id, when the vault vouches for it
         # per writer, the store its first entry names: untrusted JSON (any value), only ever compared
         self.writer_store: dict[str, object] = {}
+        self.remembered_genesis: str | None = None
         self._chains_checked = False
 
     # --- event segments: hashed first (the chains need their digests), parsed once they are judged --
@@ -526,7 +556,11 @@ class _Reader:
             return
         own: str = gdoc["store_id"]  # genesis_problem checked it is a string
         snap.store_id = own
-        stores = {own: digest(genesis)}
+        snap.genesis = digest(genesis)
+        if self.remembered_genesis is not None and snap.genesis != self.remembered_genesis:
+            self._break_store(f"its genesis record is not the one this reader verified before (re-created); {_FORGET}")
+            return
+        stores = {own: snap.genesis}
         mark = self._mark()
         source = mark.get("source_store") if isinstance(mark, dict) else None
         self._source_genesis(source, stores)
@@ -547,6 +581,7 @@ class _Reader:
         if self.source is not None:
             self._check_vault_mark(self.check, own)
         snap.heads = dict(self.check.heads)
+        snap.memorable_heads = {w: h for w, h in snap.heads.items() if w not in self.check.unauthenticated}
         for writer, why in sorted(self.check.unauthenticated.items()):
             snap.invalid.append((f"{CHAINS_DIR}/{writer}", f"{why}: its records count only against trust"))
         snap.breaks.extend(self.check.breaks[w] for w in sorted(self.check.breaks))
@@ -557,16 +592,30 @@ class _Reader:
         """A store without a genesis record: chains without it lost it (deleted), records without
         chains were written before chained ledgers existed."""
         snap = self.snap
+        anything = any(self.listing.values())
         if self.listing.get(CHAINS_DIR):
             # chains without the identity they link to: the genesis record was deleted
-            snap.chained = True
-            snap.breaks.append(Break(writer="genesis", seq=0, scope="store", why="genesis record missing (deleted)"))
-            snap.tampered["*"] = -1
+            self._break_store("genesis record missing (deleted)")
+        elif self.remembered_genesis is not None:
+            self._break_store(f"genesis record missing: this reader verified this store chained before; {_FORGET}")
+        elif self.keys is not None and anything:
+            # Under trusted keys an unchained store proves nothing about what is missing from it, and
+            # deleting a genesis with its chains must not turn a store into an "old" one.
+            self._break_store(
+                "no genesis record: an unchained ledger proves nothing under trusted keys (deleted, or written "
+                "before chained ledgers: start a new store)"
+            )
         elif any(self.files[k] for k in KINDS):
             snap.notes.append(
                 "unchained ledger (written before chained ledgers): a deleted or replayed record cannot be "
                 "detected; start a new run store (an empty directory or prefix) to get a chained ledger"
             )
+
+    def _break_store(self, why: str) -> None:
+        """A store-wide break: every checkpoint of every branch is tampered."""
+        self.snap.chained = True
+        self.snap.breaks.append(Break(writer="genesis", seq=0, scope="store", why=why))
+        self.snap.tampered["*"] = -1
 
     def _genesis(self, genesis: bytes) -> dict[str, Any] | None:
         """The genesis record, parsed and checked (None, with every branch marked, when it is not one)."""
@@ -577,13 +626,11 @@ class _Reader:
             gdoc = None
         why = genesis_problem(gdoc)
         if why is None and self.keys is not None and self.keys.problem(gdoc) is not None:
-            # Its identity still binds: every signed entry names it and links to its exact bytes.
-            snap.notes.append(
-                "the store's genesis record is not signed by a trusted key (created by a writer without one)"
-            )
+            # Anyone can create a store: an unsigned genesis over a re-created store would otherwise
+            # read as a young, intact one (a registry without its convictions).
+            why = "not signed by a trusted key (created by a writer without one, or re-created)"
         if why is not None:
-            snap.breaks.append(Break(writer="genesis", seq=0, scope="store", why=f"genesis record: {why}"))
-            snap.tampered["*"] = -1
+            self._break_store(f"genesis record: {why}")
             return None
         return cast(dict[str, Any], gdoc)  # json.loads gives Any; genesis_problem found a JSON object
 
