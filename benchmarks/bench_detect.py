@@ -43,11 +43,13 @@ at every step, the same for every configuration) are generated before each block
 A last phase shows where the extra time goes. Single steps, each between two barriers, interleaved
 step by step: audit/10 (audit and non-audit steps), plain DDP, and a fifth DDP copy with torch's own
 Python ``allreduce_hook`` (the price of any Python comm hook). During these steps the auditor's
-parts are timed in place: its methods and the module functions it calls (``signature``,
-``RingShift``, ``nonfinite_flag``, ``replay.recompute``, ``replay.audit``, ``consensus.check``) are
-wrapped with timers in the rank processes (no library file is changed). Then
-``auditor.weight_consensus(step)``, ``signature()`` over all gradients and two flag sums are
-called alone between barriers, a few times each.
+parts are timed in place through ``certckpt.detect.timing``: the library marks them itself (the
+training signatures, the flag sums and their read, the ring shift, the replay and its signatures,
+the replay audit, the weight consensus), and a ``timing.record()`` block in the rank processes
+turns the marks on; nothing is replaced, and a part with no recorded call stops the run (a refactor
+that drops a mark cannot leave a silent zero). Then ``auditor.weight_consensus(step)``,
+``signature()`` over all gradients and two flag sums are called alone between barriers, a few times
+each.
 
 Nothing here is hard-coded: every figure printed is measured in this run.
 """
@@ -85,8 +87,23 @@ def configs_for(bucket_view: bool) -> tuple[str, ...]:
 
 TARGETS = {"audit/10": 1.10, "audit/100": 1.02, "nonfinite": 1.02}  # ratio to plain DDP, at most
 
+# the certckpt.detect.timing parts every audit step, and every other step, must record
+AUDIT_PARTS = (
+    "train_signature",
+    "nonfinite_flags",
+    "nonfinite_check",
+    "ring_shift",
+    "replay",
+    "replay_signature",
+    "replay_audit",
+    "consensus",
+)
+NONAUDIT_PARTS = ("nonfinite_flags", "nonfinite_check")
+
 FULL = {"widths": [1024, 2048, 2048, 1024, 1024], "batch": 32, "trials": 7, "steps": 100, "warmup": 10, "reps": 5}
 QUICK = {"widths": [512, 1024, 1024, 512, 512], "batch": 32, "trials": 2, "steps": 100, "warmup": 10, "reps": 2}
+# CERTCKPT_BENCH_TINY=1 (benchmarks/tinymode.py): every code path in seconds, figures meaningless
+TINY = {"widths": [32, 64, 64, 32, 32], "batch": 4, "trials": 1, "steps": 100, "warmup": 2, "reps": 1, "slice": 50}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -159,6 +176,7 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from certckpt.detect import timing
     from certckpt.detect.auditor import Auditor, nonfinite_flag
     from certckpt.detect.launch import ProgressLog
     from certckpt.detect.signature import signature
@@ -263,14 +281,9 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
         )
 
     # --- breakdown of audit/10 ----------------------------------------------------------------
-    # Single steps, each between two barriers, interleaved step by step: audit/10 (instrumented,
-    # see below), plain DDP, and DDP with torch's own Python allreduce_hook (the cost of any Python
-    # comm hook, without the non-finite flags).
-    import certckpt.detect.auditor as auditor_mod
-    import certckpt.detect.hook as hook_mod
-    import certckpt.detect.replay as replay_mod  # the replay and its signatures (AuditSession's RingReplay)
-    import certckpt.detect.session as session_mod  # the ring shift of the step's micro-batches
-
+    # Single steps, each between two barriers, interleaved step by step: audit/10 (its parts timed in
+    # place, see below), plain DDP, and DDP with torch's own Python allreduce_hook (the cost of any
+    # Python comm hook, without the non-finite flags).
     reps = args["reps"]
 
     def between_barriers(fn) -> tuple[float, float]:
@@ -311,78 +324,39 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
     for i in range(3):  # warm-up of the extra model (untimed)
         hooked_step(_item(rank, i + 1, bsz, widths, micro))
 
-    # In-situ timers: wrap the auditor's parts (this process only; the trials are over).
-    acc: dict[str, float] = {}
-    in_replay = [False]
-
-    def timed(key, fn, flag=None):
-        def wrapper(*a, **k):
-            if flag is not None:
-                flag[0] = True
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                acc[key] = acc.get(key, 0.0) + time.perf_counter() - t0
-                if flag is not None:
-                    flag[0] = False
-
-        return wrapper
-
-    sig_fn = auditor_mod.signature
-
-    def sig_timed(*a, **k):
-        return timed("replay_signature" if in_replay[0] else "hook_signature", sig_fn)(*a, **k)
-
-    auditor_mod.signature = hook_mod.signature = replay_mod.signature = sig_timed
-    ring_cls = auditor_mod.RingShift
-
-    class TimedRingShift(ring_cls):  # its three calls: posting, posting the payload, the wait left at the end
-        def __init__(self, *a, **k):
-            timed("ring_shift", super().__init__)(*a, **k)
-
-        def advance(self):
-            return timed("ring_shift", super().advance)()
-
-        def finish(self):
-            return timed("ring_shift", super().finish)()
-
-    auditor_mod.RingShift = session_mod.RingShift = TimedRingShift
-    auditor_mod.nonfinite_flag = hook_mod.nonfinite_flag = replay_mod.nonfinite_flag = timed(
-        "nonfinite_flags", auditor_mod.nonfinite_flag
-    )
-    # the checks are objects on the auditor: wrap their methods where every caller reaches them
-    wrapped = [
-        (aud.replay, "recompute", "replay"),
-        (aud.replay, "audit", "replay_audit"),
-        (aud.consensus, "check", "consensus"),
-    ]
-    for owner, attr, key in wrapped:
-        setattr(owner, attr, timed(key, getattr(owner, attr), in_replay if attr == "recompute" else None))
+    # In-situ timers: the auditor's parts are marked in the library itself (certckpt.detect.timing:
+    # a no-op unless a recording is open), so this reads them without replacing anything; a part the
+    # library no longer marks shows up as missing below instead of as a silent zero.
     parts: dict[str, list[dict[str, float]]] = {"audit": [], "nonaudit": []}
+    calls: dict[str, dict[str, int]] = {"audit": {}, "nonaudit": {}}
     plain_b, hooked_b = 10**6, 10**6  # their own batch streams for these steps
-    while len(bd["audit_step"]) < reps:
-        s = steps_done["audit/10"] + 1
-        b = batches_for("audit/10", 1)[0]
-        acc.clear()
-        dt, dc = between_barriers(lambda b=b: runners["audit/10"](b))
-        steps_done["audit/10"] += 1
-        kind = "audit" if aud.last.audited else "nonaudit"
-        assert aud.last.audited == (s % 10 == 0)
-        bd[f"{kind}_step"].append(dt)
-        bd_cpu.setdefault(f"{kind}_step", []).append(dc)
-        parts[kind].append({**acc, "step": dt})
-        plain_b += 1
-        pb = _item(rank, plain_b, bsz, widths, micro)
-        record("plain_step", lambda pb=pb: runners["plain"](pb))
-        hooked_b += 1
-        hb = _item(rank, hooked_b, bsz, widths, micro)
-        record("torch_hook_step", lambda hb=hb: hooked_step(hb))
-    auditor_mod.signature, auditor_mod.RingShift, auditor_mod.nonfinite_flag = sig_fn, ring_cls, nonfinite_flag
-    replay_mod.signature, session_mod.RingShift, replay_mod.nonfinite_flag = sig_fn, ring_cls, nonfinite_flag
-    hook_mod.signature, hook_mod.nonfinite_flag = sig_fn, nonfinite_flag
-    for attr, _ in wrapped:
-        delattr(aud, attr)
+    with timing.record() as rec:
+        while len(bd["audit_step"]) < reps:
+            s = steps_done["audit/10"] + 1
+            b = batches_for("audit/10", 1)[0]
+            rec.clear()
+            dt, dc = between_barriers(lambda b=b: runners["audit/10"](b))
+            steps_done["audit/10"] += 1
+            kind = "audit" if aud.last.audited else "nonaudit"
+            assert aud.last.audited == (s % 10 == 0)
+            bd[f"{kind}_step"].append(dt)
+            bd_cpu.setdefault(f"{kind}_step", []).append(dc)
+            parts[kind].append({**rec.seconds, "step": dt})
+            for k, n in rec.calls.items():
+                calls[kind][k] = calls[kind].get(k, 0) + n
+            plain_b += 1
+            pb = _item(rank, plain_b, bsz, widths, micro)
+            record("plain_step", lambda pb=pb: runners["plain"](pb))
+            hooked_b += 1
+            hb = _item(rank, hooked_b, bsz, widths, micro)
+            record("torch_hook_step", lambda hb=hb: hooked_step(hb))
+    expected = {"audit": AUDIT_PARTS, "nonaudit": NONAUDIT_PARTS}
+    missing = {kind: [k for k in want if not calls[kind].get(k)] for kind, want in expected.items()}
+    if any(missing.values()):
+        raise RuntimeError(
+            "certckpt.detect.timing recorded no call of these parts (did a refactor drop their marks?): "
+            + "; ".join(f"{kind} steps: {', '.join(ks)}" for kind, ks in missing.items() if ks)
+        )
     log(f"breakdown: {len(bd['audit_step'])} audit and {len(bd['nonaudit_step'])} non-audit steps timed one by one")
 
     # Parts timed alone between barriers (every rank doing the same work at the same time).
@@ -478,7 +452,7 @@ def summarise(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         insitu[kind]["n"] = len(steps)
     a = insitu["audit"]
     derived = {
-        "hook signatures (before the all-reduce)": a.get("hook_signature", 0.0),
+        "training signatures (in the comm hook)": a.get("train_signature", 0.0),
         "ring shift of batch + RNG state (overlapped; what is not hidden)": a.get("ring_shift", 0.0),
         "replay forward + backward": a.get("replay", 0.0) - a.get("replay_signature", 0.0),
         "replay signature": a.get("replay_signature", 0.0),
@@ -494,7 +468,7 @@ def print_report(R: dict[str, Any]) -> None:
     c, S = R["config"], R["summary"]
     print()
     print(
-        f"certckpt detection-overhead benchmark ({'quick' if c['quick'] else 'full'}): "
+        f"certckpt detection-overhead benchmark ({c['mode']}): "
         f"{c['trials']} interleaved trials "
         f"x {c['steps']} steps per configuration, {c['warmup']} warm-up steps each (discarded)"
     )
@@ -602,15 +576,16 @@ def print_report(R: dict[str, Any]) -> None:
         "audit/10, non-audit step",
         "nonaudit_step",
         f"{m['nonaudit_step'] - m['plain_step']:+.2f} wall vs plain; in situ: flag sums "
-        f"{ins['nonaudit'].get('nonfinite_flags', 0.0):.2f}",
+        f"{ins['nonaudit'].get('nonfinite_flags', 0.0):.2f}, "
+        f"flag read {ins['nonaudit'].get('nonfinite_check', 0.0):.2f}",
     )
     line("audit/10, audit step", "audit_step", f"{m['audit_step'] - m['nonaudit_step']:+.2f} wall vs non-audit step")
     extra = m["audit_step"] - m["nonaudit_step"]
     print(
-        "   inside the audit steps (rank 0's clock around the auditor's own calls, "
-        "median per audit step; the collective"
+        "   inside the audit steps (rank 0's clock around the parts certckpt.detect.timing marks, "
+        "median per audit step;"
     )
-    print("   ones include waiting for the other ranks):")
+    print("   the collective ones include waiting for the other ranks):")
     total = 0.0
     for label, v in parts.items():
         total += v
@@ -618,7 +593,8 @@ def print_report(R: dict[str, Any]) -> None:
         print(f"     {label:<48} {v:8.2f}   {share}")
     print(
         f"     {'sum':<48} {total:8.2f}   (measured extra {extra:.2f}; "
-        f"that step's flag sums {ins['audit'].get('nonfinite_flags', 0.0):.2f})"
+        f"that step's flag sums {ins['audit'].get('nonfinite_flags', 0.0):.2f}, "
+        f"flag read {ins['audit'].get('nonfinite_check', 0.0):.2f})"
     )
     print(f"   alone between two barriers, every rank doing the same (median of {bd['consensus']['n']}):")
     line("  bare barrier pair", "barrier_only")
@@ -670,7 +646,7 @@ def main() -> None:
     ap.add_argument(
         "--slice",
         type=int,
-        default=10,
+        default=None,
         help="steps per interleaved slice, dividing --steps (default 10; 100: one block per configuration per trial)",
     )
     ap.add_argument(
@@ -701,40 +677,45 @@ def main() -> None:
     args = ap.parse_args()
 
     from bench_format import cpu_busy_seconds, loadavg, others_busy_cores, own_cpu_seconds
+    from tinymode import announce
 
-    P = dict(QUICK if args.quick else FULL)
+    tiny = announce("bench_detect")
+    P = dict(TINY if tiny else QUICK if args.quick else FULL)
     if args.trials is not None:
         P["trials"] = args.trials
     if args.steps is not None:
         P["steps"] = args.steps
     if args.batch is not None:
         P["batch"] = args.batch
-    P["slice"] = args.slice
+    if args.slice is not None:
+        P["slice"] = args.slice
+    P.setdefault("slice", 10)
     P["bucket_view"] = args.bucket_view
     P["micro"] = args.micro
     P["replay_micro_batches"] = args.replay_micro_batches
     if args.micro < 1:
         ap.error("--micro must be >= 1")
-    if args.slice < 1 or P["steps"] % args.slice:
+    if P["slice"] < 1 or P["steps"] % P["slice"]:
         ap.error("--slice must divide --steps")
     if P["steps"] % 100:
         ap.error(
             "--steps must be a multiple of 100 (each trial of audit/100 must hold exactly one audit per 100 steps)"
         )
-    if P["trials"] < 7 and not args.quick:
+    if P["trials"] < 7 and not (args.quick or tiny):
         print(f"note: {P['trials']} trials (fewer than 7)", file=sys.stderr)
 
     import torch
 
     from certckpt.detect.launch import follow, run_ranks
 
-    busy = others_busy_cores()
+    busy = others_busy_cores(0.1 if tiny else 1.0)
     if busy is not None and busy > 0.25:
         print(f"warning: other processes keep {busy:.2f} cores busy; figures will be noisy", file=sys.stderr)
     busy0, own0 = cpu_busy_seconds(), own_cpu_seconds()
     R: dict[str, Any] = {
         "config": {
             "quick": args.quick,
+            "mode": "tiny" if tiny else "quick" if args.quick else "full",
             **P,
             "params": n_params(P["widths"]),
             "world": WORLD,

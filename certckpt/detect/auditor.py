@@ -51,6 +51,7 @@ from .exchange import RingShift
 from .hook import nonfinite_flag
 from .session import AuditSession, StepOutcome, consensus_buffers, restore_rng, unwrap_compiled
 from .signature import signature
+from .timing import span
 
 __all__ = [
     "Auditor",
@@ -324,10 +325,11 @@ class Auditor(AuditSession):
             ctx.injector.on_local_grads([ctx.param_names[i] for i, _ in present], [a for _, a in present])
             ctx.injector.begin(step, "train")
         rows = []
-        for i, (a, p) in enumerate(zip(acc, ctx.params)):
-            probes = ctx.probes.subset([i]) if ctx.probes is not None else None
-            rows.append(signature([a if a is not None else torch.zeros_like(p)], mode=ctx.mode, probes=probes)[0])
-            acc[i] = None
+        with span("train_signature"):
+            for i, (a, p) in enumerate(zip(acc, ctx.params)):
+                probes = ctx.probes.subset([i]) if ctx.probes is not None else None
+                rows.append(signature([a if a is not None else torch.zeros_like(p)], mode=ctx.mode, probes=probes)[0])
+                acc[i] = None
         return torch.stack(rows)
 
     def _before_optimizer(self) -> None:

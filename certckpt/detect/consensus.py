@@ -22,6 +22,7 @@ from certckpt.format.record import state_fingerprint
 from .attribution import consensus_verdict
 from .context import CheckContext
 from .digest import digests
+from .timing import timed
 
 __all__ = ["WeightConsensus", "consensus_buffers"]
 
@@ -71,6 +72,7 @@ class WeightConsensus:
         self._seal: torch.Tensor | None = None
         self._seal_bad: torch.Tensor | None = None
 
+    @timed("consensus")
     def check(self, s: int, *, found_by: str | None = None, fingerprints: bool = False) -> bool:
         """Compare every replica's weights; returns whether they agree.
 

@@ -19,6 +19,8 @@ from certckpt.errors import UnsupportedObjectError
 from certckpt.format.skeleton import flatten, rebuild
 from certckpt.format.tensors import ST_TO_TORCH, TORCH_TO_ST, host_bytes
 
+from .timing import timed
+
 __all__ = ["encode_payload", "RingShift", "send_payload", "recv_payload", "check_shippable", "refuse_unshippable"]
 
 
@@ -108,6 +110,7 @@ class RingShift:
     the received object's tensors end up.
     """
 
+    @timed("ring_shift")
     def __init__(self, obj: Any, *, group: Any, wire_device: torch.device, out_device: torch.device):
         self.group, self.wire_device, self.out_device = group, wire_device, out_device
         world = dist.get_world_size(group)
@@ -134,6 +137,7 @@ class RingShift:
         ]
         return dist.batch_isend_irecv(ops)
 
+    @timed("ring_shift")
     def advance(self) -> None:
         """Wait for the sizes (normally in already) and post the payload's send and receive."""
         if self._done or self._payload_works is not None:
@@ -144,6 +148,7 @@ class RingShift:
         assert self._out is not None  # until finish() has the payload
         self._payload_works = self._swap(self._out, self._in, _TAG_PAYLOAD)
 
+    @timed("ring_shift")
     def finish(self) -> Any:
         """The previous rank's object (waits for the payload if it is still on its way)."""
         if self._done:

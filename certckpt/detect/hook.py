@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .inject import Injector
 from .signature import Probes, signature
+from .timing import span
 
 __all__ = [
     "HookState",
@@ -204,10 +205,12 @@ def comm_hook(state, bucket):
                     if p.grad is not None and p.grad.data_ptr() != g.data_ptr():
                         p.grad.copy_(g)
     if state.eager_pre:
-        state.pre.append(finiteness_sum(buf))
+        with span("nonfinite_flags"):
+            state.pre.append(finiteness_sum(buf))
     if state.audit:
         probes = state.probes.subset(idx) if state.probes is not None else None
-        sig = signature(grads, mode=state.mode, probes=probes)
+        with span("train_signature"):
+            sig = signature(grads, mode=state.mode, probes=probes)
         for i, row in zip(idx, sig):
             state.local_sig[i] = row
     # No division here on a one-batch step: the auditor folds DDP's averaging into the loss (loss /
@@ -223,11 +226,12 @@ def comm_hook(state, bucket):
         out = f.value()[0]
         if state.injector is not None:
             state.injector.on_reduced(out)
-        total = finiteness_sum(out)
-        state.post.append(total)
-        # a CPU sum: reading it costs no device sync
-        if not state.eager_pre and not math.isfinite(float(total)):
-            state.pre.append(local_grads_sum(params))
+        with span("nonfinite_flags"):
+            total = finiteness_sum(out)
+            state.post.append(total)
+            # a CPU sum: reading it costs no device sync
+            if not state.eager_pre and not math.isfinite(float(total)):
+                state.pre.append(local_grads_sum(params))
         if state.hand_over:  # after the lazy check, which reads the local gradients from .grad
             for p, g in zip(params, grads):
                 if p.grad is not None:

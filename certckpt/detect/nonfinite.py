@@ -21,6 +21,7 @@ from .exchange import recv_payload, send_payload
 from .hook import any_nonfinite
 from .replay import RingReplay
 from .setup_checks import late_detection_note
+from .timing import timed
 
 __all__ = ["NonFiniteCheck"]
 
@@ -45,6 +46,7 @@ class NonFiniteCheck:
         due = every is not None and s % every == 0
         return audit or due or self.ctx.state.path_check_pending
 
+    @timed("nonfinite_check")
     def due(self, s: int, *, now: bool) -> tuple[int, Flags] | None:
         """The non-finite check of step s: ``(failing step, flags)``, or None when clean.
 

@@ -24,6 +24,7 @@ from .context import CheckContext
 from .exchange import recv_payload, send_payload
 from .hook import nonfinite_flag
 from .signature import matches, signature
+from .timing import span, timed
 
 __all__ = ["RingReplay", "restore_rng"]
 
@@ -67,11 +68,14 @@ class _ReplaySigner:
         if self.finite:
             return nonfinite_flag(g)
         probes = self.ctx.probes.subset([i]) if self.ctx.probes is not None else None
-        return signature([g], mode=self.ctx.mode, probes=probes)[0]
+        with span("replay_signature"):
+            return signature([g], mode=self.ctx.mode, probes=probes)[0]
 
     def flush(self) -> None:
         if self.pending:
-            for (i, _), row in zip(self.pending, signature([g for _, g in self.pending], mode=self.ctx.mode)):
+            with span("replay_signature"):
+                rows = signature([g for _, g in self.pending], mode=self.ctx.mode)
+            for (i, _), row in zip(self.pending, rows):
                 self.rows[i] = row
             self.pending.clear()
             self.held = 0
@@ -142,6 +146,7 @@ class RingReplay:
     def __init__(self, ctx: CheckContext, *, consensus: WeightConsensus) -> None:
         self.ctx, self.consensus = ctx, consensus
 
+    @timed("replay")
     def recompute(
         self,
         module: torch.nn.Module,
@@ -288,6 +293,7 @@ class RingReplay:
         """The signatures the hook took of this rank's local gradients, in parameter order."""
         return torch.stack([self.ctx.hook.local_sig[i] for i in range(len(self.ctx.params))])
 
+    @timed("replay_audit")
     def audit(
         self,
         s: int,
