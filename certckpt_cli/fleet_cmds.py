@@ -69,7 +69,7 @@ def fleet_init(url: str | None, as_json: bool) -> None:
 def _require(view: Any) -> None:
     """A registry that is not there, or cannot vouch for its records, answers nothing (exit 2)."""
     if not view.exists:
-        fail(f"no fleet registry at {view.url}; create it once with `certckpt fleet init {view.url}`", EXIT_UNVERIFIABLE)
+        fail(f"no fleet registry at {view.url}; create it with `certckpt fleet init {view.url}`", EXIT_UNVERIFIABLE)
 
 
 @fleet.command("ls")

@@ -197,12 +197,12 @@ class Fleet:
             FleetError: trusted keys are configured but no signing key: readers with those keys would
                 take the unsigned genesis for a re-created registry and refuse every start.
         """
-        if self.ledger.trusted_keys is not None and self.ledger.signing_key is None:
-            if self.ledger.genesis_bytes() is None:
-                raise FleetError(
-                    f"{self.url}: not created: trusted keys are configured but no signing key; readers would take an "
-                    "unsigned registry for a re-created one. Set CERTCKPT_SIGNING_KEY and run it again"
-                )
+        keyless = self.ledger.trusted_keys is not None and self.ledger.signing_key is None
+        if keyless and self.ledger.genesis_bytes() is None:
+            raise FleetError(
+                f"{self.url}: not created: trusted keys are configured but no signing key; readers would take an "
+                "unsigned registry for a re-created one. Set CERTCKPT_SIGNING_KEY and run it again"
+            )
         self.ledger.create()
         store_id = self.ledger.store_id
         assert store_id is not None  # create() wrote or read a genesis record

@@ -30,7 +30,17 @@ from .factcache import FactsCache
 if TYPE_CHECKING:
     from .snapshot import LedgerSnapshot
 
-__all__ = ["STATE_ENV", "forget", "recall", "recall_genesis", "remember", "recall_facts", "remember_facts", "remember_snapshot", "state_dir"]
+__all__ = [
+    "STATE_ENV",
+    "forget",
+    "recall",
+    "recall_facts",
+    "recall_genesis",
+    "remember",
+    "remember_facts",
+    "remember_snapshot",
+    "state_dir",
+]
 
 STATE_ENV = "CERTCKPT_STATE_DIR"
 _MAX_BYTES = 16 << 20  # a memory file larger than this is not ours

@@ -236,7 +236,7 @@ def convicted_ranges_for(
             continue
         pinned = {r.get("fleet_id") for r, ok in snap.placements if ok and r.get("fleet") == url} - {None}
         if pinned - {view.store_id}:
-            _fleet_unproven(snap, url, f"is not the registry this run was placed under (re-created: now {view.store_id})")
+            _fleet_unproven(snap, url, f"is not the registry this run was placed under (re-created: {view.store_id})")
             continue
         if view.breaks:
             _fleet_unproven(snap, url, f"is tampered ({view.breaks[0]}): a conviction may be missing")
@@ -344,7 +344,8 @@ def read_remembering(ledger: Ledger, *, use_cache: bool = True) -> LedgerSnapsho
             since is read); False re-reads and re-hashes every segment.
     """
     cache = recall_facts(ledger.store) if use_cache else None
-    snap = ledger.snapshot(remembered=recall(ledger.store), remembered_genesis=recall_genesis(ledger.store), cache=cache)
+    store = ledger.store
+    snap = ledger.snapshot(remembered=recall(store), remembered_genesis=recall_genesis(store), cache=cache)
     remember_snapshot(ledger.store, snap)
     if snap.chained:
         remember_facts(ledger.store, snap.facts_cache)

@@ -619,7 +619,6 @@ class _Reader:
 
     def _genesis(self, genesis: bytes) -> dict[str, Any] | None:
         """The genesis record, parsed and checked (None, with every branch marked, when it is not one)."""
-        snap = self.snap
         try:
             gdoc = json.loads(genesis)
         except (ValueError, RecursionError):
