@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import certckpt
-from certckpt.errors import ConfigurationError, CorruptCheckpointError
+from certckpt.errors import ConfigurationError, CorruptCheckpointError, UntrustedCheckpointError
 
 # --- keyed reads ---------------------------------------------------------------------------------
 
@@ -74,3 +74,79 @@ def test_finding1_keyed_mmap_still_refuses_what_is_not_a_local_file(tmp_path, ke
     certckpt.save(_state(), p, signing_key=keys["signing"])
     with pytest.raises(ConfigurationError, match="mmap=True needs a local file"):
         certckpt.load(io.BytesIO(p.read_bytes()), trusted_keys=keys["trusted"], mmap=True)
+
+
+def _forged(tmp_path, p):
+    """``p`` with tensor ``big`` replaced by an xxh3 second preimage (header and signature unchanged)."""
+    from xxh3_forge import forge
+
+    info = certckpt.inspect(p)
+    e = next(e for e in info.header.entries if e.name == "big")
+    raw = p.read_bytes()
+    start, end = info.header.data_start + e.begin, info.header.data_start + e.end
+    out = tmp_path / "forged.safetensors"
+    out.write_bytes(raw[:start] + forge(raw[start:end]) + raw[end:])
+    return out
+
+
+KEY_FORMS = ["TrustedKeys", "path-str", "PathLike", "comma-list", "environment"]
+
+
+def _form(form, keys, monkeypatch):
+    from certckpt.format.signing import KEYS_FROM_ENV
+
+    if form == "TrustedKeys":
+        return keys["trusted"]
+    if form == "path-str":
+        return keys["pub"]
+    if form == "PathLike":
+        import pathlib
+
+        return pathlib.Path(keys["pub"])
+    if form == "comma-list":
+        return f"{keys['other_pub']}, {keys['pub']}"
+    monkeypatch.setenv("CERTCKPT_TRUSTED_KEYS", keys["pub"])
+    return KEYS_FROM_ENV
+
+
+@pytest.mark.parametrize("form", KEY_FORMS)
+def test_finding2_verify_and_load_take_the_same_trusted_keys_forms(tmp_path, keys, monkeypatch, form):
+    p = tmp_path / "ck.safetensors"
+    state = _state()
+    certckpt.save(state, p, signing_key=keys["signing"])
+    forged = _forged(tmp_path, p)
+    assert certckpt.verify(forged).ok  # the forgery keeps every xxh3 digest
+    tk = _form(form, keys, monkeypatch)
+    report = certckpt.verify(p, trusted_keys=tk)
+    assert report.ok, report.problems
+    assert torch.equal(certckpt.load(p, trusted_keys=tk)["big"], state["big"])
+    bad = certckpt.verify(forged, trusted_keys=tk)
+    assert not bad.ok and "differs from the one signed" in bad.problems[0].message, bad.problems
+    with pytest.raises(CorruptCheckpointError, match="differs from the one signed"):
+        certckpt.load(forged, trusted_keys=tk)
+    unsigned = tmp_path / "unsigned.safetensors"
+    certckpt.save(state, unsigned)
+    r = certckpt.verify(unsigned, trusted_keys=tk)
+    assert not r.ok and "unsigned" in r.problems[0].message
+    with pytest.raises(UntrustedCheckpointError, match="unsigned"):
+        certckpt.load(unsigned, trusted_keys=tk)
+
+
+@pytest.mark.parametrize("bad", [",", " , ", 3])
+def test_finding2_verify_and_load_refuse_the_same_bad_trusted_keys_alike(tmp_path, keys, bad):
+    p = tmp_path / "ck.safetensors"
+    certckpt.save(_state(), p, signing_key=keys["signing"])
+    with pytest.raises(ConfigurationError) as from_load:
+        certckpt.load(p, trusted_keys=bad)
+    with pytest.raises(ConfigurationError) as from_verify:
+        certckpt.verify(p, trusted_keys=bad)
+    assert str(from_load.value) == str(from_verify.value)
+
+
+def test_finding2_verify_without_keys_ignores_the_environment_as_before(tmp_path, keys, monkeypatch):
+    p = tmp_path / "u.safetensors"
+    certckpt.save(_state(), p)
+    monkeypatch.setenv("CERTCKPT_TRUSTED_KEYS", keys["pub"])
+    assert certckpt.verify(p).ok  # verify's default stays "no keys"; load's is the environment's
+    with pytest.raises(UntrustedCheckpointError):
+        certckpt.load(p)

@@ -66,7 +66,7 @@ def load(
     weights_only: bool | None = True,
     mmap: bool | None = None,
     verify: bool = True,
-    trusted_keys: TrustedKeys | str | None = KEYS_FROM_ENV,
+    trusted_keys: TrustedKeys | str | os.PathLike[str] | None = KEYS_FROM_ENV,
     **pickle_load_args: Any,
 ) -> Any:
     """Load an object saved with ``certckpt.save``; ``torch.load``'s signature, without pickle.
@@ -91,11 +91,11 @@ def load(
         verify: check the header digest and every tensor's xxh3-128 digest while reading (cheap:
             xxh3 runs at tens of GB/s). Device fingerprints are checked by ``verify(deep=True)``.
         trusted_keys: public keys (``TrustedKeys``, or key files ``PUB[,PUB...]``; default
-            ``$CERTCKPT_TRUSTED_KEYS``; None: no keys). With keys, the file must be signed by one of
-            them and every byte returned is checked against the signed digest of the data (BLAKE3,
-            SHA-256 in older files), in the same pass, in memory the load owns (``mmap=True`` reads
-            instead of mapping): xxh3 stops accidents, not someone who can write the file
-            (docs/signing.md).
+            ``$CERTCKPT_TRUSTED_KEYS``; None: no keys); ``certckpt.verify`` takes the same forms. With
+            keys, the file must be signed by one of them and every byte returned is checked against
+            the signed digest of the data (BLAKE3, SHA-256 in older files), in the same pass, in
+            memory the load owns (``mmap=True`` reads instead of mapping): xxh3 stops accidents, not
+            someone who can write the file (docs/signing.md).
         **pickle_load_args: ``torch.load``'s unpickler options (``encoding=``...): ignored, with one
             warning.
 

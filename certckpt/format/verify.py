@@ -40,12 +40,11 @@ from .record import (
     signature_problem,
     state_fingerprint,
 )
+from .signing import TrustedKeys, trusted_keys_for
 from .storage import open_read, resolve
 
 if TYPE_CHECKING:
     import torch
-
-    from .signing import TrustedKeys
 
 __all__ = [
     "verify",
@@ -490,7 +489,7 @@ def verify(
     *,
     deep: bool = False,
     progress: Progress | None = None,
-    trusted_keys: TrustedKeys | None = None,
+    trusted_keys: TrustedKeys | str | os.PathLike[str] | None = None,
     mmap: bool | None = None,
 ) -> VerifyReport:
     """Check every byte of a checkpoint against its embedded digests.
@@ -500,7 +499,9 @@ def verify(
         deep: also recompute each tensor's device fingerprint (imports torch; slower).
         progress: called as ``progress(bytes_done, bytes_total)`` while data is read.
         trusted_keys: also require a signature by one of these keys over the header and the data's
-            cryptographic digest (``docs/signing.md``): an unsigned file, or one forged with
+            cryptographic digest (``docs/signing.md``). The forms ``load`` takes: ``TrustedKeys``,
+            public key files (``PUB[,PUB...]``), ``KEYS_FROM_ENV`` for ``$CERTCKPT_TRUSTED_KEYS``, or
+            None (the default here: no keys). An unsigned file, or one forged with
             recomputed digests or an xxh3 second preimage, fails. The signed digest (BLAKE3, or
             SHA-256 in older files) is then what the one read of the data checks; the per-tensor xxh3
             digests are recomputed only to name what changed when it fails.
@@ -516,6 +517,7 @@ def verify(
 
     Raises:
         CheckpointNotFoundError, NotACheckpointError, StorageError: it could not be verified at all.
+        ConfigurationError: ``trusted_keys`` names no key, or a file that is not an Ed25519 public key.
 
     Example:
         >>> report = certckpt.verify("ckpt/step100.safetensors")
@@ -523,6 +525,7 @@ def verify(
         True
     """
     t0 = time.perf_counter()
+    keys = trusted_keys_for(trusted_keys)  # the one normalizer load uses: the same forms, the same errors
     target = resolve(f)
     report = VerifyReport(source=target.display, deep=deep)
     with open_read(target) as (fh, size):
@@ -541,8 +544,8 @@ def verify(
                 "state", f"{target.display}: whole-state fingerprint does not match the per-tensor fingerprints"
             )
         signed = None
-        if trusted_keys is not None:
-            problem, signed = signature_problem(info.header, trusted_keys)
+        if keys is not None:
+            problem, signed = signature_problem(info.header, keys)
             if problem:
                 report.fail("signature", f"{target.display}: {problem}")
         data_start = _position(fh)
