@@ -14,7 +14,8 @@ exit code, or a Slurm epilog that drains the named node, keeps the job off the b
 A launcher between the ranks and the scheduler may hide that status (``torchrun`` exits 1 whatever
 its workers' codes). So each rank also leaves a small marker in ``$CERTCKPT_DETECTION_DIR`` when it
 is set, and ``certckpt run -- LAUNCHER ...`` (which sets it) exits 86 when the launcher failed and a
-marker says why.
+marker says why. The marker carries ``$CERTCKPT_LAUNCH_ID`` (a fresh id ``certckpt run`` gives each
+launch): a marker of another launch never counts.
 """
 
 from __future__ import annotations
@@ -23,23 +24,30 @@ import contextlib
 import json
 import os
 import sys
+import tempfile
 from collections.abc import Iterator
 from typing import Any
 
 from certckpt.errors import FaultDetectedError
 from certckpt.trust.incident import EXIT_FAULT_DETECTED, incident_id_for, node_of
 
-__all__ = ["stop_on_fault", "EXIT_FAULT_DETECTED", "DETECTION_DIR_ENV"]
+__all__ = ["stop_on_fault", "EXIT_FAULT_DETECTED", "DETECTION_DIR_ENV", "LAUNCH_ID_ENV"]
 
 DETECTION_DIR_ENV = "CERTCKPT_DETECTION_DIR"
+LAUNCH_ID_ENV = "CERTCKPT_LAUNCH_ID"  # set by `certckpt run` for each launch; written into the marker
 
 
 def _leave_marker(exit_code: int, incident: str | None, suspects: list[int], nodes: list[str], message: str) -> None:
-    """Tell a wrapping ``certckpt run`` why this rank stops (best effort: the exit code stands alone)."""
+    """Tell a wrapping ``certckpt run`` why this rank stops (best effort: the exit code stands alone).
+
+    The marker names the launch (``$CERTCKPT_LAUNCH_ID``) so that ``certckpt run`` counts only its own.
+    It is written to a fresh temporary file (never opened by name: whatever else sits in the directory,
+    a FIFO included, cannot block the rank) and renamed into place."""
     directory = os.environ.get(DETECTION_DIR_ENV)
     if not directory:
         return
     doc = {
+        "launch": os.environ.get(LAUNCH_ID_ENV),
         "exit": exit_code,
         "incident": incident,
         "suspect_ranks": suspects,
@@ -47,11 +55,20 @@ def _leave_marker(exit_code: int, incident: str | None, suspects: list[int], nod
         "rank": os.environ.get("RANK"),
         "message": message[:500],
     }
-    with contextlib.suppress(OSError):
-        path = os.path.join(directory, f"detection-{os.getpid()}.json")
-        with open(path + ".tmp", "w") as f:
-            json.dump(doc, f)
-        os.replace(path + ".tmp", path)
+    tmp = None
+    try:
+        data = json.dumps(doc).encode()
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix="detection-", suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, os.path.join(directory, f"detection-{os.getpid()}.json"))
+        tmp = None
+    except (OSError, TypeError, ValueError):
+        pass
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
 
 
 @contextlib.contextmanager
