@@ -125,3 +125,152 @@ def test_hostile_ledger_records_never_escape_as_tracebacks(tmp_path_factory, kin
             pass
     assert not any(p.name.startswith("..") for p in root.parent.iterdir())  # nothing escaped the store
     assert os.path.isdir(root / "_ledger")
+
+
+# --- issue 41, "bounds": view and shape numbers are untrusted input ---------------------------------
+
+
+def _refused(path, match, **load_args):
+    from certckpt.errors import CorruptCheckpointError
+
+    with pytest.raises(CorruptCheckpointError, match=match) as caught:
+        certckpt.load(path, **load_args)
+    assert "\n" not in str(caught.value)  # one line
+
+
+@pytest.mark.parametrize("mmap", [False, True])
+@pytest.mark.parametrize(
+    "view",
+    [
+        ["F32", 0, [2**31, 2**31, 4], [0, 0, 0]],  # torch: "numel: integer multiplication overflow"
+        ["F32", 0, [2**40, 2**40], [0, 0]],
+        ["F32", 0, [2**62], [0]],  # 2**62 elements of one: 2**64 bytes
+        ["F32", 0, [2**64], [0]],  # past int64
+    ],
+)
+def test_finding3a_a_skeleton_view_of_a_huge_size_is_refused(scratch, view, mmap):
+    path = _sealed(scratch, ["T", {"e": "w", "v": view}])
+    _refused(
+        path, r"malformed skeleton: view of 'w' has (more elements than a tensor can hold|an offset, size)", mmap=mmap
+    )
+
+
+@pytest.mark.parametrize("mmap", [False, True])
+@pytest.mark.parametrize(
+    "view",
+    [
+        ["F32", 0, [2**62, 2**62, 0], [1, 1, 1]],  # torch: "numel: integer multiplication overflow"
+        ["F32", 0, [3, 0], [2**63 - 1, 1]],  # an empty view whose strides overflow int64
+        ["F32", 0, [0, 2], [2**63, 1]],  # a stride past int64
+        ["F32", 2**63 - 1, [2, 0], [1, 1]],
+    ],
+)
+def test_finding3b_a_zero_numel_view_whose_strides_overflow_is_refused(scratch, view, mmap):
+    path = _sealed(scratch, ["T", {"e": "w", "v": view}])
+    _refused(path, r"malformed skeleton: view of 'w' (has|starts outside)", mmap=mmap)
+    path = _sealed(scratch, ["np", {"dt": "<f4", "sh": [0], "T": {"e": "w", "v": view}}])
+    _refused(path, r"malformed skeleton: view of 'w'", mmap=mmap)
+
+
+def _with_empty_entry(path, shape) -> str:
+    """A sealed file whose tensor table holds an empty tensor ``z`` of ``shape`` (its span is 0 bytes)."""
+    from certckpt.format.header import TensorEntry
+
+    data = bytes(range(16))
+    entries = [TensorEntry("w", "F32", (4,), 0, 16), TensorEntry("z", "F32", tuple(shape), 16, 16)]
+    fp = {"fp": "0" * 16}
+    tensors = {
+        "w": {**fp, "xxh3": xxhash.xxh3_128_hexdigest(data)},
+        "z": {**fp, "xxh3": xxhash.xxh3_128_hexdigest(b"")},
+    }
+    record = CheckpointRecord(
+        tensors=tensors, state_fp=state_fingerprint({"w": "0" * 16, "z": "0" * 16}), skeleton=["T", {"e": "z"}]
+    )
+    path.write_bytes(build_header(entries, record) + data)
+    return str(path)
+
+
+@pytest.mark.parametrize("mmap", [False, True])
+@pytest.mark.parametrize("shape", [[2**62, 2**62, 0], [0, 2**62, 2**62], [2**40, 2**40, 0]])
+def test_finding3b_a_zero_numel_tensor_entry_whose_strides_overflow_is_refused(scratch, shape, mmap):
+    path = _with_empty_entry(scratch, shape)
+    _refused(path, r"malformed header: tensor `z` shape .* holds no element but its sizes overflow", mmap=mmap)
+    report = certckpt.verify(path)
+    assert not report.ok and "holds no element" in report.problems[0].message
+
+
+def test_empty_tensors_torch_can_make_still_round_trip(tmp_path):
+    import torch
+
+    p = tmp_path / "empty.safetensors"
+    state = {"a": torch.empty(2**62, 0), "b": torch.empty(2**62, 0, 4), "c": torch.empty(0, 3), "d": torch.empty(0)}
+    certckpt.save(state, p)
+    for mmap in (False, True):
+        back = certckpt.load(p, mmap=mmap)
+        assert {k: v.shape for k, v in back.items()} == {k: v.shape for k, v in state.items()}
+
+
+@pytest.mark.parametrize("flags", [{"g": 1}, {"p": 1, "g": 1}])
+def test_finding3_an_integer_tensor_that_requires_grad_is_refused(scratch, flags):
+    import torch
+
+    path = _sealed(scratch, ["T", {"e": "w", "v": ["I32", 0, [4], [1]], **flags}])
+    _refused(path, r"malformed skeleton: tensor 'w' of torch.int32 requires grad")  # torch: a RuntimeError
+    back = certckpt.load(_sealed(scratch, ["T", {"e": "w", "v": ["I32", 0, [4], [1]], "p": 1}]))
+    assert back.dtype == torch.int32 and not back.requires_grad  # an integer Parameter without grad loads
+
+
+EXTREME = st.one_of(
+    st.integers(-3, 20),
+    st.sampled_from([2**31, 2**32, 2**40, 2**61, 2**62, 2**62 + 1, 2**63 - 1, 2**63, 2**64, -(2**63)]),
+    st.integers(-(2**70), 2**70),
+)
+FLAGS = st.dictionaries(st.sampled_from(["p", "g", "d"]), st.sampled_from([1, 0, "cpu", "meta"]), max_size=2)
+
+
+@settings(deadline=None, database=None, suppress_health_check=list(HealthCheck), max_examples=250)
+@given(
+    dtype=st.sampled_from(["BOOL", "U8", "I16", "F16", "BF16", "I32", "F32", "C64", "F64", "I64"]),
+    offset=EXTREME,
+    size=st.lists(EXTREME, max_size=5),
+    stride=st.lists(EXTREME, max_size=5),
+    aligned=st.booleans(),
+    flags=FLAGS,
+    numpy=st.booleans(),
+    mmap=st.booleans(),
+)
+def test_finding3_views_of_extreme_sizes_and_strides_load_or_raise_a_certckpt_error(
+    scratch, dtype, offset, size, stride, aligned, flags, numpy, mmap
+):
+    """Issue 41: no RuntimeError, OverflowError, TypeError or ValueError gets out of load (fast: ~1 s)."""
+    import warnings
+
+    if aligned:  # one stride per size, so the search reaches torch rather than the list-length check
+        stride = (stride + [1] * len(size))[: len(size)]
+    leaf = {"e": "w", "v": [dtype, offset, size, stride], **flags}
+    node = ["np", {"dt": "<f4", "sh": [abs(s) for s in size][:3], "T": leaf}] if numpy else ["T", leaf]
+    path = _sealed(scratch, node)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (a numpy array of another dtype warns nothing; a device may)
+            certckpt.load(path, mmap=mmap)
+    except CertckptError:
+        pass
+
+
+@settings(deadline=None, database=None, suppress_health_check=list(HealthCheck), max_examples=150)
+@given(
+    shape=st.lists(
+        st.one_of(st.just(0), st.integers(1, 20), st.sampled_from([2**31, 2**40, 2**62, 2**63 - 1])), max_size=4
+    )
+    .map(lambda s: [*s, 0])
+    .flatmap(st.permutations),
+    mmap=st.booleans(),
+)
+def test_finding3_empty_tensor_entries_of_extreme_shapes_load_or_raise_a_certckpt_error(scratch, shape, mmap):
+    path = _with_empty_entry(scratch, shape)
+    try:
+        certckpt.load(path, mmap=mmap)
+    except CertckptError:
+        pass
+    certckpt.verify(path)  # a report, never an exception

@@ -389,7 +389,29 @@ def _tensor_entry(name: str, spec: object, source: str) -> TensorEntry:
             f"{source}: malformed header: {_where(name)} shape {list(dims)} of {dtype} needs "
             f"{numel * DTYPE_SIZES[dtype]} bytes but its offsets span {end - begin}"
         )
+    if not numel and _empty_shape_overflows(dims):
+        raise CorruptCheckpointError(
+            f"{source}: malformed header: {_where(name)} shape {list(dims)} holds no element but its sizes"
+            " overflow a tensor's element count or strides (int64)"
+        )
     return TensorEntry(name, dtype, dims, begin, end)
+
+
+def _empty_shape_overflows(dims: tuple[int, ...]) -> bool:
+    """Whether torch, making a tensor of this shape (which holds no element), overflows int64: it
+    multiplies the sizes in order into the element count (overflowing before it reaches a zero, as
+    with [2**62, 2**62, 0]) and every size after the first, a zero counting as 1, into the strides
+    ([0, 2**62, 2**62]). Both raise a RuntimeError in torch; a non-empty shape is bounded by its span."""
+    count = stride = 1
+    for d in dims:
+        count *= d
+        if count > MAX_DIM:
+            return True
+    for d in dims[1:]:
+        stride *= max(d, 1)
+        if stride > MAX_DIM:
+            return True
+    return False
 
 
 def _shape(name: str, shape: object, source: str) -> tuple[int, ...]:

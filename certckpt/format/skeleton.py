@@ -34,6 +34,7 @@ from certckpt.errors import (
 )
 
 from . import leaves
+from .header import MAX_DIM  # torch sizes, strides, offsets and byte counts are int64
 from .tensors import ST_TO_TORCH, TORCH_TO_ST
 
 __all__ = ["Flattened", "StoredTensor", "flatten", "rebuild"]
@@ -343,6 +344,33 @@ def _unavailable(entry: str, where: Any, e: BaseException) -> DeviceUnavailableE
     )
 
 
+def _view_problem(offset: int, size: list[int], stride: list[int], element_size: int, nbytes: int) -> str | None:
+    """Why a view ``(offset, size, stride)`` (in elements of ``element_size`` bytes) of a storage of
+    ``nbytes`` bytes read from a file cannot be made (None when it can). Untrusted numbers, bounded
+    here in Python before torch multiplies them in int64: every value in int64; the element count
+    (torch multiplies every size, zeros last included) and its bytes in int64; the last element's
+    offset ``offset + sum((size - 1) * stride)`` and its end in int64 (a zero-sized dimension
+    included: a view of no element has no business with strides past what a tensor can address);
+    and the view inside its storage: every element of a non-empty view, the offset of an empty one."""
+    if offset < 0 or min([*size, *stride, 0]) < 0:
+        return "has a negative offset, size or stride"
+    if max([offset, *size, *stride]) > MAX_DIM:
+        return "has an offset, size or stride above 2**63 - 1"
+    count = 1
+    for s in size:
+        count *= max(s, 1)  # at most 64 factors below 2**63: bounded
+    if count * element_size > MAX_DIM:
+        return "has more elements than a tensor can hold (their bytes would pass 2**63 - 1)"
+    last = offset + sum(max(s - 1, 0) * st for s, st in zip(size, stride))
+    if (last + 1) * element_size > MAX_DIM:
+        return "has strides that overflow (its last element lies past 2**63 - 1 bytes)"
+    if all(size) and (last + 1) * element_size > nbytes:
+        return "reaches outside its storage"
+    if not all(size) and offset * element_size > nbytes:
+        return "starts outside its storage"
+    return None
+
+
 class _Rebuilder:
     def __init__(self, tensors: dict[str, torch.Tensor], map_location: Any):
         self.tensors = tensors
@@ -404,10 +432,13 @@ class _Rebuilder:
             and all(type(x) is int for x in size + stride)
         ):
             raise _bad(f"bad view of {leaf['e']!r:.80}")
-        need = (offset + sum((s - 1) * st for s, st in zip(size, stride)) + 1) * probe.element_size()
-        if offset < 0 or min(size + stride + [0]) < 0 or (all(size) and need > base.untyped_storage().nbytes()):
-            raise _bad(f"view of {leaf['e']!r:.80} reaches outside its storage")
-        return probe.set_(base.untyped_storage(), offset, size, stride)
+        problem = _view_problem(offset, size, stride, probe.element_size(), base.untyped_storage().nbytes())
+        if problem is not None:
+            raise _bad(f"view of {leaf['e']!r:.80} {problem}")
+        try:
+            return probe.set_(base.untyped_storage(), offset, size, stride)
+        except (RuntimeError, TypeError, ValueError, OverflowError) as e:  # (bounds above: not expected)
+            raise _bad(f"view of {leaf['e']!r:.80} is refused by torch ({str(e).splitlines()[0][:80]})") from e
 
     def tensor(self, leaf: Any) -> torch.Tensor:
         if not isinstance(leaf, dict) or not isinstance(leaf.get("e"), str):
@@ -422,6 +453,8 @@ class _Rebuilder:
                 raise
             raise _bad(f"bad device {recorded!r:.40} for {leaf['e']!r:.80}") from e
         t = self._view(leaf, base)
+        if leaf.get("g") and not (t.is_floating_point() or t.is_complex()):  # torch raises RuntimeError
+            raise _bad(f"tensor {leaf['e']!r:.80} of {t.dtype} requires grad (only float and complex tensors can)")
         if leaf.get("p"):
             return torch.nn.Parameter(t, requires_grad=bool(leaf.get("g")))
         if leaf.get("g"):
