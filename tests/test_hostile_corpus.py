@@ -163,6 +163,7 @@ def test_finding3a_a_skeleton_view_of_a_huge_size_is_refused(scratch, view, mmap
         ["F32", 0, [3, 0], [2**63 - 1, 1]],  # an empty view whose strides overflow int64
         ["F32", 0, [0, 2], [2**63, 1]],  # a stride past int64
         ["F32", 2**63 - 1, [2, 0], [1, 1]],
+        ["F32", 5, [0], [1]],  # an empty view that starts past its storage's 16 bytes
     ],
 )
 def test_finding3b_a_zero_numel_view_whose_strides_overflow_is_refused(scratch, view, mmap):
@@ -208,6 +209,35 @@ def test_empty_tensors_torch_can_make_still_round_trip(tmp_path):
     for mmap in (False, True):
         back = certckpt.load(p, mmap=mmap)
         assert {k: v.shape for k, v in back.items()} == {k: v.shape for k, v in state.items()}
+
+
+def test_views_load_with_their_entry_s_values_mapped_or_read(tmp_path):
+    """Views count from their entry's first byte, also when the load maps the file (every entry then
+    lies in one storage, the whole file: mapped views used to read from the file's start, header
+    included), and also when a mapped entry's offset is one the view's dtype cannot address."""
+    import torch
+
+    base = torch.arange(24.0)
+    state = {
+        "base": base,
+        "t": base.view(4, 6).t(),
+        "expanded": base[:1].expand(1000),
+        "strided": base[1::3],
+        "unfolded": base.unfold(0, 4, 2),
+    }
+    a = torch.arange(10.0)  # two views with no view covering both: stored as one U8 entry at offset 6
+    unaligned = {"h": torch.ones(3, dtype=torch.float16), "lo": a[0:4], "hi": a[6:10]}
+    for name, obj in (("views", state), ("unaligned", unaligned)):
+        p = tmp_path / f"{name}.safetensors"
+        certckpt.save(obj, p)
+        for mmap in (False, True):
+            back = certckpt.load(p, mmap=mmap)
+            for k, v in obj.items():
+                assert torch.equal(back[k], v), (name, mmap, k)
+            if name == "views":
+                assert back["t"].untyped_storage().data_ptr() == back["base"].untyped_storage().data_ptr()
+            else:
+                assert back["lo"].untyped_storage().data_ptr() == back["hi"].untyped_storage().data_ptr()
 
 
 @pytest.mark.parametrize("flags", [{"g": 1}, {"p": 1, "g": 1}])

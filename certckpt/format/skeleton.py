@@ -376,6 +376,7 @@ class _Rebuilder:
         self.tensors = tensors
         self.map_location = map_location
         self._moved: dict[tuple[str, str], torch.Tensor] = {}
+        self._copies: dict[int, torch.Tensor] = {}
 
     def _source(self, entry: str) -> torch.Tensor:
         if entry not in self.tensors:
@@ -432,13 +433,29 @@ class _Rebuilder:
             and all(type(x) is int for x in size + stride)
         ):
             raise _bad(f"bad view of {leaf['e']!r:.80}")
-        problem = _view_problem(offset, size, stride, probe.element_size(), base.untyped_storage().nbytes())
+        # The view's offset counts from the entry's first byte, and it must stay within the entry's
+        # bytes: a mapped load's entries all share one storage, the whole file (header included).
+        base = self._own_region(base, probe.element_size())
+        start = base.storage_offset() * base.element_size()
+        problem = _view_problem(offset, size, stride, probe.element_size(), base.numel() * base.element_size())
         if problem is not None:
             raise _bad(f"view of {leaf['e']!r:.80} {problem}")
         try:
-            return probe.set_(base.untyped_storage(), offset, size, stride)
+            return probe.set_(base.untyped_storage(), start // probe.element_size() + offset, size, stride)
         except (RuntimeError, TypeError, ValueError, OverflowError) as e:  # (bounds above: not expected)
             raise _bad(f"view of {leaf['e']!r:.80} is refused by torch ({str(e).splitlines()[0][:80]})") from e
+
+    def _own_region(self, base: torch.Tensor, element_size: int) -> torch.Tensor:
+        """``base`` when a view of ``element_size`` can address it in its storage (contiguous, starting at
+        a multiple of that size), else a copy of it in storage of its own (made once per entry: its views
+        still share it). A mapped entry may sit at any offset of the file."""
+        if base.is_contiguous() and (base.storage_offset() * base.element_size()) % element_size == 0:
+            return base
+        key = id(base)  # (every base lives in self._moved or self.tensors until the rebuild ends)
+        own = self._copies.get(key)
+        if own is None:
+            own = self._copies[key] = base.clone(memory_format=torch.contiguous_format)
+        return own
 
     def tensor(self, leaf: Any) -> torch.Tensor:
         if not isinstance(leaf, dict) or not isinstance(leaf.get("e"), str):
