@@ -109,14 +109,15 @@ def _forge(tmp_path) -> None:
     )
 
 
-def test_forged_records_move_nothing_toward_trusted_with_trusted_keys(tmp_path, keys, monkeypatch):
+def test_an_unchained_ledger_under_trusted_keys_is_a_break_and_forged_records_move_nothing(tmp_path, keys, monkeypatch):
     (tmp_path / "_ledger" / "checkpoints").mkdir(parents=True)  # a ledger written before chains existed
     _signed_run(tmp_path, keys)
+    assert _verdicts(tmp_path, monkeypatch, keys["pub"])[0] is None  # no downgrade: unchained proves nothing
     _forge(tmp_path)
-    good, verdicts, invalid = _verdicts(tmp_path, monkeypatch, keys["pub"])
-    assert good in ("main@10", "main@20") and "main@25" not in verdicts and "main@20x" not in verdicts
-    whys = {w for _, w in invalid}
-    assert any(w == "unsigned" for w in whys) and any(w.startswith("bad signature") for w in whys)
+    st = certify_store(str(tmp_path), write_certificates=False)
+    assert st.latest_good is None and "main@25" not in st.certification.verdicts
+    assert all(v.reasons[-1] == "tampered" for v in st.certification.verdicts.values())
+    assert "unchained ledger proves nothing under trusted keys" in st.snapshot.breaks[0].why
     # without keys the same edits do fool an unchained ledger: which is what the README warns about
     assert _verdicts(tmp_path, monkeypatch)[0] == "main@25"
 
@@ -151,7 +152,9 @@ def test_another_key_is_not_trusted(tmp_path, keys, monkeypatch):
     _signed_run(tmp_path, keys)
     _, other = generate_key(tmp_path / "other")
     good, verdicts, invalid = _verdicts(tmp_path, monkeypatch, other)
-    assert good is None and verdicts == {} and all("not trusted" in w for _, w in invalid)
+    assert good is None and verdicts == {}
+    st = certify_store(str(tmp_path), write_certificates=False)
+    assert "genesis record: not signed by a trusted key" in st.snapshot.breaks[0].why  # its identity is unproven
 
 
 def test_the_cli_honours_trusted_keys_from_the_environment(tmp_path, keys):
@@ -185,6 +188,7 @@ def test_keygen_command(tmp_path):
 
 def _incident_store(root, keys):
     """A store with one opened incident (an opening counts unsigned: it only adds caution)."""
+    Ledger(str(root), signing_key=SigningKey.load(keys["priv"]), trusted_keys=None).create()  # a signed genesis
     led = Ledger(str(root), signing_key=None, trusted_keys=None)
     led.commit_checkpoint(branch="main", step=10, location=str(root / "s10.safetensors"), run="r")
     led.write_record(

@@ -15,6 +15,7 @@ from certckpt.format.backends import LocalStorage, Storage, storage_for
 from certckpt.format.sharded.layout import MANIFEST_NAME
 from certckpt.format.storage import join
 from certckpt.trust.certify import Level
+from certckpt.trust.gate import gate_deletions, store_doubt
 from certckpt.trust.ledger import Ledger
 from certckpt.trust.runstore import StoreStatus, certify_snapshot, check_file, find_latest_good
 
@@ -95,6 +96,7 @@ def prune(vault: str, policy: RetentionPolicy, *, apply: bool = False, now: floa
             )
             if problem is not None:
                 damaged[cid] = problem
+    plan = _gated(plan, status, damaged)
     result = PruneResult(policy=str(policy), plan=plan, applied=apply, damaged=damaged)
     if not apply:
         return result
@@ -119,6 +121,23 @@ def prune(vault: str, policy: RetentionPolicy, *, apply: bool = False, now: floa
         ledger.retire(cid, reason="no retention policy keeps it", policy=str(policy))
         result.deleted.append(cid)
     return result
+
+
+def _gated(plan: PrunePlan, status: StoreStatus, damaged: dict[str, str]) -> PrunePlan:
+    """The plan after the deletion gate: what retention releases stays deleted only where the vault's
+    own authenticated records prove it (``certckpt.trust.gate``); everything else is kept, with why."""
+    verdicts = {
+        cid: v
+        for cid, v in status.certification.verdicts.items()
+        if cid not in damaged and status.snapshot.records.get(cid) is not None
+    }
+    decision = gate_deletions(
+        plan.delete, verdicts=verdicts, doubt=store_doubt(status.snapshot), protected=dict(plan.guarded)
+    )
+    for cid, why in decision.keep.items():
+        plan.keep[cid] = plan.guarded[cid] = why
+    plan.delete = decision.delete
+    return plan
 
 
 def _plan(status: StoreStatus, policy: RetentionPolicy, *, now: float, damaged: dict[str, str]) -> PrunePlan:

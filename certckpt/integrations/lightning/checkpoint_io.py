@@ -39,6 +39,7 @@ from certckpt.format.storage import Target, filesystem, fsync_dir, join, resolve
 from certckpt.format.verify import inspect
 from certckpt.format.writer import SaveResult, save_certified
 from certckpt.log import enable as enable_log
+from certckpt.trust.gate import rotation_keeps
 from certckpt.trust.ledger import Ledger, LedgerSnapshot, ckpt_id_for, is_ckpt_id
 from certckpt.trust.resume import ResumePoint, next_branch
 from certckpt.trust.runstore import certify_store
@@ -388,19 +389,18 @@ class CertifiedCheckpointIO(*CHECKPOINT_IO_BASES):  # type: ignore[misc]
                 store.deferred.append(url)  # a save queued by AsyncCheckpointIO may write it yet
             return
         cid = store.named.get(_key(url))
-        if cid is not None and self.keep_latest_good:
-            status = certify_store(store.ledger.store, write_certificates=False)
-            if status.latest_good == cid:
-                if url not in store.deferred:
-                    store.deferred.append(url)
-                if warn:
-                    warnings.warn(
-                        f"certckpt: kept {url} ({cid}): it is the run's latest-good; it is deleted after a later"
-                        " save of this run, once a newer checkpoint is latest-good",
-                        UserWarning,
-                        stacklevel=3,
-                    )
-                return
+        why = self._keep_reason(store, cid) if cid is not None else None
+        if why is not None:
+            if url not in store.deferred:
+                store.deferred.append(url)
+            if warn:
+                warnings.warn(
+                    f"certckpt: kept {url} ({cid}): {why}; it is deleted after a later save of this run, once a"
+                    " newer checkpoint is latest-good and nothing is in doubt",
+                    UserWarning,
+                    stacklevel=3,
+                )
+            return
         target = resolve(url)
         if target.local is not None:
             os.unlink(target.local)
@@ -414,10 +414,17 @@ class CertifiedCheckpointIO(*CHECKPOINT_IO_BASES):  # type: ignore[misc]
 
     # --- keeping the latest-good through rotations ---------------------------------------------
 
-    def _is_latest_good(self, store: _Store, cid: str) -> bool:
+    def _keep_reason(self, store: _Store, cid: str) -> str | None:
+        """Why the deletion gate keeps ``cid`` (latest-good, or doubt: a tampered ledger, a verdict
+        resting on doubt); None when Lightning may delete it or ``keep_latest_good=False``."""
         if not self.keep_latest_good:
-            return False
-        return certify_store(store.ledger.store, write_certificates=False).latest_good == cid
+            return None
+        status = certify_store(store.ledger.store, write_certificates=False)
+        verdicts = status.certification.verdicts
+        return rotation_keeps(cid, snap=status.snapshot, verdicts=verdicts, latest_good=status.latest_good)
+
+    def _is_latest_good(self, store: _Store, cid: str) -> bool:
+        return self._keep_reason(store, cid) is not None
 
     def _keep_aside(self, store: _Store, cid: str, url: str) -> None:
         """Lightning is about to write over ``url``, which holds ``cid``, the run's latest-good: the
@@ -464,9 +471,11 @@ class CertifiedCheckpointIO(*CHECKPOINT_IO_BASES):  # type: ignore[misc]
         one is trusted), and retire them."""
         if not store.kept:
             return
-        latest = certify_store(store.ledger.store, write_certificates=False).latest_good
+        status = certify_store(store.ledger.store, write_certificates=False)
+        latest = status.latest_good
         for cid, kept in list(store.kept.items()):
-            if cid == latest:
+            verdicts = status.certification.verdicts
+            if rotation_keeps(cid, snap=status.snapshot, verdicts=verdicts, latest_good=latest) is not None:
                 continue
             target = resolve(kept)
             with contextlib.suppress(FileNotFoundError):

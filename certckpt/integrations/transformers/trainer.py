@@ -58,9 +58,10 @@ from certckpt.format.storage import write_atomic
 from certckpt.format.verify import inspect
 from certckpt.format.writer import save_certified
 from certckpt.log import enable as enable_log
+from certckpt.trust.gate import rotation_keeps, store_doubt
 from certckpt.trust.ledger import Ledger, LedgerSnapshot, ckpt_id_for, is_ckpt_id
 from certckpt.trust.resume import next_branch
-from certckpt.trust.runstore import certify_store, check_file
+from certckpt.trust.runstore import StoreStatus, certify_store, check_file
 
 from .audit import AuditCallback
 from .background import CheckpointPipeline, host_copy
@@ -546,19 +547,40 @@ class CertifiedTrainerMixin(_TrainerBase):
                 break
             if checkpoint in protected:
                 continue
-            if os.path.abspath(checkpoint) == good_dir:
+            why = self._certckpt_keeps(status, checkpoint, good_dir)
+            if why is not None:
                 logger.warning(
-                    "certckpt: kept %s (%s): it is the run's latest-good; save_total_limit=%d would delete it. It"
-                    " is deleted once a newer checkpoint is trusted (until then it costs one more checkpoint of"
+                    "certckpt: kept %s: %s; save_total_limit=%d would delete it. It is deleted once a newer"
+                    " checkpoint is trusted and nothing is in doubt (until then it costs one more checkpoint of"
                     " disk)",
                     checkpoint,
-                    status.latest_good,
+                    why,
                     limit,
                 )
                 protected.add(checkpoint)
                 continue
             shutil.rmtree(checkpoint, ignore_errors=True)
             remaining -= 1
+
+    def _certckpt_keeps(self, status: StoreStatus, checkpoint: str, good_dir: str | None) -> str | None:
+        """Why the deletion gate keeps this checkpoint directory (None: the rotation may delete it)."""
+        if os.path.abspath(checkpoint) == good_dir:
+            return f"{status.latest_good} is the run's latest-good"
+        ledger = self.certckpt.ledger
+        here = os.path.abspath(checkpoint)
+        cid = next(
+            (
+                c
+                for c, r in status.snapshot.records.items()
+                if os.path.dirname(os.path.abspath(ledger.url_of(r))) == here
+            ),
+            None,
+        )
+        if cid is None:
+            doubt = store_doubt(status.snapshot)
+            return None if doubt is None else f"kept: {doubt}; nothing is deleted on doubt"
+        verdicts = status.certification.verdicts
+        return rotation_keeps(cid, snap=status.snapshot, verdicts=verdicts, latest_good=status.latest_good)
 
     def _certckpt_retire_deleted(self) -> None:
         """Record each committed checkpoint of this store whose manifest the Trainer deleted
