@@ -40,8 +40,12 @@ generated before each slice, untimed. The ratio to plain is the median of the pe
 
 A last phase shows where the time goes: single steps, each between two barriers, interleaved step
 by step (plain, consensus/10, audit/10) until a few audit steps are timed; during them the session's
-parts are timed in place (its methods and the module functions it calls wrapped with timers in the
-rank processes; no library file is changed).
+parts are timed in place through ``certckpt.detect.timing`` (the library marks them itself; a
+``timing.record()`` block in the rank processes turns the marks on, and a part with no recorded call
+stops the run).
+
+``CERTCKPT_BENCH_TINY=1`` (``benchmarks/tinymode.py``): a toy MLP, one trial of 10 steps, one audit
+step timed alone: every code path in seconds, figures meaningless.
 
 Targets (the issue's expectation, ratio to plain): audit/100 <= 1.05x, consensus/10 <= 1.10x. audit/10
 has none; its theoretical floor is 1 + 1/10 (one more forward and backward per 10 steps, which under
@@ -74,9 +78,23 @@ LABELS = {
 }
 TARGETS = {"consensus/10": 1.10, "audit/100": 1.05}  # ratio to plain FSDP2, at most
 FLOORS = {"audit/10": 1 + 1 / 10, "audit/100": 1 + 1 / 100}  # one more forward + backward per K steps
+# the certckpt.detect.timing parts every audit step must record (with --mesh 4 also "update_audit")
+AUDIT_PARTS = (
+    "train_signature",
+    "nonfinite_flags",
+    "nonfinite_check",
+    "ring_shift",
+    "replay",
+    "replay_signature",
+    "replay_audit",
+    "consensus",
+)
 
 FULL = {"widths": [1024, 2048, 1536, 1024, 1024], "batch": 32, "trials": 2, "steps": 100, "warmup": 5, "reps": 2}
 QUICK = {"widths": [512, 1024, 768, 512, 512], "batch": 32, "trials": 1, "steps": 100, "warmup": 5, "reps": 2}
+# CERTCKPT_BENCH_TINY=1 (benchmarks/tinymode.py): every code path in seconds, figures meaningless
+# (10 steps a trial: audit/100 audits in none of them, which only tiny mode allows)
+TINY = {"widths": [32, 64, 48, 32, 32], "batch": 4, "trials": 1, "steps": 10, "warmup": 2, "reps": 1, "slice": 10}
 
 
 def n_params(widths: list[int]) -> int:
@@ -170,8 +188,7 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    import certckpt.detect.sharded_audit as sharded_mod  # where the replay audit makes its RingShift
-    import certckpt.detect.sharded_replay as replay_mod
+    from certckpt.detect import timing
     from certckpt.detect.events import MemorySink
     from certckpt.detect.launch import ProgressLog
     from certckpt.detect.sharded import ShardedAuditSession
@@ -271,99 +288,66 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
         )
 
     # --- where the time goes: single steps between barriers, parts timed in place -------------------
-    acc: dict[str, float] = {}
-    in_replay = [False]
-    in_update = [False]  # the optimizer-step replay (meshes without replicas): its parts kept apart
-
-    def timed(key: str, fn, flag=None):
-        def wrapper(*a, **kw):
-            if flag is not None:
-                flag[0] = True
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            finally:
-                acc[key] = acc.get(key, 0.0) + time.perf_counter() - t0
-                if flag is not None:
-                    flag[0] = False
-
-        return wrapper
-
-    digest_fn = replay_mod.digest
-
-    def digest_timed(*a, **kw):
-        key = "update_digest" if in_update[0] else "replay_digest" if in_replay[0] else "train_digest"
-        return timed(key, digest_fn)(*a, **kw)
-
-    ring_cls = sharded_mod.RingShift
-
-    def ring_key() -> str:
-        return "update_ring_shift" if in_update[0] else "ring_shift"
-
-    class TimedRingShift(ring_cls):
-        def __init__(self, *a, **kw):
-            timed(ring_key(), super().__init__)(*a, **kw)
-
-        def advance(self):
-            return timed(ring_key(), super().advance)()
-
-        def finish(self):
-            return timed(ring_key(), super().finish)()
-
-    replay_mod.digest = digest_timed
-    sharded_mod.RingShift = TimedRingShift
-    for sess in (sessions["audit/10"], sessions["consensus/10"]):
-        # the checks are objects on the session: wrap their methods where every caller reaches them
-        wrapped = [
-            (sess.nonfinite, "check", "nonfinite_check", None),
-            (sess.replay, "audit", "replay_audit", None),
-            (sess.replay, "_replay", "replay", in_replay),
-            (sess, "weight_consensus", "consensus", None),
-            (sess.replay, "audit_update", "update_audit", in_update),
-        ]
-        for owner, attr, key, flag in wrapped:
-            setattr(owner, attr, timed(key, getattr(owner, attr), flag))
-
+    # The sessions' parts are marked in the library itself (certckpt.detect.timing: a no-op unless a
+    # recording is open; `rec`, used by the helpers below, is the one opened around the steps); a part
+    # the library no longer marks shows up as missing below, not as a silent zero.
     bd: dict[str, list[float]] = {
         k: [] for k in ("plain", "consensus_other", "consensus_step", "nonaudit_step", "audit_step")
     }
     parts: dict[str, list[dict[str, float]]] = {"audit": [], "nonaudit": [], "consensus": [], "consensus_other": []}
 
+    calls: dict[str, dict[str, int]] = {k: {} for k in parts}
+
     def single(name: str) -> tuple[float, dict[str, float], int, int]:
         b = batches_for(name, 1)[0]
         sess = sessions[name]
         n0 = (_count(sess, "replay"), _count(sess, "consensus"))
-        acc.clear()
+        rec.clear()
         dist.barrier()
         t0 = time.perf_counter()
         runners[name](b)
         dist.barrier()
         dt = time.perf_counter() - t0
         steps_done[name] += 1
-        return dt, dict(acc), _count(sess, "replay") - n0[0], _count(sess, "consensus") - n0[1]
+        return dt, dict(rec.seconds), _count(sess, "replay") - n0[0], _count(sess, "consensus") - n0[1]
+
+    def count_calls(kind: str) -> None:
+        for k, n in rec.calls.items():
+            calls[kind][k] = calls[kind].get(k, 0) + n
 
     # Steps are classified by their number (the same on every rank: the loop must end together);
     # rank 0, which holds the events, checks that classification against its sinks.
     mismatches: list[str] = []
-    while len(bd["audit_step"]) < args["reps"]:
-        dt, _, _, _ = single("plain")
-        bd["plain"].append(dt)
-        dt, a, _, nc = single("consensus/10")
-        is_cons = sessions["consensus/10"].step % 10 == 0
-        if rank == 0 and nc != int(is_cons):
-            mismatches.append(f"consensus/10 step {sessions['consensus/10'].step}: {nc} consensus events")
-        bd["consensus_step" if is_cons else "consensus_other"].append(dt)
-        parts["consensus" if is_cons else "consensus_other"].append({**a, "step": dt})
-        dt, a, na, _ = single("audit/10")
-        is_audit = sessions["audit/10"].step % 10 == 0
-        if rank == 0 and na != int(is_audit):
-            mismatches.append(f"audit/10 step {sessions['audit/10'].step}: {na} replay events")
-        bd["audit_step" if is_audit else "nonaudit_step"].append(dt)
-        parts["audit" if is_audit else "nonaudit"].append({**a, "step": dt})
-    replay_mod.digest, sharded_mod.RingShift = digest_fn, ring_cls
-    for sess in (sessions["audit/10"], sessions["consensus/10"]):
-        for attr, _, _ in wrapped:
-            delattr(sess, attr)
+    with timing.record() as rec:
+        while len(bd["audit_step"]) < args["reps"]:
+            dt, _, _, _ = single("plain")
+            bd["plain"].append(dt)
+            dt, a, _, nc = single("consensus/10")
+            is_cons = sessions["consensus/10"].step % 10 == 0
+            if rank == 0 and nc != int(is_cons):
+                mismatches.append(f"consensus/10 step {sessions['consensus/10'].step}: {nc} consensus events")
+            bd["consensus_step" if is_cons else "consensus_other"].append(dt)
+            parts["consensus" if is_cons else "consensus_other"].append({**a, "step": dt})
+            count_calls("consensus" if is_cons else "consensus_other")
+            dt, a, na, _ = single("audit/10")
+            is_audit = sessions["audit/10"].step % 10 == 0
+            if rank == 0 and na != int(is_audit):
+                mismatches.append(f"audit/10 step {sessions['audit/10'].step}: {na} replay events")
+            bd["audit_step" if is_audit else "nonaudit_step"].append(dt)
+            parts["audit" if is_audit else "nonaudit"].append({**a, "step": dt})
+            count_calls("audit" if is_audit else "nonaudit")
+    expected = {
+        "audit": AUDIT_PARTS + (("update_audit",) if args["mesh"] == [WORLD] else ()),
+        "nonaudit": ("nonfinite_flags", "nonfinite_check"),
+        "consensus": ("nonfinite_check", "consensus"),
+        "consensus_other": ("nonfinite_check",),
+    }
+    missing = {kind: [k for k in want if not calls[kind].get(k)] for kind, want in expected.items() if parts[kind]}
+    if any(missing.values()):
+        raise RuntimeError(
+            "certckpt.detect.timing recorded no call of these parts (did a refactor drop their marks?): "
+            + "; ".join(f"{kind} steps: {', '.join(ks)}" for kind, ks in missing.items() if ks)
+        )
     log(f"breakdown: {len(bd['audit_step'])} audit and {len(bd['nonaudit_step'])} non-audit steps timed one by one")
 
     for sess in sessions.values():
@@ -452,15 +436,15 @@ def summarise(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     out["insitu"] = insitu
     a = insitu.get("audit", {})
     out["insitu_audit_parts"] = {
-        "signing the local gradients at the reduce-scatters (training)": a.get("train_digest", 0.0),
-        "non-finite check (flag sums + all-gather)": a.get("nonfinite_check", 0.0),
-        "ring shift of the micro-batches + RNG state": a.get("ring_shift", 0.0),
-        "replay forward + backward (all-gathers, no reduce-scatter)": a.get("replay", 0.0)
-        - a.get("replay_digest", 0.0),
-        "replay signing": a.get("replay_digest", 0.0),
+        "signing the local gradients at the reduce-scatters (training)": a.get("train_signature", 0.0),
+        "non-finite check (flag sums + all-gather)": a.get("nonfinite_check", 0.0) + a.get("nonfinite_flags", 0.0),
+        "ring shift of the micro-batches + RNG state": a.get("replay_audit/ring_shift", 0.0),
+        "replay forward + backward (all-gathers, no reduce-scatter)": a.get("replay_audit/replay", 0.0)
+        - a.get("replay_signature", 0.0),
+        "replay signing": a.get("replay_signature", 0.0),
         "digest all-gather + compare + event": a.get("replay_audit", 0.0)
-        - a.get("replay", 0.0)
-        - a.get("ring_shift", 0.0),
+        - a.get("replay_audit/replay", 0.0)
+        - a.get("replay_audit/ring_shift", 0.0),
         "weight consensus (incl. its all-gather)": a.get("consensus", 0.0),
         "optimizer-step replay (no replicas: copy, ship, recompute, compare)": a.get("update_audit", 0.0),
     }
@@ -480,7 +464,7 @@ def print_report(R: dict[str, Any]) -> None:
     mesh = "2 x 2 HSDP (replicate x shard)" if c["mesh"] == [2, 2] else "1-D FSDP over 4 ranks"
     print()
     print(
-        f"certckpt FSDP2 detection-overhead benchmark ({'quick' if c['quick'] else 'full'}): "
+        f"certckpt FSDP2 detection-overhead benchmark ({c['mode']}): "
         f"{c['trials']} interleaved trial(s) x {c['steps']} steps per configuration in slices of {c['slice']}, "
         f"{c['warmup']} warm-up steps each (discarded)"
     )
@@ -619,7 +603,9 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="also print all results as JSON")
     ap.add_argument("--trials", type=int, default=None, help="interleaved trials (default 2, quick 1)")
     ap.add_argument("--steps", type=int, default=None, help="steps per configuration per trial, a multiple of 100")
-    ap.add_argument("--slice", type=int, default=10, help="steps per interleaved slice, dividing --steps (default 10)")
+    ap.add_argument(
+        "--slice", type=int, default=None, help="steps per interleaved slice, dividing --steps (default 10)"
+    )
     ap.add_argument("--mesh", choices=("2x2", "4"), default="2x2", help="2 x 2 HSDP (default) or 1-D FSDP over 4")
     ap.add_argument("--opt", choices=("adamw", "sgd"), default="adamw", help="optimizer (default AdamW)")
     ap.add_argument("--batch", type=int, default=None, help="rows per rank and micro-batch (default 32)")
@@ -634,31 +620,34 @@ def main() -> None:
     args = ap.parse_args()
 
     from bench_format import cpu_busy_seconds, loadavg, others_busy_cores, own_cpu_seconds
+    from tinymode import announce
 
-    P: dict[str, Any] = dict(QUICK if args.quick else FULL)
-    for key in ("trials", "steps", "batch", "reps"):
+    tiny = announce("bench_fsdp_detect")
+    P: dict[str, Any] = {"slice": 10} | dict(TINY if tiny else QUICK if args.quick else FULL)
+    for key in ("trials", "steps", "batch", "reps", "slice"):
         if getattr(args, key) is not None:
             P[key] = getattr(args, key)
-    P.update(slice=args.slice, micro=args.micro, opt=args.opt, mesh=[2, 2] if args.mesh == "2x2" else [WORLD])
+    P.update(micro=args.micro, opt=args.opt, mesh=[2, 2] if args.mesh == "2x2" else [WORLD])
     P["read"] = args.nonfinite_read
     if args.micro < 1 or P["trials"] < 1 or P["reps"] < 1:
         ap.error("--micro, --trials and --reps must be >= 1")
-    if P["steps"] % 100 or P["steps"] < 100:
+    if (P["steps"] % 100 or P["steps"] < 100) and not tiny:
         ap.error("--steps must be a multiple of 100 (each trial of audit/100 must hold exactly one audit)")
-    if args.slice < 1 or P["steps"] % args.slice:
+    if P["slice"] < 1 or P["steps"] % P["slice"]:
         ap.error("--slice must divide --steps")
 
     import torch
 
     from certckpt.detect.launch import follow, run_ranks
 
-    busy = others_busy_cores()
+    busy = others_busy_cores(0.1 if tiny else 1.0)
     if busy is not None and busy > 0.25:
         print(f"warning: other processes keep {busy:.2f} cores busy; figures will be noisy", file=sys.stderr)
     busy0, own0 = cpu_busy_seconds(), own_cpu_seconds()
     R: dict[str, Any] = {
         "config": {
             "quick": args.quick,
+            "mode": "tiny" if tiny else "quick" if args.quick else "full",
             **P,
             "params": n_params(P["widths"]),
             "world": WORLD,

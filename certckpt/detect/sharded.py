@@ -68,6 +68,7 @@ from .sharded_replay import (
     shard_group_size,
     update_inputs,
 )
+from .timing import timed
 
 __all__ = ["ShardedAuditSession", "ShardConsensus", "local_regions"]
 
@@ -419,6 +420,7 @@ class ShardedAuditSession:
             return True
         return self.weight_consensus().agreed
 
+    @timed("consensus")
     def weight_consensus(
         self, state: dict[str, Any] | None = None, *, checkpoint: bool = False, found_by: str | None = None
     ) -> ShardConsensus:

@@ -33,6 +33,7 @@ from .sharded_replay import (
     update_digests,
     update_labels,
 )
+from .timing import timed
 
 __all__ = ["ShardedReplayAudit"]
 
@@ -49,6 +50,7 @@ class ShardedReplayAudit:
         self._update_checked = False  # the first update audit also recomputes the rank's own step
         self._update_skip_warned = False
 
+    @timed("replay")
     def _replay(self, payload: dict[str, Any], trained: list[LayerDigest]) -> list[LayerDigest]:
         ctx = self.ctx
         assert ctx.recorder is not None and ctx.loss_fn is not None, "the replay audit runs with loss_fn only"
@@ -105,6 +107,7 @@ class ShardedReplayAudit:
             " creating the session, which then signs around them"
         )
 
+    @timed("replay_audit")
     def audit(self, s: int, step: dict[str, Any], trained: list[LayerDigest], n: int) -> bool:
         """Every rank replays its predecessor's micro-batches; returns whether the update may be applied."""
         ctx = self.ctx
@@ -161,6 +164,7 @@ class ShardedReplayAudit:
 
     # --- the update replay ------------------------------------------------------------------------
 
+    @timed("update_audit")
     def audit_update(self, s: int, inputs: dict[str, Any], params: list[torch.Tensor]) -> bool:
         """After the optimizer step: the next rank recomputes this rank's update (see
         ``sharded_replay``); returns whether every recomputation matched (collective)."""

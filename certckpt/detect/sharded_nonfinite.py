@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 from .agreement import all_gather_bytes
 from .setup_checks import late_detection_note
 from .sharded_context import ShardedContext
+from .timing import timed
 
 __all__ = ["ShardedNonFiniteCheck", "shard_offsets"]
 
@@ -63,6 +64,7 @@ class ShardedNonFiniteCheck:
         self._checked = 0  # steps whose non-finite check passed since the last summary
         self._first_checked: int | None = None
 
+    @timed("nonfinite_check")
     def check(self, s: int, *, now: bool = True) -> bool:
         """Check the reduced gradients of the coming update (collective); returns whether to apply it.
 

@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor
 
 from .attribution import arbitration_plan, ring_pairs
 from .digest import digest
+from .timing import span
 
 try:  # the interface set_custom_reduce_scatter takes (documented there, defined in a private module)
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatterBase
@@ -95,13 +96,15 @@ class _SigningReduceScatter(_ReduceScatterBase):
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         rec = self.recorder
         if rec.mode != "off":
-            rec.calls.append((rec.micro, self.layer, digest(input_tensor)))
+            with span("replay_signature" if rec.mode == "replay" else "train_signature"):
+                rec.calls.append((rec.micro, self.layer, digest(input_tensor)))
         if rec.mode == "replay":
             output_tensor.zero_()  # nothing moves: the replay's gradients are dropped
             return None
         # Every training reduce-scatter: is this rank's local gradient finite? (one sum on the device,
         # no synchronisation: NaN and Inf survive it). Read at before_update, with the reduced flags.
-        rec.pre_flags.append(input_tensor.sum(dtype=torch.float32))
+        with span("nonfinite_flags"):
+            rec.pre_flags.append(input_tensor.sum(dtype=torch.float32))
         if self.inner is not None:
             return self.inner(output_tensor, input_tensor, group, op, async_op)
         return dist.reduce_scatter_single(output_tensor, input_tensor, group=group, op=op, async_op=async_op)
