@@ -16,6 +16,9 @@ In one run, on the CPU:
    ``certckpt.save`` and ``torch.save`` in full either way).
 
     python benchmarks/bench_async.py [--trials 5] [--steps 100] [--every 25] [--json]
+
+``CERTCKPT_BENCH_TINY=1`` (``benchmarks/tinymode.py``): a 256 KiB state, a small MLP, 4 steps, one
+trial: every code path in seconds, figures meaningless.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import time
 import warnings
 
 import torch
+from tinymode import announce
 
 import certckpt
 
@@ -50,12 +54,13 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def blocking(d: str, trials: int, *, device: str = "cpu", gib: int = 1) -> dict[str, float]:
+def blocking(d: str, trials: int, *, device: str = "cpu", gib: int = 1, tiny: bool = False) -> dict[str, float]:
     import torch.distributed.checkpoint as dcp
 
     torch.manual_seed(0)
-    state = {f"layer{i}": torch.randn(8 << 20, device=device) for i in range(32 * gib)}  # 32 MiB each
-    res: dict[str, float] = {}
+    count, numel = (4, 16 << 10) if tiny else (32 * gib, 8 << 20)  # 32 MiB each (tiny: 64 KiB)
+    state = {f"layer{i}": torch.randn(numel, device=device) for i in range(count)}
+    res: dict[str, float] = {"state_bytes": sum(t.numel() * t.element_size() for t in state.values())}
 
     def clone(i: int) -> None:
         [t.clone() for t in state.values()]
@@ -117,25 +122,26 @@ def blocking(d: str, trials: int, *, device: str = "cpu", gib: int = 1) -> dict[
 
 
 class _Model(torch.nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, io: int = 1024, hidden: int = 4096) -> None:
         super().__init__()
         self.net = torch.nn.Sequential(
-            torch.nn.Linear(1024, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 4096), torch.nn.GELU(),
-            torch.nn.Linear(4096, 1024),
+            torch.nn.Linear(io, hidden), torch.nn.GELU(), torch.nn.Linear(hidden, hidden), torch.nn.GELU(),
+            torch.nn.Linear(hidden, io),
         )  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
 
 
-def _loop(mode: str, d: str, steps: int, every: int) -> tuple[float, int]:
+def _loop(mode: str, d: str, steps: int, every: int, tiny: bool = False) -> tuple[float, int]:
     """Seconds for ``steps`` training steps saving every ``every`` (the last save waited for)."""
     import torch.distributed.checkpoint as dcp
 
     torch.manual_seed(0)
-    model = _Model()
+    io, hidden = (64, 128) if tiny else (1024, 4096)
+    model = _Model(io, hidden)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    x, y = torch.randn(64, 1024), torch.randn(64, 1024)
+    x, y = torch.randn(64, io), torch.randn(64, io)
     saver = certckpt.AsyncSaver()
     futures: list = []
     nbytes = 0
@@ -173,7 +179,7 @@ def _loop(mode: str, d: str, steps: int, every: int) -> tuple[float, int]:
     return seconds, nbytes
 
 
-def throughput(d: str, trials: int, steps: int, every: int) -> dict[str, float]:
+def throughput(d: str, trials: int, steps: int, every: int, tiny: bool = False) -> dict[str, float]:
     modes = ["none", "certckpt.async_save", "certckpt.save", "torch.save", "dcp.async_save"]
     times: dict[str, list[float]] = {m: [] for m in modes}
     nbytes = 0
@@ -181,7 +187,7 @@ def throughput(d: str, trials: int, steps: int, every: int) -> dict[str, float]:
         for m in modes[i % len(modes) :] + modes[: i % len(modes)]:  # each mode leads in turn
             where = os.path.join(d, f"loop{i}")
             os.makedirs(where)
-            seconds, n = _loop(m, where, steps, every)
+            seconds, n = _loop(m, where, steps, every, tiny)
             nbytes = max(nbytes, n)
             times[m].append(seconds)
             shutil.rmtree(where)
@@ -196,25 +202,30 @@ def throughput(d: str, trials: int, steps: int, every: int) -> dict[str, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--trials", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--every", type=int, default=25)
+    ap.add_argument("--trials", type=int, default=None, help="default 5 (tiny 1)")
+    ap.add_argument("--steps", type=int, default=None, help="default 100 (tiny 4)")
+    ap.add_argument("--every", type=int, default=None, help="default 25 (tiny 2)")
     ap.add_argument("--device", default="cpu", help="cuda: the blocking part only, on a GPU state")
     ap.add_argument("--state-gib", type=int, default=None, help="default 1 on the CPU, 4 on a GPU")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
+    tiny = announce("bench_async")
+    a.trials = a.trials or (1 if tiny else 5)
+    a.steps = a.steps or (4 if tiny else 100)
+    a.every = a.every or (2 if tiny else 25)
     gib = a.state_gib or (4 if a.device == "cuda" else 1)
     with tempfile.TemporaryDirectory(prefix="certckpt-bench-async-") as d:
-        res = blocking(d, a.trials, device=a.device, gib=gib)
+        res = blocking(d, a.trials, device=a.device, gib=gib, tiny=tiny)
         if a.device == "cpu":
-            res.update(throughput(d, max(3, a.trials // 2), a.steps, a.every))
+            res.update(throughput(d, 1 if tiny else max(3, a.trials // 2), a.steps, a.every, tiny))
     res["device"], res["state_gib"] = a.device, gib
     if a.json:
         print(json.dumps(res, indent=2))
         return
     if a.device == "cuda":
         floor = res["pinned_copy_s"]
-        print(f"{gib} GiB CUDA state: pinned copy {floor:.3f} s, async save blocks {res['async_block_s']:.3f} s,"
+        size = res["state_bytes"] / 2**30
+        print(f"{size:.3g} GiB CUDA state: pinned copy {floor:.3f} s, async save blocks {res['async_block_s']:.3f} s,"
               f" dcp.async_save blocks {res['dcp_async_block_s']:.3f} s")  # fmt: skip
         for name, ratio, limit in (
             ("async save blocking / pinned device-to-host copy", res["async_block_s"] / floor, 1.2),
@@ -232,7 +243,8 @@ def main() -> None:
         ),
         ("async save blocking / dcp.async_save blocking", res["async_block_s"] / res["dcp_async_block_s"], "", None),
     ]
-    print(f"1 GiB state: clone {res['clone_s']:.3f} s, async save blocks {res['async_block_s']:.3f} s "
+    size = res["state_bytes"] / 2**30
+    print(f"{size:.3g} GiB state: clone {res['clone_s']:.3f} s, async save blocks {res['async_block_s']:.3f} s "
           f"(staging {res['staging_bytes'] / 2**30:.2f} GiB kept), synchronous save {res['sync_save_s']:.3f} s, "
           f"dcp.async_save blocks {res['dcp_async_block_s']:.3f} s")  # fmt: skip
     for name, ratio, target, limit in ratios:

@@ -7,6 +7,9 @@ segment per checkpoint, as the auditor's LedgerSink does), then measures, side b
   `certckpt status --json` / `certckpt latest-good --no-verify` processes.
 
     python benchmarks/bench_certify.py [--steps 1000000] [--audit-every 100] [--ckpt-every 1000] [--json]
+
+``CERTCKPT_BENCH_TINY=1`` (``benchmarks/tinymode.py``): 2,000 steps, one trial, and a signed ledger of
+600 lines from 2 writers too: every code path in seconds, figures meaningless.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from tinymode import announce
 
 from certckpt.trust.ledger import Ledger
 from certckpt.trust.runstore import certify_store
@@ -234,15 +239,22 @@ def signed_scale(n_events: int, writers: int, exe: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--signed-events", type=int, default=0, help="also: a signed ledger of this many event lines")
-    ap.add_argument("--writers", type=int, default=64)
+    ap.add_argument(
+        "--signed-events", type=int, default=None, help="also: a signed ledger of this many event lines (tiny: 600)"
+    )
+    ap.add_argument("--writers", type=int, default=None, help="default 64 (tiny 2)")
     ap.add_argument("--signed-only", action="store_true", help="run only the signed-ledger measurement")
-    ap.add_argument("--steps", type=int, default=1_000_000)
+    ap.add_argument("--steps", type=int, default=None, help="default 1,000,000 (tiny 2,000)")
     ap.add_argument("--audit-every", type=int, default=100)
     ap.add_argument("--ckpt-every", type=int, default=1000)
-    ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--trials", type=int, default=None, help="default 5 (tiny 1)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
+    tiny = announce("bench_certify")  # explicit options still win
+    a.steps = a.steps or (2000 if tiny else 1_000_000)
+    a.trials = a.trials or (1 if tiny else 5)
+    a.signed_events = a.signed_events if a.signed_events is not None else (600 if tiny else 0)
+    a.writers = a.writers or (2 if tiny else 64)
     exe = os.path.join(os.path.dirname(sys.executable), "certckpt")
     if a.signed_events:
         signed = signed_scale(a.signed_events, a.writers, exe)

@@ -7,6 +7,9 @@ Run from the repository root:
     python benchmarks/bench_dcp.py --quick    # 128 MiB state, 5 trials (smoke run)
     python benchmarks/bench_dcp.py --json     # also print every sample as JSON
 
+``CERTCKPT_BENCH_TINY=1`` (``benchmarks/tinymode.py``): the same 28 tensors at 1/512 of their rows,
+one trial: every code path in seconds, figures meaningless.
+
 State (seeded random values): 12 float32 4096x4096 + 16 bfloat16 2048x4096 (1 GiB; --quick: 1/8 of
 the rows). With one process the tensors are plain (``dcp.save(no_dist=True)``); with R ranks each is
 a DTensor sharded along dim 0 over a 1-D CPU mesh (FSDP's layout), so every rank writes 1/R of it.
@@ -47,20 +50,20 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 TARGET = 1.10
 
 
-def _layout(quick: bool) -> list[tuple[str, str, tuple[int, int]]]:
-    div = 8 if quick else 1
+def _layout(size: str) -> list[tuple[str, str, tuple[int, int]]]:
+    div = {"full": 1, "quick": 8, "tiny": 512}[size]
     f32 = [(f"layers.{i}.mlp.weight", "float32", (4096 // div, 4096)) for i in range(12)]
     bf16 = [(f"layers.{i}.attn.weight", "bfloat16", (2048 // div, 4096)) for i in range(16)]
     return f32 + bf16
 
 
-def _state(quick: bool, seed: int):
+def _state(size: str, seed: int):
     import torch
     import torch.distributed as dist
 
     g = torch.Generator().manual_seed(seed)
     tensors = {}
-    for name, dtype, shape in _layout(quick):
+    for name, dtype, shape in _layout(size):
         tensors[name] = torch.randn(shape, generator=g).to(getattr(torch, dtype))
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return {"model": tensors}
@@ -99,8 +102,8 @@ def measure(args: dict) -> dict:
     rank = dist.get_rank() if dist_on else 0
     no_dist = not dist_on
     root = args["root"]
-    state = _state(args["quick"], 0)
-    target = _state(args["quick"], 1)  # loads overwrite a second state of the same shapes
+    state = _state(args["size"], 0)
+    target = _state(args["size"], 1)  # loads overwrite a second state of the same shapes
 
     def barrier():
         if dist_on:
@@ -180,10 +183,15 @@ def main() -> None:
     p.add_argument("--dir", default=None, help="where the temp dir goes (a local disk)")
     p.add_argument("--json", action="store_true", help="also print every sample as JSON")
     a = p.parse_args()
-    trials = a.trials or (5 if a.quick else 7)
-    size = sum((4 if dt == "float32" else 2) * shape[0] * shape[1] for _, dt, shape in _layout(a.quick))
+    sys.path.insert(0, HERE)
+    from tinymode import announce
+
+    tiny = announce("bench_dcp")
+    scale = "tiny" if tiny else "quick" if a.quick else "full"
+    trials = a.trials or (1 if tiny else 5 if a.quick else 7)
+    size = sum((4 if dt == "float32" else 2) * shape[0] * shape[1] for _, dt, shape in _layout(scale))
     print(
-        f"state: {size / (1 << 20):.0f} MiB in {len(_layout(a.quick))} tensors; {trials} timed trials; "
+        f"state: {size / (1 << 20):.2f} MiB in {len(_layout(scale))} tensors; {trials} timed trials; "
         f"{os.cpu_count()} cores; load average {os.getloadavg()[0]:.2f}"
     )
     results = {}
@@ -192,7 +200,7 @@ def main() -> None:
         root = tempfile.mkdtemp(prefix="certckpt-bench-dcp-", dir=a.dir)
         try:
             print(f"[{ranks} rank(s)] running...", file=sys.stderr, flush=True)
-            out = _run(ranks, {"root": root, "quick": a.quick, "trials": trials})
+            out = _run(ranks, {"root": root, "size": scale, "trials": trials})
         finally:
             shutil.rmtree(root, ignore_errors=True)
         s = out["samples"]

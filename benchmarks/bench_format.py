@@ -63,21 +63,22 @@ TARGETS = {
 # states
 
 
-def state_layout(kind: str, quick: bool) -> list[tuple[str, str, tuple[int, ...]]]:
-    """(name, dtype, shape) for each tensor of state A or B; quick divides the total by 8."""
+def state_layout(kind: str, size: str) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(name, dtype, shape) for each tensor of state A or B; size "quick" divides the total by 8, "tiny"
+    (CERTCKPT_BENCH_TINY=1) keeps the tensor counts of A and a few KiB of everything."""
     if kind == "A":
-        div = 8 if quick else 1
+        div = {"full": 1, "quick": 8, "tiny": 256}[size]
         f32 = [(f"layers.{i}.mlp.weight", "float32", (4096 // div, 4096)) for i in range(12)]
         bf16 = [(f"layers.{i}.attn.weight", "bfloat16", (2048 // div, 4096)) for i in range(16)]
         return f32 + bf16
     if kind == "B":
-        n = 64 if quick else 500
-        return [(f"params.{i:03d}", "float32", (512, 1024)) for i in range(n)]
+        n, rows = {"full": (500, 512), "quick": (64, 512), "tiny": (8, 8)}[size]
+        return [(f"params.{i:03d}", "float32", (rows, 1024)) for i in range(n)]
     raise ValueError(kind)
 
 
-def describe_state(kind: str, quick: bool) -> str:
-    layout = state_layout(kind, quick)
+def describe_state(kind: str, size: str) -> str:
+    layout = state_layout(kind, size)
     groups: dict[tuple[str, tuple[int, ...]], int] = {}
     for _, dt, shape in layout:
         groups[(dt, shape)] = groups.get((dt, shape), 0) + 1
@@ -93,12 +94,12 @@ def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
     return n * {"float32": 4, "bfloat16": 2}[dtype]
 
 
-def build_state(kind: str, quick: bool) -> dict[str, Any]:
+def build_state(kind: str, size: str) -> dict[str, Any]:
     import torch
 
     g = torch.Generator().manual_seed(20261130 + ord(kind))
     return {
-        name: torch.randn(shape, generator=g, dtype=getattr(torch, dt)) for name, dt, shape in state_layout(kind, quick)
+        name: torch.randn(shape, generator=g, dtype=getattr(torch, dt)) for name, dt, shape in state_layout(kind, size)
     }
 
 
@@ -345,7 +346,7 @@ def check_no_torch(path: str) -> dict:
 # 3. fingerprint throughput (worker subprocess)
 
 
-def worker_fp(mib: int, trials: int) -> dict:
+def worker_fp(mib: int, trials: int, compile_too: bool = True) -> dict:
     import warnings
 
     import torch
@@ -380,13 +381,15 @@ def worker_fp(mib: int, trials: int) -> dict:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         t0 = time.perf_counter()
-        active = certckpt.enable_compile()
+        # tiny mode skips compiling (inductor takes ~20 s with a cold cache): the row says so
+        active = certckpt.enable_compile() if compile_too else False
         compile_s = time.perf_counter() - t0
     out: dict[str, Any] = {
         "nbytes": nbytes,
         "threads": torch.get_num_threads(),
         "eager": eager,
         "compile_active": active,
+        "compile_skipped": not compile_too,
         "compile_seconds": compile_s,
         "compile_warnings": [str(w.message) for w in caught],
     }
@@ -413,7 +416,7 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def worker_mem(op: str, kind: str, quick: bool, path: str) -> dict:
+def worker_mem(op: str, kind: str, size: str, path: str) -> dict:
     state = None
     if op in ("save", "torch.save", "safetensors"):
         import safetensors.torch
@@ -422,7 +425,7 @@ def worker_mem(op: str, kind: str, quick: bool, path: str) -> dict:
         import certckpt
 
         certckpt.save  # noqa: B018 - resolve the lazy import (certckpt's writer module) before measuring
-        state = build_state(kind, quick)
+        state = build_state(kind, size)
     elif op == "verify":
         import certckpt
     elif op == "verify-deep":
@@ -536,7 +539,7 @@ def print_report(R: dict) -> None:
         lambda s: (
             fmt_s(s["verify"], "certckpt verify --deep")
             if "certckpt verify --deep" in s["verify"]["samples"]
-            else "skipped (--quick)"
+            else "skipped (quick/tiny)"
         ),
     )
     rows.append(("4. PEAK EXTRA MEMORY (VmHWM - VmRSS)", "", "", ""))
@@ -568,7 +571,7 @@ def print_report(R: dict) -> None:
     w = [max(len(r[i]) for r in [*rows, head]) for i in range(4)]
     print()
     print(
-        f"certckpt format benchmark ({'quick' if R['config']['quick'] else 'full'}): {R['config']['trials']} trials, "
+        f"certckpt format benchmark ({R['config']['size']}): {R['config']['trials']} trials, "
         f"median [min-max]; dir {R['config']['dir']} ({R['config']['fs']})"
     )
     c = R["config"]
@@ -624,7 +627,12 @@ def print_report(R: dict) -> None:
             f"target {target_str('fp_eager_gbps')} GB/s   "
             f"{judge('fp_eager_gbps', gbps(e['eager']))}   (cpu/wall {cu['eager']:.2f})"
         )
-        if fp["compile_active"]:
+        if fp.get("compile_skipped"):
+            print(
+                "   certckpt.fingerprint, compiled   skipped (tiny mode)   "
+                f"target {target_str('fp_compiled_gbps')} GB/s"
+            )
+        elif fp["compile_active"]:
             c = fp["compiled"]["median"]
             print(
                 f"   certckpt.fingerprint, compiled {gbps(c['compiled']):6.2f} GB/s   "
@@ -696,25 +704,32 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="also print all results as JSON")
     ap.add_argument("--trials", type=int, default=None, help="timed rounds per measurement (default 7, quick 5)")
     ap.add_argument("--dir", default=None, help="parent directory for the temp dir (default: the system temp dir)")
-    ap.add_argument("--fp-mib", type=int, default=256, help="size of the fingerprint throughput tensor (default 256)")
+    ap.add_argument(
+        "--fp-mib", type=int, default=None, help="size of the fingerprint throughput tensor (default 256, tiny 4)"
+    )
     ap.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     args = ap.parse_args()
 
     if args.worker:
         w = args.worker
         if w[0] == "fp":
-            print(json.dumps(worker_fp(int(w[1]), int(w[2]))))
+            print(json.dumps(worker_fp(int(w[1]), int(w[2]), compile_too=w[3:] != ["nocompile"])))
         elif w[0] == "mem":
-            print(json.dumps(worker_mem(w[1], w[2], w[3] == "1", w[4])))
+            print(json.dumps(worker_mem(w[1], w[2], w[3], w[4])))
         else:
             sys.exit(f"unknown worker {w}")
         return
 
+    from tinymode import announce
+
+    tiny = announce("bench_format")
+    size = "tiny" if tiny else "quick" if args.quick else "full"
     os.environ.pop("CERTCKPT_COMPILE", None)  # the main process measures the default (eager) save
-    trials = args.trials or (5 if args.quick else 7)
-    if trials < 5:
+    trials = args.trials or (1 if tiny else 5 if args.quick else 7)
+    fp_mib = args.fp_mib or (4 if tiny else 256)
+    if trials < 5 and not tiny:
         print(f"note: {trials} trials (fewer than 5)", file=sys.stderr)
-    busy = others_busy_cores()
+    busy = others_busy_cores(0.1 if tiny else 1.0)
     if busy is not None and busy > 0.25:
         print(
             f"warning: other processes keep {busy:.2f} cores busy; figures will be noisy "
@@ -734,6 +749,7 @@ def main() -> None:
     R: dict[str, Any] = {
         "config": {
             "quick": args.quick,
+            "size": size,
             "trials": trials,
             "dir": d,
             "fs": fs_type(d),
@@ -752,14 +768,14 @@ def main() -> None:
     try:
         vpaths = {}
         for kind in ("A", "B"):
-            log(f"state {kind}: building {describe_state(kind, args.quick)}")
-            state = build_state(kind, args.quick)
+            log(f"state {kind}: building {describe_state(kind, size)}")
+            state = build_state(kind, size)
             S = R["states"][kind] = {
                 "label": (
-                    f"{sum(_nbytes(dt, sh) for _, dt, sh in state_layout(kind, args.quick)) / MiB:.0f} MiB, "
+                    f"{sum(_nbytes(dt, sh) for _, dt, sh in state_layout(kind, size)) / MiB:.0f} MiB, "
                     f"{len(state)} tensors"
                 ),
-                "desc": describe_state(kind, args.quick),
+                "desc": describe_state(kind, size),
             }
             log(f"state {kind}: save x{trials + 1} rounds")
             S["save"] = bench_save(state, d, trials)
@@ -770,7 +786,7 @@ def main() -> None:
             del state
             gc.collect()
             log(f"state {kind}: verify x{trials + 1} rounds")
-            S["verify"] = bench_verify(vpaths[kind], trials, exe, deep=not args.quick)
+            S["verify"] = bench_verify(vpaths[kind], trials, exe, deep=not (args.quick or tiny))
 
         G = R["global"]
         G["exe"] = exe
@@ -778,15 +794,18 @@ def main() -> None:
         G["help"] = bench_help(exe, trials)
         G["no_torch"] = check_no_torch(vpaths["A"])
         log("fingerprint throughput worker (compiles for a while)")
-        G["fp"] = run_worker(["--worker", "fp", str(args.fp_mib), str(trials)])
+        G["fp"] = run_worker(["--worker", "fp", str(fp_mib), str(trials)] + (["nocompile"] if tiny else []))
 
         for kind in ("A", "B"):
             mem = R["states"][kind]["memory"] = {}
-            # torch.save / safetensors rows are information only; --quick skips them.
+            # torch.save / safetensors rows are information only; --quick skips them. Tiny mode runs
+            # every case once, on state A only (each case is a process that imports torch).
+            if tiny and kind == "B":
+                continue
             for op in ("save", "verify", "verify-deep") + (() if args.quick else ("torch.save", "safetensors")):
                 log(f"state {kind}: memory {op}")
                 path = vpaths[kind] if op.startswith("verify") else os.path.join(d, f"mem-{kind}.bin")
-                mem[op] = run_worker(["--worker", "mem", op, kind, "1" if args.quick else "0", path])
+                mem[op] = run_worker(["--worker", "mem", op, kind, size, path])
     finally:
         shutil.rmtree(d, ignore_errors=True)
 

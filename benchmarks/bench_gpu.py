@@ -34,6 +34,9 @@ Usage on the device machine (one call, a timeout that leaves room for a rerun)::
     python benchmarks/bench_gpu.py --state-gib 3 --fp-gib 4 --out "$OUT"
 
 ``--quick`` shrinks everything (a smoke run, also possible on a CPU-only machine with ``--device cpu``).
+``CERTCKPT_BENCH_TINY=1`` (``benchmarks/tinymode.py``) shrinks it further, to every code path in
+seconds: MiB-sized tensors, one trial, two launch choices, one drill case (the one whose run store is
+checked), one shape per envelope; figures meaningless.
 """
 
 from __future__ import annotations
@@ -47,8 +50,13 @@ import tempfile
 import time
 
 import torch
+from tinymode import tiny as _tiny
 
 import certckpt
+
+# CERTCKPT_BENCH_TINY=1: every section on MiB-sized tensors (see the module docstring)
+TINY = _tiny()
+SMALL = (1 << 20) if TINY else (64 << 20)  # the "small" single tensor of the throughput rows
 
 
 def _sync(device: torch.device) -> None:
@@ -120,15 +128,17 @@ def fingerprint_speed(device: torch.device, gib: float, trials: int) -> dict:
     from certckpt.format import fused
 
     out = {"fused_active": fused.ready(device), "digest_fused_active": None}
-    sizes = sorted({64 << 20, int(gib * (1 << 30))})
+    sizes = sorted({SMALL, int(gib * (1 << 30))})
     out["sizes"] = [_speeds(torch.randn(n // 4, device=device), device, trials) for n in sizes]
-    many = [torch.randn(16 << 20, device=device, dtype=torch.bfloat16) for _ in range(max(4, int(gib * 24)))]
+    each = (128 << 10) if TINY else (16 << 20)  # 32 MiB bf16 tensors (tiny: 256 KiB)
+    many = [torch.randn(each, device=device, dtype=torch.bfloat16) for _ in range(max(4, int(gib * 24)))]
     nbytes_many = sum(x.numel() * x.element_size() for x in many)
     st = _timed(lambda: certckpt.fingerprint_state({str(i): x for i, x in enumerate(many)}), device, trials)
     sm = _timed(lambda: [x.sum() for x in many], device, trials)
     out["fingerprint_state_GBps"] = nbytes_many / _med(st) / 1e9
     out["fingerprint_state_fraction_of_sum"] = _med(sm) / _med(st)
     out["fingerprint_state_tensors"] = len(many)
+    out["fingerprint_state_tensor_mib"] = each * 2 / 2**20
     from certckpt.detect.digest import digest, digest_words_eager, digests
 
     out["digest_fused_active"] = fused.digest_ready(device, digest_words_eager)
@@ -143,7 +153,7 @@ def fingerprint_speed(device: torch.device, gib: float, trials: int) -> dict:
 
 
 def _state(device: torch.device, gib: float) -> dict[str, torch.Tensor]:
-    each = 64 << 20  # 64 MiB bf16 tensors, as a large model's layers
+    each = SMALL  # 64 MiB bf16 tensors, as a large model's layers (tiny: 1 MiB)
     count = max(2, int(gib * (1 << 30) // each))
     return {f"layer{i}.weight": torch.randn(each // 2, device=device, dtype=torch.bfloat16) for i in range(count)}
 
@@ -206,10 +216,16 @@ def save_and_load(device: torch.device, gib: float, trials: int, directory: str)
 def gpu_drill(directory: str) -> dict:
     import subprocess
 
-    from certckpt.detect.drill import run_matrix
+    from certckpt.detect.drill import matrix_cases, run_matrix
 
+    # tiny: only the case whose run store is checked below
+    cases = [
+        c
+        for c in matrix_cases(audit_every=10, ckpt_every=5, rank=1)
+        if not TINY or (c["fault"], c["timing"]) == ("post-optimizer", "persistent")
+    ]
     t0 = time.perf_counter()
-    m = run_matrix(ranks=3, audit_every=10, ckpt_every=5, directory=directory, device="cuda")
+    m = run_matrix(ranks=3, audit_every=10, ckpt_every=5, directory=directory, device="cuda", cases=cases)
     elapsed = time.perf_counter() - t0
     designed = [
         (c["caught_by"], c["detected_step"]) == (c["expected"]["caught_by"], c["expected"]["detected_step"])
@@ -251,7 +267,7 @@ def tune_fused(device: torch.device, gib: float, trials: int) -> dict:
     if not fused.ready(device):
         return {"skipped": "fused kernels not active"}
     big = as_words(torch.randn(int(gib * (1 << 28)), device=device))
-    many = [as_words(torch.randn(8 << 20, device=device)) for _ in range(32)]
+    many = [as_words(torch.randn((64 << 10) if TINY else (8 << 20), device=device)) for _ in range(32)]
     ref_sum, ref_digest = int(raw_sum_eager(big)), int(digest_words_eager(big))
     ref_many = [int(raw_sum_eager(w)) for w in many]
     shipped = dict(fused.LAUNCH)
@@ -261,7 +277,7 @@ def tune_fused(device: torch.device, gib: float, trials: int) -> dict:
         for w in (4, 8)
         for k in (None, 16, 64)
         if {"cols": c, "num_warps": w, "chunks": k} != shipped
-    ]
+    ][: 2 if TINY else None]
     rows = []
     nbytes = big.numel() * 4
     # the reference reads the same bytes as float32 (a sum of the int32 words accumulates in int64: slower)
@@ -304,6 +320,8 @@ def envelope_cuda(*, ranks: int, backend: str, timeout: int, seconds_per_shape: 
         "certckpt", "envelope", "--quick", "--backend", backend, "--device", "cuda", "--ranks", str(ranks),
         "--seconds-per-shape", str(seconds_per_shape), "--nonfinite-read", read,
     ]  # fmt: skip
+    if TINY:
+        cmd += ["--seq-lens", "16", "--micro-batches", "1", "--audit-every", "10", "--steps", "1"]
     t0 = time.perf_counter()
     try:
         run = subprocess.run(
@@ -322,7 +340,7 @@ def envelope_cuda(*, ranks: int, backend: str, timeout: int, seconds_per_shape: 
     }
 
 
-def profile_steps(device: torch.device, steps: int, out_dir: str) -> dict:
+def profile_steps(device: torch.device, steps: int, out_dir: str, trials: int = 5) -> dict:
     """Where a non-audit step's time goes on CUDA: plain DDP and the auditor's non-audit steps (one NCCL
     rank, the envelope's tiny transformer), wall time per step, kernel launches and host syncs per
     step from the profiler, and the profiler's op tables written to ``profile.txt``."""
@@ -386,7 +404,7 @@ def profile_steps(device: torch.device, steps: int, out_dir: str) -> dict:
         ]
         for name, fn in variants * 2:  # twice, interleaved: the second round's figures are kept
             fn()  # warm-up (the auditor's first step runs its set-up checks)
-            wall = _med(_timed(fn, device, 5)) / steps
+            wall = _med(_timed(fn, device, min(trials, 5))) / steps
             with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
                 fn()
                 _sync(device)
@@ -470,7 +488,8 @@ def _lines(report: dict) -> list[str]:
                 + f"  [target fused >= 50 %: {'met' if fr['fingerprint'] >= 0.5 and fr['digest'] >= 0.5 else 'MISSED'}]"
             )
         lines.append(
-            f"fingerprint_state of {f['fingerprint_state_tensors']} bf16 32 MiB tensors:"
+            f"fingerprint_state of {f['fingerprint_state_tensors']} bf16"
+            f" {f.get('fingerprint_state_tensor_mib', 32):g} MiB tensors:"
             f" {f['fingerprint_state_GBps']:.1f} GB/s"
             f" ({100 * f['fingerprint_state_fraction_of_sum']:.1f} % of their sums' bandwidth)"
             f"  [target >= 25 %: {'met' if f['fingerprint_state_fraction_of_sum'] >= 0.25 else 'MISSED'}]"
@@ -558,6 +577,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.state_gib = args.fp_gib = 0.25
         args.trials = 3
+    if TINY:
+        print("bench_gpu: tiny mode (CERTCKPT_BENCH_TINY=1): toy sizes, the figures mean nothing", file=sys.stderr)
+        args.state_gib = args.fp_gib = 1 / 256
+        args.trials = 1
+        args.envelope_seconds = 1
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: run with --device cpu for a smoke run", file=sys.stderr)
@@ -576,7 +600,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     work = {
         "agreement": lambda: agreement(device),
-        "tune": lambda: tune_fused(device, max(args.fp_gib / 4, 0.25), args.trials),
+        "tune": lambda: tune_fused(device, args.fp_gib / 4 if TINY else max(args.fp_gib / 4, 0.25), args.trials),
         "fingerprint": lambda: fingerprint_speed(device, args.fp_gib, args.trials),
         "save_load": lambda: _in_tmp(args.dir, lambda d: save_and_load(device, args.state_gib, args.trials, d)),
         "drill": lambda: _in_tmp(args.dir, lambda d: gpu_drill(os.path.join(d, "drill"))),
@@ -593,7 +617,7 @@ def main(argv: list[str] | None = None) -> int:
         "envelope_gloo3": lambda: envelope_cuda(
             ranks=3, backend="gloo", timeout=args.envelope_timeout, seconds_per_shape=args.envelope_seconds
         ),
-        "profile": lambda: profile_steps(device, 30, args.out),
+        "profile": lambda: profile_steps(device, 3 if TINY else 30, args.out, args.trials),
     }
     gpu_only = {"drill", "envelope_nccl", "envelope_nccl_deferred", "envelope_gloo3"}
     for name in SECTIONS:

@@ -13,6 +13,9 @@ and a file of 100,000 small tensors: `certckpt verify` and `certckpt.load` as wh
 runs each (median time, largest peak memory; targets: verify <= 3 s and <= 200 MB, load <= 6 s).
 
     python benchmarks/bench_keyed.py [--trials 5] [--json]
+
+``CERTCKPT_BENCH_TINY=1`` (``benchmarks/tinymode.py``): a 256 KiB state, a file of 1,000 tensors, one
+trial and one run of each process: every code path in seconds, figures meaningless.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import tempfile
 import time
 
 import torch
+from tinymode import announce
 
 import certckpt
 from certckpt.format.signing import TrustedKeys, generate_key
@@ -97,16 +101,21 @@ def _save_pair(folder: str, state: dict, priv: str, trials: int) -> dict[str, fl
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--trials", type=int, default=7)
+    ap.add_argument("--trials", type=int, default=None, help="default 7 (tiny 1)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
+    tiny = announce("bench_keyed")
+    a.trials = a.trials or (1 if tiny else 7)
+    count, numel = (4, 16 << 10) if tiny else (32, 8 << 20)  # tensors of the state: 32 MiB each (tiny 64 KiB)
+    n_small, runs = (1_000, 1) if tiny else (100_000, 3)
     exe = os.path.join(os.path.dirname(sys.executable), "certckpt")
     res: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="certckpt-bench-keyed-") as d:
         priv, pub = generate_key(os.path.join(d, "k"))
         keys = TrustedKeys.load([pub])
         torch.manual_seed(0)
-        state = {f"layer{i}": torch.randn(8 << 20) for i in range(32)}
+        state = {f"layer{i}": torch.randn(numel) for i in range(count)}
+        state_bytes = sum(t.numel() * t.element_size() for t in state.values())
 
         # The saves run twice: in tmpfs when there is one (the page cache without writeback: what
         # signing costs the cores, the figure the target is read against), then on this VM's disk
@@ -128,24 +137,25 @@ def main() -> None:
         res["sha256sum_s"], res["verify_keyed_s"], *_ = _interleaved(
             lambda i: _process(["sha256sum", signed]),
             lambda i: _process([exe, "verify", "--trusted-keys", pub, signed]),
-            3,
+            runs,
         )
         many = os.path.join(d, "many.safetensors")
-        certckpt.save({f"t{i}": torch.randn(4) for i in range(100_000)}, many)
+        certckpt.save({f"t{i}": torch.randn(4) for i in range(n_small)}, many)
         # three runs each: the median time, the largest peak
-        runs = [_process([exe, "verify", many]) for _ in range(3)]
-        res["many_verify_s"] = statistics.median(r[0] for r in runs)
-        res["many_verify_mb"] = max(r[1] for r in runs)
-        runs = [_process([sys.executable, "-c", f"import certckpt; certckpt.load({many!r})"]) for _ in range(3)]
-        res["many_load_s"] = statistics.median(r[0] for r in runs)
-        res["many_load_mb"] = max(r[1] for r in runs)
+        out = [_process([exe, "verify", many]) for _ in range(runs)]
+        res["many_verify_s"] = statistics.median(r[0] for r in out)
+        res["many_verify_mb"] = max(r[1] for r in out)
+        out = [_process([sys.executable, "-c", f"import certckpt; certckpt.load({many!r})"]) for _ in range(runs)]
+        res["many_load_s"] = statistics.median(r[0] for r in out)
+        res["many_load_mb"] = max(r[1] for r in out)
 
     def line(label: str, value: float, target: str, ok: bool, unit: str = "x") -> None:
         print(f"  {label:<44} {value:7.2f}{unit:<3} target {target:<10} {'PASS' if ok else 'MISS'}")
 
     load_r = res["load_keyed_s"] / res["load_unkeyed_s"]
     verify_x = res["sha256sum_s"] / res["verify_keyed_s"]
-    print(f"keyed reads and signed writes, 1 GiB state ({a.trials} interleaved trials, medians)")
+    size = f"{state_bytes / 2**30:.3g} GiB"
+    print(f"keyed reads and signed writes, {size} state ({a.trials} interleaved trials, medians)")
     target_on = "tmpfs" if "tmpfs_save_signed_s" in res else "disk"
     for where in ("tmpfs", "disk"):
         if f"{where}_save_signed_s" not in res:
@@ -183,7 +193,7 @@ def main() -> None:
         ">= 8x",
         verify_x >= 8,
     )
-    print("a file of 100,000 tensors (whole processes)")
+    print(f"a file of {n_small:,} tensors (whole processes)")
     line("certckpt verify", res["many_verify_s"], "<= 3 s", res["many_verify_s"] <= 3, " s")
     line("certckpt verify, peak memory", res["many_verify_mb"], "<= 200 MB", res["many_verify_mb"] <= 200, " MB")
     line("certckpt.load", res["many_load_s"], "<= 6 s", res["many_load_s"] <= 6, " s")

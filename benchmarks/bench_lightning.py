@@ -7,6 +7,9 @@ Run from the repository root:
     python benchmarks/bench_lightning.py --quick    # ~50 MiB checkpoints, 3 trials (smoke run)
     python benchmarks/bench_lightning.py --json     # also print every figure and sample as JSON
 
+``CERTCKPT_BENCH_TINY=1`` (``benchmarks/tinymode.py``): 2 layers of 64, one trial: every code path in
+seconds, figures meaningless.
+
 The model: an MLP of ``--layers`` square float32 ``Linear`` layers of width ``--width`` (default 12 x
 2048: 201 MiB of weights), trained one step with AdamW under a real ``Trainer`` so that the
 checkpoint holds what a training run's does: weights, the optimizer's two moments, the scheduler,
@@ -197,9 +200,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", default=None, help="where the temp dir goes (local disk, not tmpfs)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    layers = args.layers or (4 if args.quick else 12)
-    width = args.width or (1024 if args.quick else 2048)
-    trials = args.trials or (3 if args.quick else 5)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from tinymode import announce
+
+    tiny = announce("bench_lightning")
+    layers = args.layers or (2 if tiny else 4 if args.quick else 12)
+    width = args.width or (64 if tiny else 1024 if args.quick else 2048)
+    trials = args.trials or (1 if tiny else 3 if args.quick else 5)
     warnings.filterwarnings("ignore")
     import logging
 

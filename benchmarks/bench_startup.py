@@ -9,6 +9,9 @@ Each command runs ``--runs`` times, interleaved, and the minimum is reported (st
 one-sided: nothing makes a process start faster than its floor).
 
     python benchmarks/bench_startup.py [--runs 10] [--size-mb 512] [--json]
+
+``CERTCKPT_BENCH_TINY=1`` (``benchmarks/tinymode.py``): one run of each, a 1 MiB checkpoint: every code
+path in seconds, figures meaningless.
 """
 
 from __future__ import annotations
@@ -60,10 +63,16 @@ def best_of(commands: dict[str, list[str]], runs: int) -> dict[str, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--runs", type=int, default=10)
-    ap.add_argument("--size-mb", type=int, default=512)
+    ap.add_argument("--runs", type=int, default=None, help="default 10 (tiny 1)")
+    ap.add_argument("--size-mb", type=int, default=None, help="default 512 (tiny 1)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from tinymode import announce
+
+    tiny = announce("bench_startup")
+    args.runs = args.runs or (1 if tiny else 10)
+    args.size_mb = args.size_mb or (1 if tiny else 512)
 
     cli = certckpt_exe()
     help_t = best_of(

@@ -7,6 +7,9 @@ Run from the repository root:
     python benchmarks/bench_transformers.py --quick    # a 2-layer GPT2 with hidden 256: a smoke run
     python benchmarks/bench_transformers.py --json     # also print every sample as JSON
 
+``CERTCKPT_BENCH_TINY=1`` (``benchmarks/tinymode.py``): a 1-layer GPT2 with hidden 32, one trial: every
+code path in seconds, figures meaningless.
+
 One model, one AdamW state (after one real training step), and three contenders, each saving
 ``checkpoint-1/`` into a fresh output directory:
 
@@ -45,12 +48,14 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 MB = 1e6
 
 
-def build(quick: bool):
+def build(quick: bool, tiny: bool = False):
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    if quick:
+    if tiny:
+        cfg = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=256, n_positions=32)
+    elif quick:
         cfg = GPT2Config(n_layer=2, n_embd=256, n_head=4, vocab_size=8192, n_positions=64)
     else:  # GPT2 "small": 124M parameters
         cfg = GPT2Config(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024)
@@ -136,7 +141,11 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="parent of the temp dir (default: the system temp dir)")
     ap.add_argument("--json", action="store_true", help="also print every sample as JSON")
     args = ap.parse_args()
-    trials = args.trials or (3 if args.quick else 5)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from tinymode import announce
+
+    tiny = announce("bench_transformers")
+    trials = args.trials or (1 if tiny else 3 if args.quick else 5)
     t_start = time.perf_counter()
 
     def log(msg: str) -> None:
@@ -150,7 +159,7 @@ def main() -> None:
     root = tempfile.mkdtemp(prefix="certckpt-bench-hf-", dir=args.dir)
     try:
         log("building the model and taking one training step")
-        model = build(args.quick)
+        model = build(args.quick, tiny)
         params = sum(p.numel() for p in model.parameters())
         plain, cert = trainer_pair(model, root)
         counter = {"n": 0}

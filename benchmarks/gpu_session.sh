@@ -10,6 +10,8 @@
 #   echo /.gpu-wheels/ >> .git/info/exclude       # then carry=[".gpu-wheels"]
 #
 # GPU_SESSION_QUICK=1 shrinks the benchmark (a smoke run; with GPU_SESSION_DEVICE=cpu it runs anywhere).
+# CERTCKPT_BENCH_TINY=1 (benchmarks/tinymode.py) runs every step in seconds: the CUDA tests are only
+# collected, and the scripts below, which read the variable too, run on toy sizes.
 # GPU_SESSION_ONLY=a,b runs only those bench_gpu sections (see bench_gpu.py --only);
 # GPU_SESSION_ENVELOPE_SECONDS sets each envelope shape's seconds (default 8).
 set -uo pipefail
@@ -32,27 +34,41 @@ for name in ("triton", "safetensors", "fsspec", "xxhash", "click", "numpy", "pyt
         print(name, "MISSING:", e)
 PY
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | tee -a "$OUT/env.txt"
+status=0
+tiny="${CERTCKPT_BENCH_TINY:-}"
+[ "$tiny" = 0 ] && tiny=
+collect=()
+[ -n "$tiny" ] && collect=(--collect-only)
 # the tests that only run with CUDA (they skip without), with the CPU tests of the same files around them
-timeout 150 "$PY" -m pytest -q -p no:cacheprovider -m "not slow" -o addopts="" \
+timeout 150 "$PY" -m pytest -q -p no:cacheprovider -m "not slow" -o addopts="" "${collect[@]}" \
     tests/test_fused.py tests/test_staging.py tests/test_digest.py tests/test_fingerprint.py \
     tests/test_detect_unit.py tests/test_roundtrip.py tests/test_torch_compat.py tests/test_async_save.py \
     -k "cuda or gpu or fused or staging or device_tensors" \
-    2>&1 | tee "$OUT/pytest-cuda.txt" | tail -15
+    2>&1 | tee "$OUT/pytest-cuda.txt" | tail -15 || status=1
 device="${GPU_SESSION_DEVICE:-cuda}"
 only=()
 [ -n "${GPU_SESSION_ONLY:-}" ] && only=(--only "$GPU_SESSION_ONLY")
-if [ "${GPU_SESSION_QUICK:-0}" = 1 ]; then
-    timeout 400 "$PY" benchmarks/bench_gpu.py --quick --device "$device" --out "$OUT" "${only[@]}" 2>&1 | tail -60
+if [ "${GPU_SESSION_QUICK:-0}" = 1 ] || [ -n "$tiny" ]; then
+    timeout 400 "$PY" benchmarks/bench_gpu.py --quick --device "$device" --out "$OUT" "${only[@]}" 2>&1 | tail -60 ||
+        status=1
 else
     timeout 400 "$PY" benchmarks/bench_gpu.py --state-gib 2 --fp-gib 4 --trials 4 --device "$device" --out "$OUT" \
-        --envelope-seconds "${GPU_SESSION_ENVELOPE_SECONDS:-8}" "${only[@]}" 2>&1 | tail -80
+        --envelope-seconds "${GPU_SESSION_ENVELOPE_SECONDS:-8}" "${only[@]}" 2>&1 | tail -80 || status=1
 fi
 # issue 30: the asynchronous save's blocking time on a 4 GiB CUDA state, against a pinned copy and dcp.async_save
-[ "$device" = cuda ] && timeout 120 "$PY" benchmarks/bench_async.py --device cuda --trials 3 2>&1 | tee "$OUT/bench-async-cuda.txt" | tail -5
+if [ "$device" = cuda ]; then
+    timeout 120 "$PY" benchmarks/bench_async.py --device cuda --trials 3 2>&1 | tee "$OUT/bench-async-cuda.txt" |
+        tail -5 || status=1
+fi
 # issue 30: the detection envelope on a model people train (GPT-2 small's shape, 124M parameters; a
 # step of 8 x 1024 tokens takes well over 100 ms): audit every 100 within 1 point of the replay
 # floor, every 10 within 2 points. One NCCL rank: a single H200 holds no second replica.
-[ "$device" = cuda ] && timeout 240 "$PY" -m certckpt_cli.main envelope --model gpt2-small --device cuda \
-    --backend nccl --ranks 1 --seq-lens 1024 --micro-batches 8 --audit-every 10,100 \
-    --seconds-per-shape "${GPU_SESSION_ENVELOPE_SECONDS:-20}" --max-premium 1 \
-    2>&1 | tee "$OUT/envelope-gpt2-small.txt" | tail -12
+shape=(--seq-lens 1024 --micro-batches 8 --audit-every 10,100 --seconds-per-shape "${GPU_SESSION_ENVELOPE_SECONDS:-20}")
+[ -n "$tiny" ] && shape=(--seq-lens 16 --micro-batches 1 --audit-every 10 --steps 1 --seconds-per-shape 1)
+if [ "$device" = cuda ]; then
+    timeout 240 "$PY" -m certckpt_cli.main envelope --model gpt2-small --device cuda \
+        --backend nccl --ranks 1 "${shape[@]}" --max-premium 1 \
+        2>&1 | tee "$OUT/envelope-gpt2-small.txt" | tail -12 || status=1
+fi
+# exit 1 when a step failed (a test, a benchmark's error, a command that timed out); every step runs
+exit "$status"
