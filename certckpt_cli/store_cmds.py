@@ -115,9 +115,18 @@ def checkpoint_directory(url: str) -> str:
     is_flag=True,
     help="Also print each checkpoint's audit coverage since its parent, and the detection bound.",
 )
+@click.option(
+    "--forget-memory",
+    "forget_memory",
+    is_flag=True,
+    help="First forget what this reader verified of STORE (its identity and chain heads): accept a store "
+    "re-created at the same URL on purpose. Never needed otherwise: a rollback check is lost with it.",
+)
 @trusted_keys_option
 @expected_errors
-def status(store: str, verify_bytes: bool, as_json: bool, show_coverage: bool = False) -> None:
+def status(
+    store: str, verify_bytes: bool, as_json: bool, show_coverage: bool = False, forget_memory: bool = False
+) -> None:
     """Every checkpoint of STORE with its verdict and reasons, the detections, uncommitted files.
 
     STORE may also be one checkpoint's directory inside a store (a Trainer ``checkpoint-N/``): the
@@ -125,6 +134,11 @@ def status(store: str, verify_bytes: bool, as_json: bool, show_coverage: bool = 
     inside = enclosing_store(store)
     if inside is not None:
         store, directory = inside, store
+    if forget_memory:
+        from certckpt.trust.memory import forget
+
+        forgotten = forget(store)
+        click.echo(f"forgot what this reader verified of {store} ({len(forgotten)} file(s))", err=True)
     st = certify_store(store, verify_bytes=verify_bytes)
     focus = _checkpoint_in(st, directory) if inside is not None else None
     cert = st.certification

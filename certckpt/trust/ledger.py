@@ -63,7 +63,15 @@ from .chain import (
     scope_of,
 )
 from .factcache import FactsCache
-from .snapshot import KINDS, MAX_RECORD_BYTES, SOURCES_DIR, LedgerSnapshot, is_ckpt_id, is_plain_name, read_snapshot
+from .snapshot import (
+    KINDS,
+    MAX_SMALL_RECORD_BYTES,
+    SOURCES_DIR,
+    LedgerSnapshot,
+    is_ckpt_id,
+    is_plain_name,
+    read_snapshot,
+)
 
 __all__ = ["Ledger", "LedgerSink", "LedgerSnapshot", "ckpt_id_for", "is_ckpt_id", "LEDGER_DIR", "VAULT_MARK"]
 
@@ -172,7 +180,7 @@ class Ledger:
 
     def _read_optional(self, name: str) -> bytes | None:
         # the storage refuses a link or a FIFO named like a record (it would block the writer)
-        return self._storage().get(name, limit=MAX_RECORD_BYTES)
+        return self._storage().get(name, limit=MAX_SMALL_RECORD_BYTES)
 
     def _has_records(self) -> bool:
         storage = self._storage()

@@ -42,6 +42,7 @@ __all__ = [
     "KINDS",
     "LedgerSnapshot",
     "MAX_RECORD_BYTES",
+    "MAX_SMALL_RECORD_BYTES",
     "SOURCES_DIR",
     "is_ckpt_id",
     "is_plain_name",
@@ -79,7 +80,14 @@ _FOR_TRUST = ("checkpoints", "holdings", "branches", "drills", "certificates", "
 BRANCH_KINDS = ("checkpoints", "branches", "placements")  # records sealed by their branch's chain
 _BATCH = 256  # event segments read per request: bounded memory, few round trips
 _RELISTS = 3  # listings again when a chain looks truncated (see read_snapshot)
-MAX_RECORD_BYTES = 1 << 30  # no record or segment is this large (a segment holds 4,096 events)
+MAX_RECORD_BYTES = 1 << 30  # no event segment is this large (a segment holds 4,096 events)
+# Every other file of a ledger (a commit record, a chain entry, a revocation...) is a small JSON object,
+# and all of them are held at once while a ledger is read: each is bounded, and so is their sum and
+# the sum of everything one read takes in (a sparse file counts by its size, not its blocks).
+MAX_SMALL_RECORD_BYTES = 16 << 20
+MAX_SMALL_TOTAL_BYTES = 1 << 30
+MAX_LEDGER_BYTES = 64 << 30
+_BATCH_BYTES = 256 << 20  # event segments held at once while they are hashed
 
 
 def is_plain_name(name: str) -> bool:
@@ -375,7 +383,9 @@ def _segment_lines(data: bytes) -> list[Any]:
     return out
 
 
-def _list(storage: Storage, refused: list[tuple[str, str]], stamps: dict[str, str]) -> dict[str, list[str]]:
+def _list(
+    storage: Storage, refused: list[tuple[str, str]], stamps: dict[str, str], sizes: dict[str, int]
+) -> dict[str, list[str]]:
     """Every ledger name, by top-level entry (kind, ``chains``, ``sources``, or ``""`` for files).
 
     The storage never follows or opens what is not a regular file: a FIFO would block a reader
@@ -386,16 +396,29 @@ def _list(storage: Storage, refused: list[tuple[str, str]], stamps: dict[str, st
     # so every record an entry listed here seals is there when the rest is listed (a writer at work
     # meanwhile cannot make a sealed record look deleted).
     entries = storage.walk(CHAINS_DIR, depth=2) + storage.walk(depth=3, skip=(CHAINS_DIR,))
+    small = total = 0
     for e in entries:
         if e.kind != "file":
             what = "a directory nested too deep" if e.kind == "directory" else e.what
             refused.append((e.name, f"not a regular file ({what}); never opened"))
             continue
-        if e.size is not None and e.size > MAX_RECORD_BYTES:
-            refused.append((e.name, f"{e.size} bytes, more than any record"))
-            continue
-        stamps[e.name] = e.stamp
         top, _, rest = e.name.partition("/")
+        segment = top == "events" and bool(rest)
+        limit = MAX_RECORD_BYTES if segment else MAX_SMALL_RECORD_BYTES
+        if e.size is not None and e.size > limit:
+            refused.append((e.name, f"{e.size} bytes, more than any {'segment' if segment else 'record'}; never read"))
+            continue
+        size = e.size or 0
+        total += size
+        small += 0 if segment else size
+        if small > MAX_SMALL_TOTAL_BYTES or total > MAX_LEDGER_BYTES:
+            budget = MAX_SMALL_TOTAL_BYTES if small > MAX_SMALL_TOTAL_BYTES else MAX_LEDGER_BYTES
+            raise StorageError(
+                f"the ledger holds more than {budget} bytes of records, more than one read takes in (files planted "
+                "to exhaust memory?); nothing is certified from it until they are removed"
+            )
+        stamps[e.name] = e.stamp
+        sizes[e.name] = size
         out.setdefault(top if rest else "", []).append(e.name)
     return out
 
@@ -433,7 +456,8 @@ def read_snapshot(
         for attempt in range(_RELISTS + 1):
             refused: list[tuple[str, str]] = []
             stamps: dict[str, str] = {}
-            listing = _list(storage, refused, stamps)
+            sizes: dict[str, int] = {}
+            listing = _list(storage, refused, stamps, sizes)
             small = [p for k, v in listing.items() if k != "events" for p in v]
             got = storage.get_many(small)
             # listed, then gone (records are never removed): read as empty, it fails its checks
@@ -442,6 +466,7 @@ def read_snapshot(
             reader.remembered_genesis = remembered_genesis
             segments = set(listing.get("events", []))
             reader.stamps = {p.rsplit("/", 1)[-1]: v for p, v in stamps.items() if p in segments}
+            reader.sizes = {p.rsplit("/", 1)[-1]: v for p, v in sizes.items() if p in segments}
             reader.snap.invalid.extend(refused)
             reader.hash_segments()
             reader.check_chains()
@@ -493,6 +518,7 @@ class _Reader:
         self.digests: dict[tuple[str, str], str] = {}
         self.cache: FactsCache | None = cache
         self.stamps: dict[str, str] = {}  # segment name -> its change detector (see hash_segments)
+        self.sizes: dict[str, int] = {}  # segment name -> its listed size (batches are bounded by bytes)
         self.files: dict[str, list[str]] = {k: sorted(listing.get(k, [])) for k in KINDS}
         self.segment_names = [p.rsplit("/", 1)[-1] for p in self.files["events"]]
         for k in KINDS:
@@ -513,12 +539,19 @@ class _Reader:
     # --- event segments: hashed first (the chains need their digests), parsed once they are judged --
 
     def _batches(self, names: list[str]) -> Iterator[tuple[str, bytes]]:
+        """The segments' bytes, at most ``_BATCH`` segments and ``_BATCH_BYTES`` (as listed) at a time."""
         by_name = {p.rsplit("/", 1)[-1]: p for p in self.files["events"]}
-        for i in range(0, len(names), _BATCH):
-            paths = [by_name[n] for n in names[i : i + _BATCH]]
+        i = 0
+        while i < len(names):
+            j, held = i, 0
+            while j < len(names) and j - i < _BATCH and (j == i or held + self.sizes.get(names[j], 0) <= _BATCH_BYTES):
+                held += self.sizes.get(names[j], 0)
+                j += 1
+            paths = [by_name[n] for n in names[i:j]]
             got = self.storage.get_many(paths)
-            for n, p in zip(names[i : i + _BATCH], paths):
+            for n, p in zip(names[i:j], paths):
                 yield n, got.get(p, b"")  # a sealed segment that vanished breaks its chain
+            i = j
 
     def hash_segments(self) -> None:
         """Every segment's SHA-256. A segment this reader verified before and whose stamp (size,

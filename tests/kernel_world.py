@@ -1,0 +1,81 @@
+"""The trust kernel's world, shared by tests/test_trust_kernel.py and tests/test_attack_model.py: two
+signed runs of 3 gloo ranks under one fleet registry (tests/kernel_cases.py), the clean run promoted
+into a vault, built once per session and restored in place before each use (stores name each other by
+absolute URL, so a copy elsewhere would still point at the originals)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+
+from click.testing import CliRunner
+
+from certckpt.format.signing import generate_key
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+STORES = ("clean", "prior", "det", "vault", "fleet")
+
+
+@dataclass
+class World:
+    """Where the world lives (``live``), its untouched copy (``pristine``) and the keys."""
+
+    live: str
+    pristine: str
+    writer: str  # private key of the training nodes and the promoter
+    pub: str
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.live, name)
+
+    def restore(self) -> None:
+        """Put the untouched world back where it lives (the stores' records name these paths)."""
+        for name in STORES:
+            live = self.path(name)
+            if os.path.lexists(live):
+                if os.path.isdir(live) and not os.path.islink(live):
+                    shutil.rmtree(live, ignore_errors=True)
+                else:
+                    os.unlink(live)
+            shutil.copytree(os.path.join(self.pristine, name), live, symlinks=True)
+
+
+def build_world(root: str) -> World:
+    """Train both runs on 3 gloo ranks, convict gpu-x, promote the clean run (~20 s on 2 cores)."""
+    from certckpt.detect.launch import run_ranks
+    from certckpt.trust.fleet import Fleet
+    from certckpt.vault.promotion import promote
+
+    keys = os.path.join(root, "keys")
+    writer, pub = generate_key(os.path.join(keys, "writer"))
+    live = os.path.join(root, "world")
+    for name in STORES:
+        os.makedirs(os.path.join(live, name))
+    saved = {k: os.environ.get(k) for k in ("CERTCKPT_SIGNING_KEY", "CERTCKPT_TRUSTED_KEYS", "CERTCKPT_STATE_DIR")}
+    os.environ.update(
+        CERTCKPT_SIGNING_KEY=writer, CERTCKPT_TRUSTED_KEYS=pub, CERTCKPT_STATE_DIR=os.path.join(root, "state")
+    )
+    try:
+        Fleet(os.path.join(live, "fleet")).create()
+        args = {k: os.path.join(live, k) for k in STORES}
+        out = run_ranks("kernel_cases:kernel_world", 3, args, timeout=300, extra_path=TESTS)
+        assert [o["caught"] for o in out] == [15, 15, 15], out
+        promoted = promote(args["clean"], args["vault"])
+        assert [p.ckpt_id for p in promoted] == ["main@5", "main@10", "main@15", "main@20"], promoted
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    pristine = os.path.join(root, "pristine")
+    shutil.copytree(live, pristine, symlinks=True)
+    return World(live=live, pristine=pristine, writer=writer, pub=pub)
+
+
+def cli(*args: str):
+    """Run one certckpt command in this process, as an operator would (the environment as it is)."""
+    from certckpt_cli.main import main
+
+    return CliRunner().invoke(main, list(args), catch_exceptions=True)
