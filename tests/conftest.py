@@ -176,3 +176,26 @@ def event_dict(branch, step, kind, outcome="pass", **details):
         "details": details,
         "inventory": {},
     }
+
+
+@pytest.fixture(scope="session")
+def kernel_world(tmp_path_factory):
+    """The trust kernel's world (tests/kernel_world.py): two signed runs trained on 3 gloo ranks and a
+    vault under one fleet registry, built once per session (~10 s) and restored before each use."""
+    from kernel_world import build_world
+
+    return build_world(str(tmp_path_factory.mktemp("kernel")))
+
+
+@pytest.fixture(scope="module")
+def rank0_group(tmp_path_factory):
+    """A gloo process group of one rank in this process, for start checks (their collective runs for real)."""
+    import torch
+    import torch.distributed as dist
+
+    d = tmp_path_factory.mktemp("pg")
+    dist.init_process_group("gloo", init_method=f"file://{d}/pg", rank=0, world_size=1)
+    try:
+        yield {"group": dist.group.WORLD, "wire_device": torch.device("cpu")}
+    finally:
+        dist.destroy_process_group()

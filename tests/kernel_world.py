@@ -5,13 +5,19 @@ absolute URL, so a copy elsewhere would still point at the originals)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from dataclasses import dataclass
 
 from click.testing import CliRunner
 
+from certckpt.errors import DeviceConvictedError
 from certckpt.format.signing import generate_key
+from certckpt.trust.chain import CHAINS_DIR, GENESIS, digest, entry_doc, entry_name
+from certckpt.trust.fleet import Fleet
+from certckpt.trust.ledger import Ledger
+from certckpt.trust.runstore import certify_store
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 STORES = ("clean", "prior", "det", "vault", "fleet")
@@ -79,3 +85,64 @@ def cli(*args: str):
     from certckpt_cli.main import main
 
     return CliRunner().invoke(main, list(args), catch_exceptions=True)
+
+
+def start(w: World, pg, device: str, store: str) -> str | None:
+    """A run's start check on ``device``; the refusal's text, None when it may start."""
+    from certckpt.detect.fleet_check import check_fleet_at_start
+
+    os.makedirs(store, exist_ok=True)
+    try:
+        check_fleet_at_start(
+            Fleet(w.path("fleet")),
+            policy="refuse",
+            inventory={"0": {"device_id": device, "host": "node-y"}},
+            rank=0,
+            ledger=Ledger(store),
+            run="new",
+            branch="main",
+            start_step=0,
+            **pg,
+        )
+    except DeviceConvictedError as e:
+        return str(e)
+    return None
+
+
+def levels(store: str) -> dict[str, str]:
+    return {c: v.label for c, v in certify_store(store, write_certificates=False).certification.verdicts.items()}
+
+
+def operator_reads(w: World) -> None:
+    """What an operator does every day: every store read once, so this reader remembers them."""
+    for name in ("clean", "prior", "det", "vault"):
+        assert cli("status", w.path(name)).exit_code in (0, 1)
+    assert cli("fleet", "ls", "--fleet", w.path("fleet")).exit_code == 0
+
+
+def held(w: World) -> set[str]:
+    return {n.removesuffix(".safetensors") for n in os.listdir(w.path("vault")) if n.endswith(".safetensors")}
+
+
+def unsigned_entry(store: str, *, seen: dict[str, int]) -> None:
+    """A chain entry a keyless writer adds: it links to the genesis, names the store, signs nothing."""
+    ledger = os.path.join(store, "_ledger")
+    with open(os.path.join(ledger, GENESIS), "rb") as f:
+        genesis = f.read()
+    doc = entry_doc(
+        store=json.loads(genesis)["store_id"],
+        writer="w" + "e" * 16,
+        seq=1,
+        prev=digest(genesis),
+        scope="store",
+        records=[],
+        seen=seen,
+        now=1.0,
+    )
+    os.makedirs(os.path.join(ledger, CHAINS_DIR, "w" + "e" * 16))
+    with open(os.path.join(ledger, CHAINS_DIR, "w" + "e" * 16, entry_name(1)), "w") as f:
+        json.dump(doc, f)
+
+
+def a_real_writer(store: str) -> str:
+    return sorted(os.listdir(os.path.join(store, "_ledger", CHAINS_DIR)))[0]

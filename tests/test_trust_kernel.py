@@ -12,10 +12,9 @@ import subprocess
 import sys
 
 import pytest
-from kernel_world import World, build_world, cli
+from kernel_world import World, a_real_writer, cli, held, levels, operator_reads, start, unsigned_entry
 
-from certckpt.errors import DeviceConvictedError
-from certckpt.trust.chain import CHAINS_DIR, GENESIS, digest, entry_doc, entry_name
+from certckpt.trust.chain import CHAINS_DIR, GENESIS
 from certckpt.trust.fleet import Fleet
 from certckpt.trust.ledger import Ledger
 from certckpt.trust.runstore import certify_store
@@ -23,94 +22,19 @@ from certckpt.trust.runstore import certify_store
 pytestmark = pytest.mark.slow  # the world is trained on 3 gloo ranks once per session (~25 s)
 
 
-@pytest.fixture(scope="session")
-def world(tmp_path_factory) -> World:
-    return build_world(str(tmp_path_factory.mktemp("kernel")))
+@pytest.fixture
+def w(kernel_world, tmp_path, monkeypatch) -> World:
+    """The untouched world back in place; this test's reader starts with an empty memory."""
+    kernel_world.restore()
+    monkeypatch.setenv("CERTCKPT_TRUSTED_KEYS", kernel_world.pub)
+    monkeypatch.setenv("CERTCKPT_SIGNING_KEY", kernel_world.writer)  # the operator promotes and prunes, signed
+    monkeypatch.setenv("CERTCKPT_STATE_DIR", str(tmp_path / "state"))
+    return kernel_world
 
 
 @pytest.fixture
-def w(world, tmp_path, monkeypatch) -> World:
-    """The untouched world back in place; this test's reader starts with an empty memory."""
-    world.restore()
-    monkeypatch.setenv("CERTCKPT_TRUSTED_KEYS", world.pub)
-    monkeypatch.setenv("CERTCKPT_SIGNING_KEY", world.writer)  # the operator promotes and prunes, signed
-    monkeypatch.setenv("CERTCKPT_STATE_DIR", str(tmp_path / "state"))
-    return world
-
-
-@pytest.fixture(scope="module")
-def pg(tmp_path_factory):
-    """A gloo process group of one rank in this process: start checks run their collective for real."""
-    import torch
-    import torch.distributed as dist
-
-    d = tmp_path_factory.mktemp("pg")
-    dist.init_process_group("gloo", init_method=f"file://{d}/pg", rank=0, world_size=1)
-    try:
-        yield {"group": dist.group.WORLD, "wire_device": torch.device("cpu")}
-    finally:
-        dist.destroy_process_group()
-
-
-def start(w: World, pg, device: str, store: str) -> str | None:
-    """A run's start check on ``device``; the refusal's text, None when it may start."""
-    from certckpt.detect.fleet_check import check_fleet_at_start
-
-    os.makedirs(store, exist_ok=True)
-    try:
-        check_fleet_at_start(
-            Fleet(w.path("fleet")),
-            policy="refuse",
-            inventory={"0": {"device_id": device, "host": "node-y"}},
-            rank=0,
-            ledger=Ledger(store),
-            run="new",
-            branch="main",
-            start_step=0,
-            **pg,
-        )
-    except DeviceConvictedError as e:
-        return str(e)
-    return None
-
-
-def levels(store: str) -> dict[str, str]:
-    return {c: v.label for c, v in certify_store(store, write_certificates=False).certification.verdicts.items()}
-
-
-def operator_reads(w: World) -> None:
-    """What an operator does every day: every store read once, so this reader remembers them."""
-    for name in ("clean", "prior", "det", "vault"):
-        assert cli("status", w.path(name)).exit_code in (0, 1)
-    assert cli("fleet", "ls", "--fleet", w.path("fleet")).exit_code == 0
-
-
-def held(w: World) -> set[str]:
-    return {n.removesuffix(".safetensors") for n in os.listdir(w.path("vault")) if n.endswith(".safetensors")}
-
-
-def unsigned_entry(store: str, *, seen: dict[str, int]) -> None:
-    """A chain entry a keyless writer adds: it links to the genesis, names the store, signs nothing."""
-    ledger = os.path.join(store, "_ledger")
-    with open(os.path.join(ledger, GENESIS), "rb") as f:
-        genesis = f.read()
-    doc = entry_doc(
-        store=json.loads(genesis)["store_id"],
-        writer="w" + "e" * 16,
-        seq=1,
-        prev=digest(genesis),
-        scope="store",
-        records=[],
-        seen=seen,
-        now=1.0,
-    )
-    os.makedirs(os.path.join(ledger, CHAINS_DIR, "w" + "e" * 16))
-    with open(os.path.join(ledger, CHAINS_DIR, "w" + "e" * 16, entry_name(1)), "w") as f:
-        json.dump(doc, f)
-
-
-def a_real_writer(store: str) -> str:
-    return sorted(os.listdir(os.path.join(store, "_ledger", CHAINS_DIR)))[0]
+def pg(rank0_group):
+    return rank0_group
 
 
 # --- the untouched world, for reference ---------------------------------------------------------------

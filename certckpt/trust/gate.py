@@ -96,5 +96,11 @@ def rotation_keeps(
     """Why a framework rotation (``save_top_k``, ``save_total_limit``) must not delete this run's
     checkpoint: it is latest-good, or the gate keeps it (None: it may go)."""
     protected = {latest_good: "it is the run's latest-good"} if latest_good else {}
-    decision = gate_deletions([ckpt_id], verdicts=verdicts, doubt=store_doubt(snap), protected=protected)
+    doubt = store_doubt(snap)
+    if ckpt_id not in verdicts and doubt is None and ckpt_id not in protected:
+        # The rotating writer committed this checkpoint itself, and a background save may not have
+        # sealed the record yet (written, then sealed); a record deleted by someone else would be a
+        # break of the chain that sealed it, which is doubt.
+        return None
+    decision = gate_deletions([ckpt_id], verdicts=verdicts, doubt=doubt, protected=protected)
     return decision.keep.get(ckpt_id)
