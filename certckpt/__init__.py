@@ -54,6 +54,7 @@ _LAZY = {
     "register_type": "format.registry",
     "unregister_type": "format.registry",
     "verify": "format.verify",
+    "TrustConfig": "format.trustconfig",
     "inspect": "format.verify",
     "VerifyReport": "format.verify",
     "Problem": "format.verify",
@@ -82,6 +83,7 @@ __all__ = [
     "register_type",
     "unregister_type",
     "verify",
+    "TrustConfig",
     "inspect",
     "fingerprint",
     "fingerprint_many",
@@ -135,6 +137,7 @@ if TYPE_CHECKING:  # pragma: no cover
     )
     from .format.reader import load
     from .format.registry import register_type, unregister_type
+    from .format.trustconfig import TrustConfig
     from .format.verify import CheckpointInfo, Problem, VerifyReport, inspect, verify
     from .format.writer import SaveResult
     from .trust.certify import certify

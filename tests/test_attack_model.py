@@ -171,6 +171,8 @@ class Attacker(RuleBasedStateMachine):
     def copy_across(self, data, src: str, dst: str, earlier: bool) -> None:
         """Copy a file or a directory from another store, or from an earlier (the untouched) copy of
         the same store, to the same place here: replays, splices, rollbacks."""
+        if src == dst and not earlier:
+            return  # a copy onto itself
         root = os.path.join(self.world.pristine, src) if earlier else self.world.path(src)
         files = _files(root)
         if not files:

@@ -24,6 +24,7 @@ from .skeleton import check_map_location, rebuild
 from .staging import read_to_device
 from .storage import Target, open_read, resolve
 from .tensors import ST_TO_TORCH, host_bytes
+from .trustconfig import TrustConfig
 from .verify import CheckpointInfo, digest_problem, fill_view, read_checkpoint_header
 
 __all__ = ["load", "warn_ignored"]
@@ -67,6 +68,7 @@ def load(
     mmap: bool | None = None,
     verify: bool = True,
     trusted_keys: TrustedKeys | str | os.PathLike[str] | None = KEYS_FROM_ENV,
+    trust: TrustConfig | None = None,
     **pickle_load_args: Any,
 ) -> Any:
     """Load an object saved with ``certckpt.save``; ``torch.load``'s signature, without pickle.
@@ -96,6 +98,7 @@ def load(
             the signed digest of the data (BLAKE3, SHA-256 in older files), in the same pass, in
             memory the load owns (``mmap=True`` reads instead of mapping): xxh3 stops accidents, not
             someone who can write the file (docs/signing.md).
+        trust: a ``TrustConfig`` whose keys stand where ``trusted_keys`` is left at its default.
         **pickle_load_args: ``torch.load``'s unpickler options (``encoding=``...): ignored, with one
             warning.
 
@@ -118,6 +121,8 @@ def load(
     if ignored:
         warn_ignored(ignored, function="load")
     check_map_location(map_location)
+    if trust is not None and trusted_keys == KEYS_FROM_ENV:
+        trusted_keys = trust.trusted_keys
     keys = trusted_keys_for(trusted_keys)
     if keys is not None and not verify:
         raise ConfigurationError(

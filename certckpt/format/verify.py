@@ -42,6 +42,7 @@ from .record import (
 )
 from .signing import TrustedKeys, trusted_keys_for
 from .storage import open_read, resolve
+from .trustconfig import NO_MMAP_ENV, TrustConfig, mmap_from_env
 
 if TYPE_CHECKING:
     import torch
@@ -72,7 +73,6 @@ _MAP_SLICE = 64 << 20
 
 Progress = Callable[[int, int], None]
 # The operator's switch for mounts where a mapped read's I/O error would end the process (SIGBUS).
-NO_MMAP_ENV = "CERTCKPT_NO_MMAP"
 
 
 @dataclass(frozen=True, slots=True)
@@ -475,7 +475,7 @@ def _position(fh: IO[bytes]) -> int | None:
 def maps_files() -> bool:
     """Whether a keyed verify maps local files by default: yes unless ``CERTCKPT_NO_MMAP`` is set to
     anything but ``0`` (read at each call, so an operator's setting reaches every verify)."""
-    return os.environ.get(NO_MMAP_ENV, "").strip() in ("", "0")
+    return mmap_from_env()
 
 
 def _changed_after_signing(source: str, field: str) -> str:
@@ -491,6 +491,7 @@ def verify(
     progress: Progress | None = None,
     trusted_keys: TrustedKeys | str | os.PathLike[str] | None = None,
     mmap: bool | None = None,
+    trust: TrustConfig | None = None,
 ) -> VerifyReport:
     """Check every byte of a checkpoint against its embedded digests.
 
@@ -511,6 +512,8 @@ def verify(
             the process with SIGBUS; False reads it instead. None (the default): map, unless the
             environment sets ``CERTCKPT_NO_MMAP=1``, which reaches every verify certckpt runs
             (latest-good, resume, restore, companions, shards; ``certckpt verify --no-mmap`` sets it).
+        trust: a ``TrustConfig``: its keys and its ``mmap`` stand where ``trusted_keys`` and ``mmap``
+            are not given.
 
     Returns:
         A ``VerifyReport``; ``report.ok`` is False for corrupt, truncated or tampered files.
@@ -525,6 +528,9 @@ def verify(
         True
     """
     t0 = time.perf_counter()
+    if trust is not None:
+        trusted_keys = trust.trusted_keys if trusted_keys is None else trusted_keys
+        mmap = trust.mmap if mmap is None else mmap
     keys = trusted_keys_for(trusted_keys)  # the one normalizer load uses: the same forms, the same errors
     target = resolve(f)
     report = VerifyReport(source=target.display, deep=deep)

@@ -35,6 +35,7 @@ from typing import Any
 
 from certckpt.errors import CheckpointNotFoundError, FleetError
 from certckpt.format.signing import SigningKey, TrustedKeys, signing_key_from_env, trusted_keys_from_env
+from certckpt.format.trustconfig import TrustConfig
 
 from .devices import DeviceStanding, check_appeal, check_clearance, device_of, fleet_standing, host_of, is_device_id
 from .incident import incident_id_for
@@ -148,6 +149,7 @@ class Fleet:
         *,
         signing_key: SigningKey | None | str = FROM_ENV,
         trusted_keys: TrustedKeys | None | str = FROM_ENV,
+        trust: TrustConfig | None = None,
     ) -> None:
         """Args:
         url: the registry's path or URL.
@@ -156,12 +158,17 @@ class Fleet:
             (default ``$CERTCKPT_TRUSTED_KEYS``; none: every record counts, see docs/operations.md).
             A writer that signs and is given no trusted keys trusts its own key's public half: a
             training node with a signing key never takes an unsigned clearance at its start check.
+        trust: the reader's configuration (its keys stand where ``trusted_keys`` is left at its
+            default; its memory directory keeps what this reader verified of the registry).
         """
         key = key_option(signing_key, signing_key_from_env, "signing_key")
-        trusted = key_option(trusted_keys, trusted_keys_from_env, "trusted_keys")
+        if trusted_keys == FROM_ENV and trust is not None:
+            trusted = trust.trusted_keys
+        else:
+            trusted = key_option(trusted_keys, trusted_keys_from_env, "trusted_keys")
         if trusted is None and key is not None:
             trusted = key.trusted()
-        self.ledger = Ledger(absolute_url(url), signing_key=key, trusted_keys=trusted)
+        self.ledger = Ledger(absolute_url(url), signing_key=key, trusted_keys=trusted, trust=trust)
         self.url = self.ledger.store
 
     # --- reading -------------------------------------------------------------------------------
@@ -170,10 +177,13 @@ class Fleet:
         """Every record, checked like a run's ledger (chains, signatures, the heads this reader saw
         before: a registry rolled back to before a conviction is a break)."""
         try:
-            snap = self.ledger.snapshot(remembered=recall(self.url), remembered_genesis=recall_genesis(self.url))
+            base = self.ledger.trust.memory_dir
+            snap = self.ledger.snapshot(
+                remembered=recall(self.url, base=base), remembered_genesis=recall_genesis(self.url, base=base)
+            )
         except CheckpointNotFoundError:
             return FleetView(url=self.url, exists=False, notes=["no fleet registry here"])
-        remember_snapshot(self.url, snap)
+        remember_snapshot(self.url, snap, base=base)
         if not snap.chained:  # no genesis, no chains: not a registry (a run never makes one)
             return FleetView(url=self.url, exists=False, notes=["no fleet registry here (no genesis record)"])
         recs = snap.fleet

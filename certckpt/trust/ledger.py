@@ -29,7 +29,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from certckpt.errors import (
@@ -48,6 +48,7 @@ from certckpt.format.storage import (
     put_once,
     resolve,
 )
+from certckpt.format.trustconfig import TrustConfig, mmap_from_env, state_dir_from_env
 from certckpt.log import RESUME
 
 from .certify import Revocation
@@ -145,6 +146,7 @@ class Ledger:
         signing_key: SigningKey | None | str = FROM_ENV,
         trusted_keys: TrustedKeys | None | str = FROM_ENV,
         chain: bool = True,
+        trust: TrustConfig | None = None,
     ):
         """Args:
         store: the run store's (or vault's) path or URL.
@@ -153,11 +155,20 @@ class Ledger:
             one of these keys signed them (default: ``$CERTCKPT_TRUSTED_KEYS``, else none).
         chain: a new ledger starts a chained store (a genesis record and per-writer chains); False
             keeps it unchained (a vault of a run written before chains existed).
+        trust: the reader's configuration (its keys stand where ``trusted_keys`` is left at its
+            default; its memory directory is where this reader's memory of the store lives);
+            default: ``TrustConfig.from_env()``.
         """
         self.store = store.rstrip("/") if "://" in store else store.rstrip("/") or "/"
         self.root = join(self.store, LEDGER_DIR)
         self.signing_key: SigningKey | None = key_option(signing_key, signing_key_from_env, "signing_key")
-        self.trusted_keys: TrustedKeys | None = key_option(trusted_keys, trusted_keys_from_env, "trusted_keys")
+        if trust is None:
+            keys = key_option(trusted_keys, trusted_keys_from_env, "trusted_keys")
+            trust = TrustConfig(trusted_keys=keys, mmap=mmap_from_env(), state_dir=state_dir_from_env())
+        elif trusted_keys != FROM_ENV:
+            trust = replace(trust, trusted_keys=key_option(trusted_keys, trusted_keys_from_env, "trusted_keys"))
+        self.trust: TrustConfig = trust
+        self.trusted_keys: TrustedKeys | None = trust.trusted_keys
         self._backend: Storage | None = None
         self._chained: bool | None = None  # learnt at the first write (a genesis record, or none)
         self._new_chained = chain  # whether a new ledger gets a genesis record (a vault of an old run: no)
@@ -513,7 +524,7 @@ class Ledger:
         Raises:
             StorageError: the store cannot be read; CertckptError: an event names no branch or step.
         """
-        return read_snapshot(
+        snap = read_snapshot(
             store=self.store,
             storage=self._storage(),
             trusted_keys=self.trusted_keys,
@@ -522,6 +533,8 @@ class Ledger:
             remembered_genesis=remembered_genesis,
             cache=cache,
         )
+        snap.trust = self.trust
+        return snap
 
     def uncommitted(self, snap: LedgerSnapshot | None = None) -> list[str]:
         """Checkpoints directly in the store that no commit record names (ignored by latest-good):

@@ -25,6 +25,8 @@ import os
 import tempfile
 from typing import TYPE_CHECKING, Any
 
+from certckpt.format.trustconfig import default_state_dir, state_dir_from_env
+
 from .factcache import FactsCache
 
 if TYPE_CHECKING:
@@ -42,18 +44,19 @@ __all__ = [
     "state_dir",
 ]
 
-STATE_ENV = "CERTCKPT_STATE_DIR"
+STATE_ENV = "CERTCKPT_STATE_DIR"  # (certckpt.format.trustconfig.STATE_ENV)
 _MAX_BYTES = 16 << 20  # a memory file larger than this is not ours
 _MAX_FACTS_BYTES = 1 << 30
 
 
-def state_dir() -> str:
-    return os.environ.get(STATE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "certckpt", "ledgers")
+def state_dir(given: str | None = None) -> str:
+    """The memory's directory: ``given`` (a ``TrustConfig``'s), else the environment's, else the default."""
+    return given or state_dir_from_env() or default_state_dir()
 
 
-def _path(store: str, suffix: str = ".json") -> str:
+def _path(store: str, suffix: str = ".json", base: str | None = None) -> str:
     key = os.path.abspath(store) if "://" not in store else store.rstrip("/")
-    return os.path.join(state_dir(), hashlib.sha256(key.encode("utf-8")).hexdigest()[:32] + suffix)
+    return os.path.join(state_dir(base), hashlib.sha256(key.encode("utf-8")).hexdigest()[:32] + suffix)
 
 
 def _write(path: str, doc: Any) -> None:
@@ -67,40 +70,40 @@ def _write(path: str, doc: Any) -> None:
         pass  # a read-only home: the next read just starts over
 
 
-def recall_facts(store: str) -> FactsCache | None:
+def recall_facts(store: str, *, base: str | None = None) -> FactsCache | None:
     """The event segments this reader verified and folded for ``store`` (None: none, or unreadable)."""
     try:
-        with open(_path(store, ".facts.json"), "rb") as f:
+        with open(_path(store, ".facts.json", base), "rb") as f:
             doc = json.loads(f.read(_MAX_FACTS_BYTES))
     except (OSError, ValueError, RecursionError):
         return None
     return FactsCache.from_json(doc) if isinstance(doc, dict) else None
 
 
-def remember_facts(store: str, cache: FactsCache | None) -> None:
+def remember_facts(store: str, cache: FactsCache | None, *, base: str | None = None) -> None:
     """Keep what this read verified (skipped when it added nothing to what was kept before)."""
     if cache is not None and cache.segments and not cache.unchanged:
-        _write(_path(store, ".facts.json"), cache.to_json())
+        _write(_path(store, ".facts.json", base), cache.to_json())
 
 
-def _recall_doc(store: str) -> dict[str, Any]:
+def _recall_doc(store: str, base: str | None) -> dict[str, Any]:
     try:
-        with open(_path(store), "rb") as f:
+        with open(_path(store, base=base), "rb") as f:
             doc: Any = json.loads(f.read(_MAX_BYTES))
     except (OSError, ValueError, RecursionError):
         return {}
     return doc if isinstance(doc, dict) else {}
 
 
-def recall_genesis(store: str) -> str | None:
+def recall_genesis(store: str, *, base: str | None = None) -> str | None:
     """The SHA-256 of the genesis record this reader verified for ``store`` (None: never, or forgot)."""
-    g = _recall_doc(store).get("genesis")
+    g = _recall_doc(store, base).get("genesis")
     return g if isinstance(g, str) and len(g) == 64 else None
 
 
-def recall(store: str) -> dict[str, tuple[int, str]]:
+def recall(store: str, *, base: str | None = None) -> dict[str, tuple[int, str]]:
     """The heads this reader verified for ``store`` (empty when it never read it, or forgot)."""
-    heads = _recall_doc(store).get("heads")
+    heads = _recall_doc(store, base).get("heads")
     if not isinstance(heads, dict):
         return {}
     out = {}
@@ -116,38 +119,40 @@ def recall(store: str) -> dict[str, tuple[int, str]]:
     return out
 
 
-def remember(store: str, heads: dict[str, tuple[int, str]], *, genesis: str | None = None) -> None:
+def remember(
+    store: str, heads: dict[str, tuple[int, str]], *, genesis: str | None = None, base: str | None = None
+) -> None:
     """Keep the newest heads seen (never a shorter one) and the store's identity (``genesis``: the
     SHA-256 of its genesis record; a different one is never written over the one kept: only
     ``forget`` accepts a re-created store); silently skipped where nothing can be written."""
-    doc = _recall_doc(store)
-    before = recall(store)
+    doc = _recall_doc(store, base)
+    before = recall(store, base=base)
     merged = dict(before)
     for w, (seq, h) in heads.items():
         if seq >= merged.get(w, (0, ""))[0]:
             merged[w] = (seq, h)
-    kept = recall_genesis(store)
+    kept = recall_genesis(store, base=base)
     identity = kept or genesis
     if merged != before or identity != doc.get("genesis"):
         out: dict[str, Any] = {"store": store, "heads": {w: list(v) for w, v in sorted(merged.items())}}
         if identity is not None:
             out["genesis"] = identity
-        _write(_path(store), out)
+        _write(_path(store, base=base), out)
 
 
-def remember_snapshot(store: str, snap: LedgerSnapshot) -> None:
+def remember_snapshot(store: str, snap: LedgerSnapshot, *, base: str | None = None) -> None:
     """Keep what a read of ``store`` proved: its identity and the heads of the writers that count."""
     if snap.chained and snap.genesis is not None:
-        remember(store, snap.memorable_heads, genesis=snap.genesis)
+        remember(store, snap.memorable_heads, genesis=snap.genesis, base=base)
 
 
-def forget(store: str) -> list[str]:
+def forget(store: str, *, base: str | None = None) -> list[str]:
     """Forget what this reader verified of ``store`` (its identity, heads and folded segments): the
     deliberate way to accept a store re-created at the same URL, or to drop heads an earlier version
     remembered of unauthenticated writers. Returns the files removed."""
     removed = []
     for suffix in (".json", ".facts.json"):
-        p = _path(store, suffix)
+        p = _path(store, suffix, base)
         try:
             os.remove(p)
             removed.append(p)

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from certckpt.errors import CheckpointNotFoundError
+from certckpt.format.trustconfig import TrustConfig
 
 from .certify import Level, accept_level
 from .ledger import Ledger
@@ -58,7 +59,9 @@ def next_branch(parent_branch: str, taken: set[str]) -> str:
     return f"{base}-r{n}"
 
 
-def plan_resume(store: str, *, accept: str | Level = Level.TRUSTED, verify_bytes: bool = True) -> ResumePoint:
+def plan_resume(
+    store: str, *, accept: str | Level = Level.TRUSTED, verify_bytes: bool = True, trust: TrustConfig | None = None
+) -> ResumePoint:
     """The checkpoint a run restarts from (latest-good) and the branch it continues on.
 
     Nothing is written: the restarted auditor records the branch (``Auditor(branch=..., parent=...)``,
@@ -68,7 +71,9 @@ def plan_resume(store: str, *, accept: str | Level = Level.TRUSTED, verify_bytes
         CheckpointNotFoundError: no checkpoint qualifies (nothing trusted, or verified with ``accept``).
     """
     level = accept_level(accept)
-    status, chosen = find_latest_good(store, verify_bytes=verify_bytes, write_certificates=False, accept=level)
+    status, chosen = find_latest_good(
+        store, verify_bytes=verify_bytes, write_certificates=False, accept=level, trust=trust
+    )
     if chosen is None:
         raise CheckpointNotFoundError(
             f"{store}: no {'trusted' if level is Level.TRUSTED else 'trusted or verified'} checkpoint to resume "
@@ -77,7 +82,7 @@ def plan_resume(store: str, *, accept: str | Level = Level.TRUSTED, verify_bytes
     snap = status.snapshot
     entry = status.entry(chosen)
     # every branch name ever recorded, valid or not: a new branch must not reuse any
-    recorded = {n.removesuffix(".json") for n in Ledger(store).list_raw("branches")}
+    recorded = {n.removesuffix(".json") for n in Ledger(store, trust=trust).list_raw("branches")}
     taken = {c.branch for c in snap.checkpoints} | set(snap.branch_parents) | recorded
     return ResumePoint(
         parent=chosen,

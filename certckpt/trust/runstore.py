@@ -11,7 +11,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from certckpt.errors import CertckptError, CheckpointExistsError, CheckpointNotFoundError, StorageError
@@ -20,6 +20,7 @@ from certckpt.format.record import CheckpointRecord
 from certckpt.format.sharded.check import ShardedReport, verify_checkpoint
 from certckpt.format.sharded.layout import is_directory
 from certckpt.format.signing import TrustedKeys
+from certckpt.format.trustconfig import TrustConfig
 from certckpt.format.verify import VerifyReport, verify
 
 from .certify import Certification, CheckpointEntry, Level, accept_level, certify
@@ -226,7 +227,8 @@ def convicted_ranges_for(
     views = {} if views is None else views
     for url in sorted({r["fleet"] for r, ok in snap.placements if ok and isinstance(r.get("fleet"), str)}):
         if url not in views:
-            views[url] = Fleet(url, signing_key=None, trusted_keys=snap.trusted_keys).read()
+            trust = snap.trust or TrustConfig(trusted_keys=snap.trusted_keys)
+            views[url] = Fleet(url, signing_key=None, trust=replace(trust, trusted_keys=snap.trusted_keys)).read()
         view = views[url]
         # The run registered its store there before training: a registry that is gone, lists no
         # store, was re-created, or whose chains are broken may have lost a conviction, so nothing it
@@ -305,7 +307,9 @@ def _record_changes(ledger: Ledger, status: StoreStatus) -> None:
         ledger.record_certificates(changed)
 
 
-def certify_store(store: str, *, verify_bytes: bool = False, write_certificates: bool = True) -> StoreStatus:
+def certify_store(
+    store: str, *, verify_bytes: bool = False, write_certificates: bool = True, trust: TrustConfig | None = None
+) -> StoreStatus:
     """Certify every committed checkpoint of a run store.
 
     Args:
@@ -313,8 +317,9 @@ def certify_store(store: str, *, verify_bytes: bool = False, write_certificates:
         verify_bytes: verify every checkpoint's bytes (otherwise only latest-good's are checked), and
             every ledger event segment again (otherwise only those appended since this reader's last read).
         write_certificates: record each verdict change in the ledger.
+        trust: the reader's keys and memory (default ``TrustConfig.from_env()``).
     """
-    ledger = Ledger(store)
+    ledger = Ledger(store, trust=trust)
     snap = read_remembering(ledger, use_cache=not verify_bytes)  # --verify-bytes: every byte, again
     problems = dict(_shared_files(snap))
     if verify_bytes:
@@ -343,12 +348,14 @@ def read_remembering(ledger: Ledger, *, use_cache: bool = True) -> LedgerSnapsho
         use_cache: start from the event segments this reader verified before (only what was appended
             since is read); False re-reads and re-hashes every segment.
     """
-    cache = recall_facts(ledger.store) if use_cache else None
-    store = ledger.store
-    snap = ledger.snapshot(remembered=recall(store), remembered_genesis=recall_genesis(store), cache=cache)
-    remember_snapshot(ledger.store, snap)
+    store, base = ledger.store, ledger.trust.memory_dir
+    cache = recall_facts(store, base=base) if use_cache else None
+    snap = ledger.snapshot(
+        remembered=recall(store, base=base), remembered_genesis=recall_genesis(store, base=base), cache=cache
+    )
+    remember_snapshot(store, snap, base=base)
     if snap.chained:
-        remember_facts(ledger.store, snap.facts_cache)
+        remember_facts(store, snap.facts_cache, base=base)
     return snap
 
 
@@ -367,7 +374,12 @@ def _writable(write: Callable[[], Any]) -> bool:
 
 
 def find_latest_good(
-    store: str, *, verify_bytes: bool = True, write_certificates: bool = True, accept: str | Level = Level.TRUSTED
+    store: str,
+    *,
+    verify_bytes: bool = True,
+    write_certificates: bool = True,
+    accept: str | Level = Level.TRUSTED,
+    trust: TrustConfig | None = None,
 ) -> tuple[StoreStatus, str | None]:
     """The newest trusted checkpoint whose bytes verify now, falling back along the trusted order.
 
@@ -378,13 +390,14 @@ def find_latest_good(
         write_certificates: record verdict changes in the ledger.
         accept: ``"trusted"`` (default) or ``"verified"``: also take a verified checkpoint (a run
             without the auditor), but only when no trusted one qualifies.
+        trust: the reader's keys and memory (default ``TrustConfig.from_env()``).
 
     Example:
         >>> status, cid = find_latest_good("runs/r1", accept="verified")
     """
     level = accept_level(accept)
-    ledger = Ledger(store)
-    status = certify_store(store, write_certificates=False)
+    ledger = Ledger(store, trust=trust)
+    status = certify_store(store, write_certificates=False, trust=ledger.trust)
     chosen = None
     for cid in status.certification.candidates(level):
         if not status.snapshot.available(cid):

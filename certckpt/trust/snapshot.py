@@ -29,6 +29,7 @@ from certckpt.errors import CertckptError, CheckpointNotFoundError, StorageError
 from certckpt.format.backends import Storage, storage_for
 from certckpt.format.signing import TrustedKeys
 from certckpt.format.storage import VAULT_MARK, remote_error_text
+from certckpt.format.trustconfig import TrustConfig
 
 from .certify import CheckpointEntry, Revocation
 from .chain import CHAINS_DIR, GENESIS, Break, ChainCheck, check_chains, digest, genesis_problem, parse_entry_name
@@ -320,6 +321,7 @@ class LedgerSnapshot:
     invalid: list[tuple[str, str]] = field(default_factory=list)  # (kind/file, why): records ignored
     # The keys this snapshot was read with: checkpoint files must be signed by one of them too.
     trusted_keys: TrustedKeys | None = None
+    trust: TrustConfig | None = None  # the reader's whole configuration (set by Ledger.snapshot)
     chained: bool = False
     store_id: str | None = None
     breaks: list[Break] = field(default_factory=list)

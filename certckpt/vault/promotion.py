@@ -25,6 +25,7 @@ from certckpt.errors import (
 )
 from certckpt.format.sharded.layout import MANIFEST_NAME
 from certckpt.format.storage import join, resolve
+from certckpt.format.trustconfig import TrustConfig, trust_config_for
 from certckpt.format.verify import inspect
 from certckpt.trust.certify import Level, accept_level
 from certckpt.trust.chain import CHAINS_DIR
@@ -138,6 +139,7 @@ def promote(
     progress: Progress | None = None,
     accept: str | Level = Level.TRUSTED,
     repair: bool = False,
+    trust: TrustConfig | None = None,
 ) -> list[Promotion]:
     """Copy trusted checkpoints of a run store into a vault, with the evidence that certifies them.
 
@@ -153,6 +155,7 @@ def promote(
             run without the auditor); the vault records and shows which level each one reached.
         repair: also re-read every copy the vault holds and replace each damaged or missing one
             from the run's copy, when that one verifies (``prune`` names such copies).
+        trust: the reader's keys and memory for both stores (default ``TrustConfig.from_env()``).
 
     Raises:
         UntrustedCheckpointError: a requested checkpoint is below ``accept`` (nothing copied for it).
@@ -161,10 +164,11 @@ def promote(
     level = accept_level(accept)
     site = open_vault(vault, create=True)
     put_options = lock_options(site, mode=lock_mode, retain_days=retain_days)
-    source = Ledger(run)
-    status = certify_store(run)
+    trust = trust_config_for(trust)
+    source = Ledger(run, trust=trust)
+    status = certify_store(run, trust=trust)
     cert, snap = status.certification, status.snapshot
-    dest = Ledger(vault, chain=source.chained())  # a run's vault is chained exactly when the run is
+    dest = Ledger(vault, chain=source.chained(), trust=trust)  # a run's vault is chained exactly when the run is
     try:
         held = dest.snapshot().holdings
     except CheckpointNotFoundError:  # a new vault: an S3 prefix exists only once something is in it
@@ -194,10 +198,10 @@ def promote(
     # detection recorded since the last promotion must reach the vault's verdicts.
     _mirror(source, dest, chosen)
     if not chosen:
-        certify_store(vault)
+        certify_store(vault, trust=trust)
         return repaired
     # The vault must reach the same verdict from the evidence it now holds, without the run store.
-    vcert = certify_store(vault, write_certificates=False).certification
+    vcert = certify_store(vault, write_certificates=False, trust=trust).certification
     out = []
     for cid in chosen:
         entry = status.entry(cid)
@@ -255,7 +259,7 @@ def promote(
             }
         )
         out.append(Promotion(ckpt_id=cid, url=url, written=written, nbytes=nbytes, seconds=seconds, lock=lock))
-    certify_store(vault)  # the vault's own certificates for what it now holds
+    certify_store(vault, trust=trust)  # the vault's own certificates for what it now holds
     return repaired + out
 
 
@@ -323,7 +327,9 @@ def _repair(
     return out
 
 
-def holdings(vault: str, *, verify: bool = False) -> tuple[StoreStatus, list[dict[str, Any]]]:
+def holdings(
+    vault: str, *, verify: bool = False, trust: TrustConfig | None = None
+) -> tuple[StoreStatus, list[dict[str, Any]]]:
     """Every checkpoint the vault holds or held, with its verdict now.
 
     Args:
@@ -331,7 +337,7 @@ def holdings(vault: str, *, verify: bool = False) -> tuple[StoreStatus, list[dic
             versioned S3 bucket, count each copy's versions and delete markers (``"versions"``).
     """
     site = open_vault(vault)
-    status = certify_store(vault, write_certificates=False)
+    status = certify_store(vault, write_certificates=False, trust=trust)
     snap, cert = status.snapshot, status.certification
     rows = []
     order = sorted(snap.holdings.items(), key=lambda kv: (kv[1]["branch"] != "main", kv[1]["branch"], kv[1]["step"]))

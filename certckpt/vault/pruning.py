@@ -14,6 +14,7 @@ from certckpt.errors import CertckptError, CorruptCheckpointError, StorageError
 from certckpt.format.backends import LocalStorage, Storage, storage_for
 from certckpt.format.sharded.layout import MANIFEST_NAME
 from certckpt.format.storage import join
+from certckpt.format.trustconfig import TrustConfig, trust_config_for
 from certckpt.trust.certify import Level
 from certckpt.trust.gate import gate_deletions, store_doubt
 from certckpt.trust.ledger import Ledger
@@ -54,7 +55,14 @@ class PruneResult:
         }
 
 
-def prune(vault: str, policy: RetentionPolicy, *, apply: bool = False, now: float | None = None) -> PruneResult:
+def prune(
+    vault: str,
+    policy: RetentionPolicy,
+    *,
+    apply: bool = False,
+    now: float | None = None,
+    trust: TrustConfig | None = None,
+) -> PruneResult:
     """Plan (and with ``apply``, carry out) the deletions a retention policy allows.
 
     Latest-good, the rollback target before every open suspect interval, and everything while an
@@ -65,13 +73,18 @@ def prune(vault: str, policy: RetentionPolicy, *, apply: bool = False, now: floa
     neither counts as latest-good nor as what a policy keeps, and the plan is made again without it.
     With ``apply``, any damaged copy makes prune refuse and delete nothing.
 
+    Every deletion then passes the deletion gate (``certckpt.trust.gate``): a copy goes only when the
+    vault's own ledger is intact, an authenticated commit record vouches for it and its verdict rests
+    on no doubt; the plan lists why each other one is kept.
+
     Raises:
         CorruptCheckpointError: ``apply`` and a copy the plan relies on is damaged (named, with how to
             repair it); nothing was deleted.
     """
     site = open_vault(vault)
     now = time.time() if now is None else now
-    status, _ = find_latest_good(vault, verify_bytes=False, write_certificates=False)
+    trust = trust_config_for(trust)
+    status, _ = find_latest_good(vault, verify_bytes=False, write_certificates=False, trust=trust)
     snap = status.snapshot
     # Deletion acts only on evidence a trusted writer vouches for: an unsigned revocation or failure
     # still demotes a checkpoint everywhere else, but never makes its copy (or its lineage) deletable.
@@ -107,7 +120,7 @@ def prune(vault: str, policy: RetentionPolicy, *, apply: bool = False, now: floa
             f"{'is' if len(damaged) == 1 else 'are'} damaged ({which}); repair them from the run store with "
             f"`certckpt vault promote RUN_STORE {vault} --repair`, then prune again"
         )
-    ledger = Ledger(vault)
+    ledger = Ledger(vault, trust=trust)
     storage = storage_for(vault)
     for cid in plan.delete:
         h = snap.holdings[cid]
