@@ -207,3 +207,13 @@ def test_a_signing_node_without_trusted_keys_trusts_its_own_key_at_its_start_che
     )
     refusal = start(w, pg, "gpu-x", str(tmp_path / "new"))  # CERTCKPT_SIGNING_KEY is set, no trusted keys
     assert refusal is not None and "gpu-x" in refusal and "convicted" in refusal
+
+
+def test_a_vault_refuses_its_source_run_store_recreated_at_the_same_url(w):
+    clean = w.path("clean")
+    shutil.rmtree(os.path.join(clean, "_ledger"))
+    Ledger(clean).create()  # another store at the same URL (its genesis signed: a writer with the key)
+    before = sorted(os.listdir(os.path.join(w.path("vault"), "_ledger", "sources")))
+    r = cli("vault", "promote", clean, w.path("vault"))
+    assert r.exit_code != 0 and "re-created" in r.output and "Traceback" not in r.output, r.output
+    assert sorted(os.listdir(os.path.join(w.path("vault"), "_ledger", "sources"))) == before  # nothing mixed in

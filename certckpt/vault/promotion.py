@@ -95,12 +95,29 @@ def _mirror(src: Ledger, dst: Ledger, cert_ids: Sequence[str]) -> int:
     return written
 
 
+def _check_pinned_source(vault: Ledger, source: str, store_id: str | None) -> None:
+    """The vault pinned its source run store's identity (its mark): a store re-created at the same URL
+    is another store, whose records this vault must never mix with the ones it holds."""
+    raw = vault.read_raw("", [VAULT_MARK]).get(VAULT_MARK) if VAULT_MARK in vault.list_raw("") else None
+    try:
+        existing = json.loads(raw) if raw else None
+    except (ValueError, RecursionError):
+        existing = None
+    pinned = existing.get("source_store") if isinstance(existing, dict) else None
+    if pinned is not None and pinned != store_id:
+        raise CertckptError(
+            f"{vault.store}: this vault holds run store {str(pinned)[:32]}, and {source} is now another store "
+            f"({store_id or 'unchained'}): deleted and re-created? promote it into a new vault"
+        )
+
+
 def _claim(vault: Ledger, run: str | None, source: str, run_ledger: Ledger) -> None:
     """Tie the vault to one run (checkpoint ids are only unique within a run)."""
     local = resolve(source).local
     if local is not None:
         source = os.path.abspath(local)
     mark = {"kind": "certckpt-vault", "run": run, "source": source}
+    _check_pinned_source(vault, source, run_ledger.store_id if run_ledger.chained() else None)
     genesis = run_ledger.genesis_bytes() if run_ledger.chained() else None
     if genesis is not None:
         # the run's identity: its chains' entries are accepted here, and no other store's
