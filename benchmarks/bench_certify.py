@@ -7,6 +7,11 @@ segment per checkpoint, as the auditor's LedgerSink does), then measures, side b
   `certckpt status --json` / `certckpt latest-good --no-verify` processes.
 
     python benchmarks/bench_certify.py [--steps 1000000] [--audit-every 100] [--ckpt-every 1000] [--json]
+    python benchmarks/bench_certify.py --baseline REV [--trials 5]   # the trust kernel against REV
+
+``--baseline REV`` measures only the trust kernel's overhead (issue 41): latest-good over 1,000,000
+signed event lines, cold and warm, and a vault prune's plan, each as a whole process, the library at
+REV (a git worktree) and the one here interleaved, with their ratios.
 
 ``CERTCKPT_BENCH_TINY=1`` (``benchmarks/tinymode.py``): 2,000 steps, one trial, and a signed ledger of
 600 lines from 2 writers too: every code path in seconds, figures meaningless.
@@ -237,6 +242,90 @@ def signed_scale(n_events: int, writers: int, exe: str) -> dict:
     return res
 
 
+def _worktree(rev: str, top: str) -> str:
+    """A checkout of ``rev`` (the library as it was), for the side-by-side baseline."""
+    path = os.path.join(top, "baseline")
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    subprocess.run(["git", "-C", here, "worktree", "add", "--detach", path, rev], capture_output=True, check=True)
+    return path
+
+
+def _prune_process(exe: str, vault: str, env: dict[str, str]) -> float:
+    t = time.perf_counter()
+    r = subprocess.run([exe, "vault", "prune", vault, "--keep-last", "5", "--json"], capture_output=True, env=env)
+    if r.returncode != 0:
+        raise RuntimeError(f"vault prune exited {r.returncode}: {r.stderr.decode()[-300:]}")
+    return time.perf_counter() - t
+
+
+def build_vault(top: str, copies: int) -> tuple[str, dict[str, str]]:
+    """A signed run of ``copies`` small checkpoints, every one promoted into a vault (accept verified)."""
+    import torch
+
+    import certckpt
+    from certckpt.format.signing import SigningKey, generate_key
+    from certckpt.vault.promotion import promote
+
+    key_path, pub = generate_key(os.path.join(top, "vault-key"))
+    run, vault = os.path.join(top, "vrun"), os.path.join(top, "vault")
+    os.makedirs(run)
+    key = SigningKey.load(key_path)
+    led = Ledger(run, signing_key=key, trusted_keys=None)
+    for s in range(1, copies + 1):
+        certckpt.save(
+            {"w": torch.full((64,), float(s))}, f"{run}/s{s:05d}.safetensors", ledger=led, step=s, signing_key=key
+        )
+    env = dict(os.environ, CERTCKPT_SIGNING_KEY=key_path, CERTCKPT_TRUSTED_KEYS=pub)
+    saved = dict(os.environ)
+    os.environ.update(env)
+    try:
+        promote(run, vault, accept="verified")
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return vault, env
+
+
+def kernel_overhead(a: argparse.Namespace, exe: str) -> dict:
+    """The trust kernel's checks (issue 41) against the library at ``a.baseline``, interleaved, whole
+    processes: latest-good over a signed ledger cold (no reader memory) and warm, and a vault prune's
+    plan (``--keep-last 5``, dry run: every deletion asks the gate)."""
+    with tempfile.TemporaryDirectory(prefix="certckpt-bench-kernel-") as top:
+        base = _worktree(a.baseline, top)
+        store = os.path.join(top, "run")
+        os.makedirs(store)
+        _, pub = build_signed(store, a.kernel_events, a.writers)
+        vault, venv = build_vault(top, a.prune_copies)
+        variants = {"baseline": {"PYTHONPATH": base}, "now": {}}
+        times: dict[str, dict[str, list[float]]] = {v: {"cold": [], "warm": [], "prune": []} for v in variants}
+        for trial in range(a.trials):
+            for name, extra in variants.items():
+                state = os.path.join(top, f"state-{name}-{trial}")
+                env = dict(os.environ, CERTCKPT_TRUSTED_KEYS=pub, CERTCKPT_STATE_DIR=state, **extra)
+                times[name]["cold"].append(_latest_good_process(exe, store, env)[0])
+                times[name]["warm"].append(_latest_good_process(exe, store, env)[0])
+                times[name]["prune"].append(_prune_process(exe, vault, dict(venv, CERTCKPT_STATE_DIR=state, **extra)))
+        subprocess.run(
+            ["git", "worktree", "remove", "--force", base], capture_output=True, cwd=os.path.dirname(__file__)
+        )
+    med = {v: {k: statistics.median(x) for k, x in t.items()} for v, t in times.items()}
+    print(
+        f"trust kernel overhead against {a.baseline} ({a.kernel_events:,} signed event lines from {a.writers} writers; "
+        f"a vault of {a.prune_copies} copies; median of {a.trials}, interleaved, whole processes)"
+    )
+    print(f"  {'':36s} {'baseline':>9s} {'now':>9s} {'ratio':>7s}  target <= 1.10x")
+    labels = {"cold": "latest-good, cold", "warm": "latest-good, warm", "prune": "vault prune --keep-last 5 (plan)"}
+    res: dict = {"baseline": a.baseline}
+    for k, label in labels.items():
+        ratio = med["now"][k] / med["baseline"][k]
+        res[k] = {"baseline_s": med["baseline"][k], "now_s": med["now"][k], "ratio": ratio}
+        print(
+            f"  {label:36s} {med['baseline'][k]:8.3f}s {med['now'][k]:8.3f}s {ratio:6.3f}x  "
+            f"{'PASS' if ratio <= 1.10 else 'MISS'}"
+        )
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument(
@@ -249,6 +338,14 @@ def main() -> None:
     ap.add_argument("--ckpt-every", type=int, default=1000)
     ap.add_argument("--trials", type=int, default=None, help="default 5 (tiny 1)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument(
+        "--baseline",
+        metavar="GIT_REV",
+        default=None,
+        help="only: the trust kernel's overhead against the library at GIT_REV (a git worktree), side by side",
+    )
+    ap.add_argument("--kernel-events", type=int, default=None, help="with --baseline (default 1,000,000; tiny 600)")
+    ap.add_argument("--prune-copies", type=int, default=None, help="with --baseline (default 100; tiny 6)")
     a = ap.parse_args()
     tiny = announce("bench_certify")  # explicit options still win
     a.steps = a.steps or (2000 if tiny else 1_000_000)
@@ -256,6 +353,13 @@ def main() -> None:
     a.signed_events = a.signed_events if a.signed_events is not None else (600 if tiny else 0)
     a.writers = a.writers or (2 if tiny else 64)
     exe = os.path.join(os.path.dirname(sys.executable), "certckpt")
+    if a.baseline:
+        a.kernel_events = a.kernel_events or (600 if tiny else 1_000_000)
+        a.prune_copies = a.prune_copies or (6 if tiny else 100)
+        res = kernel_overhead(a, exe)
+        if a.json:
+            print(json.dumps(res, indent=2))
+        return
     if a.signed_events:
         signed = signed_scale(a.signed_events, a.writers, exe)
         if a.json:
