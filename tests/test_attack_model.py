@@ -67,6 +67,7 @@ class Attacker(RuleBasedStateMachine):
     untouched: dict[str, dict[str, str]]
     releasable: set[str]  # vault copies the untouched policy (--keep-last 2) lets go
     runs = 0
+    moves = 0  # steps checked, over every sequence
 
     @initialize()
     def fresh_world(self) -> None:
@@ -251,6 +252,7 @@ class Attacker(RuleBasedStateMachine):
     def no_level_is_higher_than_untouched(self) -> None:
         if not hasattr(self, "log"):
             return
+        Attacker.moves += 1
         for store in (*RUNS, "vault"):
             try:
                 now = levels(self.world.path(store))
@@ -292,4 +294,4 @@ def test_a_keyless_attacker_never_raises_a_level_deletes_a_kept_copy_or_starts_a
             print_blob=True,
         ),
     )
-    print(f"attack model: {Attacker.runs} sequences of up to {STEPS} moves")
+    print(f"attack model: {Attacker.runs} sequences, {Attacker.moves} moves, each followed by the invariants")
