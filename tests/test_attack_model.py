@@ -18,6 +18,7 @@ tests/test_trust_kernel.py.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import time
@@ -161,12 +162,13 @@ class Attacker(RuleBasedStateMachine):
         dest = target.removesuffix(".json") + suffix
         if os.path.lexists(dest):
             return
-        if data.draw(st.booleans()):
-            self.log.append(f"rename {target} {dest}")
-            os.rename(target, dest)
-        else:
-            self.log.append(f"duplicate {target} {dest}")
-            (shutil.copytree if os.path.isdir(target) else shutil.copyfile)(target, dest)
+        rename = data.draw(st.booleans())
+        self.log.append(f"{'rename' if rename else 'duplicate'} {target} {dest}")
+        with contextlib.suppress(OSError, shutil.Error):  # a FIFO cannot be copied: no duplicate
+            if rename:
+                os.rename(target, dest)
+            else:
+                (shutil.copytree if os.path.isdir(target) else shutil.copyfile)(target, dest)
 
     @rule(data=st.data(), src=st.sampled_from(STORES), dst=st.sampled_from(STORES), earlier=st.booleans())
     def copy_across(self, data, src: str, dst: str, earlier: bool) -> None:
@@ -183,9 +185,10 @@ class Attacker(RuleBasedStateMachine):
         if not os.path.lexists(source) or os.path.islink(source):
             return
         self.log.append(f"copy {'earlier ' if earlier else ''}{src}/{rel} -> {dst}")
-        _remove(dest)
-        os.makedirs(os.path.dirname(dest), exist_ok=True)
-        (shutil.copytree if os.path.isdir(source) else shutil.copyfile)(source, dest)
+        with contextlib.suppress(OSError, shutil.Error):  # a FIFO or a file where a directory was: no copy
+            _remove(dest)
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            (shutil.copytree if os.path.isdir(source) else shutil.copyfile)(source, dest)
 
     @rule(data=st.data(), store=st.sampled_from(STORES), kind=st.sampled_from(["empty-dir", "fifo", "link", "sparse"]))
     def replace_with(self, data, store: str, kind: str) -> None:
@@ -194,6 +197,8 @@ class Attacker(RuleBasedStateMachine):
             return
         self.log.append(f"{kind} at {target}")
         _remove(target)
+        if not os.path.isdir(os.path.dirname(target)):
+            return
         if kind == "empty-dir":
             os.makedirs(target)
         elif kind == "fifo":
