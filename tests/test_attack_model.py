@@ -40,6 +40,23 @@ EXAMPLES = int(os.environ.get("CERTCKPT_ATTACK_EXAMPLES", "12"))
 STEPS = int(os.environ.get("CERTCKPT_ATTACK_STEPS", "8"))
 LONG = "CERTCKPT_ATTACK_EXAMPLES" in os.environ  # a long run explores; CI replays the same sequences
 COMMAND_SECONDS = 30.0
+KEY_PATHS = {
+    f"_ledger/{name}"
+    for name in (
+        "genesis.json",
+        "chains",
+        "events",
+        "checkpoints",
+        "incidents",
+        "revocations",
+        "placements",
+        "holdings",
+        "sources",
+        "convictions",
+        "stores",
+        "vault.json",
+    )
+}
 
 
 def _files(root: str) -> list[str]:
@@ -129,8 +146,14 @@ class Attacker(RuleBasedStateMachine):
     # --- the attacker ------------------------------------------------------------------------------
 
     def _target(self, data, store: str) -> str | None:
+        """A file or directory of the store: half the time one that evidence hangs on (the genesis,
+        the chains, a writer's chain, the records that convict, block or commit), else any."""
         files = _files(self.world.path(store))
-        return os.path.join(self.world.path(store), data.draw(st.sampled_from(files))) if files else None
+        if not files:
+            return None
+        key = [f for f in files if f in KEY_PATHS or f.startswith(("_ledger/chains/", "_ledger/events/"))]
+        pick = st.one_of(st.sampled_from(key), st.sampled_from(files)) if key else st.sampled_from(files)
+        return os.path.join(self.world.path(store), data.draw(pick))
 
     @rule(data=st.data(), store=st.sampled_from(STORES))
     def delete(self, data, store: str) -> None:

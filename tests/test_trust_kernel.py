@@ -217,3 +217,13 @@ def test_a_vault_refuses_its_source_run_store_recreated_at_the_same_url(w):
     r = cli("vault", "promote", clean, w.path("vault"))
     assert r.exit_code != 0 and "re-created" in r.output and "Traceback" not in r.output, r.output
     assert sorted(os.listdir(os.path.join(w.path("vault"), "_ledger", "sources"))) == before  # nothing mixed in
+
+
+def test_a_registry_stripped_of_its_chains_and_convictions_is_a_break_for_a_fresh_reader(w, pg, tmp_path):
+    led = os.path.join(w.path("fleet"), "_ledger")
+    for d in (CHAINS_DIR, "convictions"):
+        shutil.rmtree(os.path.join(led, d))  # the genesis and the store registrations stay
+    refusal = start(w, pg, "gpu-x", str(tmp_path / "new"))  # this reader never read the registry before
+    assert refusal is not None and "chains were deleted" in refusal
+    prior = certify_store(w.path("prior"), write_certificates=False).certification.verdicts
+    assert not any(v.trusted or v.verified for v in prior.values())

@@ -600,6 +600,10 @@ class _Reader:
         source = mark.get("source_store") if isinstance(mark, dict) else None
         self._source_genesis(source, stores)
         entries = self._chain_entries()
+        if not entries and any(self.files[k] for k in KINDS):
+            # Every record is written, then sealed: records with no chain at all lost their chains.
+            self._break_store("records but no chain entry at all: the chains were deleted")
+            return
 
         def record_digest(store_id: str, kind: str, name: str) -> str | None:
             return self.digests.get((kind, name))
