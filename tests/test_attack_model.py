@@ -86,6 +86,7 @@ class Attacker(RuleBasedStateMachine):
     releasable: set[str]  # vault copies the untouched policy (--keep-last 2) lets go
     runs = 0
     moves = 0  # steps checked, over every sequence
+    answered: set[str] = set()  # commands that exited 0 at least once: the harness is not vacuous
 
     @initialize()
     def fresh_world(self) -> None:
@@ -97,13 +98,16 @@ class Attacker(RuleBasedStateMachine):
         self.operator("status", "clean")  # the operator has read the stores before the attack
         self.operator("status", "det")
         self.operator("status", "vault")
+        self.operator("latest-good", "clean")
 
     # --- the operator ------------------------------------------------------------------------------
 
     def operator(self, *args: str) -> None:
-        argv = [self.world.path(a) if a in STORES else a for a in args]
+        # the command's words stay words ("vault prune", "fleet ls"); a store's name after them is its path
+        words = 2 if args[0] in ("vault", "fleet") else 1
+        argv = [*args[:words], *(self.world.path(a) if a in STORES else a for a in args[words:])]
         if args[0] == "fleet":
-            argv = [*argv[:2], "--fleet", self.world.path("fleet")]
+            argv = [*argv, "--fleet", self.world.path("fleet")]
         before = held(self.world) if "prune" in args or "promote" in args else None
         t0 = time.monotonic()
         r = cli(*argv)
@@ -114,6 +118,8 @@ class Attacker(RuleBasedStateMachine):
             f"{args}: {r.exception!r}\n{r.output}"
         )
         assert took < COMMAND_SECONDS, f"{args} took {took:.1f} s"
+        if r.exit_code == 0:
+            Attacker.answered.add(" ".join(args[:words]))
         if before is not None:
             deleted = before - held(self.world)
             assert deleted <= self.releasable, f"{args} deleted {deleted - self.releasable}: {r.output}"
@@ -232,6 +238,27 @@ class Attacker(RuleBasedStateMachine):
             with open(target, "wb") as f:
                 f.truncate(1 << 31)
 
+    @rule(store=st.sampled_from(STORES), name=st.sampled_from(sorted(KEY_PATHS)))
+    def delete_evidence(self, store: str, name: str) -> None:
+        """Delete what evidence hangs on outright: the genesis, every chain, a kind of record."""
+        self.log.append(f"delete {store}/{name}")
+        _remove(os.path.join(self.world.path(store), name))
+
+    @rule(data=st.data(), store=st.sampled_from(STORES), how=st.sampled_from(["truncate", "delete", "garble"]))
+    def break_a_chain_entry(self, data, store: str, how: str) -> None:
+        chains = os.path.join(self.world.path(store), "_ledger", "chains")
+        entries = [os.path.join(d, f) for d, _, fs in os.walk(chains) for f in fs]
+        if not entries:
+            return
+        target = data.draw(st.sampled_from(sorted(entries)))
+        self.log.append(f"{how} chain entry {target}")
+        with contextlib.suppress(OSError):
+            if how == "delete":
+                os.unlink(target)
+            else:
+                with open(target, "r+b") as f:
+                    f.truncate(10) if how == "truncate" else f.write(b"{")
+
     @rule(store=st.sampled_from(STORES), claim=st.integers(1, 10**6))
     def unsigned_chain_entry(self, store: str, claim: int) -> None:
         chains = os.path.join(self.world.path(store), "_ledger", "chains")
@@ -323,3 +350,5 @@ def test_a_keyless_attacker_never_raises_a_level_deletes_a_kept_copy_or_starts_a
         ),
     )
     print(f"attack model: {Attacker.runs} sequences, {Attacker.moves} moves, each followed by the invariants")
+    # every operator command answered somewhere (an always-failing command would check nothing)
+    assert {"status", "latest-good", "vault prune", "fleet ls"} <= Attacker.answered, Attacker.answered
