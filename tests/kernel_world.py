@@ -20,7 +20,7 @@ from certckpt.trust.ledger import Ledger
 from certckpt.trust.runstore import certify_store
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
-STORES = ("clean", "prior", "det", "vault", "fleet")
+STORES = ("clean", "prior", "det", "solo", "vault", "fleet")
 
 
 @dataclass
@@ -66,7 +66,7 @@ def build_world(root: str) -> World:
         Fleet(os.path.join(live, "fleet")).create()
         args = {k: os.path.join(live, k) for k in STORES}
         out = run_ranks("kernel_cases:kernel_world", 3, args, timeout=300, extra_path=TESTS)
-        assert [o["caught"] for o in out] == [15, 15, 15], out
+        assert [(o["caught"], o["solo"]) for o in out] == [(15, 15)] * 3, out
         promoted = promote(args["clean"], args["vault"])
         assert [p.ckpt_id for p in promoted] == ["main@5", "main@10", "main@15", "main@20"], promoted
     finally:
@@ -115,7 +115,7 @@ def levels(store: str) -> dict[str, str]:
 
 def operator_reads(w: World) -> None:
     """What an operator does every day: every store read once, so this reader remembers them."""
-    for name in ("clean", "prior", "det", "vault"):
+    for name in ("clean", "prior", "det", "solo", "vault"):
         assert cli("status", w.path(name)).exit_code in (0, 1)
     assert cli("fleet", "ls", "--fleet", w.path("fleet")).exit_code == 0
 

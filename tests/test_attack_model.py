@@ -34,7 +34,7 @@ from certckpt.errors import CertckptError
 pytestmark = pytest.mark.slow
 
 RANK = {"suspect": 0, "verified": 1, "trusted": 2}
-RUNS = ("clean", "prior", "det")
+RUNS = ("clean", "prior", "det", "solo")
 STORES = (*RUNS, "vault", "fleet")
 EXAMPLES = int(os.environ.get("CERTCKPT_ATTACK_EXAMPLES", "12"))
 STEPS = int(os.environ.get("CERTCKPT_ATTACK_STEPS", "8"))
@@ -243,6 +243,27 @@ class Attacker(RuleBasedStateMachine):
         """Delete what evidence hangs on outright: the genesis, every chain, a kind of record."""
         self.log.append(f"delete {store}/{name}")
         _remove(os.path.join(self.world.path(store), name))
+
+    @rule(store=st.sampled_from(STORES))
+    def strip_to_an_unchained_store(self, store: str) -> None:
+        """The attacker's shortcut to an "old" store: genesis, chains and incidents gone at once."""
+        self.log.append(f"strip {store}")
+        for name in ("genesis.json", "chains", "incidents", "sources"):
+            _remove(os.path.join(self.world.path(store), "_ledger", name))
+
+    @rule(store=st.sampled_from(RUNS))
+    def delete_the_failures(self, store: str) -> None:
+        """Every event segment that records a failed check, gone."""
+        events = os.path.join(self.world.path(store), "_ledger", "events")
+        self.log.append(f"delete failures of {store}")
+        for name in sorted(os.listdir(events)) if os.path.isdir(events) else []:
+            path = os.path.join(events, name)
+            with contextlib.suppress(OSError):
+                if os.path.isfile(path) and not os.path.islink(path) and os.path.getsize(path) < 1 << 24:
+                    with open(path, "rb") as f:
+                        failed = b'"outcome":"fail"' in f.read()
+                    if failed:
+                        os.unlink(path)
 
     @rule(data=st.data(), store=st.sampled_from(STORES), how=st.sampled_from(["truncate", "delete", "garble"]))
     def break_a_chain_entry(self, data, store: str, how: str) -> None:

@@ -48,6 +48,8 @@ def test_the_untouched_world_as_every_attack_starts_from_it(w, pg, tmp_path):
         "main@10": ["device-convicted"],
     }
     assert levels(w.path("det"))["main@13"] == "suspect"
+    solo = levels(w.path("solo"))
+    assert solo["main@13"] == "suspect" and solo["main@10"] == "trusted"  # its own failure alone
     r = cli("vault", "prune", w.path("vault"), "--keep-last", "2", "--json")
     plan = json.loads(r.output)
     assert r.exit_code == 0 and plan["delete"] == ["main@5", "main@10"], r.output
@@ -133,7 +135,7 @@ def test_attack5_a_run_store_stripped_of_its_failure_and_chains_never_makes_the_
 ):
     if remembered:
         operator_reads(w)
-    det = w.path("det")
+    det = w.path("solo")  # under no registry: only its own ledger says main@13 came after the fault
     os.unlink(_failure_segment(det))
     led = os.path.join(det, "_ledger")
     os.unlink(os.path.join(led, GENESIS))
@@ -227,3 +229,14 @@ def test_a_registry_stripped_of_its_chains_and_convictions_is_a_break_for_a_fres
     assert refusal is not None and "chains were deleted" in refusal
     prior = certify_store(w.path("prior"), write_certificates=False).certification.verdicts
     assert not any(v.trusted or v.verified for v in prior.values())
+
+
+def test_deleting_a_sealed_failure_taints_back_to_the_last_clean_audit_point(w):
+    """Found by the model-checker: the break is past main@13's commit, but the failure that went
+    missing covered main@13 (its suspect interval reaches back to the clean audit at 10)."""
+    solo = w.path("solo")
+    os.unlink(_failure_segment(solo))
+    st = certify_store(solo, write_certificates=False)
+    verdicts = {c: (v.label, list(map(str, v.reasons))) for c, v in st.certification.verdicts.items()}
+    assert verdicts["main@13"][0] == "suspect" and "tampered" in verdicts["main@13"][1], verdicts
+    assert verdicts["main@10"][0] == "trusted"  # covered by the clean audit at 10, proven before the break

@@ -252,6 +252,7 @@ def certify(
     branch_parents: dict[str, str] | None = None,
     tampered: Mapping[str, int] | None = None,
     convicted: Mapping[str, Sequence[tuple[int, int | None]]] | None = None,
+    unproven_after: Mapping[str, int] | None = None,
 ) -> Certification:
     """Verdicts for every checkpoint, the detections with their suspect intervals, latest-good order.
 
@@ -263,12 +264,16 @@ def certify(
         corrupt: ids whose bytes failed verification.
         branch_parents: per branch, the checkpoint it resumed from (so a branch's suspect intervals
             start at its fork point even before its first checkpoint).
-        tampered: per branch, the last step its ledger chain proves intact: a checkpoint after it
-            is ``tampered`` (records of that branch are missing or altered); the key ``"*"`` marks
-            every branch (a store-wide record, such as a revocation, may be missing).
+        tampered: per branch, the last step its ledger chain proves intact: what is missing past it
+            may be a failure whose suspect interval reaches back to the last clean audit point at or
+            before that step, so every checkpoint after that point is ``tampered``; the key ``"*"``
+            marks every branch (a store-wide record, such as a revocation, may be missing).
         convicted: per branch, the step ranges ``(lo, hi]`` (hi None: open-ended) that a device a
             fleet registry convicts computed: a checkpoint whose unaudited interval ``(c, s]`` (c its
             branch's last clean audit point before s) holds one of those steps is ``device-convicted``.
+        unproven_after: per branch, the step after which the steps' devices cannot be vouched for (a
+            fleet registry that cannot prove its convictions): a checkpoint after it is ``tampered``
+            (no reach back: a conviction taints only what ran after the placement).
 
     Returns:
         A ``Certification``; ``latest_good`` is the trusted checkpoint with the greatest step (newest
@@ -280,7 +285,9 @@ def certify(
     out = Certification(detections=_detections(branches))
 
     revoked = {r.ckpt_id for r in revocations}
-    own = _own_reasons_by_id(checkpoints, branches, set(corrupt), dict(tampered or {}), convicted or {})
+    own = _own_reasons_by_id(
+        checkpoints, branches, set(corrupt), dict(tampered or {}), convicted or {}, dict(unproven_after or {})
+    )
 
     # Lineage (rule 5): ancestors are the earlier checkpoints of the branch and the fork point with
     # its own ancestors. Resolved with memoisation; a cycle in bad data counts as tainted.
@@ -370,6 +377,7 @@ def _own_reasons_by_id(
     corrupt: set[str],
     marks: Mapping[str, int],
     convicted: Mapping[str, Sequence[tuple[int, int | None]]],
+    unproven: Mapping[str, int],
 ) -> dict[str, list[str]]:
     """Per checkpoint, the reasons of its own (rules 1-4, ``tampered`` past its branch's mark,
     ``device-convicted``), before lineage, revocation and supersession are considered."""
@@ -381,7 +389,11 @@ def _own_reasons_by_id(
         if ranges and unaudited_overlap(ranges, last_clean=b.last_clean_before(c.step), step=c.step):
             own[c.ckpt_id].append(Reason.DEVICE_CONVICTED)
         mark = min(marks.get(c.branch, _NO_MARK), marks.get("*", _NO_MARK))
-        if c.step > mark:
+        # What is missing past the mark may be a failure whose suspect interval reaches back to the
+        # last clean audit point the intact chain proves: a checkpoint after that point is in doubt
+        # too, though its own commit was sealed before the break.
+        reach = mark if mark < 0 or mark == _NO_MARK else min(mark, b.last_clean_before(mark + 1))
+        if c.step > reach or c.step > min(unproven.get(c.branch, _NO_MARK), unproven.get("*", _NO_MARK)):
             own[c.ckpt_id].append(Reason.TAMPERED)
     return own
 

@@ -261,7 +261,7 @@ def _fleet_unproven(snap: LedgerSnapshot, url: str, why: str) -> None:
     for r, _ in snap.placements:
         if r.get("fleet") == url:
             branch, start = r["branch"], int(r["start_step"])
-            snap.tampered[branch] = min(snap.tampered.get(branch, start), start)
+            snap.unproven_after[branch] = min(snap.unproven_after.get(branch, start), start)
 
 
 def certify_snapshot(
@@ -289,6 +289,7 @@ def certify_snapshot(
         corrupt=corrupt or {},
         branch_parents=snap.branch_parents,
         tampered=snap.tampered,
+        unproven_after=snap.unproven_after,
         convicted=convicted,
     )
 

@@ -326,6 +326,9 @@ class LedgerSnapshot:
     store_id: str | None = None
     breaks: list[Break] = field(default_factory=list)
     tampered: dict[str, int] = field(default_factory=dict)
+    # per branch, the step after which a fleet registry named by its placements cannot vouch for the
+    # devices (set when the registries are read, ``runstore.convicted_ranges_for``)
+    unproven_after: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     # (record, counts): where a run's ranks ran at each start (runs configured with a fleet)
     placements: list[tuple[dict[str, Any], bool]] = field(default_factory=list)

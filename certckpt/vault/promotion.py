@@ -105,6 +105,12 @@ def _check_pinned_source(vault: Ledger, source: str, store_id: str | None) -> No
         existing = None
     pinned = existing.get("source_store") if isinstance(existing, dict) else None
     if pinned is not None and pinned != store_id:
+        assert isinstance(existing, dict)  # pinned came from it
+        if existing.get("source") != source:
+            raise CertckptError(
+                f"{vault.store}: this vault holds run {existing.get('run')!r} (run store {str(pinned)[:32]}); "
+                f"{source} is another run store: use one vault prefix per run"
+            )
         raise CertckptError(
             f"{vault.store}: this vault holds run store {str(pinned)[:32]}, and {source} is now another store "
             f"({store_id or 'unchained'}): deleted and re-created? promote it into a new vault"
