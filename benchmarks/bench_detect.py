@@ -69,6 +69,8 @@ import threading
 import time
 from typing import Any
 
+from certckpt.detect.timing import PARTS
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 WORLD = 3
@@ -91,16 +93,7 @@ def configs_for(bucket_view: bool) -> tuple[str, ...]:
 TARGETS = {"audit/10": 1.10, "audit/100": 1.02, "nonfinite": 1.02}  # ratio to plain DDP, at most
 
 # the certckpt.detect.timing parts every audit step, and every other step, must record
-AUDIT_PARTS = (
-    "train_signature",
-    "nonfinite_flags",
-    "nonfinite_check",
-    "ring_shift",
-    "replay",
-    "replay_signature",
-    "replay_audit",
-    "consensus",
-)
+AUDIT_PARTS = tuple(p for p in PARTS if p != "update_audit")  # (the optimizer-step replay: FSDP2 only)
 NONAUDIT_PARTS = ("nonfinite_flags", "nonfinite_check")
 
 FULL = {"widths": [1024, 2048, 2048, 1024, 1024], "batch": 32, "trials": 7, "steps": 100, "warmup": 10, "reps": 5}
