@@ -40,6 +40,7 @@ EXAMPLES = int(os.environ.get("CERTCKPT_ATTACK_EXAMPLES", "40"))
 STEPS = int(os.environ.get("CERTCKPT_ATTACK_STEPS", "10"))
 LONG = "CERTCKPT_ATTACK_EXAMPLES" in os.environ  # a long run explores; CI replays the same sequences
 COMMAND_SECONDS = 30.0
+INDEX = st.integers(0, 1 << 16)  # which file: taken modulo what the store holds when the move runs
 KEY_PATHS = {
     f"_ledger/{name}"
     for name in (
@@ -67,12 +68,6 @@ def _files(root: str) -> list[str]:
         for n in sorted(dirnames) + sorted(filenames):
             out.append(n if rel == "." else os.path.join(rel, n))
     return sorted(out)
-
-
-def _pick(data, items: list[str]) -> str:
-    """One of ``items`` by a drawn index: the draw's shape never depends on what the store holds
-    (names with timestamps differ between replays; hypothesis must see the same draws)."""
-    return items[data.draw(st.integers(0, 1 << 16)) % len(items)]
 
 
 def _remove(path: str) -> None:
@@ -157,47 +152,52 @@ class Attacker(RuleBasedStateMachine):
 
     # --- the attacker ------------------------------------------------------------------------------
 
-    def _target(self, data, store: str) -> str | None:
-        """A file or directory of the store: half the time one that evidence hangs on (the genesis,
-        the chains, a writer's chain, the records that convict, block or commit), else any."""
+    def _target(self, store: str, index: int, key: bool) -> str | None:
+        """A file or directory of the store: with ``key``, one that evidence hangs on (the genesis, the
+        chains, a writer's chain, the records that convict, block or commit), else any. Every draw is
+        a rule argument: what a move draws never depends on what the store holds now (names with
+        timestamps differ between replays, and hypothesis must see the same draws)."""
         files = _files(self.world.path(store))
-        if not files:
-            return None
-        key = [f for f in files if f in KEY_PATHS or f.startswith(("_ledger/chains/", "_ledger/events/"))]
-        among = key if key and data.draw(st.booleans()) else files
-        return os.path.join(self.world.path(store), _pick(data, among))
+        hot = [f for f in files if f in KEY_PATHS or f.startswith(("_ledger/chains/", "_ledger/events/"))]
+        among = hot if key and hot else files
+        return os.path.join(self.world.path(store), among[index % len(among)]) if among else None
 
-    @rule(data=st.data(), store=st.sampled_from(STORES))
-    def delete(self, data, store: str) -> None:
-        target = self._target(data, store)
+    @rule(store=st.sampled_from(STORES), index=INDEX, key=st.booleans())
+    def delete(self, store: str, index: int, key: bool) -> None:
+        target = self._target(store, index, key)
         if target:
             self.log.append(f"delete {target}")
             _remove(target)
 
-    @rule(data=st.data(), store=st.sampled_from(STORES), keep=st.integers(0, 400))
-    def truncate(self, data, store: str, keep: int) -> None:
-        target = self._target(data, store)
+    @rule(store=st.sampled_from(STORES), index=INDEX, key=st.booleans(), keep=st.integers(0, 400))
+    def truncate(self, store: str, index: int, key: bool, keep: int) -> None:
+        target = self._target(store, index, key)
         if target and os.path.isfile(target) and not os.path.islink(target):
             self.log.append(f"truncate {target} {keep}")
             os.truncate(target, min(keep, os.path.getsize(target)))
 
-    @rule(data=st.data(), store=st.sampled_from(STORES), extra=st.binary(min_size=1, max_size=64))
-    def append(self, data, store: str, extra: bytes) -> None:
-        target = self._target(data, store)
+    @rule(store=st.sampled_from(STORES), index=INDEX, key=st.booleans(), extra=st.binary(min_size=1, max_size=64))
+    def append(self, store: str, index: int, key: bool, extra: bytes) -> None:
+        target = self._target(store, index, key)
         if target and os.path.isfile(target) and not os.path.islink(target):
             self.log.append(f"append {target}")
             with open(target, "ab") as f:
                 f.write(extra)
 
-    @rule(data=st.data(), store=st.sampled_from(STORES), suffix=st.sampled_from(["x", ".json", "0", "@9.json"]))
-    def rename_or_duplicate(self, data, store: str, suffix: str) -> None:
-        target = self._target(data, store)
+    @rule(
+        store=st.sampled_from(STORES),
+        index=INDEX,
+        key=st.booleans(),
+        suffix=st.sampled_from(["x", ".json", "0", "@9.json"]),
+        rename=st.booleans(),
+    )
+    def rename_or_duplicate(self, store: str, index: int, key: bool, suffix: str, rename: bool) -> None:
+        target = self._target(store, index, key)
         if not target or not os.path.lexists(target):
             return
         dest = target.removesuffix(".json") + suffix
         if os.path.lexists(dest):
             return
-        rename = data.draw(st.booleans())
         self.log.append(f"{'rename' if rename else 'duplicate'} {target} {dest}")
         with contextlib.suppress(OSError, shutil.Error):  # a FIFO cannot be copied: no duplicate
             if rename:
@@ -205,8 +205,8 @@ class Attacker(RuleBasedStateMachine):
             else:
                 (shutil.copytree if os.path.isdir(target) else shutil.copyfile)(target, dest)
 
-    @rule(data=st.data(), src=st.sampled_from(STORES), dst=st.sampled_from(STORES), earlier=st.booleans())
-    def copy_across(self, data, src: str, dst: str, earlier: bool) -> None:
+    @rule(src=st.sampled_from(STORES), dst=st.sampled_from(STORES), earlier=st.booleans(), index=INDEX)
+    def copy_across(self, src: str, dst: str, earlier: bool, index: int) -> None:
         """Copy a file or a directory from another store, or from an earlier (the untouched) copy of
         the same store, to the same place here: replays, splices, rollbacks."""
         if src == dst and not earlier:
@@ -215,7 +215,7 @@ class Attacker(RuleBasedStateMachine):
         files = _files(root)
         if not files:
             return
-        rel = _pick(data, files)
+        rel = files[index % len(files)]
         source, dest = os.path.join(root, rel), os.path.join(self.world.path(dst), rel)
         if not os.path.lexists(source) or os.path.islink(source):
             return
@@ -225,9 +225,14 @@ class Attacker(RuleBasedStateMachine):
             os.makedirs(os.path.dirname(dest), exist_ok=True)
             (shutil.copytree if os.path.isdir(source) else shutil.copyfile)(source, dest)
 
-    @rule(data=st.data(), store=st.sampled_from(STORES), kind=st.sampled_from(["empty-dir", "fifo", "link", "sparse"]))
-    def replace_with(self, data, store: str, kind: str) -> None:
-        target = self._target(data, store)
+    @rule(
+        store=st.sampled_from(STORES),
+        index=INDEX,
+        key=st.booleans(),
+        kind=st.sampled_from(["empty-dir", "fifo", "link", "sparse"]),
+    )
+    def replace_with(self, store: str, index: int, key: bool, kind: str) -> None:
+        target = self._target(store, index, key)
         if not target:
             return
         self.log.append(f"{kind} at {target}")
@@ -271,13 +276,13 @@ class Attacker(RuleBasedStateMachine):
                     if failed:
                         os.unlink(path)
 
-    @rule(data=st.data(), store=st.sampled_from(STORES), how=st.sampled_from(["truncate", "delete", "garble"]))
-    def break_a_chain_entry(self, data, store: str, how: str) -> None:
+    @rule(store=st.sampled_from(STORES), how=st.sampled_from(["truncate", "delete", "garble"]), index=INDEX)
+    def break_a_chain_entry(self, store: str, how: str, index: int) -> None:
         chains = os.path.join(self.world.path(store), "_ledger", "chains")
         entries = [os.path.join(d, f) for d, _, fs in os.walk(chains) for f in fs]
         if not entries:
             return
-        target = _pick(data, sorted(entries))
+        target = sorted(entries)[index % len(entries)]
         self.log.append(f"{how} chain entry {target}")
         with contextlib.suppress(OSError):
             if how == "delete":
