@@ -149,7 +149,8 @@ def test_a_resumed_auditor_refuses_weights_that_are_not_the_parent_checkpoint(tm
         capture_output=True,
         text=True,
         timeout=120,
-        env={k: v for k, v in os.environ.items() if not k.startswith("CERTCKPT_")},
+        env={k: v for k, v in os.environ.items() if not k.startswith("CERTCKPT_")}
+        | {"CERTCKPT_STATE_DIR": str(tmp_path / "state")},  # the reader's memory stays here, never in ~/.cache
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "REFUSED True" in r.stdout and "RESUMED main-r1 main@4 5" in r.stdout, r.stdout

@@ -414,7 +414,9 @@ def _cli(*args, env=None):
         capture_output=True,
         text=True,
         timeout=120,
-        env={k: v for k, v in (env or os.environ).items() if not k.startswith("CERTCKPT_")},
+        # no key from the environment; the reader's memory in the suite's own directory, never ~/.cache
+        env={k: v for k, v in (env or os.environ).items() if not k.startswith("CERTCKPT_")}
+        | {"CERTCKPT_STATE_DIR": os.environ["CERTCKPT_STATE_DIR"]},
     )
 
 
@@ -500,7 +502,9 @@ def test_the_auditor_signs_its_checkpoints_and_records(tmp_path, keys):
         capture_output=True,
         text=True,
         timeout=120,
-        env={k: v for k, v in os.environ.items() if not k.startswith("CERTCKPT_")},
+        # no key from the environment; the reader's memory in this test's own directory, never ~/.cache
+        env={k: v for k, v in os.environ.items() if not k.startswith("CERTCKPT_")}
+        | {"CERTCKPT_STATE_DIR": str(tmp_path / "state")},
     )
     assert r.returncode == 0, r.stderr[-2000:]
     assert certckpt.verify(tmp_path / "run" / "main@4.safetensors", trusted_keys=keys["trusted"]).ok
