@@ -541,13 +541,15 @@ class CertifiedTrainerMixin(_TrainerBase):
         status = certify_store(ledger.store, write_certificates=False)
         good = status.entry(status.latest_good).url if status.latest_good else None
         good_dir = os.path.abspath(os.path.dirname(good)) if good and "://" not in good else None
+        # each committed checkpoint by its directory, once (a checkpoint-N/ holds one certified file)
+        committed = {os.path.dirname(os.path.abspath(ledger.url_of(r))): c for c, r in status.snapshot.records.items()}
         remaining = len(checkpoints)
         for checkpoint in checkpoints:
             if remaining <= max(limit, len(protected)):
                 break
             if checkpoint in protected:
                 continue
-            why = self._certckpt_keeps(status, checkpoint, good_dir)
+            why = self._certckpt_keeps(status, committed.get(os.path.abspath(checkpoint)), checkpoint, good_dir)
             if why is not None:
                 logger.warning(
                     "certckpt: kept %s: %s; save_total_limit=%d would delete it. It is deleted once a newer"
@@ -562,20 +564,13 @@ class CertifiedTrainerMixin(_TrainerBase):
             shutil.rmtree(checkpoint, ignore_errors=True)
             remaining -= 1
 
-    def _certckpt_keeps(self, status: StoreStatus, checkpoint: str, good_dir: str | None) -> str | None:
-        """Why the deletion gate keeps this checkpoint directory (None: the rotation may delete it)."""
+    def _certckpt_keeps(
+        self, status: StoreStatus, cid: str | None, checkpoint: str, good_dir: str | None
+    ) -> str | None:
+        """Why the deletion gate keeps this checkpoint directory (``cid``: the checkpoint committed
+        there, if any); None: the rotation may delete it."""
         if os.path.abspath(checkpoint) == good_dir:
             return f"{status.latest_good} is the run's latest-good"
-        ledger = self.certckpt.ledger
-        here = os.path.abspath(checkpoint)
-        cid = next(
-            (
-                c
-                for c, r in status.snapshot.records.items()
-                if os.path.dirname(os.path.abspath(ledger.url_of(r))) == here
-            ),
-            None,
-        )
         if cid is None:
             doubt = store_doubt(status.snapshot)
             return None if doubt is None else f"kept: {doubt}; nothing is deleted on doubt"
