@@ -208,6 +208,40 @@ def test_under_lightnings_async_checkpoint_io_rotation_and_commits_match_the_syn
     _same(certckpt.load(str(d / "epoch=1-step=20.ckpt"))["state_dict"], model.saved[20]["state_dict"], "step 20")
 
 
+def test_a_file_let_go_between_its_rename_and_its_commit_is_retired_by_a_later_commit(tmp_path):
+    """The race behind the async run above, made certain: the save thread has renamed the file into
+    place and not yet committed it when the training thread lets it go. Deleted then, the commit
+    would name a missing file that is never retired; it waits for the next commit instead."""
+    import threading
+
+    written, go = threading.Event(), threading.Event()
+
+    class Paused(CertifiedCheckpointIO):
+        def _write(self, *args, **kw):
+            result = super()._write(*args, **kw)
+            if kw["step"] == 5:  # renamed into place; the commit record is next
+                written.set()
+                go.wait(30)
+            return result
+
+    io, d, model = Paused(), tmp_path / "ckpt", _model()
+    checkpoint = {"global_step": 5, "epoch": 0, "state_dict": model.state_dict()}
+    saver = threading.Thread(target=io.save_checkpoint, args=(checkpoint, d / "step5.ckpt"))
+    saver.start()
+    try:
+        assert written.wait(30)
+        io.remove_checkpoint(d / "step5.ckpt")  # on the training thread, while step 5 is uncommitted
+        assert (d / "step5.ckpt").exists()  # not deleted under the commit about to name it
+    finally:
+        go.set()
+        saver.join(30)
+    io.save_checkpoint({**checkpoint, "global_step": 10}, d / "step10.ckpt")
+    assert sorted(os.listdir(d)) == ["_ledger", "step10.ckpt"]
+    status, latest = find_latest_good(str(d), accept="verified", write_certificates=False)
+    assert sorted(status.snapshot.retired) == ["main@5"] and latest == "main@10"
+    assert not status.problems
+
+
 def test_resume_through_the_plugin_trains_like_an_uninterrupted_run(tmp_path):
     whole = _model()
     _trainer(max_epochs=2).fit(whole, _data())

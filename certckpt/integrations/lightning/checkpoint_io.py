@@ -99,6 +99,9 @@ class _Store:
     branches: set[str] = field(default_factory=set)  # branch records written by this process
     kept: dict[str, str] = field(default_factory=dict)  # id -> file a rotation moved aside (unretired)
     deferred: list[str] = field(default_factory=list)  # files save_top_k let go that were latest-good then
+    # files being written and not committed yet: under AsyncCheckpointIO the training thread may let
+    # one go between its rename into place and its commit record
+    writing: set[str] = field(default_factory=set)
 
     @classmethod
     def read(cls, ledger: Ledger) -> _Store:
@@ -254,9 +257,15 @@ class CertifiedCheckpointIO(*CHECKPOINT_IO_BASES):  # type: ignore[misc]
             "global_step": str(step),
             "framework": version_text(),
         }
-        result = self._write(checkpoint, url, fields, metadata, store=store, replaces=holder, step=step)
         with self._lock:
-            self._commit(store, result, url=url, step=step, evidence=evidence, run=run, key=key)
+            store.writing.add(key)
+        try:
+            result = self._write(checkpoint, url, fields, metadata, store=store, replaces=holder, step=step)
+            with self._lock:
+                self._commit(store, result, url=url, step=step, evidence=evidence, run=run, key=key)
+        finally:
+            with self._lock:
+                store.writing.discard(key)
 
     def _commit(
         self,
@@ -384,9 +393,11 @@ class CertifiedCheckpointIO(*CHECKPOINT_IO_BASES):  # type: ignore[misc]
 
     def _remove(self, url: str, *, warn: bool = True) -> None:
         store = self._store(self.store_for(url))
-        if not _exists(url):
+        if _key(url) in store.writing or not _exists(url):
             if url not in store.deferred:
-                store.deferred.append(url)  # a save queued by AsyncCheckpointIO may write it yet
+                # a save queued by AsyncCheckpointIO may write it yet, or has written it and not
+                # committed it: deleted then, the commit would name a missing file and never retire
+                store.deferred.append(url)
             return
         cid = store.named.get(_key(url))
         why = self._keep_reason(store, cid) if cid is not None else None
