@@ -1,4 +1,6 @@
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 
@@ -7,7 +9,10 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))  # tests/fpref.py and helpers
 # Readers remember the chain heads they verified (certckpt.trust.memory): keep this run's memory to
 # itself (and to the processes it starts), never the user's ~/.cache.
-os.environ.setdefault("CERTCKPT_STATE_DIR", tempfile.mkdtemp(prefix="certckpt-state-"))
+if "CERTCKPT_STATE_DIR" not in os.environ:
+    _state = tempfile.mkdtemp(prefix="certckpt-state-")
+    os.environ["CERTCKPT_STATE_DIR"] = _state
+    atexit.register(shutil.rmtree, _state, ignore_errors=True)  # the process that made it removes it
 # certckpt's log lines (certckpt.log) stay off in the suite and the ranks it starts: the outputs the
 # tests compare are the commands' own; the tests of the log lines turn them on where they look.
 os.environ["CERTCKPT_LOG"] = "off"
