@@ -29,10 +29,21 @@ _PT = 0.72  # points per px: a picture is painted at 100 px to the inch, then sc
 _INHERITED = ("font-size", "font-weight", "font-style", "fill", "text-anchor")
 
 
+def _shown(s: Any) -> str:
+    """The text as drawn: each code point XML 1.0 cannot carry (a control character, a lone surrogate
+    that no font or encoder takes) becomes U+FFFD, so a reader sees that something was there."""
+    return _INVALID_XML.sub("\ufffd", str(s))
+
+
 def escape(s: Any) -> str:
     """XML-safe text or attribute value (HTML too): escaped, quotes included, and without the code
-    points XML 1.0 cannot carry (each becomes U+FFFD, so a reader sees that something was there)."""
-    return html.escape(_INVALID_XML.sub("\ufffd", str(s)), quote=True)
+    points XML 1.0 cannot carry (each becomes U+FFFD).
+
+    Example:
+        >>> escape('<a href="x">')
+        '&lt;a href=&quot;x&quot;&gt;'
+    """
+    return html.escape(_shown(s), quote=True)
 
 
 def num(v: float) -> str:
@@ -216,7 +227,7 @@ class _Painter:
         self.ax.text(
             float(attr.get("x", 0)) + dx,
             float(attr.get("y", 0)) + dy,
-            node.text,
+            _shown(node.text),
             fontsize=float(attr.get("font-size", 16)) * _PT,
             color=attr.get("fill", "black"),
             ha={"middle": "center", "end": "right"}.get(attr.get("text-anchor", "start"), "left"),
