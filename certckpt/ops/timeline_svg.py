@@ -1,20 +1,20 @@
-"""The run timeline as an SVG document, drawn with the standard library alone.
+"""The run timeline drawn: one picture, written as SVG here and painted as PNG by ``certckpt.ops.report``.
 
-``svg(timeline)`` draws the picture ``certckpt report`` shows: one lane per branch (first branches on
+``picture(timeline)`` draws what ``certckpt report`` shows: one lane per branch (first branches on
 top, each followed by the branches forked from it), the fork from the parent checkpoint, the
 checkpoints coloured by verdict (hollow when the file is gone), latest-good as a star with its id,
 the audits under each lane (a failed check as a black X), the detections with the kind and the ranks
 they name, the suspect intervals shaded, the restore drills, a step axis, a title and a legend.
-
-It needs no matplotlib, so the base install can draw a report; ``certckpt.ops.report`` uses it for
-``.svg`` and ``.html`` and keeps matplotlib for ``.png``. The palette and the wording come from
-``certckpt.ops.timeline``, shared with that figure, so that the formats tell the same story.
+``svg(timeline)`` writes it as SVG with the standard library alone, so the base install can draw a
+report (``.svg``, and inline in ``.html``); ``.png`` paints the same ``certckpt.ops.drawing`` tree with
+matplotlib. The palette and the wording come from ``certckpt.ops.timeline``.
 
 The text in a timeline (ids, branch names, notes, the run name) comes from a store that anyone with
-write access to it may have written, so every string is escaped and stripped of the characters XML
-forbids. Labels are placed so that none overlaps another or a mark: text widths are estimated from
-DejaVu Sans metrics (the font named first; the fallbacks are narrower, so the estimate errs wide).
-The output is deterministic: the same timeline gives the same bytes.
+write access to it may have written: it stays text (``drawing.escape``, which also replaces the
+characters XML forbids). Labels are placed so that none overlaps another or a mark: text widths are
+estimated from DejaVu Sans metrics (the font named first, and the one the PNG is painted in; the
+fallbacks are narrower, so the estimate errs wide). The output is deterministic: the same timeline
+gives the same bytes.
 """
 
 from __future__ import annotations
