@@ -21,10 +21,12 @@ from typing import Any
 
 from certckpt.errors import MissingDependencyError
 
-__all__ = ["Node", "SVG_NS", "el", "escape", "num", "svg_markup", "png"]
+__all__ = ["Node", "SVG_NS", "FONT", "el", "escape", "num", "svg_markup", "png"]
 
 _INVALID_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
 SVG_NS = "http://www.w3.org/2000/svg"
+# DejaVu Sans first: the labels are measured in it, and matplotlib ships it (the PNG is painted in it)
+FONT = "DejaVu Sans, Verdana, Helvetica, Arial, sans-serif"
 _PT = 0.72  # points per px: a picture is painted at 100 px to the inch, then scaled by `png`'s scale
 _INHERITED = ("font-size", "font-weight", "font-style", "fill", "text-anchor")
 

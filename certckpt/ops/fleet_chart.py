@@ -17,12 +17,11 @@ from typing import Any
 from certckpt.errors import ConfigurationError
 from certckpt.format.storage import write_atomic
 
-from .drawing import SVG_NS, Node, el, png, svg_markup
+from .drawing import FONT, SVG_NS, Node, el, png, svg_markup
 from .timeline import GREY, ORANGE, RED
 
 __all__ = ["rates_svg", "render_rates"]
 
-_FONT = "DejaVu Sans, Verdana, Helvetica, Arial, sans-serif"
 _ROW, _TOP, _LEFT, _BAR, _RIGHT = 26, 70, 330, 520, 210
 _MAX_ROWS = 200
 
@@ -85,7 +84,7 @@ def _picture(doc: Mapping[str, Any]) -> Node:
         out.append(el("rect", {"x": _LEFT, "y": y + 5, "width": w, "height": _ROW - 10, "fill": color}))
         out.append(el("text", {"x": _LEFT + w + 6, "y": y + 17}, text=_clip(_label(r), 60)))
     attrs = {"xmlns": SVG_NS, "width": width, "height": height, "viewBox": f"0 0 {width} {height}"}
-    return el("svg", {**attrs, "font-family": _FONT, "font-size": 12}, children=out)
+    return el("svg", {**attrs, "font-family": FONT, "font-size": 12}, children=out)
 
 
 def rates_svg(doc: Mapping[str, Any]) -> str:

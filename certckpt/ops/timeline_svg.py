@@ -24,7 +24,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .drawing import SVG_NS, Node, el, num, svg_markup
+from .drawing import FONT, SVG_NS, Node, el, num, svg_markup
 from .timeline import (
     DRILL,
     GOLD,
@@ -46,7 +46,6 @@ __all__ = ["svg", "picture"]
 _DRILL_EDGE = "#1f77b4"
 _LANE_COLOR, _FORK_COLOR, _TEXT_COLOR = "#5a5a5a", "#555555", "#333333"
 _INTERVAL_TEXT, _CONTAINED_TEXT = "#a01010", "#c47a00"
-_FONT = "DejaVu Sans, Verdana, Helvetica, Arial, sans-serif"
 
 # Geometry in px. Lane-local y grows downwards from the lane line (0).
 _MIN_WIDTH, _MAX_WIDTH = 1000, 2400
@@ -820,7 +819,7 @@ def picture(tl: Timeline) -> Node:
             "viewBox": f"0 0 {width} {height}",
             "role": "img",
             "aria-label": title,
-            "font-family": _FONT,
+            "font-family": FONT,
         },
         children=body,
         title=title,
