@@ -164,7 +164,7 @@ class _Painter:
         kind = node.tag
         if kind in ("svg", "g"):
             here = {**inherited, **{k: v for k, v in node.attrs if k in _INHERITED}}
-            tx, ty = (_floats(node.get("transform", "")) + [0.0, 0.0])[:2] if node.get("transform") else (0.0, 0.0)
+            tx, ty = (*_floats(node.get("transform", "")), 0.0, 0.0)[:2]  # translate(x,y), the one transform used
             for child in node.children:
                 self.paint(child, dx + tx, dy + ty, here)
         elif kind == "line":
@@ -172,8 +172,8 @@ class _Painter:
             self._line([x1, x2], [y1, y2], node)
         elif kind == "path":
             for seg in re.findall(r"M([^ML]+)L([^ML]+)", node.get("d", "")):
-                (ax_, ay), (bx, by) = (_floats(p)[:2] for p in seg)
-                self._line([ax_ + dx, bx + dx], [ay + dy, by + dy], node)
+                (x1, y1), (x2, y2) = (_floats(p)[:2] for p in seg)
+                self._line([x1 + dx, x2 + dx], [y1 + dy, y2 + dy], node)
         elif kind in ("rect", "circle", "polygon"):
             self._shape(node, dx, dy)
         elif kind == "text" and node.text:
