@@ -16,7 +16,8 @@ from .common import expected_errors
     "out",
     required=True,
     type=click.Path(dir_okay=False),
-    help="Where to write the report: .png, .svg, or .html (the picture plus tables of verdicts and detections).",
+    help="Where to write the report: .svg, .png (the same picture), or .html (the picture plus tables of verdicts "
+    "and detections).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Also print the timeline as JSON on stdout.")
 @click.option("--force", is_flag=True, help="Overwrite --out if it exists.")
@@ -24,8 +25,8 @@ from .common import expected_errors
 def report(store: str, out: str, as_json: bool, force: bool) -> None:
     """Draw the timeline of the run store STORE: per branch, its checkpoints with their verdicts,
     the audits, the detections with the ranks they name, the suspect intervals, the forks, and
-    latest-good. A .png needs matplotlib (pip install 'certckpt[report]'); .svg and .html need nothing
-    more. Reads the store, writes nothing there.
+    latest-good. A .png is the same picture as the .svg, painted with matplotlib (pip install
+    'certckpt[report]'); .svg and .html need nothing more. Reads the store, writes nothing there.
 
     Exit 0 when written; 2 when the store cannot be read or the file cannot be written.
     """

@@ -96,8 +96,9 @@ class CertifiedReader(StorageReader):
             is initialized, else this process alone).
         trusted_keys: public keys (``TrustedKeys`` or key files; default ``$CERTCKPT_TRUSTED_KEYS``;
             None: no keys). With keys, the manifest and every shard file must be signed by one of
-            them and every byte must match its signed SHA-256: checked in full, on every rank,
-            before anything is loaded (one more read of the checkpoint).
+            them and every byte must match its signed data digest (BLAKE3, or SHA-256 in older
+            files): checked in full, on every rank, before anything is loaded (one more read of
+            the checkpoint).
 
     Raises (from ``dcp.load``, wrapped by DCP in a ``CheckpointException`` that carries the text):
         CorruptCheckpointError: a digest mismatch (naming file, tensor and state entry), a missing
@@ -168,7 +169,8 @@ class CertifiedReader(StorageReader):
             raise ConfigurationError("CertifiedReader: read_metadata must come first (dcp.load does this)")
         if self.trusted_keys is not None:
             # xxh3 stops accidents, not someone who can write the shards: with keys, every byte is
-            # checked against its signed SHA-256 before any of it reaches the caller's state
+            # checked against its signed data digest (BLAKE3, SHA-256 in older files) before any
+            # of it reaches the caller's state
             report = verify_checkpoint(self.path, trusted_keys=self.trusted_keys)
             if not report.ok:
                 raise CorruptCheckpointError(f"{report.problems[0].message}; nothing was loaded")

@@ -2,8 +2,8 @@
 
 ``timeline(status)`` is a pure function from a certified store (``runstore.certify_store``) to a
 ``Timeline``: per branch, its checkpoints with their verdicts, the audits, the detections, the
-suspect intervals, the fork point and any restore drills. ``certckpt.ops.timeline_svg`` and the
-matplotlib figure in ``certckpt.ops.report`` draw it. No torch, no matplotlib.
+suspect intervals, the fork point and any restore drills. ``certckpt.ops.timeline_svg`` draws it
+(``certckpt.ops.report`` writes that drawing as SVG, HTML or PNG). No torch, no matplotlib.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ __all__ = [
     "DRILL",
 ]
 
-# The palette, shared with the matplotlib figure.
+# The palette of the drawing (the fleet chart's bars use it too).
 GREEN, RED, ORANGE, GREY, GOLD = "#2e9e44", "#d62728", "#f39c12", "#9a9a9a", "#f5c400"
 TEAL = "#17a2b8"  # verified: intact and committed, but no audit evidence (a run without the auditor)
 DRILL = {"pass": "#1f77b4", "fail": "#000000"}  # fill by outcome; anything else (incomplete) is hollow
@@ -344,7 +344,7 @@ def _ordered(lanes: dict[str, Lane], by_id: dict[str, Any]) -> list[Lane]:
     return out
 
 
-# --- drawing with matplotlib (.png) ----------------------------------------------------------------
+# --- the words of the drawing --------------------------------------------------------------------
 
 
 def headline(tl: Timeline) -> tuple[str, str]:

@@ -1,31 +1,30 @@
-"""The run timeline as an SVG document, drawn with the standard library alone.
+"""The run timeline drawn: one picture, written as SVG here and painted as PNG by ``certckpt.ops.report``.
 
-``svg(timeline)`` draws the picture ``certckpt report`` shows: one lane per branch (first branches on
+``picture(timeline)`` draws what ``certckpt report`` shows: one lane per branch (first branches on
 top, each followed by the branches forked from it), the fork from the parent checkpoint, the
 checkpoints coloured by verdict (hollow when the file is gone), latest-good as a star with its id,
 the audits under each lane (a failed check as a black X), the detections with the kind and the ranks
 they name, the suspect intervals shaded, the restore drills, a step axis, a title and a legend.
-
-It needs no matplotlib, so the base install can draw a report; ``certckpt.ops.report`` uses it for
-``.svg`` and ``.html`` and keeps matplotlib for ``.png``. The palette and the wording come from
-``certckpt.ops.timeline``, shared with that figure, so that the formats tell the same story.
+``svg(timeline)`` writes it as SVG with the standard library alone, so the base install can draw a
+report (``.svg``, and inline in ``.html``); ``.png`` paints the same ``certckpt.ops.drawing`` tree with
+matplotlib. The palette and the wording come from ``certckpt.ops.timeline``.
 
 The text in a timeline (ids, branch names, notes, the run name) comes from a store that anyone with
-write access to it may have written, so every string is escaped and stripped of the characters XML
-forbids. Labels are placed so that none overlaps another or a mark: text widths are estimated from
-DejaVu Sans metrics (the font named first; the fallbacks are narrower, so the estimate errs wide).
-The output is deterministic: the same timeline gives the same bytes.
+write access to it may have written: it stays text (``drawing.escape``, which also replaces the
+characters XML forbids). Labels are placed so that none overlaps another or a mark: text widths are
+estimated from DejaVu Sans metrics (the font named first, and the one the PNG is painted in; the
+fallbacks are narrower, so the estimate errs wide). The output is deterministic: the same timeline
+gives the same bytes.
 """
 
 from __future__ import annotations
 
-import html
 import math
-import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .drawing import FONT, SVG_NS, Node, el, num, svg_markup
 from .timeline import (
     DRILL,
     GOLD,
@@ -42,12 +41,11 @@ from .timeline import (
     ranks_text,
 )
 
-__all__ = ["svg"]
+__all__ = ["svg", "picture"]
 
 _DRILL_EDGE = "#1f77b4"
 _LANE_COLOR, _FORK_COLOR, _TEXT_COLOR = "#5a5a5a", "#555555", "#333333"
 _INTERVAL_TEXT, _CONTAINED_TEXT = "#a01010", "#c47a00"
-_FONT = "DejaVu Sans, Verdana, Helvetica, Arial, sans-serif"
 
 # Geometry in px. Lane-local y grows downwards from the lane line (0).
 _MIN_WIDTH, _MAX_WIDTH = 1000, 2400
@@ -61,15 +59,8 @@ _MAX_LABEL = 48  # characters of an id or name shown in a label; the tooltip has
 _PAD_X, _PAD_Y = 8, 2  # clearance kept between a label and anything else (wider along a line of text)
 _MAX_LEVELS = 8  # lines a label may move away from the lane before it is left out
 
-_INVALID_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
-
 
 # --- text ------------------------------------------------------------------------------------------
-
-
-def _esc(s: Any) -> str:
-    """XML-safe text or attribute value: escaped, and without the code points XML 1.0 cannot carry."""
-    return html.escape(_INVALID_XML.sub("\ufffd", str(s)), quote=True)
 
 
 def _clip(s: Any, n: int = _MAX_LABEL) -> str:
@@ -108,31 +99,7 @@ def _width(s: str, size: float, *, bold: bool = False) -> float:
     return em * size * (1.1 if bold else 1.0)
 
 
-# --- the words, shared with the matplotlib figure --------------------------------------------------
-
-
 # --- SVG elements ----------------------------------------------------------------------------------
-
-
-def _num(v: float) -> str:
-    """A coordinate, rounded so that the output does not depend on float noise."""
-    text = f"{v:.2f}".rstrip("0").rstrip(".")
-    return "0" if text in ("-0", "") else text
-
-
-def _el(tag: str, attrs: dict[str, Any], *, body: str | None = None, title: str | None = None) -> str:
-    """One element; numbers are rounded, strings escaped, ``None`` attributes left out.
-
-    Args:
-        body: escaped inner markup (the caller escapes), or None for an empty element.
-        title: plain text for a ``<title>`` child: the tooltip a browser shows on hover.
-    """
-    parts = [tag]
-    for k, v in attrs.items():
-        if v is not None:
-            parts.append(f'{k}="{_num(v) if isinstance(v, (int, float)) else _esc(v)}"')
-    inner = (f"<title>{_esc(title)}</title>" if title is not None else "") + (body or "")
-    return f"<{' '.join(parts)}>{inner}</{tag}>" if inner else f"<{' '.join(parts)}/>"
 
 
 def _text(
@@ -147,7 +114,7 @@ def _text(
     italic: bool = False,
     halo: bool = False,
     title: str | None = None,
-) -> str:
+) -> Node:
     """Text whose box is vertically centred on ``y`` (the baseline sits a third of the size below).
 
     Args:
@@ -165,7 +132,7 @@ def _text(
     }
     if halo:
         attrs |= {"stroke": "white", "stroke-width": 3, "stroke-linejoin": "round", "paint-order": "stroke"}
-    return _el("text", attrs, body=_esc(s), title=title)
+    return el("text", attrs, text=s, title=title)
 
 
 def _line(
@@ -178,8 +145,8 @@ def _line(
     width: float = 1.0,
     dash: str | None = None,
     opacity: float | None = None,
-) -> str:
-    return _el(
+) -> Node:
+    return el(
         "line",
         {
             "x1": x1,
@@ -194,34 +161,34 @@ def _line(
     )
 
 
-def _star(x: float, y: float, r: float) -> str:
+def _star(x: float, y: float, r: float) -> Node:
     """Five-pointed star, point up, outer radius ``r``."""
     pts = []
     for i in range(10):
         rad = r if i % 2 == 0 else r * 0.42
         a = math.pi * i / 5 - math.pi / 2
-        pts.append(f"{_num(x + rad * math.cos(a))},{_num(y + rad * math.sin(a))}")
-    return _el(
+        pts.append(f"{num(x + rad * math.cos(a))},{num(y + rad * math.sin(a))}")
+    return el(
         "polygon",
         {"points": " ".join(pts), "fill": GOLD, "stroke": "black", "stroke-width": 1.0, "stroke-linejoin": "round"},
     )
 
 
-def _diamond(x: float, y: float, r: float, *, fill: str) -> str:
-    pts = f"{_num(x)},{_num(y - r)} {_num(x + r)},{_num(y)} {_num(x)},{_num(y + r)} {_num(x - r)},{_num(y)}"
-    return _el("polygon", {"points": pts, "fill": fill, "stroke": _DRILL_EDGE, "stroke-width": 1.2})
+def _diamond(x: float, y: float, r: float, *, fill: str) -> Node:
+    pts = f"{num(x)},{num(y - r)} {num(x + r)},{num(y)} {num(x)},{num(y + r)} {num(x - r)},{num(y)}"
+    return el("polygon", {"points": pts, "fill": fill, "stroke": _DRILL_EDGE, "stroke-width": 1.2})
 
 
-def _cross(x: float, y: float, r: float) -> str:
-    a, b, c, e = _num(x - r), _num(x + r), _num(y - r), _num(y + r)
+def _cross(x: float, y: float, r: float) -> Node:
+    a, b, c, e = num(x - r), num(x + r), num(y - r), num(y + r)
     d = f"M{a},{c}L{b},{e}M{a},{e}L{b},{c}"
-    return _el("path", {"d": d, "stroke": "black", "stroke-width": 2.4, "stroke-linecap": "round"})
+    return el("path", {"d": d, "stroke": "black", "stroke-width": 2.4, "stroke-linecap": "round"})
 
 
-def _circle(x: float, y: float, r: float, *, color: str, held: bool) -> str:
+def _circle(x: float, y: float, r: float, *, color: str, held: bool) -> Node:
     """A checkpoint: filled when this store holds the file, hollow when it is gone."""
     if held:  # a white rim keeps neighbours apart; on crowded lanes it would wash the colour out
-        return _el(
+        return el(
             "circle",
             {
                 "cx": x,
@@ -232,7 +199,7 @@ def _circle(x: float, y: float, r: float, *, color: str, held: bool) -> str:
                 "stroke-width": 1.2 if r >= 4 else None,
             },
         )
-    return _el(
+    return el(
         "circle",
         {
             "cx": x,
@@ -245,14 +212,14 @@ def _circle(x: float, y: float, r: float, *, color: str, held: bool) -> str:
     )
 
 
-def _arrow_head(x: float, y: float, *, down: bool, color: str) -> str:
+def _arrow_head(x: float, y: float, *, down: bool, color: str) -> Node:
     dy = -7 if down else 7
-    pts = f"{_num(x)},{_num(y)} {_num(x - 4)},{_num(y + dy)} {_num(x + 4)},{_num(y + dy)}"
-    return _el("polygon", {"points": pts, "fill": color})
+    pts = f"{num(x)},{num(y)} {num(x - 4)},{num(y + dy)} {num(x + 4)},{num(y + dy)}"
+    return el("polygon", {"points": pts, "fill": color})
 
 
-def _group(cls: str, items: Iterable[str], *, title: str | None = None, transform: str | None = None) -> str:
-    return _el("g", {"class": cls, "transform": transform}, body="".join(items), title=title)
+def _group(cls: str, items: Iterable[Node], *, title: str | None = None, transform: str | None = None) -> Node:
+    return el("g", {"class": cls, "transform": transform}, children=items, title=title)
 
 
 # --- label placement -------------------------------------------------------------------------------
@@ -389,7 +356,7 @@ def _ticks(lo: float, hi: float, *, room: float) -> list[int]:
 class _LaneArt:
     """One lane drawn in lane-local coordinates, with the vertical room it needs."""
 
-    items: list[str]
+    items: list[Node]
     top: float
     bottom: float
     omitted: int  # labels left out for want of room
@@ -412,7 +379,7 @@ def _checkpoint_color(c: Any) -> tuple[str, str]:
     return (ORANGE, "pending") if c.pending else (RED, "suspect")
 
 
-def _audit_marks(lane: Lane, x: _Scale, placer: _Placer) -> list[str]:
+def _audit_marks(lane: Lane, x: _Scale, placer: _Placer) -> list[Node]:
     """One mark per step under the lane: a black X when a check failed; else a tall grey tick for a
     passed audit (a replay ran: the gradients were recomputed) and a small grey dot for a step whose
     passing checks were only the weight consensus or the non-finite summary (nothing was recomputed:
@@ -435,21 +402,21 @@ def _audit_marks(lane: Lane, x: _Scale, placer: _Placer) -> list[str]:
             tick = _line(x(step), _AUDIT_Y - 6, x(step), _AUDIT_Y + 6, color=GREY, width=1.6)
             out.append(_group("audit pass", [tick], title=tip))
         else:
-            dot = _el("circle", {"cx": round(x(step), 2), "cy": _AUDIT_Y, "r": 2.2, "fill": GREY})
+            dot = el("circle", {"cx": round(x(step), 2), "cy": _AUDIT_Y, "r": 2.2, "fill": GREY})
             out.append(_group("check pass", [dot], title=tip))
     if by_step:
         placer.block(_Box(x(min(by_step)) - 5, _AUDIT_Y - 6, x(max(by_step)) + 5, _AUDIT_Y + 6))
     return out
 
 
-def _bands(lane: Lane, x: _Scale) -> list[str]:
+def _bands(lane: Lane, x: _Scale) -> list[Node]:
     out = []
     for a, b in lane.intervals:
         out.append(
             _group(
                 "interval",
                 [
-                    _el(
+                    el(
                         "rect",
                         {
                             "x": x(a),
@@ -490,7 +457,7 @@ def _label(
     bold: bool = False,
     italic: bool = False,
     title: str | None = None,
-) -> list[str]:
+) -> list[Node]:
     """Place and draw one label (nothing when there is no room for it).
 
     Args:
@@ -516,7 +483,7 @@ def _label(
     ]
 
 
-def _latest_good(lane: Lane, x: _Scale, placer: _Placer) -> list[str]:
+def _latest_good(lane: Lane, x: _Scale, placer: _Placer) -> list[Node]:
     lg = next((c for c in lane.checkpoints if c.latest_good), None)
     if lg is None:
         return []
@@ -531,7 +498,7 @@ def _latest_good(lane: Lane, x: _Scale, placer: _Placer) -> list[str]:
             [
                 _line(cx, x.star * 0.5, bx, box.y0, color="#888888", width=0.9),
                 _star(cx, 0, x.star),
-                _el(
+                el(
                     "rect",
                     {"x": box.x0, "y": box.y0, "width": w, "height": h, "rx": 4, "fill": "#fff6c2", "stroke": GOLD},
                 ),
@@ -542,7 +509,7 @@ def _latest_good(lane: Lane, x: _Scale, placer: _Placer) -> list[str]:
     ]
 
 
-def _fork_label(lane: Lane, x: _Scale, placer: _Placer) -> list[str]:
+def _fork_label(lane: Lane, x: _Scale, placer: _Placer) -> list[Node]:
     if lane.parent is None or lane.fork_step is None:
         return []
     fx, s = x(lane.fork_step), f"forked from {_clip(lane.parent)}"
@@ -560,7 +527,7 @@ def _fork_label(lane: Lane, x: _Scale, placer: _Placer) -> list[str]:
     )
 
 
-def _detection_lines(lane: Lane, x: _Scale) -> list[str]:
+def _detection_lines(lane: Lane, x: _Scale) -> list[Node]:
     out = []
     for d in lane.detections:
         color = ORANGE if d.contained else RED
@@ -577,7 +544,7 @@ def _detection_lines(lane: Lane, x: _Scale) -> list[str]:
     return out
 
 
-def _detection_labels(lane: Lane, x: _Scale, placer: _Placer, *, contained: bool) -> list[str]:
+def _detection_labels(lane: Lane, x: _Scale, placer: _Placer, *, contained: bool) -> list[Node]:
     """Labels of the uncontained detections (above the lane) or of the contained ones (below)."""
     out = []
     for d in lane.detections:
@@ -602,7 +569,7 @@ def _detection_labels(lane: Lane, x: _Scale, placer: _Placer, *, contained: bool
     return out
 
 
-def _interval_labels(lane: Lane, x: _Scale, placer: _Placer) -> list[str]:
+def _interval_labels(lane: Lane, x: _Scale, placer: _Placer) -> list[Node]:
     out = []
     for a, b in lane.intervals:
         mid, right = (x(a) + x(b)) / 2, x(b)
@@ -619,7 +586,7 @@ def _interval_labels(lane: Lane, x: _Scale, placer: _Placer) -> list[str]:
     return out
 
 
-def _drills(lane: Lane, x: _Scale, placer: _Placer) -> list[str]:
+def _drills(lane: Lane, x: _Scale, placer: _Placer) -> list[Node]:
     out = []
     for dr in lane.drills:
         if dr.step is None:
@@ -673,7 +640,7 @@ def _lane_art(lane: Lane, x: _Scale, *, above: bool | None) -> _LaneArt:
         marks.append(
             _group(f"checkpoint {cls}{held}", [_circle(x(c.step), 0, x.r, color=color, held=c.held)], title=_tooltip(c))
         )
-    line = _el(
+    line = el(
         "line",
         {"x1": x0, "y1": 0, "x2": x1, "y2": 0, "stroke": _LANE_COLOR, "stroke-width": 2.2, "stroke-linecap": "round"},
     )
@@ -692,7 +659,7 @@ def _parent_lanes(tl: Timeline) -> list[int | None]:
     return out
 
 
-def _forks(tl: Timeline, x: _Scale, ys: Sequence[float]) -> list[str]:
+def _forks(tl: Timeline, x: _Scale, ys: Sequence[float]) -> list[Node]:
     """Dashed arrows from each parent checkpoint to the start of the lane forked from it."""
     out = []
     for j, (lane, i) in enumerate(zip(tl.lanes, _parent_lanes(tl))):
@@ -728,7 +695,7 @@ def _lane_ys(arts: Sequence[_LaneArt]) -> list[float]:
 # --- axis, legend, header --------------------------------------------------------------------------
 
 
-def _axis(x: _Scale, *, top: float, y: float) -> tuple[list[str], list[str]]:
+def _axis(x: _Scale, *, top: float, y: float) -> tuple[list[Node], list[Node]]:
     """Grid lines (drawn first, behind everything) and the step axis at ``y``."""
     grid, axis = [], [_line(x.left, y, x.right, y, color="#222222", width=1.2)]
     for t in _ticks(x.lo, x.hi, room=x.right - x.left):
@@ -740,7 +707,7 @@ def _axis(x: _Scale, *, top: float, y: float) -> tuple[list[str], list[str]]:
     return grid, axis
 
 
-def _legend_entries(tl: Timeline) -> list[tuple[str, str]]:
+def _legend_entries(tl: Timeline) -> list[tuple[Node, str]]:
     """(swatch markup centred on 0,0, label)."""
     entries = [
         (_circle(0, 0, 6.5, color=GREEN, held=True), "checkpoint: trusted"),
@@ -749,12 +716,12 @@ def _legend_entries(tl: Timeline) -> list[tuple[str, str]]:
         (_circle(0, 0, 6.5, color=GREY, held=False), "hollow: file pruned / not held"),
         (_star(0, 0, 9), "latest-good"),
         (_line(0, -6, 0, 6, color=GREY, width=1.6), "audit passed (replay + consensus)"),
-        (_el("circle", {"cx": 0, "cy": 0, "r": 2.2, "fill": GREY}), "consensus only passed (no replay)"),
+        (el("circle", {"cx": 0, "cy": 0, "r": 2.2, "fill": GREY}), "consensus only passed (no replay)"),
         (_cross(0, 0, 4.2), "check failed"),
         (_line(-10, 0, 10, 0, color=RED, width=2.4), "detection (ranks named)"),
         (_line(-10, 0, 10, 0, color=ORANGE, width=2.4, dash="6 3"), "contained detection"),
         (
-            _el("rect", {"x": -10, "y": -6, "width": 20, "height": 12, "fill": RED, "fill-opacity": 0.18}),
+            el("rect", {"x": -10, "y": -6, "width": 20, "height": 12, "fill": RED, "fill-opacity": 0.18}),
             "suspect interval (c, d]",
         ),
         (_line(-10, 0, 10, 0, color=_FORK_COLOR, width=1.3, dash="5 3"), "fork (resume from checkpoint)"),
@@ -764,7 +731,7 @@ def _legend_entries(tl: Timeline) -> list[tuple[str, str]]:
     return entries
 
 
-def _legend(tl: Timeline, *, width: float, y: float) -> tuple[list[str], float]:
+def _legend(tl: Timeline, *, width: float, y: float) -> tuple[list[Node], float]:
     """The legend, centred, in columns filled top to bottom; returns its markup and its height."""
     entries = _legend_entries(tl)
     col = max(_width(label, 11.5) for _, label in entries) + 48
@@ -775,12 +742,12 @@ def _legend(tl: Timeline, *, width: float, y: float) -> tuple[list[str], float]:
     out = []
     for k, (swatch, label) in enumerate(entries):
         cx, cy = left + (k // nrow) * col, y + (k % nrow) * 21
-        out.append(_group("legend-entry", [swatch], transform=f"translate({_num(cx)},{_num(cy)})"))
+        out.append(_group("legend-entry", [swatch], transform=f"translate({num(cx)},{num(cy)})"))
         out.append(_text(cx + 18, cy, label, size=11.5, anchor="start"))
     return out, nrow * 21
 
 
-def _names(tl: Timeline, ys: Sequence[float], *, right: float) -> list[str]:
+def _names(tl: Timeline, ys: Sequence[float], *, right: float) -> list[Node]:
     return [
         _text(right, y, _clip(lane.branch, 24), size=13, anchor="end", color="#111111", title=lane.branch)
         for lane, y in zip(tl.lanes, ys)
@@ -794,16 +761,14 @@ def _name_room(tl: Timeline) -> float:
 # --- the document ----------------------------------------------------------------------------------
 
 
-def svg(tl: Timeline, *, standalone: bool = True) -> str:
-    """Draw the timeline as SVG.
+def picture(tl: Timeline) -> Node:
+    """Draw the timeline: the ``<svg>`` element tree that ``svg`` writes and ``report`` paints as PNG.
 
     Args:
-        tl: the timeline (``certckpt.ops.report.timeline``).
-        standalone: a document for a ``.svg`` file (with the XML declaration); False gives the bare
-            ``<svg>`` element for inlining in an HTML page.
+        tl: the timeline (``certckpt.ops.timeline.timeline``).
 
     Returns:
-        The SVG markup; the same timeline always gives the same string.
+        The drawing; the same timeline always gives the same tree.
     """
     width = _width_for(tl)
     x = _scale(tl, width=width, left=_name_room(tl))
@@ -830,11 +795,11 @@ def svg(tl: Timeline, *, standalone: bool = True) -> str:
     legend, legend_h = _legend(tl, width=width, y=axis_y + 70)
     height = math.ceil(axis_y + 70 + legend_h + 10)
     title, sub = headline(tl)
-    lanes = [_group("lane", art.items, transform=f"translate(0,{_num(y)})") for art, y in zip(arts, ys)]
+    lanes = [_group("lane", art.items, transform=f"translate(0,{num(y)})") for art, y in zip(arts, ys)]
     if not arts:
         lanes = [_text((x.left + x.right) / 2, plot_top + 40, "nothing recorded", size=13, color=GREY)]
     body = [
-        _el("rect", {"x": 0, "y": 0, "width": width, "height": height, "fill": "white"}),
+        el("rect", {"x": 0, "y": 0, "width": width, "height": height, "fill": "white"}),
         _text(x.left - 10, 26, _clip(title, 120), size=17, bold=True, anchor="start", color="#111111"),
         _text(x.left - 10, 52, sub, size=12.5, anchor="start"),
         _group("grid", grid),
@@ -844,19 +809,38 @@ def svg(tl: Timeline, *, standalone: bool = True) -> str:
         _group("axis", axis),
         _group("legend", legend),
     ]
-    root = _el(
+    return el(
         "svg",
         {
-            "xmlns": "http://www.w3.org/2000/svg",
+            "xmlns": SVG_NS,
             "version": "1.1",
             "width": width,
             "height": height,
             "viewBox": f"0 0 {width} {height}",
             "role": "img",
             "aria-label": title,
-            "font-family": _FONT,
+            "font-family": FONT,
         },
-        body="\n".join(body),
+        children=body,
         title=title,
     )
-    return ('<?xml version="1.0" encoding="UTF-8"?>\n' if standalone else "") + root + "\n"
+
+
+def svg(tl: Timeline, *, standalone: bool = True) -> str:
+    """Draw the timeline as SVG.
+
+    Args:
+        tl: the timeline (``certckpt.ops.timeline.timeline``).
+        standalone: a document for a ``.svg`` file (with the XML declaration); False gives the bare
+            ``<svg>`` element for inlining in an HTML page.
+
+    Returns:
+        The SVG markup; the same timeline always gives the same string.
+
+    Example:
+        >>> from certckpt.ops.timeline import Timeline
+        >>> svg(Timeline(store="/runs/a", run="a", latest_good=None)).startswith("<?xml")
+        True
+    """
+    markup = svg_markup(picture(tl), sep="\n")
+    return ('<?xml version="1.0" encoding="UTF-8"?>\n' if standalone else "") + markup + "\n"

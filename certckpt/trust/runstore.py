@@ -122,8 +122,9 @@ def check_file(
         committed: the commit record; the file's own embedded record must agree with it (run,
             branch, step, state and consensus fingerprints): a record edited or added in the
             store to point at another file is caught here.
-        trusted_keys: the file must also be signed by one of these keys (its header and its data's
-            SHA-256): with keys configured, unkeyed digests are never the last word.
+        trusted_keys: the file must also be signed by one of these keys (its header and its data
+            digest: BLAKE3, or SHA-256 in older files): with keys configured, unkeyed digests are
+            never the last word.
 
     Returns:
         None when it verifies, else one line saying what is wrong.

@@ -125,7 +125,7 @@ def restore(
             header_digest=h.get("header_digest"),
             read_only=False,
             progress=progress,
-            trusted_keys=snap.trusted_keys,  # with keys: the signed SHA-256 of every byte, not only xxh3
+            trusted_keys=snap.trusted_keys,  # keys: the signed data digest (BLAKE3, older SHA-256), not xxh3 alone
         )
     else:
         # A held directory: DEST is the checkpoint's directory (or, an existing directory, where
