@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from certckpt.errors import ConfigurationError, MissingDependencyError
-from certckpt.format.storage import write_atomic
+from certckpt.storage import write_atomic
 
 from .timeline import GREY, ORANGE, RED
 

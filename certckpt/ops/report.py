@@ -17,7 +17,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from certckpt.errors import ConfigurationError, MissingDependencyError
-from certckpt.format.storage import write_atomic
+from certckpt.storage import write_atomic
 
 from .timeline import (
     DRILL,
