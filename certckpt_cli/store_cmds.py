@@ -244,7 +244,7 @@ def enclosing_store(location: str) -> str | None:
 
     from certckpt.format.companions import companion_marker
     from certckpt.format.sharded.layout import MANIFEST_NAME
-    from certckpt.format.storage import LEDGER_DIR
+    from certckpt.storage import LEDGER_DIR
 
     if "://" in location or not os.path.isdir(location) or os.path.isdir(os.path.join(location, LEDGER_DIR)):
         return None

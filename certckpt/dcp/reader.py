@@ -45,9 +45,9 @@ from certckpt.format.sharded.layout import join
 from certckpt.format.sharded.manifest import Manifest, ShardFile, ValueInfo, read_manifest
 from certckpt.format.sharded.shardfp import tensor_contribution
 from certckpt.format.signing import KEYS_FROM_ENV, TrustedKeys, trusted_keys_for
-from certckpt.format.storage import open_read, resolve
 from certckpt.format.tensors import ST_TO_TORCH, host_bytes
 from certckpt.format.verify import digest_problem, read_checkpoint_header, read_tensor
+from certckpt.storage import open_read, resolve
 
 from .dcpmeta import ChunkRef, to_metadata
 from .statecheck import Region, compare, exchange

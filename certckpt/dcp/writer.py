@@ -47,10 +47,10 @@ from certckpt.format.sharded.layout import (
 )
 from certckpt.format.sharded.manifest import MANIFEST_VERSION, Manifest
 from certckpt.format.sharded.shardfp import sum_plan, tensor_contribution, write_sums
-from certckpt.format.storage import refuse_protected
 from certckpt.format.tensors import TORCH_TO_ST
 from certckpt.format.verify import inspect
 from certckpt.format.writer import save_certified
+from certckpt.storage import refuse_protected
 
 from .commit import check_commit_options, commit_checkpoint
 from .dcpmeta import DCP_VERSION, ShardRef, ValueRef, build_manifest

@@ -43,9 +43,9 @@ from certckpt.errors import (
     ConfigurationError,
 )
 from certckpt.format.asyncsave import AsyncSaver, SaveFuture
-from certckpt.format.backends import storage_of
 from certckpt.format.signing import signing_key_for
 from certckpt.format.writer import SaveResult, save_certified
+from certckpt.storage import storage_of
 from certckpt.trust.commit import name_taken
 from certckpt.trust.ledger import Ledger, LedgerSink
 

@@ -41,10 +41,10 @@ from typing import Any
 import torch
 
 from certckpt.errors import AsyncSaveError, ConfigurationError
+from certckpt.storage import Target
 
 from .fingerprinting import fingerprint_many
 from .skeleton import StoredTensor
-from .storage import Target
 from .writer import SaveJob, SaveResult, TensorIdentity, prepare, publish
 
 __all__ = ["AsyncSaver", "SaveFuture", "StagingArea", "async_save", "default_saver"]

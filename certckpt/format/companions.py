@@ -26,12 +26,12 @@ from typing import Any
 import xxhash
 
 from certckpt.errors import CertckptError
+from certckpt.storage import join, open_read, refuse_special, resolve
 
 from .datahash import new_hash, preferred_digest_field
 from .header import MAX_HEADER_BYTES
 from .record import CheckpointRecord
 from .signing import TrustedKeys
-from .storage import join, open_read, refuse_special, resolve
 from .verify import inspect, verify
 
 __all__ = [

@@ -15,6 +15,7 @@ import torch
 import xxhash
 
 from certckpt.errors import ConfigurationError, CorruptCheckpointError, UntrustedCheckpointError
+from certckpt.storage import Target, open_read, resolve
 
 from .datahash import BackgroundDigest, digest_name, hash_pieces
 from .header import TensorEntry, gc_paused
@@ -22,7 +23,6 @@ from .record import check_header, signature_problem
 from .signing import KEYS_FROM_ENV, TrustedKeys, trusted_keys_for
 from .skeleton import check_map_location, rebuild
 from .staging import read_to_device
-from .storage import Target, open_read, resolve
 from .tensors import ST_TO_TORCH, host_bytes
 from .trustconfig import TrustConfig
 from .verify import CheckpointInfo, digest_problem, fill_view, read_checkpoint_header

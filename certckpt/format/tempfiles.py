@@ -15,8 +15,7 @@ import time
 from dataclasses import dataclass
 
 from certckpt.errors import CheckpointNotFoundError
-
-from .storage import resolve
+from certckpt.storage import resolve
 
 __all__ = ["TEMP_MARK", "TempFile", "find_temps", "remove_temps"]
 

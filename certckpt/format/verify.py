@@ -21,6 +21,7 @@ from typing import IO, TYPE_CHECKING, Any, Protocol, cast
 import xxhash
 
 from certckpt.errors import CorruptCheckpointError, NotACheckpointError, StorageError
+from certckpt.storage import open_read, resolve
 
 from .datahash import DIGEST_FIELDS, HashObject, new_hash
 from .header import (
@@ -41,7 +42,6 @@ from .record import (
     state_fingerprint,
 )
 from .signing import TrustedKeys, trusted_keys_for
-from .storage import open_read, resolve
 from .trustconfig import NO_MMAP_ENV, TrustConfig, mmap_from_env
 
 if TYPE_CHECKING:

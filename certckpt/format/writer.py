@@ -13,7 +13,6 @@ import contextlib
 import ctypes
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ import torch
 import xxhash
 
 from certckpt.errors import ArgumentTypeError, PlatformError, StorageError, UnsupportedObjectError
+from certckpt.storage import Target, refuse_protected, resolve, storage_of
 
 from .datahash import DIGEST_FIELDS, BackgroundDigest, hash_pieces, new_hash, preferred_digest_field
 from .fingerprinting import SharedFingerprints, fingerprint_many
@@ -32,15 +32,6 @@ from .reader import warn_ignored
 from .record import CheckpointRecord, build_header, state_fingerprint
 from .signing import SigningKey, signing_key_for
 from .skeleton import StoredTensor, flatten
-from .storage import (
-    Target,
-    commit_local,
-    commit_remote,
-    refuse_protected_local,
-    refuse_protected_remote,
-    resolve,
-    temp_name,
-)
 from .tensors import host_bytes
 from .worker import SerialWorker
 
@@ -538,24 +529,17 @@ def publish(
     """
     if target.fileobj is not None:
         job.write_stream(target.fileobj)
-    elif target.local is not None:
-        final = os.path.abspath(target.local)
-        if overwrite:
-            refuse_protected_local(final, target.display)  # before writing: a refusal costs nothing
-        tmp = temp_name(final)
-        _write_temp(job, tmp, target.display, cap_threads=cap_threads, drop_cache=drop_cache)
-        commit_local(tmp, final, overwrite=overwrite, display=target.display)
     else:
-        # Object stores: build the file locally, then one create-only PUT publishes it whole.
-        url = cast(str, target.url)  # resolve() gives a target with neither a path nor a file object its URL
-        fd, tmp = tempfile.mkstemp(prefix=".certckpt-upload-")
-        os.close(fd)
-        os.unlink(tmp)
+        # A local file is written beside its name and renamed into place; an object store's is built
+        # locally, then one create-only PUT publishes it whole (Storage.staging, Storage.publish).
+        storage, name = storage_of(cast(str, target.location))  # resolve(): a path or URL without a file object
+        if overwrite:
+            refuse_protected(cast(str, target.location), display=target.display)  # before writing: costs nothing
+        tmp = storage.staging(name)
         try:
-            if overwrite:
-                refuse_protected_remote(url, target.display)
-            _write_temp(job, tmp, target.display, cap_threads=cap_threads)
-            commit_remote(tmp, url, overwrite=overwrite, display=target.display)
+            # drop_cache only where the file written is the one kept: an upload still reads it
+            _write_temp(job, tmp, target.display, cap_threads=cap_threads, drop_cache=drop_cache and storage.in_place)
+            storage.publish(tmp, name, create_only=not overwrite, staged=True, display=target.display)
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)

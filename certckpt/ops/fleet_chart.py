@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from certckpt.errors import ConfigurationError
-from certckpt.format.storage import write_atomic
+from certckpt.storage import write_atomic
 
 from .drawing import FONT, SVG_NS, Node, el, png, svg_markup
 from .timeline import GREY, ORANGE, RED

@@ -681,8 +681,7 @@ def read_policy(url: str) -> FoundPolicy:
         ValueError: a JSON file that is not an envelope report.
     """
     from certckpt.errors import CheckpointNotFoundError
-    from certckpt.format.backends import storage_of
-    from certckpt.format.storage import resolve
+    from certckpt.storage import resolve, storage_of
 
     target = resolve(url)
     is_file = os.path.isfile(target.local) if target.local is not None else url.endswith(".json")

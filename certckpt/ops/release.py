@@ -34,7 +34,7 @@ from certckpt.errors import (
     ReleaseVerificationError,
     UntrustedCheckpointError,
 )
-from certckpt.format.storage import LEDGER_DIR
+from certckpt.storage import LEDGER_DIR
 from certckpt.trust.certify import Level, accept_level
 from certckpt.trust.coverage import lineage_of, parents_of
 from certckpt.trust.runstore import StoreStatus, certify_store, check_file, find_latest_good
@@ -159,7 +159,7 @@ def _checked_copy(status: StoreStatus, cid: str, directory: str) -> str:
     the very file committed (``check_file``): what is released is what was checked, whatever happens
     to the store's file meanwhile (checking the store's file, then loading it again, left a window
     in which someone who can write the store could swap in other weights)."""
-    from certckpt.format.storage import open_read, resolve
+    from certckpt.storage import open_read, resolve
 
     url = status.entry(cid).url
     local = os.path.join(directory, "checkpoint.safetensors")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 
 from certckpt.errors import ConfigurationError
-from certckpt.format.storage import write_atomic
+from certckpt.storage import write_atomic
 
 from .drawing import escape, png
 from .timeline import (

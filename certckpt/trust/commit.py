@@ -14,12 +14,11 @@ from typing import Any
 
 from certckpt.errors import ArgumentTypeError, CheckpointExistsError, ConfigurationError
 from certckpt.format.asyncsave import AsyncSaver, SaveFuture, default_saver
-from certckpt.format.backends import storage_of
 from certckpt.format.reader import warn_ignored
 from certckpt.format.signing import SigningKey, signing_key_for
-from certckpt.format.storage import resolve
 from certckpt.format.writer import SaveResult, save_certified
 from certckpt.format.writer import save as plain_save
+from certckpt.storage import resolve, storage_of
 
 from .ledger import Ledger, ckpt_id_for, is_ckpt_id
 

@@ -38,18 +38,19 @@ from certckpt.errors import (
     CheckpointNotFoundError,
     ConfigurationError,
 )
-from certckpt.format.backends import Storage, storage_for
 from certckpt.format.sharded.layout import MANIFEST_NAME
 from certckpt.format.signing import SigningKey, TrustedKeys, signing_key_from_env, trusted_keys_from_env
-from certckpt.format.storage import (
+from certckpt.format.trustconfig import TrustConfig, mmap_from_env, state_dir_from_env
+from certckpt.log import RESUME
+from certckpt.storage import (
     LEDGER_DIR,
     VAULT_MARK,
+    Storage,
     join,
     put_once,
     resolve,
+    storage_for,
 )
-from certckpt.format.trustconfig import TrustConfig, mmap_from_env, state_dir_from_env
-from certckpt.log import RESUME
 
 from .certify import Revocation
 from .chain import (

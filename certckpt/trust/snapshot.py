@@ -26,10 +26,9 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from certckpt.errors import CertckptError, CheckpointNotFoundError, StorageError
-from certckpt.format.backends import Storage, storage_for
 from certckpt.format.signing import TrustedKeys
-from certckpt.format.storage import VAULT_MARK, remote_error_text
 from certckpt.format.trustconfig import TrustConfig
+from certckpt.storage import VAULT_MARK, Storage, is_missing_bucket, remote_error_text, storage_for
 
 from .certify import CheckpointEntry, Revocation
 from .chain import CHAINS_DIR, GENESIS, Break, ChainCheck, check_chains, digest, genesis_problem, parse_entry_name
@@ -486,7 +485,7 @@ def read_snapshot(
             raise
         if remembered_genesis is not None:
             return _gone(trusted_keys, "the store is gone (deleted)")
-        if "NoSuchBucket" in str(e) or "bucket does not exist" in str(e).lower():
+        if is_missing_bucket(e):
             raise StorageError(f"{store}: cannot read the ledger ({remote_error_text(e)})") from e
         raise CheckpointNotFoundError(f"{store}: no such run store") from e
     except Exception as e:  # OSError, and botocore's own types (no credentials, unreachable endpoint)

@@ -26,8 +26,8 @@ from certckpt.format.companions import companions_of, plain_problem
 from certckpt.format.sharded.layout import MANIFEST_NAME, is_directory
 from certckpt.format.sharded.manifest import read_manifest
 from certckpt.format.signing import TrustedKeys
-from certckpt.format.storage import join
 from certckpt.format.verify import inspect, verify
+from certckpt.storage import join
 
 __all__ = ["KINDS", "Member", "Bundle", "bundle_of", "describe", "held_name", "member_check", "parent_of"]
 

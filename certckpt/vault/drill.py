@@ -29,8 +29,8 @@ from typing import Any
 
 from certckpt.errors import CertckptError, ConfigurationError
 from certckpt.format.sharded.check import verify_checkpoint
-from certckpt.format.storage import join
 from certckpt.format.verify import verify
+from certckpt.storage import join
 from certckpt.trust.ledger import Ledger
 
 from .bundles import Bundle, bundle_of

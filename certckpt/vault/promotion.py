@@ -24,9 +24,9 @@ from certckpt.errors import (
     UntrustedCheckpointError,
 )
 from certckpt.format.sharded.layout import MANIFEST_NAME
-from certckpt.format.storage import join, resolve
 from certckpt.format.trustconfig import TrustConfig, trust_config_for
 from certckpt.format.verify import inspect
+from certckpt.storage import LockRequest, join, resolve
 from certckpt.trust.certify import Level, accept_level
 from certckpt.trust.chain import CHAINS_DIR
 from certckpt.trust.ledger import VAULT_MARK, Ledger
@@ -303,7 +303,7 @@ def _source_bundle(cid: str, url: str, header_digest: str | None) -> Bundle:
 
 
 def _repair(
-    source: Ledger, status: StoreStatus, vault: str, held: dict[str, dict[str, Any]], put_options: dict[str, Any]
+    source: Ledger, status: StoreStatus, vault: str, held: dict[str, dict[str, Any]], put_options: LockRequest | None
 ) -> list[Promotion]:
     """Replace each held copy that no longer verifies with the run's copy (checked first)."""
     snap = status.snapshot

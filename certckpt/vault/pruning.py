@@ -5,16 +5,14 @@ The only code that deletes from a vault; the policies and the guards no policy o
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from certckpt.errors import CertckptError, CorruptCheckpointError, StorageError
-from certckpt.format.backends import LocalStorage, Storage, storage_for
 from certckpt.format.sharded.layout import MANIFEST_NAME
-from certckpt.format.storage import join
 from certckpt.format.trustconfig import TrustConfig, trust_config_for
+from certckpt.storage import Storage, join, storage_for
 from certckpt.trust.certify import Level
 from certckpt.trust.gate import gate_deletions, store_doubt
 from certckpt.trust.ledger import Ledger
@@ -206,11 +204,7 @@ def _delete_held_directory(site: VaultSite, storage: Storage, holding: dict[str,
             refused = storage.delete(f"{cid}/{name}")
             if refused:
                 return f"{name}: {refused} (its {marker} is deleted: the copy is no longer a checkpoint)"
-    if isinstance(storage, LocalStorage):
-        try:
-            os.rmdir(os.path.join(storage.root, cid))
-        except OSError:
-            pass  # a file that appeared meanwhile keeps the directory; the copy is gone either way
+    storage.remove_empty(cid)  # a file that appeared meanwhile keeps it; the copy is gone either way
     return None
 
 

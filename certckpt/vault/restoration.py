@@ -11,8 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from certckpt.errors import CheckpointExistsError, CheckpointNotFoundError, UntrustedCheckpointError
-from certckpt.format.backends import storage_for
-from certckpt.format.storage import join, resolve
+from certckpt.storage import join, resolve, storage_for
 from certckpt.trust.certify import Level, accept_level
 from certckpt.trust.runstore import certify_store, find_latest_good
 

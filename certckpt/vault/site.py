@@ -6,13 +6,11 @@ Also the Object Lock options a write-once PUT carries and the protection read ba
 from __future__ import annotations
 
 import datetime
-import os
 from dataclasses import dataclass
 from typing import Any
 
-from certckpt.errors import CheckpointNotFoundError, ConfigurationError, StorageError
-from certckpt.format.backends import LocalStorage, S3Storage, storage_for, storage_of
-from certckpt.format.storage import resolve
+from certckpt.errors import ConfigurationError, StorageError
+from certckpt.storage import LockRequest, storage_for, storage_of
 
 __all__ = ["LOCK_MODES", "VaultSite", "lock_of", "lock_options", "open_vault", "versions_of"]
 
@@ -43,25 +41,18 @@ def open_vault(url: str, *, create: bool = False) -> VaultSite:
         CheckpointNotFoundError: a local vault directory or an S3 bucket does not exist.
         StorageError: no credentials, endpoint unreachable, access refused (one line, with the fix).
     """
-    storage = storage_for(url)
-    if isinstance(storage, LocalStorage):
-        if create:
-            try:
-                os.makedirs(storage.root, exist_ok=True)
-            except OSError as e:
-                raise StorageError(f"{url}: cannot create the vault directory ({e.strerror or e})") from e
-        elif not os.path.isdir(storage.root):
-            raise CheckpointNotFoundError(f"{url}: no such vault (directory not found)")
-        return VaultSite(url=url, local=True)
-    if not isinstance(storage, S3Storage):
-        if not create and not storage.exists():
-            raise CheckpointNotFoundError(f"{url}: no such vault")
-        return VaultSite(url=url)
-    found = storage.protection()
-    return VaultSite(url=url, s3=True, bucket=found.bucket, object_lock=found.object_lock, versioned=found.versioned)
+    found = storage_for(url).open(create=create, what="vault")
+    return VaultSite(
+        url=url,
+        local=found.local,
+        s3=found.bucket is not None,
+        bucket=found.bucket,
+        object_lock=found.object_lock,
+        versioned=found.versioned,
+    )
 
 
-def lock_options(site: VaultSite, *, mode: str, retain_days: float) -> dict[str, Any]:
+def lock_options(site: VaultSite, *, mode: str, retain_days: float) -> LockRequest | None:
     """The Object Lock arguments every PUT into the vault carries.
 
     Args:
@@ -69,7 +60,7 @@ def lock_options(site: VaultSite, *, mode: str, retain_days: float) -> dict[str,
         retain_days: retention from now.
 
     Returns:
-        ``put_object`` keyword arguments (empty when no lock applies).
+        The retention each new object carries (None when no lock applies).
 
     Raises:
         ValueError: an unknown mode, or a retention that is not > 0.
@@ -78,10 +69,10 @@ def lock_options(site: VaultSite, *, mode: str, retain_days: float) -> dict[str,
     if mode not in LOCK_MODES:
         raise ConfigurationError(f"lock mode {mode!r}: choose one of {', '.join(LOCK_MODES)}")
     if mode == "none":
-        return {}
+        return None
     if not site.object_lock:
         if mode == "auto":
-            return {}
+            return None
         raise StorageError(
             f"{site.url}: Object Lock {mode} asked for, but "
             + (
@@ -94,13 +85,13 @@ def lock_options(site: VaultSite, *, mode: str, retain_days: float) -> dict[str,
     if not retain_days > 0:
         raise ConfigurationError("retain days must be > 0 for Object Lock retention")
     until = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(days=retain_days)
-    return {"ObjectLockMode": "GOVERNANCE" if mode == "auto" else mode, "ObjectLockRetainUntilDate": until}
+    return LockRequest(mode="COMPLIANCE" if mode == "COMPLIANCE" else "GOVERNANCE", retain_until=until)
 
 
 def lock_of(site: VaultSite, url: str) -> dict[str, Any] | None:
     """What protects a vaulted object now (read from the store, so racing promoters agree)."""
     if not site.s3:
-        return {"mode": "read-only file"} if resolve(url).local is not None else None
+        return {"mode": "read-only file"} if site.local else None
     storage, name = storage_of(url)
     lock = storage.lock_of(name)
     if lock is None or not lock.mode:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -20,10 +19,9 @@ from certckpt.errors import (
     CorruptCheckpointError,
     StorageError,
 )
-from certckpt.format.backends import storage_of
 from certckpt.format.signing import TrustedKeys
-from certckpt.format.storage import commit_local, commit_remote, join, open_read, resolve, temp_name
 from certckpt.format.verify import verify
+from certckpt.storage import LockRequest, Progress, create_once, join, open_read, resolve, storage_of
 from certckpt.trust.runstore import check_file
 
 from .bundles import Bundle, member_check
@@ -31,19 +29,7 @@ from .bundles import Bundle, member_check
 __all__ = ["Check", "Progress", "copy_once", "copy_bundle", "repair_copy", "repair_bundle", "whole_of"]
 
 _CHUNK = 8 << 20
-Progress = Callable[[int, int], None]
 Check = Callable[[str], "str | None"]  # check(url): None when the file there is the right copy, else why
-
-
-def _upload_callback(progress: Progress, total: int):
-    """An fsspec callback reporting ``(done, total)`` to a certckpt progress function."""
-    from fsspec.callbacks import Callback
-
-    class _Report(Callback):
-        def call(self, *args: Any, **kwargs: Any) -> None:
-            progress(min(self.value, total), total)
-
-    return _Report()
 
 
 def _stream(src_url: str, out, progress: Progress | None) -> int:
@@ -98,7 +84,7 @@ def copy_once(
     dst: str,
     *,
     header_digest: str | None,
-    put_options: dict[str, Any] | None = None,
+    put_options: LockRequest | None = None,
     read_only: bool = True,
     progress: Progress | None = None,
     trusted_keys: TrustedKeys | None = None,
@@ -124,17 +110,18 @@ def copy_once(
     """
     checked = check or (lambda u: check_file(u, header_digest, trusted_keys=trusted_keys))
     present = check or (lambda u: check_file(u, header_digest))
-    target = resolve(dst)
-    if target.local is not None:
-        final = os.path.abspath(target.local)
-        os.makedirs(os.path.dirname(final), exist_ok=True)
-        tmp = temp_name(final)
+    storage, name = storage_of(dst)
+    if storage.in_place:  # a local disk: checked under a temp name, then linked into place
+        tmp = storage.staging(name)
+        os.makedirs(os.path.dirname(tmp), exist_ok=True)
         try:
             n = _verified_temp(src_url, tmp, dst, read_only=read_only, progress=progress, check=checked)
-            commit_local(tmp, final, overwrite=False, display=dst)
+            storage.publish(tmp, name, create_only=True, staged=True, display=dst)
             return True, n
         except CheckpointExistsError:
-            return _already_there(dst, present), os.path.getsize(final)
+            written = _already_there(dst, present)
+            held = storage.stat(name)
+            return written, held.size if held is not None and held.size is not None else 0
         except OSError as e:
             if isinstance(e, CertckptError):
                 raise
@@ -145,21 +132,22 @@ def copy_once(
     local, spool = _local_source(src_url)
     try:
         size = os.path.getsize(local)
-        cb = _upload_callback(progress, size) if progress else None
-        for attempt in range(8):
+
+        def holder(refusal: CheckpointExistsError) -> bool | None:
+            storage.refresh()  # a listing cached before the racing promoter's PUT would hide it
             try:
-                commit_remote(local, dst, overwrite=False, display=dst, put_options=put_options, callback=cb)
-                break
-            except CheckpointExistsError:
-                # A racing promoter's PUT may be refused (412/409) before its object is readable:
-                # wait for it; if it never appears (that promoter failed), upload again.
-                storage_of(dst)[0].refresh()
-                try:
-                    return _already_there(dst, present), size
-                except CheckpointNotFoundError:
-                    time.sleep(0.1 * (attempt + 1))
-        else:
-            raise StorageError(f"{dst}: concurrent uploads under this name did not settle; retry")
+                return _already_there(dst, present)
+            except CheckpointNotFoundError:
+                return None
+
+        found = create_once(
+            lambda: storage.publish(local, name, create_only=True, lock=put_options, progress=progress, display=dst),
+            holder,
+            gave_up=f"{dst}: concurrent uploads under this name did not settle; retry",
+            pause=0.1,
+        )
+        if found is not None:
+            return found, size
         problem = checked(dst)
         if problem:
             raise CorruptCheckpointError(
@@ -194,7 +182,7 @@ def repair_copy(
     dst: str,
     *,
     header_digest: str | None,
-    put_options: dict[str, Any] | None = None,
+    put_options: LockRequest | None = None,
     trusted_keys: TrustedKeys | None = None,
     check: Check | None = None,
 ) -> int:
@@ -212,14 +200,13 @@ def repair_copy(
     problem = checked(src_url)
     if problem:
         raise CorruptCheckpointError(f"{src_url}: the source does not verify ({problem}); nothing repaired")
-    target = resolve(dst)
-    if target.local is not None:
-        final = os.path.abspath(target.local)
-        os.makedirs(os.path.dirname(final), exist_ok=True)
-        tmp = temp_name(final)
+    storage, name = storage_of(dst)
+    if storage.in_place:  # a local disk: checked under a temp name, then renamed over the damaged copy
+        tmp = storage.staging(name)
+        os.makedirs(os.path.dirname(tmp), exist_ok=True)
         try:
             n = _verified_temp(src_url, tmp, dst, read_only=True, progress=None, check=checked, what="nothing repaired")
-            commit_local(tmp, final, overwrite=True, display=dst)
+            storage.publish(tmp, name, create_only=False, staged=True, display=dst)
             return n
         except OSError as e:
             if isinstance(e, CertckptError):
@@ -230,8 +217,8 @@ def repair_copy(
                 os.unlink(tmp)
     local, spool = _local_source(src_url)
     try:
-        commit_remote(local, dst, overwrite=True, display=dst, put_options=put_options)
-        storage_of(dst)[0].refresh()
+        storage.publish(local, name, create_only=False, lock=put_options, display=dst)
+        storage.refresh()
         problem = checked(dst)
         if problem:
             raise CorruptCheckpointError(f"{dst}: the repaired copy does not verify when read back ({problem})")
@@ -259,7 +246,7 @@ def copy_bundle(
     *,
     header_digest: str | None,
     committed: dict[str, Any] | None = None,
-    put_options: dict[str, Any] | None = None,
+    put_options: LockRequest | None = None,
     read_only: bool = True,
     progress: Progress | None = None,
     trusted_keys: TrustedKeys | None = None,
@@ -310,7 +297,7 @@ def repair_bundle(
     directory: str,
     *,
     header_digest: str | None,
-    put_options: dict[str, Any] | None = None,
+    put_options: LockRequest | None = None,
     trusted_keys: TrustedKeys | None = None,
 ) -> int:
     """Replace each damaged or missing file of a held multi-file copy from ``bundle`` (the run's

@@ -20,8 +20,8 @@ from certckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, Not
 from certckpt.format.header import DTYPE_SIZES, printable
 from certckpt.format.record import CheckpointRecord, check_header, state_fingerprint
 from certckpt.format.signing import TrustedKeys
-from certckpt.format.storage import LEDGER_DIR, open_read, resolve
 from certckpt.format.verify import CheckpointInfo, Problem, digest_problem, read_checkpoint_header, read_into, verify
+from certckpt.storage import LEDGER_DIR, open_read, resolve
 
 from .composition import hex64
 from .layout import MANIFEST_NAME, Listing, exists, is_shard_name, join, list_directory

@@ -7,13 +7,11 @@ temp files) and the ledger directory are never part of a checkpoint. No torch im
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
 
 from certckpt.errors import CheckpointNotFoundError, StorageError
-from certckpt.format.backends import storage_for, storage_of
-from certckpt.format.storage import LEDGER_DIR, join, resolve
+from certckpt.storage import LEDGER_DIR, join, storage_for, storage_of
 
 __all__ = [
     "MANIFEST_NAME",
@@ -111,9 +109,4 @@ def remove(location: str) -> None:
 def make_directory(location: str) -> None:
     """Create a local checkpoint directory (object stores have no directories to create, and a
     bucket is never created on the way)."""
-    target = resolve(location)
-    if target.local is not None:
-        try:
-            os.makedirs(target.local, exist_ok=True)
-        except OSError as e:
-            raise StorageError(f"{location}: cannot create the checkpoint directory ({e.strerror or e})") from e
+    storage_for(location).make_root(what="checkpoint")

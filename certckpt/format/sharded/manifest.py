@@ -18,8 +18,8 @@ import xxhash
 from certckpt.errors import CorruptCheckpointError, NotACheckpointError
 from certckpt.format.header import DTYPE_SIZES, MAX_DIMS, canonical_json, printable, strict_json_loads
 from certckpt.format.record import check_header
-from certckpt.format.storage import open_read, resolve
 from certckpt.format.verify import CheckpointInfo, read_checkpoint_header
+from certckpt.storage import open_read, resolve
 
 from .composition import compose, hex64, is_partition, state_fp
 from .layout import MANIFEST_MARK, MANIFEST_NAME, MANIFEST_TENSOR, is_shard_name, join

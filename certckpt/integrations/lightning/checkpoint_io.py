@@ -35,10 +35,11 @@ from typing import Any
 from certckpt.detect.session import CheckpointEvidence
 from certckpt.errors import ArgumentTypeError, CheckpointNotFoundError, ConfigurationError, NotACheckpointError
 from certckpt.format.reader import load
-from certckpt.format.storage import Target, filesystem, fsync_dir, join, resolve, temp_name
 from certckpt.format.verify import inspect
 from certckpt.format.writer import SaveResult, save_certified
 from certckpt.log import enable as enable_log
+from certckpt.storage import Target, fsync_dir, join, resolve, temp_name
+from certckpt.storage.fsspec_store import filesystem
 from certckpt.trust.gate import rotation_keeps
 from certckpt.trust.ledger import Ledger, LedgerSnapshot, ckpt_id_for, is_ckpt_id
 from certckpt.trust.resume import ResumePoint, next_branch

@@ -54,10 +54,10 @@ from certckpt.errors import (
 )
 from certckpt.format.asyncsave import SaveFuture
 from certckpt.format.reader import load
-from certckpt.format.storage import write_atomic
 from certckpt.format.verify import inspect
 from certckpt.format.writer import save_certified
 from certckpt.log import enable as enable_log
+from certckpt.storage import write_atomic
 from certckpt.trust.gate import rotation_keeps, store_doubt
 from certckpt.trust.ledger import Ledger, LedgerSnapshot, ckpt_id_for, is_ckpt_id
 from certckpt.trust.resume import next_branch

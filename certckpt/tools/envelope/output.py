@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from certckpt.errors import ConfigurationError, MissingDependencyError
-from certckpt.format.storage import write_atomic
+from certckpt.storage import write_atomic
 
 from .stats import TRIM, describe, se_text
 

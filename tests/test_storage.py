@@ -10,14 +10,9 @@ import uuid
 import pytest
 
 from certckpt.errors import CheckpointExistsError, CheckpointNotFoundError, StorageError
-from certckpt.format.backends import (
-    FsspecStorage,
-    LocalStorage,
-    S3Storage,
-    Storage,
-    storage_for,
-    storage_of,
-)
+from certckpt.storage import LocalStorage, LockRequest, Storage, storage_for, storage_of
+from certckpt.storage.fsspec_store import FsspecStorage
+from certckpt.storage.s3 import S3Storage
 
 
 @pytest.fixture(params=["local", "memory", "s3"])
@@ -46,16 +41,16 @@ def test_put_once_is_create_only_and_idempotent(storage):
     assert storage.get("_ledger/checkpoints/missing.json") is None
 
 
-def test_put_file_publishes_whole_and_refuses_an_existing_name(storage, tmp_path):
+def test_publish_publishes_whole_and_refuses_an_existing_name(storage, tmp_path):
     src = tmp_path / "src.bin"
     src.write_bytes(b"x" * 1000)
-    storage.put_file(str(src), "main@5.safetensors")
+    storage.publish(str(src), "main@5.safetensors")
     assert storage.get("main@5.safetensors") == b"x" * 1000
     src.write_bytes(b"y" * 10)
     with pytest.raises(CheckpointExistsError):
-        storage.put_file(str(src), "main@5.safetensors")
+        storage.publish(str(src), "main@5.safetensors")
     assert storage.get("main@5.safetensors") == b"x" * 1000
-    storage.put_file(str(src), "main@5.safetensors", create_only=False)
+    storage.publish(str(src), "main@5.safetensors", create_only=False)
     storage.refresh()
     assert storage.get("main@5.safetensors") == b"y" * 10
 
@@ -134,7 +129,7 @@ def test_s3_protection_locks_and_versions(s3_server, tmp_path):
     src = tmp_path / "f"
     src.write_bytes(b"held")
     until = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(days=1)
-    storage.put_file(str(src), "held.bin", lock={"ObjectLockMode": "GOVERNANCE", "ObjectLockRetainUntilDate": until})
+    storage.publish(str(src), "held.bin", lock=LockRequest(mode="GOVERNANCE", retain_until=until))
     lock = storage.lock_of("held.bin")
     assert lock is not None and lock.mode == "GOVERNANCE" and lock.active() and lock.version_id
     assert abs((lock.retain_until - until).total_seconds()) < 2
@@ -144,7 +139,7 @@ def test_s3_protection_locks_and_versions(s3_server, tmp_path):
     refused = storage.delete("held.bin")  # every version is held: the store says so, nothing raised
     assert refused is not None and refused.startswith("Object Lock GOVERNANCE retention until")
     assert storage.get("held.bin") == b"held"
-    storage.put_file(str(src), "free.bin")
+    storage.publish(str(src), "free.bin")
     assert storage.lock_of("free.bin") is None
     assert storage.delete("free.bin") is None
     storage.refresh()
@@ -161,7 +156,7 @@ def test_s3_missing_bucket_is_one_line_with_the_fix(s3_server):
 def test_an_object_in_a_vault_at_the_bucket_root_is_never_replaced(s3_bucket, tmp_path):
     """The vault mark is looked for in every prefix above the object, the bucket itself included."""
     from certckpt.errors import ProtectedCheckpointError
-    from certckpt.format.storage import refuse_protected
+    from certckpt.storage import refuse_protected
 
     root = storage_for(s3_bucket)
     root.put_once("_ledger/vault.json", b"{}")
