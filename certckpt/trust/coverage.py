@@ -33,6 +33,7 @@ from fractions import Fraction
 from typing import Any
 
 from .certify import CheckpointEntry
+from .records import EventKind, Outcome, check_family
 
 __all__ = ["Coverage", "WindowCoverage", "coverage", "lineage_of", "parents_of"]
 
@@ -82,21 +83,22 @@ def _read(e: object) -> _Check | None:
         return None
     if type(ranks) is not list or not all(type(r) is int for r in ranks):
         return None
-    if details.get("found_by") or e.get("outcome") not in ("pass", "fail"):
+    if details.get("found_by") or e.get("outcome") not in (Outcome.PASS, Outcome.FAIL):
         return None
-    if kind in ("nonfinite", "nonfinite-pre", "nonfinite-post"):
+    if check_family(kind) == EventKind.NONFINITE:
+        summary = kind == EventKind.NONFINITE  # an audit's summary; the others are one step's failure
         checked = _int(details.get("steps_checked"))
         return _Check(
             branch=branch,
             step=step,
-            kind="nonfinite",
-            phase="summary" if kind == "nonfinite" else "failure",
+            kind=EventKind.NONFINITE,
+            phase="summary" if summary else "failure",
             ranks=len(ranks),
             fraction=Fraction(1),
-            steps_checked=1 if kind != "nonfinite" else (checked or 0),
+            steps_checked=(checked or 0) if summary else 1,
             covered={},
         )
-    if kind == "replay":
+    if kind == EventKind.REPLAY:
         fraction = _fraction(details)
         if fraction is None:
             return None
@@ -111,7 +113,7 @@ def _read(e: object) -> _Check | None:
             steps_checked=0,
             covered={},
         )
-    if kind == "consensus":
+    if kind == EventKind.CONSENSUS:
         covered = {k: v for k in _COVERED_KEYS if (v := _int(details.get(k))) is not None}
         return _Check(
             branch=branch,
@@ -148,13 +150,13 @@ def _index(events: Iterable[object]) -> dict[str, _BranchChecks]:
         if c is None:
             continue
         b = out.setdefault(c.branch, _BranchChecks())
-        if c.kind == "replay" and c.phase == "update":
+        if c.kind == EventKind.REPLAY and c.phase == "update":
             b.update_replays.add(c.step)
-        elif c.kind == "replay":
+        elif c.kind == EventKind.REPLAY:
             prev = b.replays.get(c.step)
             if prev is None or (c.fraction, c.ranks) > (prev.fraction, prev.ranks):
                 b.replays[c.step] = c
-        elif c.kind == "consensus":
+        elif c.kind == EventKind.CONSENSUS:
             b.consensus.setdefault(c.step, c)
         else:
             b.nonfinite.append(c)

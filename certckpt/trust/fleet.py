@@ -101,10 +101,10 @@ class FleetView:
             st = self.devices.get(dev)
             if st is not None and st.convicted:
                 first = st.open_convictions[0]
-                ev = first.get("evidence") or {}
+                ev = first.evidence
                 bad.append(
                     f"rank {rank} runs on device {dev} (host {st.host or '?'}), convicted by "
-                    f"{first['conviction_id']} ({ev.get('check')} at step {ev.get('step')} of run {ev.get('run')}"
+                    f"{first.conviction_id} ({ev.get('check')} at step {ev.get('step')} of run {ev.get('run')}"
                     f"{', incident ' + str(ev['incident_id']) if ev.get('incident_id') else ''})"
                 )
         if not bad:
@@ -190,8 +190,8 @@ class Fleet:
         view = FleetView(
             url=self.url,
             store_id=snap.store_id,
-            devices=fleet_standing(recs.get("convictions", []), recs.get("appeals", []), recs.get("clearances", [])),
-            stores=sorted({r["store"] for r in recs.get("stores", [])}),
+            devices=fleet_standing(recs.convictions, recs.appeals, recs.clearances),
+            stores=sorted({r.store for r in recs.stores}),
             breaks=[f"writer {b.writer} entry {b.seq}: {b.why}" for b in snap.breaks],
             invalid=list(snap.invalid),
             notes=list(snap.notes),
@@ -287,7 +287,7 @@ class Fleet:
         check_appeal(st, doc)
         assert st is not None  # check_appeal refuses a device without convictions
         doc["appeal_id"] = aid = f"appeal-{time.time_ns():020d}-{secrets.token_hex(3)}"
-        doc["convictions"] = [c["conviction_id"] for c in st.open_convictions]
+        doc["convictions"] = [c.conviction_id for c in st.open_convictions]
         doc["at"] = time.time()
         self._existing().write_record("appeals", f"{aid}.json", doc)
         return doc

@@ -28,7 +28,7 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
@@ -64,15 +64,8 @@ from .chain import (
     scope_of,
 )
 from .factcache import FactsCache
-from .snapshot import (
-    KINDS,
-    MAX_SMALL_RECORD_BYTES,
-    SOURCES_DIR,
-    LedgerSnapshot,
-    is_ckpt_id,
-    is_plain_name,
-    read_snapshot,
-)
+from .records import KINDS, CommitRecord, HoldingRecord, KeptRecord, is_ckpt_id, is_plain_name
+from .snapshot import MAX_SMALL_RECORD_BYTES, SOURCES_DIR, LedgerSnapshot, read_snapshot
 
 __all__ = ["Ledger", "LedgerSink", "LedgerSnapshot", "ckpt_id_for", "is_ckpt_id", "LEDGER_DIR", "VAULT_MARK"]
 
@@ -385,10 +378,7 @@ class Ledger:
         )
         return rev
 
-    def record_certificate(self, ckpt_id: str, *, verdict: str, reasons: list[str], record: dict[str, Any]) -> None:
-        self.record_certificates([(ckpt_id, verdict, reasons, record)])
-
-    def record_certificates(self, certs: list[tuple[str, str, list[str], dict[str, Any]]]) -> None:
+    def record_certificates(self, certs: list[tuple[str, str, list[str], CommitRecord]]) -> None:
         """Write one certificate per ``(ckpt_id, verdict, reasons, commit record)``, sealed in one entry."""
         self.chained()
         written = []
@@ -399,9 +389,9 @@ class Ledger:
                     "ckpt_id": ckpt_id,
                     "verdict": verdict,
                     "reasons": reasons,
-                    "state_fp": record.get("state_fp"),
-                    "header_digest": record.get("header_digest"),
-                    "consensus_fp": record.get("consensus_fp"),
+                    "state_fp": record.state_fp,
+                    "header_digest": record.header_digest,
+                    "consensus_fp": record.consensus_fp,
                     "at": time.time(),
                 }
             )
@@ -498,10 +488,12 @@ class Ledger:
         rest = location[len(prefix) :] if location.startswith(prefix) else None
         return rest if rest and ".." not in rest.split("/") else location
 
-    def url_of(self, record: dict[str, Any], *, base: str | None = None) -> str:
+    def url_of(
+        self, record: CommitRecord | HoldingRecord | KeptRecord | Mapping[str, Any], *, base: str | None = None
+    ) -> str:
         """Where a record's file is; relative names are relative to ``base`` (default this store;
         a vault's mirrored commit records are relative to the run store they came from)."""
-        u = record["url"]
+        u: str = record.url if isinstance(record, (CommitRecord, HoldingRecord, KeptRecord)) else record["url"]
         return u if "://" in u or u.startswith("/") else join(base or self.store, u)
 
     def snapshot(
@@ -540,8 +532,9 @@ class Ledger:
         """Checkpoints directly in the store that no commit record names (ignored by latest-good):
         certified files, and sharded checkpoint directories whose manifest was written."""
         snap = snap or self.snapshot()
-        named = {r["url"].rstrip("/") for r in (snap.holdings if snap.is_vault else snap.records).values()}
-        named |= {r["url"] for r in snap.kept.values()}
+        p = snap.parsed
+        named = {r.url.rstrip("/") for r in (p.holdings if snap.is_vault else p.commits).values()}
+        named |= {r.url for r in p.kept.values()}
         storage = storage_for(self.store)
         entries = storage.listdir()
         names = [e.name for e in entries]
