@@ -36,7 +36,6 @@ from .factcache import FactsCache
 from .facts import AuditFacts, EventProblem, read_event
 from .incident import incident_state
 from .records import (
-    FLEET_KINDS,
     KINDS,
     AppealRecord,
     BranchRecord,
