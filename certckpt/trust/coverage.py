@@ -30,7 +30,6 @@ from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Any
 
 from .certify import CheckpointEntry
 from .records import EventKind, Outcome, check_family
@@ -60,7 +59,7 @@ def _int(value: object) -> int | None:
     return value if type(value) is int and 0 <= value < _MAX_STEP else None
 
 
-def _fraction(details: Mapping[str, Any]) -> Fraction | None:
+def _fraction(details: Mapping[str, object]) -> Fraction | None:
     """The share of the step's micro-batches a replay recomputed; None when unreadable."""
     n = details.get("micro_batches")
     k = details.get("replayed_micro_batches", n)
@@ -272,7 +271,7 @@ class Coverage:
         """Whether any replay ran in the window or vouches for it."""
         return self.persistent_within is not None or bool(self.window.replay_steps)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         w = self.window
         return {
             "ckpt_id": self.ckpt_id,

@@ -41,7 +41,7 @@ __all__ = [
 Range = tuple[int, int | None]  # (lo, hi]: hi None is open-ended
 
 
-def device_of(inv: Mapping[str, Any]) -> str:
+def device_of(inv: Mapping[str, object]) -> str:
     """A rank's device identity from its inventory: an explicit ``device_id`` (set through the
     inventory override, ``CERTCKPT_INVENTORY``), the CUDA device's UUID, else ``host/device``
     (``node-3/cpu``). ``""`` when the inventory names none usable."""
@@ -53,9 +53,10 @@ def device_of(inv: Mapping[str, Any]) -> str:
     return joined if is_device_id(joined) else ""
 
 
-def host_of(inv: Mapping[str, Any]) -> str:
+def host_of(inv: Mapping[str, object]) -> str:
     """The host a rank ran on (scheduler node names first, as incidents name nodes)."""
-    env: Mapping[str, Any] = inv["env"] if isinstance(inv.get("env"), Mapping) else {}
+    found = inv.get("env")
+    env: Mapping[str, object] = found if isinstance(found, Mapping) else {}
     for value in (inv.get("node"), env.get("SLURMD_NODENAME"), env.get("KUBERNETES_NODE_NAME"), inv.get("host")):
         if isinstance(value, str) and value:
             return value[:200]
@@ -158,7 +159,7 @@ def fleet_standing(
     return out
 
 
-def check_appeal(standing: DeviceStanding | None, doc: Mapping[str, Any]) -> None:
+def check_appeal(standing: DeviceStanding | None, doc: Mapping[str, object]) -> None:
     """An appeal names a convicted device's open convictions and says who and why."""
     if not str(doc.get("by", "")).strip() or not str(doc.get("reason", "")).strip():
         raise FleetError("an appeal needs --by NAME and --reason TEXT")
@@ -166,7 +167,7 @@ def check_appeal(standing: DeviceStanding | None, doc: Mapping[str, Any]) -> Non
         raise FleetError(f"device {doc.get('device')!r} has no open conviction to appeal (see `certckpt fleet ls`)")
 
 
-def check_clearance(standing: DeviceStanding | None, doc: Mapping[str, Any], *, signer: str | None) -> None:
+def check_clearance(standing: DeviceStanding | None, doc: Mapping[str, object], *, signer: str | None) -> None:
     """A clearance approves a pending appeal of this device, by someone other than the appellant,
     with another key (``signer``: the key that will sign the clearance, if any)."""
     if not str(doc.get("by", "")).strip() or not str(doc.get("reason", "")).strip():

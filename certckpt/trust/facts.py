@@ -41,7 +41,7 @@ class Event(NamedTuple):
     found_by: bool
 
 
-def read_event(e: Any, *, authenticated: bool = True) -> tuple[Event, str | None]:
+def read_event(e: object, *, authenticated: bool = True) -> tuple[Event, str | None]:
     """The facts of one event and why any field was unusable (None when all were).
 
     Args:
@@ -146,7 +146,7 @@ class BranchFacts:
             return None
         return (Outcome.FAIL, None) if m & 32 else (Outcome.PASS, self.fps.get(step))
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         """A compact form (steps and masks as packed arrays: a million steps load in milliseconds)."""
         steps = sorted(self.mask)
         fp_steps = sorted(self.fps)
@@ -189,7 +189,7 @@ class AuditFacts:
     doubtful: list[Event] = field(default_factory=list)
 
     @classmethod
-    def of(cls, events: Iterable[Any]) -> AuditFacts:
+    def of(cls, events: Iterable[object]) -> AuditFacts:
         facts = cls()
         for e in events:
             facts.add(e if isinstance(e, Event) else read_event(e)[0])

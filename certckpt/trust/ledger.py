@@ -104,7 +104,7 @@ class _Chain:
     prev: str
 
 
-def _dumps(doc: dict[str, Any]) -> bytes:
+def _dumps(doc: Mapping[str, object]) -> bytes:
     return (json.dumps(doc, separators=(",", ":"), sort_keys=True) + "\n").encode("utf-8")
 
 
@@ -170,7 +170,7 @@ class Ledger:
         self._chains: dict[str, _Chain] = {}  # scope -> this process's chain for it
         self._lock = threading.RLock()
 
-    def _dumps(self, doc: dict[str, Any]) -> bytes:
+    def _dumps(self, doc: Mapping[str, object]) -> bytes:
         return _dumps(self.signing_key.sign(doc) if self.signing_key is not None else doc)
 
     # --- chains -------------------------------------------------------------------------------
@@ -329,7 +329,7 @@ class Ledger:
         if self._put("branches", f"{branch}.json", self._dumps({"branch": branch, "parent": parent}), branch=branch):
             RESUME.info("resumed from %s: new checkpoints go on branch %s (%s)", parent, branch, self.store)
 
-    def record_placement(self, *, branch: str, start_step: int, devices: dict[str, str], **fields: Any) -> str:
+    def record_placement(self, *, branch: str, start_step: int, devices: dict[str, str], **fields: object) -> str:
         """Record where this start of ``branch`` runs (per rank, its device; ``fields``: hosts, run,
         fleet), sealed in the branch's chain; returns the record's name. A fleet's conviction of
         one of these devices makes this branch's checkpoints after ``start_step`` suspect."""
@@ -349,7 +349,7 @@ class Ledger:
         chained = self.chained()
         if self.signing_key is not None and not chained:
             docs = [self.signing_key.sign(d) for d in docs]
-        by_branch: dict[Any, list[dict[str, Any]]] = {}
+        by_branch: dict[object, list[dict[str, Any]]] = {}
         for d in docs:
             by_branch.setdefault(d.get("branch"), []).append(d)
         if chained:  # every branch names a chain: refused before anything is written
@@ -417,19 +417,19 @@ class Ledger:
             self._dumps({"ckpt_id": ckpt_id, "url": url, "replaced": replaced, "reason": reason, "at": time.time()}),
         )
 
-    def record_drill(self, doc: dict[str, Any]) -> str:
+    def record_drill(self, doc: Mapping[str, object]) -> str:
         name = f"{time.time_ns():020d}-{secrets.token_hex(4)}.json"
         self._put("drills", name, self._dumps(doc))
         return name
 
-    def record_holding(self, doc: dict[str, Any]) -> bool:
+    def record_holding(self, doc: Mapping[str, object]) -> bool:
         """Vaults: the record that makes a promoted copy exist here. Deterministic content, so a
         racing promoter of the same checkpoint finds it identical (returns False) instead of failing."""
         if not is_ckpt_id(doc["ckpt_id"]):
             raise ConfigurationError(f"checkpoint id {doc['ckpt_id']!r} is not branch@step")
         return self._put("holdings", f"{doc['ckpt_id']}.json", self._dumps(doc))
 
-    def write_record(self, kind: str, name: str, doc: dict[str, Any]) -> bool:
+    def write_record(self, kind: str, name: str, doc: Mapping[str, object]) -> bool:
         """Write one record create-only, signed when this ledger has a signing key, sealed in this
         writer's chain; idempotent."""
         if kind not in _KINDS or kind in ("events", "checkpoints", "branches", "placements"):

@@ -233,7 +233,7 @@ class CertificateRecord(Record):
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
 class DrillRecord(Record):
-    """``drills/<name>.json``: a restore drill (``drill_id`` is its file's name, also in ``raw``)."""
+    """``drills/<name>.json``: a restore drill (``drill_id``: its file's name, without ``.json``)."""
 
     drill_id: str
     ckpt_id: str
@@ -468,7 +468,7 @@ def _drill(r: _Raw, file: str) -> DrillRecord | str:
     if not isinstance(outcome, str):
         return "outcome is not text"
     drill_id = file.removesuffix(".json")
-    return DrillRecord(raw=dict(r, drill_id=drill_id), drill_id=drill_id, ckpt_id=cid, step=step, outcome=outcome)
+    return DrillRecord(raw=r, drill_id=drill_id, ckpt_id=cid, step=step, outcome=outcome)
 
 
 def _location_problem(value: object, what: str) -> str | None:

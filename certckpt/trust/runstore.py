@@ -93,7 +93,7 @@ class StoreStatus:
         snap = self.snapshot
         return coverage(snap.checkpoints, snap.events, branch_parents=snap.branch_parents)
 
-    def suspect_intervals(self) -> list[dict[str, Any]]:
+    def suspect_intervals(self) -> list[dict[str, object]]:
         return [
             {
                 "branch": d.branch,
@@ -114,7 +114,7 @@ def check_file(
     header_digest: str | None,
     *,
     progress: Callable[[int, int], None] | None = None,
-    committed: Mapping[str, Any] | None = None,
+    committed: Mapping[str, object] | None = None,
     trusted_keys: TrustedKeys | None = None,
 ) -> str | None:
     """Verify a committed checkpoint's bytes, and that it is the very file that was committed.
@@ -154,7 +154,7 @@ def check_file(
     return _disagreement(url, record, committed) if committed is not None else None
 
 
-def _disagreement(url: str, embedded: CheckpointRecord, committed: Mapping[str, Any]) -> str | None:
+def _disagreement(url: str, embedded: CheckpointRecord, committed: Mapping[str, object]) -> str | None:
     """Where the file's embedded record and its commit record disagree (None when they agree)."""
     for key in ("run", "branch", "step", "state_fp", "consensus_fp"):
         want, have = committed.get(key), getattr(embedded, key, None)
@@ -363,7 +363,7 @@ def read_remembering(ledger: Ledger, *, use_cache: bool = True) -> LedgerSnapsho
     return snap
 
 
-def _writable(write: Callable[[], Any]) -> bool:
+def _writable(write: Callable[[], object]) -> bool:
     """Run a write that only caches what reading already derived (certificates, the incidents
     `status` opens); a read-only store still gets its answer. Returns whether the write went through."""
     try:

@@ -210,20 +210,20 @@ class LedgerSnapshot:
         self.retired = {k: v.raw for k, v in p.retired.items()}
         self.kept = {k: v.raw for k, v in p.kept.items()}
         self.certificates = {k: v.raw for k, v in p.certificates.items()}
-        self.drills = [d.raw for d in p.drills]
+        self.drills = [dict(d.raw, drill_id=d.drill_id) for d in p.drills]
         self.incident_records = [i.raw for i in p.incidents]
 
 
-def _segment_lines(data: bytes) -> list[Any]:
+def _segment_lines(data: bytes) -> list[object]:
     """The JSON values of a segment's lines (None for a line that is not JSON); one parse per segment."""
     lines = [ln for ln in data.split(b"\n") if ln.strip()]
     try:
-        values: list[Any] = json.loads(b"[" + b",".join(lines) + b"]")  # a JSON array: its lines' values
+        values: list[object] = json.loads(b"[" + b",".join(lines) + b"]")  # a JSON array: its lines' values
         if len(values) == len(lines):
             return values
     except (ValueError, RecursionError):
         pass
-    out: list[Any] = []
+    out: list[object] = []
     for ln in lines:
         try:
             out.append(json.loads(ln))
@@ -566,7 +566,7 @@ class _Reader:
             )
             self.source = None
 
-    def _mark(self) -> Any:
+    def _mark(self) -> object:
         data = self._top(VAULT_MARK)
         if data is None:
             return None
@@ -601,7 +601,7 @@ class _Reader:
 
     # --- records ---------------------------------------------------------------------------------
 
-    def _load(self, path: str) -> Any:
+    def _load(self, path: str) -> object:
         try:
             return json.loads(self.contents[path])
         except (KeyError, ValueError, RecursionError):
@@ -620,7 +620,7 @@ class _Reader:
                     branch = got.sealing_branch() if kind in BRANCH_KINDS else None
                     ok, reason = self.counts(kind, name, branch=branch)
                 elif self.keys is not None:
-                    reason = self.keys.problem(r)  # the record as stored, which its signature covers
+                    reason = self.keys.problem(got.raw)  # the record as stored: its signature covers it
                     ok = reason is None
                 else:
                     reason = None
