@@ -39,6 +39,11 @@ __all__ = ["Coverage", "WindowCoverage", "coverage", "lineage_of", "parents_of"]
 _MAX_STEP = 10**18
 _MAX_LINEAGE = 100_000  # a lineage longer than this is a cycle or an attack: stop there
 _COVERED_KEYS = ("params", "buffers", "tensor_count", "regions", "replicas", "min_replicas")
+# plain strings for the per-event compares (an enum member's lookup costs more than the compare)
+_OUTCOMES = frozenset(o.value for o in Outcome)
+_NONFINITE: str = EventKind.NONFINITE.value
+_REPLAY: str = EventKind.REPLAY.value
+_CONSENSUS: str = EventKind.CONSENSUS.value
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -82,22 +87,22 @@ def _read(e: object) -> _Check | None:
         return None
     if type(ranks) is not list or not all(type(r) is int for r in ranks):
         return None
-    if details.get("found_by") or e.get("outcome") not in (Outcome.PASS, Outcome.FAIL):
+    if details.get("found_by") or e.get("outcome") not in _OUTCOMES:
         return None
-    if check_family(kind) == EventKind.NONFINITE:
-        summary = kind == EventKind.NONFINITE  # an audit's summary; the others are one step's failure
+    if check_family(kind) == _NONFINITE:
+        summary = kind == _NONFINITE  # an audit's summary; the others are one step's failure
         checked = _int(details.get("steps_checked"))
         return _Check(
             branch=branch,
             step=step,
-            kind=EventKind.NONFINITE,
+            kind=_NONFINITE,
             phase="summary" if summary else "failure",
             ranks=len(ranks),
             fraction=Fraction(1),
             steps_checked=(checked or 0) if summary else 1,
             covered={},
         )
-    if kind == EventKind.REPLAY:
+    if kind == _REPLAY:
         fraction = _fraction(details)
         if fraction is None:
             return None
@@ -112,7 +117,7 @@ def _read(e: object) -> _Check | None:
             steps_checked=0,
             covered={},
         )
-    if kind == EventKind.CONSENSUS:
+    if kind == _CONSENSUS:
         covered = {k: v for k in _COVERED_KEYS if (v := _int(details.get(k))) is not None}
         return _Check(
             branch=branch,
@@ -149,13 +154,13 @@ def _index(events: Iterable[object]) -> dict[str, _BranchChecks]:
         if c is None:
             continue
         b = out.setdefault(c.branch, _BranchChecks())
-        if c.kind == EventKind.REPLAY and c.phase == "update":
+        if c.kind == _REPLAY and c.phase == "update":
             b.update_replays.add(c.step)
-        elif c.kind == EventKind.REPLAY:
+        elif c.kind == _REPLAY:
             prev = b.replays.get(c.step)
             if prev is None or (c.fraction, c.ranks) > (prev.fraction, prev.ranks):
                 b.replays[c.step] = c
-        elif c.kind == EventKind.CONSENSUS:
+        elif c.kind == _CONSENSUS:
             b.consensus.setdefault(c.step, c)
         else:
             b.nonfinite.append(c)

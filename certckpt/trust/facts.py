@@ -19,6 +19,11 @@ from .records import EventKind, Outcome, check_family
 
 __all__ = ["AuditFacts", "BranchFacts", "Event", "EventProblem", "read_event", "SEEN_ALL", "FAILED_ANY"]
 
+# The hot path compares plain strings: an enum member's attribute lookup costs more than the compare
+# (a million events per cold read).
+_PASS: str = Outcome.PASS.value
+_FAIL: str = Outcome.FAIL.value
+_CONSENSUS: str = EventKind.CONSENSUS.value
 # A branch is only ever compared and printed (escaped) here, never made a path: any short text.
 _MAX_STEP = 10**18
 
@@ -82,13 +87,13 @@ def read_event(e: object, *, authenticated: bool = True) -> tuple[Event, str | N
         problems = [*(problems or ()), "details.fp"]
         fp = None
     if problems:
-        if outcome == Outcome.PASS:  # a pass is evidence for trust: a malformed one is evidence of nothing
+        if outcome == _PASS:  # a pass is evidence for trust: a malformed one is evidence of nothing
             return Event(branch, step, kind, outcome, False, (), None, False), ", ".join(problems)
         why = f"malformed {', '.join(problems)}; read as a failure that was not contained"
         return Event(branch, step, kind, outcome, False, suspects, fp, False), why
-    if outcome == Outcome.FAIL and not authenticated:
+    if outcome == _FAIL and not authenticated:
         contained = False
-    found_by = kind == EventKind.CONSENSUS and bool(details.get("found_by"))
+    found_by = kind == _CONSENSUS and bool(details.get("found_by"))
     return Event(branch, step, kind, outcome, contained, suspects, fp, found_by), None
 
 
@@ -102,7 +107,7 @@ def _placement(branch: object, step: object, outcome: object) -> tuple[str, int,
         raise EventProblem(f"branch {str(branch)[:40]!r} is not a branch name")
     if type(step) is not int or not 0 <= step < _MAX_STEP:
         raise EventProblem(f"step {str(step)[:40]!r} is not a step number")
-    if not isinstance(outcome, str) or (outcome != Outcome.PASS and outcome != Outcome.FAIL):
+    if outcome != _PASS and outcome != _FAIL:
         raise EventProblem(f"outcome {str(outcome)[:40]!r} is neither pass nor fail")
     return branch, step, outcome
 
@@ -218,7 +223,7 @@ class AuditFacts:
     def add(self, ev: Event, *, counts: bool = True) -> None:
         """Fold one event in; ``counts=False``: nobody vouches for it (a pass is dropped, a failure kept
         apart, never contained)."""
-        outcome, fail = ev.outcome, Outcome.FAIL
+        outcome, fail = ev.outcome, _FAIL
         if not counts:
             if outcome == fail:
                 self.doubtful.append(ev._replace(contained=False) if ev.contained else ev)

@@ -391,6 +391,10 @@ def _checkpoint(r: _Raw, file: str) -> CommitRecord | str:
     committed_at = r.get("committed_at", 0.0)
     if not _number(committed_at):
         return "its commit time is not a number"
+    try:
+        when = float(committed_at)
+    except OverflowError:  # an integer no float holds (10**400): parsed here, so refused here, never a traceback
+        return "its commit time is not a number"
     return CommitRecord(
         raw=r,
         ckpt_id=cid,
@@ -402,7 +406,7 @@ def _checkpoint(r: _Raw, file: str) -> CommitRecord | str:
         state_fp=_opt_str(r, "state_fp"),
         header_digest=_opt_str(r, "header_digest"),
         run=_opt_str(r, "run"),
-        committed_at=float(committed_at),
+        committed_at=when,
     )
 
 

@@ -793,7 +793,7 @@ class _Reader:
         snap, keys, chained = self.snap, self.keys, self.snap.chained
         add, invalid = snap.facts.add, snap.invalid
         pass_counts = ok and (chained or keys is None)  # unchained with keys: each line on its signature
-        top, failures, passed = -1, [], Outcome.PASS
+        top, failures, passed = -1, [], Outcome.PASS.value
         for n, value in enumerate(_segment_lines(data), 1):
             if type(value) is not dict:
                 value = {}
@@ -834,9 +834,10 @@ class _Reader:
     def _unchained_signed_passes(self, keys: TrustedKeys) -> None:
         """Unchained stores with trusted keys: each passing event counts only on its own signature.
         Read again line by line (these stores are small: they predate chains)."""
+        passed = Outcome.PASS.value
         for name, data in self._batches(self.segment_names):
             for n, value in enumerate(_segment_lines(data), 1):
-                if not isinstance(value, dict) or value.get("outcome") != Outcome.PASS:
+                if not isinstance(value, dict) or value.get("outcome") != passed:
                     continue
                 why = keys.problem(value)
                 if why is None:
@@ -862,12 +863,13 @@ class _Reader:
 
     def _events(self, counted: dict[str, bool]) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
+        fail = Outcome.FAIL.value
         for p in self.files["events"]:
             name = p.rsplit("/", 1)[-1]
             for value in _segment_lines(self.storage.get(p, limit=MAX_RECORD_BYTES) or b""):
                 if not isinstance(value, dict):
                     continue
-                failed = value.get("outcome") == Outcome.FAIL
+                failed = value.get("outcome") == fail
                 if failed or (counted.get(name, False) and self._line_counts(value)):
                     out.append(value)
         return out
