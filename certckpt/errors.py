@@ -13,6 +13,7 @@ from typing import Any
 __all__ = [
     "CertckptError",
     "CorruptCheckpointError",
+    "TruncatedCheckpointError",
     "NotACheckpointError",
     "UnsupportedObjectError",
     "CheckpointExistsError",
@@ -48,6 +49,10 @@ class CorruptCheckpointError(CertckptError, ValueError):
 
     Raised for truncated files, malformed or hostile headers, digest and fingerprint mismatches.
     """
+
+
+class TruncatedCheckpointError(CorruptCheckpointError):
+    """The file ends before the bytes its header declares (a copy cut short, a disk full)."""
 
 
 class NotACheckpointError(CertckptError, ValueError):

@@ -25,6 +25,7 @@ from certckpt.trust.devices import (
 from certckpt.trust.fleet import Fleet
 from certckpt.trust.fleetscan import fleet_rates, impact
 from certckpt.trust.ledger import Ledger
+from certckpt.trust.records import parse_record
 from certckpt.trust.runstore import certify_store
 from certckpt_cli.main import main
 
@@ -67,13 +68,32 @@ def test_device_identity_prefers_the_override_then_the_uuid_and_refuses_path_lik
     assert device_of({}) == ""
 
 
+def _parsed(kind, doc):
+    # the rules take records as the reader parses them (``records.parse_record``)
+    rid = doc[{"convictions": "conviction_id", "appeals": "appeal_id", "clearances": "clearance_id"}[kind]]
+    rec = parse_record(kind, f"{rid}.json", doc)
+    assert not isinstance(rec, str), rec
+    return rec
+
+
 def test_a_clearance_counts_only_by_another_person_with_another_key():
-    conv = [{"conviction_id": "c1", "device": "d", "at": 1.0}]
-    appeal = {"appeal_id": "a1", "device": "d", "convictions": ["c1"], "by": "alice", "at": 2.0, "sig": {"key": "K1"}}
+    conv = [_parsed("convictions", {"conviction_id": "c1", "device": "d", "at": 1.0, "evidence": {}})]
+    appeal = _parsed(
+        "appeals",
+        {
+            "appeal_id": "a1",
+            "device": "d",
+            "convictions": ["c1"],
+            "by": "alice",
+            "reason": "r",
+            "at": 2.0,
+            "sig": {"key": "K1"},
+        },
+    )
 
     def standing(**clear):
-        doc = {"clearance_id": "x", "device": "d", "approves": "a1", "by": "bob", "at": 3.0, **clear}
-        return fleet_standing(conv, [appeal], [doc])["d"]
+        doc = {"clearance_id": "x", "device": "d", "approves": "a1", "by": "bob", "reason": "r", "at": 3.0, **clear}
+        return fleet_standing(conv, [appeal], [_parsed("clearances", doc)])["d"]
 
     assert not standing().convicted
     assert standing(by="Alice ").convicted  # the appellant clearing her own appeal
@@ -81,7 +101,9 @@ def test_a_clearance_counts_only_by_another_person_with_another_key():
     assert standing(device="e").convicted  # a clearance of another device
     assert standing(approves="a2").convicted
     # a later conviction is not covered by an earlier appeal
-    later = fleet_standing([*conv, {"conviction_id": "c2", "device": "d", "at": 4.0}], [appeal], [])
+    later = fleet_standing(
+        [*conv, _parsed("convictions", {"conviction_id": "c2", "device": "d", "at": 4.0, "evidence": {}})], [appeal], []
+    )
     assert [c["conviction_id"] for c in later["d"].open_convictions] == ["c1", "c2"]
 
 

@@ -15,7 +15,12 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
-from certckpt.errors import CorruptCheckpointError, NotACheckpointError, UnsupportedObjectError
+from certckpt.errors import (
+    CorruptCheckpointError,
+    NotACheckpointError,
+    TruncatedCheckpointError,
+    UnsupportedObjectError,
+)
 
 __all__ = [
     "DTYPE_SIZES",
@@ -273,7 +278,7 @@ def read_header_length(prefix: bytes, *, file_length: int | None, source: str) -
         foreign = sniff_foreign_format(prefix)
         if foreign:
             raise NotACheckpointError(f"{source}: not a certckpt checkpoint: it is {foreign}")
-        raise CorruptCheckpointError(
+        raise TruncatedCheckpointError(
             f"{source}: truncated: the file has {len(prefix)} bytes, fewer than the 8-byte header length;"
             " restore it from a good copy"
         )
@@ -293,7 +298,7 @@ def read_header_length(prefix: bytes, *, file_length: int | None, source: str) -
             " the length field is damaged or the file is hostile"
         )
     if file_length is not None and 8 + n > file_length:
-        raise CorruptCheckpointError(
+        raise TruncatedCheckpointError(
             f"{source}: truncated: header declares {n} bytes but the file has only {file_length} bytes"
         )
     return n
@@ -455,7 +460,7 @@ def _contiguous_length(entries: list[TensorEntry], source: str) -> int:
 
 def _check_file_length(needed: int, file_length: int, source: str) -> None:
     if needed > file_length:
-        raise CorruptCheckpointError(
+        raise TruncatedCheckpointError(
             f"{source}: truncated: the tensors need {needed} bytes but the file has {file_length}"
         )
     if needed < file_length:

@@ -13,6 +13,7 @@ import mmap
 import os
 import stat
 import struct
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ from typing import IO, TYPE_CHECKING, Any, Protocol, cast
 
 import xxhash
 
-from certckpt.errors import CorruptCheckpointError, NotACheckpointError, StorageError
+from certckpt.errors import CorruptCheckpointError, NotACheckpointError, StorageError, TruncatedCheckpointError
 from certckpt.storage import open_read, resolve
 
 from .datahash import DIGEST_FIELDS, HashObject, new_hash
@@ -52,6 +53,7 @@ __all__ = [
     "inspect",
     "VerifyReport",
     "Problem",
+    "ProblemKind",
     "CheckpointInfo",
     "read_checkpoint_header",
     "read_into",
@@ -75,12 +77,37 @@ Progress = Callable[[int, int], None]
 # The operator's switch for mounts where a mapped read's I/O error would end the process (SIGBUS).
 
 
+if sys.version_info >= (3, 11):
+    from enum import StrEnum
+else:  # certckpt supports 3.10, which has no StrEnum: the same behaviour (str() and format() give the value)
+    from enum import Enum
+
+    class StrEnum(str, Enum):
+        __str__ = str.__str__
+
+
+class ProblemKind(StrEnum):
+    """What a ``Problem`` is about (a member compares equal to its string: ``"truncated"``)."""
+
+    TRUNCATED = "truncated"  # the file ends early, or goes on after the last tensor
+    MALFORMED = "malformed"  # the header or the record cannot be read
+    HEADER = "header"  # the header disagrees with its record
+    DIGEST = "digest"  # a tensor's bytes changed
+    FINGERPRINT = "fingerprint"  # a tensor's device fingerprint changed (``deep``)
+    STATE = "state"  # the whole-state fingerprint disagrees with the tensors'
+    SIGNATURE = "signature"  # unsigned, another key, or changed after signing
+    MANIFEST = "manifest"  # a sharded checkpoint's manifest (``format.sharded.check``)
+    EXTRA = "extra"  # a file a sharded checkpoint's manifest does not list
+    COMPANION = "companion"  # a companion file a record lists (`certckpt verify`)
+
+
 @dataclass(frozen=True, slots=True)
 class Problem:
     """One thing wrong with a checkpoint.
 
     Attributes:
-        kind: ``truncated``, ``malformed``, ``header``, ``digest``, ``fingerprint`` or ``state``.
+        kind: a ``ProblemKind`` (``truncated``, ``malformed``, ``header``, ``digest``, ``fingerprint``,
+            ``state``, ``signature``; a sharded checkpoint's also ``manifest`` and ``extra``).
         message: one readable line naming the item, what was expected and what was found.
         tensor: the tensor concerned, when there is one.
     """
@@ -128,6 +155,7 @@ class VerifyReport:
     info: CheckpointInfo | None = None
 
     def fail(self, kind: str, message: str, tensor: str | None = None) -> None:
+        """Record a problem (``kind``: a ``ProblemKind``; callers outside this module may still pass its string)."""
         self.ok = False
         self.problems.append(Problem(kind, message, tensor))
 
@@ -198,7 +226,7 @@ def read_checkpoint_header(
         raise
     rest = _read_exact(fh, n - 1)
     if len(rest) != n - 1:
-        raise CorruptCheckpointError(f"{source}: truncated: the header declares {n} bytes but the file ends early")
+        raise TruncatedCheckpointError(f"{source}: truncated: the header declares {n} bytes but the file ends early")
     raw = prefix[8:] + rest
     del rest  # (one copy of a header that may be 100 MB)
     with gc_paused():
@@ -305,7 +333,7 @@ def _check_data(
             chunk = mv[: read_into(fh, mv[: min(left, size)])]
             n = len(chunk)
             if not n:
-                report.fail("truncated", truncated_problem(info.source, e, left), e.name)
+                report.fail(ProblemKind.TRUNCATED, truncated_problem(info.source, e, left), e.name)
                 return
             h.update(chunk)
             if data_hash is not None:
@@ -317,9 +345,9 @@ def _check_data(
         report.tensors += 1
         expected = info.record.tensors[e.name]["xxh3"]
         if h.hexdigest() != expected:
-            report.fail("digest", digest_problem(e, expected, h.hexdigest()), e.name)
+            report.fail(ProblemKind.DIGEST, digest_problem(e, expected, h.hexdigest()), e.name)
     if fh.read(1):
-        report.fail("truncated", f"{info.source}: unexpected trailing bytes after the last tensor")
+        report.fail(ProblemKind.TRUNCATED, f"{info.source}: unexpected trailing bytes after the last tensor")
 
 
 def _signed_digest_matches(
@@ -440,7 +468,7 @@ def _check_deep(
             want = min(left, len(mv))
             n = _fill(fh, mv[:want])
             if n < want:
-                report.fail("truncated", truncated_problem(info.source, e, left - n), e.name)
+                report.fail(ProblemKind.TRUNCATED, truncated_problem(info.source, e, left - n), e.name)
                 return
             h.update(mv[:n])
             if data_hash is not None:
@@ -453,10 +481,10 @@ def _check_deep(
         report.tensors += 1
         rec = info.record.tensors[e.name]
         if h.hexdigest() != rec["xxh3"]:
-            report.fail("digest", digest_problem(e, rec["xxh3"], h.hexdigest()), e.name)
+            report.fail(ProblemKind.DIGEST, digest_problem(e, rec["xxh3"], h.hexdigest()), e.name)
         if fp.hexdigest() != rec["fp"]:
             report.fail(
-                "fingerprint",
+                ProblemKind.FINGERPRINT,
                 f"tensor `{printable(e.name)}`: device fingerprint mismatch "
                 f"(expected {rec['fp']}, found {fp.hexdigest()});"
                 " the stored values differ from those fingerprinted when saving",
@@ -538,22 +566,24 @@ def verify(
         try:
             info = read_checkpoint_header(fh, size, target.display, keep_skeleton=False)
         except CorruptCheckpointError as e:
-            report.fail("truncated" if "truncated" in str(e) else "malformed", str(e))
+            kind = ProblemKind.TRUNCATED if isinstance(e, TruncatedCheckpointError) else ProblemKind.MALFORMED
+            report.fail(kind, str(e))
             report.seconds = time.perf_counter() - t0
             return report
         report.info = info
         problem = check_header(info.header, info.record)
         if problem:
-            report.fail("header", f"{target.display}: {problem}")
+            report.fail(ProblemKind.HEADER, f"{target.display}: {problem}")
         if state_fingerprint((k, v["fp"]) for k, v in info.record.tensors.items()) != info.record.state_fp:
             report.fail(
-                "state", f"{target.display}: whole-state fingerprint does not match the per-tensor fingerprints"
+                ProblemKind.STATE,
+                f"{target.display}: whole-state fingerprint does not match the per-tensor fingerprints",
             )
         signed = None
         if keys is not None:
             problem, signed = signature_problem(info.header, keys)
             if problem:
-                report.fail("signature", f"{target.display}: {problem}")
+                report.fail(ProblemKind.SIGNATURE, f"{target.display}: {problem}")
         data_start = _position(fh)
         if signed is not None and report.ok and not deep and data_start is not None:
             # Keyed and sound so far: the signed digest alone decides. Only a file that fails it is
@@ -565,12 +595,12 @@ def verify(
                 fh.seek(data_start)
                 _check_data(fh, info, report, None)
                 if report.ok:
-                    report.fail("signature", _changed_after_signing(target.display, signed[0]))
+                    report.fail(ProblemKind.SIGNATURE, _changed_after_signing(target.display, signed[0]))
         else:
             data_hash = new_hash(DIGEST_FIELDS[signed[0]], threads=False) if signed is not None else None
             (_check_deep if deep else _check_data)(fh, info, report, progress, data_hash)
             if signed is not None and data_hash is not None and report.ok and data_hash.hexdigest() != signed[1]:
-                report.fail("signature", _changed_after_signing(target.display, signed[0]))
+                report.fail(ProblemKind.SIGNATURE, _changed_after_signing(target.display, signed[0]))
         report.nbytes = info.header.file_length
     report.seconds = time.perf_counter() - t0
     return report

@@ -30,7 +30,6 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
 
 from certckpt.errors import ConfigurationError
 
@@ -245,7 +244,7 @@ class _Branch:
 
 def certify(
     checkpoints: Sequence[CheckpointEntry],
-    events: Iterable[Any] | AuditFacts,
+    events: Iterable[object] | AuditFacts,
     revocations: Iterable[Revocation] = (),
     *,
     corrupt: Iterable[str] = (),

@@ -64,11 +64,11 @@ def digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def new_genesis(*, store_id: str, now: float) -> dict[str, Any]:
+def new_genesis(*, store_id: str, now: float) -> dict[str, object]:
     return {"format": FORMAT, "store_id": store_id, "created_at": now}
 
 
-def genesis_problem(doc: Any) -> str | None:
+def genesis_problem(doc: object) -> str | None:
     """Why a genesis record is not one (None when it is)."""
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         return f"not a {FORMAT} genesis record"
@@ -86,7 +86,7 @@ def parse_entry_name(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def is_writer_id(value: Any) -> bool:
+def is_writer_id(value: object) -> bool:
     return isinstance(value, str) and _WRITER.match(value) is not None
 
 
@@ -186,7 +186,7 @@ class ChainCheck:
         return s is not None and s.counts
 
 
-def _entry_problem(doc: Any, *, writer: str, seq: int) -> str | None:
+def _entry_problem(doc: object, *, writer: str, seq: int) -> str | None:
     if not isinstance(doc, dict):
         return "not a JSON object"
     if doc.get("writer") != writer or doc.get("seq") != seq:
@@ -365,7 +365,7 @@ def _accept_entry(
     found.seals.extend((writer, seq, w, s) for w, s in doc["seen"].items() if w != writer)
 
 
-def _seal_against_trust(out: ChainCheck, doc: Any, *, writer: str, seq: int) -> None:
+def _seal_against_trust(out: ChainCheck, doc: object, *, writer: str, seq: int) -> None:
     """An entry at or after a break: what it lists still counts against trust, never for it."""
     if isinstance(doc, dict) and isinstance(doc.get("records"), list):
         for r in doc["records"]:

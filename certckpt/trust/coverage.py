@@ -30,15 +30,20 @@ from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Any
 
 from .certify import CheckpointEntry
+from .records import EventKind, Outcome, check_family
 
 __all__ = ["Coverage", "WindowCoverage", "coverage", "lineage_of", "parents_of"]
 
 _MAX_STEP = 10**18
 _MAX_LINEAGE = 100_000  # a lineage longer than this is a cycle or an attack: stop there
 _COVERED_KEYS = ("params", "buffers", "tensor_count", "regions", "replicas", "min_replicas")
+# plain strings for the per-event compares (an enum member's lookup costs more than the compare)
+_OUTCOMES = frozenset(o.value for o in Outcome)
+_NONFINITE: str = EventKind.NONFINITE.value
+_REPLAY: str = EventKind.REPLAY.value
+_CONSENSUS: str = EventKind.CONSENSUS.value
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -59,7 +64,7 @@ def _int(value: object) -> int | None:
     return value if type(value) is int and 0 <= value < _MAX_STEP else None
 
 
-def _fraction(details: Mapping[str, Any]) -> Fraction | None:
+def _fraction(details: Mapping[str, object]) -> Fraction | None:
     """The share of the step's micro-batches a replay recomputed; None when unreadable."""
     n = details.get("micro_batches")
     k = details.get("replayed_micro_batches", n)
@@ -82,21 +87,22 @@ def _read(e: object) -> _Check | None:
         return None
     if type(ranks) is not list or not all(type(r) is int for r in ranks):
         return None
-    if details.get("found_by") or e.get("outcome") not in ("pass", "fail"):
+    if details.get("found_by") or e.get("outcome") not in _OUTCOMES:
         return None
-    if kind in ("nonfinite", "nonfinite-pre", "nonfinite-post"):
+    if check_family(kind) == _NONFINITE:
+        summary = kind == _NONFINITE  # an audit's summary; the others are one step's failure
         checked = _int(details.get("steps_checked"))
         return _Check(
             branch=branch,
             step=step,
-            kind="nonfinite",
-            phase="summary" if kind == "nonfinite" else "failure",
+            kind=_NONFINITE,
+            phase="summary" if summary else "failure",
             ranks=len(ranks),
             fraction=Fraction(1),
-            steps_checked=1 if kind != "nonfinite" else (checked or 0),
+            steps_checked=(checked or 0) if summary else 1,
             covered={},
         )
-    if kind == "replay":
+    if kind == _REPLAY:
         fraction = _fraction(details)
         if fraction is None:
             return None
@@ -111,7 +117,7 @@ def _read(e: object) -> _Check | None:
             steps_checked=0,
             covered={},
         )
-    if kind == "consensus":
+    if kind == _CONSENSUS:
         covered = {k: v for k in _COVERED_KEYS if (v := _int(details.get(k))) is not None}
         return _Check(
             branch=branch,
@@ -148,13 +154,13 @@ def _index(events: Iterable[object]) -> dict[str, _BranchChecks]:
         if c is None:
             continue
         b = out.setdefault(c.branch, _BranchChecks())
-        if c.kind == "replay" and c.phase == "update":
+        if c.kind == _REPLAY and c.phase == "update":
             b.update_replays.add(c.step)
-        elif c.kind == "replay":
+        elif c.kind == _REPLAY:
             prev = b.replays.get(c.step)
             if prev is None or (c.fraction, c.ranks) > (prev.fraction, prev.ranks):
                 b.replays[c.step] = c
-        elif c.kind == "consensus":
+        elif c.kind == _CONSENSUS:
             b.consensus.setdefault(c.step, c)
         else:
             b.nonfinite.append(c)
@@ -270,7 +276,7 @@ class Coverage:
         """Whether any replay ran in the window or vouches for it."""
         return self.persistent_within is not None or bool(self.window.replay_steps)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         w = self.window
         return {
             "ckpt_id": self.ckpt_id,

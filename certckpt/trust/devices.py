@@ -14,12 +14,13 @@ those are the steps its devices computed. No I/O, no torch.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from certckpt.errors import FleetError
+
+from .records import AppealRecord, ClearanceRecord, ConvictionRecord, PlacementRecord, is_device_id
 
 __all__ = [
     "DeviceStanding",
@@ -37,16 +38,10 @@ __all__ = [
     "unaudited_overlap",
 ]
 
-_DEVICE = re.compile(r"^[A-Za-z0-9._:@/+-]{1,200}$")
 Range = tuple[int, int | None]  # (lo, hi]: hi None is open-ended
 
 
-def is_device_id(value: Any) -> bool:
-    """Whether ``value`` can name a device (it is stored, printed and compared, never a path)."""
-    return isinstance(value, str) and bool(_DEVICE.match(value)) and ".." not in value
-
-
-def device_of(inv: Mapping[str, Any]) -> str:
+def device_of(inv: Mapping[str, object]) -> str:
     """A rank's device identity from its inventory: an explicit ``device_id`` (set through the
     inventory override, ``CERTCKPT_INVENTORY``), the CUDA device's UUID, else ``host/device``
     (``node-3/cpu``). ``""`` when the inventory names none usable."""
@@ -58,9 +53,10 @@ def device_of(inv: Mapping[str, Any]) -> str:
     return joined if is_device_id(joined) else ""
 
 
-def host_of(inv: Mapping[str, Any]) -> str:
+def host_of(inv: Mapping[str, object]) -> str:
     """The host a rank ran on (scheduler node names first, as incidents name nodes)."""
-    env: Mapping[str, Any] = inv["env"] if isinstance(inv.get("env"), Mapping) else {}
+    found = inv.get("env")
+    env: Mapping[str, object] = found if isinstance(found, Mapping) else {}
     for value in (inv.get("node"), env.get("SLURMD_NODENAME"), env.get("KUBERNETES_NODE_NAME"), inv.get("host")):
         if isinstance(value, str) and value:
             return value[:200]
@@ -80,14 +76,14 @@ class DeviceStanding:
 
     device: str
     host: str = ""
-    convictions: list[dict[str, Any]] = field(default_factory=list)
-    appeals: list[dict[str, Any]] = field(default_factory=list)
-    clearances: list[dict[str, Any]] = field(default_factory=list)
+    convictions: list[ConvictionRecord] = field(default_factory=list)
+    appeals: list[AppealRecord] = field(default_factory=list)
+    clearances: list[ClearanceRecord] = field(default_factory=list)
     cleared: set[str] = field(default_factory=set)
 
     @property
-    def open_convictions(self) -> list[dict[str, Any]]:
-        return [c for c in self.convictions if c["conviction_id"] not in self.cleared]
+    def open_convictions(self) -> list[ConvictionRecord]:
+        return [c for c in self.convictions if c.conviction_id not in self.cleared]
 
     @property
     def convicted(self) -> bool:
@@ -97,40 +93,41 @@ class DeviceStanding:
     def status(self) -> str:
         return "convicted" if self.convicted else "cleared" if self.convictions else "clean"
 
-    def pending_appeals(self) -> list[dict[str, Any]]:
-        done = {c["approves"] for c in self.clearances}
-        return [a for a in self.appeals if a["appeal_id"] not in done]
+    def pending_appeals(self) -> list[AppealRecord]:
+        done = {c.approves for c in self.clearances}
+        return [a for a in self.appeals if a.appeal_id not in done]
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return {
             "device": self.device,
             "host": self.host,
             "status": self.status,
-            "convictions": self.convictions,
-            "open_convictions": [c["conviction_id"] for c in self.open_convictions],
-            "appeals": self.appeals,
-            "pending_appeals": [a["appeal_id"] for a in self.pending_appeals()],
-            "clearances": self.clearances,
+            "convictions": [dict(c.raw) for c in self.convictions],
+            "open_convictions": [c.conviction_id for c in self.open_convictions],
+            "appeals": [dict(a.raw) for a in self.appeals],
+            "pending_appeals": [a.appeal_id for a in self.pending_appeals()],
+            "clearances": [dict(c.raw) for c in self.clearances],
         }
 
 
-def _signer(record: Mapping[str, Any] | None) -> str | None:
+def _signer(record: Mapping[str, object] | None) -> str | None:
     sig = record.get("sig") if record is not None else None
-    return sig.get("key") if isinstance(sig, Mapping) and isinstance(sig.get("key"), str) else None
+    key = sig.get("key") if isinstance(sig, Mapping) else None
+    return key if isinstance(key, str) else None
 
 
-def _two_people(clearance: Mapping[str, Any], appeal: Mapping[str, Any]) -> bool:
+def _two_people(clearance: ClearanceRecord, appeal: AppealRecord) -> bool:
     """A clearance counts only by another name and, when either is signed, another key."""
-    if str(clearance["by"]).strip().lower() == str(appeal["by"]).strip().lower():
+    if clearance.by.strip().lower() == appeal.by.strip().lower():
         return False
-    key = _signer(clearance)
-    return key is None or key != _signer(appeal)
+    key = _signer(clearance.raw)
+    return key is None or key != _signer(appeal.raw)
 
 
 def fleet_standing(
-    convictions: Iterable[Mapping[str, Any]],
-    appeals: Iterable[Mapping[str, Any]] = (),
-    clearances: Iterable[Mapping[str, Any]] = (),
+    convictions: Iterable[ConvictionRecord],
+    appeals: Iterable[AppealRecord] = (),
+    clearances: Iterable[ClearanceRecord] = (),
 ) -> dict[str, DeviceStanding]:
     """Every device the records name, with its standing. The records are the ones that count
     (the reader drops unauthenticated appeals and clearances where keys are trusted); a clearance
@@ -142,27 +139,27 @@ def fleet_standing(
             out[device] = DeviceStanding(device=device)
         return out[device]
 
-    for c in sorted(convictions, key=lambda r: r.get("at", 0.0)):
-        st = of(c["device"])
-        st.convictions.append(dict(c))
-        st.host = st.host or str(c.get("host") or "")
-    by_id: dict[str, dict[str, Any]] = {}
-    for a in sorted(appeals, key=lambda r: r.get("at", 0.0)):
-        of(a["device"]).appeals.append(dict(a))
-        by_id.setdefault(a["appeal_id"], dict(a))
-    for cl in sorted(clearances, key=lambda r: r.get("at", 0.0)):
-        appeal = by_id.get(cl["approves"])
-        if appeal is None or appeal["device"] != cl["device"] or not _two_people(cl, appeal):
+    for c in sorted(convictions, key=lambda r: r.at):
+        st = of(c.device)
+        st.convictions.append(c)
+        st.host = st.host or str(c.raw.get("host") or "")  # printed only
+    by_id: dict[str, AppealRecord] = {}
+    for a in sorted(appeals, key=lambda r: r.at):
+        of(a.device).appeals.append(a)
+        by_id.setdefault(a.appeal_id, a)
+    for cl in sorted(clearances, key=lambda r: r.at):
+        appeal = by_id.get(cl.approves)
+        if appeal is None or appeal.device != cl.device or not _two_people(cl, appeal):
             continue
-        st = of(cl["device"])
-        if any(done["approves"] == appeal["appeal_id"] for done in st.clearances):
+        st = of(cl.device)
+        if any(done.approves == appeal.appeal_id for done in st.clearances):
             continue
-        st.clearances.append(dict(cl))
-        st.cleared.update(appeal["convictions"])
+        st.clearances.append(cl)
+        st.cleared.update(appeal.convictions)
     return out
 
 
-def check_appeal(standing: DeviceStanding | None, doc: Mapping[str, Any]) -> None:
+def check_appeal(standing: DeviceStanding | None, doc: Mapping[str, object]) -> None:
     """An appeal names a convicted device's open convictions and says who and why."""
     if not str(doc.get("by", "")).strip() or not str(doc.get("reason", "")).strip():
         raise FleetError("an appeal needs --by NAME and --reason TEXT")
@@ -170,21 +167,21 @@ def check_appeal(standing: DeviceStanding | None, doc: Mapping[str, Any]) -> Non
         raise FleetError(f"device {doc.get('device')!r} has no open conviction to appeal (see `certckpt fleet ls`)")
 
 
-def check_clearance(standing: DeviceStanding | None, doc: Mapping[str, Any], *, signer: str | None) -> None:
+def check_clearance(standing: DeviceStanding | None, doc: Mapping[str, object], *, signer: str | None) -> None:
     """A clearance approves a pending appeal of this device, by someone other than the appellant,
     with another key (``signer``: the key that will sign the clearance, if any)."""
     if not str(doc.get("by", "")).strip() or not str(doc.get("reason", "")).strip():
         raise FleetError("a clearance needs --by NAME and --reason TEXT")
     pending = standing.pending_appeals() if standing is not None else []
-    appeal = next((a for a in pending if a["appeal_id"] == doc.get("approves")), None)
+    appeal = next((a for a in pending if a.appeal_id == doc.get("approves")), None)
     if appeal is None:
-        names = ", ".join(a["appeal_id"] for a in pending) or "none; record one with `certckpt fleet appeal`"
+        names = ", ".join(a.appeal_id for a in pending) or "none; record one with `certckpt fleet appeal`"
         raise FleetError(f"--approves must name a pending appeal of device {doc.get('device')!r} (pending: {names})")
-    if str(appeal["by"]).strip().lower() == str(doc["by"]).strip().lower():
-        raise FleetError(f"{appeal['appeal_id']} was filed by {appeal['by']}; someone else must clear the device")
-    if signer is not None and signer == _signer(appeal):
+    if appeal.by.strip().lower() == str(doc["by"]).strip().lower():
+        raise FleetError(f"{appeal.appeal_id} was filed by {appeal.by}; someone else must clear the device")
+    if signer is not None and signer == _signer(appeal.raw):
         raise FleetError(
-            f"{appeal['appeal_id']} was signed by key {signer}, the key signing this clearance; "
+            f"{appeal.appeal_id} was signed by key {signer}, the key signing this clearance; "
             "someone else, with their own key, must clear the device"
         )
 
@@ -202,15 +199,15 @@ class Placement:
     counts: bool = True
 
 
-def placements_of(records: Iterable[tuple[Mapping[str, Any], bool]]) -> list[Placement]:
+def placements_of(records: Iterable[tuple[PlacementRecord, bool]]) -> list[Placement]:
     """Placements from a run store's placement records (validated already) and whether each counts."""
     return [
         Placement(
-            branch=r["branch"],
-            start=r["start_step"],
-            devices=dict(r["devices"]),
-            hosts=dict(r.get("hosts") or {}),
-            at=float(r.get("at", 0.0)),
+            branch=r.branch,
+            start=r.start_step,
+            devices=dict(r.devices),
+            hosts=dict(r.hosts),
+            at=float(r.raw.get("at", 0.0)),  # no rule reads it (its type unchecked, as it always was)
             counts=ok,
         )
         for r, ok in records

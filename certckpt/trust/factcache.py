@@ -46,7 +46,7 @@ class FactsCache:
     stamps: dict[str, str] = field(default_factory=dict)  # per segment, its change detector when read
     unchanged: bool = False  # the same as the cache this read started from: nothing to write
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {
             "version": FACTS_VERSION,
             "store_id": self.store_id,

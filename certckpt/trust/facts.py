@@ -15,8 +15,15 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from .records import EventKind, Outcome, check_family
+
 __all__ = ["AuditFacts", "BranchFacts", "Event", "EventProblem", "read_event", "SEEN_ALL", "FAILED_ANY"]
 
+# The hot path compares plain strings: an enum member's attribute lookup costs more than the compare
+# (a million events per cold read).
+_PASS: str = Outcome.PASS.value
+_FAIL: str = Outcome.FAIL.value
+_CONSENSUS: str = EventKind.CONSENSUS.value
 # A branch is only ever compared and printed (escaped) here, never made a path: any short text.
 _MAX_STEP = 10**18
 
@@ -31,15 +38,15 @@ class Event(NamedTuple):
 
     branch: str
     step: int
-    kind: str
-    outcome: str  # "pass" | "fail"
+    kind: str  # an ``EventKind`` value, or any other short text a store holds
+    outcome: str  # an ``Outcome`` value (``read_event`` refuses any other)
     contained: bool
     suspect_ranks: tuple[int, ...]
     fp: str | None
     found_by: bool
 
 
-def read_event(e: Any, *, authenticated: bool = True) -> tuple[Event, str | None]:
+def read_event(e: object, *, authenticated: bool = True) -> tuple[Event, str | None]:
     """The facts of one event and why any field was unusable (None when all were).
 
     Args:
@@ -80,13 +87,13 @@ def read_event(e: Any, *, authenticated: bool = True) -> tuple[Event, str | None
         problems = [*(problems or ()), "details.fp"]
         fp = None
     if problems:
-        if outcome == "pass":  # a pass is evidence for trust: a malformed one is evidence of nothing
+        if outcome == _PASS:  # a pass is evidence for trust: a malformed one is evidence of nothing
             return Event(branch, step, kind, outcome, False, (), None, False), ", ".join(problems)
         why = f"malformed {', '.join(problems)}; read as a failure that was not contained"
         return Event(branch, step, kind, outcome, False, suspects, fp, False), why
-    if outcome == "fail" and not authenticated:
+    if outcome == _FAIL and not authenticated:
         contained = False
-    found_by = kind == "consensus" and bool(details.get("found_by"))
+    found_by = kind == _CONSENSUS and bool(details.get("found_by"))
     return Event(branch, step, kind, outcome, contained, suspects, fp, found_by), None
 
 
@@ -100,7 +107,7 @@ def _placement(branch: object, step: object, outcome: object) -> tuple[str, int,
         raise EventProblem(f"branch {str(branch)[:40]!r} is not a branch name")
     if type(step) is not int or not 0 <= step < _MAX_STEP:
         raise EventProblem(f"step {str(step)[:40]!r} is not a step number")
-    if outcome != "pass" and outcome != "fail":
+    if outcome != _PASS and outcome != _FAIL:
         raise EventProblem(f"outcome {str(outcome)[:40]!r} is neither pass nor fail")
     return branch, step, outcome
 
@@ -117,8 +124,10 @@ def _suspect_ranks(ranks: object) -> tuple[tuple[int, ...], bool]:
     return (), ranks is not None
 
 
-# Per step, one small int: bit k says kind k was checked there, bit k+3 that it failed.
-KIND_BIT = {"replay": 0, "nonfinite": 1, "consensus": 2}
+# Per step, one small int: bit k says kind k was checked there, bit k+3 that it failed. A kind's bit is
+# its check's (``check_family``: a nonfinite-pre failure fails the non-finite check).
+_CHECK_BIT: dict[str, int] = {EventKind.REPLAY: 0, EventKind.NONFINITE: 1, EventKind.CONSENSUS: 2}
+KIND_BIT: dict[str, int] = {k.value: _CHECK_BIT[f] for k in EventKind if (f := check_family(k)) in _CHECK_BIT}
 SEEN_ALL = 0b000111
 FAILED_ANY = 0b111000
 
@@ -140,9 +149,9 @@ class BranchFacts:
         m = self.mask.get(step, 0)
         if not m & 4:
             return None
-        return ("fail", None) if m & 32 else ("pass", self.fps.get(step))
+        return (Outcome.FAIL, None) if m & 32 else (Outcome.PASS, self.fps.get(step))
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         """A compact form (steps and masks as packed arrays: a million steps load in milliseconds)."""
         steps = sorted(self.mask)
         fp_steps = sorted(self.fps)
@@ -185,7 +194,7 @@ class AuditFacts:
     doubtful: list[Event] = field(default_factory=list)
 
     @classmethod
-    def of(cls, events: Iterable[Any]) -> AuditFacts:
+    def of(cls, events: Iterable[object]) -> AuditFacts:
         facts = cls()
         for e in events:
             facts.add(e if isinstance(e, Event) else read_event(e)[0])
@@ -214,9 +223,9 @@ class AuditFacts:
     def add(self, ev: Event, *, counts: bool = True) -> None:
         """Fold one event in; ``counts=False``: nobody vouches for it (a pass is dropped, a failure kept
         apart, never contained)."""
-        outcome = ev.outcome
+        outcome, fail = ev.outcome, _FAIL
         if not counts:
-            if outcome == "fail":
+            if outcome == fail:
                 self.doubtful.append(ev._replace(contained=False) if ev.contained else ev)
             return
         self.count += 1
@@ -224,12 +233,10 @@ class AuditFacts:
         if b is None:
             b = self.branches[ev.branch] = BranchFacts()
         kind = ev.kind
-        if outcome == "fail":
+        if outcome == fail:
             b.failures.append((ev.step, kind, ev.suspect_ranks, ev.contained))
             if ev.contained:
                 return  # the update never reached the weights: it taints nothing and fails no audit
-        if kind == "nonfinite-pre" or kind == "nonfinite-post":
-            kind = "nonfinite"
         bit = KIND_BIT.get(kind)
         if bit is None or ev.found_by:
             # overflow notes and unknown kinds make no audit (a failure of one counts above); a
@@ -237,7 +244,7 @@ class AuditFacts:
             return
         step = ev.step
         m = b.mask.get(step, 0)
-        if outcome == "fail":
+        if outcome == fail:
             b.mask[step] = m | (1 << bit) | (8 << bit)
         else:
             b.mask[step] = m | (1 << bit)

@@ -101,10 +101,10 @@ class FleetView:
             st = self.devices.get(dev)
             if st is not None and st.convicted:
                 first = st.open_convictions[0]
-                ev = first.get("evidence") or {}
+                ev = first.evidence
                 bad.append(
                     f"rank {rank} runs on device {dev} (host {st.host or '?'}), convicted by "
-                    f"{first['conviction_id']} ({ev.get('check')} at step {ev.get('step')} of run {ev.get('run')}"
+                    f"{first.conviction_id} ({ev.get('check')} at step {ev.get('step')} of run {ev.get('run')}"
                     f"{', incident ' + str(ev['incident_id']) if ev.get('incident_id') else ''})"
                 )
         if not bad:
@@ -114,7 +114,7 @@ class FleetView:
             "`certckpt fleet appeal` and a `certckpt fleet clear` by someone else"
         )
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return {
             "fleet": self.url,
             "devices": [st.to_dict() for _, st in sorted(self.devices.items())],
@@ -190,8 +190,8 @@ class Fleet:
         view = FleetView(
             url=self.url,
             store_id=snap.store_id,
-            devices=fleet_standing(recs.get("convictions", []), recs.get("appeals", []), recs.get("clearances", [])),
-            stores=sorted({r["store"] for r in recs.get("stores", [])}),
+            devices=fleet_standing(recs.convictions, recs.appeals, recs.clearances),
+            stores=sorted({r.store for r in recs.stores}),
             breaks=[f"writer {b.writer} entry {b.seq}: {b.why}" for b in snap.breaks],
             invalid=list(snap.invalid),
             notes=list(snap.notes),
@@ -236,12 +236,12 @@ class Fleet:
         name = f"{_store_key(url)}.json"
         if name in ledger.list_raw("stores"):
             return False
-        doc: dict[str, Any] = {"store": url}
+        doc: dict[str, object] = {"store": url}
         if store_id is not None:
             doc["store_id"] = store_id
         return ledger.write_record("stores", name, doc)
 
-    def convict(self, *, device: str, inventory: Mapping[str, Any], evidence: Mapping[str, Any]) -> str:
+    def convict(self, *, device: str, inventory: Mapping[str, object], evidence: Mapping[str, object]) -> str:
         """Record a conviction of ``device``; returns its id."""
         if not is_device_id(device):
             raise FleetError(f"device {device!r} is not a device id (letters, digits and ._:@/+-)")
@@ -279,24 +279,24 @@ class Fleet:
             out.append(self.convict(device=device, inventory=inv, evidence=evidence))
         return out
 
-    def appeal(self, device: str, *, by: str, reason: str) -> dict[str, Any]:
+    def appeal(self, device: str, *, by: str, reason: str) -> dict[str, object]:
         """File an appeal of ``device``'s open convictions; it takes effect when someone else clears it."""
         view = self.read()
         st = view.standing(device)
-        doc: dict[str, Any] = {"device": device, "by": by, "reason": reason}
+        doc: dict[str, object] = {"device": device, "by": by, "reason": reason}
         check_appeal(st, doc)
         assert st is not None  # check_appeal refuses a device without convictions
         doc["appeal_id"] = aid = f"appeal-{time.time_ns():020d}-{secrets.token_hex(3)}"
-        doc["convictions"] = [c["conviction_id"] for c in st.open_convictions]
+        doc["convictions"] = [c.conviction_id for c in st.open_convictions]
         doc["at"] = time.time()
         self._existing().write_record("appeals", f"{aid}.json", doc)
         return doc
 
-    def clear(self, device: str, *, approves: str, by: str, reason: str) -> dict[str, Any]:
+    def clear(self, device: str, *, approves: str, by: str, reason: str) -> dict[str, object]:
         """Approve an appeal: the convictions it names are set aside (runs on the device start again,
         the checkpoints it made suspect are judged without them)."""
         view = self.read()
-        doc: dict[str, Any] = {"device": device, "approves": approves, "by": by, "reason": reason}
+        doc: dict[str, object] = {"device": device, "approves": approves, "by": by, "reason": reason}
         signer = self.ledger.signing_key.key_id if self.ledger.signing_key is not None else None
         check_clearance(view.standing(device), doc, signer=signer)
         doc["clearance_id"] = cid = f"clear-{time.time_ns():020d}-{secrets.token_hex(3)}"

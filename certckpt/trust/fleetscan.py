@@ -11,7 +11,7 @@ from certckpt.errors import CertckptError, FleetError
 
 from .devices import device_steps, is_device_id, placements_of, rates
 from .fleet import Fleet, FleetView
-from .ledger import Ledger
+from .ledger import Ledger, LedgerSnapshot
 from .runstore import certify_snapshot, convicted_ranges_for, read_remembering
 
 __all__ = ["Impact", "impact", "fleet_rates"]
@@ -70,7 +70,7 @@ def impact(fleet: str, device: str) -> Impact:
     return out
 
 
-def _last_steps(snap: Any) -> dict[str, int]:
+def _last_steps(snap: LedgerSnapshot) -> dict[str, int]:
     """Per branch, the last step its ledger shows (audit facts and checkpoints)."""
     last: dict[str, int] = {}
     for name, bf in snap.facts.branches.items():

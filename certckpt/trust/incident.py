@@ -52,7 +52,7 @@ OPENED_SUFFIX = "00000000000000000000-opened"  # sorts before every decision
 _NAME_SAFE = re.compile(r"[^A-Za-z0-9._-]")
 
 
-def incident_id_for(event: Mapping[str, Any]) -> str:
+def incident_id_for(event: Mapping[str, object]) -> str:
     """Deterministic id of the incident a failed check opens: every rank, and a later
     ``certckpt status``, name the same incident without talking to each other."""
     raw = f"inc-{event['branch']}-{event['step']}-{event['kind']}"
@@ -99,7 +99,7 @@ def build_opening(
     }
 
 
-def node_of(inv: Mapping[str, Any]) -> str:
+def node_of(inv: Mapping[str, object]) -> str:
     """The node a rank ran on, from its inventory (scheduler variables first, the host name last)."""
     for k in ("node", "NODE_NAME", "KUBERNETES_NODE_NAME", "SLURMD_NODENAME", "instance", "INSTANCE_ID", "host"):
         if inv.get(k):
@@ -138,7 +138,7 @@ class Incident:
         }
         return [d for d in self.decisions if d["action"] in _NEEDS_APPROVAL and d["decision_id"] not in approved]
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return {
             "incident_id": self.incident_id,
             "status": self.status,
@@ -149,12 +149,13 @@ class Incident:
         }
 
 
-def _signer_of(record: Mapping[str, Any] | None) -> str | None:
+def _signer_of(record: Mapping[str, object] | None) -> str | None:
     sig = record.get("sig") if record is not None else None
-    return sig.get("key") if isinstance(sig, Mapping) and isinstance(sig.get("key"), str) else None
+    key = sig.get("key") if isinstance(sig, Mapping) else None
+    return key if isinstance(key, str) else None
 
 
-def _same_signer(approval: Mapping[str, Any], proposal: Mapping[str, Any] | None) -> bool:
+def _same_signer(approval: Mapping[str, object], proposal: Mapping[str, object] | None) -> bool:
     """An approval signed with the proposal's own key approves nothing (two people, two keys)."""
     key = _signer_of(approval)
     return key is not None and key == _signer_of(proposal)
@@ -177,7 +178,7 @@ def incident_state(records: Iterable[Mapping[str, Any]]) -> dict[str, Incident]:
 
 def check_decision(
     incident: Incident,
-    decision: Mapping[str, Any],
+    decision: Mapping[str, object],
     *,
     trusted: Iterable[str] = (),
     drills: Sequence[Mapping[str, Any]] = (),
@@ -208,7 +209,7 @@ def check_decision(
         _check_close(incident, decision, drills)
 
 
-def _check_rollback(decision: Mapping[str, Any], trusted: Iterable[str]) -> None:
+def _check_rollback(decision: Mapping[str, object], trusted: Iterable[str]) -> None:
     """A rollback names the checkpoint training restarts from, and it is trusted now."""
     ckpt = decision.get("ckpt")
     if not ckpt:
@@ -219,7 +220,7 @@ def _check_rollback(decision: Mapping[str, Any], trusted: Iterable[str]) -> None
         )
 
 
-def _check_approval(incident: Incident, decision: Mapping[str, Any], signer: str | None) -> None:
+def _check_approval(incident: Incident, decision: Mapping[str, object], signer: str | None) -> None:
     """An approval names a replace or return-to-service proposal, by another person with another key."""
     target = next((d for d in incident.decisions if d["decision_id"] == decision.get("approves")), None)
     if target is None or target["action"] not in _NEEDS_APPROVAL:
@@ -250,7 +251,7 @@ def _check_resolve(incident: Incident) -> None:
         )
 
 
-def _check_close(incident: Incident, decision: Mapping[str, Any], drills: Sequence[Mapping[str, Any]]) -> None:
+def _check_close(incident: Incident, decision: Mapping[str, object], drills: Sequence[Mapping[str, Any]]) -> None:
     """Closing needs the incident resolved and a restore drill, run since it opened, that passed
     against a clean reference."""
     if incident.status != "resolved":

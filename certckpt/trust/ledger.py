@@ -28,7 +28,7 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
@@ -65,15 +65,8 @@ from .chain import (
     scope_of,
 )
 from .factcache import FactsCache
-from .snapshot import (
-    KINDS,
-    MAX_SMALL_RECORD_BYTES,
-    SOURCES_DIR,
-    LedgerSnapshot,
-    is_ckpt_id,
-    is_plain_name,
-    read_snapshot,
-)
+from .records import KINDS, CommitRecord, HoldingRecord, KeptRecord, is_ckpt_id, is_plain_name
+from .snapshot import MAX_SMALL_RECORD_BYTES, SOURCES_DIR, LedgerSnapshot, read_snapshot
 
 __all__ = ["Ledger", "LedgerSink", "LedgerSnapshot", "ckpt_id_for", "is_ckpt_id", "LEDGER_DIR", "VAULT_MARK"]
 
@@ -112,7 +105,7 @@ class _Chain:
     prev: str
 
 
-def _dumps(doc: dict[str, Any]) -> bytes:
+def _dumps(doc: Mapping[str, object]) -> bytes:
     return (json.dumps(doc, separators=(",", ":"), sort_keys=True) + "\n").encode("utf-8")
 
 
@@ -178,7 +171,7 @@ class Ledger:
         self._chains: dict[str, _Chain] = {}  # scope -> this process's chain for it
         self._lock = threading.RLock()
 
-    def _dumps(self, doc: dict[str, Any]) -> bytes:
+    def _dumps(self, doc: Mapping[str, object]) -> bytes:
         return _dumps(self.signing_key.sign(doc) if self.signing_key is not None else doc)
 
     # --- chains -------------------------------------------------------------------------------
@@ -337,7 +330,7 @@ class Ledger:
         if self._put("branches", f"{branch}.json", self._dumps({"branch": branch, "parent": parent}), branch=branch):
             RESUME.info("resumed from %s: new checkpoints go on branch %s (%s)", parent, branch, self.store)
 
-    def record_placement(self, *, branch: str, start_step: int, devices: dict[str, str], **fields: Any) -> str:
+    def record_placement(self, *, branch: str, start_step: int, devices: dict[str, str], **fields: object) -> str:
         """Record where this start of ``branch`` runs (per rank, its device; ``fields``: hosts, run,
         fleet), sealed in the branch's chain; returns the record's name. A fleet's conviction of
         one of these devices makes this branch's checkpoints after ``start_step`` suspect."""
@@ -357,7 +350,7 @@ class Ledger:
         chained = self.chained()
         if self.signing_key is not None and not chained:
             docs = [self.signing_key.sign(d) for d in docs]
-        by_branch: dict[Any, list[dict[str, Any]]] = {}
+        by_branch: dict[object, list[dict[str, Any]]] = {}
         for d in docs:
             by_branch.setdefault(d.get("branch"), []).append(d)
         if chained:  # every branch names a chain: refused before anything is written
@@ -386,10 +379,7 @@ class Ledger:
         )
         return rev
 
-    def record_certificate(self, ckpt_id: str, *, verdict: str, reasons: list[str], record: dict[str, Any]) -> None:
-        self.record_certificates([(ckpt_id, verdict, reasons, record)])
-
-    def record_certificates(self, certs: list[tuple[str, str, list[str], dict[str, Any]]]) -> None:
+    def record_certificates(self, certs: list[tuple[str, str, list[str], CommitRecord]]) -> None:
         """Write one certificate per ``(ckpt_id, verdict, reasons, commit record)``, sealed in one entry."""
         self.chained()
         written = []
@@ -400,9 +390,9 @@ class Ledger:
                     "ckpt_id": ckpt_id,
                     "verdict": verdict,
                     "reasons": reasons,
-                    "state_fp": record.get("state_fp"),
-                    "header_digest": record.get("header_digest"),
-                    "consensus_fp": record.get("consensus_fp"),
+                    "state_fp": record.state_fp,
+                    "header_digest": record.header_digest,
+                    "consensus_fp": record.consensus_fp,
                     "at": time.time(),
                 }
             )
@@ -428,19 +418,19 @@ class Ledger:
             self._dumps({"ckpt_id": ckpt_id, "url": url, "replaced": replaced, "reason": reason, "at": time.time()}),
         )
 
-    def record_drill(self, doc: dict[str, Any]) -> str:
+    def record_drill(self, doc: Mapping[str, object]) -> str:
         name = f"{time.time_ns():020d}-{secrets.token_hex(4)}.json"
         self._put("drills", name, self._dumps(doc))
         return name
 
-    def record_holding(self, doc: dict[str, Any]) -> bool:
+    def record_holding(self, doc: Mapping[str, object]) -> bool:
         """Vaults: the record that makes a promoted copy exist here. Deterministic content, so a
         racing promoter of the same checkpoint finds it identical (returns False) instead of failing."""
         if not is_ckpt_id(doc["ckpt_id"]):
             raise ConfigurationError(f"checkpoint id {doc['ckpt_id']!r} is not branch@step")
         return self._put("holdings", f"{doc['ckpt_id']}.json", self._dumps(doc))
 
-    def write_record(self, kind: str, name: str, doc: dict[str, Any]) -> bool:
+    def write_record(self, kind: str, name: str, doc: Mapping[str, object]) -> bool:
         """Write one record create-only, signed when this ledger has a signing key, sealed in this
         writer's chain; idempotent."""
         if kind not in _KINDS or kind in ("events", "checkpoints", "branches", "placements"):
@@ -499,10 +489,12 @@ class Ledger:
         rest = location[len(prefix) :] if location.startswith(prefix) else None
         return rest if rest and ".." not in rest.split("/") else location
 
-    def url_of(self, record: dict[str, Any], *, base: str | None = None) -> str:
+    def url_of(
+        self, record: CommitRecord | HoldingRecord | KeptRecord | Mapping[str, Any], *, base: str | None = None
+    ) -> str:
         """Where a record's file is; relative names are relative to ``base`` (default this store;
         a vault's mirrored commit records are relative to the run store they came from)."""
-        u = record["url"]
+        u: str = record.url if isinstance(record, (CommitRecord, HoldingRecord, KeptRecord)) else record["url"]
         return u if "://" in u or u.startswith("/") else join(base or self.store, u)
 
     def snapshot(
@@ -541,8 +533,9 @@ class Ledger:
         """Checkpoints directly in the store that no commit record names (ignored by latest-good):
         certified files, and sharded checkpoint directories whose manifest was written."""
         snap = snap or self.snapshot()
-        named = {r["url"].rstrip("/") for r in (snap.holdings if snap.is_vault else snap.records).values()}
-        named |= {r["url"] for r in snap.kept.values()}
+        p = snap.parsed
+        named = {r.url.rstrip("/") for r in (p.holdings if snap.is_vault else p.commits).values()}
+        named |= {r.url for r in p.kept.values()}
         storage = storage_for(self.store)
         entries = storage.listdir()
         names = [e.name for e in entries]

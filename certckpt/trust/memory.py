@@ -59,7 +59,7 @@ def _path(store: str, suffix: str = ".json", base: str | None = None) -> str:
     return os.path.join(state_dir(base), hashlib.sha256(key.encode("utf-8")).hexdigest()[:32] + suffix)
 
 
-def _write(path: str, doc: Any) -> None:
+def _write(path: str, doc: object) -> None:
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".certckpt-")
@@ -89,7 +89,7 @@ def remember_facts(store: str, cache: FactsCache | None, *, base: str | None = N
 def _recall_doc(store: str, base: str | None) -> dict[str, Any]:
     try:
         with open(_path(store, base=base), "rb") as f:
-            doc: Any = json.loads(f.read(_MAX_BYTES))
+            doc: object = json.loads(f.read(_MAX_BYTES))
     except (OSError, ValueError, RecursionError):
         return {}
     return doc if isinstance(doc, dict) else {}
@@ -134,7 +134,7 @@ def remember(
     kept = recall_genesis(store, base=base)
     identity = kept or genesis
     if merged != before or identity != doc.get("genesis"):
-        out: dict[str, Any] = {"store": store, "heads": {w: list(v) for w, v in sorted(merged.items())}}
+        out: dict[str, object] = {"store": store, "heads": {w: list(v) for w, v in sorted(merged.items())}}
         if identity is not None:
             out["genesis"] = identity
         _write(_path(store, base=base), out)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass
-from typing import Any
 
 from certckpt.errors import CheckpointNotFoundError
 from certckpt.format.trustconfig import TrustConfig
@@ -46,7 +45,7 @@ class ResumePoint:
     consensus_fp: str | None
     level: str
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return asdict(self)
 
 

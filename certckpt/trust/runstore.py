@@ -38,6 +38,7 @@ from .incident import (
 )
 from .ledger import Ledger, LedgerSnapshot
 from .memory import recall, recall_facts, recall_genesis, remember_facts, remember_snapshot
+from .records import HoldingRecord, KeptRecord, Outcome
 
 __all__ = [
     "StoreStatus",
@@ -92,7 +93,7 @@ class StoreStatus:
         snap = self.snapshot
         return coverage(snap.checkpoints, snap.events, branch_parents=snap.branch_parents)
 
-    def suspect_intervals(self) -> list[dict[str, Any]]:
+    def suspect_intervals(self) -> list[dict[str, object]]:
         return [
             {
                 "branch": d.branch,
@@ -113,7 +114,7 @@ def check_file(
     header_digest: str | None,
     *,
     progress: Callable[[int, int], None] | None = None,
-    committed: Mapping[str, Any] | None = None,
+    committed: Mapping[str, object] | None = None,
     trusted_keys: TrustedKeys | None = None,
 ) -> str | None:
     """Verify a committed checkpoint's bytes, and that it is the very file that was committed.
@@ -154,7 +155,7 @@ def check_file(
     return _disagreement(url, record, committed) if committed is not None else None
 
 
-def _disagreement(url: str, embedded: Any, committed: Mapping[str, Any]) -> str | None:
+def _disagreement(url: str, embedded: CheckpointRecord, committed: Mapping[str, object]) -> str | None:
     """Where the file's embedded record and its commit record disagree (None when they agree)."""
     for key in ("run", "branch", "step", "state_fp", "consensus_fp"):
         want, have = committed.get(key), getattr(embedded, key, None)
@@ -171,11 +172,14 @@ def _check(status_or_snap: StoreStatus | LedgerSnapshot, cid: str) -> str | None
     shared = _shared_files(snap).get(cid)
     if shared:
         return shared
-    rel = (snap.holdings.get(cid) or snap.kept.get(cid) or snap.records[cid])["url"]
+    held: HoldingRecord | KeptRecord | None = snap.parsed.holdings.get(cid)
+    held = held if held is not None else snap.parsed.kept.get(cid)
+    rel = held.url if held is not None else snap.parsed.commits[cid].url
     leaves = _link_leaving_store(entry.url, rel)
     if leaves:
         return leaves
-    return check_file(entry.url, snap.header_digest(cid), committed=snap.records[cid], trusted_keys=snap.trusted_keys)
+    commit = snap.parsed.commits[cid]
+    return check_file(entry.url, commit.header_digest, committed=commit.raw, trusted_keys=snap.trusted_keys)
 
 
 def _link_leaving_store(url: str, rel: str) -> str | None:
@@ -226,7 +230,7 @@ def convicted_ranges_for(
         return {}
     convicted = set(extra)
     views = {} if views is None else views
-    for url in sorted({r["fleet"] for r, ok in snap.placements if ok and isinstance(r.get("fleet"), str)}):
+    for url in sorted({r.fleet for r, ok in snap.placements if ok and r.fleet is not None}):
         if url not in views:
             trust = snap.trust or TrustConfig(trusted_keys=snap.trusted_keys)
             views[url] = Fleet(url, signing_key=None, trust=replace(trust, trusted_keys=snap.trusted_keys)).read()
@@ -237,7 +241,7 @@ def convicted_ranges_for(
         if not view.exists:
             _fleet_unproven(snap, url, "is missing")
             continue
-        pinned = {r.get("fleet_id") for r, ok in snap.placements if ok and r.get("fleet") == url} - {None}
+        pinned = {r.fleet_id for r, ok in snap.placements if ok and r.fleet == url} - {None}
         if pinned - {view.store_id}:
             _fleet_unproven(snap, url, f"is not the registry this run was placed under (re-created: {view.store_id})")
             continue
@@ -247,7 +251,7 @@ def convicted_ranges_for(
             _fleet_unproven(snap, url, "holds no registered store (emptied?)")
             continue
         for dev, st in view.devices.items():
-            if st.convicted and (not authenticated_only or any(c["authenticated"] for c in st.open_convictions)):
+            if st.convicted and (not authenticated_only or any(c.authenticated for c in st.open_convictions)):
                 convicted.add(dev)
     return convicted_ranges(placements_of(snap.placements), convicted)
 
@@ -260,9 +264,8 @@ def _fleet_unproven(snap: LedgerSnapshot, url: str, why: str) -> None:
     if note not in snap.notes:
         snap.notes.append(note)
     for r, _ in snap.placements:
-        if r.get("fleet") == url:
-            branch, start = r["branch"], int(r["start_step"])
-            snap.unproven_after[branch] = min(snap.unproven_after.get(branch, start), start)
+        if r.fleet == url:
+            snap.unproven_after[r.branch] = min(snap.unproven_after.get(r.branch, r.start_step), r.start_step)
 
 
 def certify_snapshot(
@@ -302,9 +305,9 @@ def _record_changes(ledger: Ledger, status: StoreStatus) -> None:
     for cid, v in status.certification.verdicts.items():
         if not status.snapshot.available(cid):
             continue  # a vault certifies what it holds; lineage-only and pruned ones keep their last word
-        prev = status.snapshot.certificates.get(cid)
-        if prev is None or prev["verdict"] != v.label or list(prev["reasons"]) != list(v.reasons):
-            changed.append((cid, v.label, list(v.reasons), status.snapshot.records[cid]))
+        prev = status.snapshot.parsed.certificates.get(cid)
+        if prev is None or prev.verdict != v.label or list(prev.reasons) != list(v.reasons):
+            changed.append((cid, v.label, list(v.reasons), status.snapshot.parsed.commits[cid]))
     if changed:
         ledger.record_certificates(changed)
 
@@ -325,7 +328,7 @@ def certify_store(
     snap = read_remembering(ledger, use_cache=not verify_bytes)  # --verify-bytes: every byte, again
     problems = dict(_shared_files(snap))
     if verify_bytes:
-        for cid in snap.records:
+        for cid in snap.parsed.commits:
             if not snap.available(cid) or cid in problems:
                 continue
             p = _check(snap, cid)
@@ -361,7 +364,7 @@ def read_remembering(ledger: Ledger, *, use_cache: bool = True) -> LedgerSnapsho
     return snap
 
 
-def _writable(write: Callable[[], Any]) -> bool:
+def _writable(write: Callable[[], object]) -> bool:
     """Run a write that only caches what reading already derived (certificates, the incidents
     `status` opens); a read-only store still gets its answer. Returns whether the write went through."""
     try:
@@ -453,7 +456,7 @@ def open_incident(ledger: Ledger, ev: Mapping[str, Any], *, status: StoreStatus 
 
 def open_missing_incidents(ledger: Ledger, status: StoreStatus) -> list[str]:
     """Open an incident for every uncontained detection that has none yet (called by ``status``)."""
-    have = {r["incident_id"] for r in status.snapshot.incident_records}
+    have = {r.incident_id for r in status.snapshot.parsed.incidents}
     out = []
     for ev in status.snapshot.failures:
         try:
@@ -462,7 +465,11 @@ def open_missing_incidents(ledger: Ledger, status: StoreStatus) -> list[str]:
             malformed = True
         if malformed:
             continue  # a malformed failure counts against trust; it is no incident's evidence
-        if ev.get("outcome") == "fail" and not ev.get("contained") and not (ev.get("details") or {}).get("found_by"):
+        if (
+            ev.get("outcome") == Outcome.FAIL
+            and not ev.get("contained")
+            and not (ev.get("details") or {}).get("found_by")
+        ):
             iid = incident_id_for(ev)
             if iid not in have:
                 have.add(iid)
@@ -472,7 +479,7 @@ def open_missing_incidents(ledger: Ledger, status: StoreStatus) -> list[str]:
 
 def list_incidents(store: str) -> list[Incident]:
     """Every incident of a run store (or vault), oldest first."""
-    return list(incident_state(Ledger(store).snapshot().incident_records).values())
+    return list(incident_state(r.raw for r in Ledger(store).snapshot().parsed.incidents).values())
 
 
 def get_incident(store: str, incident_id: str) -> Incident:

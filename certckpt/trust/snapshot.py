@@ -20,10 +20,9 @@ own signature, and say so (``LedgerSnapshot.notes``). No torch import.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from typing import Any, cast
+from dataclasses import dataclass, field, replace
+from typing import Any, TypeVar, cast
 
 from certckpt.errors import CertckptError, CheckpointNotFoundError, StorageError
 from certckpt.format.signing import TrustedKeys
@@ -32,47 +31,44 @@ from certckpt.storage import VAULT_MARK, Storage, is_missing_bucket, remote_erro
 
 from .certify import CheckpointEntry, Revocation
 from .chain import CHAINS_DIR, GENESIS, Break, ChainCheck, check_chains, digest, genesis_problem, parse_entry_name
-from .devices import is_device_id
 from .factcache import FactsCache
 from .facts import AuditFacts, EventProblem, read_event
 from .incident import incident_state
+from .records import (
+    KINDS,
+    AppealRecord,
+    BranchRecord,
+    CertificateRecord,
+    ClearanceRecord,
+    CommitRecord,
+    ConvictionRecord,
+    DrillRecord,
+    FleetRecord,
+    HoldingRecord,
+    IncidentRecord,
+    KeptRecord,
+    Outcome,
+    PlacementRecord,
+    Record,
+    RetiredRecord,
+    RevocationRecord,
+    StoreRecord,
+    parse_record,
+)
 
 __all__ = [
-    "FLEET_KINDS",
-    "KINDS",
+    "FleetRecords",
     "LedgerSnapshot",
+    "ParsedRecords",
     "MAX_RECORD_BYTES",
     "MAX_SMALL_RECORD_BYTES",
     "SOURCES_DIR",
-    "is_ckpt_id",
-    "is_plain_name",
     "read_snapshot",
-    "why_invalid",
 ]
 
-# A fleet registry's records (``certckpt.trust.fleet``): a Ledger at its own URL holds these.
-FLEET_KINDS = ("convictions", "appeals", "clearances", "stores")
-KINDS = (
-    "checkpoints",
-    "branches",
-    "events",
-    "revocations",
-    "certificates",
-    "holdings",
-    "retired",
-    "kept",
-    "drills",
-    "incidents",
-    "placements",
-    *FLEET_KINDS,
-)
 SOURCES_DIR = "sources"  # a vault's copy of its source run's genesis record
 # What a vault copies from its run (the rest of a run's records may be absent there).
 MIRRORED_KINDS = frozenset({"checkpoints", "branches", "events", "revocations", "incidents", "placements"})
-_NAME = re.compile(r"^[A-Za-z0-9._-]{1,100}$")
-_HELD_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,240}\.safetensors$")  # a plain file name
-_HELD_NAME_ANY = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._@=-]{0,240}$")  # a plain file name, any suffix
-_CKPT_ID = re.compile(r"^([A-Za-z0-9._-]{1,100})@([0-9]{1,18})$")
 # Records that can move a verdict toward trusted (or make a copy count as held).
 # Appeals and clearances set a device's convictions aside: they count only authenticated. Convictions,
 # placements and a fleet's store registrations only add doubt: they count signed or not.
@@ -88,205 +84,37 @@ MAX_SMALL_RECORD_BYTES = 16 << 20
 MAX_SMALL_TOTAL_BYTES = 1 << 30
 MAX_LEDGER_BYTES = 64 << 30
 _BATCH_BYTES = 256 << 20  # event segments held at once while they are hashed
+_R = TypeVar("_R", bound=Record)
+_F = TypeVar("_F", bound=FleetRecord)
 
 
-def is_plain_name(name: str) -> bool:
-    return bool(_NAME.match(name)) and name not in (".", "..")
-
-
-def is_ckpt_id(value: Any) -> bool:
-    """Whether ``value`` is a checkpoint id (``branch@step``) safe to use in a name or a path."""
-    m = _CKPT_ID.match(value) if isinstance(value, str) else None
-    return m is not None and m.group(1) not in (".", "..")
-
-
-def _for_trust(kind: str, r: dict[str, Any]) -> bool:
+def _for_trust(kind: str, r: Record) -> bool:
     # An incident's opening only adds caution; its decisions (rollback targets, approvals,
     # returns to service, closing) steer what happens next, so they count only when authenticated.
-    return kind in _FOR_TRUST or (kind == "incidents" and r.get("record") != "opened")
+    return kind in _FOR_TRUST or (isinstance(r, IncidentRecord) and not r.is_opening)
 
 
-def why_invalid(kind: str, file: str, r: Any) -> str | None:
-    """Why a record read from the store cannot be used (None when it can). Checked like user input:
-    a record that fails is evidence of nothing, and never reaches a path, a verdict or a traceback."""
-    if not isinstance(r, dict):
-        return f"not a JSON object ({type(r).__name__})"
-    if kind in _NAMED_BY_ID:
-        why = _id_problem(kind, file, r)
-        if why is not None:
-            return why
-    if kind in FLEET_KINDS:
-        return _fleet_problem(kind, file, r)
-    check = _KIND_CHECKS.get(kind)
-    return check(r) if check is not None else None
+@dataclass(kw_only=True, slots=True)
+class FleetRecords:
+    """A fleet registry's records that stand (each says whether it is ``authenticated``)."""
+
+    convictions: list[ConvictionRecord] = field(default_factory=list)
+    appeals: list[AppealRecord] = field(default_factory=list)
+    clearances: list[ClearanceRecord] = field(default_factory=list)
+    stores: list[StoreRecord] = field(default_factory=list)
 
 
-# Records named by the checkpoint they are about; the first four are stored as `<ckpt_id>.json`.
-_NAMED_BY_ID = ("checkpoints", "holdings", "retired", "kept", "revocations", "certificates")
-_STORED_BY_ID = ("checkpoints", "holdings", "retired", "kept")
+@dataclass(kw_only=True, slots=True)
+class ParsedRecords:
+    """The records that stand, typed (``records.parse_record``): what the trust layer reads."""
 
-
-def _id_problem(kind: str, file: str, r: dict[str, Any]) -> str | None:
-    cid = r.get("ckpt_id")
-    if not is_ckpt_id(cid):
-        return f"checkpoint id {str(cid)[:80]!r} is not branch@step"
-    if kind in _STORED_BY_ID and file != f"{cid}.json":
-        return f"names {cid} but is stored as {file}"
-    return None
-
-
-def _kept_problem(r: dict[str, Any]) -> str | None:
-    # where a rotation moved a checkpoint's file to keep it: a plain name in the store itself (the
-    # file there must still match the committed header digest; a move can only lose it, not forge it)
-    url = r.get("url")
-    if not isinstance(url, str) or not _HELD_NAME_ANY.match(url):
-        return f"keeps its file at {str(url)[:80]!r}, not a plain file name in the store"
-    return None
-
-
-def _checkpoint_problem(r: dict[str, Any]) -> str | None:
-    step = r.get("step")
-    if not isinstance(step, int) or isinstance(step, bool) or f"{r.get('branch')}@{step}" != r["ckpt_id"]:
-        return f"branch and step ({r.get('branch')!r}, {step!r}) do not make its id {r['ckpt_id']}"
-    if not isinstance(r.get("url"), str) or not r["url"] or "\0" in r["url"]:
-        return "has no file location"
-    if "://" not in r["url"] and not r["url"].startswith("/") and ".." in r["url"].split("/"):
-        return f"names its file {r['url'][:80]!r}, a path that climbs out of the store"
-    for key in ("consensus_fp", "state_fp", "header_digest", "parent", "run"):
-        if r.get(key) is not None and not isinstance(r[key], str):
-            return f"its {key} is not a string"
-    if r.get("parent") is not None and not is_ckpt_id(r["parent"]):
-        return f"its parent {str(r['parent'])[:80]!r} is not branch@step"
-    if not isinstance(r.get("committed_at", 0.0), (int, float)) or isinstance(r.get("committed_at"), bool):
-        return "its commit time is not a number"
-    return None
-
-
-def _holding_problem(r: dict[str, Any]) -> str | None:
-    # A vault holds each copy under its plain name, in the vault itself: a file `<id>.safetensors`,
-    # a sharded checkpoint's directory `<id>`, or a file with companions as `<id>/NAME.safetensors`
-    # (its companions beside it): never a path that leaves `<id>/`.
-    url, cid = r.get("url"), r["ckpt_id"]
-    if not (
-        url in (f"{cid}.safetensors", cid)
-        or (isinstance(url, str) and url.startswith(f"{cid}/") and _HELD_NAME.match(url[len(cid) + 1 :]))
-    ):
-        return f"holds its copy at {str(url)[:80]!r}, not {cid}.safetensors, {cid} or {cid}/NAME.safetensors"
-    if not isinstance(r.get("step"), int) or not isinstance(r.get("branch"), str):
-        return "has no branch and step"
-    return None
-
-
-def _branch_problem(r: dict[str, Any]) -> str | None:
-    if not isinstance(r.get("branch"), str) or not _NAME.match(r["branch"]) or not is_ckpt_id(r.get("parent")):
-        return "branch or parent is not a valid name"
-    return None
-
-
-def _incident_problem(r: dict[str, Any]) -> str | None:
-    if not isinstance(r.get("incident_id"), str) or not _NAME.match(r["incident_id"]):
-        return f"incident id {str(r.get('incident_id'))[:80]!r} is not a plain name"
-    return None
-
-
-def _revocation_problem(r: dict[str, Any]) -> str | None:
-    return None if isinstance(r.get("reason"), str) else "has no reason"
-
-
-def _certificate_problem(r: dict[str, Any]) -> str | None:
-    if (
-        not isinstance(r.get("at"), (int, float))
-        or not isinstance(r.get("verdict"), str)
-        or not isinstance(r.get("reasons"), list)
-    ):
-        return "has no time, verdict or reasons"
-    return None
-
-
-def _drill_problem(r: dict[str, Any]) -> str | None:
-    # the timeline and the report place a drill by these: a hostile value must not reach them
-    if not is_ckpt_id(r.get("ckpt_id")):
-        return f"checkpoint id {str(r.get('ckpt_id'))[:80]!r} is not branch@step"
-    step = r.get("step")
-    if step is not None and (type(step) is not int or step < 0):
-        return "step is not a non-negative int"
-    if not isinstance(r.get("outcome", ""), str):
-        return "outcome is not text"
-    return None
-
-
-def _location_problem(value: Any, what: str) -> str | None:
-    if not isinstance(value, str) or not value or len(value) > 1000 or "\0" in value:
-        return f"its {what} is not a path or URL"
-    return None
-
-
-def _placement_problem(r: dict[str, Any]) -> str | None:
-    start, devices, hosts = r.get("start_step"), r.get("devices"), r.get("hosts", {})
-    if not isinstance(r.get("branch"), str) or not _NAME.match(r["branch"]):
-        return "branch is not a valid name"
-    if type(start) is not int or start < 0:
-        return "start_step is not a non-negative int"
-    if not isinstance(devices, dict) or not devices or len(devices) > 1 << 20:
-        return "names no devices"
-    if not all(isinstance(k, str) and k.isdigit() and is_device_id(v) for k, v in devices.items()):
-        return "a rank or a device id is not well formed"
-    if not isinstance(hosts, dict) or not all(isinstance(v, str) and len(v) <= 200 for v in hosts.values()):
-        return "hosts are not names"
-    fid = r.get("fleet_id")
-    if fid is not None and not (isinstance(fid, str) and re.fullmatch(r"[0-9a-f]{32}", fid)):
-        return "fleet_id is not a store id"
-    return None if r.get("fleet") is None else _location_problem(r["fleet"], "fleet")
-
-
-def _fleet_id_problem(r: dict[str, Any], key: str, file: str) -> str | None:
-    rid = r.get(key)
-    if not isinstance(rid, str) or not _NAME.match(rid) or file != f"{rid}.json":
-        return f"{key} {str(rid)[:80]!r} is not a plain name matching its file {file}"
-    if not is_device_id(r.get("device")):
-        return f"device {str(r.get('device'))[:80]!r} is not a device id"
-    if not isinstance(r.get("at", 0.0), (int, float)) or isinstance(r.get("at"), bool):
-        return "its time is not a number"
-    return None
-
-
-def _decision_problem(r: dict[str, Any]) -> str | None:
-    if not isinstance(r.get("by"), str) or not isinstance(r.get("reason"), str):
-        return "has no by or reason"
-    return None
-
-
-def _fleet_problem(kind: str, file: str, r: dict[str, Any]) -> str | None:
-    if kind == "stores":
-        sid = r.get("store_id")
-        if sid is not None and not (isinstance(sid, str) and re.fullmatch(r"[0-9a-f]{32}", sid)):
-            return "store_id is not a store id"
-        return _location_problem(r.get("store"), "store")
-    key = {"convictions": "conviction_id", "appeals": "appeal_id", "clearances": "clearance_id"}[kind]
-    why = _fleet_id_problem(r, key, file)
-    if why is not None or kind == "convictions":
-        return why or (None if isinstance(r.get("evidence"), dict) else "has no evidence")
-    if kind == "appeals":
-        ids = r.get("convictions")
-        if not isinstance(ids, list) or not all(isinstance(i, str) and _NAME.match(i) for i in ids):
-            return "its convictions are not a list of conviction ids"
-    elif not isinstance(r.get("approves"), str) or not _NAME.match(r["approves"]):
-        return "approves no appeal id"
-    return _decision_problem(r)
-
-
-# What each kind must hold beyond its id (kinds not listed here are checked for their id only, or not at all).
-_KIND_CHECKS: dict[str, Callable[[dict[str, Any]], str | None]] = {
-    "kept": _kept_problem,
-    "checkpoints": _checkpoint_problem,
-    "holdings": _holding_problem,
-    "branches": _branch_problem,
-    "incidents": _incident_problem,
-    "revocations": _revocation_problem,
-    "certificates": _certificate_problem,
-    "drills": _drill_problem,
-    "placements": _placement_problem,
-}
+    commits: dict[str, CommitRecord] = field(default_factory=dict)  # ckpt_id -> commit record
+    holdings: dict[str, HoldingRecord] = field(default_factory=dict)  # vaults: ckpt_id -> holding
+    retired: dict[str, RetiredRecord] = field(default_factory=dict)  # ckpt_id -> retirement record
+    kept: dict[str, KeptRecord] = field(default_factory=dict)  # ckpt_id -> where a rotation moved its file
+    certificates: dict[str, CertificateRecord] = field(default_factory=dict)  # ckpt_id -> latest certificate
+    drills: list[DrillRecord] = field(default_factory=list)
+    incidents: list[IncidentRecord] = field(default_factory=list)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -301,9 +129,13 @@ class LedgerSnapshot:
         tampered: per branch (``"*"``: every branch), the last step its chains prove intact.
         notes: what a reader should know about how this ledger was read (one line each).
         invalid: records used for nothing (or, for failures, read pessimistically), with the reason.
+        parsed: the records that stand, typed. ``records``, ``holdings``, ``retired``, ``kept``,
+            ``certificates``, ``drills`` and ``incident_records`` are the same records as stored
+            (their JSON objects), for the callers outside ``certckpt.trust`` that still index them.
     """
 
     checkpoints: list[CheckpointEntry] = field(default_factory=list)
+    parsed: ParsedRecords = field(default_factory=ParsedRecords)
     records: dict[str, dict[str, Any]] = field(default_factory=dict)  # ckpt_id -> commit record
     facts: AuditFacts = field(default_factory=AuditFacts)
     failures: list[dict[str, Any]] = field(default_factory=list)
@@ -330,9 +162,9 @@ class LedgerSnapshot:
     unproven_after: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     # (record, counts): where a run's ranks ran at each start (runs configured with a fleet)
-    placements: list[tuple[dict[str, Any], bool]] = field(default_factory=list)
-    # a fleet registry's records by kind, each with "authenticated" (a trusted writer vouches for it)
-    fleet: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    placements: list[tuple[PlacementRecord, bool]] = field(default_factory=list)
+    # a fleet registry's records, each with whether a trusted writer vouches for it
+    fleet: FleetRecords = field(default_factory=FleetRecords)
     heads: dict[str, tuple[int, str]] = field(default_factory=dict)
     # what a reader may remember of this store: its genesis's SHA-256, and the heads of the writers
     # that count (with trusted keys, an unauthenticated writer's head is never remembered)
@@ -359,26 +191,38 @@ class LedgerSnapshot:
 
     def open_incidents(self) -> list[str]:
         """Ids of the incidents not closed yet."""
-        return [i.incident_id for i in incident_state(self.incident_records).values() if i.is_open]
+        return [i.incident_id for i in incident_state(r.raw for r in self.parsed.incidents).values() if i.is_open]
 
     def available(self, ckpt_id: str) -> bool:
         """Whether this store holds the checkpoint's file (not pruned; in a vault, promoted here)."""
-        return ckpt_id not in self.retired and (not self.is_vault or ckpt_id in self.holdings)
+        p = self.parsed
+        return ckpt_id not in p.retired and (not self.is_vault or ckpt_id in p.holdings)
 
     def header_digest(self, ckpt_id: str) -> str | None:
-        return self.records[ckpt_id].get("header_digest")
+        return self.parsed.commits[ckpt_id].header_digest
+
+    def publish_raw(self) -> None:
+        """Fill the as-stored views (``records``, ``holdings``...) from ``parsed``."""
+        p = self.parsed
+        self.records = {k: v.raw for k, v in p.commits.items()}
+        self.holdings = {k: v.raw for k, v in p.holdings.items()}
+        self.retired = {k: v.raw for k, v in p.retired.items()}
+        self.kept = {k: v.raw for k, v in p.kept.items()}
+        self.certificates = {k: v.raw for k, v in p.certificates.items()}
+        self.drills = [dict(d.raw, drill_id=d.drill_id) for d in p.drills]
+        self.incident_records = [i.raw for i in p.incidents]
 
 
-def _segment_lines(data: bytes) -> list[Any]:
+def _segment_lines(data: bytes) -> list[object]:
     """The JSON values of a segment's lines (None for a line that is not JSON); one parse per segment."""
     lines = [ln for ln in data.split(b"\n") if ln.strip()]
     try:
-        values: list[Any] = json.loads(b"[" + b",".join(lines) + b"]")  # a JSON array: its lines' values
+        values: list[object] = json.loads(b"[" + b",".join(lines) + b"]")  # a JSON array: its lines' values
         if len(values) == len(lines):
             return values
     except (ValueError, RecursionError):
         pass
-    out: list[Any] = []
+    out: list[object] = []
     for ln in lines:
         try:
             out.append(json.loads(ln))
@@ -721,7 +565,7 @@ class _Reader:
             )
             self.source = None
 
-    def _mark(self) -> Any:
+    def _mark(self) -> object:
         data = self._top(VAULT_MARK)
         if data is None:
             return None
@@ -756,35 +600,35 @@ class _Reader:
 
     # --- records ---------------------------------------------------------------------------------
 
-    def _load(self, path: str) -> Any:
+    def _load(self, path: str) -> object:
         try:
             return json.loads(self.contents[path])
         except (KeyError, ValueError, RecursionError):
             return None
 
-    def _valid(self, kind: str) -> Iterator[tuple[str, dict[str, Any], bool]]:
-        """(name, record, counts-for-trust) of every well-formed record of one kind."""
+    def _valid(self, kind: str, cls: type[_R]) -> Iterator[tuple[str, _R, bool]]:
+        """(name, record, counts-for-trust) of every well-formed record of one kind, parsed once."""
         snap = self.snap
         for p in self.files[kind]:
             name = p.rsplit("/", 1)[-1]
             r = self._load(p)
-            why = "not readable JSON" if r is None else why_invalid(kind, name, r)
+            got = "not readable JSON" if r is None else parse_record(kind, name, r)
             ok = True
-            if why is None:
-                branch = r.get("branch") if kind in BRANCH_KINDS else None
+            if isinstance(got, Record):
                 if snap.chained:
-                    ok, reason = self.counts(kind, name, branch=branch if isinstance(branch, str) else None)
+                    branch = got.sealing_branch() if kind in BRANCH_KINDS else None
+                    ok, reason = self.counts(kind, name, branch=branch)
                 elif self.keys is not None:
-                    reason = self.keys.problem(r)
+                    reason = self.keys.problem(got.raw)  # the record as stored: its signature covers it
                     ok = reason is None
                 else:
                     reason = None
-                if not ok and _for_trust(kind, r):
-                    why = reason
-            if why is None:
-                yield name, r, ok
+                if not ok and reason is not None and _for_trust(kind, got):
+                    got = reason
+            if isinstance(got, cls):
+                yield name, got, ok
             else:
-                snap.invalid.append((f"{kind}/{name}", why))
+                snap.invalid.append((f"{kind}/{name}", got if isinstance(got, str) else f"not a {cls.__name__}"))
 
     def read(self) -> LedgerSnapshot:
         snap = self.snap
@@ -798,68 +642,75 @@ class _Reader:
             if s is not None and s.counts:
                 writer_steps[s.writer] = max(writer_steps.get(s.writer, -1), step)
 
-        for name, r, _ in self._valid("checkpoints"):
-            snap.records[r["ckpt_id"]] = r
-            note_step("checkpoints", name, r["step"])
+        parsed = snap.parsed
+        for name, c, _ in self._valid("checkpoints", CommitRecord):
+            parsed.commits[c.ckpt_id] = c
+            note_step("checkpoints", name, c.step)
         snap.facts = AuditFacts()
-        for _, h, _ in self._valid("holdings"):
-            snap.holdings[h["ckpt_id"]] = h
-        for _, r, _ in self._valid("retired"):
-            if not snap.is_vault or not snap.chained or self._own(("retired", f"{r['ckpt_id']}.json")):
-                snap.retired[r["ckpt_id"]] = r
+        for _, h, _ in self._valid("holdings", HoldingRecord):
+            parsed.holdings[h.ckpt_id] = h
+        for _, t, _ in self._valid("retired", RetiredRecord):
+            if not snap.is_vault or not snap.chained or self._own(("retired", f"{t.ckpt_id}.json")):
+                parsed.retired[t.ckpt_id] = t
         if not snap.is_vault:
-            for _, r, _ in self._valid("kept"):
-                snap.kept[r["ckpt_id"]] = r
-        snap.drills = [dict(d, drill_id=name.removesuffix(".json")) for name, d, _ in self._valid("drills")]
-        snap.incident_records = [r for _, r, _ in self._valid("incidents")]
-        for _, b, _ in self._valid("branches"):
-            snap.branch_parents[b["branch"]] = b["parent"]
+            for _, k, _ in self._valid("kept", KeptRecord):
+                parsed.kept[k.ckpt_id] = k
+        parsed.drills = [d for _, d, _ in self._valid("drills", DrillRecord)]
+        parsed.incidents = [i for _, i, _ in self._valid("incidents", IncidentRecord)]
+        for _, b, _ in self._valid("branches", BranchRecord):
+            snap.branch_parents[b.branch] = b.parent
         self._fleet_records()
-        for r in snap.records.values():
-            snap.checkpoints.append(
-                CheckpointEntry(
-                    ckpt_id=r["ckpt_id"],
-                    branch=r["branch"],
-                    step=r["step"],
-                    parent=r.get("parent") or snap.branch_parents.get(r["branch"]),
-                    consensus_fp=r.get("consensus_fp"),
-                    committed_at=float(r.get("committed_at", 0.0)),
-                    url=self.url_of(snap.holdings[r["ckpt_id"]])
-                    if r["ckpt_id"] in snap.holdings
-                    else self.url_of(snap.kept[r["ckpt_id"]])
-                    if r["ckpt_id"] in snap.kept
-                    else self.url_of(r, base=(mark or {}).get("source") if isinstance(mark, dict) else None),
-                )
-            )
+        source = mark.get("source") if isinstance(mark, dict) else None
+        for c in parsed.commits.values():
+            snap.checkpoints.append(self._entry(c, base=source if isinstance(source, str) else None))
         counted = self._fold_events(writer_steps)
         if not snap.chained and self.keys is not None:
             self._unchained_signed_passes(self.keys)
-        for _, d, ok in self._valid("revocations"):
+        authenticated = snap.chained or self.keys is not None
+        for _, v, ok in self._valid("revocations", RevocationRecord):
             snap.revocations.append(
-                Revocation(
-                    ckpt_id=d["ckpt_id"],
-                    reason=d["reason"],
-                    by=str(d.get("by", "")),
-                    at=d.get("at", 0.0) if isinstance(d.get("at"), (int, float)) else 0.0,
-                    authenticated=ok and (snap.chained or self.keys is not None),
-                )
+                Revocation(ckpt_id=v.ckpt_id, reason=v.reason, by=v.by, at=v.at, authenticated=ok and authenticated)
             )
-        for _, d, _ in self._valid("certificates"):
-            prev = snap.certificates.get(d["ckpt_id"])
-            if prev is None or d["at"] >= prev["at"]:
-                snap.certificates[d["ckpt_id"]] = d
+        for _, cert, _ in self._valid("certificates", CertificateRecord):
+            prev = parsed.certificates.get(cert.ckpt_id)
+            if prev is None or cert.at >= prev.at:
+                parsed.certificates[cert.ckpt_id] = cert
+        snap.publish_raw()
         self._marks(writer_steps)
         snap.event_loader = lambda: self._events(counted)
         self.contents = {}  # the records are parsed; the bytes are not needed any more
         return snap
 
+    def _entry(self, c: CommitRecord, *, base: str | None) -> CheckpointEntry:
+        """The certifier's view of one commit; its file is where a vault holds it, where a rotation
+        kept it, else where it was committed (a vault's mirrored records: relative to its source run)."""
+        snap, parsed = self.snap, self.snap.parsed
+        held: HoldingRecord | KeptRecord | None = parsed.holdings.get(c.ckpt_id)
+        held = held if held is not None else parsed.kept.get(c.ckpt_id)
+        return CheckpointEntry(
+            ckpt_id=c.ckpt_id,
+            branch=c.branch,
+            step=c.step,
+            parent=c.parent or snap.branch_parents.get(c.branch),
+            consensus_fp=c.consensus_fp,
+            committed_at=c.committed_at,
+            url=self.url_of(held) if held is not None else self.url_of(c, base=base),
+        )
+
     def _fleet_records(self) -> None:
         """A run's placements, and a fleet registry's records (each with whether it is authenticated)."""
         snap = self.snap
-        snap.placements = [(r, ok) for _, r, ok in self._valid("placements")]
+        snap.placements = [(r, ok) for _, r, ok in self._valid("placements", PlacementRecord)]
         authenticated = snap.chained or self.keys is not None
-        for kind in FLEET_KINDS:
-            snap.fleet[kind] = [dict(r, authenticated=ok and authenticated) for _, r, ok in self._valid(kind)]
+
+        def vouched(r: _F, ok: bool) -> _F:
+            return replace(r, authenticated=ok and authenticated, raw=dict(r.raw, authenticated=ok and authenticated))
+
+        fleet = snap.fleet
+        fleet.convictions = [vouched(r, ok) for _, r, ok in self._valid("convictions", ConvictionRecord)]
+        fleet.appeals = [vouched(r, ok) for _, r, ok in self._valid("appeals", AppealRecord)]
+        fleet.clearances = [vouched(r, ok) for _, r, ok in self._valid("clearances", ClearanceRecord)]
+        fleet.stores = [vouched(r, ok) for _, r, ok in self._valid("stores", StoreRecord)]
 
     def _segment_standing(self, name: str) -> tuple[bool, str | None, str | None, str | None]:
         """(counts, why not, its chain's branch, its writer) of one event segment."""
@@ -941,7 +792,7 @@ class _Reader:
         snap, keys, chained = self.snap, self.keys, self.snap.chained
         add, invalid = snap.facts.add, snap.invalid
         pass_counts = ok and (chained or keys is None)  # unchained with keys: each line on its signature
-        top, failures = -1, []
+        top, failures, passed = -1, [], Outcome.PASS.value
         for n, value in enumerate(_segment_lines(data), 1):
             if type(value) is not dict:
                 value = {}
@@ -952,7 +803,7 @@ class _Reader:
                     f"{self.store}: ledger event segment {name}, line {n}, is not a readable audit event ({e}); "
                     "the store cannot be certified until it is restored from a good copy"
                 ) from None
-            if ev.outcome == "pass":
+            if ev.outcome == passed:
                 if pass_counts and why is None and (branch is None or ev.branch == branch):
                     add(ev)
                     if ev.step > top:
@@ -982,9 +833,10 @@ class _Reader:
     def _unchained_signed_passes(self, keys: TrustedKeys) -> None:
         """Unchained stores with trusted keys: each passing event counts only on its own signature.
         Read again line by line (these stores are small: they predate chains)."""
+        passed = Outcome.PASS.value
         for name, data in self._batches(self.segment_names):
             for n, value in enumerate(_segment_lines(data), 1):
-                if not isinstance(value, dict) or value.get("outcome") != "pass":
+                if not isinstance(value, dict) or value.get("outcome") != passed:
                     continue
                 why = keys.problem(value)
                 if why is None:
@@ -1010,12 +862,13 @@ class _Reader:
 
     def _events(self, counted: dict[str, bool]) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
+        fail = Outcome.FAIL.value
         for p in self.files["events"]:
             name = p.rsplit("/", 1)[-1]
             for value in _segment_lines(self.storage.get(p, limit=MAX_RECORD_BYTES) or b""):
                 if not isinstance(value, dict):
                     continue
-                failed = value.get("outcome") == "fail"
+                failed = value.get("outcome") == fail
                 if failed or (counted.get(name, False) and self._line_counts(value)):
                     out.append(value)
         return out
