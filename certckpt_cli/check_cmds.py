@@ -18,6 +18,7 @@ from certckpt.format.companions import companion_listing, companion_marker, comp
 from certckpt.format.header import printable
 from certckpt.format.record import check_header
 from certckpt.format.signing import TrustedKeys, trusted_keys_from_env
+from certckpt.format.verify import ProblemKind
 from certckpt.format.verify import inspect as run_inspect
 from certckpt.format.verify import verify as run_verify
 
@@ -111,7 +112,7 @@ def verify(location: str, deep: bool, ledger_url: str | None, as_json: bool) -> 
     if report.info is not None and not report.problems:
         # a file whose record lists companion files (a Trainer manifest): they are part of what it certifies
         for problem in companion_problems(location, report.info.record, trusted_keys=keys):
-            report.fail("companion", problem)
+            report.fail(ProblemKind.COMPANION, problem)
     verdict = _ledger_verdict(location, ledger_url, report) if ledger_url else None
     if verdict is not None and report.ok and verdict["verdict"] == "suspect":
         report.ok = False

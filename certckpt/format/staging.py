@@ -22,7 +22,7 @@ from typing import IO
 import torch
 import xxhash
 
-from certckpt.errors import CorruptCheckpointError
+from certckpt.errors import CorruptCheckpointError, TruncatedCheckpointError
 
 from .header import TensorEntry
 from .tensors import ST_TO_TORCH, host_bytes
@@ -144,5 +144,5 @@ def _fill(fh: IO[bytes], view: memoryview, n: int, source: str, e: TensorEntry, 
     while got < n:
         r = read_into(fh, view[got:n])
         if not r:
-            raise CorruptCheckpointError(truncated_problem(source, e, left - got))
+            raise TruncatedCheckpointError(truncated_problem(source, e, left - got))
         got += r

@@ -98,6 +98,8 @@ class ProblemKind(StrEnum):
     SIGNATURE = "signature"  # unsigned, another key, or changed after signing
     MANIFEST = "manifest"  # a sharded checkpoint's manifest (``format.sharded.check``)
     EXTRA = "extra"  # a file a sharded checkpoint's manifest does not list
+    MISSING = "missing"  # a shard file a sharded checkpoint's manifest lists is not there
+    MISMATCH = "mismatch"  # a shard file's tensor is not the dtype, shape or chunk its manifest says
     COMPANION = "companion"  # a companion file a record lists (`certckpt verify`)
 
 
@@ -106,13 +108,12 @@ class Problem:
     """One thing wrong with a checkpoint.
 
     Attributes:
-        kind: a ``ProblemKind`` (``truncated``, ``malformed``, ``header``, ``digest``, ``fingerprint``,
-            ``state``, ``signature``; a sharded checkpoint's also ``manifest`` and ``extra``).
+        kind: what it is about (a ``ProblemKind``; ``to_dict`` writes its string).
         message: one readable line naming the item, what was expected and what was found.
         tensor: the tensor concerned, when there is one.
     """
 
-    kind: str
+    kind: ProblemKind
     message: str
     tensor: str | None = None
 
@@ -154,8 +155,8 @@ class VerifyReport:
     seconds: float = 0.0
     info: CheckpointInfo | None = None
 
-    def fail(self, kind: str, message: str, tensor: str | None = None) -> None:
-        """Record a problem (``kind``: a ``ProblemKind``; callers outside this module may still pass its string)."""
+    def fail(self, kind: ProblemKind, message: str, tensor: str | None = None) -> None:
+        """Record a problem."""
         self.ok = False
         self.problems.append(Problem(kind, message, tensor))
 

@@ -16,11 +16,24 @@ from typing import Any
 
 import xxhash
 
-from certckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError
+from certckpt.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    NotACheckpointError,
+    TruncatedCheckpointError,
+)
 from certckpt.format.header import DTYPE_SIZES, printable
 from certckpt.format.record import CheckpointRecord, check_header, state_fingerprint
 from certckpt.format.signing import TrustedKeys
-from certckpt.format.verify import CheckpointInfo, Problem, digest_problem, read_checkpoint_header, read_into, verify
+from certckpt.format.verify import (
+    CheckpointInfo,
+    Problem,
+    ProblemKind,
+    digest_problem,
+    read_checkpoint_header,
+    read_into,
+    verify,
+)
 from certckpt.storage import LEDGER_DIR, open_read, resolve
 
 from .composition import hex64
@@ -66,7 +79,7 @@ class ShardedReport:
     manifest: Manifest | None = None
     record: CheckpointRecord | None = None
 
-    def fail(self, kind: str, message: str, tensor: str | None = None) -> None:
+    def fail(self, kind: ProblemKind, message: str, tensor: str | None = None) -> None:
         self.ok = False
         self.problems.append(Problem(kind, message, tensor))
 
@@ -148,7 +161,7 @@ def _check_entries(
         if e is None or e.dtype != t.dtype or e.shape != c.sizes:
             found = "nothing" if e is None else f"{e.dtype} {list(e.shape)}"
             report.fail(
-                "mismatch",
+                ProblemKind.MISMATCH,
                 f"{sf.name}: tensor `{printable(c.entry)}` (chunk of `{printable(fqn)}`) should be {t.dtype}"
                 f" {list(c.sizes)}, found {found}",
                 fqn,
@@ -179,13 +192,16 @@ def _deep_file(
         try:
             info = read_checkpoint_header(fh, size, target.display)
         except CorruptCheckpointError as e:
-            report.fail("truncated" if "truncated" in str(e) else "malformed", str(e))
+            kind = ProblemKind.TRUNCATED if isinstance(e, TruncatedCheckpointError) else ProblemKind.MALFORMED
+            report.fail(kind, str(e))
             return None
         problem = check_header(info.header, info.record)
         if problem:
-            report.fail("header", f"{target.display}: {problem}")
+            report.fail(ProblemKind.HEADER, f"{target.display}: {problem}")
         if state_fingerprint((k, v["fp"]) for k, v in info.record.tensors.items()) != info.record.state_fp:
-            report.fail("state", f"{target.display}: whole-file fingerprint does not match its tensors' fingerprints")
+            report.fail(
+                ProblemKind.STATE, f"{target.display}: whole-file fingerprint does not match its tensors' fingerprints"
+            )
         buf = torch.empty(_PIECE, dtype=torch.uint8)
         mv = host_bytes(buf)
         for entry in info.header.entries:
@@ -202,7 +218,8 @@ def _deep_file(
                     n = read_into(fh, mv[got:want])
                     if not n:
                         report.fail(
-                            "truncated", f"{target.display}: truncated: tensor `{printable(entry.name)}` ends early"
+                            ProblemKind.TRUNCATED,
+                            f"{target.display}: truncated: tensor `{printable(entry.name)}` ends early",
                         )
                         return info
                     got += n
@@ -223,10 +240,12 @@ def _deep_file(
             rec = info.record.tensors[entry.name]
             where = f"{target.display}: "
             if h.hexdigest() != rec["xxh3"]:
-                report.fail("digest", where + digest_problem(entry, rec["xxh3"], h.hexdigest()), owner and owner[0])
+                report.fail(
+                    ProblemKind.DIGEST, where + digest_problem(entry, rec["xxh3"], h.hexdigest()), owner and owner[0]
+                )
             if fp.hexdigest() != rec["fp"]:
                 report.fail(
-                    "fingerprint",
+                    ProblemKind.FINGERPRINT,
                     f"{where}tensor `{printable(entry.name)}`: device fingerprint mismatch (expected {rec['fp']},"
                     f" found {fp.hexdigest()})",
                     owner and owner[0],
@@ -234,7 +253,7 @@ def _deep_file(
             for (fqn, _, c), raw in zip(owners, raws):
                 if hex64(raw) != c.raw:
                     report.fail(
-                        "fingerprint",
+                        ProblemKind.FINGERPRINT,
                         f"{where}tensor `{printable(entry.name)}`: its contribution to `{printable(fqn)}`'s fingerprint"
                         f" is {hex64(raw)}, the manifest says {c.raw}",
                         fqn,
@@ -276,7 +295,7 @@ def verify_checkpoint(
     try:
         manifest, info = read_manifest(location)
     except CorruptCheckpointError as e:
-        report.fail("manifest", str(e))
+        report.fail(ProblemKind.MANIFEST, str(e))
         report.seconds = time.perf_counter() - t0
         return report
     _check_manifest(report, location, manifest, info, trusted_keys)
@@ -313,13 +332,13 @@ def _check_manifest(
     report.chunks = sum(len(t.chunks) for t in manifest.tensors)
     report.nbytes = info.nbytes
     for problem in consistency_problems(manifest):
-        report.fail("manifest", f"{location}/{MANIFEST_NAME}: {problem}")
+        report.fail(ProblemKind.MANIFEST, f"{location}/{MANIFEST_NAME}: {problem}")
 
 
 def _report_missing(report: ShardedReport, sf: ShardFile, chunks: list[_Owned]) -> None:
     names = sorted({fqn for fqn, _, _ in chunks})
     report.fail(
-        "missing",
+        ProblemKind.MISSING,
         f"shard file {sf.name} (rank {sf.rank}) is missing: it holds {len(chunks)} chunk(s) of"
         f" {', '.join(f'`{printable(n)}`' for n in names[:3])}{' ...' if len(names) > 3 else ''}",
     )
@@ -373,7 +392,7 @@ def _after(progress: Progress, base: int, manifest: Manifest) -> Progress:
 def _check_identity(report: ShardedReport, location: str, sf: ShardFile, finfo: CheckpointInfo) -> None:
     if finfo.record.header_digest != sf.header_digest or finfo.nbytes != sf.nbytes:
         report.fail(
-            "mismatch",
+            ProblemKind.MISMATCH,
             f"{location}/{sf.name}: not the shard file the manifest names (header digest"
             f" {finfo.record.header_digest}, {finfo.nbytes} bytes; expected {sf.header_digest}, {sf.nbytes}"
             " bytes): it was replaced after the checkpoint was committed",
@@ -383,6 +402,10 @@ def _check_identity(report: ShardedReport, location: str, sf: ShardFile, finfo: 
 def _report_extra(report: ShardedReport, location: str, listing: Listing, manifest: Manifest) -> None:
     listed = {f.name for f in manifest.files} | {MANIFEST_NAME}
     for name in sorted(listing.files - listed):
-        report.fail("extra", f"{location}/{name}: not part of this checkpoint (the manifest does not list it)")
+        report.fail(
+            ProblemKind.EXTRA, f"{location}/{name}: not part of this checkpoint (the manifest does not list it)"
+        )
     for name in sorted(listing.dirs):
-        report.fail("extra", f"{location}/{name}/: a directory inside the checkpoint (the manifest does not list it)")
+        report.fail(
+            ProblemKind.EXTRA, f"{location}/{name}/: a directory inside the checkpoint (the manifest does not list it)"
+        )
