@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from certckpt.trust.certify import PENDING_REASONS, Certification, CheckpointEntry, Detection, Reason
 from certckpt.trust.coverage import Coverage, coverage
+from certckpt.trust.records import check_family
 
 if TYPE_CHECKING:  # for annotations only: the timeline reads a snapshot it is given
     from certckpt.trust.snapshot import LedgerSnapshot
@@ -45,7 +46,6 @@ __all__ = [
 GREEN, RED, ORANGE, GREY, GOLD = "#2e9e44", "#d62728", "#f39c12", "#9a9a9a", "#f5c400"
 TEAL = "#17a2b8"  # verified: intact and committed, but no audit evidence (a run without the auditor)
 DRILL = {"pass": "#1f77b4", "fail": "#000000"}  # fill by outcome; anything else (incomplete) is hollow
-_AUDIT_KINDS = {"nonfinite-pre": "nonfinite", "nonfinite-post": "nonfinite"}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -254,7 +254,7 @@ def _add_audits(lanes: dict[str, Lane], events: list[dict[str, Any]]) -> None:
     """One mark per branch, step and kind of check (a failure wins over any pass)."""
     audits: dict[tuple[str, int, str], str] = {}
     for e in events:
-        kind = _AUDIT_KINDS.get(e["kind"], e["kind"])
+        kind = check_family(e["kind"])
         key = (e["branch"], int(e["step"]), kind)
         if audits.get(key) != "fail":
             audits[key] = "fail" if e.get("outcome") == "fail" else "pass"
