@@ -1,0 +1,126 @@
+"""A tiny DeepSpeed ZeRO set-up for the DeepSpeed integration tests, and its per-rank functions (run
+through certckpt.detect.launch: gloo ranks on 127.0.0.1, CPU accelerator, results as JSON)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+IN, HIDDEN, OUT, BATCH = 8, 16, 4, 4
+
+
+def build(stage: int, *, seed: int = 0, clip: float = 1.0, gas: int = 1):
+    """A deepspeed engine around a 3-layer MLP (AdamW, warm-up scheduler, clipping) on every rank."""
+    import deepspeed
+    import torch.distributed as dist
+
+    os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()) if dist.is_initialized() else "0")
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(IN, HIDDEN),
+        torch.nn.Tanh(),
+        torch.nn.Linear(HIDDEN, HIDDEN),
+        torch.nn.Tanh(),
+        torch.nn.Linear(HIDDEN, OUT),
+    )
+    cfg = {
+        "train_micro_batch_size_per_gpu": BATCH,
+        "gradient_accumulation_steps": gas,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5}},
+        "zero_optimization": {"stage": stage},
+        "gradient_clipping": clip,
+        "steps_per_print": 10**9,
+    }
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    return engine
+
+
+def batch_for(step: int, micro: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
+    return torch.randn(BATCH, IN, generator=g), torch.randn(BATCH, OUT, generator=g)
+
+
+def loss_fn(module: Any, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return F.mse_loss(module(batch[0]), batch[1])
+
+
+def full_weights(engine: Any) -> dict[str, list[float]]:
+    """The full weights (gathered under ZeRO-3), as lists, for comparisons across runs."""
+    import deepspeed
+
+    params = list(engine.module.named_parameters())
+    with deepspeed.zero.GatheredParameters([p for _, p in params], enabled=int(engine.zero_optimization_stage()) == 3):
+        return {n: p.detach().clone().reshape(-1).tolist() for n, p in params}
+
+
+def train(args: dict[str, Any]) -> dict[str, Any]:
+    """Train ``steps`` steps, saving every ``save_every`` into ``out`` (certified unless ``plain``);
+    with ``resume``, load first (``tag``, or latest-good). With ``audit``, a ZeroAudit runs."""
+    import torch.distributed as dist
+
+    from certckpt.errors import FaultDetectedError
+
+    engine = build(args["stage"], gas=args.get("gas", 1))
+    rank = dist.get_rank()
+    result: dict[str, Any] = {"rank": rank}
+    ce = None
+    if not args.get("plain"):
+        from certckpt.integrations.deepspeed import certify_engine
+
+        ce = certify_engine(engine, run="ds")
+    if args.get("resume"):
+        path, _ = engine.load_checkpoint(args["out"], tag=args.get("tag"))
+        result["loaded"] = path
+        if ce is not None and ce.resumed is not None:
+            result.update(branch=ce.branch, parent=ce.parent, start=ce.resumed.step)
+    audit = None
+    if args.get("audit"):
+        from certckpt.detect.inject import Fault
+        from certckpt.integrations.deepspeed import ZeroAudit
+
+        faults = [Fault(**f) for f in args.get("faults", [])]
+        audit = ZeroAudit(engine, loss_fn=loss_fn, audit_every=args["audit"], injector_faults=faults or None)
+    gas = args.get("gas", 1)
+    try:
+        while engine.global_steps < args["steps"]:
+            s = engine.global_steps + 1
+            for m in range(gas):
+                b = batch_for(s, m, rank)
+                if audit is not None:
+                    audit.begin_micro_batch(b)
+                engine.backward(loss_fn(engine, b))
+                if m == gas - 1 and audit is not None:
+                    audit.before_update()
+                engine.step()
+            if audit is not None:
+                audit.after_update()
+            if args.get("save_every") and engine.global_steps % args["save_every"] == 0:
+                engine.save_checkpoint(args["out"], tag=f"step{engine.global_steps}")
+    except FaultDetectedError as e:
+        result.update(detected=e.event, message=str(e))
+    result["global_step"] = int(engine.global_steps)
+    result["weights"] = full_weights(engine)
+    if audit is not None:
+        result["passed"] = audit.passed
+    return result
+
+
+def try_load(args: dict[str, Any]) -> dict[str, Any]:
+    """Load ``out`` (tag ``tag``) with a certified engine; the error's type and message, if any."""
+    from certckpt.integrations.deepspeed import certify_engine
+
+    engine = build(args["stage"])
+    certify_engine(engine, run="ds")
+    try:
+        path, _ = engine.load_checkpoint(args["out"], tag=args.get("tag"))
+    except Exception as e:  # the test asserts which error, on every rank
+        return {"error": type(e).__name__, "message": str(e)}
+    return {"loaded": path, "global_step": int(engine.global_steps)}
