@@ -21,6 +21,9 @@ def build(stage: int, *, seed: int = 0, clip: float = 1.0, gas: int = 1):
     import torch.distributed as dist
 
     os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()) if dist.is_initialized() else "0")
+    # The CPU accelerator's shared-memory all-reduce is a C++ op compiled at first use (80 s of CPU
+    # here, on every fresh CI machine): these ranks use plain gloo, as DeepSpeed does off Linux.
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(seed)
     model = torch.nn.Sequential(
@@ -87,7 +90,13 @@ def train(args: dict[str, Any]) -> dict[str, Any]:
         from certckpt.integrations.deepspeed import ZeroAudit
 
         faults = [Fault(**f) for f in args.get("faults", [])]
-        audit = ZeroAudit(engine, loss_fn=loss_fn, audit_every=args["audit"], injector_faults=faults or None)
+        audit = ZeroAudit(
+            engine,
+            loss_fn=loss_fn,
+            audit_every=args["audit"],
+            consensus_every=args.get("consensus_every"),
+            injector_faults=faults or None,
+        )
     gas = args.get("gas", 1)
     try:
         while engine.global_steps < args["steps"]:
@@ -124,3 +133,51 @@ def try_load(args: dict[str, Any]) -> dict[str, Any]:
     except Exception as e:  # the test asserts which error, on every rank
         return {"error": type(e).__name__, "message": str(e)}
     return {"loaded": path, "global_step": int(engine.global_steps)}
+
+
+def refusals(args: dict[str, Any]) -> dict[str, Any]:
+    """On one engine: a plain DeepSpeed checkpoint written to ``plain``, then (certified) loads of it
+    and of each directory in ``bad``, and ZeroAudit's set-up; each outcome's error and message."""
+    import shutil
+
+    import torch.distributed as dist
+
+    from certckpt.integrations.deepspeed import ZeroAudit, certify_engine
+
+    engine = build(args["stage"])
+    b = batch_for(1, 0, 0)
+    engine.backward(loss_fn(engine, b))
+    engine.step()
+    engine.save_checkpoint(args["plain"], tag="plain")  # DeepSpeed's own engine: pickles
+    certify_engine(engine, run="ds")
+    engine.save_checkpoint(args["out"], tag="step1")
+    edited, missing = os.path.join(args["tmp"], "edited"), os.path.join(args["tmp"], "missing")
+    if dist.get_rank() == 0:  # two damaged copies of the certified checkpoint
+        shutil.copytree(os.path.join(args["out"], "step1"), os.path.join(edited, "step1"))
+        shutil.copytree(os.path.join(args["out"], "step1"), os.path.join(missing, "step1"))
+        with open(os.path.join(edited, "step1", "zero_pp_rank_1_mp_rank_00_model_states.pt"), "r+b") as f:
+            f.seek(-1, os.SEEK_END)
+            last = f.read(1)[0]
+            f.seek(-1, os.SEEK_END)
+            f.write(bytes([last ^ 1]))
+        os.remove(os.path.join(missing, "step1", "zero_pp_rank_2_mp_rank_00_optim_states.pt"))
+    dist.barrier()
+    bad = {
+        "plain": (args["plain"], "plain"),
+        "edited": (edited, "step1"),
+        "missing": (missing, "step1"),
+        "nothing": (os.path.join(args["tmp"], "none"), None),
+    }
+    out: dict[str, Any] = {}
+    for name, (directory, tag) in bad.items():
+        try:
+            engine.load_checkpoint(directory, tag=tag)
+            out[name] = {"error": None}
+        except Exception as e:  # the test asserts which error, on every rank
+            out[name] = {"error": type(e).__name__, "message": str(e)}
+    try:
+        ZeroAudit(engine, loss_fn=loss_fn)
+        out["audit"] = {"error": None}
+    except Exception as e:
+        out["audit"] = {"error": type(e).__name__, "message": str(e)}
+    return out

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
@@ -21,18 +22,25 @@ from certckpt.format.registry import register_type
 __all__ = ["register_deepspeed_types"]
 
 _PLAIN = (bool, int, float, str, type(None))
+_DTYPES = "__dtypes__"  # the encoded attributes that were torch dtypes
 
 
 def _encode_scaler(scaler: Any) -> dict[str, Any]:
     """A loss scaler's attributes: numbers, booleans and small dicts of them (checked: a scaler that
     grew an attribute of another kind is refused at save time rather than stored half)."""
     attrs = dict(vars(scaler))
+    dtypes = sorted(k for k, v in attrs.items() if isinstance(v, torch.dtype))
+    for key in dtypes:  # a dtype travels as its name ("float16")
+        attrs[key] = str(attrs[key]).removeprefix("torch.")
+    if dtypes:
+        attrs[_DTYPES] = dtypes
     for key, value in attrs.items():
         ok = isinstance(value, _PLAIN) or (
             isinstance(value, dict) and all(isinstance(v, _PLAIN) for v in value.values())
         )
-        if not ok:
-            raise TypeError(f"{type(scaler).__name__}.{key} is a {type(value).__name__}: not storable as plain data")
+        if not ok and key != _DTYPES:
+            what = type(value).__name__
+            raise TypeError(f"{type(scaler).__name__}.{key} is a {what}: not storable as plain data")
     return attrs
 
 
@@ -40,6 +48,12 @@ def _decoder(cls: type) -> Any:
     def decode(attrs: Any) -> Any:
         if not isinstance(attrs, dict) or not all(isinstance(k, str) for k in attrs):
             raise TypeError(f"{cls.__name__}: expected a dict of attributes, found {type(attrs).__name__}")
+        attrs = dict(attrs)
+        for key in attrs.pop(_DTYPES, []):
+            dtype = getattr(torch, str(attrs.get(key)), None)
+            if not isinstance(dtype, torch.dtype):
+                raise TypeError(f"{cls.__name__}.{key}: {attrs.get(key)!r} is not a torch dtype")
+            attrs[key] = dtype
         # Rebuilt without __init__ (its arguments are not what it stores), as copy.copy does.
         obj: Any = object.__new__(cls)
         obj.__dict__.update(attrs)
