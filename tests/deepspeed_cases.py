@@ -181,3 +181,30 @@ def refusals(args: dict[str, Any]) -> dict[str, Any]:
     except Exception as e:
         out["audit"] = {"error": type(e).__name__, "message": str(e)}
     return out
+
+
+def accelerate_save(args: dict[str, Any]) -> dict[str, Any]:
+    """Accelerate's DeepSpeed plugin (ZeRO-2) on 1 CPU rank: ``certify_engine`` on the engine that
+    ``accelerator.prepare`` returns, then ``accelerator.save_state``; what it wrote."""
+    import deepspeed
+    import torch.distributed as dist
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin
+
+    from certckpt.integrations.deepspeed import certify_engine
+
+    os.environ.update(RANK=str(dist.get_rank()), WORLD_SIZE=str(dist.get_world_size()), LOCAL_RANK="0")
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    acc = Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=2, gradient_accumulation_steps=1))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(IN, OUT)
+    opt = torch.optim.AdamW(model.parameters())
+    loader = torch.utils.data.DataLoader(torch.randn(8, IN), batch_size=2)
+    model, opt, loader = acc.prepare(model, opt, loader)
+    certify_engine(model, run="acc")
+    for x in loader:
+        acc.backward(model(x).pow(2).mean())
+        opt.step()
+        opt.zero_grad()
+    acc.save_state(args["out"])
+    return {"engine": type(model).__name__, "files": sorted(os.listdir(args["out"])), "step": int(model.global_steps)}

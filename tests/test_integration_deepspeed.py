@@ -193,3 +193,15 @@ def test_zero_audit_names_the_faulty_rank(tmp_path, stage, fault, kind, step):
         (kind, step, [fault["rank"]])
     ] * 3
     assert got[0]["passed"][:3] == [["consensus", 1], ["replay", 2], ["consensus", 2]]
+
+
+@pytest.mark.slow
+def test_accelerates_deepspeed_plugin_saves_a_certified_tag(tmp_path):
+    pytest.importorskip("accelerate")
+    out = str(tmp_path / "state")
+    (got,) = run_ranks("deepspeed_cases:accelerate_save", 1, {"out": out}, timeout=300, extra_path=TESTS)
+    assert got["engine"] == "DeepSpeedEngine" and got["step"] == 4
+    # accelerate's own RNG file beside the tag is its business (a pickle it writes with torch.save)
+    assert {"pytorch_model", "latest", "_ledger"} <= set(got["files"])
+    assert verify_checkpoint(os.path.join(out, "pytorch_model")).ok
+    assert _verdicts(out) == {"main@4": "verified"}

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
+from deepspeed.runtime.engine import DeepSpeedEngine
 
 from certckpt.detect.agreement import refuse_together, wire_device_for
 from certckpt.errors import (
@@ -360,6 +361,11 @@ def certify_engine(
         >>> engine.save_checkpoint("ckpt", tag=f"step{engine.global_steps}")   # certified, committed
         >>> engine.load_checkpoint("ckpt")                                     # latest-good, verified
     """
+    if not isinstance(engine, DeepSpeedEngine):
+        raise ConfigurationError(
+            f"certify_engine takes the DeepSpeedEngine deepspeed.initialize returns, got {type(engine).__name__} "
+            "(Accelerate wraps the model in DDP, not DeepSpeed, when it runs with cpu=True)"
+        )
     register_deepspeed_types()
     problems = []
     if int(getattr(engine, "mp_world_size", 1)) > 1:
