@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     plain_engine = TorchCheckpointEngine(None)
     certified = certify_engine(engine, run="bench")
-    nparams = sum(p.numel() for p in model.parameters())
+    nparams = sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters())  # ZeRO-3: placeholders
     times: dict[str, list[float]] = {"plain": [], "plain+fsync": [], "certified": []}
     root = tempfile.mkdtemp(prefix="bench-ds-", dir=args.dir)
     sizes: dict[str, int] = {}
