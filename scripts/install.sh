@@ -4,6 +4,7 @@
 #   bash scripts/install.sh test    plus what the test suite needs (pytest, hypothesis, s3fs, moto server,
 #                                   model-signing)
 #   bash scripts/install.sh release plus what `certckpt release` needs (OpenSSF model-signing)
+#   bash scripts/install.sh deepspeed  plus DeepSpeed 0.19.8 (certckpt.integrations.deepspeed; `test` installs it too)
 # Arguments after the first go to every `pip install` (CI passes --no-compile: see .ci/run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,8 +17,18 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
   echo "installing torch==2.13.0 (CPU build)" >&2
   pipi "$@" torch==2.13.0
 fi
+# DeepSpeed is an sdist whose build imports torch: build it against the torch above (--no-build-isolation;
+# an isolated build pulls an unpinned multi-GB CUDA torch), with no C++/CUDA op compiled (DS_BUILD_OPS=0).
+pipi_deepspeed() {
+  pipi "$@" wheel
+  DS_BUILD_OPS=0 pipi "$@" --no-build-isolation deepspeed==0.19.8
+}
 if [ "$what" = "test" ]; then
   pipi "$@" -e ".[test]"
+  pipi_deepspeed "$@"
+elif [ "$what" = "deepspeed" ]; then
+  pipi "$@" -e .
+  pipi_deepspeed "$@"
 elif [ "$what" = "release" ]; then
   pipi "$@" -e ".[release]"
 else

@@ -28,6 +28,7 @@ HEADERS: dict[str, tuple[str, ...]] = {
     "bench_lightning.py": ("save, CertifiedCheckpointIO", "load, CertifiedCheckpointIO"),
     "bench_format.py": ("1. SAVE (fsync included)", "2. VERIFY", "3. FINGERPRINT THROUGHPUT"),
     "bench_transformers.py": ("checkpoint save", "ratio certified / plain"),
+    "bench_deepspeed.py": ("checkpoint save", "ratio certified / plain"),
     "bench_dcp.py": ("1 process:", "2 gloo ranks", "dcp.save  certckpt", "dcp.load  certckpt"),
     "bench_keyed.py": ("keyed reads and signed writes", "tensors (whole processes)"),
     "bench_async.py": ("async save blocking / clone() of every tensor", "training loop"),
@@ -38,6 +39,7 @@ HEADERS: dict[str, tuple[str, ...]] = {
     "gpu_session.sh": ("bench_gpu on",),
 }
 GPU_ONLY = {"bench_gpu.py", "gpu_session.sh"}
+NEEDS = {"bench_deepspeed.py": "deepspeed"}  # script -> the optional package it measures (skipped without it)
 TIMEOUT = 300  # seconds per script; tiny runs take 1-40 s on 2 cores
 
 
@@ -59,6 +61,12 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def _installed(name: str) -> bool:
+    import importlib.util
+
+    return name not in NEEDS or importlib.util.find_spec(NEEDS[name]) is not None
+
+
 class _Runs:
     """The tiny runs, started on demand two at a time: asking for one also starts the next in line
     (unless pytest-xdist splits the tests, when each worker runs only what it is asked for)."""
@@ -69,7 +77,7 @@ class _Runs:
         self.futures: dict[str, Future] = {}
         self.lock = threading.Lock()
         self.prefetch = "PYTEST_XDIST_WORKER" not in os.environ
-        self.order = [n for n in HEADERS if n in selected and (n not in GPU_ONLY or _cuda())]
+        self.order = [n for n in HEADERS if n in selected and (n not in GPU_ONLY or _cuda()) and _installed(n)]
 
     def _start(self, name: str) -> Future:
         with self.lock:
@@ -115,6 +123,8 @@ def runs(request, tmp_path_factory):
 def test_benchmark_runs_tiny(runs, name):
     if name in GPU_ONLY and not _cuda():
         pytest.skip("needs CUDA (a session lent a GPU runs it: benchmarks/README.md)")
+    if not _installed(name):
+        pytest.skip(f"needs {NEEDS[name]} (bash scripts/install.sh {NEEDS[name]})")
     r, seconds = runs.result(name)
     tail = f"--- stdout ---\n{r.stdout[-6000:]}\n--- stderr ---\n{r.stderr[-6000:]}"
     assert r.returncode == 0, f"{name} exited {r.returncode} after {seconds:.0f} s\n{tail}"

@@ -1,0 +1,387 @@
+"""``certify_engine(engine)``: DeepSpeed's own ``save_checkpoint`` / ``load_checkpoint``, certified.
+
+DeepSpeed writes every checkpoint file through a pluggable ``CheckpointEngine`` (``create`` before
+a tag is written, ``save(state_dict, path)`` per file, ``commit`` once every file of the rank is
+written, ``load(path)`` per file). ``CertifiedCheckpointEngine`` is one: each file is a certified
+safetensors file under DeepSpeed's own name, and ``commit`` (after a barrier: every rank's files are
+on disk) writes the tag's manifest on rank 0 and commits it to the run store's ledger, before
+DeepSpeed writes ``latest``. ``certify_engine`` installs it on a built engine and wraps the engine's
+``load_checkpoint``: the tag directory is verified whole on every rank before DeepSpeed reads a
+byte, ``tag=None`` means the store's latest-good (never ``latest``), and a resumed run records on a
+new branch. Nothing is pickled or unpickled.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
+from deepspeed.runtime.engine import DeepSpeedEngine
+
+from certckpt.detect.agreement import refuse_together, wire_device_for
+from certckpt.errors import (
+    CertckptError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    ConfigurationError,
+    NotACheckpointError,
+)
+from certckpt.format.reader import load
+from certckpt.format.verify import inspect
+from certckpt.format.writer import save_certified
+from certckpt.log import enable as enable_log
+from certckpt.trust.ledger import Ledger, LedgerSnapshot, ckpt_id_for, is_ckpt_id
+from certckpt.trust.resume import next_branch, plan_resume
+
+from .codecs import register_deepspeed_types
+from .layout import CONVERT_HINT, MANIFEST_NAME, is_pickle, manifest_of, require_intact, write_manifest
+
+__all__ = ["CertifiedCheckpointEngine", "certify_engine", "Resumed"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Resumed:
+    """What a certified ``load_checkpoint`` loaded (``engine.checkpoint_engine.resumed``).
+
+    Attributes:
+        directory: the tag directory.
+        step: its step.
+        parent: the checkpoint id it is committed as (None: not committed in this store).
+        branch: the branch new checkpoints go on.
+    """
+
+    directory: str
+    step: int
+    parent: str | None
+    branch: str
+
+
+class CertifiedCheckpointEngine(CheckpointEngine):
+    """A DeepSpeed ``CheckpointEngine`` writing certified files and committing each tag.
+
+    Build it with ``certify_engine(engine, ...)`` (it needs the engine for the step and the ranks).
+
+    Args:
+        engine: the ``DeepSpeedEngine``.
+        run: the run name in the ledger (default: the save directory's name).
+        branch: the branch of a fresh run (default ``main``).
+        ledger: the run store (default: the directory given to ``save_checkpoint``).
+        accept: what ``load_checkpoint(dir)`` without a tag resumes from: ``verified`` (default:
+            the newest checkpoint that is trusted or verified) or ``trusted``.
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        run: str | None = None,
+        branch: str = "main",
+        ledger: str | None = None,
+        accept: str = "verified",
+    ) -> None:
+        super().__init__(None)
+        if not is_ckpt_id(ckpt_id_for(branch, 0)):
+            raise ConfigurationError(f"branch {branch!r}: use 1-100 letters, digits, '.', '_' or '-'")
+        if accept not in ("verified", "trusted"):
+            raise ConfigurationError(f"accept must be 'verified' or 'trusted', got {accept!r}")
+        self.name = "CertifiedCheckpointEngine"
+        self.engine = engine
+        self.run, self.branch, self.store, self.accept = run, branch, ledger, accept
+        self.parent: str | None = None
+        self.last_step: int | None = None
+        self.resumed: Resumed | None = None
+        self._commit_as: str | None = None  # the id the tag being written commits as (None: not committed)
+        self._tag_dir: str | None = None
+
+    # --- where ----------------------------------------------------------------------------------
+
+    def ledger_for(self, save_dir: str) -> Ledger:
+        return Ledger(os.fspath(self.store or save_dir))
+
+    def _run_name(self, save_dir: str) -> str:
+        return self.run or os.path.basename(os.path.abspath(save_dir).rstrip("/")) or "run"
+
+    def _together(self, fn: Any, *, what: str) -> Any:
+        """``fn()`` on every rank; when it fails on any, every rank raises (none waits in the next
+        collective): the failing rank its own error, the others one naming it."""
+        error: BaseException | None = None
+        out = None
+        try:
+            out = fn()
+        except Exception as e:  # certckpt's or the file system's: the other ranks must learn of it
+            error = e
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            wire = wire_device_for(dist.group.WORLD, torch.device(self.engine.device))
+            try:
+                refuse_together(
+                    None if error is None else str(error), group=dist.group.WORLD, wire_device=wire, what=what
+                )
+            except CertckptError as together:
+                if error is not None:
+                    raise error from None
+                raise CertckptError(str(together)) from None
+        elif error is not None:
+            raise error
+        return out
+
+    def _rank(self) -> int:
+        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+    # --- saving ---------------------------------------------------------------------------------
+
+    def create(self, info: CheckpointCommitInfo) -> None:
+        """Before a tag is written: never over a committed checkpoint; an uncommitted leftover of an
+        interrupted save is removed (rank 0), and every rank learns the outcome."""
+        tag_dir = os.path.join(info.save_dir, str(info.tag))
+        step = int(self.engine.global_steps)
+        cid = ckpt_id_for(self.branch, step)
+
+        def prepare() -> str | None:
+            snap = _snapshot(self.ledger_for(info.save_dir))
+            commit_as: str | None = cid
+            if cid in snap.records:
+                url = self.ledger_for(info.save_dir).url_of(snap.records[cid])
+                if os.path.abspath(os.path.dirname(url)) == os.path.abspath(tag_dir):
+                    raise CheckpointExistsError(f"{tag_dir}: {cid} is committed already; it is never written over")
+                # a second tag at a step already committed: certified, not committed (one id per step)
+                logger.warning(
+                    "certckpt: %s: step %d is committed already as %s (%s): this tag is certified but not committed",
+                    tag_dir,
+                    step,
+                    cid,
+                    url,
+                )
+                commit_as = None
+            if self._rank() == 0 and os.path.exists(tag_dir):
+                if os.path.exists(os.path.join(tag_dir, MANIFEST_NAME)):
+                    raise CheckpointExistsError(f"{tag_dir}: a certified checkpoint is there already; use another tag")
+                logger.warning("certckpt: removing %s, left uncommitted by an earlier save", tag_dir)
+                shutil.rmtree(tag_dir)
+            return commit_as
+
+        self._commit_as = self._together(prepare, what="checkpoint")
+        self._tag_dir = tag_dir
+
+    def save(self, state_dict: Any, path: str) -> None:
+        """One file of a rank, certified, create-only, under DeepSpeed's name."""
+        save_certified(
+            state_dict,
+            os.fspath(path),
+            step=int(self.engine.global_steps),
+            run=self._run_name(os.path.dirname(os.path.dirname(os.fspath(path)))),
+            branch=self.branch,
+            parent=self.parent,
+        )
+
+    def commit(self, info: CheckpointCommitInfo) -> bool:
+        """Every rank's files are on disk (a barrier): rank 0 writes the manifest and commits it."""
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+        tag_dir = os.path.join(info.save_dir, str(info.tag))
+        step = int(self.engine.global_steps)
+        first = (self.last_step or 0) + 1
+        state = {
+            "tag": str(info.tag),
+            "zero_stage": int(self.engine.zero_optimization_stage()),
+            "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+            "deepspeed": _ds_version(),
+        }
+
+        def write() -> None:
+            if self._rank() != 0:
+                return
+            run = self._run_name(info.save_dir)
+            result = write_manifest(
+                tag_dir,
+                state,
+                step=step,
+                run=run,
+                branch=self.branch,
+                parent=self.parent,
+                step_range=[first, step],
+            )
+            if self._commit_as is not None:
+                self.ledger_for(info.save_dir).commit_checkpoint(
+                    branch=self.branch,
+                    step=step,
+                    location=result.location,
+                    run=run,
+                    parent=self.parent,
+                    state_fp=result.state_fp,
+                    header_digest=result.header_digest,
+                    step_range=[first, step],
+                    nbytes=result.nbytes,
+                )
+
+        self._together(write, what="checkpoint commit")
+        if self._commit_as is not None:
+            self.last_step = step
+        return True
+
+    def preserves_storage_sharing(self) -> bool:
+        # Without it DeepSpeed copies every tensor before saving (so that torch.save writes no more than
+        # the view): certckpt writes only each view's own bytes already.
+        return False
+
+    # --- loading --------------------------------------------------------------------------------
+
+    def load(self, path: str, map_location: Any = None) -> Any:
+        """One file, read by certckpt (digests checked, nothing unpickled)."""
+        path = os.fspath(path)
+        if is_pickle(path):
+            raise NotACheckpointError(f"{path}: a pickle written by plain DeepSpeed, never unpickled; {CONVERT_HINT}")
+        return load(path, map_location=map_location if map_location is not None else "cpu")
+
+    def resolve(self, load_dir: str, tag: Any) -> tuple[str, str | None] | None:
+        """``(tag directory, tag)`` to load: the tag given, a checkpoint id (``main@10``), or for None
+        the store's latest-good; None when the store has committed nothing (a first run)."""
+        load_dir = os.fspath(load_dir)
+        ledger = self.ledger_for(load_dir)
+        if tag is None:
+            snap = _snapshot(ledger)
+            if not snap.records:
+                logger.info("certckpt: nothing committed in %s yet: nothing to load", ledger.store)
+                return None
+            point = plan_resume(ledger.store, accept=self.accept)
+            tag_dir = os.path.dirname(point.url)
+            return tag_dir, os.path.basename(tag_dir)
+        tag = str(tag)
+        if is_ckpt_id(tag) and not os.path.exists(os.path.join(load_dir, tag)):
+            rec = _snapshot(ledger).records.get(tag)
+            if rec is None:
+                raise CheckpointNotFoundError(f"{ledger.store}: no committed checkpoint {tag!r}")
+            tag_dir = os.path.dirname(ledger.url_of(rec))
+            return tag_dir, os.path.basename(tag_dir)
+        return os.path.join(load_dir, tag), tag
+
+    def decide_branch(self, load_dir: str, tag_dir: str) -> Resumed:
+        """The branch new checkpoints go on after loading ``tag_dir`` (the same on every rank)."""
+        ledger = self.ledger_for(load_dir)
+        snap = _snapshot(ledger)
+        path, _, step = manifest_of(tag_dir)
+        record = inspect(path).record
+        src = ckpt_id_for(record.branch or "main", step or 0)
+        known = src in snap.records and snap.records[src].get("header_digest") == record.header_digest
+        recorded = {n.removesuffix(".json") for n in ledger.list_raw("branches")} if snap.records else set()
+        taken = {r["branch"] for r in snap.records.values()} | set(snap.branch_parents) | recorded
+        branch = next_branch(record.branch or "main", taken)
+        if not known:
+            logger.warning(
+                "certckpt: %s is not committed in %s; branch %s starts without a parent", tag_dir, ledger.store, branch
+            )
+        return Resumed(directory=tag_dir, step=step or 0, parent=src if known else None, branch=branch)
+
+
+def _snapshot(ledger: Ledger) -> LedgerSnapshot:
+    if "://" not in ledger.store and not os.path.isdir(ledger.store):
+        return LedgerSnapshot()
+    return ledger.snapshot()
+
+
+def _ds_version() -> str:
+    import deepspeed  # the package is imported already (this module imports from it)
+
+    return str(deepspeed.__version__)
+
+
+def _certified_load_checkpoint(engine: Any, original: Any, load_dir: str, tag: Any = None, **kwargs: Any) -> Any:
+    """``engine.load_checkpoint`` with the tag directory verified whole on every rank first."""
+    ce: CertifiedCheckpointEngine = engine.checkpoint_engine
+    if not isinstance(ce, CertifiedCheckpointEngine):
+        raise ConfigurationError(
+            "engine.checkpoint_engine was replaced after certify_engine: call certify_engine again"
+        )
+    if int(engine.zero_optimization_stage()) == 3 and kwargs.get("load_optimizer_states", True) is False:
+        raise ConfigurationError(
+            "ZeRO-3 with load_optimizer_states=False: DeepSpeed then rebuilds the weights with zero_to_fp32, "
+            "which unpickles; load the optimizer states too, or build the model from "
+            "certckpt.integrations.deepspeed.export_fp32(...)"
+        )
+    found = ce._together(lambda: ce.resolve(load_dir, tag), what="checkpoint load")
+    if found is None:
+        return None, None
+    tag_dir, name = found
+
+    def check() -> Resumed:
+        require_intact(tag_dir)
+        return ce.decide_branch(os.fspath(load_dir), tag_dir)
+
+    resumed: Resumed = ce._together(check, what="checkpoint load")
+    result = original(os.path.dirname(tag_dir), tag=name, **kwargs)
+    if int(engine.global_steps) != resumed.step:
+        logger.warning("certckpt: %s records step %d, the engine reads %d", tag_dir, resumed.step, engine.global_steps)
+
+    def record() -> None:
+        if ce._rank() == 0 and resumed.parent is not None:
+            ce.ledger_for(os.fspath(load_dir)).start_branch(resumed.branch, parent=resumed.parent)
+
+    ce._together(record, what="checkpoint load")
+    ce.branch, ce.parent, ce.last_step, ce.resumed = resumed.branch, resumed.parent, resumed.step, resumed
+    if ce._rank() == 0:
+        logger.info(
+            "certckpt: resumed from %s: new checkpoints go on branch %s", resumed.parent or tag_dir, resumed.branch
+        )
+    return result
+
+
+def certify_engine(
+    engine: Any,
+    *,
+    run: str | None = None,
+    branch: str = "main",
+    ledger: str | None = None,
+    accept: str = "verified",
+) -> CertifiedCheckpointEngine:
+    """Make ``engine.save_checkpoint`` / ``engine.load_checkpoint`` certified (every rank calls it,
+    after ``deepspeed.initialize``).
+
+    Args:
+        engine: the ``DeepSpeedEngine`` (ZeRO stage 0-3, data parallel only).
+        run, branch, ledger, accept: see ``CertifiedCheckpointEngine``.
+
+    Returns:
+        The installed checkpoint engine (``engine.checkpoint_engine``).
+
+    Raises:
+        ConfigurationError: a set-up whose files DeepSpeed writes outside its checkpoint engine
+            (pipeline or tensor parallelism, MoE, NVMe-offloaded optimizer state).
+
+    Example:
+        >>> engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        >>> certify_engine(engine)
+        >>> engine.save_checkpoint("ckpt", tag=f"step{engine.global_steps}")   # certified, committed
+        >>> engine.load_checkpoint("ckpt")                                     # latest-good, verified
+    """
+    if not isinstance(engine, DeepSpeedEngine):
+        raise ConfigurationError(
+            f"certify_engine takes the DeepSpeedEngine deepspeed.initialize returns, got {type(engine).__name__} "
+            "(Accelerate wraps the model in DDP, not DeepSpeed, when it runs with cpu=True)"
+        )
+    register_deepspeed_types()
+    problems = []
+    if int(getattr(engine, "mp_world_size", 1)) > 1:
+        problems.append("tensor/model parallelism")
+    if type(engine).__name__ == "PipelineEngine":
+        problems.append("pipeline parallelism (its layer files are written outside the checkpoint engine)")
+    if getattr(engine, "has_moe_layers", False):
+        problems.append("MoE layers (expert files are written outside the checkpoint engine)")
+    if engine.zero_nvme_offload_optimizer():
+        problems.append("NVMe-offloaded optimizer state (copied into the checkpoint with shutil)")
+    if problems:
+        raise ConfigurationError("certify_engine cannot certify this set-up: " + "; ".join(problems))
+    ce = CertifiedCheckpointEngine(engine, run=run, branch=branch, ledger=ledger, accept=accept)
+    engine.checkpoint_engine = ce
+    original = type(engine).load_checkpoint.__get__(engine)
+    engine.load_checkpoint = functools.partial(_certified_load_checkpoint, engine, original)
+    if ce._rank() == 0:
+        enable_log()
+    return ce
