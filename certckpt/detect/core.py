@@ -74,6 +74,7 @@ class AuditSessionCore:
     def __init__(
         self,
         model: Any,
+        optimizer: torch.optim.Optimizer,
         *,
         group: Any,
         options: AuditOptions | None,
@@ -91,6 +92,7 @@ class AuditSessionCore:
 
         Args:
             model: the model (its first parameter's device decides where collectives travel).
+            optimizer: its optimizer.
             group: the process group of every rank (None: the default group).
             options, shorthand: the ``AuditOptions`` and keywords on top of them.
             problem: ``problem(options) -> str | None``, the variant's objection on this rank (the
@@ -103,6 +105,7 @@ class AuditSessionCore:
         if not (dist.is_available() and dist.is_initialized()):
             # No process group: nothing to agree with, and no rank can be waiting in a collective.
             raise AuditSetupError("torch.distributed is not initialized; call dist.init_process_group first")
+        self.model, self.optimizer = model, optimizer
         self.group: Any = group if group is not None else dist.group.WORLD
         self.world = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
@@ -138,6 +141,20 @@ class AuditSessionCore:
             ledger=self.ledger,
             state=self.state,
         )
+
+    def context_fields(self) -> dict[str, Any]:
+        """The fields of ``context.SessionContext``, which the variant's check context adds to."""
+        return {
+            "optimizer": self.optimizer,
+            "group": self.group,
+            "rank": self.rank,
+            "world": self.world,
+            "device": self.device,
+            "wire_device": self.wire_device,
+            "options": self.options,
+            "report": self.report,
+            "state": self.state,
+        }
 
     @property
     def audit_every(self) -> int:

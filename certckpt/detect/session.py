@@ -7,7 +7,8 @@ consensus, events, incidents and checkpoint evidence) and exposes it at the poin
 - ``before_update()`` after the step's last backward, before the optimizer steps: the
   non-finite checks and, every ``audit_every`` steps, the ring replay audit (returns whether the
   update may be applied; a refused update's gradients are dropped);
-- ``after_update()`` after it: the weight consensus at audit and consensus steps;
+- ``after_update()`` after it: the weight consensus at audit and consensus steps (returns whether
+  it agreed, as ``ShardedAuditSession.after_update`` does);
 - ``checkpoint_evidence()`` where a checkpoint is taken (collective): the consensus on the weights'
   fingerprints and the lineage the checkpoint's record carries.
 
@@ -20,9 +21,11 @@ The checks themselves are objects the session owns, one module each: ``setup_che
 set-up refusals, ``session.setup``), ``nonfinite`` (check 1, ``session.nonfinite``), ``replay``
 (check 2, the ring replay, ``session.replay``) and ``consensus`` (check 3, the weight consensus,
 ``session.consensus``). Each is built on one ``context.CheckContext`` (what they share, fixed at
-construction), whose ``SessionState`` is the one place the session's mutable state lives;
-``evidence`` holds what the session reports. This module is their public home: it re-exports the
-names callers import from it.
+construction: the ``AuditOptions`` among it), whose ``DDPState`` is the one place the session's
+mutable state lives; ``evidence`` holds what the session reports. What the session shares with the
+sharded one (start-up, options agreed by every rank, ledger and sink, node inventory, fleet check,
+step counters, lineage, ``flush``/``close``) is ``core.AuditSessionCore``, its base class. This
+module is their public home: it re-exports the names callers import from it.
 """
 
 from __future__ import annotations
@@ -156,6 +159,7 @@ class AuditSession(AuditSessionCore):
         compiled, ddp = unwrap_compiled(model)
         super().__init__(
             ddp,
+            optimizer,
             group=ddp.process_group if isinstance(ddp, DistributedDataParallel) else None,
             options=options,
             shorthand=shorthand,
@@ -169,7 +173,7 @@ class AuditSession(AuditSessionCore):
             start_step=start_step,
         )
         opts = self.options
-        self.model, self.optimizer, self.loss_fn = ddp, optimizer, loss_fn
+        self.loss_fn = loss_fn
         # The object the user passed: ``torch.compile(DDP(m))`` trains through the compiled wrapper.
         self.train_model = model if compiled else ddp
         self._saver: AsyncSaver | None = None  # rank 0's background writer, made at the first async_save
@@ -204,15 +208,9 @@ class AuditSession(AuditSessionCore):
         scaler = opts.grad_scaler
         enabled = scaler is not None and getattr(scaler, "is_enabled", lambda: True)()
         self.ctx = CheckContext(
+            **self.context_fields(),
             model=ddp,
-            optimizer=optimizer,
             loss_fn=loss_fn,
-            group=self.group,
-            rank=self.rank,
-            world=self.world,
-            device=self.device,
-            wire_device=self.wire_device,
-            options=opts,
             grad_scaler=scaler if enabled else None,
             param_names=self.param_names,
             params=self.params,
@@ -223,8 +221,6 @@ class AuditSession(AuditSessionCore):
             probes=self._hook.probes,
             hook=self._hook,
             injector=self.injector,
-            report=self.report,
-            state=self.state,
         )
         # The checks, each on the shared context; the session's methods below drive them.
         self.consensus = WeightConsensus(self.ctx)

@@ -33,6 +33,10 @@ recomputes its predecessor's micro-batches through the sharded model); the loop 
 ``begin_micro_batch(unit)`` before each micro-batch's forward. An audit step is a full audit (replay,
 non-finite, consensus), so DCP checkpoints of such a run become ``trusted`` once the next audit
 passes (see ``docs/detection.md``, "Sharded training: FSDP2 and HSDP").
+
+What the session shares with DDP's ``AuditSession`` (start-up, options agreed by every rank, ledger,
+sink and signing key, node inventory, fleet check, step counters, lineage, ``flush``/``close``) is
+``core.AuditSessionCore``, its base class; its checks report through the same ``context.EventLog``.
 """
 
 from __future__ import annotations
@@ -176,12 +180,13 @@ class ShardedAuditSession(AuditSessionCore):
         resume_state: dict[str, Any] | None = None,
         **shorthand: Any,
     ) -> None:
-        self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
+        self.loss_fn = loss_fn
         self.params: list[tuple[str, torch.Tensor]] = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.audit_updates = False
         self._recorder: GradientRecorder | None = None
         super().__init__(
             model,
+            optimizer,
             group=group,
             options=options,
             shorthand=shorthand,
@@ -199,21 +204,13 @@ class ShardedAuditSession(AuditSessionCore):
         self._resume_state = resume_state
         self.last_consensus: ShardConsensus | None = None
         self.ctx = ShardedContext(
+            **self.context_fields(),
             model=model,
-            optimizer=optimizer,
             loss_fn=loss_fn,
-            group=self.group,
-            rank=self.rank,
-            world=self.world,
-            device=self.device,
-            wire_device=self.wire_device,
-            options=self.options,
             params=self.params,
             names_by_id={id(p): n for n, p in self.params},
             not_replayed=[n for n, p in self.params if not isinstance(p, DTensor)],
             recorder=self._recorder,
-            report=self.report,
-            state=self.state,
         )
         # The checks, each on the shared context; the session's methods below drive them.
         self.nonfinite = ShardedNonFiniteCheck(self.ctx)
