@@ -218,14 +218,17 @@ def test_buffer_fault_perturbs_the_named_buffer_after_the_optimizer():
 def test_sampled_audit_blocks_move_along_and_stay_inside_the_step():
     from types import SimpleNamespace
 
+    from certckpt.detect import AuditOptions
     from certckpt.detect.auditor import Auditor
 
-    aud = SimpleNamespace(replay_micro_batches=2, audit_every=10)
-    blocks = [Auditor._sample_block(aud, s, 5) for s in range(10, 40, 10)]
+    def aud(k):
+        return SimpleNamespace(options=AuditOptions(replay_micro_batches=k, audit_every=10))
+
+    blocks = [Auditor._sample_block(aud(2), s, 5) for s in range(10, 40, 10)]
     assert all(0 <= a < b <= 5 and b - a == 2 for a, b in blocks)
     assert {i for a, b in blocks for i in range(a, b)} == set(range(5))  # every position in ceil(5/2) audits
-    assert Auditor._sample_block(SimpleNamespace(replay_micro_batches=None, audit_every=10), 10, 5) is None
-    assert Auditor._sample_block(SimpleNamespace(replay_micro_batches=5, audit_every=10), 10, 5) is None
+    assert Auditor._sample_block(aud(None), 10, 5) is None
+    assert Auditor._sample_block(aud(5), 10, 5) is None
 
 
 def test_audit_options_are_one_typed_object_and_the_shorthand_builds_it():

@@ -46,7 +46,6 @@ import torch
 
 from certckpt.errors import AuditSetupError, ConfigurationError, FaultDetectedError
 
-from .events import log_audit_pass
 from .exchange import RingShift
 from .hook import nonfinite_flag
 from .session import AuditSession, StepOutcome, consensus_buffers, restore_rng, unwrap_compiled
@@ -216,19 +215,15 @@ class Auditor(AuditSession):
         if ctx.injector is not None:
             ctx.injector.after_optimizer(list(zip(ctx.param_names, ctx.params)))
             ctx.injector.after_optimizer_buffers(list(zip(ctx.buffer_names, ctx.buffers)))
-        due = audit or (ctx.consensus_every is not None and s % ctx.consensus_every == 0)
+        due = audit or (self.consensus_every is not None and s % self.consensus_every == 0)
         t1 = time.perf_counter()
         consensus_ok = self.weight_consensus(s) if due else True
         if audit:
             extra: dict[str, Any] = {"overflows": state.overflows} if ctx.grad_scaler is not None else {}
             ctx.report.event("nonfinite", "pass", step=s, steps_checked=state.checked_since_audit, **extra)
             if consensus_ok:
-                state.last_clean_audit = s
-                if ctx.rank == 0:
-                    seconds = replay_seconds + time.perf_counter() - t1
-                    log_audit_pass(
-                        step=s, branch=self.branch, ranks=ctx.world, checked=state.checked_since_audit, seconds=seconds
-                    )
+                seconds = replay_seconds + time.perf_counter() - t1
+                self.audit_passed(s, checked=state.checked_since_audit, seconds=seconds)
             state.checked_since_audit = 0
             state.overflows = 0
 
@@ -307,11 +302,11 @@ class Auditor(AuditSession):
         tile the step, ``[0, k)``, ``[k, 2k)``, ... with the last block ending at n, so that every
         micro-batch position is replayed once every ``ceil(n / k)`` audits; the same on every rank.
         """
-        k = self.replay_micro_batches
+        k = self.options.replay_micro_batches
         if k is None or k >= n:
             return None
         tiles = -(-n // k)
-        start = min((s // self.audit_every) % tiles * k, n - k)
+        start = min((s // self.options.audit_every) % tiles * k, n - k)
         return start, start + k
 
     def _sign_accumulated(self, acc: list[torch.Tensor | None], *, phase: str) -> torch.Tensor:
@@ -328,20 +323,22 @@ class Auditor(AuditSession):
         with span("train_signature"):
             for i, (a, p) in enumerate(zip(acc, ctx.params)):
                 probes = ctx.probes.subset([i]) if ctx.probes is not None else None
-                rows.append(signature([a if a is not None else torch.zeros_like(p)], mode=ctx.mode, probes=probes)[0])
+                grad = a if a is not None else torch.zeros_like(p)
+                rows.append(signature([grad], mode=ctx.options.mode, probes=probes)[0])
                 acc[i] = None
         return torch.stack(rows)
 
     def _before_optimizer(self) -> None:
         """Clipping and the user's gradient transform, on the reduced gradients, on every rank."""
         ctx = self.ctx
-        if ctx.grad_scaler is not None and (ctx.clip_grad_norm is not None or ctx.before_optimizer_step):
+        clip, before = ctx.options.clip_grad_norm, ctx.options.before_optimizer_step
+        if ctx.grad_scaler is not None and (clip is not None or before):
             ctx.grad_scaler.unscale_(ctx.optimizer)  # clip true gradients, as AMP code must
-        if ctx.clip_grad_norm is not None:
+        if clip is not None:
             # The same call, on the same averaged gradients in the same order, as a plain DDP loop
             # makes after backward: every rank computes the same norm and the same scaling.
-            norm = torch.nn.utils.clip_grad_norm_(ctx.params, ctx.clip_grad_norm)
+            norm = torch.nn.utils.clip_grad_norm_(ctx.params, clip)
             if self.state.last is not None:
                 self.state.last.grad_norm = norm
-        if ctx.before_optimizer_step is not None:
-            ctx.before_optimizer_step(ctx.model.module, ctx.optimizer)
+        if before is not None:
+            before(ctx.model.module, ctx.optimizer)

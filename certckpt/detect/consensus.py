@@ -140,7 +140,7 @@ class WeightConsensus:
         ctx.report.fail(
             ev,
             f"weights differ across replicas after step {s} (minority: {minority}; tensors {names[:3]})",
-            policy=ctx.on_fault,
+            policy=ctx.options.on_fault.value,
         )
         return False
 

@@ -1,14 +1,17 @@
-"""What the checks of a DDP audit session share: one frozen context and one mutable state.
+"""What the checks of an audit session share: one frozen context, one mutable state, one event log.
 
-``session.AuditSession`` builds a ``CheckContext`` once and hands it to each of its check objects
-(``SetupChecks``, ``NonFiniteCheck``, ``RingReplay``, ``WeightConsensus``). The context is fixed for
-the session's life: the model and its optimizer, the process group, the trained parameters and the
-buffers the consensus covers, the options as plain values, the communication hook's state, a drill's
-injector and ``EventLog`` (where events go and how a failure raises). What changes from step to step
-and is shared between the checks and the session lives in one place, ``SessionState``
-(``ctx.state``): the step counter, the outcome of the step under way, the lineage since the last
-checkpoint, the agreed fingerprints. A check keeps only its own state besides (the non-finite
-check's pending read, the consensus's buffer seal).
+Both sessions (``session.AuditSession`` for DDP, ``sharded.ShardedAuditSession`` for FSDP2 / HSDP)
+build their context once and hand it to each of their check objects. ``SessionContext`` is what
+every check of either session reads: the process group, the devices, the ``AuditOptions`` object
+itself (``ctx.options.on_fault``: one home per option, enums kept), ``EventLog`` (where events go,
+how a failure raises on every rank together) and the mutable ``SessionState`` (``ctx.state``: the
+step counter, the lineage since the last checkpoint, the step under way). ``CheckContext`` adds
+what the DDP checks (``SetupChecks``, ``NonFiniteCheck``, ``RingReplay``, ``WeightConsensus``)
+act on: the DDP model, the trained parameters and the buffers the consensus covers, the
+communication hook's state and a drill's injector; its state is a ``DDPState`` (the agreed
+fingerprints, the first step's checks). ``sharded_context.ShardedContext`` is the sharded one. A
+check keeps only its own state besides (the non-finite check's pending read, the consensus's
+buffer seal).
 """
 
 from __future__ import annotations
@@ -22,15 +25,26 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from certckpt.errors import FaultDetectedError
+from certckpt.trust.fleet import Fleet
 from certckpt.trust.incident import incident_id_for
+from certckpt.trust.ledger import Ledger
 
 from .events import AuditEvent, EventSink, emit_event
 from .evidence import StepOutcome
 from .hook import HookState
 from .inject import Injector
+from .options import AuditOptions
 from .signature import Probes
 
-__all__ = ["CheckContext", "EventLog", "SessionState", "StateField", "MAX_LINEAGE"]
+__all__ = [
+    "CheckContext",
+    "SessionContext",
+    "EventLog",
+    "SessionState",
+    "DDPState",
+    "StateField",
+    "MAX_LINEAGE",
+]
 
 T = TypeVar("T")
 
@@ -61,18 +75,30 @@ MAX_LINEAGE = 100_000  # audit results kept for one checkpoint's lineage (a boun
 
 @dataclass(kw_only=True, slots=True)
 class SessionState:
-    """The mutable state of a DDP audit session, shared by its checks (``ctx.state``)."""
+    """The mutable state every audit session keeps (``ctx.state``), DDP's and the sharded one's."""
 
     step: int
     """Optimizer steps attempted so far (``session.step``)."""
     last: StepOutcome | None = None
-    """The outcome of the step under way or last run (``session.last``)."""
+    """The outcome of the step under way or last run (``session.last``; DDP sessions)."""
     lineage: list[tuple[int, str, str]] = field(default_factory=list)
     """``(step, kind, outcome)`` of every event since the last checkpoint (at most ``MAX_LINEAGE``)."""
     last_clean_audit: int | None = None
     """The last step whose full audit passed."""
     last_checkpoint_step: int | None = None
     """The step of the last checkpoint taken (its lineage ends there)."""
+    path_check_pending: bool = False
+    """The replay-path check (a replay of the rank's own step) is still due."""
+    open: dict[str, Any] | None = None
+    """A step run by someone else's loop: its micro-batches and RNG states until ``before_update``."""
+    audit_seconds: float = 0.0
+    """The last replay audit's time (its log line)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class DDPState(SessionState):
+    """The mutable state of a DDP audit session, shared by its checks (``ctx.state``)."""
+
     checked_since_audit: int = 0
     """Steps whose non-finite checks passed since the last audit."""
     overflows: int = 0
@@ -81,12 +107,6 @@ class SessionState:
     """The last fingerprint consensus that agreed: ``(step, {tensor: fp}, state fp)``."""
     first_step: bool = True
     """The first step's set-up checks are still due."""
-    path_check_pending: bool = False
-    """The replay-path check (a replay of the rank's own step) is still due."""
-    open: dict[str, Any] | None = None
-    """A step run by someone else's loop: its micro-batches and RNG states until ``before_update``."""
-    audit_seconds: float = 0.0
-    """The last replay audit's time (its log line)."""
 
     def agreed_at(self, step: int) -> tuple[dict[str, str], str] | None:
         """``({tensor: fp}, state fp)`` when the replicas agreed on their fingerprints at ``step``."""
@@ -96,10 +116,11 @@ class SessionState:
 
 
 class EventLog:
-    """The session's events: built alike on every rank, published by rank 0, kept in the lineage.
+    """A session's events: built alike on every rank, published by rank 0, kept in the lineage.
 
-    ``emit_event`` reads the identity from here (``run``, ``branch``, ``world``, ``inventory``,
-    ``rank``, ``sink``, ``ledger``, ``fleet``). ``inventory`` is filled in once every rank's is gathered.
+    Both sessions' checks report through it (``ctx.report``); it is the ``events.EventSource`` that
+    ``emit_event`` reads the run's identity from. ``inventory`` is filled in once every rank's is
+    gathered, ``fleet`` once the fleet registry is known.
     """
 
     def __init__(
@@ -112,19 +133,19 @@ class EventLog:
         group: Any,
         wire_device: torch.device,
         sink: EventSink,
-        ledger: Any,
+        ledger: Ledger | None,
         state: SessionState,
     ) -> None:
         self.run, self.branch, self.rank, self.world = run, branch, rank, world
         self.group, self.wire_device = group, wire_device
         self.sink, self.ledger, self.state = sink, ledger, state
         self.inventory: dict[str, dict[str, Any]] = {}
-        self.fleet: Any = None  # a fleet registry convicts the devices rank 0's failures blame
+        self.fleet: Fleet | None = None  # a fleet registry convicts the devices rank 0's failures blame
 
     def event(
         self, kind: str, outcome: str, *, step: int, suspects: Any = (), contained: bool = False, **details: Any
     ) -> AuditEvent:
-        """Emit one check's event; it joins the lineage and the step's outcome."""
+        """Emit one check's event; it joins the lineage (up to ``MAX_LINEAGE``) and the step's outcome."""
         ev = emit_event(self, kind, outcome, step=step, suspects=suspects, contained=contained, details=details)
         if len(self.state.lineage) < MAX_LINEAGE:
             self.state.lineage.append((ev.step, ev.kind, ev.outcome))
@@ -133,28 +154,32 @@ class EventLog:
         return ev
 
     def fail(self, ev: AuditEvent, message: str, *, policy: str) -> None:
-        """Raise ``FaultDetectedError`` on every rank together when ``policy`` is ``"raise"``."""
-        if policy == "raise":
-            incident = None if ev.contained else incident_id_for(ev.to_dict())
-            if self.world > 1:
-                # Every rank fails here together, and rank 0 has just written the event and the
-                # incident (``event``). No rank leaves before that is done: a launcher (torchrun,
-                # Lightning's) stops the other ranks as soon as one exits, and a rank 0 stopped in the
-                # middle of its write would leave a detection without its incident record.
-                done = torch.zeros(1, dtype=torch.int64, device=self.wire_device)
-                dist.all_reduce(done, group=self.group)
-            raise FaultDetectedError(f"step {ev.step}: {message}", ev, incident_id=incident)
+        """Raise ``FaultDetectedError`` on every rank together when ``policy`` is ``"raise"``.
+
+        Every rank fails here together, and rank 0 has just written the event and the incident
+        (``event``). No rank leaves before that is done: a launcher (torchrun, Lightning's) stops the
+        other ranks as soon as one exits, and a rank 0 stopped in the middle of its write would leave
+        a detection without its incident record. So the ranks all-reduce a flag on the wire device
+        (the group's own device, which every other collective of the session uses) and read it on
+        the host: under NCCL a collective only queues work on a stream, and only the read holds the
+        host until every rank, rank 0 included, has reached this point. (``dist.barrier`` would
+        block too, but under NCCL it runs on a device it guesses unless the group was bound to one.)
+        """
+        if policy != "raise":
+            return
+        incident = None if ev.contained else incident_id_for(ev.to_dict())
+        if self.world > 1:
+            arrived = torch.ones(1, dtype=torch.int64, device=self.wire_device)
+            dist.all_reduce(arrived, group=self.group)
+            int(arrived.item())  # the host waits here for every rank (see above)
+        raise FaultDetectedError(f"step {ev.step}: {message}", ev, incident_id=incident)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class CheckContext:
-    """What the checks of one DDP audit session share, fixed at construction (see the module docstring)."""
+class SessionContext:
+    """What the checks of any audit session share, fixed at construction (see the module docstring)."""
 
-    # --- the model and the process group
-    model: DistributedDataParallel
-    """The DDP model (``model.module``: the bare module replays run on)."""
     optimizer: torch.optim.Optimizer
-    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor]
     group: Any
     rank: int
     world: int
@@ -162,21 +187,24 @@ class CheckContext:
     """Where the parameters live."""
     wire_device: torch.device
     """Where the group's collectives take their tensors."""
-    # --- the options, as plain values (the enums' text)
-    mode: str
-    rtol: float
-    audit_every: int
-    consensus_every: int | None
-    on_nonfinite: str
-    on_fault: str
-    exchange_flags: str
-    nonfinite_read: str
-    clip_grad_norm: float | None
-    before_optimizer_step: Callable[[torch.nn.Module, torch.optim.Optimizer], Any] | None
+    options: AuditOptions
+    """How the checks run, as the session agreed on them (enums stay enums: ``ctx.options.mode``)."""
+    report: EventLog
+    state: SessionState
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CheckContext(SessionContext):
+    """What the checks of one DDP audit session share, fixed at construction (see the module docstring)."""
+
+    # --- the model
+    model: DistributedDataParallel
+    """The DDP model (``model.module``: the bare module replays run on)."""
+    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor]
+    state: DDPState
     grad_scaler: Any
-    """An enabled ``torch.amp.GradScaler``, or None."""
-    replay_micro_batches: int | None
-    check_determinism: bool
+    """``options.grad_scaler`` when it is enabled, else None: a disabled ``GradScaler`` scales nothing and
+    never overflows. The checks read this one, never ``options.grad_scaler``."""
     # --- what is trained and compared
     param_names: list[str]
     params: list[torch.Tensor]
@@ -193,8 +221,6 @@ class CheckContext:
     # --- the objects the checks act through
     hook: HookState
     injector: Injector | None
-    report: EventLog
-    state: SessionState
 
     def drop_grads(self) -> None:
         """Drop every trained parameter's gradient, the optimizer's and any it does not own.

@@ -18,10 +18,12 @@ from typing import Any, Protocol
 from certckpt.errors import CertckptError, ConfigurationError
 from certckpt.log import AUDIT
 from certckpt.trust.fleet import Fleet
+from certckpt.trust.ledger import Ledger
 from certckpt.trust.runstore import open_incident
 
 __all__ = [
     "emit_event",
+    "EventSource",
     "AuditEvent",
     "EventSink",
     "MemorySink",
@@ -237,16 +239,40 @@ def make_event(
     )
 
 
+class EventSource(Protocol):
+    """Who emits a session's events (``context.EventLog``): the run's identity, which every rank
+    builds alike, and where rank 0 publishes them."""
+
+    run: str
+    branch: str
+    rank: int
+    world: int
+    inventory: dict[str, dict[str, Any]]
+    """Per rank, where it runs (``rank_inventory``); failures carry it."""
+    sink: EventSink
+    ledger: Ledger | None
+    """Where a failure that reached the weights opens its incident."""
+    fleet: Fleet | None
+    """Where the devices a failure blames are convicted."""
+
+
 def emit_event(
-    owner: Any, kind: str, outcome: str, *, step: int, suspects: Any = (), contained: bool = False, details: dict
+    source: EventSource,
+    kind: str,
+    outcome: str,
+    *,
+    step: int,
+    suspects: Any = (),
+    contained: bool = False,
+    details: dict[str, Any],
 ) -> AuditEvent:
-    """``make_event`` from a driver's identity (``owner.run``, ``branch``, ``world``, ``inventory``),
-    published by its rank 0 (``owner.rank``, ``sink``, ``ledger``): every session's events are built so."""
+    """``make_event`` from ``source``'s identity, published by its rank 0: every session's events are
+    built so (``context.EventLog.event``)."""
     ev = make_event(
-        run=owner.run,
-        branch=owner.branch,
-        world=owner.world,
-        inventory=owner.inventory,
+        run=source.run,
+        branch=source.branch,
+        world=source.world,
+        inventory=source.inventory,
         step=step,
         kind=kind,
         outcome=outcome,
@@ -254,12 +280,12 @@ def emit_event(
         contained=contained,
         details=details,
     )
-    if owner.rank == 0:
-        publish(ev, sink=owner.sink, ledger=owner.ledger, fleet=getattr(owner, "fleet", None))
+    if source.rank == 0:
+        publish(ev, sink=source.sink, ledger=source.ledger, fleet=source.fleet)
     return ev
 
 
-def publish(ev: AuditEvent, *, sink: EventSink, ledger: Any = None, fleet: Fleet | None = None) -> None:
+def publish(ev: AuditEvent, *, sink: EventSink, ledger: Ledger | None = None, fleet: Fleet | None = None) -> None:
     """Rank 0's part of an event: into the sink; a failure is flushed at once and, when it reached the
     weights (uncontained, not a replay's precondition check), opens an incident in ``ledger`` and
     convicts the blamed ranks' devices in ``fleet``. A ledger or a fleet that cannot be written must

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from .context import CheckContext
 from .exchange import recv_payload, send_payload
 from .hook import any_nonfinite
+from .options import ExchangeFlags, NonfiniteRead
 from .replay import RingReplay
 from .setup_checks import late_detection_note
 from .timing import timed
@@ -42,7 +43,7 @@ class NonFiniteCheck:
     def must_read_now(self, s: int, *, audit: bool) -> bool:
         """Steps whose non-finite flags are read before their update even when reads are deferred:
         audits and consensus steps (their evidence covers the step) and the replay-path check."""
-        every = self.ctx.consensus_every
+        every = self.ctx.options.consensus_every
         due = every is not None and s % every == 0
         return audit or due or self.ctx.state.path_check_pending
 
@@ -61,7 +62,7 @@ class NonFiniteCheck:
         failed = self._settle_deferred_flags()
         if failed is not None:
             return failed
-        if self.ctx.nonfinite_read == "deferred" and not now:
+        if self.ctx.options.nonfinite_read is NonfiniteRead.DEFERRED and not now:
             self._pending = (s, self._queue_flags())
             return None
         flags = self._read_flags()
@@ -133,7 +134,7 @@ class NonFiniteCheck:
         """
         ctx, hook = self.ctx, self.ctx.hook
         post_local = bool(any_nonfinite(hook.post)) if hook.post else False  # the step's one host read
-        if not post_local and ctx.exchange_flags == "on-failure":
+        if not post_local and ctx.options.exchange_flags is ExchangeFlags.ON_FAILURE:
             return None
         flags = torch.zeros(2 * ctx.world, dtype=torch.int32, device=ctx.wire_device)
         if post_local:
@@ -250,7 +251,7 @@ class NonFiniteCheck:
             pre_ranks=pre,
             post_ranks=post,
             tensors=bad[:20],
-            policy=ctx.on_nonfinite,
+            policy=ctx.options.on_nonfinite.value,
             **extra,
         )
         ctx.drop_grads()
@@ -258,4 +259,4 @@ class NonFiniteCheck:
             msg += late_detection_note(s)
         else:
             msg += "; the update was not applied"
-        ctx.report.fail(ev, msg, policy="raise" if ctx.on_nonfinite == "raise" else "skip")
+        ctx.report.fail(ev, msg, policy=ctx.options.on_nonfinite.value)

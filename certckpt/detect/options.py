@@ -135,6 +135,9 @@ class AuditOptions:
         audit_updates: (``ShardedAuditSession`` only) at audit steps the next rank also recomputes
             this rank's optimizer step on its shard and the results must match. Default (None): on
             when the mesh has no replicas (1-D FSDP), where no consensus can see a wrong update.
+        state_fn: (``ShardedAuditSession`` only) ``state_fn() -> state dict``, what the per-step
+            weight consensus covers, as a DCP state dict (None: ``{"model": model.state_dict()}``,
+            parameters and buffers).
         check_determinism: at the first step, replay the rank's own batch twice and refuse a model
             whose gradients differ (deterministic mode only); and, in either mode, at the first
             step with finite gradients, replay the step once and refuse when the replay does not
@@ -162,6 +165,7 @@ class AuditOptions:
     grad_scaler: Any = None
     replay_micro_batches: int | None = None
     audit_updates: bool | None = None
+    state_fn: Callable[[], dict[str, Any]] | None = None
     fleet: str | None = None
     fleet_policy: FleetPolicy = FleetPolicy.REFUSE
 
@@ -174,6 +178,9 @@ class AuditOptions:
                 names = [repr(c.value) for c in kind]
                 allowed = f"{', '.join(names[:-1])} or {names[-1]}"
                 raise ConfigurationError(f"{name} must be {allowed}, got {value!r}") from None
+        if self.state_fn is not None and not callable(self.state_fn):
+            got = type(self.state_fn).__name__
+            raise ConfigurationError(f"state_fn must be None or callable as state_fn() -> state dict, got a {got}")
         if self.fleet is not None and (not isinstance(self.fleet, str) or not self.fleet.strip()):
             raise ConfigurationError(f"fleet must be None or a fleet registry's path or URL, got {self.fleet!r}")
         for name, low, optional in (
@@ -211,7 +218,7 @@ FIELDS = tuple(f.name for f in dataclasses.fields(AuditOptions))
 # refused (``unused_problem``), never silently ignored.
 DDP_ONLY = ("mode", "rtol", "exchange_flags", "hand_over_grads", "clip_grad_norm", "before_optimizer_step",
             "grad_scaler", "replay_micro_batches")  # fmt: skip
-SHARDED_ONLY = ("audit_updates",)
+SHARDED_ONLY = ("audit_updates", "state_fn")
 
 
 def session_options(

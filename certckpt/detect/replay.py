@@ -23,6 +23,7 @@ from .consensus import WeightConsensus
 from .context import CheckContext
 from .exchange import recv_payload, send_payload
 from .hook import nonfinite_flag
+from .options import Mode
 from .signature import matches, signature
 from .timing import span, timed
 
@@ -60,7 +61,7 @@ class _ReplaySigner:
         self.acc: list[torch.Tensor | None] | None = [None] * len(ctx.params) if accumulate else None
         # Small gradients are signed in batches: on a GPU one launch per small parameter costs more
         # host time than the replay's own backward (issue 15); a few MiB held at a time.
-        self.batched = ctx.mode == "deterministic" and not finite
+        self.batched = ctx.options.mode is Mode.DETERMINISTIC and not finite
         self.pending: list[tuple[int, torch.Tensor]] = []
         self.held = 0
 
@@ -69,12 +70,12 @@ class _ReplaySigner:
             return nonfinite_flag(g)
         probes = self.ctx.probes.subset([i]) if self.ctx.probes is not None else None
         with span("replay_signature"):
-            return signature([g], mode=self.ctx.mode, probes=probes)[0]
+            return signature([g], mode=self.ctx.options.mode, probes=probes)[0]
 
     def flush(self) -> None:
         if self.pending:
             with span("replay_signature"):
-                rows = signature([g for _, g in self.pending], mode=self.ctx.mode)
+                rows = signature([g for _, g in self.pending], mode=self.ctx.options.mode)
             for (i, _), row in zip(self.pending, rows):
                 self.rows[i] = row
             self.pending.clear()
@@ -270,7 +271,7 @@ class RingReplay:
         ctx.state.path_check_pending = False
         local = self._local_signatures()
         again = self.recompute(ctx.model.module, units, micro, rng, s, n_total=n_total, rngs=rngs)
-        same = matches(again.cpu(), local.cpu(), mode=ctx.mode, rtol=ctx.rtol)
+        same = matches(again.cpu(), local.cpu(), mode=ctx.options.mode, rtol=ctx.options.rtol)
         reason = None
         if not all(same):
             names = [n for n, ok in zip(ctx.param_names, same) if not ok][:5]
@@ -324,7 +325,7 @@ class RingReplay:
         gathered = ctx.gather_rows(torch.stack([local, replay]))  # [W, 2, P, ...]
         failed, mismatched = [], {}
         for origin, replayer in ring_pairs(ctx.world):
-            ok = matches(gathered[replayer][1], gathered[origin][0], mode=ctx.mode, rtol=ctx.rtol)
+            ok = matches(gathered[replayer][1], gathered[origin][0], mode=ctx.options.mode, rtol=ctx.options.rtol)
             if not all(ok):
                 failed.append((origin, replayer))
                 mismatched[f"{origin}->{replayer}"] = [n for n, good in zip(ctx.param_names, ok) if not good][:10]
@@ -334,7 +335,7 @@ class RingReplay:
                 "pass",
                 step=s,
                 comparisons=len(ring_pairs(ctx.world)),
-                mode=ctx.mode,
+                mode=ctx.options.mode.value,
                 micro_batches=len(units),
                 replayed_micro_batches=len(prev["units"]),  # an audit's sample: fewer (coverage reads it)
             )
@@ -353,7 +354,7 @@ class RingReplay:
             step=s,
             suspects=verdict.suspects,
             contained=False,
-            mode=ctx.mode,
+            mode=ctx.options.mode.value,
             micro_batches=len(units),
             replayed_micro_batches=len(prev["units"]),
             failed=[{"origin": o, "replayer": r} for o, r in failed],
@@ -363,7 +364,8 @@ class RingReplay:
         )
         ctx.drop_grads()
         who = f"rank(s) {list(verdict.suspects)}" if verdict.suspects else "no rank could be named"
-        ctx.report.fail(ev, f"replay audit failed ({who}); the update was not applied", policy=ctx.on_fault)
+        message = f"replay audit failed ({who}); the update was not applied"
+        ctx.report.fail(ev, message, policy=ctx.options.on_fault.value)
         return False
 
     def _arbitrate(
@@ -406,7 +408,7 @@ class RingReplay:
             wire = sig.to(ctx.wire_device)
             dist.broadcast(wire, dist.get_global_rank(ctx.group, arbiter), group=ctx.group)
             arb = wire.cpu()
-            with_origin = all(matches(arb, gathered[origin][0], mode=ctx.mode, rtol=ctx.rtol))
-            with_replayer = all(matches(arb, gathered[replayer][1], mode=ctx.mode, rtol=ctx.rtol))
+            with_origin = all(matches(arb, gathered[origin][0], mode=ctx.options.mode, rtol=ctx.options.rtol))
+            with_replayer = all(matches(arb, gathered[replayer][1], mode=ctx.options.mode, rtol=ctx.options.rtol))
             results[(origin, replayer)] = "origin" if with_origin else "replayer" if with_replayer else "neither"
         return results

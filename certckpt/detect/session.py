@@ -7,7 +7,8 @@ consensus, events, incidents and checkpoint evidence) and exposes it at the poin
 - ``before_update()`` after the step's last backward, before the optimizer steps: the
   non-finite checks and, every ``audit_every`` steps, the ring replay audit (returns whether the
   update may be applied; a refused update's gradients are dropped);
-- ``after_update()`` after it: the weight consensus at audit and consensus steps;
+- ``after_update()`` after it: the weight consensus at audit and consensus steps (returns whether
+  it agreed, as ``ShardedAuditSession.after_update`` does);
 - ``checkpoint_evidence()`` where a checkpoint is taken (collective): the consensus on the weights'
   fingerprints and the lineage the checkpoint's record carries.
 
@@ -20,46 +21,39 @@ The checks themselves are objects the session owns, one module each: ``setup_che
 set-up refusals, ``session.setup``), ``nonfinite`` (check 1, ``session.nonfinite``), ``replay``
 (check 2, the ring replay, ``session.replay``) and ``consensus`` (check 3, the weight consensus,
 ``session.consensus``). Each is built on one ``context.CheckContext`` (what they share, fixed at
-construction), whose ``SessionState`` is the one place the session's mutable state lives;
-``evidence`` holds what the session reports. This module is their public home: it re-exports the
-names callers import from it.
+construction: the ``AuditOptions`` among it), whose ``DDPState`` is the one place the session's
+mutable state lives; ``evidence`` holds what the session reports. What the session shares with the
+sharded one (start-up, options agreed by every rank, ledger and sink, node inventory, fleet check,
+step counters, lineage, ``flush``/``close``) is ``core.AuditSessionCore``, its base class. This
+module is their public home: it re-exports the names callers import from it.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from certckpt.errors import (
-    AuditSetupError,
-    CertckptError,
-    CheckpointExistsError,
-    ConfigurationError,
-)
+from certckpt.errors import CertckptError, CheckpointExistsError, ConfigurationError
 from certckpt.format.asyncsave import AsyncSaver, SaveFuture
-from certckpt.format.signing import signing_key_for
 from certckpt.format.writer import SaveResult, save_certified
 from certckpt.storage import storage_of
 from certckpt.trust.commit import name_taken
-from certckpt.trust.ledger import Ledger, LedgerSink
 
-from .agreement import all_gather_bytes, refuse_together, wire_device_for
 from .consensus import WeightConsensus, consensus_buffers
-from .context import CheckContext, EventLog, SessionState, StateField
-from .events import EventSink, MemorySink, log_audit_pass, rank_inventory
+from .context import CheckContext, DDPState, StateField
+from .core import AuditSessionCore
+from .events import EventSink
 from .evidence import CheckpointEvidence, StepOutcome
 from .exchange import RingShift
-from .fleet_check import check_fleet_at_start, fleet_for
 from .hook import HookState, comm_hook, hand_over_possible, lazy_pre_possible
 from .inject import Injector
 from .nonfinite import NonFiniteCheck
-from .options import SHARDED_ONLY, AuditOptions, session_options
+from .options import SHARDED_ONLY, AuditOptions, Mode
 from .replay import RingReplay, restore_rng
 from .setup_checks import SetupChecks, option_problem
 from .signature import Probes
@@ -86,36 +80,7 @@ def unwrap_compiled(model: Any) -> tuple[bool, Any]:
     return False, model
 
 
-def _agreed_options(
-    ddp: Any, options: AuditOptions | None, shorthand: dict[str, Any], *, group: Any, wire_device: torch.device
-) -> AuditOptions:
-    """The session's options, validated on every rank, then decided together: a refusal on some
-    ranks only would leave the others waiting in the next collective."""
-    opts, bad = session_options(options, shorthand, unused=SHARDED_ONLY, where="the DDP auditor")
-    refuse_together(
-        bad
-        or option_problem(
-            ddp,
-            mode=opts.mode.value,
-            on_nonfinite=opts.on_nonfinite.value,
-            on_fault=opts.on_fault.value,
-            exchange_flags=opts.exchange_flags.value,
-            nonfinite_read=opts.nonfinite_read.value,
-            audit_every=opts.audit_every,
-            consensus_every=opts.consensus_every,
-            clip_grad_norm=opts.clip_grad_norm,
-            before_optimizer_step=opts.before_optimizer_step,
-            grad_scaler=opts.grad_scaler,
-            replay_micro_batches=opts.replay_micro_batches,
-        ),
-        group=group,
-        wire_device=wire_device,
-        what="Auditor set-up",
-    )
-    return opts
-
-
-class AuditSession:
+class AuditSession(AuditSessionCore):
     """The checks of one DDP run, called at the hook points of a loop (see the module docstring).
 
     Every rank constructs one (a collective: the ranks agree on the set-up or all refuse together)
@@ -167,6 +132,12 @@ class AuditSession:
             start (a wrong, partial or damaged load).
     """
 
+    STATE: ClassVar[type[DDPState]] = DDPState
+    UNUSED = SHARDED_ONLY
+    NAME = "the DDP auditor"
+    SETUP = "Auditor set-up"
+    state: DDPState
+
     def __init__(
         self,
         model: DistributedDataParallel,
@@ -185,179 +156,101 @@ class AuditSession:
         expect_consensus_fp: str | None = None,
         **shorthand: Any,
     ):
-        if not dist.is_available() or not dist.is_initialized():
-            # No process group: nothing to agree with, and no rank can be waiting in a collective.
-            raise AuditSetupError("torch.distributed is not initialized; call dist.init_process_group first")
         compiled, ddp = unwrap_compiled(model)
-        group: Any = ddp.process_group if isinstance(ddp, DistributedDataParallel) else dist.group.WORLD
-        first = next((p for p in ddp.parameters()), None) if isinstance(ddp, torch.nn.Module) else None
-        wire = wire_device_for(group, first.device if first is not None else torch.device("cpu"))
-        opts = self.options = _agreed_options(ddp, options, shorthand, group=group, wire_device=wire)
-        # plain values below (the enums are str: events and records hold the same text)
-        audit_every, consensus_every, rtol = opts.audit_every, opts.consensus_every, opts.rtol
-        mode, on_nonfinite, on_fault = opts.mode.value, opts.on_nonfinite.value, opts.on_fault.value
-        exchange_flags, nonfinite_read = opts.exchange_flags.value, opts.nonfinite_read.value
-        hand_over_grads, clip_grad_norm = opts.hand_over_grads, opts.clip_grad_norm
-        before_optimizer_step, grad_scaler = opts.before_optimizer_step, opts.grad_scaler
-        replay_micro_batches, check_determinism = opts.replay_micro_batches, opts.check_determinism
-        self.model, self.optimizer, self.loss_fn = ddp, optimizer, loss_fn
+        super().__init__(
+            ddp,
+            optimizer,
+            group=ddp.process_group if isinstance(ddp, DistributedDataParallel) else None,
+            options=options,
+            shorthand=shorthand,
+            problem=lambda opts: option_problem(ddp, opts),
+            run=run,
+            branch=branch,
+            parent=parent,
+            sink=sink,
+            ledger=ledger,
+            signing_key=signing_key,
+            start_step=start_step,
+        )
+        opts = self.options
+        self.loss_fn = loss_fn
         # The object the user passed: ``torch.compile(DDP(m))`` trains through the compiled wrapper.
         self.train_model = model if compiled else ddp
-        # The configuration, as plain values; the checks read the same values from ``self.ctx``.
-        self.run, self.branch, self.mode, self.rtol = run, branch, mode, rtol
-        self.audit_every, self.consensus_every = audit_every, consensus_every
-        self.on_nonfinite, self.on_fault, self.exchange_flags = on_nonfinite, on_fault, exchange_flags
-        self.nonfinite_read = nonfinite_read
-        self.clip_grad_norm, self.before_optimizer_step = clip_grad_norm, before_optimizer_step
-        # A disabled scaler (GradScaler(enabled=False)) scales nothing and never overflows.
-        enabled = grad_scaler is not None and getattr(grad_scaler, "is_enabled", lambda: True)()
-        self.grad_scaler = grad_scaler if enabled else None
-        self.replay_micro_batches = replay_micro_batches
-        self.group = group
-        self.world = dist.get_world_size(self.group)
-        self.rank = dist.get_rank(self.group)
-        self.signing_key = signing_key_for(signing_key)  # a bad key file is refused before any step
         self._saver: AsyncSaver | None = None  # rank 0's background writer, made at the first async_save
-        if isinstance(ledger, str):
-            ledger = Ledger(ledger, signing_key=self.signing_key)
-        self.ledger, self.parent = ledger, parent
-        if sink is None and ledger is not None:
-            sink = LedgerSink(ledger)
-        self.sink: EventSink = sink if sink is not None else MemorySink()
-        self.fleet = fleet_for(opts.fleet, signing_key=self.signing_key)
-        self.check_determinism = check_determinism and mode == "deterministic"
         named = [(n, p) for n, p in ddp.module.named_parameters() if p.requires_grad]
         self.param_names = [n for n, _ in named]
         self.params = [p for _, p in named]
-        index = {id(p): i for i, p in enumerate(self.params)}
         owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
         self.device = self.params[0].device if self.params else torch.device("cpu")
-        self.wire_device = wire
         # Buffers (see ``consensus_buffers``; the consensus seals the broadcast source's copy).
         broadcast = bool(getattr(ddp, "broadcast_buffers", False))
         self.buffer_names, self.buffers = consensus_buffers(ddp.module, broadcast=broadcast)
-        probes = Probes(self.params) if mode == "tolerance" else None
         self.injector = Injector(injector_faults or [], rank=self.rank) if injector_faults else None
         if self.injector is not None:
             self.injector.install(ddp.module)
-        hand_over = hand_over_grads and hand_over_possible(ddp)
+        self._hand_over = opts.hand_over_grads and hand_over_possible(ddp)
         self._hook = HookState(
             names=self.param_names,
-            index=index,
-            mode=mode,
-            probes=probes,
+            index={id(p): i for i, p in enumerate(self.params)},
+            mode=opts.mode.value,
+            probes=Probes(self.params) if opts.mode is Mode.TOLERANCE else None,
             injector=self.injector,
             group=self.group,
             eager_pre=not lazy_pre_possible(ddp, self.device),
-            hand_over=hand_over,
+            hand_over=self._hand_over,
         )
         # At the first step whose gradients are finite, the rank replays its own step and compares
         # with what training computed: a replay path that computes differently from training
         # (torch.compile around DDP, a loss_fn that treats the bare module differently) is refused
         # then, on every rank, instead of raising a false alarm at every audit.
-        self.state = SessionState(
-            step=start_step,
-            last_clean_audit=start_step if start_step else None,
-            last_checkpoint_step=start_step if start_step else None,
-            path_check_pending=check_determinism,
-        )
-        report = EventLog(
-            run=run,
-            branch=branch,
-            rank=self.rank,
-            world=self.world,
-            group=self.group,
-            wire_device=wire,
-            sink=self.sink,
-            ledger=ledger,
-            state=self.state,
-        )
+        self.state.path_check_pending = opts.check_determinism
+        # A disabled scaler (GradScaler(enabled=False)) scales nothing and never overflows.
+        scaler = opts.grad_scaler
+        enabled = scaler is not None and getattr(scaler, "is_enabled", lambda: True)()
         self.ctx = CheckContext(
+            **self.context_fields(),
             model=ddp,
-            optimizer=optimizer,
             loss_fn=loss_fn,
-            group=self.group,
-            rank=self.rank,
-            world=self.world,
-            device=self.device,
-            wire_device=wire,
-            mode=mode,
-            rtol=rtol,
-            audit_every=audit_every,
-            consensus_every=consensus_every,
-            on_nonfinite=on_nonfinite,
-            on_fault=on_fault,
-            exchange_flags=exchange_flags,
-            nonfinite_read=nonfinite_read,
-            clip_grad_norm=clip_grad_norm,
-            before_optimizer_step=before_optimizer_step,
-            grad_scaler=self.grad_scaler,
-            replay_micro_batches=replay_micro_batches,
-            check_determinism=self.check_determinism,
+            grad_scaler=scaler if enabled else None,
             param_names=self.param_names,
             params=self.params,
             not_in_optimizer=[p for p in self.params if id(p) not in owned],
             buffer_names=self.buffer_names,
             buffers=self.buffers,
             broadcast_buffers=broadcast,
-            probes=probes,
+            probes=self._hook.probes,
             hook=self._hook,
             injector=self.injector,
-            report=report,
-            state=self.state,
         )
         # The checks, each on the shared context; the session's methods below drive them.
         self.consensus = WeightConsensus(self.ctx)
         self.replay = RingReplay(self.ctx, consensus=self.consensus)
         self.nonfinite = NonFiniteCheck(self.ctx, replay=self.replay)
         self.setup = SetupChecks(self.ctx, consensus=self.consensus, replay=self.replay)
-        self._join(ddp, report, hand_over=hand_over, expect_consensus_fp=expect_consensus_fp)
-
-    def _join(self, ddp: Any, report: EventLog, *, hand_over: bool, expect_consensus_fp: str | None) -> None:
-        """The collective part of starting (the same calls, in the same order, on every rank): the
-        world agrees, the hook goes in, the inventories are exchanged, a resumed state is proven."""
-        self.setup.check_world_agrees()
-        ddp.register_comm_hook(self._hook, comm_hook)
-        if hand_over:
-            ddp.reducer._set_optimizer_in_backward()
-        mine = json.dumps(rank_inventory(self.device, rank=self.rank)).encode()
-        payloads = all_gather_bytes(mine, group=self.group, wire_device=self.wire_device)
-        self.inventory = report.inventory = {str(r): json.loads(b) for r, b in enumerate(payloads)}
-        if expect_consensus_fp is not None:
-            self.setup.check_resumed_weights(expect_consensus_fp, parent=self.parent)
-        if self.fleet is not None:
-            report.fleet = self.fleet
-            check_fleet_at_start(
-                self.fleet,
-                policy=self.options.fleet_policy.value,
-                inventory=self.inventory,
-                rank=self.rank,
-                group=self.group,
-                wire_device=self.wire_device,
-                ledger=self.ledger,
-                run=self.run,
-                branch=self.branch,
-                start_step=self.state.step,
-            )
+        self.join(expect_consensus_fp=expect_consensus_fp)
         # recorded only once the resumed weights are known to be the parent's
         if self.ledger is not None and self.parent is not None and self.rank == 0:
             self.ledger.start_branch(self.branch, parent=self.parent)
 
-    # --- the mutable state, kept in ``self.state`` ------------------------------------------
+    def agree(self) -> None:
+        """The ranks agree on the parameters and settings (collective); then the hook goes in."""
+        self.setup.check_world_agrees()
+        self.model.register_comm_hook(self._hook, comm_hook)
+        if self._hand_over:
+            self.model.reducer._set_optimizer_in_backward()
 
-    # optimizer steps done so far (applied or not)
-    step = StateField[int]()
+    def prove_resumed(self, expected: str) -> None:
+        self.setup.check_resumed_weights(expected, parent=self.parent)
+
+    # --- the mutable state, kept in ``self.state`` (and the core's ``step``, ...) ----------------
+
     # what happened at the step under way or the last one (None before the first)
     last = StateField[StepOutcome | None]()
-    # the last step whose full audit passed (a clean audit point)
-    last_clean_audit = StateField[int | None]()
-    # the step of the last checkpoint taken through the session
-    last_checkpoint_step = StateField[int | None]()
 
     # --- the step ---------------------------------------------------------------------------
 
     def is_audit_step(self, step: int) -> bool:
-        return step % self.ctx.audit_every == 0
+        return step % self.options.audit_every == 0
 
     def weight_consensus(self, s: int, *, found_by: str | None = None, fingerprints: bool = False) -> bool:
         """Compare every replica's weights (collective); returns whether they agree.
@@ -467,50 +360,44 @@ class AuditSession:
                 return False
         return True
 
-    def after_update(self) -> None:
+    def after_update(self) -> bool:
         """Call on every rank after the optimizer step (also when ``before_update`` refused
-        the update): the weight consensus at audit steps and every ``consensus_every`` steps."""
+        the update): the weight consensus at audit steps and every ``consensus_every`` steps.
+
+        Returns:
+            Whether the weight consensus that ran here agreed: False when the replicas disagree and
+            the policy is ``on_fault="continue"`` (with ``"raise"`` it raises). True when none ran
+            (a step without a consensus, or an update refused, which changed no weight). The same
+            for ``ShardedAuditSession.after_update``.
+
+        Raises:
+            FaultDetectedError: the replicas disagree (policy ``on_fault="raise"``).
+        """
         ctx, state = self.ctx, self.state
         step, state.open = state.open, None
         if step is None or state.last is None or not state.last.applied:
-            return
+            return True
         s = step["s"]
         if ctx.injector is not None:
             ctx.injector.after_optimizer(list(zip(ctx.param_names, ctx.params)))
             ctx.injector.after_optimizer_buffers(list(zip(ctx.buffer_names, ctx.buffers)))
-        due = step["audit"] or (ctx.consensus_every is not None and s % ctx.consensus_every == 0)
+        due = step["audit"] or (self.consensus_every is not None and s % self.consensus_every == 0)
         t0 = time.perf_counter()
         consensus_ok = self.weight_consensus(s) if due else True
         if step["audit"]:
             ctx.report.event("nonfinite", "pass", step=s, steps_checked=state.checked_since_audit)
             if consensus_ok:
-                state.last_clean_audit = s
-                if ctx.rank == 0:
-                    log_audit_pass(
-                        step=s,
-                        branch=self.branch,
-                        ranks=ctx.world,
-                        checked=state.checked_since_audit,
-                        seconds=state.audit_seconds + time.perf_counter() - t0,
-                    )
+                seconds = state.audit_seconds + time.perf_counter() - t0
+                self.audit_passed(s, checked=state.checked_since_audit, seconds=seconds)
             state.checked_since_audit = 0
+        return consensus_ok
 
     # --- checkpoints --------------------------------------------------------------------------
 
     def _evidence(self, s: int) -> CheckpointEvidence:
         """What a checkpoint at step s carries, from the consensus at s (run it first)."""
-        state = self.state
-        agreed_at = state.agreed_at(s)
+        agreed_at = self.state.agreed_at(s)
         fps, agreed = agreed_at if agreed_at is not None else ({}, None)
-        first = (state.last_checkpoint_step or 0) + 1
-        lineage = {
-            "audit_every": self.ctx.audit_every,
-            "world": self.ctx.world,
-            "mode": self.ctx.mode,
-            "audits": [{"step": st, "kind": k, "outcome": o} for st, k, o in state.lineage],
-            "last_clean_audit": state.last_clean_audit,
-            "consensus": {"step": s, "fp": agreed} if agreed else None,
-        }
         # The tensors whose fingerprints every replica agreed on, by identity: the writer finds them
         # in the checkpoint's object (a state_dict's tensors share the parameters' storage) and
         # reuses their fingerprints instead of computing them again.
@@ -519,16 +406,9 @@ class AuditSession:
             for n, p in zip(self.param_names + self.buffer_names, self.params + self.buffers)
             if n in fps
         }
-        return CheckpointEvidence(
-            step=s,
-            run=self.run,
-            branch=self.branch,
-            parent=self.parent,
-            step_range=[first, s],
-            lineage=lineage,
-            consensus_fp=agreed,
-            known_fingerprints=known,
-        )
+        opts = self.options
+        head = {"audit_every": opts.audit_every, "world": self.world, "mode": opts.mode.value}
+        return self.evidence(s, head=head, consensus_fp=agreed, known_fingerprints=known)
 
     def _fingerprint_consensus(self) -> int:
         """Read a pending non-finite check, then run the fingerprint consensus at the current step
@@ -538,11 +418,6 @@ class AuditSession:
         if self.state.agreed_at(s) is None:
             self.weight_consensus(s, fingerprints=True)
         return s
-
-    def _end_lineage(self, s: int) -> None:
-        """A checkpoint at step s was taken: the next one's lineage starts after it."""
-        self.state.last_checkpoint_step = s
-        self.state.lineage = []
 
     def checkpoint_evidence(self) -> CheckpointEvidence:
         """The evidence a checkpoint taken now carries (collective: every rank calls it).
@@ -557,13 +432,8 @@ class AuditSession:
         """
         s = self._fingerprint_consensus()
         evidence = self._evidence(s)
-        self._end_lineage(s)
+        self.end_lineage(s)
         return evidence
-
-    def flush(self) -> None:
-        """Write the events emitted so far to the sink (rank 0; the ledger's events before a commit)."""
-        if self.rank == 0:
-            self.sink.flush()
 
     def save(self, obj: Any, f: Any, **kwargs: Any) -> SaveResult | None:
         """Save a checkpoint at the current step with its audit lineage (collective; rank 0 writes).
@@ -583,7 +453,7 @@ class AuditSession:
             except Exception as e:
                 error = e
         self._agree_on_write(error, f, s)
-        self._end_lineage(s)
+        self.end_lineage(s)
         return result
 
     def async_save(self, obj: Any, f: Any, **kwargs: Any) -> SaveFuture | None:
@@ -609,7 +479,7 @@ class AuditSession:
             except Exception as e:
                 error = e
         self._agree_on_write(error, f, s)
-        self._end_lineage(s)
+        self.end_lineage(s)
         return future
 
     def _agree_on_write(self, error: Exception | None, f: Any, s: int) -> None:
@@ -679,20 +549,20 @@ class AuditSession:
                 nbytes=result.nbytes,
             )
 
-    def close(self) -> None:
-        """End the session on this rank: the hook's kept gradients dropped, a drill's injector removed,
-        the events flushed. Not a collective and never raises for a check: it also runs in exception
-        handlers (Lightning's ``on_exception``, ``stop_on_fault``), where another rank may never
-        join one. A deferred read still pending is left unread: no checkpoint covers that step
-        (``save`` and ``checkpoint_evidence`` read it first).
-
-        On rank 0 it waits for an ``async_save`` still being written and frees its staging memory;
-        a background failure nobody looked at is raised then (``AsyncSaveError``), after the rest."""
+    def release(self) -> None:
+        """At ``close``: a pending deferred read forgotten, the hook's kept gradients dropped, a
+        drill's injector removed."""
         self.nonfinite.discard_pending()
         self._hook.kept = []
         if self.injector is not None:
             self.injector.remove()
-        self.sink.flush()
+
+    def close(self) -> None:
+        """End the session on this rank (``AuditSessionCore.close``: not a collective, never raises
+        for a check). On rank 0 it then waits for an ``async_save`` still being written and frees its
+        staging memory; a background failure nobody looked at is raised then (``AsyncSaveError``),
+        after the rest."""
+        super().close()
         if self._saver is not None:
             saver, self._saver = self._saver, None
             saver.close()

@@ -23,55 +23,37 @@ from certckpt.errors import AuditSetupError
 from .consensus import WeightConsensus
 from .context import CheckContext
 from .exchange import refuse_unshippable
+from .options import AuditOptions, Mode
 from .replay import RingReplay
 
 __all__ = ["SetupChecks", "option_problem"]
 
 
-def option_problem(
-    ddp: Any,
-    *,
-    mode: str,
-    on_nonfinite: str,
-    on_fault: str,
-    exchange_flags: str,
-    nonfinite_read: str = "immediate",
-    audit_every: int,
-    consensus_every: int | None,
-    clip_grad_norm: float | None,
-    before_optimizer_step: Any,
-    grad_scaler: Any,
-    replay_micro_batches: int | None,
-) -> str | None:
-    """What is wrong with the Auditor's arguments on this rank (None: nothing)."""
+def option_problem(ddp: Any, options: AuditOptions) -> str | None:
+    """What is wrong with the Auditor's model and options on this rank (None: nothing); each option
+    alone was validated when ``options`` was built."""
     if not isinstance(ddp, DistributedDataParallel):
         return (
             f"model must be a DistributedDataParallel (or torch.compile of one), got {type(ddp).__name__};"
             " wrap it: Auditor(DDP(model), ...)"
         )
-    if mode not in ("deterministic", "tolerance"):
-        return f"mode must be 'deterministic' or 'tolerance', got {mode!r}"
-    if on_nonfinite not in ("raise", "skip") or on_fault not in ("raise", "continue"):
-        return "on_nonfinite must be 'raise' or 'skip'; on_fault 'raise' or 'continue'"
-    if exchange_flags not in ("on-failure", "every-step"):
-        return f"exchange_flags must be 'on-failure' or 'every-step', got {exchange_flags!r}"
     problem = nonfinite_read_problem(
-        nonfinite_read, on_nonfinite=on_nonfinite, grad_scaler=grad_scaler, exchange_flags=exchange_flags
+        options.nonfinite_read,
+        on_nonfinite=options.on_nonfinite,
+        grad_scaler=options.grad_scaler,
+        exchange_flags=options.exchange_flags,
     )
     if problem is not None:
         return problem
-    if audit_every < 1 or (consensus_every is not None and consensus_every < 1):
-        return "audit_every and consensus_every must be >= 1"
-    if clip_grad_norm is not None and not (isinstance(clip_grad_norm, (int, float)) and clip_grad_norm > 0):
-        return f"clip_grad_norm must be a positive number (the max norm) or None, got {clip_grad_norm!r}"
-    if before_optimizer_step is not None and not callable(before_optimizer_step):
+    clip, before, scaler = options.clip_grad_norm, options.before_optimizer_step, options.grad_scaler
+    if clip is not None and not (isinstance(clip, (int, float)) and clip > 0):
+        return f"clip_grad_norm must be a positive number (the max norm) or None, got {clip!r}"
+    if before is not None and not callable(before):
         return "before_optimizer_step must be callable as fn(module, optimizer)"
-    if grad_scaler is not None and not all(
-        callable(getattr(grad_scaler, name, None)) for name in ("scale", "unscale_", "step", "update", "get_scale")
+    if scaler is not None and not all(
+        callable(getattr(scaler, name, None)) for name in ("scale", "unscale_", "step", "update", "get_scale")
     ):
-        return f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}"
-    if replay_micro_batches is not None and not (isinstance(replay_micro_batches, int) and replay_micro_batches >= 1):
-        return f"replay_micro_batches must be None (all) or an int >= 1, got {replay_micro_batches!r}"
+        return f"grad_scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}"
     return None
 
 
@@ -142,17 +124,17 @@ class SetupChecks:
 
         Every rank raises the same message, naming the groups of ranks that agree with each other.
         """
-        ctx = self.ctx
+        ctx, opts = self.ctx, self.ctx.options
         desc = json.dumps(
             [
-                ctx.audit_every,
-                ctx.consensus_every,
-                ctx.mode,
-                ctx.exchange_flags,
-                ctx.clip_grad_norm,
-                ctx.before_optimizer_step is not None,
+                opts.audit_every,
+                opts.consensus_every,
+                opts.mode.value,
+                opts.exchange_flags.value,
+                opts.clip_grad_norm,
+                opts.before_optimizer_step is not None,
                 ctx.grad_scaler is not None,
-                ctx.replay_micro_batches,
+                opts.replay_micro_batches,
                 [(n, list(p.shape), str(p.dtype)) for n, p in zip(ctx.param_names, ctx.params)],
                 [(n, list(b.shape), str(b.dtype)) for n, b in zip(ctx.buffer_names, ctx.buffers)],
             ]
@@ -177,5 +159,5 @@ class SetupChecks:
         """Refuse, on every rank together, a batch that cannot travel or a model that is not deterministic."""
         ctx = self.ctx
         refuse_unshippable(units if micro else units[0], group=ctx.group, wire_device=ctx.wire_device)
-        if ctx.check_determinism:
+        if ctx.options.check_determinism and ctx.options.mode is Mode.DETERMINISTIC:
             self.replay.check_deterministic(units, micro)

@@ -33,6 +33,10 @@ recomputes its predecessor's micro-batches through the sharded model); the loop 
 ``begin_micro_batch(unit)`` before each micro-batch's forward. An audit step is a full audit (replay,
 non-finite, consensus), so DCP checkpoints of such a run become ``trusted`` once the next audit
 passes (see ``docs/detection.md``, "Sharded training: FSDP2 and HSDP").
+
+What the session shares with DDP's ``AuditSession`` (start-up, options agreed by every rank, ledger,
+sink and signing key, node inventory, fleet check, step counters, lineage, ``flush``/``close``) is
+``core.AuditSessionCore``, its base class; its checks report through the same ``context.EventLog``.
 """
 
 from __future__ import annotations
@@ -40,28 +44,26 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from certckpt.errors import AuditSetupError, ConfigurationError
 from certckpt.format.sharded.regions import local_regions
-from certckpt.format.signing import signing_key_from_env
-from certckpt.trust.ledger import Ledger, LedgerSink
+from certckpt.format.signing import SigningKey
+from certckpt.trust.ledger import Ledger
 
-from .agreement import all_gather_bytes, refuse_together, wire_device_for
-from .context import StateField
-from .events import EventSink, MemorySink, log_audit_pass, rank_inventory
+from .agreement import all_gather_bytes
+from .core import AuditSessionCore
+from .events import EventSink
+from .evidence import CheckpointEvidence
 from .exchange import refuse_unshippable
-from .fleet_check import check_fleet_at_start, fleet_for
-from .options import DDP_ONLY, AuditOptions, session_options
-from .session import CheckpointEvidence
+from .options import DDP_ONLY, AuditOptions
 from .setup_checks import nonfinite_read_problem
 from .sharded_audit import ShardedReplayAudit
 from .sharded_consensus import ShardConsensus, decide_consensus
-from .sharded_context import ShardedContext, ShardedEventLog, ShardedState
+from .sharded_context import ShardedContext, ShardedState
 from .sharded_nonfinite import ShardedNonFiniteCheck
 from .sharded_replay import (
     GradientRecorder,
@@ -98,7 +100,7 @@ def _replay_problem(model: torch.nn.Module, loss_fn: Any, audit_every: Any) -> s
     return None
 
 
-class ShardedAuditSession:
+class ShardedAuditSession(AuditSessionCore):
     """The checks of an FSDP2 / HSDP run (see the module docstring).
 
     Every rank constructs one after ``fully_shard`` and before the first backward (a collective: the
@@ -134,12 +136,15 @@ class ShardedAuditSession:
             a replay that does not reproduce what training reduce-scattered) and ``audit_updates``
             (recompute each rank's optimizer step at audits: on by default on a 1-D mesh; needs
             ``loss_fn``; the loop must not change the gradients between ``before_update()`` and
-            ``opt.step()`` other than by clipping). The DDP-only options are refused.
-        state_fn: what the per-step consensus covers, as a DCP state dict (default
-            ``{"model": model.state_dict()}``: parameters and buffers).
+            ``opt.step()`` other than by clipping) and ``state_fn`` (what the per-step consensus
+            covers, as a DCP state dict; default ``{"model": model.state_dict()}``: parameters and
+            buffers). The DDP-only options are refused.
         group: the process group of every rank of the mesh (default: the default group).
         sink: where rank 0 emits events (default: the ledger's, else in memory).
         ledger: a ``certckpt.Ledger`` or run store URL: events and incidents go there.
+        signing_key: sign every ledger record the session writes (events, incidents, the placement
+            of a fleet run; ``docs/signing.md``): a ``SigningKey`` or a private key file; default
+            ``$CERTCKPT_SIGNING_KEY``, if set. The DCP writer signs the checkpoint's files itself.
         start_step: optimizer steps already done (when resuming).
         expect_consensus_fp: when resuming, the consensus fingerprint the parent checkpoint recorded
             (``certckpt.plan_resume(...).consensus_fp``): a consensus over ``resume_state`` runs at
@@ -150,6 +155,12 @@ class ShardedAuditSession:
             ``checkpoint_evidence`` and ``dcp.load``); default ``state_fn()``.
     """
 
+    STATE: ClassVar[type[ShardedState]] = ShardedState
+    UNUSED = DDP_ONLY
+    NAME = "ShardedAuditSession"
+    SETUP = "sharded audit set-up"
+    state: ShardedState
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -158,10 +169,10 @@ class ShardedAuditSession:
         run: str = "run",
         branch: str = "main",
         parent: str | None = None,
-        state_fn: Callable[[], dict[str, Any]] | None = None,
         group: Any = None,
         sink: EventSink | None = None,
         ledger: Ledger | str | None = None,
+        signing_key: SigningKey | str | None = None,
         start_step: int = 0,
         loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None,
         options: AuditOptions | None = None,
@@ -169,58 +180,82 @@ class ShardedAuditSession:
         resume_state: dict[str, Any] | None = None,
         **shorthand: Any,
     ) -> None:
-        if not (dist.is_available() and dist.is_initialized()):
-            raise AuditSetupError("torch.distributed is not initialized; call init_process_group first")
-        self.group = group if group is not None else dist.group.WORLD
-        self.world = dist.get_world_size(self.group)
-        self.rank = dist.get_rank(self.group)
-        first = next(iter(model.parameters()), None)
-        self.wire_device = wire_device_for(self.group, first.device if first is not None else torch.device("cpu"))
-        self.model, self.optimizer = model, optimizer
-        self.device = first.device if first is not None else torch.device("cpu")
-        self.run, self.branch, self.parent = run, branch, parent
-        opts, bad = session_options(options, shorthand, unused=DDP_ONLY, where="ShardedAuditSession")
-        self.options = opts
-        consensus_every, audit_every, audit_updates = opts.consensus_every, opts.audit_every, opts.audit_updates
-        on_nonfinite, on_fault, nonfinite_read = opts.on_nonfinite.value, opts.on_fault.value, opts.nonfinite_read.value
-        check_determinism = opts.check_determinism
-        self.consensus_every = consensus_every
-        self.state_fn = state_fn or (lambda: {"model": model.state_dict()})
-        self.on_nonfinite, self.on_fault = on_nonfinite, on_fault
+        self.loss_fn = loss_fn
         self.params: list[tuple[str, torch.Tensor]] = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self.nonfinite_read = nonfinite_read
-        problem = bad or nonfinite_read_problem(nonfinite_read, on_nonfinite=on_nonfinite)
+        self.audit_updates = False
+        self._recorder: GradientRecorder | None = None
+        super().__init__(
+            model,
+            optimizer,
+            group=group,
+            options=options,
+            shorthand=shorthand,
+            problem=self._setup_problem,
+            run=run,
+            branch=branch,
+            parent=parent,
+            sink=sink,
+            ledger=ledger,
+            signing_key=signing_key,
+            start_step=start_step,
+        )
+        self.state_fn = self.options.state_fn or (lambda: {"model": model.state_dict()})
+        self.state.path_check_pending = loss_fn is not None and self.options.check_determinism
+        self._resume_state = resume_state
+        self.last_consensus: ShardConsensus | None = None
+        self.ctx = ShardedContext(
+            **self.context_fields(),
+            model=model,
+            loss_fn=loss_fn,
+            params=self.params,
+            names_by_id={id(p): n for n, p in self.params},
+            not_replayed=[n for n, p in self.params if not isinstance(p, DTensor)],
+            recorder=self._recorder,
+        )
+        # The checks, each on the shared context; the session's methods below drive them.
+        self.nonfinite = ShardedNonFiniteCheck(self.ctx)
+        self.replay = ShardedReplayAudit(self.ctx, consensus=self.weight_consensus)
+        self.join(expect_consensus_fp=expect_consensus_fp)
+
+    def _setup_problem(self, opts: AuditOptions) -> str | None:
+        """What this rank objects to (None: nothing); settles ``audit_updates`` and, with
+        ``loss_fn``, installs the replay's gradient recorder on the model."""
+        model, loss_fn = self.model, self.loss_fn
+        problem = nonfinite_read_problem(opts.nonfinite_read, on_nonfinite=opts.on_nonfinite)
         if problem is not None:
-            pass  # (reported below, by every rank together)
+            pass  # (reported by every rank together)
         elif not any(isinstance(p, DTensor) for _, p in self.params):
             problem = "no parameter is a DTensor: apply fully_shard (FSDP2) to the model first"
         elif loss_fn is not None:
-            problem = _replay_problem(model, loss_fn, audit_every)
-        elif audit_updates:
+            problem = _replay_problem(model, loss_fn, opts.audit_every)
+        elif opts.audit_updates:
             problem = "audit_updates=True needs loss_fn: the optimizer step is recomputed at the replay's audit steps"
-        self.loss_fn, self.audit_every = loss_fn, audit_every
+        audit_updates = opts.audit_updates
         if audit_updates is None:  # no replicas: nothing else checks the optimizer step
             audit_updates = loss_fn is not None and problem is None and shard_group_size(model) == self.world
         self.audit_updates = bool(audit_updates) and loss_fn is not None
-        recorder: GradientRecorder | None = None
         if problem is None and loss_fn is not None:
             try:
-                recorder = GradientRecorder(model)
+                self._recorder = GradientRecorder(model)
             except ValueError as e:  # FSDP refuses a custom reduce-scatter with several param groups
                 problem = f"the replay cannot sign the local gradients: {e}"
+        return problem
+
+    def agree(self) -> None:
+        """Every rank must have the same options and trained parameters (one all-gather)."""
+        opts = self.options
         setup = json.dumps(
             [
-                consensus_every,
-                on_nonfinite,
-                on_fault,
-                loss_fn is not None,
-                audit_every,
-                audit_updates,
-                nonfinite_read,
+                opts.consensus_every,
+                opts.on_nonfinite.value,
+                opts.on_fault.value,
+                self.loss_fn is not None,
+                opts.audit_every,
+                self.audit_updates,
+                opts.nonfinite_read.value,
                 [n for n, _ in self.params],
             ]
         )
-        refuse_together(problem, group=self.group, wire_device=self.wire_device, what="sharded audit set-up")
         texts = all_gather_bytes(setup.encode(), group=self.group, wire_device=self.wire_device)
         odd = [r for r, t in enumerate(texts) if t != texts[0]]
         if odd:
@@ -228,83 +263,11 @@ class ShardedAuditSession:
                 f"sharded audit set-up refused on every rank; rank(s) {odd} differ from rank 0 in their options or"
                 " trained parameters"
             )
-        self.ledger = Ledger(ledger) if isinstance(ledger, str) else ledger
-        if sink is None and self.ledger is not None:
-            sink = LedgerSink(self.ledger)
-        self.sink: EventSink = sink if sink is not None else MemorySink()
-        mine = json.dumps(rank_inventory(rank=self.rank)).encode()
-        inv = all_gather_bytes(mine, group=self.group, wire_device=self.wire_device)
-        self.inventory = {str(r): json.loads(t) for r, t in enumerate(inv)}
-        self.fleet = fleet_for(opts.fleet, signing_key=signing_key_from_env())
-        self.last_consensus: ShardConsensus | None = None
-        self.state = ShardedState(
-            step=start_step,
-            last_clean_audit=start_step or None,
-            last_checkpoint_step=start_step or None,
-            path_check_pending=loss_fn is not None and check_determinism,
-        )
-        self.ctx = ShardedContext(
-            model=model,
-            optimizer=optimizer,
-            loss_fn=loss_fn,
-            group=self.group,
-            rank=self.rank,
-            world=self.world,
-            device=self.device,
-            wire_device=self.wire_device,
-            on_nonfinite=on_nonfinite,
-            on_fault=on_fault,
-            nonfinite_read=nonfinite_read,
-            params=self.params,
-            names_by_id={id(p): n for n, p in self.params},
-            not_replayed=[n for n, p in self.params if not isinstance(p, DTensor)],
-            recorder=recorder,
-            report=ShardedEventLog(
-                run=run,
-                branch=branch,
-                rank=self.rank,
-                world=self.world,
-                group=self.group,
-                sink=self.sink,
-                ledger=self.ledger,
-                inventory=self.inventory,
-                state=self.state,
-            ),
-            state=self.state,
-        )
-        # The checks, each on the shared context; the session's methods below drive them.
-        self.nonfinite = ShardedNonFiniteCheck(self.ctx)
-        self.replay = ShardedReplayAudit(self.ctx, consensus=self.weight_consensus)
-        if expect_consensus_fp is not None:
-            self._check_resumed_state(resume_state, expect_consensus_fp)
-        if self.fleet is not None:
-            self.ctx.report.fleet = self.fleet
-            check_fleet_at_start(
-                self.fleet,
-                policy=opts.fleet_policy.value,
-                inventory=self.inventory,
-                rank=self.rank,
-                group=self.group,
-                wire_device=self.wire_device,
-                ledger=self.ledger,
-                run=run,
-                branch=branch,
-                start_step=start_step,
-            )
 
-    # --- the mutable state, kept in ``self.state`` ------------------------------------------
-
-    # optimizer steps done so far (applied or not)
-    step = StateField[int]()
-    # the last step whose full audit passed (a clean audit point)
-    last_clean_audit = StateField[int | None]()
-    # the step of the last checkpoint taken through the session
-    last_checkpoint_step = StateField[int | None]()
-
-    def _check_resumed_state(self, state: dict[str, Any] | None, expected: str) -> None:
+    def prove_resumed(self, expected: str) -> None:
         """The replicas must agree on the resumed state and it must be the parent checkpoint's (the
         agreed fingerprint is the same on every rank, so every rank refuses together)."""
-        found = self.weight_consensus(state, found_by="resume")
+        found = self.weight_consensus(self._resume_state, found_by="resume")
         if not found.agreed or found.state_fp != expected:
             what = f"consensus fingerprint {found.state_fp}" if found.agreed else "no agreed fingerprint"
             raise AuditSetupError(
@@ -396,8 +359,16 @@ class ShardedAuditSession:
 
     def after_update(self) -> bool:
         """Call on every rank after the optimizer step (or its refusal): counts the step and runs the
-        weight consensus at audit steps and every ``consensus_every`` steps. Returns False when the
-        consensus failed (policy ``on_fault="continue"``)."""
+        weight consensus at audit steps and every ``consensus_every`` steps.
+
+        Returns:
+            Whether the weight consensus that ran here agreed: False when the replicas disagree and
+            the policy is ``on_fault="continue"`` (with ``"raise"`` it raises). True when none ran.
+            The same for ``AuditSession.after_update``.
+
+        Raises:
+            FaultDetectedError: the replicas disagree (policy ``on_fault="raise"``).
+        """
         state = self.state
         state.step += 1
         audited, state.audited = state.audited, None
@@ -409,12 +380,8 @@ class ShardedAuditSession:
             if audited[1] and updated:
                 checked = self.nonfinite.summarise(state.step)  # with the replay and the consensus: a full audit
                 if agreed:
-                    state.last_clean_audit = state.step
-                    if self.rank == 0:
-                        seconds = state.audit_seconds + time.perf_counter() - t0
-                        log_audit_pass(
-                            step=state.step, branch=self.branch, ranks=self.world, checked=checked, seconds=seconds
-                        )
+                    seconds = state.audit_seconds + time.perf_counter() - t0
+                    self.audit_passed(state.step, checked=checked, seconds=seconds)
             return agreed
         if not self._consensus_due(state.step):
             return True
@@ -465,7 +432,7 @@ class ShardedAuditSession:
             ev,
             f"replicas disagree after step {s} on {sorted(result.disputed)[:3]}"
             f" (outvoted: {list(result.suspect_ranks)}; undecided between: {list(result.candidates)})",
-            policy=self.on_fault,
+            policy=self.options.on_fault.value,
         )
         return result
 
@@ -485,39 +452,25 @@ class ShardedAuditSession:
         """
         s = self.step
         result = self.weight_consensus(state, checkpoint=True)
-        first = (self.state.last_checkpoint_step or 0) + 1
-        lineage = {
+        replays = self.loss_fn is not None
+        head = {
             "world": self.world,
-            "mode": "sharded-replay" if self.loss_fn is not None else "sharded-consensus",
-            "audit_every": self.audit_every if self.loss_fn is not None else None,
-            "audits": [{"step": st, "kind": k, "outcome": o} for st, k, o in self.state.lineage],
-            "last_clean_audit": self.state.last_clean_audit,
-            "consensus": {"step": s, "fp": result.state_fp} if result.agreed else None,
+            "mode": "sharded-replay" if replays else "sharded-consensus",
+            "audit_every": self.options.audit_every if replays else None,
         }
-        self.flush()
-        self.state.last_checkpoint_step = s
-        self.state.lineage = []
-        return CheckpointEvidence(
-            step=s,
-            run=self.run,
-            branch=self.branch,
-            parent=self.parent,
-            step_range=[first, s],
-            lineage=lineage,
-            consensus_fp=result.state_fp if result.agreed else None,
-            known_fingerprints={},
-            tensor_fps=dict(result.tensors) if result.agreed else {},
+        agreed = result.agreed
+        evidence = self.evidence(
+            s,
+            head=head,
+            consensus_fp=result.state_fp if agreed else None,
+            tensor_fps=dict(result.tensors) if agreed else {},
         )
+        self.flush()
+        self.end_lineage(s)
+        return evidence
 
-    def flush(self) -> None:
-        """Write the events emitted so far to the sink (rank 0)."""
-        if self.rank == 0:
-            self.sink.flush()
-
-    def close(self) -> None:
-        """Report the non-finite checks not summarised yet and flush the events. A deferred read still
-        pending is left unread (no checkpoint covers that step; ``checkpoint_evidence`` reads it
-        first): ``close`` also runs in exception handlers, where a collective could hang."""
+    def release(self) -> None:
+        """At ``close``: a pending deferred read forgotten, the non-finite checks not summarised yet
+        reported (rank 0 publishes; no collective)."""
         self.nonfinite.discard_pending()
         self.nonfinite.summarise(self.step)
-        self.flush()

@@ -159,7 +159,8 @@ class ShardedReplayAudit:
         )
         ctx.drop_grads()
         who = f"rank(s) {list(verdict.suspects)}" if verdict.suspects else "no rank could be named"
-        ctx.report.fail(ev, f"replay audit failed ({who}); the update was not applied", policy=ctx.on_fault)
+        message = f"replay audit failed ({who}); the update was not applied"
+        ctx.report.fail(ev, message, policy=ctx.options.on_fault.value)
         return False
 
     # --- the update replay ------------------------------------------------------------------------
@@ -249,5 +250,5 @@ class ShardedReplayAudit:
         )
         who = f"rank(s) {list(verdict.suspects)}" if verdict.suspects else "no rank could be named"
         message = f"the optimizer step's recomputation differs ({who}); the update was applied"
-        ctx.report.fail(ev, message, policy=ctx.on_fault)
+        ctx.report.fail(ev, message, policy=ctx.options.on_fault.value)
         return False

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from .agreement import all_gather_bytes
+from .options import NonfiniteRead
 from .setup_checks import late_detection_note
 from .sharded_context import ShardedContext
 from .timing import timed
@@ -79,7 +80,7 @@ class ShardedNonFiniteCheck:
         named = [(n, p.grad) for n, p in ctx.params if p.grad is not None]
         grads = [g.to_local() if isinstance(g, DTensor) else g for _, g in named]
         pre_sums = ctx.recorder.take_pre_sums() if ctx.recorder is not None else None
-        if ctx.nonfinite_read == "deferred" and not now:
+        if ctx.options.nonfinite_read is NonfiniteRead.DEFERRED and not now:
             self._pending = self._queue(s, named, grads, pre_sums)
             return True
         flags, pre_bad = _nonfinite_flags(grads, pre_sums)
@@ -172,14 +173,14 @@ class ShardedNonFiniteCheck:
             pre_ranks=pre_ranks,
             tensors=where,
             where="reduced gradient shards (after FSDP's reduce-scatter and the replicas' all-reduce)",
-            policy=ctx.on_nonfinite,
+            policy=ctx.options.on_nonfinite.value,
             **extra,
         )
         if late is not None:
             message += late_detection_note(s)
         else:
             message += "; the update was dropped"
-        ctx.report.fail(ev, message, policy="raise" if ctx.on_nonfinite == "raise" else "skip")
+        ctx.report.fail(ev, message, policy=ctx.options.on_nonfinite.value)
         return False
 
     def _where(self, mine_bad: list[Any]) -> tuple[set[int], dict[str, list[str]]]:
