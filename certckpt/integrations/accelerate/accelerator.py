@@ -243,6 +243,11 @@ class CertifiedAccelerator(Accelerator):
         ledger = self.certckpt_ledger(directory)
         run = self.certckpt
         branch = self.certckpt_decide_fresh()
+        if os.path.exists(os.path.join(directory, MANIFEST_NAME)):
+            raise ConfigurationError(
+                f"{directory} holds a certified checkpoint already; certified checkpoints are never overwritten: "
+                "save into a new directory"
+            )
         step = self.certified_step
         audit = run.audit
         evidence = audit.checkpoint_evidence() if audit is not None and audit.session is not None else None
@@ -286,11 +291,6 @@ class CertifiedAccelerator(Accelerator):
             )
         else:
             directory = os.fspath(output_dir)
-        if os.path.exists(os.path.join(directory, MANIFEST_NAME)):
-            raise ConfigurationError(
-                f"{directory} holds a certified checkpoint already; certified checkpoints are never overwritten: "
-                "save into a new directory"
-            )
         return directory
 
     def _certckpt_write_files(self, directory: str, step: int, known: Any) -> None:
