@@ -233,7 +233,7 @@ class CertifiedAccelerator(Accelerator):
             CertckptError: the save failed on another process (every process raises).
         """
         if not safe_serialization:
-            logger.warning("certckpt: safe_serialization=False ignored: certified checkpoints are never pickled")
+            logger.warning("safe_serialization=False ignored: certified checkpoints are never pickled")
         if save_model_func_kwargs:
             raise ConfigurationError(
                 f"save_state: {sorted(save_model_func_kwargs)} are DeepSpeed's options, which CertifiedAccelerator "
@@ -271,7 +271,7 @@ class CertifiedAccelerator(Accelerator):
         self._certckpt_together(commit, what="checkpoint commit")
         run.last_step = step
         self.project_configuration.iteration += 1
-        logger.debug("certckpt: saved %s at step %d on %s (%s)", directory, step, branch, ledger.store)
+        logger.debug("saved %s at step %d on %s (%s)", directory, step, branch, ledger.store)
         return directory
 
     def _certckpt_together(self, fn: Any, *, what: str) -> Any:
@@ -354,7 +354,7 @@ class CertifiedAccelerator(Accelerator):
         cid = ckpt_id_for(branch, step)
         if cid in _snapshot(ledger).records:
             logger.warning(
-                "certckpt: %s: step %d is committed already (%s); this checkpoint is certified but not committed",
+                "%s: step %d is committed already (%s); this checkpoint is certified but not committed",
                 directory,
                 step,
                 cid,
@@ -399,7 +399,7 @@ class CertifiedAccelerator(Accelerator):
             why = _keeps(status, committed.get(os.path.abspath(folder)), folder, good_dir)
             if why is not None:
                 logger.warning(
-                    "certckpt: kept %s: %s; total_limit=%d would delete it. It is deleted once a newer checkpoint is"
+                    "kept %s: %s; total_limit=%d would delete it. It is deleted once a newer checkpoint is"
                     " trusted (until then it costs one more checkpoint of disk)",
                     folder,
                     why,
@@ -483,7 +483,7 @@ class CertifiedAccelerator(Accelerator):
         except CheckpointNotFoundError:
             status = None
         if status is None or not status.snapshot.records:
-            logger.info("certckpt: nothing committed in %s yet: training from scratch", ledger.store)
+            logger.info("nothing committed in %s yet: training from scratch", ledger.store)
             return None
         for cid in status.certification.candidates("verified"):
             if not status.snapshot.available(cid):
@@ -499,7 +499,7 @@ class CertifiedAccelerator(Accelerator):
                     problem = str(e)
             if problem is None:
                 return os.path.dirname(manifest)
-            logger.warning("certckpt: not resuming from %s: %s", cid, problem)
+            logger.warning("not resuming from %s: %s", cid, problem)
         raise CheckpointNotFoundError(
             f"{ledger.store}: no trusted or verified checkpoint to resume from whose files all verify "
             f"(see `certckpt status {ledger.store}`)"
@@ -584,7 +584,7 @@ class CertifiedAccelerator(Accelerator):
         branch = run.requested or next_branch(src_branch, taken)
         if not known:
             logger.warning(
-                "certckpt: %s is not a checkpoint committed to %s; branch %s starts without a parent",
+                "%s is not a checkpoint committed to %s; branch %s starts without a parent",
                 directory,
                 ledger.store,
                 branch,
