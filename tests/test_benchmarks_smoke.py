@@ -29,6 +29,7 @@ HEADERS: dict[str, tuple[str, ...]] = {
     "bench_format.py": ("1. SAVE (fsync included)", "2. VERIFY", "3. FINGERPRINT THROUGHPUT"),
     "bench_transformers.py": ("checkpoint save", "ratio certified / plain"),
     "bench_deepspeed.py": ("checkpoint save", "ratio certified / plain"),
+    "bench_accelerate.py": ("save_state", "ratio certified / plain", "premium - floor"),
     "bench_dcp.py": ("1 process:", "2 gloo ranks", "dcp.save  certckpt", "dcp.load  certckpt"),
     "bench_keyed.py": ("keyed reads and signed writes", "tensors (whole processes)"),
     "bench_async.py": ("async save blocking / clone() of every tensor", "training loop"),
