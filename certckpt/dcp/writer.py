@@ -32,6 +32,7 @@ from torch.futures import Future
 
 from certckpt.errors import ArgumentTypeError, CheckpointExistsError, ConfigurationError, StorageError
 from certckpt.format.header import canonical_json
+from certckpt.format.record import RecordFields
 from certckpt.format.sharded.composition import finalize, hex64, raw_of
 from certckpt.format.sharded.layout import (
     MANIFEST_MARK,
@@ -49,10 +50,11 @@ from certckpt.format.sharded.manifest import MANIFEST_VERSION, Manifest
 from certckpt.format.sharded.shardfp import sum_plan, tensor_contribution, write_sums
 from certckpt.format.tensors import TORCH_TO_ST
 from certckpt.format.verify import inspect
-from certckpt.format.writer import save_certified
+from certckpt.format.writer import SaveResult, save_certified
 from certckpt.storage import refuse_protected
+from certckpt.trust.commit import check_commit_target, commit_saved
+from certckpt.trust.ledger import Ledger
 
-from .commit import check_commit_options, commit_checkpoint
 from .dcpmeta import DCP_VERSION, ShardRef, ValueRef, build_manifest
 from .values import encode_value, value_of
 
@@ -205,7 +207,8 @@ class CertifiedWriter(StorageWriter):
         self.ledger = None if ledger is None else _location(ledger)
         if overwrite and self.ledger is not None:
             raise ConfigurationError("overwrite=True with a ledger: a committed checkpoint is write-once")
-        check_commit_options(ledger=self.ledger, step=step, branch=branch)
+        if self.ledger is not None:
+            check_commit_target(step=step, branch=branch)
         self.branch = branch
         self.parent = parent
         self.ckpt_id: str | None = None  # set on the coordinator when a ledger commit was written
@@ -288,36 +291,42 @@ class CertifiedWriter(StorageWriter):
             if is_shard_name(name) and name not in listed:
                 remove(join(self.path, name))
         data = torch.frombuffer(bytearray(manifest.to_bytes()), dtype=torch.uint8)
+        fields = RecordFields(
+            step=self.step,
+            run=self.run,
+            branch=self.branch if self.ledger is not None else None,
+            parent=self.parent if self.ledger is not None else None,
+            step_range=self.step_range,
+            lineage=self.lineage,
+            consensus_fp=self.consensus_fp,
+        )
         saved = save_certified(
             {MANIFEST_TENSOR: data},
             join(self.path, MANIFEST_NAME),
-            run=self.run,
-            step=self.step,
+            fields=fields,
             metadata={**self.metadata, MANIFEST_MARK: str(MANIFEST_VERSION), "state_fp": manifest.state_fp},
             overwrite=False,
-            branch=self.branch if self.ledger is not None else None,
-            parent=self.parent if self.ledger is not None else None,
-            consensus_fp=self.consensus_fp,
-            step_range=self.step_range,
-            lineage=self.lineage,
         )
         metadata.storage_data = {wr.index: wr.storage_data for per_rank in results for wr in per_rank}
         self.manifest = manifest
         if self.ledger is not None:
-            assert self.step is not None  # check_commit_options
-            self.ckpt_id = commit_checkpoint(
-                self.ledger,
-                self.path,
-                manifest=saved,
-                nbytes=saved.nbytes + sum(f.nbytes for f in manifest.files),
-                tensors=len(manifest.tensors),
-                run=self.run,
-                branch=self.branch,
-                step=self.step,
-                parent=self.parent,
-                consensus_fp=self.consensus_fp,
-                step_range=self.step_range,
-            )
+            self._commit(saved, manifest, fields)
+
+    def _commit(self, saved: SaveResult, manifest: Manifest, fields: RecordFields) -> None:
+        """The commit record of the checkpoint directory (with a ledger): it names the directory, with
+        the manifest's header digest (which covers every shard file's, and through them every byte),
+        state fingerprint and fields, the bytes of every file and the count of global tensors, so
+        that the certifier's cross-check of the commit against the manifest's record has something to
+        compare. ``certckpt status`` lists it; ``latest-good`` verifies the directory as ``certckpt
+        verify DIR`` does; the vault holds it as a directory (``docs/operations.md``)."""
+        whole = dataclasses.replace(
+            saved,
+            location=self.path,
+            nbytes=saved.nbytes + sum(f.nbytes for f in manifest.files),
+            tensors=len(manifest.tensors),
+        )
+        assert self.ledger is not None  # finish commits only with a ledger
+        self.ckpt_id = commit_saved(Ledger(self.ledger), whole, fields)
 
     def _refuse_unagreed(self, manifest: Manifest) -> None:
         # The replicas agreed on one state and another is being written (changed in between, or a

@@ -3,8 +3,8 @@
 ``StepOutcome`` is what happened at one optimizer step (``auditor.last``: applied or not, audited or
 not, the events emitted, the gradient norm); ``CheckpointEvidence`` is what a checkpoint taken at a
 step carries into its record (the consensus fingerprint, the audit lineage since the previous
-checkpoint, the fingerprints the writer reuses) and the keyword arguments ``save_certified`` takes
-for it. Both are plain dataclasses: ``session.AuditSession`` fills them in.
+checkpoint, the fingerprints the writer reuses): its ``RecordFields`` and the keyword arguments
+``save_certified`` takes for it. Both are plain dataclasses: ``session.AuditSession`` fills them in.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from certckpt.format.record import RecordFields
 
 from .events import AuditEvent
 
@@ -57,15 +59,18 @@ class CheckpointEvidence:
     known_fingerprints: dict[tuple, tuple[str, str]]
     tensor_fps: dict[str, str] = field(default_factory=dict)
 
+    def record_fields(self) -> RecordFields:
+        """What this checkpoint's record carries (the writer's ``fields``, a commit's fields)."""
+        return RecordFields(
+            step=self.step,
+            run=self.run,
+            branch=self.branch,
+            parent=self.parent,
+            step_range=list(self.step_range),
+            lineage=copy.deepcopy(self.lineage),  # the writer adds to it; each file gets its own
+            consensus_fp=self.consensus_fp,
+        )
+
     def save_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of ``certckpt.format.writer.save_certified`` for this checkpoint."""
-        return {
-            "step": self.step,
-            "run": self.run,
-            "branch": self.branch,
-            "parent": self.parent,
-            "step_range": list(self.step_range),
-            "lineage": copy.deepcopy(self.lineage),  # the writer adds to it; each file gets its own
-            "consensus_fp": self.consensus_fp,
-            "known_fingerprints": self.known_fingerprints,
-        }
+        return {**self.record_fields().as_kwargs(), "known_fingerprints": self.known_fingerprints}

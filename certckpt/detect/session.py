@@ -30,6 +30,7 @@ module is their public home: it re-exports the names callers import from it.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -40,9 +41,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from certckpt.errors import CertckptError, CheckpointExistsError, ConfigurationError
 from certckpt.format.asyncsave import AsyncSaver, SaveFuture
+from certckpt.format.record import RecordFields
 from certckpt.format.writer import SaveResult, save_certified
 from certckpt.storage import storage_of
-from certckpt.trust.commit import name_taken
+from certckpt.trust.commit import commit_saved, name_taken
 
 from .consensus import WeightConsensus, consensus_buffers
 from .context import CheckContext, DDPState, StateField
@@ -424,8 +426,8 @@ class AuditSession(AuditSessionCore):
 
         Runs the weight consensus on the 64-bit fingerprints at the current step unless it ran
         already, and hands over the lineage since the previous checkpoint (the next one starts a
-        new lineage). The caller writes the checkpoint on one rank (``CheckpointEvidence.save_kwargs``
-        for ``save_certified``), flushes the sink (``flush``) and then commits it.
+        new lineage). The caller writes the checkpoint on one rank (``save_certified(...,
+        **evidence.save_kwargs())``), flushes the sink (``flush``) and then commits it.
 
         Raises:
             FaultDetectedError: the replicas disagree (policy ``on_fault="raise"``).
@@ -449,7 +451,7 @@ class AuditSession(AuditSessionCore):
         result, error = None, None
         if self.rank == 0:
             try:
-                result = self._write(obj, f, s, evidence, kwargs)
+                result = self._write(obj, f, evidence, kwargs)
             except Exception as e:
                 error = e
         self._agree_on_write(error, f, s)
@@ -475,7 +477,7 @@ class AuditSession(AuditSessionCore):
         future, error = None, None
         if self.rank == 0:
             try:
-                future = self._write_async(obj, f, s, evidence, kwargs)
+                future = self._write_async(obj, f, evidence, kwargs)
             except Exception as e:
                 error = e
         self._agree_on_write(error, f, s)
@@ -494,9 +496,7 @@ class AuditSession(AuditSessionCore):
                 f"rank {self.rank}: rank 0 could not write checkpoint {f!s} at step {s}; see rank 0's error"
             )
 
-    def _write_async(
-        self, obj: Any, f: Any, s: int, evidence: CheckpointEvidence, kwargs: dict[str, Any]
-    ) -> SaveFuture:
+    def _write_async(self, obj: Any, f: Any, evidence: CheckpointEvidence, kwargs: dict[str, Any]) -> SaveFuture:
         """Rank 0's part of ``async_save``: the events flushed now, the file and its commit record
         in the background (the record only once the file is published)."""
         if self._saver is None:
@@ -507,47 +507,45 @@ class AuditSession(AuditSessionCore):
             storage, name = storage_of(str(f))
             if storage.exists(name):
                 raise name_taken(str(f), self.ledger.store)
-        fields = evidence.save_kwargs()
-        known = fields.pop("known_fingerprints")
-        step, run = fields.pop("step"), fields.pop("run")
+        fields = evidence.record_fields()
 
         def commit(result: SaveResult) -> None:
-            self._commit(f, s, evidence, result)
+            self._commit(f, fields, result)  # the events are in the ledger already (above)
 
         options = {"signing_key": self.signing_key, "overwrite": False, **kwargs}
         return self._saver.save(
-            obj, f, step=step, run=run, record_fields=fields, known_fingerprints=known, then=commit, **options
+            obj, f, fields=fields, known_fingerprints=evidence.known_fingerprints, then=commit, **options
         )
 
-    def _write(self, obj: Any, f: Any, s: int, evidence: CheckpointEvidence, kwargs: dict[str, Any]) -> SaveResult:
+    def _write(self, obj: Any, f: Any, evidence: CheckpointEvidence, kwargs: dict[str, Any]) -> SaveResult:
         """Rank 0's part of ``save``: the file, the events before it, its commit record."""
         if self._saver is not None:
             self._saver.wait()  # an async_save still in flight ends first; its unseen failure is raised here
+        fields = evidence.record_fields()
+        options = {"signing_key": self.signing_key, **kwargs}
         try:
-            result = save_certified(obj, f, **evidence.save_kwargs(), **{"signing_key": self.signing_key, **kwargs})
+            result = save_certified(obj, f, fields=fields, known_fingerprints=evidence.known_fingerprints, **options)
         except CheckpointExistsError as e:
             if self.ledger is None:
                 raise
             raise name_taken(str(f), self.ledger.store) from e
-        self.sink.flush()  # the events up to this checkpoint reach the ledger before its commit record
-        self._commit(f, s, evidence, result)
+        # the events up to this checkpoint reach the ledger before its commit record
+        self._commit(f, fields, result, flush=self.sink.flush)
         return result
 
-    def _commit(self, f: Any, s: int, evidence: CheckpointEvidence, result: SaveResult) -> None:
-        """The commit record of a checkpoint file just published (with a ledger; else nothing)."""
-        if self.ledger is not None:
-            self.ledger.commit_checkpoint(
-                branch=self.branch,
-                step=s,
-                location=str(f),
-                run=self.run,
-                parent=self.parent,
-                consensus_fp=evidence.consensus_fp,
-                state_fp=result.state_fp,
-                header_digest=result.header_digest,
-                step_range=evidence.step_range,
-                nbytes=result.nbytes,
-            )
+    def _commit(
+        self, f: Any, fields: RecordFields, result: SaveResult, *, flush: Callable[[], object] | None = None
+    ) -> None:
+        """The commit record of a checkpoint file just published, after ``flush`` (without a ledger,
+        only the flush). The branch's start was recorded at start-up."""
+        if self.ledger is None:
+            if flush is not None:
+                flush()
+            return
+        # the record names the file as the caller gave it, as it always has
+        commit_saved(
+            self.ledger, dataclasses.replace(result, location=str(f)), fields, flush=flush, branch_started=True
+        )
 
     def release(self) -> None:
         """At ``close``: a pending deferred read forgotten, the hook's kept gradients dropped, a

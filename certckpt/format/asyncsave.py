@@ -44,8 +44,9 @@ from certckpt.errors import AsyncSaveError, ConfigurationError
 from certckpt.storage import Target
 
 from .fingerprinting import fingerprint_many
+from .record import RecordFields
 from .skeleton import StoredTensor
-from .writer import SaveJob, SaveResult, TensorIdentity, prepare, publish
+from .writer import SaveJob, SaveResult, TensorIdentity, fields_given, prepare, publish
 
 __all__ = ["AsyncSaver", "SaveFuture", "StagingArea", "async_save", "default_saver"]
 
@@ -178,7 +179,7 @@ class AsyncSaver:
         metadata: dict[str, str] | None = None,
         overwrite: bool = True,
         signing_key: Any = None,
-        record_fields: dict[str, Any] | None = None,
+        fields: RecordFields | None = None,
         known_fingerprints: dict[TensorIdentity, tuple[str, str]] | None = None,
         then: Callable[[SaveResult], None] | None = None,
     ) -> SaveFuture:
@@ -188,8 +189,8 @@ class AsyncSaver:
         so keep it open until the future is done.
 
         Args:
-            record_fields: the audit fields ``save_certified`` takes (branch, step_range, parent,
-                lineage, consensus_fp).
+            fields: the record's fields together (``RecordFields``: step, run and the audit fields
+                ``save_certified`` takes), instead of ``step`` and ``run``.
             known_fingerprints: fingerprints the caller computed at this step (the auditor's
                 consensus), as ``save_certified`` takes them: not computed again.
             then: called in the background with the ``SaveResult`` once the file is published (the
@@ -205,11 +206,9 @@ class AsyncSaver:
             job, target = prepare(
                 obj,
                 f,
-                step=step,
-                run=run,
+                fields=fields_given(fields, {"step": step, "run": run}),
                 metadata=metadata,
                 overwrite=overwrite,
-                record_fields=record_fields or {},
                 known_fingerprints=known_fingerprints,
                 signing_key=signing_key,
             )

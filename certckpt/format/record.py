@@ -43,6 +43,7 @@ __all__ = [
     "SIG_KEY",
     "signature_problem",
     "CheckpointRecord",
+    "RecordFields",
     "build_header",
     "parse_record",
     "check_header",
@@ -60,6 +61,37 @@ SIG_KEY = "certckpt.sig"
 SIGNATURE_DOMAIN = b"certckpt file signature v1\n"
 _PLACEHOLDER_SIG = "0" * 88  # base64 of a 64-byte Ed25519 signature
 _PLACEHOLDER_SHA256 = "0" * 64
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RecordFields:
+    """What a checkpoint's record carries besides the file's own contents: who wrote it, at which
+    step, on which line of training, and the audit evidence. The writer puts them in the file's
+    record (``save_certified``, ``AsyncSaver.save``); a ledger commit (``trust.commit.commit_saved``)
+    puts all but ``lineage`` in its commit record. It lives here, beside ``CheckpointRecord``, because
+    the writer needs it and ``format`` cannot import ``trust``.
+
+    Attributes:
+        step: the optimizer update count the weights correspond to (a commit needs it).
+        run: the training run's name.
+        branch: the line of training within the run (a commit needs it; None for a plain save).
+        parent: the id of the checkpoint this branch resumed from.
+        step_range: ``[first, last]`` updates since the previous checkpoint (from the auditor).
+        lineage: the audits since the previous checkpoint and their outcomes (from the auditor).
+        consensus_fp: the state fingerprint every replica agreed on at ``step`` (from the auditor).
+    """
+
+    step: int | None = None
+    run: str | None = None
+    branch: str | None = None
+    parent: str | None = None
+    step_range: list[int] | None = None
+    lineage: dict[str, Any] | None = None
+    consensus_fp: str | None = None
+
+    def as_kwargs(self) -> dict[str, Any]:
+        """The fields one by one, as ``CheckpointRecord`` and ``save_certified`` take them."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 @dataclass(kw_only=True, slots=True)

@@ -29,7 +29,7 @@ from .fingerprinting import SharedFingerprints, fingerprint_many
 from .header import TensorEntry
 from .inventory import writer_inventory
 from .reader import warn_ignored
-from .record import CheckpointRecord, build_header, state_fingerprint
+from .record import CheckpointRecord, RecordFields, build_header, state_fingerprint
 from .signing import SigningKey, signing_key_for
 from .skeleton import StoredTensor, flatten
 from .tensors import host_bytes
@@ -130,14 +130,13 @@ class SaveJob:
         self,
         obj: Any,
         *,
-        step: int | None,
-        run: str | None,
+        fields: RecordFields,
         metadata: dict[str, str] | None,
-        record_fields: dict[str, Any] | None = None,
         known_fingerprints: dict[TensorIdentity, tuple[str, str]] | None = None,
         signer: SigningKey | None = None,
     ):
         self.signer = signer
+        step, run = fields.step, fields.run
         if step is not None and (type(step) is not int or step < 0):
             raise ArgumentTypeError(f"step must be a non-negative int, got {step!r}")
         if run is not None and not isinstance(run, str):
@@ -151,12 +150,10 @@ class SaveJob:
         self.data_length = self.entries[-1].end if self.entries else 0
         devices = {str(s.tensor.device) for s in self.stored}
         self.record = CheckpointRecord(
-            run=run,
-            step=step,
+            **fields.as_kwargs(),
             skeleton=flat.skeleton,
             writer=writer_inventory(devices),
             user=dict(metadata or {}),
-            **(record_fields or {}),
         )
         # Fingerprints the caller already holds (the auditor's weight consensus at this step):
         # reused, never computed twice.
@@ -399,7 +396,8 @@ def save(
     ]
     if given:
         warn_ignored(given, function="save")
-    return _save(obj, f, step=step, run=run, metadata=metadata, overwrite=overwrite, signing_key=signing_key)
+    fields = RecordFields(step=step, run=run)
+    return _save(obj, f, fields=fields, metadata=metadata, overwrite=overwrite, signing_key=signing_key)
 
 
 def save_certified(
@@ -417,45 +415,62 @@ def save_certified(
     consensus_fp: str | None = None,
     known_fingerprints: dict[TensorIdentity, tuple[str, str]] | None = None,
     signing_key: SigningKey | str | os.PathLike[str] | None = None,
+    fields: RecordFields | None = None,
 ) -> SaveResult:
     """``save`` plus the audit fields the auditor fills in (see ``docs/format.md``, section 2).
 
     ``known_fingerprints`` maps a tensor's identity ``(data_ptr, dtype, shape, stride, device)`` to
-    ``(parameter name, fingerprint hex)``; those tensors are not fingerprinted again.
+    ``(parameter name, fingerprint hex)``; those tensors are not fingerprinted again. The record's
+    fields (``step`` to ``consensus_fp``) come one by one or together as ``fields`` (a
+    ``RecordFields``), not both.
 
     Certified files are create-only by default (``overwrite=False``), and even with
     ``overwrite=True`` a vault copy, a committed or a read-only file is never replaced.
     """
+    one_by_one = {
+        "step": step,
+        "run": run,
+        "branch": branch,
+        "step_range": step_range,
+        "parent": parent,
+        "lineage": lineage,
+        "consensus_fp": consensus_fp,
+    }
     return _save(
         obj,
         f,
-        step=step,
-        run=run,
+        fields=fields_given(fields, one_by_one),
         metadata=metadata,
         overwrite=overwrite,
-        branch=branch,
-        step_range=step_range,
-        parent=parent,
-        lineage=lineage,
-        consensus_fp=consensus_fp,
         known_fingerprints=known_fingerprints,
         signing_key=signing_key,
     )
+
+
+def fields_given(fields: RecordFields | None, one_by_one: dict[str, Any]) -> RecordFields:
+    """The record's fields as a caller gave them: ``fields`` whole, or ``one_by_one`` (never both).
+
+    Raises:
+        ArgumentTypeError: ``fields`` and one of the fields given one by one.
+    """
+    if fields is None:
+        return RecordFields(**one_by_one)
+    both = sorted(name for name, value in one_by_one.items() if value is not None)
+    if both:
+        raise ArgumentTypeError(
+            f"the record's fields were given twice: fields= and {', '.join(both)}=; pass them either together"
+            " (fields=RecordFields(...)) or one by one"
+        )
+    return fields
 
 
 def _save(
     obj: Any,
     f: Any,
     *,
-    step: int | None,
-    run: str | None,
+    fields: RecordFields,
     metadata: dict[str, str] | None,
     overwrite: bool,
-    branch: str | None = None,
-    step_range: list[int] | None = None,
-    parent: str | None = None,
-    lineage: dict[str, Any] | None = None,
-    consensus_fp: str | None = None,
     known_fingerprints: dict[TensorIdentity, tuple[str, str]] | None = None,
     signing_key: SigningKey | str | os.PathLike[str] | None = None,
 ) -> SaveResult:
@@ -463,17 +478,9 @@ def _save(
     job, target = prepare(
         obj,
         f,
-        step=step,
-        run=run,
+        fields=fields,
         metadata=metadata,
         overwrite=overwrite,
-        record_fields={
-            "branch": branch,
-            "step_range": step_range,
-            "parent": parent,
-            "lineage": lineage,
-            "consensus_fp": consensus_fp,
-        },
         known_fingerprints=known_fingerprints,
         signing_key=signing_key,
     )
@@ -484,11 +491,9 @@ def prepare(
     obj: Any,
     f: Any,
     *,
-    step: int | None,
-    run: str | None,
+    fields: RecordFields,
     metadata: dict[str, str] | None,
     overwrite: bool,
-    record_fields: dict[str, Any],
     known_fingerprints: dict[TensorIdentity, tuple[str, str]] | None = None,
     signing_key: SigningKey | str | os.PathLike[str] | None = None,
 ) -> tuple[SaveJob, Target]:
@@ -499,10 +504,8 @@ def prepare(
     target = resolve(f)
     job = SaveJob(
         obj,
-        step=step,
-        run=run,
+        fields=fields,
         metadata=metadata,
-        record_fields=record_fields,
         known_fingerprints=known_fingerprints,
         signer=signing_key_for(signing_key),
     )

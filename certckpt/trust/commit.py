@@ -5,16 +5,21 @@ imported file) still gets committed checkpoints: the file is written create-only
 record (run, branch, step, state fingerprint, header digest) is written to the ledger, create-only,
 as the auditor does. Such a checkpoint can reach ``verified``, never ``trusted`` (no audit evidence;
 ``docs/trust.md``). Without ``ledger`` this is ``certckpt.format.writer.save`` unchanged.
+
+``commit_saved`` is the one path every commit record is written through: this module's saves, the
+auditor's, the DCP writer's and every framework integration's.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 from certckpt.errors import ArgumentTypeError, CheckpointExistsError, ConfigurationError
 from certckpt.format.asyncsave import AsyncSaver, SaveFuture, default_saver
 from certckpt.format.reader import warn_ignored
+from certckpt.format.record import RecordFields
 from certckpt.format.signing import SigningKey, signing_key_for
 from certckpt.format.writer import SaveResult, save_certified
 from certckpt.format.writer import save as plain_save
@@ -22,7 +27,7 @@ from certckpt.storage import resolve, storage_of
 
 from .ledger import Ledger, ckpt_id_for, is_ckpt_id
 
-__all__ = ["save", "async_save", "commit_saved", "name_taken"]
+__all__ = ["save", "async_save", "commit_saved", "check_commit_target", "name_taken"]
 
 _NOT_GIVEN = object()  # torch.save's pickle options: forwarded only when the caller passed them
 
@@ -106,22 +111,12 @@ def save(
     led, key, location = _ledger_target(
         f, ledger=ledger, step=step, branch=branch, overwrite=overwrite, signing_key=signing_key
     )
+    fields = RecordFields(step=step, run=run, branch=branch, parent=parent)
     try:
-        result = save_certified(
-            obj,
-            location,
-            step=step,
-            run=run,
-            metadata=metadata,
-            overwrite=False,
-            branch=branch,
-            parent=parent,
-            signing_key=key,
-        )
+        result = save_certified(obj, location, fields=fields, metadata=metadata, overwrite=False, signing_key=key)
     except CheckpointExistsError as e:
         raise name_taken(location, led.store) from e
-    assert step is not None  # _ledger_target refused anything else
-    commit_saved(led, result, run=run, branch=branch, step=step, parent=parent)
+    commit_saved(led, result, fields)
     return result
 
 
@@ -133,10 +128,7 @@ def _ledger_target(
         raise ConfigurationError(
             "overwrite=True with a ledger: a committed checkpoint is write-once; save under a new name"
         )
-    if type(step) is not int or step < 0:
-        raise ConfigurationError(f"a ledger commit needs step=N (a non-negative int), got {step!r}")
-    if not isinstance(branch, str) or not is_ckpt_id(ckpt_id_for(branch, step)):
-        raise ConfigurationError(f"branch {branch!r}: use 1-100 letters, digits, '.', '_' or '-'")
+    check_commit_target(step=step, branch=branch)
     key = signing_key_for(signing_key)
     led = ledger if isinstance(ledger, Ledger) else Ledger(ledger, signing_key=key)
     target = resolve(f)
@@ -200,25 +192,27 @@ def async_save(
     led, key, location = _ledger_target(
         f, ledger=ledger, step=step, branch=branch, overwrite=overwrite, signing_key=signing_key
     )
-    assert step is not None  # _ledger_target refused anything else
     storage, name = storage_of(location)
     if storage.exists(name):  # said now, in the caller's thread, rather than by the future
         raise name_taken(location, led.store)
+    fields = RecordFields(step=step, run=run, branch=branch, parent=parent)
 
     def commit(result: SaveResult) -> None:
-        commit_saved(led, result, run=run, branch=branch, step=step, parent=parent)
+        commit_saved(led, result, fields)
 
-    return saver.save(
-        obj,
-        location,
-        step=step,
-        run=run,
-        metadata=metadata,
-        overwrite=False,
-        signing_key=key,
-        record_fields={"branch": branch, "parent": parent},
-        then=commit,
-    )
+    return saver.save(obj, location, fields=fields, metadata=metadata, overwrite=False, signing_key=key, then=commit)
+
+
+def check_commit_target(*, step: Any, branch: Any) -> None:
+    """Refuse, before anything is written, the step and branch a commit would refuse after the save.
+
+    Raises:
+        ConfigurationError: ``step`` is not a non-negative int, or ``branch`` not a valid name.
+    """
+    if type(step) is not int or step < 0:
+        raise ConfigurationError(f"a ledger commit needs step=N (a non-negative int), got {step!r}")
+    if not isinstance(branch, str) or not is_ckpt_id(ckpt_id_for(branch, step)):
+        raise ConfigurationError(f"branch {branch!r}: use 1-100 letters, digits, '.', '_' or '-'")
 
 
 def name_taken(location: str, store: str) -> CheckpointExistsError:
@@ -234,33 +228,63 @@ def name_taken(location: str, store: str) -> CheckpointExistsError:
 def commit_saved(
     ledger: Ledger,
     result: SaveResult,
+    fields: RecordFields,
     *,
-    run: str | None,
-    branch: str,
-    step: int,
-    parent: str | None = None,
-    consensus_fp: str | None = None,
-    step_range: list[int] | None = None,
+    flush: Callable[[], object] | None = None,
+    branch_started: bool = False,
 ) -> str:
-    """Write the commit record of a checkpoint just saved (create-only); returns its id.
+    """Commit a checkpoint just saved: the one path every commit record is written through.
+
+    In this order: ``flush`` (the caller's audit events reach the ledger before the commit record),
+    the branch's start when ``fields.parent`` is set (create-only: written once, sealed again), then
+    the commit record (create-only) from ``result`` (location, state fingerprint, header digest,
+    bytes) and ``fields`` (branch, step, run, parent, consensus fingerprint, step range; the lineage
+    stays in the file's record).
+
+    Args:
+        ledger: the run store's ledger.
+        result: what the save returned. For a checkpoint of several files (a DCP directory), the
+            summary of the whole: its location and every file's bytes, e.g. the manifest's
+            ``SaveResult`` through ``dataclasses.replace``.
+        fields: the checkpoint's ``RecordFields``; ``branch`` and ``step`` are required.
+        flush: writes the caller's audit events to the ledger; None when it has none, or flushed
+            them already (before a background write).
+        branch_started: the caller recorded the branch's start itself (at its start-up or resume),
+            so it is not written again here.
+
+    Returns:
+        The commit's id, ``branch@step``.
 
     Raises:
+        ConfigurationError: ``fields`` has no branch or no step.
         CheckpointExistsError: ``branch@step`` is committed already (to another file); the file
             just written stays uncommitted (``certckpt status`` lists it, ``certckpt gc`` ignores it).
+
+    Example:
+        >>> commit_saved(ledger, result, RecordFields(step=100, run="r1", branch="main"), flush=sink.flush)
+        'main@100'
     """
-    if parent is not None:
-        ledger.start_branch(branch, parent=parent)  # idempotent for the same parent
+    branch, step = fields.branch, fields.step
+    if branch is None or step is None:
+        raise ConfigurationError(
+            f"{result.location}: a commit needs the checkpoint's branch and step, got branch={branch!r},"
+            f" step={step!r}; pass them in the RecordFields"
+        )
+    if flush is not None:
+        flush()
+    if fields.parent is not None and not branch_started:
+        ledger.start_branch(branch, parent=fields.parent)  # idempotent for the same parent
     try:
         return ledger.commit_checkpoint(
             branch=branch,
             step=step,
             location=result.location,
-            run=run,
-            parent=parent,
-            consensus_fp=consensus_fp,
+            run=fields.run,
+            parent=fields.parent,
+            consensus_fp=fields.consensus_fp,
             state_fp=result.state_fp,
             header_digest=result.header_digest,
-            step_range=step_range,
+            step_range=fields.step_range,
             nbytes=result.nbytes,
         )
     except CheckpointExistsError as e:

@@ -41,9 +41,11 @@ from certckpt.errors import (
     UnsupportedObjectError,
 )
 from certckpt.format.reader import load
+from certckpt.format.record import RecordFields
 from certckpt.format.verify import inspect
 from certckpt.format.writer import save_certified
 from certckpt.log import enable as enable_log
+from certckpt.trust.commit import commit_saved
 from certckpt.trust.gate import rotation_keeps, store_doubt
 from certckpt.trust.ledger import Ledger, LedgerSnapshot, ckpt_id_for, is_ckpt_id
 from certckpt.trust.resume import next_branch
@@ -339,18 +341,16 @@ class CertifiedAccelerator(Accelerator):
     ) -> None:
         run = self.certckpt
         ledger = self.certckpt_ledger(directory)
-        consensus_fp = evidence.consensus_fp if evidence is not None else None
-        result = write_manifest(
-            directory,
-            state,
+        fields = RecordFields(
             step=step,
             run=run.run,
             branch=branch,
             parent=run.parent,
-            consensus_fp=consensus_fp,
-            lineage=evidence.lineage if evidence is not None else None,
             step_range=[first, step],
+            lineage=evidence.lineage if evidence is not None else None,
+            consensus_fp=evidence.consensus_fp if evidence is not None else None,
         )
+        result = write_manifest(directory, state, fields)
         cid = ckpt_id_for(branch, step)
         if cid in _snapshot(ledger).records:
             logger.warning(
@@ -360,18 +360,8 @@ class CertifiedAccelerator(Accelerator):
                 cid,
             )
             return
-        ledger.commit_checkpoint(
-            branch=branch,
-            step=step,
-            location=result.location,
-            run=run.run,
-            parent=run.parent,
-            consensus_fp=consensus_fp,
-            state_fp=result.state_fp,
-            header_digest=result.header_digest,
-            step_range=[first, step],
-            nbytes=result.nbytes,
-        )
+        # the events were flushed before the manifest (commit()); the branch was started at the resume
+        commit_saved(ledger, result, fields, branch_started=True)
 
     # --- rotation: total_limit, never latest-good ---------------------------------------------
 

@@ -34,9 +34,11 @@ from certckpt.errors import (
     NotACheckpointError,
 )
 from certckpt.format.reader import load
+from certckpt.format.record import RecordFields
 from certckpt.format.verify import inspect
 from certckpt.format.writer import save_certified
 from certckpt.log import enable as enable_log
+from certckpt.trust.commit import commit_saved
 from certckpt.trust.ledger import Ledger, LedgerSnapshot, ckpt_id_for, is_ckpt_id
 from certckpt.trust.resume import next_branch, plan_resume
 
@@ -199,28 +201,17 @@ class CertifiedCheckpointEngine(CheckpointEngine):
         def write() -> None:
             if self._rank() != 0:
                 return
-            run = self._run_name(info.save_dir)
-            result = write_manifest(
-                tag_dir,
-                state,
+            fields = RecordFields(
                 step=step,
-                run=run,
+                run=self._run_name(info.save_dir),
                 branch=self.branch,
                 parent=self.parent,
                 step_range=[first, step],
             )
+            result = write_manifest(tag_dir, state, fields)
             if self._commit_as is not None:
-                self.ledger_for(info.save_dir).commit_checkpoint(
-                    branch=self.branch,
-                    step=step,
-                    location=result.location,
-                    run=run,
-                    parent=self.parent,
-                    state_fp=result.state_fp,
-                    header_digest=result.header_digest,
-                    step_range=[first, step],
-                    nbytes=result.nbytes,
-                )
+                # the branch was started at the load that resumed it
+                commit_saved(self.ledger_for(info.save_dir), result, fields, branch_started=True)
 
         self._together(write, what="checkpoint commit")
         if self._commit_as is not None:

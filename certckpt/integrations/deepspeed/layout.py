@@ -33,6 +33,7 @@ from certckpt.errors import (
     UnsupportedObjectError,
 )
 from certckpt.format.companions import FILES_KEY, LAYOUT_KEY, companion_problems, companions_of
+from certckpt.format.record import RecordFields
 from certckpt.format.signing import trusted_keys_from_env
 from certckpt.format.verify import inspect, verify
 from certckpt.format.writer import SaveResult, save_certified
@@ -94,14 +95,14 @@ def _listing(directory: str) -> dict[str, dict[str, Any]]:
 def write_manifest(
     directory: str,
     state: dict[str, Any],
-    *,
-    step: int,
-    run: str | None,
-    branch: str,
-    parent: str | None,
-    step_range: list[int] | None = None,
+    fields: RecordFields | None = None,
+    **one_by_one: Any,
 ) -> SaveResult:
     """List every file of the tag directory and write the manifest (create-only), holding ``state``.
+
+    Args:
+        fields: the record's fields (``RecordFields``: step, run, branch, parent, ...), or give them
+            one by one, as ``save_certified`` takes them.
 
     Raises:
         UnsupportedObjectError: a file there is not certified, or not a regular file.
@@ -112,11 +113,8 @@ def write_manifest(
     return save_certified(
         state,
         os.path.join(directory, MANIFEST_NAME),
-        step=step,
-        run=run,
-        branch=branch,
-        parent=parent,
-        step_range=step_range,
+        fields=fields,
+        **one_by_one,
         metadata=meta,
         overwrite=False,
     )

@@ -35,11 +35,13 @@ from typing import Any
 from certckpt.detect.session import CheckpointEvidence
 from certckpt.errors import ArgumentTypeError, CheckpointNotFoundError, ConfigurationError, NotACheckpointError
 from certckpt.format.reader import load
+from certckpt.format.record import RecordFields
 from certckpt.format.verify import inspect
 from certckpt.format.writer import SaveResult, save_certified
 from certckpt.log import enable as enable_log
 from certckpt.storage import Target, fsync_dir, join, resolve, temp_name
 from certckpt.storage.fsspec_store import filesystem
+from certckpt.trust.commit import commit_saved
 from certckpt.trust.gate import rotation_keeps
 from certckpt.trust.ledger import Ledger, LedgerSnapshot, ckpt_id_for, is_ckpt_id
 from certckpt.trust.resume import ResumePoint, next_branch
@@ -249,10 +251,12 @@ class CertifiedCheckpointIO(*CHECKPOINT_IO_BASES):  # type: ignore[misc]
             evidence = self._evidence.get(step)
             for older in [s for s in self._evidence if s < step]:
                 del self._evidence[older]  # a step saved no file (or saved it already): never used again
-        fields: dict[str, Any] = (
-            evidence.save_kwargs() if evidence is not None else {"step": step, "branch": branch, "parent": parent}
+        fields = (
+            dataclasses.replace(evidence.record_fields(), run=run)
+            if evidence is not None
+            else RecordFields(step=step, run=run, branch=branch, parent=parent)
         )
-        fields["run"] = run
+        known = evidence.known_fingerprints if evidence is not None else None
         metadata = {
             "epoch": str(checkpoint.get("epoch")),
             "global_step": str(step),
@@ -261,9 +265,11 @@ class CertifiedCheckpointIO(*CHECKPOINT_IO_BASES):  # type: ignore[misc]
         with self._lock:
             store.writing.add(key)
         try:
-            result = self._write(checkpoint, url, fields, metadata, store=store, replaces=holder, step=step)
+            result = self._write(
+                checkpoint, url, fields, metadata, known=known, store=store, replaces=holder, step=step
+            )
             with self._lock:
-                self._commit(store, result, url=url, step=step, evidence=evidence, run=run, key=key)
+                self._commit(store, result, fields, step=step, audited=evidence is not None, key=key)
         finally:
             with self._lock:
                 store.writing.discard(key)
@@ -272,34 +278,26 @@ class CertifiedCheckpointIO(*CHECKPOINT_IO_BASES):  # type: ignore[misc]
         self,
         store: _Store,
         result: SaveResult,
+        fields: RecordFields,
         *,
-        url: str,
         step: int,
-        evidence: CheckpointEvidence | None,
-        run: str | None,
+        audited: bool,
         key: str,
     ) -> None:
-        """The commit record of a file just written, then what rotations left for later."""
+        """The commit record of a file just written (after the audit events up to it, when
+        ``audited``), then what rotations left for later."""
         branch, parent, cid = self.branch, self.parent, ckpt_id_for(self.branch, step)
         if cid in store.committed:
             return  # a second file at a committed step (last.ckpt after the ModelCheckpoint file): not committed
-        if evidence is not None and self._flush is not None:
-            self._flush()  # the audit events up to this checkpoint reach the ledger before its commit
-        if parent is not None and branch not in store.branches:
-            store.ledger.start_branch(branch, parent=parent)  # create-only: a no-op once written
-            store.branches.add(branch)
-        store.ledger.commit_checkpoint(
-            branch=branch,
-            step=step,
-            location=url,
-            run=run,
-            parent=parent,
-            consensus_fp=evidence.consensus_fp if evidence is not None else None,
-            state_fp=result.state_fp,
-            header_digest=result.header_digest,
-            step_range=list(evidence.step_range) if evidence is not None else None,
-            nbytes=result.nbytes,
+        commit_saved(
+            store.ledger,
+            result,
+            dataclasses.replace(fields, branch=branch, parent=parent),  # this CheckpointIO's line of training
+            flush=self._flush if audited else None,
+            branch_started=branch in store.branches,  # the branch record, once per process and store
         )
+        if parent is not None:
+            store.branches.add(branch)
         store.committed.add(cid)
         store.named[key] = cid
         self._release_kept(store)
@@ -525,9 +523,10 @@ class CertifiedCheckpointIO(*CHECKPOINT_IO_BASES):  # type: ignore[misc]
         self,
         checkpoint: dict[str, Any],
         url: str,
-        fields: dict[str, Any],
+        fields: RecordFields,
         metadata: dict[str, str],
         *,
+        known: dict[tuple, tuple[str, str]] | None,
         store: _Store,
         replaces: str | None,
         step: int,
@@ -535,8 +534,14 @@ class CertifiedCheckpointIO(*CHECKPOINT_IO_BASES):  # type: ignore[misc]
         """Write the file under ``url``: create-only when the name is free; otherwise the new file is
         written whole first, the checkpoint that held the name (if committed) retired, then the name
         taken over atomically (a local rename; on an object store, delete then create-only PUT)."""
+
+        def write(to: str) -> SaveResult:
+            return save_certified(
+                checkpoint, to, overwrite=False, metadata=metadata, fields=fields, known_fingerprints=known
+            )
+
         if not _exists(url):
-            return save_certified(checkpoint, url, overwrite=False, metadata=metadata, **fields)
+            return write(url)
         reason = f"superseded: Lightning saved step {step} under the same name"
         keep = replaces is not None and self._is_latest_good(store, replaces)
         target = resolve(url)
@@ -548,11 +553,11 @@ class CertifiedCheckpointIO(*CHECKPOINT_IO_BASES):  # type: ignore[misc]
                 store.named.pop(_key(url), None)
             fs, p = _remote(target)
             fs.rm(p)
-            return save_certified(checkpoint, url, overwrite=False, metadata=metadata, **fields)
+            return write(url)
         final = os.path.abspath(target.local)
         tmp = temp_name(final)
         try:
-            result = save_certified(checkpoint, tmp, overwrite=False, metadata=metadata, **fields)
+            result = write(tmp)
             if keep and replaces is not None:  # keep implies replaces; said for the type checker
                 self._keep_aside(store, replaces, url)
             elif replaces is not None:

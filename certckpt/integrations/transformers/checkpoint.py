@@ -34,6 +34,7 @@ from certckpt.errors import (
     UnsupportedObjectError,
 )
 from certckpt.format.companions import FILES_KEY, LAYOUT_KEY, companion_problems, plain_entry
+from certckpt.format.record import RecordFields
 from certckpt.format.signing import trusted_keys_from_env
 from certckpt.format.verify import inspect, verify
 from certckpt.format.writer import SaveResult, save_certified
@@ -95,18 +96,16 @@ def file_entry(path: str) -> dict[str, Any]:
 def write_manifest(
     directory: str,
     state: dict[str, Any],
-    *,
-    step: int,
-    run: str | None,
-    branch: str,
-    parent: str | None,
-    consensus_fp: str | None = None,
-    lineage: dict[str, Any] | None = None,
-    step_range: list[int] | None = None,
+    fields: RecordFields | None = None,
+    **one_by_one: Any,
 ) -> SaveResult:
     """Describe every file of ``directory`` and write the manifest (create-only), holding ``state``.
 
     Call it last: a file written after it is not covered (and not listed).
+
+    Args:
+        fields: the record's fields (``RecordFields``: step, run, branch, parent, ...), or give them
+            one by one, as ``save_certified`` takes them.
 
     Raises:
         UnsupportedObjectError: a pickle or an uncertified safetensors file is in the directory.
@@ -122,13 +121,8 @@ def write_manifest(
     return save_certified(
         state,
         os.path.join(directory, MANIFEST_NAME),
-        step=step,
-        run=run,
-        branch=branch,
-        parent=parent,
-        consensus_fp=consensus_fp,
-        lineage=lineage,
-        step_range=step_range,
+        fields=fields,
+        **one_by_one,
         metadata=meta,
         overwrite=False,
     )

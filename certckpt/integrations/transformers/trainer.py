@@ -54,10 +54,12 @@ from certckpt.errors import (
 )
 from certckpt.format.asyncsave import SaveFuture
 from certckpt.format.reader import load
+from certckpt.format.record import RecordFields
 from certckpt.format.verify import inspect
 from certckpt.format.writer import save_certified
 from certckpt.log import enable as enable_log
 from certckpt.storage import write_atomic
+from certckpt.trust.commit import commit_saved
 from certckpt.trust.gate import rotation_keeps, store_doubt
 from certckpt.trust.ledger import Ledger, LedgerSnapshot, ckpt_id_for, is_ckpt_id
 from certckpt.trust.resume import next_branch
@@ -469,29 +471,18 @@ class CertifiedTrainerMixin(_TrainerBase):
         def commit() -> None:
             if consensus is not None:
                 _check_weights_match(output_dir, consensus[1])
-            result = write_manifest(
-                output_dir,
-                state,
+            fields = RecordFields(
                 step=step,
                 run=run.run,
                 branch=run.decided_branch(),
                 parent=run.parent,
-                consensus_fp=consensus[0] if consensus else None,
+                step_range=[first, step],
                 lineage=lineage,
-                step_range=[first, step],
-            )
-            run.ledger.commit_checkpoint(
-                branch=run.decided_branch(),
-                step=step,
-                location=result.location,
-                run=run.run,
-                parent=run.parent,
                 consensus_fp=consensus[0] if consensus else None,
-                state_fp=result.state_fp,
-                header_digest=result.header_digest,
-                step_range=[first, step],
-                nbytes=result.nbytes,
             )
+            result = write_manifest(output_dir, state, fields)
+            # the events were flushed above, before the background; the branch was started at the resume
+            commit_saved(run.ledger, result, fields, branch_started=True)
             if run_dir is not None:
                 self._certckpt_rotate(run_dir, limit=limit, best=best)
             self._certckpt_retire_deleted()
