@@ -3,7 +3,7 @@
 carries is capped, a signing key signs what the session writes, ``after_update`` says whether the
 weight consensus agreed, and a failure raises on every rank only once rank 0 has written its incident.
 Each of these once differed between the two sessions. Fast: one gloo rank in this process; slow: 3
-gloo ranks (``tests/session_cases.py``)."""
+gloo ranks (``tests/support/session_cases.py``)."""
 
 from __future__ import annotations
 

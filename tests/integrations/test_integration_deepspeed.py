@@ -3,7 +3,7 @@
 committed per tag, the tag verified whole before loading, latest-good resume on a new branch, no
 pickle either way), ``export_fp32`` writes consolidated certified weights, and ``ZeroAudit`` names a
 faulty rank under ZeRO-1/2. Multi-process cases run DeepSpeed's CPU accelerator on 3 gloo ranks
-(``tests/deepspeed_cases.py``)."""
+(``tests/support/deepspeed_cases.py``)."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ other):
 - ``slow``: the file's test joins the slow set.
 - ``in DIR``: the block runs in the subdirectory DIR of the file's directory (examples that are
   alternatives, not steps, each get their own).
-- ``setup NAME``: ``tests/docsetup/NAME.py`` runs first, as a prelude does (a set-up shared by the
+- ``setup NAME``: ``tests/support/docsetup/NAME.py`` runs first, as a prelude does (a set-up shared by the
   fragments of several blocks: a process group, a model, a loader).
 
 Python blocks share one namespace per file (as one interpreter session would). ``bash`` blocks run

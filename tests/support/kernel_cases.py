@@ -2,7 +2,7 @@
 signed runs of 3 gloo ranks, three of them placed under one fleet registry. Run ``det`` has a persistent fault on
 rank 1, whose device (gpu-x) is convicted; run ``prior`` ran on gpu-x before anyone knew; run
 ``clean`` trains without one. The test promotes the clean run into a vault afterwards and then
-attacks copies of all of it (tests/test_trust_kernel.py, tests/test_attack_model.py)."""
+attacks copies of all of it (tests/trust/test_trust_kernel.py, tests/trust/test_attack_model.py)."""
 
 from __future__ import annotations
 

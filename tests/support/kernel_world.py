@@ -1,5 +1,5 @@
-"""The trust kernel's world, shared by tests/test_trust_kernel.py and tests/test_attack_model.py: two
-signed runs of 3 gloo ranks under one fleet registry (tests/kernel_cases.py), the clean run promoted
+"""The trust kernel's world, shared by tests/trust/test_trust_kernel.py and tests/trust/test_attack_model.py: two
+signed runs of 3 gloo ranks under one fleet registry (tests/support/kernel_cases.py), the clean run promoted
 into a vault, built once per session and restored in place before each use (stores name each other by
 absolute URL, so a copy elsewhere would still point at the originals)."""
 

@@ -1,4 +1,4 @@
-"""Per-rank functions for tests/test_detect_sessions.py: the same scenario under both audit sessions.
+"""Per-rank functions for tests/detect/test_detect_sessions.py: the same scenario under both audit sessions.
 
 ``kind`` is ``"ddp"`` (``AuditSession`` on a DDP model) or ``"sharded"`` (``ShardedAuditSession`` on an
 HSDP model whose every rank is a replica: a 3 x 1 mesh), so that a flipped weight on one rank is a

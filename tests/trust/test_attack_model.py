@@ -1,6 +1,6 @@
 """An attacker model-checker over the trust kernel (issue 41): hypothesis drives random sequences of
 every file-level edit a keyless attacker can make to two signed run stores, a vault and a fleet
-registry (tests/kernel_world.py, trained on 3 gloo ranks), with an operator's commands in between,
+registry (tests/support/kernel_world.py, trained on 3 gloo ranks), with an operator's commands in between,
 and checks four invariants against the untouched world after every step:
 
 1. no checkpoint's level is higher than in the untouched store (trusted > verified > suspect);
@@ -13,7 +13,7 @@ and checks four invariants against the untouched world after every step:
 CI runs a fixed number of examples with a fixed seed; ``CERTCKPT_ATTACK_EXAMPLES=N`` (and
 ``CERTCKPT_ATTACK_STEPS``) runs it for as long as you like
 (``scripts/attack-model.sh``). Every counterexample found becomes a named test in
-tests/test_trust_kernel.py.
+tests/trust/test_trust_kernel.py.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The trust kernel against a keyless attacker who can write the run stores, the vault or the fleet
 registry (issue 41): the five attacks that broke a documented promise, each a named test, plus the
 findings beside them. Every reader has ``CERTCKPT_TRUSTED_KEYS``; the operator (promote, prune) also
-signs. The world is real: 3 gloo ranks trained every store (tests/kernel_world.py)."""
+signs. The world is real: 3 gloo ranks trained every store (tests/support/kernel_world.py)."""
 
 from __future__ import annotations
 

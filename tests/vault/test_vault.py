@@ -361,22 +361,18 @@ def test_cli_vault_promote_ls_prune_restore_and_drill(copy_run, drill_runs, tmp_
     assert r.returncode == 2 and "holds no checkpoint 'main@99'" in r.stderr
     ref = tmp_path / "ref.json"
     ref.write_text(json.dumps(_reference(drill_runs["clean"], 10)))
-    args = [
-        "drill",
-        "restore",
-        vault,
-        "--model",
-        "certckpt.detect.drill:make_model",
-        "--eval",
-        "certckpt.detect.drill:evaluate",
-    ]
+    from certckpt.detect.drill import evaluate, make_model
+    from certckpt.detect.launch import importable
+
+    (model, _), (evaluation, _) = importable(make_model), importable(evaluate)  # "certckpt.detect.drill:make_model"
+    args = ["drill", "restore", vault, "--model", model, "--eval", evaluation]
     r = cli(*args, "--reference", str(ref))
     assert r.returncode == 0 and "outcome: PASS" in r.stdout
     for stage in ("bytes", "fingerprints", "load", "metrics"):
         assert any(line.split()[:2] == [stage, "pass"] for line in r.stdout.splitlines()), stage
     r = cli(*args, "--json")
     assert r.returncode == 1 and json.loads(r.stdout)["outcome"] == "incomplete"
-    r = cli("drill", "restore", vault, "--model", "no.such.module:f", "--eval", "certckpt.detect.drill:evaluate")
+    r = cli("drill", "restore", vault, "--model", "no.such.module:f", "--eval", evaluation)
     assert r.returncode == 2 and "cannot import no.such.module" in r.stderr
 
 
