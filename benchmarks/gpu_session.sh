@@ -41,8 +41,9 @@ collect=()
 [ -n "$tiny" ] && collect=(--collect-only)
 # the tests that only run with CUDA (they skip without), with the CPU tests of the same files around them
 timeout 150 "$PY" -m pytest -q -p no:cacheprovider -m "not slow" -o addopts="" "${collect[@]}" \
-    tests/test_fused.py tests/test_staging.py tests/test_digest.py tests/test_fingerprint.py \
-    tests/test_detect_unit.py tests/test_roundtrip.py tests/test_torch_compat.py tests/test_async_save.py \
+    tests/format/test_fused.py tests/format/test_staging.py tests/detect/test_digest.py \
+    tests/format/test_fingerprint.py tests/detect/test_detect_unit.py tests/format/test_roundtrip.py \
+    tests/format/test_torch_compat.py tests/format/test_async_save.py \
     -k "cuda or gpu or fused or staging or device_tensors" \
     2>&1 | tee "$OUT/pytest-cuda.txt" | tail -15 || status=1
 device="${GPU_SESSION_DEVICE:-cuda}"

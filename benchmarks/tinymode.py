@@ -3,7 +3,7 @@
 Every script in ``benchmarks/`` reads the variable (``gpu_session.sh`` too, and passes it on to the
 scripts it runs): toy sizes, one trial, the shortest waits, and otherwise the same code, the same
 table and the same exit status. Its figures mean nothing; it exists so that the suite can run every
-benchmark (``tests/test_benchmarks_smoke.py``) and a refactor cannot break one unnoticed. Explicit
+benchmark (``tests/project/test_benchmarks_smoke.py``) and a refactor cannot break one unnoticed. Explicit
 options still win over the tiny defaults.
 """
 

@@ -1,3 +1,6 @@
+"""Fixtures for every folder of the suite (one folder per library package; shared helpers and the
+multi-rank case modules in tests/support/, imported as ``tests.support.NAME``)."""
+
 import atexit
 import os
 import shutil
@@ -6,7 +9,8 @@ import tempfile
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))  # tests/fpref.py and helpers
+from tests.support.helpers import console_script
+
 # Readers remember the chain heads they verified (certckpt.trust.memory): keep this run's memory to
 # itself (and to the processes it starts), never the user's ~/.cache.
 if "CERTCKPT_STATE_DIR" not in os.environ:
@@ -31,14 +35,6 @@ def memroot():
     path = root[len("memory://") :]
     if fs.exists(path):
         fs.rm(path, recursive=True)
-
-
-def console_script(name: str) -> str:
-    """The console script installed beside this interpreter (not a pyenv shim), else PATH's."""
-    import shutil
-
-    beside = os.path.join(os.path.dirname(sys.executable), name)
-    return beside if os.path.exists(beside) else (shutil.which(name) or name)
 
 
 @pytest.fixture(scope="session")
@@ -167,27 +163,11 @@ def copy_run(drill_runs, tmp_path):
     return copy
 
 
-def event_dict(branch, step, kind, outcome="pass", **details):
-    """An audit event as the ledger stores it (run "r", 3 ranks, nobody suspect, not contained)."""
-    return {
-        "run": "r",
-        "branch": branch,
-        "step": step,
-        "kind": kind,
-        "outcome": outcome,
-        "ranks": [0, 1, 2],
-        "suspect_ranks": [],
-        "contained": False,
-        "details": details,
-        "inventory": {},
-    }
-
-
 @pytest.fixture(scope="session")
 def kernel_world(tmp_path_factory):
-    """The trust kernel's world (tests/kernel_world.py): two signed runs trained on 3 gloo ranks and a
-    vault under one fleet registry, built once per session (~10 s) and restored before each use."""
-    from kernel_world import build_world
+    """The trust kernel's world (tests/support/kernel_world.py): two signed runs trained on 3 gloo ranks
+    and a vault under one fleet registry, built once per session (~10 s) and restored before each use."""
+    from tests.support.kernel_world import build_world
 
     return build_world(str(tmp_path_factory.mktemp("kernel")))
 

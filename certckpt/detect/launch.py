@@ -1,7 +1,9 @@
 """Run a function on N local ranks (gloo on 127.0.0.1), one subprocess each, results as JSON.
 
 Used by ``certckpt drill faults``, the tests and the benchmarks. Arguments and results travel as JSON
-files: no pickle anywhere, unlike ``torch.multiprocessing.spawn``.
+files: no pickle anywhere, unlike ``torch.multiprocessing.spawn``. The target is a module-level
+function (``run_ranks(cases.flipped_weight, 3, {...})``: the ranks import it by its module's name, with
+the directory that name is found from put on their path) or a ``"module:function"`` string.
 
     python -m certckpt.detect.launch TARGET RANK WORLD PORT ARGS_JSON OUT_JSON
 """
@@ -14,15 +16,16 @@ import os
 import socket
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from certckpt.errors import RanksFailedError
+from certckpt.errors import ConfigurationError, RanksFailedError
 
-__all__ = ["run_ranks", "RanksFailedError", "free_port", "follow", "ProgressLog"]
+__all__ = ["run_ranks", "importable", "RanksFailedError", "free_port", "follow", "ProgressLog"]
 
 
 def free_port() -> int:
@@ -38,8 +41,32 @@ def _aborted_after_result(p: subprocess.Popen, d: str, rank: int) -> bool:
     return p.returncode == -6 and os.path.exists(os.path.join(d, f"out{rank}.json"))
 
 
+def importable(fn: Callable[..., Any]) -> tuple[str, str | None]:
+    """``("module:function", path)`` for a module-level function: what another process imports it by,
+    and the directory its module's name is found from (the folder above a package's top), to put on
+    that process's path; None where the interpreter finds it anyway (site-packages).
+
+    Raises:
+        ConfigurationError: ``fn`` is not a module-level function of an importable module (``__main__``, a
+            nested function, a lambda).
+    """
+    mod_name: str = getattr(fn, "__module__", None) or ""
+    name: str = getattr(fn, "__qualname__", "")
+    module = sys.modules.get(mod_name)
+    path = getattr(module, "__file__", None)
+    if module is None or mod_name == "__main__" or not path or "." in name or getattr(module, name, None) is not fn:
+        raise ConfigurationError(
+            f"{fn!r}: not a module-level function of an importable module (pass 'module:function')"
+        )
+    root = os.path.dirname(os.path.abspath(path))
+    for _ in range(mod_name.count(".") + (os.path.basename(path) == "__init__.py")):
+        root = os.path.dirname(root)
+    site = {os.path.abspath(p) for p in sysconfig.get_paths().values()}
+    return f"{mod_name}:{name}", (None if root in site else root)
+
+
 def run_ranks(
-    target: str,
+    target: str | Callable[[Any], Any],
     world: int,
     args: dict[str, Any],
     *,
@@ -47,18 +74,27 @@ def run_ranks(
     threads: int = 1,
     extra_path: str | None = None,
 ) -> list[Any]:
-    """Run ``target`` (``"module:function"``, called as ``function(args)``) on ``world`` ranks.
+    """Run ``target`` on ``world`` ranks, called as ``target(args)`` on each.
+
+    ``target`` is a module-level function (its module is imported by name on every rank, its folder
+    put on their ``PYTHONPATH``: see :func:`importable`) or a ``"module:function"`` string (then
+    ``extra_path``, if the ranks need a directory on their path to import it).
 
     Returns:
         Each rank's return value (JSON-decoded), in rank order.
 
     Raises:
         RanksFailedError: any rank failed or the group did not finish within ``timeout`` seconds.
+        ConfigurationError: ``target`` is a function the ranks cannot import (see :func:`importable`).
     """
+    paths = [extra_path]
+    if not isinstance(target, str):
+        target, root = importable(target)
+        paths.insert(0, root)
     port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), CERTCKPT_RANK_THREADS=str(threads))
-    if extra_path:
-        env["PYTHONPATH"] = extra_path + os.pathsep + env.get("PYTHONPATH", "")
+    for entry in reversed([e for e in paths if e]):
+        env["PYTHONPATH"] = entry + os.pathsep + env.get("PYTHONPATH", "")
     with tempfile.TemporaryDirectory(prefix="certckpt-ranks-") as d:
         args_path = os.path.join(d, "args.json")
         with open(args_path, "w", encoding="utf-8") as f:

@@ -82,7 +82,7 @@ def storage_for(url: str) -> Storage:
     if scheme == "file":
         return LocalStorage(url, url[len("file://") :])
     # Imported here, not above: they import fsspec, which a local path never needs (`certckpt verify
-    # FILE` and `--help` stay light; tests/test_architecture.py checks it).
+    # FILE` and `--help` stay light; tests/project/test_architecture.py checks it).
     from .fsspec_store import FsspecStorage, filesystem
     from .s3 import S3Storage
 

@@ -9,7 +9,7 @@ the part of that rule that needs no tensor arithmetic: finalizing a summed S int
 the whole-state fingerprint over named tensor fingerprints. ``shardfp`` computes contributions.
 
 Specified in ``docs/format.md`` ("Sharded checkpoints (DCP)"); checked against
-``certckpt.fingerprint`` of full tensors in ``tests/test_dcp.py``.
+``certckpt.fingerprint`` of full tensors in ``tests/dcp/test_dcp.py``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """``CertifiedAccelerator``: an ``accelerate.Accelerator`` whose ``save_state`` / ``load_state`` are certified.
 
 What changes against the plain ``Accelerator`` (accelerate 1.15; the private attributes it reads are
-pinned by ``tests/test_integration_accelerate.py``: ``_models``, ``_optimizers``, ``_schedulers``,
+pinned by ``tests/integrations/test_integration_accelerate.py``: ``_models``, ``_optimizers``, ``_schedulers``,
 ``_dataloaders``, ``_custom_objects``, ``_save_model_state_pre_hook``, ``_load_model_state_pre_hook``):
 
 - ``save_state`` (every process, as Accelerate's): rank 0 writes the weights, optimizer, scheduler and

@@ -1,7 +1,7 @@
 """``CertifiedTrainerMixin``: a Hugging Face ``Trainer`` whose checkpoints are certified and committed.
 
 What changes against the plain ``Trainer`` (private methods of transformers 5.x, each pinned by a test
-in ``tests/test_integration_transformers.py``):
+in ``tests/integrations/test_integration_transformers.py``):
 
 - ``_save``: weights through ``save_pretrained`` with certified shards; ``training_args.json``
   (``TrainingArguments.to_json_string()``) instead of the pickled ``training_args.bin``;

@@ -1,0 +1,1 @@
+"""certckpt_cli: the command's exit codes, messages and commands."""

@@ -1,0 +1,1 @@
+"""certckpt.dcp: certified sharded DCP checkpoints."""

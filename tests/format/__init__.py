@@ -1,0 +1,1 @@
+"""certckpt.format: the file, its fingerprints, signatures, reads and writes."""

@@ -1,0 +1,1 @@
+"""certckpt.integrations: Lightning, the Hugging Face Trainer, Accelerate, DeepSpeed."""

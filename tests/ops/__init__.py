@@ -1,0 +1,1 @@
+"""certckpt.ops: the planner, the report and its drawings, releases."""

@@ -1,0 +1,1 @@
+"""The repository as a whole: the layering, the docs' code blocks, the benchmarks."""

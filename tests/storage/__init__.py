@@ -1,0 +1,1 @@
+"""certckpt.storage: the Storage contract on each backend."""

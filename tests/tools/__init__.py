@@ -1,0 +1,1 @@
+"""certckpt.tools: the demo and the envelope harness."""

@@ -1,0 +1,1 @@
+"""certckpt.trust: ledgers, the certifier, incidents, the fleet registry, the trust kernel."""

@@ -1,0 +1,1 @@
+"""certckpt.vault: promote, prune, restore and drill."""
