@@ -27,7 +27,6 @@ import errno
 import os
 import shutil
 import threading
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,7 +44,7 @@ from certckpt.trust.ledger import Ledger, LedgerSnapshot, ckpt_id_for, is_ckpt_i
 from certckpt.trust.resume import ResumePoint, next_branch
 from certckpt.trust.runstore import certify_store
 
-from .compat import CHECKPOINT_IO_BASES, version_text
+from .compat import CHECKPOINT_IO_BASES, version_text, warn_outside
 
 __all__ = ["CertifiedCheckpointIO"]
 
@@ -238,11 +237,9 @@ class CertifiedCheckpointIO(*CHECKPOINT_IO_BASES):  # type: ignore[misc]
         cid, key = ckpt_id_for(branch, step), _key(url)
         holder = store.named.get(key)
         if holder == cid:
-            warnings.warn(
+            warn_outside(
                 f"certckpt: {url} is committed as {cid} already; the file was kept (Lightning saved the same step"
-                " to the same name twice)",
-                UserWarning,
-                stacklevel=2,
+                " to the same name twice)"
             )
             return
         with self._lock:
@@ -375,11 +372,9 @@ class CertifiedCheckpointIO(*CHECKPOINT_IO_BASES):  # type: ignore[misc]
         level = verdict.label if verdict is not None else "not committed in this store"
         if level not in ("trusted", "verified"):
             reasons = f" ({', '.join(verdict.reasons)})" if verdict is not None and verdict.reasons else ""
-            warnings.warn(
+            warn_outside(
                 f"certckpt: resuming from {parent} ({url}), which is {level}{reasons}; its descendants cannot be"
-                f" trusted; `certckpt latest-good {store}` names the newest trusted checkpoint",
-                UserWarning,
-                stacklevel=3,
+                f" trusted; `certckpt latest-good {store}` names the newest trusted checkpoint"
             )
         return ResumePoint(
             parent=parent, url=url, step=step, branch=branch, consensus_fp=record.consensus_fp, level=level
@@ -406,11 +401,9 @@ class CertifiedCheckpointIO(*CHECKPOINT_IO_BASES):  # type: ignore[misc]
             if url not in store.deferred:
                 store.deferred.append(url)
             if warn:
-                warnings.warn(
+                warn_outside(
                     f"certckpt: kept {url} ({cid}): {why}; it is deleted after a later save of this run, once a"
-                    " newer checkpoint is latest-good and nothing is in doubt",
-                    UserWarning,
-                    stacklevel=3,
+                    " newer checkpoint is latest-good and nothing is in doubt"
                 )
             return
         target = resolve(url)
@@ -471,11 +464,9 @@ class CertifiedCheckpointIO(*CHECKPOINT_IO_BASES):  # type: ignore[misc]
         store.named.pop(_key(url), None)
         store.named[_key(kept)] = cid
         store.kept[cid] = kept
-        warnings.warn(
+        warn_outside(
             f"certckpt: kept {cid} as {kept}: it is the run's latest-good and Lightning is writing over {url}; it is"
-            " deleted once a newer checkpoint is trusted (until then it costs one more checkpoint of disk)",
-            UserWarning,
-            stacklevel=4,
+            " deleted once a newer checkpoint is trusted (until then it costs one more checkpoint of disk)"
         )
 
     def _release_kept(self, store: _Store) -> None:
