@@ -13,10 +13,10 @@ import torch
 
 pytest.importorskip("pytorch_lightning")
 
-from pytorch_lightning.plugins.io import AsyncCheckpointIO  # noqa: E402
+from pytorch_lightning.plugins.io import AsyncCheckpointIO
 
-import certckpt.integrations.lightning.checkpoint_io as checkpoint_io  # noqa: E402
-from certckpt.integrations.lightning import CertifiedCheckpointIO  # noqa: E402
+import certckpt.integrations.lightning.checkpoint_io as checkpoint_io
+from certckpt.integrations.lightning import CertifiedCheckpointIO
 
 
 def _io_holding_latest_good(tmp_path):
