@@ -119,6 +119,25 @@ class _Store:
         return store
 
 
+def _files_model_checkpoint_keeps(checkpoint: dict[str, Any]) -> set[str] | None:
+    """The files the ``ModelCheckpoint`` states in a Lightning checkpoint dict still name (their
+    best-k files, best, k-th best and last), by ``_key``; None when it holds no such state."""
+    states = checkpoint.get("callbacks")
+    if not isinstance(states, dict):
+        return None
+    found: set[str] | None = None
+    for state in states.values():
+        if not isinstance(state, dict) or not isinstance(state.get("best_k_models"), dict):
+            continue
+        found = found if found is not None else set()
+        names = [
+            *state["best_k_models"],
+            *(state.get(k) for k in ("best_model_path", "kth_best_model_path", "last_model_path")),
+        ]
+        found |= {_key(str(n)) for n in names if isinstance(n, str | os.PathLike) and str(n)}
+    return found
+
+
 # The bases are every installed Lightning's CheckpointIO, found at import time (compat.py); mypy cannot
 # follow a starred base list and takes the class as deriving from Any.
 class CertifiedCheckpointIO(*CHECKPOINT_IO_BASES):  # type: ignore[misc]
@@ -161,6 +180,9 @@ class CertifiedCheckpointIO(*CHECKPOINT_IO_BASES):  # type: ignore[misc]
         self._lock = threading.RLock()
         self.resume_point: ResumePoint | None = None  # set when a checkpoint is loaded
         self._resumed_run: str | None = None
+        self._origin_let_go = False  # the resumed-from file was handed to the rotation (once)
+        self._rotated = False  # Lightning's rotation removed a file of this run (save_top_k at work)
+        self._lightning_keeps: set[str] | None = None  # what ModelCheckpoint kept at the last save
         self._audit_store: str | None = None
         self._flush: Callable[[], None] | None = None
         # by step: under AsyncCheckpointIO the next checkpoint's evidence may be offered (training
@@ -261,6 +283,8 @@ class CertifiedCheckpointIO(*CHECKPOINT_IO_BASES):  # type: ignore[misc]
             result = self._write(checkpoint, url, fields, metadata, store=store, replaces=holder, step=step)
             with self._lock:
                 self._commit(store, result, url=url, step=step, evidence=evidence, run=run, key=key)
+                self._lightning_keeps = _files_model_checkpoint_keeps(checkpoint)
+                self._let_go_of_origin()
         finally:
             with self._lock:
                 store.writing.discard(key)
@@ -301,6 +325,27 @@ class CertifiedCheckpointIO(*CHECKPOINT_IO_BASES):  # type: ignore[misc]
         store.named[key] = cid
         self._release_kept(store)
         self._retry_deferred(store, just=cid)
+
+    def _let_go_of_origin(self) -> None:
+        """Hand the file this run resumed from to the rotation once Lightning's would have deleted
+        it. Lightning never deletes the checkpoint it resumed from (its ``ckpt_path``), even after
+        ``save_top_k`` dropped it; certckpt does, through the deletion gate like any rotated file: it
+        stays while it is latest-good and goes at the first save or rotation after a checkpoint of
+        the new branch is trusted (docs/integrations.md, "What happens to your disk"). Only a
+        committed file of this store, only once Lightning's rotation has removed a file of this run
+        (``save_top_k=-1`` never does), and only when no ``ModelCheckpoint`` state of the last save
+        still lists it."""
+        origin = self.resume_point
+        if origin is None or self._origin_let_go or not self.keep_latest_good or not self._rotated:
+            return
+        kept = self._lightning_keeps
+        if kept is None or _key(origin.url) in kept:
+            return
+        store = self._store(self.store_for(origin.url))
+        if store.named.get(_key(origin.url)) != origin.parent:
+            return  # not the commit it resumed from (an uncommitted or replaced file): never deleted here
+        self._origin_let_go = True
+        self._remove(origin.url)
 
     def _retry_deferred(self, store: _Store, *, just: str) -> None:
         """Delete the files ``save_top_k`` let go before they could be: not written yet, or the
@@ -386,6 +431,9 @@ class CertifiedCheckpointIO(*CHECKPOINT_IO_BASES):  # type: ignore[misc]
         url = _location(path)
         with self._lock:
             self._remove(url)
+            if self.resume_point is not None and _key(url) != _key(self.resume_point.url):
+                self._rotated = True
+                self._let_go_of_origin()
 
     def _remove(self, url: str, *, warn: bool = True) -> None:
         store = self._store(self.store_for(url))
