@@ -14,7 +14,7 @@ from typing import NoReturn
 
 import click
 
-from certckpt.format.companions import companion_listing, companion_marker, companion_problems
+from certckpt.format.companions import CompanionCheck, check_companions, companion_listing, companion_marker
 from certckpt.format.header import printable
 from certckpt.format.record import check_header
 from certckpt.format.signing import TrustedKeys, trusted_keys_from_env
@@ -109,15 +109,17 @@ def verify(location: str, deep: bool, ledger_url: str | None, as_json: bool) -> 
         progress=Progress(f"verifying {location}", threshold=threshold),
         trusted_keys=keys,
     )
+    companions = CompanionCheck()
     if report.info is not None and not report.problems:
         # a file whose record lists companion files (a Trainer manifest): they are part of what it certifies
-        for problem in companion_problems(location, report.info.record, trusted_keys=keys):
+        companions = check_companions(location, report.info.record, trusted_keys=keys)
+        for problem in companions.problems:
             report.fail(ProblemKind.COMPANION, problem)
     verdict = _ledger_verdict(location, ledger_url, report) if ledger_url else None
     if verdict is not None and report.ok and verdict["verdict"] == "suspect":
         report.ok = False
     if as_json:
-        doc = report.to_dict()
+        doc = {**report.to_dict(), **_companions_json(report, companions)}
         if verdict is not None:
             doc["verdict"] = verdict
         click.echo(json.dumps(doc, indent=2))
@@ -128,7 +130,7 @@ def verify(location: str, deep: bool, ledger_url: str | None, as_json: bool) -> 
             x for x in (f"run {rec.run}" if rec.run else "", f"step {rec.step}" if rec.step is not None else "") if x
         )
         click.echo(
-            f"OK  {location}  {report.tensors} tensors, {human_bytes(report.nbytes)}"
+            f"OK  {location}  {_checked_summary(location, report, companions)}"
             f"{', ' + what if what else ''}, state fp {rec.state_fp}"
             f"{', fingerprints recomputed' if deep else ''} ({report.seconds:.2f} s)"
         )
@@ -152,6 +154,39 @@ def verify(location: str, deep: bool, ledger_url: str | None, as_json: bool) -> 
             reasons = ", ".join(verdict["reasons"]) or "-"
             click.echo(f"  verdict: {verdict['verdict']} ({verdict['ckpt_id']}): {reasons}")
     sys.exit(EXIT_OK if report.ok else EXIT_FAILED)
+
+
+def _companions_json(report, companions: CompanionCheck) -> dict:
+    """``--json``'s account of a checkpoint directory: every companion file verified, and the totals."""
+    if not companions.verified and not companions.problems:
+        return {}
+    return {
+        "companions": [c.to_dict() for c in companions.verified],
+        "total": {
+            "files": 1 + len(companions.verified),
+            "tensors": report.tensors + sum(c.tensors for c in companions.verified),
+            "bytes": report.nbytes + sum(c.nbytes for c in companions.verified),
+        },
+    }
+
+
+def _checked_summary(location: str, report, companions: CompanionCheck) -> str:
+    """What was verified, in words: the file's tensors and bytes, and for a checkpoint directory
+    every file its record lists too (each certified one whole, each plain one by its digests)."""
+    if not companions.verified:
+        return f"{report.tensors} tensors, {human_bytes(report.nbytes)}"
+    certified = [c for c in companions.verified if c.certified]
+    plain = [c for c in companions.verified if not c.certified]
+    tensors = report.tensors + sum(c.tensors for c in certified)
+    nbytes = report.nbytes + sum(c.nbytes for c in companions.verified)
+    parts = [f"{os.path.basename(location)} ({report.tensors} tensors)"]
+    if certified:
+        parts.append(f"{', '.join(c.name for c in certified)} ({sum(c.tensors for c in certified)} tensors)")
+    if plain:
+        parts.append(f"{', '.join(c.name for c in plain)} (digests)")
+    return (
+        f"{1 + len(companions.verified)} files, {tensors} tensors, {human_bytes(nbytes)} verified: {'; '.join(parts)}"
+    )
 
 
 def _member_of(location: str) -> str | None:

@@ -21,7 +21,12 @@ from .common import expected_errors
     show_default=True,
     help="Lowest verdict released: verified also releases a run without audit evidence (and says so).",
 )
-@click.option("--part", default=None, help="The checkpoint's entry holding the model's tensors (default: model).")
+@click.option(
+    "--part",
+    default=None,
+    help="Where the model's tensors are: an entry of a file (default: model, else state_dict), a weight file of a"
+    " checkpoint directory (default: model.safetensors), a name prefix of a DCP checkpoint (default: model).",
+)
 @click.option("--with", "extra", multiple=True, type=click.Path(dir_okay=False), help="A file signed with the model.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON answer.")
 @expected_errors

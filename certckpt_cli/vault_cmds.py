@@ -83,7 +83,9 @@ def vault_promote(
     """Copy trusted checkpoints of RUN_URL into VAULT_URL, read them back and verify them.
 
     Exit 0 when done (also when there was nothing new); 1 when a requested checkpoint is suspect
-    (or only verified, without --accept verified).
+    (or only verified, without --accept verified); 2, before anything is copied, when trusted keys are
+    configured and CERTCKPT_SIGNING_KEY is unset or not one of them (the vault's records would certify
+    nothing).
     """
     from certckpt.vault import promote
 

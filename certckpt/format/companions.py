@@ -21,6 +21,7 @@ import json
 import os
 import re
 import struct
+from dataclasses import dataclass, field
 from typing import Any
 
 import xxhash
@@ -42,6 +43,9 @@ __all__ = [
     "CRYPTO_FIELDS",
     "companions_of",
     "companion_problems",
+    "check_companions",
+    "CompanionCheck",
+    "CompanionFile",
     "plain_entry",
     "plain_problem",
 ]
@@ -167,19 +171,58 @@ def plain_problem(url: str, want: dict[str, Any], *, trusted_keys: TrustedKeys |
     return None
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CompanionFile:
+    """One companion file that verified.
+
+    Attributes:
+        name: its name in the listing file's directory.
+        certified: a certckpt file (checked whole: every tensor's digest), else a plain file (its
+            size and digests checked against the listing's).
+        nbytes: its size.
+        tensors: tensors checked (0 for a plain file).
+    """
+
+    name: str
+    certified: bool
+    nbytes: int
+    tensors: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        kind = "certified" if self.certified else "plain"
+        return {"name": self.name, "kind": kind, "bytes": self.nbytes, "tensors": self.tensors}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CompanionCheck:
+    """What ``check_companions`` found: one line per problem, and every file that verified."""
+
+    problems: list[str] = field(default_factory=list)
+    verified: list[CompanionFile] = field(default_factory=list)
+
+
 def companion_problems(
     location: str, record: CheckpointRecord, *, trusted_keys: TrustedKeys | None = None
 ) -> list[str]:
     """Check every file ``record`` (the record of the file at ``location``) lists: present, same size,
     same digest; certified ones verified whole (and signed, with ``trusted_keys``). One line each."""
+    return check_companions(location, record, trusted_keys=trusted_keys).problems
+
+
+def check_companions(
+    location: str, record: CheckpointRecord, *, trusted_keys: TrustedKeys | None = None
+) -> CompanionCheck:
+    """``companion_problems``, also saying what was verified (each file, its bytes and tensors)."""
+    out = CompanionCheck()
+    problems = out.problems
     try:
         files = companions_of(record)
     except (ValueError, RecursionError) as e:
-        return [f"{location}: the record's table of companion files is unreadable ({e})"]
+        problems.append(f"{location}: the record's table of companion files is unreadable ({e})")
+        return out
     if not files:
-        return []
+        return out
     base = location.rsplit("/", 1)[0] if "/" in location else "."
-    problems = []
     for name, want in sorted(files.items()):
         member = join(base, name)
         if "://" not in member and os.path.islink(member):
@@ -199,6 +242,10 @@ def companion_problems(
                         f"{member}: another certified file than the one saved (header digest "
                         f"{got.info.record.header_digest}, the manifest says {want['header_digest']})"
                     )
+                else:
+                    out.verified.append(
+                        CompanionFile(name=name, certified=True, nbytes=got.nbytes, tensors=got.tensors)
+                    )
                 continue
             problem = plain_problem(member, want, trusted_keys=trusted_keys)
         except CertckptError as e:
@@ -211,4 +258,6 @@ def companion_problems(
             continue
         if problem:
             problems.append(problem)
-    return problems
+        else:
+            out.verified.append(CompanionFile(name=name, certified=False, nbytes=want["bytes"]))
+    return out

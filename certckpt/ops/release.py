@@ -34,6 +34,7 @@ from certckpt.errors import (
     ReleaseVerificationError,
     UntrustedCheckpointError,
 )
+from certckpt.format.companions import companion_listing
 from certckpt.storage import LEDGER_DIR
 from certckpt.trust.certify import Level, accept_level
 from certckpt.trust.coverage import lineage_of, parents_of
@@ -51,6 +52,7 @@ from .release_cert import (
     sign_envelope,
     statement,
 )
+from .release_shapes import PrivateCopy, private_copy, released_model
 
 __all__ = ["Release", "ReleaseCheck", "make_release", "verify_release", "MODEL_NAME"]
 
@@ -120,9 +122,9 @@ def enclosing_store(path: str) -> str | None:
     return None
 
 
-def _choose(ckpt: str, store: str | None, level: Level) -> tuple[StoreStatus, str]:
-    """The store's certified status and the checkpoint to release (its bytes are checked by
-    ``_checked_copy``, on the copy that is released)."""
+def _choose(ckpt: str, store: str | None, level: Level) -> tuple[StoreStatus, str, str | None]:
+    """The store's certified status, the checkpoint to release (its bytes are checked on the copy
+    that is released) and, when ``ckpt`` named one weight file of a checkpoint directory, that file."""
     if store is None and "://" not in ckpt and os.path.isdir(os.path.join(ckpt, LEDGER_DIR)):
         status, cid = find_latest_good(ckpt, accept=level, write_certificates=False)
         if cid is None:
@@ -134,70 +136,61 @@ def _choose(ckpt: str, store: str | None, level: Level) -> tuple[StoreStatus, st
                 else f"`certckpt status {ckpt}` says why"
             )
             raise UntrustedCheckpointError(f"{ckpt}: no checkpoint is {level.value} ({why})")
-        return status, cid
+        return status, cid, None
     store = store or enclosing_store(ckpt)
     if store is None:
         raise ConfigurationError(f"{ckpt}: no run store around it; name the store that committed it with --store")
     status = certify_store(store, write_certificates=False)
-    want = os.path.abspath(ckpt) if "://" not in ckpt else ckpt
-    snap = status.snapshot
-    for c in snap.checkpoints:
-        if c.ckpt_id == ckpt or (os.path.abspath(c.url) if "://" not in c.url else c.url) == want:
-            v = status.certification.verdicts[c.ckpt_id]
-            if v.level.rank < level.rank:
-                hint = " (`--accept verified` takes a run without audit evidence)" if v.label == "verified" else ""
-                raise UntrustedCheckpointError(
-                    f"{c.ckpt_id}: {v.label} ({', '.join(v.reasons) or 'no reason'}); a release takes"
-                    f" {level.value}{hint}"
-                )
-            return status, c.ckpt_id
+    for c in status.snapshot.checkpoints:
+        member = _names(ckpt, c.ckpt_id, c.url)
+        if member is None:
+            continue
+        v = status.certification.verdicts[c.ckpt_id]
+        if v.level.rank < level.rank:
+            hint = " (`--accept verified` takes a run without audit evidence)" if v.label == "verified" else ""
+            raise UntrustedCheckpointError(
+                f"{c.ckpt_id}: {v.label} ({', '.join(v.reasons) or 'no reason'}); a release takes {level.value}{hint}"
+            )
+        return status, c.ckpt_id, (member if member.endswith(".safetensors") else None)
     raise CheckpointNotFoundError(f"{ckpt}: not a checkpoint committed to {store}")
 
 
-def _checked_copy(status: StoreStatus, cid: str, directory: str) -> str:
-    """The checkpoint's bytes, read once into a private file in ``directory``, then verified there as
-    the very file committed (``check_file``): what is released is what was checked, whatever happens
-    to the store's file meanwhile (checking the store's file, then loading it again, left a window
-    in which someone who can write the store could swap in other weights)."""
-    from certckpt.storage import open_read, resolve
+def _names(ckpt: str, cid: str, url: str) -> str | None:
+    """Whether ``ckpt`` (an id, a path or URL) names the checkpoint ``cid`` committed at ``url``:
+    None if not; "" for the checkpoint itself (its id, its committed file, its directory); a file
+    name for one file its record lists (a Trainer ``checkpoint-N/model.safetensors``)."""
+    if ckpt in (cid, url):
+        return ""
+    if "://" in ckpt or "://" in url:
+        return None
+    want, have = os.path.abspath(ckpt), os.path.abspath(url)
+    if want == have:
+        return ""
+    here = os.path.dirname(have)
+    if os.path.isdir(want):
+        # a checkpoint directory (checkpoint-N/): the one file of it whose record lists the others
+        listing = companion_listing(want) if want == here else None
+        return "" if listing is not None and os.path.abspath(listing[0]) == have else None
+    if os.path.dirname(want) != here:
+        return None
+    listing = companion_listing(here)
+    if listing is None or os.path.abspath(listing[0]) != have or os.path.basename(want) not in listing[1]:
+        return None
+    return os.path.basename(want)
 
-    url = status.entry(cid).url
-    local = os.path.join(directory, "checkpoint.safetensors")
-    with open_read(resolve(url)) as (fh, size), open(local, "xb") as out:
-        # no more than the size the store reported (a file that grows meanwhile fails the check below)
-        left = size
-        while left is None or left > 0:
-            chunk = fh.read(1 << 20 if left is None else min(left, 1 << 20))
-            if not chunk:
-                break
-            out.write(chunk)
-            left = None if left is None else left - len(chunk)
+
+def _checked_copy(status: StoreStatus, cid: str, directory: str) -> PrivateCopy:
+    """The checkpoint's bytes (a file, with the files its record lists, or a DCP directory), read
+    once into ``directory``, then verified there as the very checkpoint committed (``check_file``):
+    what is released is what was checked, whatever happens to the store's files meanwhile (checking
+    the store's files, then reading them again, left a window in which someone who can write the
+    store could swap in other weights)."""
+    copy = private_copy(status.entry(cid).url, directory)
     rec = status.snapshot.records[cid]
-    problem = check_file(local, rec.get("header_digest"), committed=rec, trusted_keys=status.snapshot.trusted_keys)
+    problem = check_file(copy.path, rec.get("header_digest"), committed=rec, trusted_keys=status.snapshot.trusted_keys)
     if problem:
-        raise CorruptCheckpointError(problem.replace(local, url))
-    return local
-
-
-def _model_tensors(path: str, part: str | None, *, url: str) -> dict[str, Any]:
-    """The model's tensors from the checkpoint file at ``path`` (``url`` names it in messages):
-    ``part`` (default: ``model``, else ``state_dict``, else the whole object when it is a flat mapping
-    of tensors)."""
-    import torch
-
-    from certckpt.format.reader import load
-
-    obj = load(path, "cpu")
-    if part is None:
-        part = next((k for k in ("model", "state_dict") if isinstance(obj, dict) and isinstance(obj.get(k), dict)), "")
-    if part:
-        if not isinstance(obj, dict) or not isinstance(obj.get(part), dict):
-            keys = sorted(map(str, obj))[:8] if isinstance(obj, dict) else type(obj).__name__
-            raise ConfigurationError(f"{url}: no mapping of tensors at {part!r} (found {keys}); choose one with --part")
-        obj = obj[part]
-    if not isinstance(obj, dict) or not obj or not all(isinstance(v, torch.Tensor) for v in obj.values()):
-        raise ConfigurationError(f"{url}: {part or 'the checkpoint'} is not a flat mapping of tensors; choose --part")
-    return {str(k): v.detach().contiguous().clone() for k, v in obj.items()}
+        raise CorruptCheckpointError(copy.shown(problem))
+    return copy
 
 
 def _ledger_position(status: StoreStatus, cid: str) -> dict[str, Any]:
@@ -296,13 +289,21 @@ def make_release(
 ) -> Release:
     """Release a checkpoint (or a store's latest-good) into the new directory ``out``.
 
+    Every shape certckpt writes: a file (its ``model`` entry), a checkpoint directory (a Trainer
+    ``checkpoint-N/`` or an Accelerate ``checkpoint_<i>/``: its ``model.safetensors``, or the shards
+    of its index, with the plain files ``from_pretrained`` reads, ``config.json`` and the tokenizer's),
+    a DCP directory (consolidated into one file). See ``ops.release_shapes``.
+
     Args:
-        ckpt: a committed checkpoint file, its id (with ``store``), or a run store (its latest-good).
+        ckpt: a committed checkpoint (its file, its directory, one weight file of its directory, or
+            its id with ``store``), or a run store (its latest-good).
         key: an elliptic-curve private key, PEM (``certckpt keygen --release``).
         out: the release directory (must not exist, or be empty).
         store: the run store that committed ``ckpt`` (default: the one around it).
         accept: the lowest verdict released: ``trusted`` (default) or ``verified``.
-        part: the entry of the checkpoint holding the model's tensors (default ``model``).
+        part: where the model's tensors are: an entry of a file (default ``model``, else
+            ``state_dict``), a weight file of a checkpoint directory (default ``model.safetensors``),
+            a prefix of a DCP checkpoint's names (default ``model``).
         extra_files: files copied beside the model and signed with it (``config.json``...).
 
     Raises:
@@ -322,7 +323,7 @@ def make_release(
     names = [os.path.basename(p) for p in extra_files]
     if len(set(names)) != len(names) or {MODEL_NAME, SIGNATURE_NAME, CERTIFICATE_NAME} & set(names):
         raise ConfigurationError(f"extra files {names}: names must be unique and not {MODEL_NAME} or a signature's")
-    status, cid = _choose(ckpt, store, level)
+    status, cid, member = _choose(ckpt, store, level)
     from safetensors.torch import save_file
 
     # the private copy goes beside the release (the checkpoint's size in free space is needed there
@@ -330,19 +331,23 @@ def make_release(
     parent = os.path.dirname(os.path.abspath(out))
     os.makedirs(parent, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".certckpt-release-", dir=parent) as tmp:
-        tensors = _model_tensors(_checked_copy(status, cid, tmp), part, url=status.entry(cid).url)
-    os.makedirs(out, exist_ok=True)
-    save_file(tensors, os.path.join(out, MODEL_NAME), metadata={"format": "pt"})
-    os.chmod(os.path.join(out, MODEL_NAME), 0o644)  # a release is for others to read
-    for src in extra_files:
-        shutil.copyfile(src, os.path.join(out, os.path.basename(src)))
-    files = {n: _sha256(os.path.join(out, n)) for n in sorted([MODEL_NAME, *names])}
+        model = released_model(_checked_copy(status, cid, tmp), part if part is not None else member)
+        extra = _extra_files(extra_files, model.carried)
+        os.makedirs(out, exist_ok=True)
+        save_file(model.tensors, os.path.join(out, MODEL_NAME), metadata={"format": "pt"})
+        for name, src in sorted({**model.carried, **extra}.items()):
+            shutil.copyfile(src, os.path.join(out, name))
+    for name in os.listdir(out):
+        os.chmod(os.path.join(out, name), 0o644)  # a release is for others to read
+    files = {n: _sha256(os.path.join(out, n)) for n in sorted(os.listdir(out))}
     hashing = ms.hashing.Config().set_ignored_paths(paths=[SIGNATURE_NAME, CERTIFICATE_NAME], ignore_git_paths=False)
     ms.signing.Config().use_elliptic_key_signer(private_key=key).set_hashing_config(hashing).sign(
         out, os.path.join(out, SIGNATURE_NAME)
     )
     sig = _signature_facts(os.path.join(out, SIGNATURE_NAME), private)
-    doc = statement(files=files, predicate=_predicate(status, cid, accept=level, signature=sig))
+    predicate = _predicate(status, cid, accept=level, signature=sig)
+    predicate["checkpoint"]["released_from"] = model.source
+    doc = statement(files=files, predicate=predicate)
     with open(os.path.join(out, CERTIFICATE_NAME), "x", encoding="utf-8") as f:
         json.dump(sign_envelope(doc, private), f, indent=2)
         f.write("\n")
@@ -353,6 +358,23 @@ def make_release(
         files=files,
         key_id=sig["key"],
     )
+
+
+def _extra_files(paths: Sequence[str], carried: dict[str, str]) -> dict[str, str]:
+    """``--with`` files by release name; one the checkpoint carries already (its verified copy) is
+    taken only when it holds the same bytes."""
+    out = {}
+    for path in paths:
+        name = os.path.basename(path)
+        if name in carried:
+            if _sha256(path) != _sha256(carried[name]):
+                raise ConfigurationError(
+                    f"--with {path}: the checkpoint holds another {name}, verified with it, which the release"
+                    f" carries; leave --with for files the checkpoint does not hold"
+                )
+            continue
+        out[name] = path
+    return out
 
 
 def _release_files(directory: str) -> dict[str, str]:

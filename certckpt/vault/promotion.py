@@ -19,11 +19,13 @@ from certckpt.errors import (
     CertckptError,
     CheckpointExistsError,
     CheckpointNotFoundError,
+    ConfigurationError,
     CorruptCheckpointError,
     NotACheckpointError,
     UntrustedCheckpointError,
 )
 from certckpt.format.sharded.layout import MANIFEST_NAME
+from certckpt.format.signing import SigningKey, TrustedKeys, signing_key_from_env
 from certckpt.format.trustconfig import TrustConfig, trust_config_for
 from certckpt.format.verify import inspect
 from certckpt.storage import LockRequest, join, resolve
@@ -37,7 +39,7 @@ from .bundles import Bundle, bundle_of, describe, held_name
 from .site import lock_of, lock_options, open_vault, versions_of
 from .transfer import Progress, copy_bundle, copy_once, repair_bundle, repair_copy
 
-__all__ = ["Promotion", "holdings", "promote"]
+__all__ = ["Promotion", "holdings", "promote", "unsigned_vault_problem"]
 
 _MIRRORED = ("checkpoints", "branches", "events", "revocations", "incidents", "placements")  # as MIRRORED_KINDS
 
@@ -152,6 +154,29 @@ def _metrics(user: dict[str, str]) -> dict[str, float]:
     return out
 
 
+def unsigned_vault_problem(vault: str, trusted: TrustedKeys | None, signing: SigningKey | None) -> str | None:
+    """Why a promotion under ``trusted`` keys would certify nothing (checked before anything is
+    copied), or None. The vault's own records (its mark, its holdings, its chain) are written by the
+    promoter: unsigned, or signed by a key the trusted keys do not list, they count for nothing under
+    those keys, so the vault could never certify what it holds."""
+    if trusted is None:
+        return None
+    if signing is None:
+        return (
+            f"{vault}: trusted keys are configured (CERTCKPT_TRUSTED_KEYS) but no signing key: the vault's own"
+            " records would be unsigned, and under trusted keys an unsigned record certifies nothing, so no"
+            " checkpoint could be promoted; set CERTCKPT_SIGNING_KEY (a key the trusted keys list) for the"
+            " promoter. Nothing was copied"
+        )
+    if signing.key_id not in trusted.keys:
+        return (
+            f"{vault}: the signing key (CERTCKPT_SIGNING_KEY, key {signing.key_id}) is not among the trusted keys"
+            " (CERTCKPT_TRUSTED_KEYS): the vault's own records would certify nothing under them; sign with a"
+            " trusted key, or add its public half to the trusted keys. Nothing was copied"
+        )
+    return None
+
+
 def promote(
     run: str,
     vault: str,
@@ -181,13 +206,18 @@ def promote(
         trust: the reader's keys and memory for both stores (default ``TrustConfig.from_env()``).
 
     Raises:
+        ConfigurationError: trusted keys are configured and the promoter has no signing key among
+            them (``$CERTCKPT_SIGNING_KEY``): the vault's records would certify nothing (nothing copied).
         UntrustedCheckpointError: a requested checkpoint is below ``accept`` (nothing copied for it).
         CheckpointExistsError: the vault holds different content under a promoted name.
     """
     level = accept_level(accept)
+    trust = trust_config_for(trust)
+    unsigned = unsigned_vault_problem(vault, trust.trusted_keys, signing_key_from_env())
+    if unsigned is not None:
+        raise ConfigurationError(unsigned)
     site = open_vault(vault, create=True)
     put_options = lock_options(site, mode=lock_mode, retain_days=retain_days)
-    trust = trust_config_for(trust)
     source = Ledger(run, trust=trust)
     status = certify_store(run, trust=trust)
     cert, snap = status.certification, status.snapshot

@@ -27,7 +27,6 @@ import errno
 import os
 import shutil
 import threading
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,7 +46,7 @@ from certckpt.trust.ledger import Ledger, LedgerSnapshot, ckpt_id_for, is_ckpt_i
 from certckpt.trust.resume import ResumePoint, next_branch
 from certckpt.trust.runstore import certify_store
 
-from .compat import CHECKPOINT_IO_BASES, version_text
+from .compat import CHECKPOINT_IO_BASES, version_text, warn_outside
 
 __all__ = ["CertifiedCheckpointIO"]
 
@@ -122,6 +121,25 @@ class _Store:
         return store
 
 
+def _files_model_checkpoint_keeps(checkpoint: dict[str, Any]) -> set[str] | None:
+    """The files the ``ModelCheckpoint`` states in a Lightning checkpoint dict still name (their
+    best-k files, best, k-th best and last), by ``_key``; None when it holds no such state."""
+    states = checkpoint.get("callbacks")
+    if not isinstance(states, dict):
+        return None
+    found: set[str] | None = None
+    for state in states.values():
+        if not isinstance(state, dict) or not isinstance(state.get("best_k_models"), dict):
+            continue
+        found = found if found is not None else set()
+        names = [
+            *state["best_k_models"],
+            *(state.get(k) for k in ("best_model_path", "kth_best_model_path", "last_model_path")),
+        ]
+        found |= {_key(str(n)) for n in names if isinstance(n, str | os.PathLike) and str(n)}
+    return found
+
+
 # The bases are every installed Lightning's CheckpointIO, found at import time (compat.py); mypy cannot
 # follow a starred base list and takes the class as deriving from Any.
 class CertifiedCheckpointIO(*CHECKPOINT_IO_BASES):  # type: ignore[misc]
@@ -164,6 +182,9 @@ class CertifiedCheckpointIO(*CHECKPOINT_IO_BASES):  # type: ignore[misc]
         self._lock = threading.RLock()
         self.resume_point: ResumePoint | None = None  # set when a checkpoint is loaded
         self._resumed_run: str | None = None
+        self._origin_let_go = False  # the resumed-from file was handed to the rotation (once)
+        self._rotated = False  # Lightning's rotation removed a file of this run (save_top_k at work)
+        self._lightning_keeps: set[str] | None = None  # what ModelCheckpoint kept at the last save
         self._audit_store: str | None = None
         self._flush: Callable[[], None] | None = None
         # by step: under AsyncCheckpointIO the next checkpoint's evidence may be offered (training
@@ -240,11 +261,9 @@ class CertifiedCheckpointIO(*CHECKPOINT_IO_BASES):  # type: ignore[misc]
         cid, key = ckpt_id_for(branch, step), _key(url)
         holder = store.named.get(key)
         if holder == cid:
-            warnings.warn(
+            warn_outside(
                 f"certckpt: {url} is committed as {cid} already; the file was kept (Lightning saved the same step"
-                " to the same name twice)",
-                UserWarning,
-                stacklevel=2,
+                " to the same name twice)"
             )
             return
         with self._lock:
@@ -270,6 +289,8 @@ class CertifiedCheckpointIO(*CHECKPOINT_IO_BASES):  # type: ignore[misc]
             )
             with self._lock:
                 self._commit(store, result, fields, step=step, audited=evidence is not None, key=key)
+                self._lightning_keeps = _files_model_checkpoint_keeps(checkpoint)
+                self._let_go_of_origin()
         finally:
             with self._lock:
                 store.writing.discard(key)
@@ -302,6 +323,27 @@ class CertifiedCheckpointIO(*CHECKPOINT_IO_BASES):  # type: ignore[misc]
         store.named[key] = cid
         self._release_kept(store)
         self._retry_deferred(store, just=cid)
+
+    def _let_go_of_origin(self) -> None:
+        """Hand the file this run resumed from to the rotation once Lightning's would have deleted
+        it. Lightning never deletes the checkpoint it resumed from (its ``ckpt_path``), even after
+        ``save_top_k`` dropped it; certckpt does, through the deletion gate like any rotated file: it
+        stays while it is latest-good and goes at the first save or rotation after a checkpoint of
+        the new branch is trusted (docs/integrations.md, "What happens to your disk"). Only a
+        committed file of this store, only once Lightning's rotation has removed a file of this run
+        (``save_top_k=-1`` never does), and only when no ``ModelCheckpoint`` state of the last save
+        still lists it."""
+        origin = self.resume_point
+        if origin is None or self._origin_let_go or not self.keep_latest_good or not self._rotated:
+            return
+        kept = self._lightning_keeps
+        if kept is None or _key(origin.url) in kept:
+            return
+        store = self._store(self.store_for(origin.url))
+        if store.named.get(_key(origin.url)) != origin.parent:
+            return  # not the commit it resumed from (an uncommitted or replaced file): never deleted here
+        self._origin_let_go = True
+        self._remove(origin.url)
 
     def _retry_deferred(self, store: _Store, *, just: str) -> None:
         """Delete the files ``save_top_k`` let go before they could be: not written yet, or the
@@ -373,11 +415,9 @@ class CertifiedCheckpointIO(*CHECKPOINT_IO_BASES):  # type: ignore[misc]
         level = verdict.label if verdict is not None else "not committed in this store"
         if level not in ("trusted", "verified"):
             reasons = f" ({', '.join(verdict.reasons)})" if verdict is not None and verdict.reasons else ""
-            warnings.warn(
+            warn_outside(
                 f"certckpt: resuming from {parent} ({url}), which is {level}{reasons}; its descendants cannot be"
-                f" trusted; `certckpt latest-good {store}` names the newest trusted checkpoint",
-                UserWarning,
-                stacklevel=3,
+                f" trusted; `certckpt latest-good {store}` names the newest trusted checkpoint"
             )
         return ResumePoint(
             parent=parent, url=url, step=step, branch=branch, consensus_fp=record.consensus_fp, level=level
@@ -389,6 +429,9 @@ class CertifiedCheckpointIO(*CHECKPOINT_IO_BASES):  # type: ignore[misc]
         url = _location(path)
         with self._lock:
             self._remove(url)
+            if self.resume_point is not None and _key(url) != _key(self.resume_point.url):
+                self._rotated = True
+                self._let_go_of_origin()
 
     def _remove(self, url: str, *, warn: bool = True) -> None:
         store = self._store(self.store_for(url))
@@ -404,11 +447,9 @@ class CertifiedCheckpointIO(*CHECKPOINT_IO_BASES):  # type: ignore[misc]
             if url not in store.deferred:
                 store.deferred.append(url)
             if warn:
-                warnings.warn(
+                warn_outside(
                     f"certckpt: kept {url} ({cid}): {why}; it is deleted after a later save of this run, once a"
-                    " newer checkpoint is latest-good and nothing is in doubt",
-                    UserWarning,
-                    stacklevel=3,
+                    " newer checkpoint is latest-good and nothing is in doubt"
                 )
             return
         target = resolve(url)
@@ -469,11 +510,9 @@ class CertifiedCheckpointIO(*CHECKPOINT_IO_BASES):  # type: ignore[misc]
         store.named.pop(_key(url), None)
         store.named[_key(kept)] = cid
         store.kept[cid] = kept
-        warnings.warn(
+        warn_outside(
             f"certckpt: kept {cid} as {kept}: it is the run's latest-good and Lightning is writing over {url}; it is"
-            " deleted once a newer checkpoint is trusted (until then it costs one more checkpoint of disk)",
-            UserWarning,
-            stacklevel=4,
+            " deleted once a newer checkpoint is trusted (until then it costs one more checkpoint of disk)"
         )
 
     def _release_kept(self, store: _Store) -> None:

@@ -12,8 +12,12 @@ with certckpt's type registry here, so that it comes back as an ``AttributeDict`
 from __future__ import annotations
 
 import importlib
+import os
+import sys
+import threading
+import warnings
 from dataclasses import dataclass
-from types import ModuleType
+from types import FrameType, ModuleType
 from typing import Any
 
 from certckpt.errors import ArgumentTypeError, MissingDependencyError
@@ -21,7 +25,15 @@ from certckpt.format.registry import lookup_class, register_type
 
 from .presence import installed
 
-__all__ = ["LightningPackage", "PACKAGES", "CHECKPOINT_IO_BASES", "CALLBACK_BASES", "package_of", "version_text"]
+__all__ = [
+    "LightningPackage",
+    "PACKAGES",
+    "CHECKPOINT_IO_BASES",
+    "CALLBACK_BASES",
+    "package_of",
+    "version_text",
+    "warn_outside",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,3 +98,39 @@ def package_of(obj: Any) -> LightningPackage:
 def version_text() -> str:
     """``"pytorch_lightning 2.6.6"``: recorded in each checkpoint's metadata."""
     return ", ".join(f"{p.name} {getattr(p.module, '__version__', '?')}" for p in PACKAGES)
+
+
+def _internal_prefixes() -> tuple[str, ...]:
+    """Where the frames a warning must not be attributed to live: certckpt, every installed
+    Lightning (its trainer and fabric packages), and the thread machinery a saver thread starts in."""
+    import concurrent.futures
+
+    roots = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]  # certckpt/integrations/: below certckpt/
+    for pkg in PACKAGES:
+        roots.append(pkg.module.__file__ or "")
+        fabric = sys.modules.get(pkg.fabric)
+        roots.append(getattr(fabric, "__file__", None) or "")
+    dirs = tuple(os.path.dirname(os.path.abspath(r)) + os.sep for r in roots if r)  # certckpt/ and each package
+    return (*dirs, os.path.abspath(threading.__file__), os.path.dirname(os.path.abspath(concurrent.futures.__file__)))
+
+
+_INTERNAL = _internal_prefixes()
+
+
+def warn_outside(message: str, category: type[Warning] = UserWarning) -> None:
+    """``warnings.warn`` at the user's call: the first frame outside certckpt and Lightning (Lightning
+    calls a ``CheckpointIO`` through its own layers, ``AsyncCheckpointIO``'s ``wrapper.py`` among them,
+    so a fixed ``stacklevel`` lands in Lightning); at certckpt's own line when no frame of this thread
+    is the user's (a saver thread). The frame is computed rather than left to Python 3.12's
+    ``skip_file_prefixes`` so that 3.10 and 3.11 attribute it alike, and the saver-thread case falls
+    back to certckpt rather than to ``threading.py``."""
+    frame: FrameType | None = sys._getframe(1)  # the certckpt line that warns: stacklevel 2
+    level, found = 2, 2
+    while frame is not None:
+        name = os.path.abspath(frame.f_code.co_filename)
+        if not name.startswith(_INTERNAL) and not frame.f_code.co_filename.startswith("<"):
+            found = level
+            break
+        frame = frame.f_back
+        level += 1
+    warnings.warn(message, category, stacklevel=found)

@@ -523,6 +523,12 @@ class CertifiedTrainerMixin(_TrainerBase):
         if limit is None or limit <= 0:
             return
         checkpoints = sort_checkpoints(run_dir, PREFIX_CHECKPOINT_DIR, use_mtime=False)
+        # A resumed branch writes under OUTPUT_DIR/<branch>/, away from the checkpoint it resumed from:
+        # that one counts as this run's oldest, as it would in the plain Trainer's single directory,
+        # so the limit releases it once the gate lets it go (a newer checkpoint is latest-good).
+        origin = self._certckpt_resumed_from_dir()
+        if origin is not None and origin not in checkpoints:
+            checkpoints.insert(0, origin)
         if len(checkpoints) <= limit:
             return
         protected = {checkpoints[-1]} if keep_newest else set()
@@ -554,6 +560,24 @@ class CertifiedTrainerMixin(_TrainerBase):
                 continue
             shutil.rmtree(checkpoint, ignore_errors=True)
             remaining -= 1
+
+    def _certckpt_resumed_from_dir(self) -> str | None:
+        """The ``checkpoint-N/`` directory this branch resumed from, when it lies outside this branch's
+        own directory and still exists (None for a fresh run)."""
+        run = self.certckpt
+        if run.parent is None:
+            return None
+        snap = _snapshot(run.ledger)
+        record = snap.records.get(run.parent)
+        if record is None or run.parent in snap.retired:
+            return None
+        url = run.ledger.url_of(record)
+        if "://" in url:
+            return None
+        directory = os.path.dirname(url)
+        if not os.path.basename(directory).startswith(f"{PREFIX_CHECKPOINT_DIR}-") or not os.path.isdir(directory):
+            return None
+        return directory
 
     def _certckpt_keeps(
         self, status: StoreStatus, cid: str | None, checkpoint: str, good_dir: str | None
