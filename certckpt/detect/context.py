@@ -93,6 +93,9 @@ class SessionState:
     """A step run by someone else's loop: its micro-batches and RNG states until ``before_update``."""
     audit_seconds: float = 0.0
     """The last replay audit's time (its log line)."""
+    awaiting_trust: list[int] = field(default_factory=list)
+    """Steps of the checkpoints taken since the last clean audit (rank 0's log line when one passes;
+    a failed check empties it: those checkpoints are not made trusted by the next audit)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -147,6 +150,8 @@ class EventLog:
     ) -> AuditEvent:
         """Emit one check's event; it joins the lineage (up to ``MAX_LINEAGE``) and the step's outcome."""
         ev = emit_event(self, kind, outcome, step=step, suspects=suspects, contained=contained, details=details)
+        if ev.failed:
+            self.state.awaiting_trust.clear()
         if len(self.state.lineage) < MAX_LINEAGE:
             self.state.lineage.append((ev.step, ev.kind, ev.outcome))
         if self.state.last is not None:

@@ -41,7 +41,7 @@ from certckpt.errors import (
 from certckpt.format.sharded.layout import MANIFEST_NAME
 from certckpt.format.signing import SigningKey, TrustedKeys, signing_key_from_env, trusted_keys_from_env
 from certckpt.format.trustconfig import TrustConfig, mmap_from_env, state_dir_from_env
-from certckpt.log import RESUME
+from certckpt.log import COMMIT, RESUME
 from certckpt.storage import (
     LEDGER_DIR,
     VAULT_MARK,
@@ -303,7 +303,9 @@ class Ledger:
         step_range: list[int] | None = None,
         nbytes: int | None = None,
     ) -> str:
-        """Write the commit record that makes a published checkpoint exist; returns its id."""
+        """Write the commit record that makes a published checkpoint exist; returns its id. The
+        first writer of the record says so in the log (``certckpt.log``): one line per commit,
+        whatever wrote it (a session, an integration, ``certckpt.save``)."""
         _check_name("branch", branch)
         cid = ckpt_id_for(branch, step)
         doc = {
@@ -320,7 +322,8 @@ class Ledger:
             "bytes": nbytes,
             "committed_at": time.time(),
         }
-        self._put("checkpoints", f"{cid}.json", self._dumps(doc), branch=branch)
+        if self._put("checkpoints", f"{cid}.json", self._dumps(doc), branch=branch):
+            COMMIT.info("committed checkpoint %s (step %d of branch %s) in %s", cid, step, branch, self.store)
         return cid
 
     def start_branch(self, branch: str, *, parent: str) -> None:
