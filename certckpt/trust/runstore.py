@@ -213,6 +213,7 @@ def convicted_ranges_for(
     snap: LedgerSnapshot,
     *,
     extra: Iterable[str] = (),
+    exclude: Iterable[str] = (),
     authenticated_only: bool = False,
     views: dict[str, FleetView] | None = None,
 ) -> dict[str, list[tuple[int, int | None]]]:
@@ -223,6 +224,8 @@ def convicted_ranges_for(
 
     Args:
         extra: devices to count as convicted too (``certckpt fleet impact``: before it happens).
+        exclude: devices to leave out (``certckpt fleet impact`` of a device convicted already: what
+            its convictions changed is the difference with and without them).
         authenticated_only: count only convictions a trusted writer vouches for (a prune).
         views: registries read already, by URL (read here otherwise, and kept there).
     """
@@ -253,7 +256,7 @@ def convicted_ranges_for(
         for dev, st in view.devices.items():
             if st.convicted and (not authenticated_only or any(c.authenticated for c in st.open_convictions)):
                 convicted.add(dev)
-    return convicted_ranges(placements_of(snap.placements), convicted)
+    return convicted_ranges(placements_of(snap.placements), convicted - set(exclude))
 
 
 def _fleet_unproven(snap: LedgerSnapshot, url: str, why: str) -> None:
