@@ -27,6 +27,7 @@ __all__ = [
     "Placement",
     "check_appeal",
     "check_clearance",
+    "conviction_spans",
     "convicted_ranges",
     "device_host_steps",
     "device_of",
@@ -239,6 +240,19 @@ def convicted_ranges(placements: Sequence[Placement], convicted: Iterable[str]) 
         if bad & set(p.devices.values()):
             out.setdefault(p.branch, []).append(rng)
     return out
+
+
+def conviction_spans(
+    placements: Sequence[Placement], convicted: Iterable[str]
+) -> list[tuple[Placement, Range, str, str]]:
+    """Every ``(placement, steps, rank, device)`` where a convicted device computed a branch's steps."""
+    bad = set(convicted)
+    return [
+        (p, rng, rank, dev)
+        for p, rng in _ranges(placements)
+        for rank, dev in sorted(p.devices.items(), key=lambda kv: int(kv[0]))
+        if dev in bad
+    ]
 
 
 def unaudited_overlap(ranges: Sequence[Range], *, last_clean: int, step: int) -> bool:

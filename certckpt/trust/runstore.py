@@ -25,7 +25,7 @@ from certckpt.format.verify import VerifyReport, verify
 
 from .certify import Certification, CheckpointEntry, Level, accept_level, certify
 from .coverage import Coverage, coverage
-from .devices import convicted_ranges, placements_of
+from .devices import Placement, convicted_ranges, conviction_spans, placements_of
 from .facts import EventProblem, read_event
 from .fleet import Fleet, FleetView
 from .incident import (
@@ -232,6 +232,7 @@ def convicted_ranges_for(
     if not snap.placements:
         return {}
     convicted = set(extra)
+    standing: dict[str, tuple[str, Any]] = {}  # convicted device -> (its registry, its standing)
     views = {} if views is None else views
     for url in sorted({r.fleet for r, ok in snap.placements if ok and r.fleet is not None}):
         if url not in views:
@@ -256,7 +257,40 @@ def convicted_ranges_for(
         for dev, st in view.devices.items():
             if st.convicted and (not authenticated_only or any(c.authenticated for c in st.open_convictions)):
                 convicted.add(dev)
-    return convicted_ranges(placements_of(snap.placements), convicted - set(exclude))
+                standing.setdefault(dev, (url, st))
+    placements = placements_of(snap.placements)
+    if not extra and not exclude and not authenticated_only:  # what the run's judgement rests on: its picture
+        snap.device_convictions = _conviction_marks(placements, standing)
+    return convicted_ranges(placements, convicted - set(exclude))
+
+
+def _conviction_marks(placements: list[Placement], standing: Mapping[str, tuple[str, Any]]) -> list[dict[str, Any]]:
+    """Per placement of a convicted device: the steps it computed and its first open conviction's evidence."""
+    out = []
+    for p, (lo, hi), rank, dev in conviction_spans(placements, standing):
+        url, st = standing[dev]
+        first = st.open_convictions[0]
+        ev = first.evidence
+        out.append(
+            {
+                "branch": p.branch,
+                "from": lo,
+                "to": hi,
+                "rank": rank,
+                "device": dev,
+                "host": p.hosts.get(rank) or st.host,
+                "fleet": url,
+                "conviction_id": first.conviction_id,
+                "convictions": len(st.open_convictions),
+                "by_run": ev.get("run"),
+                "by_branch": ev.get("branch"),
+                "by_step": ev.get("step"),
+                "by_check": ev.get("check"),
+                "by_store": ev.get("store"),
+                "incident_id": ev.get("incident_id"),
+            }
+        )
+    return out
 
 
 def _fleet_unproven(snap: LedgerSnapshot, url: str, why: str) -> None:
