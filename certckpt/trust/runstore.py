@@ -12,19 +12,13 @@ import os
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from certckpt.errors import CertckptError, CheckpointExistsError, CheckpointNotFoundError, StorageError
-from certckpt.format.companions import companion_problems
-from certckpt.format.record import CheckpointRecord
-from certckpt.format.sharded.check import ShardedReport, verify_checkpoint
-from certckpt.format.sharded.layout import is_directory
 from certckpt.format.signing import TrustedKeys
 from certckpt.format.trustconfig import TrustConfig
-from certckpt.format.verify import VerifyReport, verify
 
 from .certify import Certification, CheckpointEntry, Level, accept_level, certify
-from .coverage import Coverage, coverage
 from .devices import Placement, convicted_ranges, conviction_spans, placements_of
 from .facts import EventProblem, read_event
 from .fleet import Fleet, FleetView
@@ -39,6 +33,13 @@ from .incident import (
 from .ledger import Ledger, LedgerSnapshot
 from .memory import recall, recall_facts, recall_genesis, remember_facts, remember_snapshot
 from .records import HoldingRecord, KeptRecord, Outcome
+
+if TYPE_CHECKING:  # for annotations only (imported where they run: see check_file, StoreStatus.coverage)
+    from certckpt.format.record import CheckpointRecord
+    from certckpt.format.sharded.check import ShardedReport
+    from certckpt.format.verify import VerifyReport
+
+    from .coverage import Coverage
 
 __all__ = [
     "StoreStatus",
@@ -90,6 +91,8 @@ class StoreStatus:
 
     def coverage(self) -> dict[str, Coverage]:
         """Every checkpoint's audit coverage, from the events that count (``trust.coverage``)."""
+        from .coverage import coverage  # only `status --coverage` and the report ask: latest-good stays light
+
         snap = self.snapshot
         return coverage(snap.checkpoints, snap.events, branch_parents=snap.branch_parents)
 
@@ -130,6 +133,13 @@ def check_file(
     Returns:
         None when it verifies, else one line saying what is wrong.
     """
+    # The byte checks are imported where they run: `latest-good --no-verify`, `status` and every
+    # certify that reads only the ledger never load the file format's verifier (bench_startup.py).
+    from certckpt.format.companions import companion_problems
+    from certckpt.format.sharded.check import ShardedReport, verify_checkpoint
+    from certckpt.format.sharded.layout import is_directory
+    from certckpt.format.verify import verify
+
     report: ShardedReport | VerifyReport
     record: CheckpointRecord | None
     try:
