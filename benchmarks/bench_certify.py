@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 
+from bench_startup import importtime_ms
 from tinymode import announce
 
 from certckpt.trust.ledger import Ledger
@@ -216,8 +217,16 @@ def signed_scale(n_events: int, writers: int, exe: str) -> dict:
         ]
         Ledger(store, signing_key=key, trusted_keys=None).append_events(extra)
         warm_s, warm_mb, _ = _latest_good_process(exe, store, env)
-        again_s, _, _ = _latest_good_process(exe, store, env)
+        # warm, nothing new: the best of three whole processes (start-up noise is one-sided)
+        again_s = min(_latest_good_process(exe, store, env)[0] for _ in range(3))
         floor_s, _, _ = _latest_good_process(exe, os.path.join(top, "empty"), env)
+        imports = subprocess.run(
+            [exe, "latest-good", store, "--no-verify"],
+            capture_output=True,
+            text=True,
+            env=dict(env, PYTHONPROFILEIMPORTTIME="1"),
+        )
+        import_ms = importtime_ms(imports.stderr)[0]
     res = {
         "signed_events": n_events,
         "writers": writers,
@@ -228,6 +237,7 @@ def signed_scale(n_events: int, writers: int, exe: str) -> dict:
         "warm_peak_mb": warm_mb,
         "warm_unchanged_s": again_s,
         "process_floor_s": floor_s,
+        "import_ms": import_ms,
         "exit": rc,
     }
     ok = lambda good: "PASS" if good else "MISS"  # noqa: E731
@@ -237,7 +247,8 @@ def signed_scale(n_events: int, writers: int, exe: str) -> dict:
         f"  peak memory, cold                       {cold_mb:8.0f} MB  target <= 500 MB  {ok(cold_mb <= 500)}\n"
         f"  latest-good, warm after 1,000 lines     {warm_s:8.2f} s   target <= 0.5 s   {ok(warm_s <= 0.5)}"
         f"   (of which {floor_s:.2f} s is starting the `certckpt` process itself)\n"
-        f"  latest-good, warm, nothing new          {again_s:8.2f} s   peak {warm_mb:.0f} MB"
+        f"  latest-good, warm, nothing new          {again_s:8.2f} s   target <= 0.5 s   {ok(again_s <= 0.5)}"
+        f"   (best of 3 whole processes; peak {warm_mb:.0f} MB; its imports: {import_ms:.0f} ms)"
     )
     return res
 

@@ -8,6 +8,7 @@ class lives here, whichever layer raises it: the bottom of the import graph, imp
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 __all__ = [
@@ -134,7 +135,17 @@ class AuditSetupError(CertckptError, ValueError):
 
 class DeviceConvictedError(AuditSetupError):
     """A run configured with a fleet registry was refused at its start: a rank's device is convicted
-    there (every rank raises the same message; ``certckpt fleet show DEVICE`` has the evidence)."""
+    there (every rank raises the same message; ``certckpt fleet show DEVICE`` has the evidence).
+
+    Attributes:
+        devices: ``(rank, device, host)`` of every convicted device the run would have used; empty
+            when the registry itself could not vouch for its convictions (missing, unreadable,
+            tampered) or the run's placement could not be recorded.
+    """
+
+    def __init__(self, message: str, *, devices: Sequence[tuple[str, str, str]] = ()):
+        super().__init__(message)
+        self.devices = [tuple(d) for d in devices]
 
 
 class FaultDetectedError(CertckptError, RuntimeError):
@@ -144,12 +155,24 @@ class FaultDetectedError(CertckptError, RuntimeError):
         event: the failed check's ``AuditEvent`` (the evidence).
         incident_id: the incident this detection opened (the same id on every rank); None when
             the detection was contained (the bad update never reached the weights).
+        convicted: the devices of the blamed ranks that rank 0 convicts in the fleet registry
+            ``fleet`` (empty: no fleet, a contained detection, or no device identity).
     """
 
-    def __init__(self, message: str, event: Any, *, incident_id: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        event: Any,
+        *,
+        incident_id: str | None = None,
+        convicted: Sequence[str] = (),
+        fleet: str | None = None,
+    ):
         super().__init__(message)
         self.event = event
         self.incident_id = incident_id
+        self.convicted = list(convicted)  # the devices rank 0 convicts in ``fleet`` for this detection
+        self.fleet = fleet
 
 
 class RanksFailedError(CertckptError, RuntimeError):

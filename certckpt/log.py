@@ -9,8 +9,11 @@ as any Python logger::
     logging.getLogger("certckpt").setLevel(logging.WARNING)   # audits pass silently
     logging.getLogger("certckpt").setLevel(logging.DEBUG)     # everything
 
-What is logged: one INFO line per audit (its outcome, what it checked, what it cost) and one at
-resume (the checkpoint resumed from, the new branch). Failures are raised as exceptions, not logged.
+What is logged: one INFO line per audit (its outcome, what it checked, what it cost), one at
+resume (the checkpoint resumed from, the new branch), one per committed checkpoint (whatever wrote
+it: the commit record is the moment it exists) and, in a training session's rank 0, one when a
+checkpoint becomes trusted (a clean audit covered its unaudited steps), naming the run's latest-good.
+Failures are raised as exceptions, not logged.
 
 ``CERTCKPT_LOG`` (``info``, ``debug``, ``warning``, ``off``) sets the level in every process that
 imports certckpt, training ranks started by a launcher included: the ``certckpt`` command sets it to
@@ -23,13 +26,15 @@ import logging
 import os
 import sys
 
-__all__ = ["LOGGER", "AUDIT", "RESUME", "ENV", "enable"]
+__all__ = ["LOGGER", "AUDIT", "RESUME", "COMMIT", "TRUST", "ENV", "enable"]
 
 ENV = "CERTCKPT_LOG"
 LOGGER = logging.getLogger("certckpt")
 LOGGER.addHandler(logging.NullHandler())
 AUDIT = LOGGER.getChild("audit")  # one line per passed audit
 RESUME = LOGGER.getChild("resume")  # one line per resume (a branch recorded)
+COMMIT = LOGGER.getChild("commit")  # one line per checkpoint committed (its commit record written)
+TRUST = LOGGER.getChild("trust")  # one line when a session sees a checkpoint become trusted
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "off": logging.CRITICAL + 1}
 
 

@@ -212,22 +212,41 @@ def fleet_clear(device: str, fleet_url: str | None, approves: str, by: str, reas
 @expected_errors
 def fleet_impact(device: str, fleet_url: str | None, as_json: bool) -> None:
     """The checkpoints of every registered store that a conviction of DEVICE makes suspect
-    (`device-convicted`); reads only, writes nothing. Exit 0."""
+    (`device-convicted`), before the conviction is recorded and after; reads only, writes nothing.
+    Exit 0; 2 when a registered store cannot be read (the list may be incomplete)."""
     from certckpt.trust.fleetscan import impact
 
     out = impact(_url(fleet_url), device)
     if as_json:
         click.echo(json.dumps(out.to_dict(), indent=2))
-        return
+    else:
+        _print_impact(out)
+    if out.unreadable:
+        fail(
+            f"{len(out.unreadable)} registered store(s) could not be read: the checkpoints they hold are not "
+            "in this answer",
+            EXIT_UNVERIFIABLE,
+        )
+
+
+def _print_impact(out: Any) -> None:
     for u in out.unreadable:
         click.echo(f"certckpt: cannot read store {u['store']}: {u['why']}", err=True)
-    state = "convicted already" if out.already_convicted else "not convicted now"
+    device = out.device
+    if out.already_convicted:
+        state, verb = "convicted", "are suspect because of its conviction"
+    else:
+        state, verb = "not convicted now", "become suspect if it is convicted"
     if not out.changes:
-        click.echo(f"{device} ({state}): no checkpoint of the registered stores ran on it in an unaudited interval")
+        scope = "the readable registered stores" if out.unreadable else "the registered stores"
+        click.echo(f"{device} ({state}): no checkpoint of {scope} ran on it in an unaudited interval")
         return
-    rows = [(c["store"], c["ckpt_id"], c["verdict"], "suspect: " + ", ".join(c["reasons_after"])) for c in out.changes]
-    click.echo(f"{device} ({state}): {len(rows)} checkpoint(s) become suspect")
-    echo_table(("store", "checkpoint", "now", "after"), rows)
+    rows = [
+        (c["store"], c["ckpt_id"], c["verdict_without"], c["verdict"], "suspect: " + ", ".join(c["reasons_with"]))
+        for c in out.changes
+    ]
+    click.echo(f"{device} ({state}): {len(rows)} checkpoint(s) {verb}")
+    echo_table(("store", "checkpoint", "without it", "now", "with it"), rows)
 
 
 @fleet.command("rates")
@@ -245,6 +264,8 @@ def fleet_rates_cmd(fleet_url: str | None, as_json: bool, out: str | None, force
     if out is not None and os.path.exists(out) and not force:
         raise FileExistsError(f"{out} exists; pass --force to overwrite it")
     doc = fleet_rates(_url(fleet_url))
+    for u in doc["unreadable"]:
+        click.echo(f"certckpt: cannot read store {u['store']}: {u['why']}", err=True)
     if out is not None:
         from certckpt.ops.fleet_chart import render_rates
 
@@ -252,6 +273,7 @@ def fleet_rates_cmd(fleet_url: str | None, as_json: bool, out: str | None, force
         click.echo(f"wrote {out}", err=True)
     if as_json:
         click.echo(json.dumps(doc, indent=2))
+        _rates_complete(doc)
         return
 
     def rate(r: dict[str, Any]) -> str:
@@ -265,3 +287,13 @@ def fleet_rates_cmd(fleet_url: str | None, as_json: bool, out: str | None, force
     echo_table(("device", "host", "detections", "device-steps", "per million"), device_rows)
     click.echo("")
     echo_table(("host", "detections", "device-steps", "per million"), host_rows)
+    _rates_complete(doc)
+
+
+def _rates_complete(doc: dict[str, Any]) -> None:
+    """Exit 2 when a registered store could not be read: its device-steps are missing from the rates."""
+    if doc["unreadable"]:
+        fail(
+            f"{len(doc['unreadable'])} registered store(s) could not be read: their device-steps are missing",
+            EXIT_UNVERIFIABLE,
+        )

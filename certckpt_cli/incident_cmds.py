@@ -57,12 +57,15 @@ def incident_ls(store: str, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @expected_errors
 def incident_show(store: str, incident_id: str, as_json: bool) -> None:
-    """Everything recorded about INCIDENT_ID: evidence, where the ranks ran, decisions."""
+    """Everything recorded about INCIDENT_ID: evidence, where the ranks ran, decisions; and the
+    store's latest-good now beside the one recorded at the detection (a later conviction, revocation
+    or incident may have changed it)."""
     from certckpt.trust.runstore import get_incident
 
     i = get_incident(store, incident_id)
+    now = _latest_good_now(store, (i.opened.get("checkpoints") or {}).get("latest_good"))
     if as_json:
-        click.echo(json.dumps(i.to_dict(), indent=2))
+        click.echo(json.dumps({**i.to_dict(), "latest_good_now": now}, indent=2))
         return
     o = i.opened
     sig = o["signature"]
@@ -78,7 +81,8 @@ def incident_show(store: str, incident_id: str, as_json: bool) -> None:
         if v not in ({}, [], None, ""):
             click.echo(f"  {k:<15} {json.dumps(v, sort_keys=True)[:160]}")
     ck = o.get("checkpoints", {})
-    click.echo(f"  latest-good     {ck.get('latest_good') or 'none'}")
+    click.echo(f"  latest-good     {ck.get('latest_good') or 'none'} (recorded at the detection)")
+    click.echo(f"  latest-good now {_now_line(ck.get('latest_good'), now)}")
     click.echo(f"  made suspect    {', '.join(ck.get('made_suspect', [])) or 'none'}")
     for rank, inv in sorted((o.get("inventory") or {}).items(), key=lambda kv: int(kv[0])):
         mark = " (suspect)" if int(rank) in o["suspect_ranks"] else ""
@@ -94,6 +98,35 @@ def incident_show(store: str, incident_id: str, as_json: bool) -> None:
         )
     for d in i.pending_approvals():
         click.echo(f"  awaiting approval: {d['decision_id']}")
+
+
+def _latest_good_now(store: str, recorded: str | None) -> dict[str, object]:
+    """The store's latest-good as certified now, and what the recorded one is now (``why``: the
+    certify failed, the answer is unknown)."""
+    from certckpt.errors import CertckptError
+    from certckpt.trust.runstore import certify_store
+
+    try:
+        status = certify_store(store, write_certificates=False)
+    except (CertckptError, OSError) as e:
+        return {"ckpt": None, "why": str(e).splitlines()[0][:300]}
+    out: dict[str, object] = {"ckpt": status.latest_good}
+    v = status.certification.verdicts.get(recorded) if recorded else None
+    if v is not None:
+        out["recorded_verdict"], out["recorded_reasons"] = v.label, list(v.reasons)
+    return out
+
+
+def _now_line(recorded: str | None, now: dict[str, object]) -> str:
+    if "why" in now:
+        return f"unknown: {now['why']}"
+    ckpt = now["ckpt"] or "none"
+    if now["ckpt"] == recorded:
+        return f"{ckpt} (unchanged)"
+    found = now.get("recorded_reasons")
+    reasons = ", ".join(map(str, found)) if isinstance(found, list) else ""
+    was = f"; {recorded} is {now.get('recorded_verdict')}{': ' + reasons if reasons else ''}" if recorded else ""
+    return f"{ckpt} (changed since the detection{was})"
 
 
 @incident.command("decide")

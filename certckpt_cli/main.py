@@ -48,7 +48,8 @@ COMMANDS: dict[str, Entry] = {
     "run": Entry(
         "run_cmd",
         "run",
-        "Run COMMAND (a launcher: torchrun, srun, python ...); exit 86 when it failed on a detected fault.",
+        "Run COMMAND (a launcher: torchrun, srun, python ...); exit 86 when it failed on a detected fault, "
+        "87 when its ranks were refused on a convicted device.",
     ),
     "gc": Entry(
         "gc_cmd",

@@ -4,8 +4,10 @@
 a scheduler cannot tell a detected hardware fault from a crash. This wrapper gives the ranks a fresh
 directory (``$CERTCKPT_DETECTION_DIR``) where ``stop_on_fault`` leaves a marker on a detection, and a
 fresh launch id (``$CERTCKPT_LAUNCH_ID``) the marker carries; when the launcher fails and a marker of
-this launch is there, it exits 86 (``EXIT_FAULT_DETECTED``) and says which incident and ranks;
-otherwise it exits with the launcher's own status.
+this launch is there, it exits 86 (``EXIT_FAULT_DETECTED``) and says which incident and ranks, or
+87 (``EXIT_DEVICE_REFUSED``) when the ranks were refused at the start because a device is convicted
+in the fleet registry (the refusal leaves its own marker); otherwise it exits with the launcher's
+own status.
 
 Markers are read as untrusted input, like ledger records: only regular files (``lstat`` first, then
 opened without following links and without blocking, so a FIFO, a device, a socket or a link is never
@@ -31,6 +33,7 @@ import click
 from .common import EXIT_UNVERIFIABLE, fail
 
 _EXIT_FAULT_DETECTED = 86  # certckpt.trust.incident.EXIT_FAULT_DETECTED, without importing the library
+_EXIT_DEVICE_REFUSED = 87  # certckpt.trust.incident.EXIT_DEVICE_REFUSED: refused on a convicted device
 DETECTION_DIR_ENV = "CERTCKPT_DETECTION_DIR"  # certckpt.detect.stop's names, without importing it
 LAUNCH_ID_ENV = "CERTCKPT_LAUNCH_ID"
 MAX_MARKER_BYTES = 1 << 20  # a marker is a few hundred bytes (a 10,000-rank job's suspects: ~60 KB)
@@ -113,6 +116,11 @@ def _field_problem(doc: dict[str, Any]) -> str | None:
         value = doc.get(key)
         if not isinstance(value, list) or not all(ok(v) for v in value):
             return f"{key!r} is not a list of {what}"
+    if doc.get("kind") is not None and not _text(doc.get("kind")):
+        return f"'kind' is {type(doc.get('kind')).__name__}, not a printable string"
+    devices = doc.get("devices")
+    if devices is not None and (not isinstance(devices, list) or not all(_text(d) for d in devices)):
+        return f"'devices' is not a list of printable strings of at most {_MAX_TEXT} characters"
     for key in ("rank", "message"):
         if doc.get(key) is not None and not isinstance(doc.get(key), str):
             return f"{key!r} is {type(doc.get(key)).__name__}, not a string"
@@ -166,17 +174,40 @@ def _report_ignored(ignored: list[tuple[str, str]]) -> None:
         click.echo(f"certckpt: {len(ignored) - _SHOWN} more detection marker(s) ignored", err=True)
 
 
+def _refused(launcher: str, rc: int, refusals: list[dict[str, Any]]) -> None:
+    """Exit 87 (a convicted device) or 2 (a registry that cannot vouch) for a launch refused at its start."""
+    devices = sorted({d for m in refusals for d in m.get("devices") or []})
+    nodes = sorted({n for m in refusals for n in m["nodes"]})
+    if not devices:
+        click.echo(
+            f"certckpt: {launcher} exited {rc}; {len(refusals)} rank(s) refused to start: the fleet registry cannot "
+            f"vouch for its convictions: exit {EXIT_UNVERIFIABLE}",
+            err=True,
+        )
+        sys.exit(EXIT_UNVERIFIABLE)
+    click.echo(
+        f"certckpt: {launcher} exited {rc}; {len(refusals)} rank(s) refused to start on convicted device(s) "
+        f"{', '.join(devices)}{' (node(s) ' + ', '.join(nodes) + ')' if nodes else ''}: exit {_EXIT_DEVICE_REFUSED}, "
+        "requeue on other devices, not on these",
+        err=True,
+    )
+    sys.exit(_EXIT_DEVICE_REFUSED)
+
+
 @click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
 def run(command: tuple[str, ...]) -> None:
-    """Run COMMAND (a launcher: torchrun, srun, python ...); exit 86 when it failed on a detected fault.
+    """Run COMMAND (a launcher: torchrun, srun, python ...); exit 86 when it failed on a detected fault,
+    87 when its ranks were refused on a convicted device.
 
     COMMAND's processes get $CERTCKPT_DETECTION_DIR (a fresh directory for this launch, inside the one
     you set, if any) and $CERTCKPT_LAUNCH_ID; stop_on_fault leaves a marker there on a detection.
 
     Exit codes: the command's own; 86 when it failed and a rank of this launch stopped on a detection
-    (an incident is open: do not requeue on the suspect node); 2 when the detection directory cannot be
-    made; 127 when the command cannot be started.
+    (an incident is open: do not requeue on the suspect node); 87 when it failed and its ranks were
+    refused at the start because a device is convicted in the fleet registry (requeue, not on that
+    device); 2 when the detection directory cannot be made, or the ranks were refused because the
+    fleet registry cannot vouch for its convictions; 127 when the command cannot be started.
     """
     # A fresh directory for each launch, inside $CERTCKPT_DETECTION_DIR when it is set: a marker left
     # there by an earlier launch is never read; the launch id in each marker makes sure of it.
@@ -205,6 +236,10 @@ def run(command: tuple[str, ...]) -> None:
         shutil.rmtree(directory, ignore_errors=True)
     _report_ignored(ignored)
     status = rc if rc >= 0 else 128 - rc  # a launcher killed by a signal: the shell's convention
+    refusals = [m for m in markers if m.get("kind") == "device-refused"]
+    markers = [m for m in markers if m.get("kind") != "device-refused"]
+    if refusals and not markers:
+        _refused(command[0], rc, refusals)
     if markers:
         incidents = sorted({m["incident"] or "contained" for m in markers})
         suspects = sorted({r for m in markers for r in m["suspect_ranks"]})

@@ -242,12 +242,14 @@ def enclosing_store(location: str) -> str | None:
     nearest parent directory holding a ledger; None for anything else."""
     import os
 
-    from certckpt.format.companions import companion_marker
-    from certckpt.format.sharded.layout import MANIFEST_NAME
     from certckpt.storage import LEDGER_DIR
 
     if "://" in location or not os.path.isdir(location) or os.path.isdir(os.path.join(location, LEDGER_DIR)):
         return None
+    # only for a directory that is not a store: a store given as itself never loads the file format
+    from certckpt.format.companions import companion_marker
+    from certckpt.format.sharded.layout import MANIFEST_NAME
+
     if companion_marker(location) is None and not os.path.isfile(os.path.join(location, MANIFEST_NAME)):
         return None  # not a checkpoint's directory: a store, as given
     here = os.path.abspath(location)

@@ -31,15 +31,16 @@ opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 os.makedirs(args.dir, exist_ok=True)
 drill = [Fault(kind="backward", rank=1, step=args.inject_fault_at, persistent=True)] if args.inject_fault_at else None
 
-auditor = Auditor(
-    ddp,
-    opt,
-    loss_fn=lambda m, batch: F.mse_loss(m(batch[0]), batch[1]),  # loss from (model, batch)
-    run="example",
-    audit_every=10,  # full audit every 10 steps
-    ledger=args.dir,  # events, commits, incidents
-    injector_faults=drill,
-)
+with stop_on_fault(hard_exit=True):  # one line and exit 87 if a fleet registry refuses a rank's device
+    auditor = Auditor(
+        ddp,
+        opt,
+        loss_fn=lambda m, batch: F.mse_loss(m(batch[0]), batch[1]),  # loss from (model, batch)
+        run="example",
+        audit_every=10,  # full audit every 10 steps
+        ledger=args.dir,  # events, commits, incidents
+        injector_faults=drill,
+    )
 g = torch.Generator().manual_seed(dist.get_rank())  # each rank its own data
 with stop_on_fault(auditor, hard_exit=True):  # exit 86 on a detected fault
     for step in range(1, args.steps + 1):

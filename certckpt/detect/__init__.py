@@ -33,6 +33,7 @@ _LAZY = {
     "ConsensusVerdict": "attribution",
     "stop_on_fault": "stop",
     "EXIT_FAULT_DETECTED": "stop",
+    "EXIT_DEVICE_REFUSED": "stop",
 }
 
 __all__ = sorted(_LAZY)

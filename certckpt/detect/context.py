@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from certckpt.errors import FaultDetectedError
+from certckpt.trust.devices import device_of
 from certckpt.trust.fleet import Fleet
 from certckpt.trust.incident import incident_id_for
 from certckpt.trust.ledger import Ledger
@@ -93,6 +94,9 @@ class SessionState:
     """A step run by someone else's loop: its micro-batches and RNG states until ``before_update``."""
     audit_seconds: float = 0.0
     """The last replay audit's time (its log line)."""
+    awaiting_trust: list[int] = field(default_factory=list)
+    """Steps of the checkpoints taken since the last clean audit (rank 0's log line when one passes;
+    a failed check empties it: those checkpoints are not made trusted by the next audit)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -147,6 +151,8 @@ class EventLog:
     ) -> AuditEvent:
         """Emit one check's event; it joins the lineage (up to ``MAX_LINEAGE``) and the step's outcome."""
         ev = emit_event(self, kind, outcome, step=step, suspects=suspects, contained=contained, details=details)
+        if ev.failed:
+            self.state.awaiting_trust.clear()
         if len(self.state.lineage) < MAX_LINEAGE:
             self.state.lineage.append((ev.step, ev.kind, ev.outcome))
         if self.state.last is not None:
@@ -168,11 +174,20 @@ class EventLog:
         if policy != "raise":
             return
         incident = None if ev.contained else incident_id_for(ev.to_dict())
+        # the devices rank 0 convicts for it (``events.publish``): every rank can name them
+        blames = self.fleet is not None and not ev.contained and not ev.details.get("found_by")
+        convicted = [d for r in ev.suspect_ranks if (d := device_of(ev.inventory.get(str(r)) or {}))] if blames else []
         if self.world > 1:
             arrived = torch.ones(1, dtype=torch.int64, device=self.wire_device)
             dist.all_reduce(arrived, group=self.group)
             int(arrived.item())  # the host waits here for every rank (see above)
-        raise FaultDetectedError(f"step {ev.step}: {message}", ev, incident_id=incident)
+        raise FaultDetectedError(
+            f"step {ev.step}: {message}",
+            ev,
+            incident_id=incident,
+            convicted=convicted,
+            fleet=self.fleet.url if self.fleet is not None and convicted else None,
+        )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

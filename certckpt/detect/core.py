@@ -38,7 +38,7 @@ from certckpt.trust.ledger import Ledger, LedgerSink
 
 from .agreement import all_gather_bytes, refuse_together, wire_device_for
 from .context import EventLog, SessionState, StateField
-from .events import EventSink, MemorySink, log_audit_pass, rank_inventory
+from .events import EventSink, MemorySink, log_audit_pass, log_trusted, rank_inventory
 from .evidence import CheckpointEvidence
 from .fleet_check import check_fleet_at_start, fleet_for
 from .options import AuditOptions, session_options
@@ -208,6 +208,11 @@ class AuditSessionCore:
         self.state.last_clean_audit = s
         if self.rank == 0:
             log_audit_pass(step=s, branch=self.branch, ranks=self.world, checked=checked, seconds=seconds)
+            due = [p for p in self.state.awaiting_trust if p <= s]
+            self.state.awaiting_trust = [p for p in self.state.awaiting_trust if p > s]
+            if due:
+                store = self.ledger.store if self.ledger is not None else None
+                log_trusted(branch=self.branch, steps=due, audit_step=s, store=store)
 
     def evidence(
         self,
@@ -243,6 +248,11 @@ class AuditSessionCore:
         """A checkpoint at step s was taken: the next one's lineage starts after it."""
         self.state.last_checkpoint_step = s
         self.state.lineage = []
+        if self.rank == 0 and self.ledger is not None:  # the certifier judges committed checkpoints only
+            if self.state.last_clean_audit == s:  # taken right after a clean audit: nothing unaudited
+                log_trusted(branch=self.branch, steps=[s], audit_step=s, store=self.ledger.store)
+            else:
+                self.state.awaiting_trust.append(s)
 
     def flush(self) -> None:
         """Write the events emitted so far to the sink (rank 0; the ledger's events before a commit)."""

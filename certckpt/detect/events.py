@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from certckpt.errors import CertckptError, ConfigurationError
-from certckpt.log import AUDIT
+from certckpt.log import AUDIT, TRUST
 from certckpt.trust.fleet import Fleet
 from certckpt.trust.ledger import Ledger
 from certckpt.trust.runstore import open_incident
@@ -30,6 +30,7 @@ __all__ = [
     "JsonlSink",
     "KINDS",
     "rank_inventory",
+    "log_trusted",
     "inventory_override",
     "INVENTORY_ENV",
     "make_event",
@@ -319,4 +320,21 @@ def log_audit_pass(*, step: int, branch: str | None, ranks: int, checked: int, s
         ranks,
         checked,
         1000 * seconds,
+    )
+
+
+def log_trusted(*, branch: str | None, steps: list[int], audit_step: int, store: str | None) -> None:
+    """Rank 0's line when checkpoints become trusted: a clean audit at ``audit_step`` covered the
+    unaudited steps of the checkpoints at ``steps`` (the newest is the run's latest-good, as far as
+    this session knows; ``certckpt latest-good`` also re-verifies its bytes)."""
+    b = branch or "main"
+    names = ", ".join(f"{b}@{s}" for s in steps)
+    TRUST.info(
+        "checkpoint(s) %s trusted: the audit at step %d passed over their unaudited steps; "
+        "latest-good is now %s@%d (%s)",
+        names,
+        audit_step,
+        b,
+        max(steps),
+        store or "no ledger",
     )

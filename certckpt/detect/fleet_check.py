@@ -19,6 +19,7 @@ from certckpt.trust.devices import device_of, host_of
 from certckpt.trust.fleet import Fleet, FleetView, absolute_url
 
 from .agreement import all_gather_bytes
+from .stop import leave_refusal_marker
 
 __all__ = ["fleet_for", "check_fleet_at_start"]
 
@@ -57,7 +58,19 @@ def _known_problem(view: FleetView, ledger: Any) -> str | None:
     return None
 
 
-def _rank0_verdict(fleet: Fleet, devices: dict[str, str], *, policy: str, ledger: Any, record: Any) -> tuple[str, bool]:
+def _convicted(view: FleetView, devices: dict[str, str]) -> list[list[str]]:
+    """``[rank, device, host]`` of every rank whose device stands convicted in ``view``."""
+    out = []
+    for rank, dev in sorted(devices.items(), key=lambda kv: int(kv[0])):
+        st = view.devices.get(dev)
+        if st is not None and st.convicted:
+            out.append([rank, dev, st.host])
+    return out
+
+
+def _rank0_verdict(
+    fleet: Fleet, devices: dict[str, str], *, policy: str, ledger: Any, record: Any, found: list[list[str]]
+) -> tuple[str, bool]:
     """Rank 0's look-up: (what is wrong, whether it refuses whatever the policy). A registry that is
     missing, tampered, re-created or emptied behind the run's back refuses whatever the policy
     (doubt never lets a run start). A run that goes on registers its store and records its placement
@@ -72,6 +85,7 @@ def _rank0_verdict(fleet: Fleet, devices: dict[str, str], *, policy: str, ledger
         return f"fleet registry {fleet.url} cannot be read ({why}); no run starts unchecked", True
     if doubt:
         return doubt, True
+    found.extend(_convicted(view, devices) if problem else [])
     if problem and policy == "refuse":
         return problem, False
     try:
@@ -123,12 +137,20 @@ def check_fleet_at_start(
             fleet_id=view.store_id,
         )
 
-    mine = _rank0_verdict(fleet, devices, policy=policy, ledger=ledger, record=record) if rank == 0 else ("", False)
-    wire = json.dumps(list(mine)).encode("utf-8")
-    text, fatal = json.loads(all_gather_bytes(wire, group=group, wire_device=wire_device)[0].decode("utf-8"))
+    found: list[list[str]] = []
+    mine = ("", False)
+    if rank == 0:
+        mine = _rank0_verdict(fleet, devices, policy=policy, ledger=ledger, record=record, found=found)
+    wire = json.dumps([*mine, found]).encode("utf-8")
+    text, fatal, bad = json.loads(all_gather_bytes(wire, group=group, wire_device=wire_device)[0].decode("utf-8"))
     if not text:
         return
     message = f"fleet check at the start of run {run}, branch {branch}: {text}"
     if policy == "refuse" or fatal:
-        raise DeviceConvictedError(message + f" (fleet_policy={policy!r}; every rank refused)")
+        # a convicted device refuses with its own exit status (``certckpt run`` reads the marker even
+        # when the script lets the error escape); a registry that cannot vouch is not the device's fault
+        refused = [(str(r), str(d), str(h)) for r, d, h in bad] if not fatal else []
+        error = DeviceConvictedError(message + f" (fleet_policy={policy!r}; every rank refused)", devices=refused)
+        leave_refusal_marker(error)
+        raise error
     warnings.warn(message + " (fleet_policy='warn': training anyway)", RuntimeWarning, stacklevel=3)

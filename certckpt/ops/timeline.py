@@ -28,6 +28,8 @@ __all__ = [
     "AuditMark",
     "DetectionMark",
     "DrillMark",
+    "ConvictionMark",
+    "conviction_label",
     "timeline",
     "headline",
     "detection_label",
@@ -40,11 +42,13 @@ __all__ = [
     "GOLD",
     "TEAL",
     "DRILL",
+    "PURPLE",
 ]
 
 # The palette of the drawing (the fleet chart's bars use it too).
 GREEN, RED, ORANGE, GREY, GOLD = "#2e9e44", "#d62728", "#f39c12", "#9a9a9a", "#f5c400"
 TEAL = "#17a2b8"  # verified: intact and committed, but no audit evidence (a run without the auditor)
+PURPLE = "#7b3fa0"  # a device convicted in a fleet registry: the steps it computed on this lane
 DRILL = {"pass": "#1f77b4", "fail": "#000000"}  # fill by outcome; anything else (incomplete) is hollow
 
 
@@ -102,6 +106,24 @@ class DrillMark:
 
 
 @dataclass(kw_only=True, slots=True)
+class ConvictionMark:
+    """A device convicted in a fleet registry that computed steps ``(start, end]`` of this lane
+    (``end`` None: to the lane's end), with the detection that convicted it (run, step, check)."""
+
+    device: str
+    start: int
+    end: int | None
+    rank: str = ""
+    host: str = ""
+    fleet: str = ""
+    conviction_id: str = ""
+    by_run: str | None = None
+    by_step: int | None = None
+    by_check: str | None = None
+    incident_id: str | None = None
+
+
+@dataclass(kw_only=True, slots=True)
 class Lane:
     """One branch: a line of training from ``start`` to ``end``.
 
@@ -121,6 +143,7 @@ class Lane:
     detections: list[DetectionMark] = field(default_factory=list)
     intervals: list[tuple[int, int]] = field(default_factory=list)
     drills: list[DrillMark] = field(default_factory=list)
+    convictions: list[ConvictionMark] = field(default_factory=list)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -140,6 +163,10 @@ class Timeline:
     @property
     def detections(self) -> list[DetectionMark]:
         return [d for lane in self.lanes for d in lane.detections]
+
+    @property
+    def convictions(self) -> list[ConvictionMark]:
+        return [c for lane in self.lanes for c in lane.convictions]
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -190,6 +217,7 @@ def timeline(status: Any) -> Timeline:
     _add_audits(lanes, snap.events)
     _add_detections(lanes, cert.detections)
     _add_drills(lanes, snap.drills, by_id)
+    _add_convictions(lanes, getattr(snap, "device_convictions", []))
     for lane in lanes.values():
         _set_extent(lane)
 
@@ -300,10 +328,44 @@ def _add_drills(lanes: dict[str, Lane], drills: list[dict[str, Any]], by_id: Map
         )
 
 
+def _int_or_none(v: Any) -> int | None:
+    return v if type(v) is int else None
+
+
+def _text_or_none(v: Any) -> str | None:
+    return str(v)[:200] if isinstance(v, (str, int)) and not isinstance(v, bool) else None
+
+
+def _add_convictions(lanes: dict[str, Lane], marks: Sequence[Mapping[str, Any]]) -> None:
+    """Every convicted device's steps on the lane that ran them (from the fleet registries the run's
+    placements name; the evidence fields come from a registry: kept as short text or ints only)."""
+    for m in marks:
+        start, branch = _int_or_none(m.get("from")), m.get("branch")
+        if start is None or not isinstance(branch, str):
+            continue
+        lane = lanes.setdefault(branch, Lane(branch=branch))
+        lane.convictions.append(
+            ConvictionMark(
+                device=str(m.get("device")),
+                start=start,
+                end=_int_or_none(m.get("to")),
+                rank=str(m.get("rank") or ""),
+                host=str(m.get("host") or ""),
+                fleet=str(m.get("fleet") or ""),
+                conviction_id=str(m.get("conviction_id") or ""),
+                by_run=_text_or_none(m.get("by_run")),
+                by_step=_int_or_none(m.get("by_step")),
+                by_check=_text_or_none(m.get("by_check")),
+                incident_id=_text_or_none(m.get("incident_id")),
+            )
+        )
+
+
 def _set_extent(lane: Lane) -> None:
     """Where a lane starts (its fork step, else its first mark) and ends (its last mark)."""
     steps = [c.step for c in lane.checkpoints] + [a.step for a in lane.audits] + [d.step for d in lane.detections]
     steps += [s for iv in lane.intervals for s in iv] + [d.step for d in lane.drills if d.step is not None]
+    steps += [c.start for c in lane.convictions] + [c.end for c in lane.convictions if c.end is not None]
     if lane.fork_step is not None:
         lane.start = lane.fork_step
         steps.append(lane.fork_step)
@@ -357,7 +419,20 @@ def headline(tl: Timeline) -> tuple[str, str]:
         f"branch{'es' * (n_lanes != 1)}   ·   {len(dets)} detection{'s' * (len(dets) != 1)}"
         + (f" ({contained} contained)" if contained else "")
     )
+    devices = sorted({c.device for c in tl.convictions})
+    if devices:  # the reason a run with no detection of its own can be all red
+        convicted = sum("device-convicted" in c.reasons for c in tl.checkpoints)
+        sub += (
+            f"   ·   device{'s' * (len(devices) != 1)} {', '.join(devices[:3])}{' ...' if len(devices) > 3 else ''}"
+            f" convicted by another run: {convicted} checkpoint{'s' * (convicted != 1)} suspect"
+        )
     return title, sub
+
+
+def conviction_label(c: ConvictionMark) -> str:
+    """What a conviction band's label says: the device and the run and step that convicted it."""
+    by = f"{c.by_check or 'a check'} at step {c.by_step if c.by_step is not None else '?'} of run {c.by_run or '?'}"
+    return f"device {c.device} convicted ({by})"
 
 
 def ranks_text(ranks: Sequence[int]) -> str:

@@ -4,7 +4,9 @@
 top, each followed by the branches forked from it), the fork from the parent checkpoint, the
 checkpoints coloured by verdict (hollow when the file is gone), latest-good as a star with its id,
 the audits under each lane (a failed check as a black X), the detections with the kind and the ranks
-they name, the suspect intervals shaded, the restore drills, a step axis, a title and a legend.
+they name, the suspect intervals shaded, the steps a device convicted in a fleet registry computed
+(a purple bar naming the device and the run and step that convicted it), the restore drills, a step
+axis from step 0, a title and a legend of the marks the picture holds.
 ``svg(timeline)`` writes it as SVG with the standard library alone, so the base install can draw a
 report (``.svg``, and inline in ``.html``); ``.png`` paints the same ``certckpt.ops.drawing`` tree with
 matplotlib. The palette and the wording come from ``certckpt.ops.timeline``.
@@ -31,10 +33,12 @@ from .timeline import (
     GREEN,
     GREY,
     ORANGE,
+    PURPLE,
     RED,
     TEAL,
     Lane,
     Timeline,
+    conviction_label,
     detection_label,
     headline,
     interval_label,
@@ -324,7 +328,7 @@ def _width_for(tl: Timeline) -> int:
 
 
 def _scale(tl: Timeline, *, width: int, left: float) -> _Scale:
-    lo = min((lane.start for lane in tl.lanes), default=0)
+    lo = min([0, *(lane.start for lane in tl.lanes)])  # the axis starts at step 0: where the run began
     hi = max(max((lane.end for lane in tl.lanes), default=lo + 1), lo + 1)
     pad = (hi - lo) * 0.03 + 0.5  # as the figure: room for a mark at either end
     proto = _Scale(lo - pad, hi + pad, left, width - 28, 7.5)
@@ -418,10 +422,10 @@ def _bands(lane: Lane, x: _Scale) -> list[Node]:
                 [
                     el(
                         "rect",
-                        {
-                            "x": x(a),
+                        {  # at the checkpoints' rounded centres, so that the band meets them exactly
+                            "x": round(x(a), 2),
                             "y": -_BAND,
-                            "width": max(x(b) - x(a), 1.0),
+                            "width": max(round(round(x(b), 2) - round(x(a), 2), 2), 1.0),
                             "height": 2 * _BAND,
                             "fill": RED,
                             "fill-opacity": 0.13,
@@ -431,6 +435,52 @@ def _bands(lane: Lane, x: _Scale) -> list[Node]:
                 ],
                 title=f"suspect interval ({a}, {b}]: the updates after the last clean audit point {a}",
             )
+        )
+    return out
+
+
+_CONV_Y, _CONV_H = -_BAND - 7, 5.0  # the conviction bar: just above the suspect-interval band
+
+
+def _conviction_tip(c: Any) -> str:
+    to = f"{c.end}" if c.end is not None else "the end of the branch"
+    where = f"rank {c.rank}" + (f" on host {c.host}" if c.host else "")
+    inc = f", incident {c.incident_id}" if c.incident_id else ""
+    return (
+        f"{conviction_label(c)}{inc}: it computed steps ({c.start}, {to}] here ({where}); every checkpoint "
+        f"whose unaudited steps it computed is suspect (device-convicted). Fleet {c.fleet}, conviction "
+        f"{c.conviction_id}: `certckpt fleet show {c.device}`"
+    )
+
+
+def _conviction_bars(lane: Lane, x: _Scale, placer: _Placer) -> list[Node]:
+    """The steps a convicted device computed on this lane: a purple bar above the lane."""
+    out = []
+    for c in lane.convictions:
+        a, b = x(c.start), x(c.end if c.end is not None else lane.end)
+        placer.block(_Box(a, _CONV_Y, max(b, a + 1.0), _CONV_Y + _CONV_H))
+        bar = el(
+            "rect",
+            {"x": a, "y": _CONV_Y, "width": max(b - a, 1.0), "height": _CONV_H, "fill": PURPLE, "fill-opacity": 0.85},
+        )
+        out.append(_group("conviction", [bar], title=_conviction_tip(c)))
+    return out
+
+
+def _conviction_labels(lane: Lane, x: _Scale, placer: _Placer) -> list[Node]:
+    out = []
+    for c in lane.convictions:
+        a, b = x(c.start), x(c.end if c.end is not None else lane.end)
+        out += _label(
+            placer,
+            conviction_label(c),
+            at=[("start", a), ("centre", (a + b) / 2), ("end", b)],
+            y=_CONV_Y - 3,
+            up=True,
+            size=11,
+            color=PURPLE,
+            bold=True,
+            title=_conviction_tip(c),
         )
     return out
 
@@ -623,6 +673,7 @@ def _lane_art(lane: Lane, x: _Scale, *, above: bool | None) -> _LaneArt:
         placer.block(_Box(x(lg.step) - x.star, -x.star, x(lg.step) + x.star, x.star))
 
     bands = _bands(lane, x)
+    convictions = _conviction_bars(lane, x, placer)
     audits = _audit_marks(lane, x, placer)
     drills = _drills(lane, x, placer)
     latest = _latest_good(lane, x, placer)
@@ -630,6 +681,7 @@ def _lane_art(lane: Lane, x: _Scale, *, above: bool | None) -> _LaneArt:
     labels = [
         *_fork_label(lane, x, placer),
         *_detection_labels(lane, x, placer, contained=False),
+        *_conviction_labels(lane, x, placer),
         *_interval_labels(lane, x, placer),
         *_detection_labels(lane, x, placer, contained=True),
     ]
@@ -644,7 +696,7 @@ def _lane_art(lane: Lane, x: _Scale, *, above: bool | None) -> _LaneArt:
         "line",
         {"x1": x0, "y1": 0, "x2": x1, "y2": 0, "stroke": _LANE_COLOR, "stroke-width": 2.2, "stroke-linecap": "round"},
     )
-    items = [*bands, line, *audits, *_detection_lines(lane, x), *marks, *drills, *labels, *latest]
+    items = [*bands, *convictions, line, *audits, *_detection_lines(lane, x), *marks, *drills, *labels, *latest]
     top, bottom = placer.bounds()
     return _LaneArt(items=items, top=min(top, -_DET), bottom=max(bottom, _DET), omitted=placer.omitted)
 
@@ -707,33 +759,91 @@ def _axis(x: _Scale, *, top: float, y: float) -> tuple[list[Node], list[Node]]:
     return grid, axis
 
 
+def _suspect_words(tl: Timeline) -> str:
+    """The suspect swatch's label, naming the reasons the picture's suspect checkpoints carry."""
+    reasons: list[str] = []
+    for c in tl.checkpoints:
+        if c.verdict == "suspect" and not c.pending:
+            reasons += [r for r in c.reasons if r not in reasons]
+    return f"suspect ({', '.join(reasons[:4])}{', ...' if len(reasons) > 4 else ''})" if reasons else "suspect"
+
+
 def _legend_entries(tl: Timeline) -> list[tuple[Node, str]]:
-    """(swatch markup centred on 0,0, label)."""
-    entries = [
-        (_circle(0, 0, 6.5, color=GREEN, held=True), "checkpoint: trusted"),
-        (_circle(0, 0, 6.5, color=RED, held=True), "suspect (fault, lineage, revoked)"),
-        (_circle(0, 0, 6.5, color=TEAL, held=True), "verified (intact; no audit evidence yet)"),
-        (_circle(0, 0, 6.5, color=GREY, held=False), "hollow: file pruned / not held"),
-        (_star(0, 0, 9), "latest-good"),
-        (_line(0, -6, 0, 6, color=GREY, width=1.6), "audit passed (replay + consensus)"),
-        (el("circle", {"cx": 0, "cy": 0, "r": 2.2, "fill": GREY}), "consensus only passed (no replay)"),
-        (_cross(0, 0, 4.2), "check failed"),
-        (_line(-10, 0, 10, 0, color=RED, width=2.4), "detection (ranks named)"),
-        (_line(-10, 0, 10, 0, color=ORANGE, width=2.4, dash="6 3"), "contained detection"),
+    """(swatch markup centred on 0,0, label): only the marks this picture holds."""
+    cks, audits = tl.checkpoints, [a for lane in tl.lanes for a in lane.audits]
+    dets = tl.detections
+    present: list[tuple[bool, Node, str]] = [
+        (any(c.verdict == "trusted" for c in cks), _circle(0, 0, 6.5, color=GREEN, held=True), "checkpoint: trusted"),
         (
+            any(c.verdict == "suspect" and not c.pending for c in cks),
+            _circle(0, 0, 6.5, color=RED, held=True),
+            _suspect_words(tl),
+        ),
+        (any(c.pending for c in cks), _circle(0, 0, 6.5, color=ORANGE, held=True), "pending (awaiting its audit)"),
+        (
+            any(c.verdict == "verified" for c in cks),
+            _circle(0, 0, 6.5, color=TEAL, held=True),
+            "verified (intact; no audit evidence yet)",
+        ),
+        (any(not c.held for c in cks), _circle(0, 0, 6.5, color=GREY, held=False), "hollow: file pruned / not held"),
+        (any(c.latest_good for c in cks), _star(0, 0, 9), "latest-good"),
+        (
+            any(a.kind == "replay" and a.outcome == "pass" for a in audits),
+            _line(0, -6, 0, 6, color=GREY, width=1.6),
+            "audit passed (replay + consensus)",
+        ),
+        (
+            _consensus_only(tl),
+            el("circle", {"cx": 0, "cy": 0, "r": 2.2, "fill": GREY}),
+            "consensus only passed (no replay)",
+        ),
+        (any(a.outcome == "fail" for a in audits), _cross(0, 0, 4.2), "check failed"),
+        (any(not d.contained for d in dets), _line(-10, 0, 10, 0, color=RED, width=2.4), "detection (ranks named)"),
+        (
+            any(d.contained for d in dets),
+            _line(-10, 0, 10, 0, color=ORANGE, width=2.4, dash="6 3"),
+            "contained detection",
+        ),
+        (
+            any(lane.intervals for lane in tl.lanes),
             el("rect", {"x": -10, "y": -6, "width": 20, "height": 12, "fill": RED, "fill-opacity": 0.18}),
             "suspect interval (c, d]",
         ),
-        (_line(-10, 0, 10, 0, color=_FORK_COLOR, width=1.3, dash="5 3"), "fork (resume from checkpoint)"),
+        (
+            bool(tl.convictions),
+            el("rect", {"x": -10, "y": -2.5, "width": 20, "height": 5, "fill": PURPLE, "fill-opacity": 0.85}),
+            "steps a device convicted in the fleet registry computed",
+        ),
+        (
+            any(i is not None for i in _parent_lanes(tl)),
+            _line(-10, 0, 10, 0, color=_FORK_COLOR, width=1.3, dash="5 3"),
+            "fork (resume from checkpoint)",
+        ),
+        (
+            any(lane.drills for lane in tl.lanes),
+            _diamond(0, 0, 5.5, fill=DRILL["pass"]),
+            "restore drill (blue: passed, black: failed)",
+        ),
     ]
-    if any(lane.drills for lane in tl.lanes):
-        entries.append((_diamond(0, 0, 5.5, fill=DRILL["pass"]), "restore drill (blue: passed, black: failed)"))
-    return entries
+    return [(swatch, label) for shown, swatch, label in present if shown]
+
+
+def _consensus_only(tl: Timeline) -> bool:
+    """Whether a step's passing checks were only the consensus or the non-finite summary (a grey dot)."""
+    for lane in tl.lanes:
+        steps: dict[int, set[str]] = {}
+        for a in lane.audits:
+            steps.setdefault(a.step, set()).add(f"{a.kind} {a.outcome}")
+        if any("replay pass" not in v and not any(k.endswith("fail") for k in v) for v in steps.values()):
+            return True
+    return False
 
 
 def _legend(tl: Timeline, *, width: float, y: float) -> tuple[list[Node], float]:
     """The legend, centred, in columns filled top to bottom; returns its markup and its height."""
     entries = _legend_entries(tl)
+    if not entries:
+        return [], 0.0
     col = max(_width(label, 11.5) for _, label in entries) + 48
     ncol = int(max(1, min(6, (width - 40) // col)))
     nrow = math.ceil(len(entries) / ncol)

@@ -27,9 +27,12 @@ __all__ = [
     "Placement",
     "check_appeal",
     "check_clearance",
+    "conviction_spans",
     "convicted_ranges",
+    "device_host_steps",
     "device_of",
     "device_steps",
+    "host_at",
     "fleet_standing",
     "host_of",
     "is_device_id",
@@ -239,6 +242,19 @@ def convicted_ranges(placements: Sequence[Placement], convicted: Iterable[str]) 
     return out
 
 
+def conviction_spans(
+    placements: Sequence[Placement], convicted: Iterable[str]
+) -> list[tuple[Placement, Range, str, str]]:
+    """Every ``(placement, steps, rank, device)`` where a convicted device computed a branch's steps."""
+    bad = set(convicted)
+    return [
+        (p, rng, rank, dev)
+        for p, rng in _ranges(placements)
+        for rank, dev in sorted(p.devices.items(), key=lambda kv: int(kv[0]))
+        if dev in bad
+    ]
+
+
 def unaudited_overlap(ranges: Sequence[Range], *, last_clean: int, step: int) -> bool:
     """Whether a checkpoint at ``step``, whose unaudited interval is ``(last_clean, step]``, holds a
     step of one of ``ranges``."""
@@ -261,11 +277,44 @@ def device_steps(
     return steps, hosts
 
 
+def host_at(placements: Sequence[Placement], *, branch: str, step: int, rank: str, device: str) -> str | None:
+    """The host the placement covering ``step`` of ``branch`` records for ``rank`` running ``device``
+    (a detection's host: one device id may have moved between hosts). None when no placement of
+    that device covers the step."""
+    for p, (lo, hi) in _ranges(placements):
+        if p.branch == branch and lo < step and (hi is None or step <= hi) and p.devices.get(rank) == device:
+            return p.hosts.get(rank) or None
+    return None
+
+
+def device_host_steps(placements: Sequence[Placement], last_step: Mapping[str, int]) -> dict[tuple[str, str], int]:
+    """Steps each (device, host) pair computed: a device id that appears under two hosts has its
+    steps on each counted there (``device_steps`` sums them per device)."""
+    out: dict[tuple[str, str], int] = {}
+    for p, (lo, hi) in _ranges(placements):
+        end = last_step.get(p.branch, lo) if hi is None else min(hi, last_step.get(p.branch, hi))
+        n = max(0, end - lo)
+        for rank, dev in p.devices.items():
+            key = (dev, p.hosts.get(rank, ""))
+            out[key] = out.get(key, 0) + n
+    return out
+
+
 def rates(
-    detections: Mapping[str, int], steps: Mapping[str, int], hosts: Mapping[str, str]
+    detections: Mapping[str, int],
+    steps: Mapping[str, int],
+    hosts: Mapping[str, str],
+    *,
+    by_host: Mapping[str, tuple[int, int]] | None = None,
 ) -> dict[str, list[dict[str, Any]]]:
     """Detections per million device-steps, per device and per host, highest rate first (a device
-    with detections and no recorded steps has rate None: its runs reported to no registered store)."""
+    with detections and no recorded steps has rate None: its runs reported to no registered store).
+
+    Args:
+        by_host: per host, ``(detections, device-steps)`` attributed where they happened (a device
+            that moved between hosts counts on each for what it did there); default: each device's
+            totals under the host ``hosts`` names for it.
+    """
 
     def row(name: str, key: str, n: int, s: int) -> dict[str, Any]:
         return {key: name, "detections": n, "device_steps": s, "per_million": (n * 1e6 / s) if s else None}
@@ -274,11 +323,13 @@ def rates(
     per_device = [row(d, "device", detections.get(d, 0), steps.get(d, 0)) for d in devices]
     for r in per_device:
         r["host"] = hosts.get(r["device"], "")
-    by_host: dict[str, list[int]] = {}
-    for r in per_device:
-        agg = by_host.setdefault(r["host"], [0, 0])
-        agg[0] += r["detections"]
-        agg[1] += r["device_steps"]
+    if by_host is None:
+        summed: dict[str, list[int]] = {}
+        for r in per_device:
+            agg = summed.setdefault(r["host"], [0, 0])
+            agg[0] += r["detections"]
+            agg[1] += r["device_steps"]
+        by_host = {h: (n, s) for h, (n, s) in summed.items()}
     per_host = [row(h, "host", n, s) for h, (n, s) in sorted(by_host.items())]
 
     def order(r: dict[str, Any]) -> tuple[float, int]:

@@ -26,11 +26,12 @@ rules are pure (``certckpt.trust.devices``); this module reads and writes. No to
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import secrets
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from certckpt.errors import CheckpointNotFoundError, FleetError
@@ -40,7 +41,9 @@ from certckpt.format.trustconfig import TrustConfig
 from .devices import DeviceStanding, check_appeal, check_clearance, device_of, fleet_standing, host_of, is_device_id
 from .incident import incident_id_for
 from .ledger import FROM_ENV, Ledger, key_option
-from .memory import recall, recall_genesis, remember_snapshot
+from .memory import recall, recall_genesis, recall_view, remember_snapshot, remember_view
+from .records import FleetRecord, parse_record
+from .snapshot import FleetRecords
 
 __all__ = ["Fleet", "FleetView", "FLEET_ENV", "absolute_url"]
 
@@ -125,6 +128,49 @@ class FleetView:
         }
 
 
+_VIEW_VERSION = 1
+_VIEW_KINDS = (("convictions", "conviction_id"), ("appeals", "appeal_id"), ("clearances", "clearance_id"))
+
+
+def _view_to_json(view: FleetView, recs: FleetRecords) -> dict[str, Any]:
+    """What ``Fleet.read`` keeps of a verified read: the records that stood (each with whether a
+    trusted writer vouched for it) and what the read said of the registry."""
+    return {
+        "store_id": view.store_id,
+        "stores": view.stores,
+        "breaks": view.breaks,
+        "invalid": [list(x) for x in view.invalid],
+        "notes": view.notes,
+        **{kind: [dict(r.raw) for r in getattr(recs, kind)] for kind, _ in _VIEW_KINDS},
+    }
+
+
+def _view_from_json(url: str, doc: Mapping[str, Any]) -> FleetView | None:
+    """The view a kept read concluded, every record parsed again as a read parses it (None: not
+    one this version kept; the registry is read again)."""
+    try:
+        parsed: dict[str, list[Any]] = {}
+        for kind, id_key in _VIEW_KINDS:
+            out = []
+            for raw in doc[kind]:
+                rec = parse_record(kind, f"{raw[id_key]}.json", raw)
+                if not isinstance(rec, FleetRecord):
+                    return None
+                out.append(replace(rec, authenticated=raw.get("authenticated") is True))
+            parsed[kind] = out
+        return FleetView(
+            url=url,
+            store_id=doc["store_id"] if isinstance(doc["store_id"], str) else None,
+            devices=fleet_standing(parsed["convictions"], parsed["appeals"], parsed["clearances"]),
+            stores=[str(x) for x in doc["stores"]],
+            breaks=[str(x) for x in doc["breaks"]],
+            invalid=[(str(a), str(b)) for a, b in doc["invalid"]],
+            notes=[str(x) for x in doc["notes"]],
+        )
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None
+
+
 def _store_key(store: str) -> str:
     return hashlib.sha256(store.encode("utf-8")).hexdigest()[:32]
 
@@ -175,9 +221,22 @@ class Fleet:
 
     def read(self) -> FleetView:
         """Every record, checked like a run's ledger (chains, signatures, the heads this reader saw
-        before: a registry rolled back to before a conviction is a break)."""
+        before: a registry rolled back to before a conviction is a break).
+
+        What a read proved is kept outside the registry (``memory.remember_view``) under a key of
+        the registry's listing (every file's name and change detector), the chain heads this reader
+        remembers and the keys it trusts: the next read that finds all three unchanged takes it
+        instead of reading and verifying every record again (``certckpt status`` reads each
+        registry its run's placements name). Any file added, removed or rewritten, another key, or
+        other remembered heads: a full read."""
+        base = self.ledger.trust.memory_dir
+        listing = self.ledger.listing_stamp()
+        if listing is not None:
+            cached = recall_view(self.url, self._view_key(listing, base), base=base)
+            view = _view_from_json(self.url, cached) if cached is not None else None
+            if view is not None:
+                return view
         try:
-            base = self.ledger.trust.memory_dir
             snap = self.ledger.snapshot(
                 remembered=recall(self.url, base=base), remembered_genesis=recall_genesis(self.url, base=base)
             )
@@ -196,7 +255,20 @@ class Fleet:
             invalid=list(snap.invalid),
             notes=list(snap.notes),
         )
+        if listing is not None:  # the listing taken before the read: a write since changes it
+            remember_view(self.url, self._view_key(listing, base), _view_to_json(view, recs), base=base)
         return view
+
+    def _view_key(self, listing: str, base: str) -> str:
+        keys = sorted(self.ledger.trusted_keys.keys) if self.ledger.trusted_keys is not None else []
+        doc = {
+            "version": _VIEW_VERSION,
+            "listing": listing,
+            "heads": sorted(recall(self.url, base=base).items()),
+            "genesis": recall_genesis(self.url, base=base),
+            "keys": keys,
+        }
+        return hashlib.sha256(json.dumps(doc, sort_keys=True, default=list).encode()).hexdigest()
 
     # --- writing -------------------------------------------------------------------------------
 
@@ -268,7 +340,7 @@ class Fleet:
             if not device:
                 continue
             evidence = {
-                "store": store,
+                "store": absolute_url(store) if store else store,  # read from any directory
                 "run": event.get("run"),
                 "branch": event.get("branch"),
                 "step": event.get("step"),

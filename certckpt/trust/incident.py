@@ -33,6 +33,7 @@ from certckpt.errors import IncidentError
 __all__ = [
     "ACTIONS",
     "EXIT_FAULT_DETECTED",
+    "EXIT_DEVICE_REFUSED",
     "Incident",
     "incident_id_for",
     "build_opening",
@@ -45,6 +46,9 @@ __all__ = [
 # failure is not transient: do not requeue on the suspect node" (Kubernetes podFailurePolicy
 # onExitCodes, a Slurm epilog, a torchrun wrapper can all match it).
 EXIT_FAULT_DETECTED = 86
+# Exit status of a training job refused at its start because a rank's device is convicted in the
+# fleet registry: "requeue, but not on that device" (nothing trained; no incident was opened).
+EXIT_DEVICE_REFUSED = 87
 
 ACTIONS = ("quarantine", "rollback", "replace", "return-to-service", "approve", "resolve", "close")
 _NEEDS_APPROVAL = ("replace", "return-to-service")

@@ -22,6 +22,7 @@ candidates for latest-good there. Every object is written once (create-only: a h
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -41,7 +42,7 @@ from certckpt.errors import (
 from certckpt.format.sharded.layout import MANIFEST_NAME
 from certckpt.format.signing import SigningKey, TrustedKeys, signing_key_from_env, trusted_keys_from_env
 from certckpt.format.trustconfig import TrustConfig, mmap_from_env, state_dir_from_env
-from certckpt.log import RESUME
+from certckpt.log import COMMIT, RESUME
 from certckpt.storage import (
     LEDGER_DIR,
     VAULT_MARK,
@@ -303,7 +304,9 @@ class Ledger:
         step_range: list[int] | None = None,
         nbytes: int | None = None,
     ) -> str:
-        """Write the commit record that makes a published checkpoint exist; returns its id."""
+        """Write the commit record that makes a published checkpoint exist; returns its id. The
+        first writer of the record says so in the log (``certckpt.log``): one line per commit,
+        whatever wrote it (a session, an integration, ``certckpt.save``)."""
         _check_name("branch", branch)
         cid = ckpt_id_for(branch, step)
         doc = {
@@ -320,7 +323,8 @@ class Ledger:
             "bytes": nbytes,
             "committed_at": time.time(),
         }
-        self._put("checkpoints", f"{cid}.json", self._dumps(doc), branch=branch)
+        if self._put("checkpoints", f"{cid}.json", self._dumps(doc), branch=branch):
+            COMMIT.info("committed checkpoint %s (step %d of branch %s) in %s", cid, step, branch, self.store)
         return cid
 
     def start_branch(self, branch: str, *, parent: str) -> None:
@@ -496,6 +500,25 @@ class Ledger:
         a vault's mirrored commit records are relative to the run store they came from)."""
         u: str = record.url if isinstance(record, (CommitRecord, HoldingRecord, KeptRecord)) else record["url"]
         return u if "://" in u or u.startswith("/") else join(base or self.store, u)
+
+    def listing_stamp(self) -> str | None:
+        """A digest of every ledger file's name and change detector (size, times and inode locally;
+        an object store's ETag), taken with the same listing a snapshot starts from; None when a
+        file has no stamp, there is no file, or the ledger cannot be listed. A reader compares it with the one it took
+        before a verified read to reuse what that read proved (``Fleet.read``)."""
+        try:
+            storage = self._storage()
+            entries = storage.walk(CHAINS_DIR, depth=2) + storage.walk(depth=3, skip=(CHAINS_DIR,))
+        except (CertckptError, OSError):
+            return None
+        if not any(e.kind == "file" for e in entries):
+            return None  # gone, emptied or never written: each is told apart by a full read only
+        h = hashlib.sha256()
+        for e in sorted(entries, key=lambda e: e.name):
+            if e.kind == "file" and not e.stamp:
+                return None
+            h.update(f"{e.name}\0{e.kind}\0{e.stamp}\n".encode())
+        return h.hexdigest()
 
     def snapshot(
         self,

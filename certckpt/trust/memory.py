@@ -38,9 +38,11 @@ __all__ = [
     "recall",
     "recall_facts",
     "recall_genesis",
+    "recall_view",
     "remember",
     "remember_facts",
     "remember_snapshot",
+    "remember_view",
     "state_dir",
 ]
 
@@ -146,12 +148,32 @@ def remember_snapshot(store: str, snap: LedgerSnapshot, *, base: str | None = No
         remember(store, snap.memorable_heads, genesis=snap.genesis, base=base)
 
 
+def recall_view(store: str, key: str, *, base: str | None = None) -> dict[str, Any] | None:
+    """What a verified read of ``store`` concluded, when it was kept under ``key`` (the store's
+    listing stamp, the heads remembered and the keys it was read with; None: another key, none
+    kept, or unreadable: read the store again)."""
+    try:
+        with open(_path(store, ".view.json", base), "rb") as f:
+            doc = json.loads(f.read(_MAX_BYTES))
+    except (OSError, ValueError, RecursionError):
+        return None
+    if not isinstance(doc, dict) or doc.get("key") != key or not isinstance(doc.get("view"), dict):
+        return None
+    view: dict[str, Any] = doc["view"]
+    return view
+
+
+def remember_view(store: str, key: str, view: dict[str, Any], *, base: str | None = None) -> None:
+    """Keep what a verified read of ``store`` concluded, under ``key`` (see ``recall_view``)."""
+    _write(_path(store, ".view.json", base), {"key": key, "view": view})
+
+
 def forget(store: str, *, base: str | None = None) -> list[str]:
     """Forget what this reader verified of ``store`` (its identity, heads and folded segments): the
     deliberate way to accept a store re-created at the same URL, or to drop heads an earlier version
     remembered of unauthenticated writers. Returns the files removed."""
     removed = []
-    for suffix in (".json", ".facts.json"):
+    for suffix in (".json", ".facts.json", ".view.json"):
         p = _path(store, suffix, base)
         try:
             os.remove(p)

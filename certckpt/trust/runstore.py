@@ -12,20 +12,14 @@ import os
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from certckpt.errors import CertckptError, CheckpointExistsError, CheckpointNotFoundError, StorageError
-from certckpt.format.companions import companion_problems
-from certckpt.format.record import CheckpointRecord
-from certckpt.format.sharded.check import ShardedReport, verify_checkpoint
-from certckpt.format.sharded.layout import is_directory
 from certckpt.format.signing import TrustedKeys
 from certckpt.format.trustconfig import TrustConfig
-from certckpt.format.verify import VerifyReport, verify
 
 from .certify import Certification, CheckpointEntry, Level, accept_level, certify
-from .coverage import Coverage, coverage
-from .devices import convicted_ranges, placements_of
+from .devices import Placement, convicted_ranges, conviction_spans, placements_of
 from .facts import EventProblem, read_event
 from .fleet import Fleet, FleetView
 from .incident import (
@@ -39,6 +33,13 @@ from .incident import (
 from .ledger import Ledger, LedgerSnapshot
 from .memory import recall, recall_facts, recall_genesis, remember_facts, remember_snapshot
 from .records import HoldingRecord, KeptRecord, Outcome
+
+if TYPE_CHECKING:  # for annotations only (imported where they run: see check_file, StoreStatus.coverage)
+    from certckpt.format.record import CheckpointRecord
+    from certckpt.format.sharded.check import ShardedReport
+    from certckpt.format.verify import VerifyReport
+
+    from .coverage import Coverage
 
 __all__ = [
     "StoreStatus",
@@ -90,6 +91,8 @@ class StoreStatus:
 
     def coverage(self) -> dict[str, Coverage]:
         """Every checkpoint's audit coverage, from the events that count (``trust.coverage``)."""
+        from .coverage import coverage  # only `status --coverage` and the report ask: latest-good stays light
+
         snap = self.snapshot
         return coverage(snap.checkpoints, snap.events, branch_parents=snap.branch_parents)
 
@@ -130,6 +133,13 @@ def check_file(
     Returns:
         None when it verifies, else one line saying what is wrong.
     """
+    # The byte checks are imported where they run: `latest-good --no-verify`, `status` and every
+    # certify that reads only the ledger never load the file format's verifier (bench_startup.py).
+    from certckpt.format.companions import companion_problems
+    from certckpt.format.sharded.check import ShardedReport, verify_checkpoint
+    from certckpt.format.sharded.layout import is_directory
+    from certckpt.format.verify import verify
+
     report: ShardedReport | VerifyReport
     record: CheckpointRecord | None
     try:
@@ -213,6 +223,7 @@ def convicted_ranges_for(
     snap: LedgerSnapshot,
     *,
     extra: Iterable[str] = (),
+    exclude: Iterable[str] = (),
     authenticated_only: bool = False,
     views: dict[str, FleetView] | None = None,
 ) -> dict[str, list[tuple[int, int | None]]]:
@@ -223,12 +234,15 @@ def convicted_ranges_for(
 
     Args:
         extra: devices to count as convicted too (``certckpt fleet impact``: before it happens).
+        exclude: devices to leave out (``certckpt fleet impact`` of a device convicted already: what
+            its convictions changed is the difference with and without them).
         authenticated_only: count only convictions a trusted writer vouches for (a prune).
         views: registries read already, by URL (read here otherwise, and kept there).
     """
     if not snap.placements:
         return {}
     convicted = set(extra)
+    standing: dict[str, tuple[str, Any]] = {}  # convicted device -> (its registry, its standing)
     views = {} if views is None else views
     for url in sorted({r.fleet for r, ok in snap.placements if ok and r.fleet is not None}):
         if url not in views:
@@ -253,7 +267,40 @@ def convicted_ranges_for(
         for dev, st in view.devices.items():
             if st.convicted and (not authenticated_only or any(c.authenticated for c in st.open_convictions)):
                 convicted.add(dev)
-    return convicted_ranges(placements_of(snap.placements), convicted)
+                standing.setdefault(dev, (url, st))
+    placements = placements_of(snap.placements)
+    if not extra and not exclude and not authenticated_only:  # what the run's judgement rests on: its picture
+        snap.device_convictions = _conviction_marks(placements, standing)
+    return convicted_ranges(placements, convicted - set(exclude))
+
+
+def _conviction_marks(placements: list[Placement], standing: Mapping[str, tuple[str, Any]]) -> list[dict[str, Any]]:
+    """Per placement of a convicted device: the steps it computed and its first open conviction's evidence."""
+    out = []
+    for p, (lo, hi), rank, dev in conviction_spans(placements, standing):
+        url, st = standing[dev]
+        first = st.open_convictions[0]
+        ev = first.evidence
+        out.append(
+            {
+                "branch": p.branch,
+                "from": lo,
+                "to": hi,
+                "rank": rank,
+                "device": dev,
+                "host": p.hosts.get(rank) or st.host,
+                "fleet": url,
+                "conviction_id": first.conviction_id,
+                "convictions": len(st.open_convictions),
+                "by_run": ev.get("run"),
+                "by_branch": ev.get("branch"),
+                "by_step": ev.get("step"),
+                "by_check": ev.get("check"),
+                "by_store": ev.get("store"),
+                "incident_id": ev.get("incident_id"),
+            }
+        )
+    return out
 
 
 def _fleet_unproven(snap: LedgerSnapshot, url: str, why: str) -> None:

@@ -160,6 +160,10 @@ class LedgerSnapshot:
     # per branch, the step after which a fleet registry named by its placements cannot vouch for the
     # devices (set when the registries are read, ``runstore.convicted_ranges_for``)
     unproven_after: dict[str, int] = field(default_factory=dict)
+    # the convictions that reach this run: per placement of a convicted device, the steps it computed
+    # and the conviction's evidence (set when the registries are read, ``runstore.convicted_ranges_for``;
+    # what the timeline draws)
+    device_convictions: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     # (record, counts): where a run's ranks ran at each start (runs configured with a fleet)
     placements: list[tuple[PlacementRecord, bool]] = field(default_factory=list)

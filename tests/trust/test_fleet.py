@@ -286,7 +286,7 @@ def test_impact_and_rates_read_the_registered_stores(tmp_path, keys):
     assert not _fleet(root, keys["writer"]).register_store(str(store))  # once
     out = impact(str(root), "gpu-y")
     assert [c["ckpt_id"] for c in out.changes] == ["main@10", "main@20"] and not out.already_convicted
-    assert impact(str(root), "gpu-x").changes == []  # convicted already: nothing changes
+    assert [c["ckpt_id"] for c in impact(str(root), "gpu-x").changes] == ["b@10"]  # what its conviction made suspect
     doc = fleet_rates(str(root))
     x = next(r for r in doc["devices"] if r["device"] == "gpu-x")
     assert (x["detections"], x["device_steps"], x["per_million"], x["host"]) == (1, 10, 100_000.0, "node-x")
