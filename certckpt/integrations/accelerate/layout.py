@@ -131,15 +131,7 @@ def manifest_of(directory: str) -> tuple[str, dict[str, dict[str, Any]], int | N
 
 
 class StateDirReport(ManifestDirReport):
-    """The outcome of ``verify_state_dir``.
-
-    Attributes:
-        directory: the checkpoint directory.
-        ok: the manifest verifies, every file it lists is there and matches, nothing unlisted.
-        step: the step the manifest records (None when it could not be read).
-        files: the names the manifest lists.
-        problems: one line per problem.
-    """
+    """The outcome of ``verify_state_dir`` (its attributes: ``ManifestDirReport``)."""
 
     __slots__ = ()
 

@@ -104,15 +104,7 @@ def manifest_of(directory: str) -> tuple[str, dict[str, dict[str, Any]], int | N
 
 
 class DirectoryReport(ManifestDirReport):
-    """The outcome of ``verify_checkpoint``.
-
-    Attributes:
-        directory: the tag directory.
-        ok: the manifest verifies, every file it lists is there and matches, and nothing is added.
-        step: the step the manifest records (None when unreadable).
-        files: the names the manifest lists.
-        problems: one line per problem.
-    """
+    """The outcome of ``verify_checkpoint`` (its attributes: ``ManifestDirReport``)."""
 
     __slots__ = ()
 

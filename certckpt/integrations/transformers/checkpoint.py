@@ -94,15 +94,7 @@ def write_manifest(
 
 
 class CheckpointReport(ManifestDirReport):
-    """The outcome of ``verify_checkpoint``.
-
-    Attributes:
-        directory: the checkpoint directory.
-        ok: every listed file is present and matches, and the manifest verifies.
-        step: the step the manifest records (None when it could not be read).
-        files: the names the manifest lists.
-        problems: one line per problem.
-    """
+    """The outcome of ``verify_checkpoint`` (its attributes: ``ManifestDirReport``)."""
 
     __slots__ = ()
 
