@@ -207,6 +207,19 @@ class SessionContext:
     report: EventLog
     state: SessionState
 
+    def drop_grads(self) -> None:
+        """Drop the trained parameters' gradients (each session's context knows which they are)."""
+        raise NotImplementedError
+
+    def fail_replay(self, ev: AuditEvent, suspects: tuple[int, ...]) -> bool:
+        """A failed replay audit (``ev``): the update is refused (its gradients dropped), the audit
+        fails as ``options.on_fault`` says, naming ``suspects``; False (the step's outcome)."""
+        self.drop_grads()
+        who = f"rank(s) {list(suspects)}" if suspects else "no rank could be named"
+        message = f"replay audit failed ({who}); the update was not applied"
+        self.report.fail(ev, message, policy=self.options.on_fault.value)
+        return False
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CheckContext(SessionContext):

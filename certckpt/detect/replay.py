@@ -225,21 +225,25 @@ class RingReplay:
                 torch.autograd.grad(ctx.scaled(loss, n=n, micro=micro), ctx.params, allow_unused=True)
                 del loss
 
+    def _refuse_unless_same(self, same: list[bool], differs: str, *, what: str, advice: str) -> None:
+        """Refuse on every rank together (``refuse_together``) unless every parameter's comparison
+        in ``same`` held; the reason is ``differs``, with the first five parameters that differ."""
+        ctx = self.ctx
+        reason = None
+        if not all(same):
+            names = [n for n, ok in zip(ctx.param_names, same) if not ok][:5]
+            reason = f"{differs} (e.g. {names})"
+        refuse_together(reason, group=ctx.group, wire_device=ctx.wire_device, what=what, advice=advice)
+
     def check_deterministic(self, units: list[Any], micro: bool) -> None:
         """Replay the rank's own first step twice; refuse (on every rank together) if they differ."""
         ctx = self.ctx
         rng = ctx.rng_state()
         module = ctx.model.module
         a, b = self.recompute(module, units, micro, rng, 0), self.recompute(module, units, micro, rng, 0)
-        same = matches(a.cpu(), b.cpu(), mode="deterministic", rtol=0)
-        reason = None
-        if not all(same):
-            names = [n for n, ok in zip(ctx.param_names, same) if not ok][:5]
-            reason = f"gradients differ between two identical computations (e.g. {names})"
-        refuse_together(
-            reason,
-            group=ctx.group,
-            wire_device=ctx.wire_device,
+        self._refuse_unless_same(
+            matches(a.cpu(), b.cpu(), mode="deterministic", rtol=0),
+            "gradients differ between two identical computations",
             what="the determinism check (deterministic mode)",
             advice=(
                 "the replay restores torch's RNG state only, so the likely causes are: randomness drawn outside"
@@ -271,15 +275,9 @@ class RingReplay:
         ctx.state.path_check_pending = False
         local = self._local_signatures()
         again = self.recompute(ctx.model.module, units, micro, rng, s, n_total=n_total, rngs=rngs)
-        same = matches(again.cpu(), local.cpu(), mode=ctx.options.mode, rtol=ctx.options.rtol)
-        reason = None
-        if not all(same):
-            names = [n for n, ok in zip(ctx.param_names, same) if not ok][:5]
-            reason = f"the replay of the first step gives other gradients than training did (e.g. {names})"
-        refuse_together(
-            reason,
-            group=ctx.group,
-            wire_device=ctx.wire_device,
+        self._refuse_unless_same(
+            matches(again.cpu(), local.cpu(), mode=ctx.options.mode, rtol=ctx.options.rtol),
+            "the replay of the first step gives other gradients than training did",
             what="the replay check",
             advice=(
                 "a replay calls loss_fn(model.module, batch) on the bare module, outside DDP and outside a"
@@ -362,11 +360,7 @@ class RingReplay:
             arbitration={f"{o}->{r}": v for (o, r), v in arbitration.items()},
             notes=list(verdict.notes),
         )
-        ctx.drop_grads()
-        who = f"rank(s) {list(verdict.suspects)}" if verdict.suspects else "no rank could be named"
-        message = f"replay audit failed ({who}); the update was not applied"
-        ctx.report.fail(ev, message, policy=ctx.options.on_fault.value)
-        return False
+        return ctx.fail_replay(ev, verdict.suspects)
 
     def _arbitrate(
         self,

@@ -157,11 +157,7 @@ class ShardedReplayAudit:
             arbitrated=arbitrate_needed,
             notes=list(verdict.notes),
         )
-        ctx.drop_grads()
-        who = f"rank(s) {list(verdict.suspects)}" if verdict.suspects else "no rank could be named"
-        message = f"replay audit failed ({who}); the update was not applied"
-        ctx.report.fail(ev, message, policy=ctx.options.on_fault.value)
-        return False
+        return ctx.fail_replay(ev, verdict.suspects)
 
     # --- the update replay ------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -30,11 +31,12 @@ from .incident import (
     incident_id_for,
     incident_state,
 )
-from .ledger import Ledger, LedgerSnapshot
+from .ledger import Ledger, LedgerSnapshot, is_ckpt_id
 from .memory import recall, recall_facts, recall_genesis, remember_facts, remember_snapshot
 from .records import HoldingRecord, KeptRecord, Outcome
 
 if TYPE_CHECKING:  # for annotations only (imported where they run: see check_file, StoreStatus.coverage)
+    from certckpt.format.manifestdir import ManifestDirReport
     from certckpt.format.record import CheckpointRecord
     from certckpt.format.sharded.check import ShardedReport
     from certckpt.format.verify import VerifyReport
@@ -47,6 +49,9 @@ __all__ = [
     "certify_store",
     "convicted_ranges_for",
     "find_latest_good",
+    "latest_intact_directory",
+    "committed_directory",
+    "snapshot_or_empty",
     "check_file",
     "open_incident",
     "open_missing_incidents",
@@ -599,3 +604,75 @@ def decide(
     )
     ledger.write_record("incidents", f"{decision_id}.json", doc)
     return doc
+
+
+def snapshot_or_empty(ledger: Ledger) -> LedgerSnapshot:
+    """The ledger's records; none yet when its local store does not exist (a first run)."""
+    if "://" not in ledger.store and not os.path.isdir(ledger.store):
+        return LedgerSnapshot()
+    return ledger.snapshot()
+
+
+def latest_intact_directory(
+    ledger: Ledger,
+    check_directory: Callable[[str], ManifestDirReport],
+    *,
+    write_certificates: bool,
+    log: logging.Logger,
+    prefix: str = "",
+) -> str | None:
+    """The directory of the newest good checkpoint (trusted first, then verified) whose every file
+    verifies now; None when the store has committed nothing yet (a first run starts from scratch).
+
+    The committed file, the manifest, is re-verified (``check_file``); the other files of its
+    directory by ``check_directory``; a checkpoint with a damaged one is skipped, with a warning on
+    ``log`` (its lines start with ``prefix``).
+
+    Raises:
+        CheckpointNotFoundError: checkpoints are committed, but none verifies whole.
+    """
+    try:
+        status = certify_store(ledger.store, write_certificates=write_certificates)
+    except CheckpointNotFoundError:
+        status = None  # no store yet
+    if status is None or not status.snapshot.records:
+        log.info(prefix + "nothing committed in %s yet: training from scratch", ledger.store)
+        return None
+    for cid in status.certification.candidates("verified"):
+        if not status.snapshot.available(cid):
+            continue
+        record = status.snapshot.records[cid]
+        manifest = ledger.url_of(record)
+        problem = check_file(manifest, record.get("header_digest"), committed=record)
+        if problem is None:
+            try:
+                report = check_directory(os.path.dirname(manifest))
+                problem = None if report.ok else report.problems[0]
+            except CertckptError as e:
+                problem = str(e)
+        if problem is None:
+            return os.path.dirname(manifest)
+        log.warning(prefix + "not resuming from %s: %s", cid, problem)
+    raise CheckpointNotFoundError(
+        f"{ledger.store}: no trusted or verified checkpoint to resume from whose files all verify "
+        f"(see `certckpt status {ledger.store}`)"
+    )
+
+
+def committed_directory(value: Any, ledger_of: Callable[[], Ledger], manifest_name: str) -> str:
+    """The checkpoint directory ``value`` names: a committed checkpoint's id (looked up in the
+    ledger ``ledger_of`` gives, when no such path exists), its manifest file, or the directory itself.
+
+    Raises:
+        CheckpointNotFoundError: an id the ledger has not committed.
+    """
+    path: str = os.fspath(value)
+    if is_ckpt_id(path) and not os.path.exists(path):
+        ledger = ledger_of()
+        rec = snapshot_or_empty(ledger).records.get(path)
+        if rec is None:
+            raise CheckpointNotFoundError(f"{ledger.store}: no committed checkpoint {path!r}")
+        return os.path.dirname(ledger.url_of(rec))
+    if os.path.isfile(path) and os.path.basename(path) == manifest_name:
+        return os.path.dirname(os.path.abspath(path))
+    return path

@@ -34,8 +34,6 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
 from certckpt.errors import (
-    CertckptError,
-    CheckpointNotFoundError,
     ConfigurationError,
     CorruptCheckpointError,
     UnsupportedObjectError,
@@ -47,9 +45,10 @@ from certckpt.format.writer import save_certified
 from certckpt.log import enable as enable_log
 from certckpt.trust.commit import commit_saved
 from certckpt.trust.gate import rotation_keeps, store_doubt
-from certckpt.trust.ledger import Ledger, LedgerSnapshot, ckpt_id_for, is_ckpt_id
+from certckpt.trust.ledger import Ledger, ckpt_id_for, is_ckpt_id
 from certckpt.trust.resume import next_branch
-from certckpt.trust.runstore import StoreStatus, certify_store, check_file
+from certckpt.trust.runstore import StoreStatus, certify_store, committed_directory, latest_intact_directory
+from certckpt.trust.runstore import snapshot_or_empty as _snapshot
 
 from .layout import (
     MANIFEST_NAME,
@@ -467,45 +466,10 @@ class CertifiedAccelerator(Accelerator):
 
     def _certckpt_latest_good(self) -> str | None:
         """The newest good checkpoint (trusted first, then verified) whose every file verifies now."""
-        ledger = self.certckpt_ledger()
-        try:
-            status = certify_store(ledger.store, write_certificates=False)
-        except CheckpointNotFoundError:
-            status = None
-        if status is None or not status.snapshot.records:
-            logger.info("nothing committed in %s yet: training from scratch", ledger.store)
-            return None
-        for cid in status.certification.candidates("verified"):
-            if not status.snapshot.available(cid):
-                continue
-            record = status.snapshot.records[cid]
-            manifest = ledger.url_of(record)
-            problem = check_file(manifest, record.get("header_digest"), committed=record)
-            if problem is None:
-                try:
-                    report = verify_state_dir(os.path.dirname(manifest))
-                    problem = None if report.ok else report.problems[0]
-                except CertckptError as e:
-                    problem = str(e)
-            if problem is None:
-                return os.path.dirname(manifest)
-            logger.warning("not resuming from %s: %s", cid, problem)
-        raise CheckpointNotFoundError(
-            f"{ledger.store}: no trusted or verified checkpoint to resume from whose files all verify "
-            f"(see `certckpt status {ledger.store}`)"
-        )
+        return latest_intact_directory(self.certckpt_ledger(), verify_state_dir, write_certificates=False, log=logger)
 
     def _certckpt_resolve(self, value: Any) -> str:
-        value = os.fspath(value)
-        if is_ckpt_id(value) and not os.path.exists(value):
-            ledger = self.certckpt_ledger()
-            rec = _snapshot(ledger).records.get(value)
-            if rec is None:
-                raise CheckpointNotFoundError(f"{ledger.store}: no committed checkpoint {value!r}")
-            return os.path.dirname(ledger.url_of(rec))
-        if os.path.isfile(value) and os.path.basename(value) == MANIFEST_NAME:
-            return os.path.dirname(os.path.abspath(value))
-        return value
+        return committed_directory(value, self.certckpt_ledger, MANIFEST_NAME)
 
     def _certckpt_load(self, directory: str, *, strict: bool) -> None:
         """Verify, decide the branch, then load every state (this process's part)."""
@@ -610,13 +574,6 @@ def _keeps(status: StoreStatus, cid: str | None, folder: str, good_dir: str | No
     return rotation_keeps(
         cid, snap=status.snapshot, verdicts=status.certification.verdicts, latest_good=status.latest_good
     )
-
-
-def _snapshot(ledger: Ledger) -> LedgerSnapshot:
-    """The ledger's records; none yet when the store does not exist (a first run)."""
-    if "://" not in ledger.store and not os.path.isdir(ledger.store):
-        return LedgerSnapshot()
-    return ledger.snapshot()
 
 
 def _rng_states() -> dict[str, Any]:

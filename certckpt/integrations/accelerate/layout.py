@@ -20,22 +20,15 @@ refused with the way to convert it. No accelerate import.
 
 from __future__ import annotations
 
-import json
 import os
-from dataclasses import dataclass, field
 from typing import Any
 
-from certckpt.errors import (
-    CheckpointNotFoundError,
-    CorruptCheckpointError,
-    NotACheckpointError,
-    UnsupportedObjectError,
-)
-from certckpt.format.companions import FILES_KEY, LAYOUT_KEY, companion_problems, companions_of, plain_entry
+from certckpt.errors import NotACheckpointError
+from certckpt.format.manifestdir import ManifestDir, ManifestDirReport, read_manifest, verify_directory
+from certckpt.format.manifestdir import require_intact as _require
+from certckpt.format.manifestdir import write_manifest as _write
 from certckpt.format.record import RecordFields
-from certckpt.format.signing import trusted_keys_from_env
-from certckpt.format.verify import inspect, verify
-from certckpt.format.writer import SaveResult, save_certified
+from certckpt.format.writer import SaveResult
 
 __all__ = [
     "MANIFEST_NAME",
@@ -88,31 +81,6 @@ def plain_accelerate_files(directory: str) -> list[str]:
     return sorted(n for n in names if n.endswith(PICKLED_SUFFIXES) and n.startswith(_PLAIN_PREFIXES))
 
 
-def _file_entry(path: str) -> dict[str, Any]:
-    """What the manifest records about one file: a certified file by its header digest, any other by
-    the digests of its bytes.
-
-    Raises:
-        UnsupportedObjectError: a pickle, or a safetensors file that is not certified.
-    """
-    name = os.path.basename(path)
-    if name.endswith(PICKLED_SUFFIXES):
-        raise UnsupportedObjectError(
-            f"{path}: a pickled file in a certified checkpoint; whatever wrote it bypassed certckpt (a save-state "
-            "pre-hook, or plain Accelerate): write it with certckpt.save, or as JSON, or outside the checkpoint"
-        )
-    if name.endswith(".safetensors"):
-        try:
-            info = inspect(path)
-        except NotACheckpointError as e:
-            raise UnsupportedObjectError(
-                f"{path}: a safetensors file without a certckpt record in a certified checkpoint; write it with "
-                "certckpt.save"
-            ) from e
-        return {"bytes": os.path.getsize(path), "header_digest": info.record.header_digest}
-    return plain_entry(path)
-
-
 def write_manifest(
     directory: str,
     state: dict[str, Any],
@@ -131,21 +99,7 @@ def write_manifest(
         UnsupportedObjectError: a pickle or an uncertified safetensors file is in the directory.
         CheckpointExistsError: the manifest exists already.
     """
-    files = {}
-    for name in sorted(os.listdir(directory)):
-        path = os.path.join(directory, name)
-        if name == MANIFEST_NAME or name.startswith(".") or not os.path.isfile(path):
-            continue  # hidden names are writers' temp files
-        files[name] = _file_entry(path)
-    meta = {LAYOUT_KEY: LAYOUT, FILES_KEY: json.dumps(files, sort_keys=True, separators=(",", ":"))}
-    return save_certified(
-        state,
-        os.path.join(directory, MANIFEST_NAME),
-        fields=fields,
-        **one_by_one,
-        metadata=meta,
-        overwrite=False,
-    )
+    return _write(directory, _DIR, state, fields, **one_by_one)
 
 
 def _refuse_plain(directory: str) -> NotACheckpointError:
@@ -173,46 +127,13 @@ def manifest_of(directory: str) -> tuple[str, dict[str, dict[str, Any]], int | N
             certified file that is not an Accelerate manifest.
         CorruptCheckpointError: the manifest's header or its files table is damaged.
     """
-    path = os.path.join(directory, MANIFEST_NAME)
-    if not os.path.isfile(path):
-        if not os.path.isdir(directory):
-            raise CheckpointNotFoundError(f"{directory}: no such checkpoint directory")
-        raise _refuse_plain(directory)
-    record = inspect(path).record
-    if record.user.get(LAYOUT_KEY) != LAYOUT:
-        raise NotACheckpointError(
-            f"{path}: a certckpt file, but not an Accelerate manifest (layout {record.user.get(LAYOUT_KEY)!r})"
-        )
-    try:
-        files = companions_of(record)
-    except (ValueError, RecursionError) as e:
-        raise CorruptCheckpointError(f"{path}: the manifest's files table is unreadable ({e})") from e
-    if files is None:
-        raise CorruptCheckpointError(f"{path}: the manifest lists no files")
-    return path, files, record.step
+    return read_manifest(directory, _DIR)
 
 
-@dataclass(kw_only=True, slots=True)
-class StateDirReport:
-    """The outcome of ``verify_state_dir``.
+class StateDirReport(ManifestDirReport):
+    """The outcome of ``verify_state_dir`` (its attributes: ``ManifestDirReport``)."""
 
-    Attributes:
-        directory: the checkpoint directory.
-        ok: the manifest verifies, every file it lists is there and matches, nothing unlisted.
-        step: the step the manifest records (None when it could not be read).
-        files: the names the manifest lists.
-        problems: one line per problem.
-    """
-
-    directory: str
-    ok: bool = True
-    step: int | None = None
-    files: list[str] = field(default_factory=list)
-    problems: list[str] = field(default_factory=list)
-
-    def fail(self, message: str) -> None:
-        self.ok = False
-        self.problems.append(message)
+    __slots__ = ()
 
 
 def verify_state_dir(directory: str) -> StateDirReport:
@@ -228,28 +149,7 @@ def verify_state_dir(directory: str) -> StateDirReport:
         >>> report = verify_state_dir("proj/checkpoints/checkpoint_3")
         >>> report.ok, report.problems
     """
-    directory = os.fspath(directory)
-    report = StateDirReport(directory=directory)
-    try:
-        path, files, report.step = manifest_of(directory)
-    except CorruptCheckpointError as e:
-        report.fail(str(e))
-        return report
-    report.files = sorted(files)
-    keys = trusted_keys_from_env()
-    mine = verify(path, trusted_keys=keys)
-    for p in mine.problems:
-        report.fail(p.message if p.message.startswith(path) else f"{path}: {p.message}")
-    if mine.info is not None:
-        for problem in companion_problems(path, mine.info.record, trusted_keys=keys):
-            report.fail(problem)
-    for name in sorted(os.listdir(directory)):
-        if name not in files and name != MANIFEST_NAME and name.endswith((".safetensors", *PICKLED_SUFFIXES)):
-            report.fail(
-                f"{os.path.join(directory, name)}: not listed by the checkpoint's manifest (added after the save);"
-                " a load would read it unchecked"
-            )
-    return report
+    return verify_directory(directory, _DIR, StateDirReport)
 
 
 def require_intact(directory: str) -> StateDirReport:
@@ -259,11 +159,19 @@ def require_intact(directory: str) -> StateDirReport:
         CorruptCheckpointError: some file does not match the manifest, or is missing.
         NotACheckpointError, CheckpointNotFoundError: nothing certified there.
     """
-    report = verify_state_dir(directory)
-    if not report.ok:
-        more = f" (and {len(report.problems) - 1} more problem(s))" if len(report.problems) > 1 else ""
-        raise CorruptCheckpointError(
-            f"refusing to load {directory}: {report.problems[0]}{more}; nothing was loaded: load another "
-            "checkpoint (`certckpt latest-good STORE --dir`)"
-        )
-    return report
+    return _require(verify_state_dir(directory), _DIR)
+
+
+_DIR = ManifestDir(
+    manifest=MANIFEST_NAME,
+    layout=LAYOUT,
+    foreign="{path}: a certckpt file, but not an Accelerate manifest (layout {layout!r})",
+    refuse_plain=_refuse_plain,
+    must_list=lambda name: name.endswith((".safetensors", *PICKLED_SUFFIXES)),
+    unlisted_note="a load would read it unchecked",
+    pickled=PICKLED_SUFFIXES,
+    pickle_note="(a save-state pre-hook, or plain Accelerate): write it with certckpt.save, or as JSON, or outside "
+    "the checkpoint",
+    uncertified="a safetensors file without a certckpt record in a certified checkpoint; write it with certckpt.save",
+    advice="nothing was loaded: load another checkpoint (`certckpt latest-good STORE --dir`)",
+)

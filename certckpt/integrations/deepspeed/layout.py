@@ -21,22 +21,15 @@ of it (a certified load never reads ``latest``: it takes latest-good). No torch 
 
 from __future__ import annotations
 
-import json
 import os
-from dataclasses import dataclass, field
 from typing import Any
 
-from certckpt.errors import (
-    CheckpointNotFoundError,
-    CorruptCheckpointError,
-    NotACheckpointError,
-    UnsupportedObjectError,
-)
-from certckpt.format.companions import FILES_KEY, LAYOUT_KEY, companion_problems, companions_of
+from certckpt.errors import NotACheckpointError
+from certckpt.format.manifestdir import ManifestDir, ManifestDirReport, read_manifest, verify_directory
+from certckpt.format.manifestdir import require_intact as _require
+from certckpt.format.manifestdir import write_manifest as _write
 from certckpt.format.record import RecordFields
-from certckpt.format.signing import trusted_keys_from_env
-from certckpt.format.verify import inspect, verify
-from certckpt.format.writer import SaveResult, save_certified
+from certckpt.format.writer import SaveResult
 
 __all__ = [
     "MANIFEST_NAME",
@@ -69,29 +62,6 @@ def is_pickle(path: str) -> bool:
     return any(head.startswith(m) for m in _PICKLE_MAGIC)
 
 
-def _listing(directory: str) -> dict[str, dict[str, Any]]:
-    files: dict[str, dict[str, Any]] = {}
-    for name in sorted(os.listdir(directory)):
-        path = os.path.join(directory, name)
-        if name == MANIFEST_NAME or name.startswith("."):
-            continue  # hidden names are writers' temp files
-        if not os.path.isfile(path) or os.path.islink(path):
-            raise UnsupportedObjectError(
-                f"{path}: not a regular file in a DeepSpeed checkpoint (NVMe-offloaded tensors and links are "
-                "not certified); certify_engine supports checkpoints whose files DeepSpeed writes through its "
-                "checkpoint engine"
-            )
-        try:
-            info = inspect(path)
-        except NotACheckpointError as e:
-            raise UnsupportedObjectError(
-                f"{path}: not a certified file in a certified DeepSpeed checkpoint (written by something "
-                "other than the certified checkpoint engine); remove what writes it"
-            ) from e
-        files[name] = {"bytes": os.path.getsize(path), "header_digest": info.record.header_digest}
-    return files
-
-
 def write_manifest(
     directory: str,
     state: dict[str, Any],
@@ -108,16 +78,18 @@ def write_manifest(
         UnsupportedObjectError: a file there is not certified, or not a regular file.
         CheckpointExistsError: the manifest exists already.
     """
-    files = _listing(directory)
-    meta = {LAYOUT_KEY: LAYOUT, FILES_KEY: json.dumps(files, sort_keys=True, separators=(",", ":"))}
-    return save_certified(
-        state,
-        os.path.join(directory, MANIFEST_NAME),
-        fields=fields,
-        **one_by_one,
-        metadata=meta,
-        overwrite=False,
-    )
+    return _write(directory, _DIR, state, fields, **one_by_one)
+
+
+def _refuse_plain(directory: str) -> NotACheckpointError:
+    pickles = sorted(n for n in os.listdir(directory) if is_pickle(os.path.join(directory, n)))
+    if pickles:
+        more = f" and {len(pickles) - 1} more" if len(pickles) > 1 else ""
+        return NotACheckpointError(
+            f"{directory}: written by plain DeepSpeed ({pickles[0]}{more} are pickles, never unpickled by "
+            f"certckpt); {CONVERT_HINT}"
+        )
+    return NotACheckpointError(f"{directory}: no {MANIFEST_NAME}: not a certified DeepSpeed checkpoint")
 
 
 def manifest_of(directory: str) -> tuple[str, dict[str, dict[str, Any]], int | None]:
@@ -128,51 +100,13 @@ def manifest_of(directory: str) -> tuple[str, dict[str, dict[str, Any]], int | N
         NotACheckpointError: no manifest (plain DeepSpeed's pickles, or not a checkpoint at all).
         CorruptCheckpointError: the manifest's files table is damaged.
     """
-    path = os.path.join(directory, MANIFEST_NAME)
-    if not os.path.isfile(path):
-        if not os.path.isdir(directory):
-            raise CheckpointNotFoundError(f"{directory}: no such DeepSpeed checkpoint directory")
-        pickles = sorted(n for n in os.listdir(directory) if is_pickle(os.path.join(directory, n)))
-        if pickles:
-            more = f" and {len(pickles) - 1} more" if len(pickles) > 1 else ""
-            raise NotACheckpointError(
-                f"{directory}: written by plain DeepSpeed ({pickles[0]}{more} are pickles, never unpickled by "
-                f"certckpt); {CONVERT_HINT}"
-            )
-        raise NotACheckpointError(f"{directory}: no {MANIFEST_NAME}: not a certified DeepSpeed checkpoint")
-    info = inspect(path)
-    if info.record.user.get(LAYOUT_KEY) != LAYOUT:
-        raise NotACheckpointError(f"{path}: a certckpt file, but not a DeepSpeed manifest")
-    try:
-        files = companions_of(info.record)
-    except (ValueError, RecursionError) as e:
-        raise CorruptCheckpointError(f"{path}: the manifest's files table is unreadable ({e})") from e
-    if files is None:
-        raise CorruptCheckpointError(f"{path}: the manifest lists no files")
-    return path, files, info.record.step
+    return read_manifest(directory, _DIR)
 
 
-@dataclass(kw_only=True, slots=True)
-class DirectoryReport:
-    """The outcome of ``verify_checkpoint``.
+class DirectoryReport(ManifestDirReport):
+    """The outcome of ``verify_checkpoint`` (its attributes: ``ManifestDirReport``)."""
 
-    Attributes:
-        directory: the tag directory.
-        ok: the manifest verifies, every file it lists is there and matches, and nothing is added.
-        step: the step the manifest records (None when unreadable).
-        files: the names the manifest lists.
-        problems: one line per problem.
-    """
-
-    directory: str
-    ok: bool = True
-    step: int | None = None
-    files: list[str] = field(default_factory=list)
-    problems: list[str] = field(default_factory=list)
-
-    def fail(self, message: str) -> None:
-        self.ok = False
-        self.problems.append(message)
+    __slots__ = ()
 
 
 def verify_checkpoint(directory: str) -> DirectoryReport:
@@ -186,27 +120,7 @@ def verify_checkpoint(directory: str) -> DirectoryReport:
     Example:
         >>> verify_checkpoint("ckpt/step10").ok
     """
-    directory = os.fspath(directory)
-    report = DirectoryReport(directory=directory)
-    try:
-        path, files, report.step = manifest_of(directory)
-    except CorruptCheckpointError as e:
-        report.fail(str(e))
-        return report
-    report.files = sorted(files)
-    keys = trusted_keys_from_env()
-    mine = verify(path, trusted_keys=keys)
-    for p in mine.problems:
-        report.fail(p.message if p.message.startswith(path) else f"{path}: {p.message}")
-    if mine.info is not None:
-        for problem in companion_problems(path, mine.info.record, trusted_keys=keys):
-            report.fail(problem)
-    for name in sorted(os.listdir(directory)):
-        if name not in files and name != MANIFEST_NAME and not name.startswith("."):
-            report.fail(
-                f"{os.path.join(directory, name)}: not listed by the checkpoint's manifest (added after the save)"
-            )
-    return report
+    return verify_directory(directory, _DIR, DirectoryReport)
 
 
 def require_intact(directory: str) -> DirectoryReport:
@@ -216,11 +130,20 @@ def require_intact(directory: str) -> DirectoryReport:
         CorruptCheckpointError: some rank's file is missing, added or does not match the manifest.
         NotACheckpointError, CheckpointNotFoundError: nothing certified there.
     """
-    report = verify_checkpoint(directory)
-    if not report.ok:
-        more = f" (and {len(report.problems) - 1} more problem(s))" if len(report.problems) > 1 else ""
-        raise CorruptCheckpointError(
-            f"refusing to load {directory}: {report.problems[0]}{more}; load another checkpoint "
-            "(`certckpt latest-good SAVE_DIR --accept verified`)"
-        )
-    return report
+    return _require(verify_checkpoint(directory), _DIR)
+
+
+_DIR = ManifestDir(
+    manifest=MANIFEST_NAME,
+    layout=LAYOUT,
+    missing_dir="{directory}: no such DeepSpeed checkpoint directory",
+    foreign="{path}: a certckpt file, but not a DeepSpeed manifest",
+    refuse_plain=_refuse_plain,
+    must_list=lambda name: not name.startswith("."),
+    certified_only=True,
+    uncertified="not a certified file in a certified DeepSpeed checkpoint (written by something other than the "
+    "certified checkpoint engine); remove what writes it",
+    irregular="{path}: not a regular file in a DeepSpeed checkpoint (NVMe-offloaded tensors and links are not "
+    "certified); certify_engine supports checkpoints whose files DeepSpeed writes through its checkpoint engine",
+    advice="load another checkpoint (`certckpt latest-good SAVE_DIR --accept verified`)",
+)

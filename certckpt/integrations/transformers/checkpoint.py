@@ -24,20 +24,15 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass, field
 from typing import Any
 
-from certckpt.errors import (
-    CheckpointNotFoundError,
-    CorruptCheckpointError,
-    NotACheckpointError,
-    UnsupportedObjectError,
-)
-from certckpt.format.companions import FILES_KEY, LAYOUT_KEY, companion_problems, plain_entry
-from certckpt.format.record import RecordFields
-from certckpt.format.signing import trusted_keys_from_env
-from certckpt.format.verify import inspect, verify
-from certckpt.format.writer import SaveResult, save_certified
+from certckpt.errors import CorruptCheckpointError, NotACheckpointError
+from certckpt.format.companions import FILES_KEY
+from certckpt.format.manifestdir import ManifestDir, ManifestDirReport, entry_of, read_manifest, verify_directory
+from certckpt.format.manifestdir import require_intact as _require
+from certckpt.format.manifestdir import write_manifest as _write
+from certckpt.format.record import CheckpointRecord, RecordFields
+from certckpt.format.writer import SaveResult
 
 __all__ = [
     "MANIFEST_NAME",
@@ -74,23 +69,7 @@ def file_entry(path: str) -> dict[str, Any]:
     Raises:
         UnsupportedObjectError: the file is a pickle, or a safetensors file that is not certified.
     """
-    name = os.path.basename(path)
-    size = os.path.getsize(path)
-    if name.endswith(PICKLED_SUFFIXES):
-        raise UnsupportedObjectError(
-            f"{path}: a pickled file in a certified checkpoint; whatever wrote it bypassed certckpt "
-            "(the certified Trainer writes none): remove what writes it, or save it as safetensors or JSON"
-        )
-    if name.endswith(".safetensors"):
-        try:
-            info = inspect(path)
-        except NotACheckpointError as e:
-            raise UnsupportedObjectError(
-                f"{path}: a safetensors file without a certckpt record in a certified checkpoint; write it "
-                "with certckpt.save (or certckpt.integrations.transformers.save_pretrained for a model)"
-            ) from e
-        return {"bytes": size, "header_digest": info.record.header_digest}
-    return plain_entry(path)
+    return entry_of(path, _DIR)
 
 
 def write_manifest(
@@ -111,44 +90,13 @@ def write_manifest(
         UnsupportedObjectError: a pickle or an uncertified safetensors file is in the directory.
         CheckpointExistsError: the manifest exists already.
     """
-    files = {}
-    for name in sorted(os.listdir(directory)):
-        path = os.path.join(directory, name)
-        if name == MANIFEST_NAME or name.startswith(".") or not os.path.isfile(path):
-            continue  # hidden names are writers' temp files
-        files[name] = file_entry(path)
-    meta = {LAYOUT_KEY: LAYOUT, _FILES_KEY: json.dumps(files, sort_keys=True, separators=(",", ":"))}
-    return save_certified(
-        state,
-        os.path.join(directory, MANIFEST_NAME),
-        fields=fields,
-        **one_by_one,
-        metadata=meta,
-        overwrite=False,
-    )
+    return _write(directory, _DIR, state, fields, **one_by_one)
 
 
-@dataclass(kw_only=True, slots=True)
-class CheckpointReport:
-    """The outcome of ``verify_checkpoint``.
+class CheckpointReport(ManifestDirReport):
+    """The outcome of ``verify_checkpoint`` (its attributes: ``ManifestDirReport``)."""
 
-    Attributes:
-        directory: the checkpoint directory.
-        ok: every listed file is present and matches, and the manifest verifies.
-        step: the step the manifest records (None when it could not be read).
-        files: the names the manifest lists.
-        problems: one line per problem.
-    """
-
-    directory: str
-    ok: bool = True
-    step: int | None = None
-    files: list[str] = field(default_factory=list)
-    problems: list[str] = field(default_factory=list)
-
-    def fail(self, message: str) -> None:
-        self.ok = False
-        self.problems.append(message)
+    __slots__ = ()
 
 
 def manifest_of(directory: str) -> tuple[str, dict[str, dict[str, Any]], int | None]:
@@ -159,28 +107,25 @@ def manifest_of(directory: str) -> tuple[str, dict[str, dict[str, Any]], int | N
             a certified file that is not a Trainer manifest.
         CorruptCheckpointError: the manifest's header or its files table is damaged.
     """
-    path = os.path.join(directory, MANIFEST_NAME)
-    if not os.path.isfile(path):
-        if not os.path.isdir(directory):
-            raise CheckpointNotFoundError(f"{directory}: no such checkpoint directory")
-        plain = [n for n in _PLAIN_TRAINER_FILES if os.path.exists(os.path.join(directory, n))]
-        what = (
-            f"it was written by the plain Trainer ({', '.join(plain)} are pickles)"
-            if plain
-            else "not a certified Trainer checkpoint"
-        )
-        raise NotACheckpointError(
-            f"{directory}: no {MANIFEST_NAME}: {what}; resume only from checkpoints written by "
-            "certckpt.integrations.transformers.CertifiedTrainer"
-        )
-    info = inspect(path)
-    user = info.record.user
-    if user.get("layout") != LAYOUT:
-        raise NotACheckpointError(
-            f"{path}: a certckpt file, but not a Trainer manifest (layout {user.get('layout')!r})"
-        )
+    return read_manifest(directory, _DIR)
+
+
+def _refuse_plain(directory: str) -> NotACheckpointError:
+    plain = [n for n in _PLAIN_TRAINER_FILES if os.path.exists(os.path.join(directory, n))]
+    what = (
+        f"it was written by the plain Trainer ({', '.join(plain)} are pickles)"
+        if plain
+        else "not a certified Trainer checkpoint"
+    )
+    return NotACheckpointError(
+        f"{directory}: no {MANIFEST_NAME}: {what}; resume only from checkpoints written by "
+        "certckpt.integrations.transformers.CertifiedTrainer"
+    )
+
+
+def _files_table(path: str, record: CheckpointRecord) -> dict[str, dict[str, Any]]:
     try:
-        files = json.loads(user[_FILES_KEY])
+        files = json.loads(record.user[_FILES_KEY])
         ok = isinstance(files, dict) and all(
             isinstance(k, str) and isinstance(v, dict) and isinstance(v.get("bytes"), int) for k, v in files.items()
         )
@@ -192,7 +137,7 @@ def manifest_of(directory: str) -> tuple[str, dict[str, dict[str, Any]], int | N
         # Names read from a file are input: each must be a plain name inside this directory.
         if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
             raise CorruptCheckpointError(f"{path}: the manifest lists {name[:80]!r}, which is not a plain file name")
-    return path, files, info.record.step
+    return files
 
 
 # Files a Trainer (or from_pretrained) resume would read if they were there: weights, their indexes,
@@ -215,28 +160,7 @@ def verify_checkpoint(directory: str) -> CheckpointReport:
         >>> report = verify_checkpoint("out/checkpoint-500")
         >>> report.ok, report.problems
     """
-    directory = os.fspath(directory)
-    report = CheckpointReport(directory=directory)
-    try:
-        path, files, report.step = manifest_of(directory)
-    except CorruptCheckpointError as e:
-        report.fail(str(e))
-        return report
-    report.files = sorted(files)
-    keys = trusted_keys_from_env()
-    mine = verify(path, trusted_keys=keys)
-    for p in mine.problems:
-        report.fail(p.message if p.message.startswith(path) else f"{path}: {p.message}")
-    if mine.info is not None:
-        for problem in companion_problems(path, mine.info.record, trusted_keys=keys):
-            report.fail(problem)
-    for name in sorted(os.listdir(directory)):
-        if name not in files and name != MANIFEST_NAME and _LOADER_READS.fullmatch(name):
-            report.fail(
-                f"{os.path.join(directory, name)}: not listed by the checkpoint's manifest (added after the save);"
-                " a resume would read it unchecked"
-            )
-    return report
+    return verify_directory(directory, _DIR, CheckpointReport)
 
 
 def require_intact(directory: str) -> CheckpointReport:
@@ -246,11 +170,21 @@ def require_intact(directory: str) -> CheckpointReport:
         CorruptCheckpointError: some file does not match the manifest.
         NotACheckpointError, CheckpointNotFoundError: nothing certified there.
     """
-    report = verify_checkpoint(directory)
-    if not report.ok:
-        more = f" (and {len(report.problems) - 1} more problem(s))" if len(report.problems) > 1 else ""
-        raise CorruptCheckpointError(
-            f"refusing to resume from {directory}: {report.problems[0]}{more}; "
-            "resume from another checkpoint (`certckpt latest-good STORE --accept verified`)"
-        )
-    return report
+    return _require(verify_checkpoint(directory), _DIR)
+
+
+_DIR = ManifestDir(
+    manifest=MANIFEST_NAME,
+    layout=LAYOUT,
+    foreign="{path}: a certckpt file, but not a Trainer manifest (layout {layout!r})",
+    refuse_plain=_refuse_plain,
+    table=_files_table,
+    must_list=_LOADER_READS.fullmatch,
+    unlisted_note="a resume would read it unchecked",
+    pickled=PICKLED_SUFFIXES,
+    pickle_note="(the certified Trainer writes none): remove what writes it, or save it as safetensors or JSON",
+    uncertified="a safetensors file without a certckpt record in a certified checkpoint; write it with "
+    "certckpt.save (or certckpt.integrations.transformers.save_pretrained for a model)",
+    action="resume from",
+    advice="resume from another checkpoint (`certckpt latest-good STORE --accept verified`)",
+)

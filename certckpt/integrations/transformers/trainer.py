@@ -48,7 +48,6 @@ from certckpt.detect.agreement import refuse_together, wire_device_for
 from certckpt.errors import (
     CertckptError,
     CheckpointExistsError,
-    CheckpointNotFoundError,
     ConfigurationError,
     CorruptCheckpointError,
 )
@@ -61,9 +60,10 @@ from certckpt.log import enable as enable_log
 from certckpt.storage import write_atomic
 from certckpt.trust.commit import commit_saved
 from certckpt.trust.gate import rotation_keeps, store_doubt
-from certckpt.trust.ledger import Ledger, LedgerSnapshot, ckpt_id_for, is_ckpt_id
+from certckpt.trust.ledger import Ledger, ckpt_id_for, is_ckpt_id
 from certckpt.trust.resume import next_branch
-from certckpt.trust.runstore import StoreStatus, certify_store, check_file
+from certckpt.trust.runstore import StoreStatus, certify_store, committed_directory, latest_intact_directory
+from certckpt.trust.runstore import snapshot_or_empty as _snapshot
 
 from .audit import AuditCallback
 from .background import CheckpointPipeline, host_copy
@@ -253,45 +253,17 @@ class CertifiedTrainerMixin(_TrainerBase):
         ``certckpt latest-good`` re-verifies the committed file, the manifest; the other files of the
         directory are checked here, and a checkpoint with a damaged one is skipped, with a warning.
         """
-        ledger = self.certckpt.ledger
-        try:
-            status = certify_store(ledger.store, write_certificates=self.args.should_save)
-        except CheckpointNotFoundError:
-            status = None  # no store yet
-        if status is None or not status.snapshot.records:
-            logger.info("certckpt: nothing committed in %s yet: training from scratch", ledger.store)
-            return None
-        for cid in status.certification.candidates("verified"):
-            if not status.snapshot.available(cid):
-                continue
-            record = status.snapshot.records[cid]
-            manifest = ledger.url_of(record)
-            problem = check_file(manifest, record.get("header_digest"), committed=record)
-            if problem is None:
-                try:
-                    report = verify_checkpoint(os.path.dirname(manifest))
-                    problem = None if report.ok else report.problems[0]
-                except CertckptError as e:
-                    problem = str(e)
-            if problem is None:
-                return os.path.dirname(manifest)
-            logger.warning("certckpt: not resuming from %s: %s", cid, problem)
-        raise CheckpointNotFoundError(
-            f"{ledger.store}: no trusted or verified checkpoint to resume from whose files all verify "
-            f"(see `certckpt status {ledger.store}`)"
+        return latest_intact_directory(
+            self.certckpt.ledger,
+            verify_checkpoint,
+            write_certificates=self.args.should_save,
+            log=logger,
+            prefix="certckpt: ",
         )
 
     def _certckpt_resolve(self, value: Any) -> str:
         ledger = self.certckpt.ledger
-        value = os.fspath(value)
-        if is_ckpt_id(value) and not os.path.exists(value):
-            rec = _snapshot(ledger).records.get(value)
-            if rec is None:
-                raise CheckpointNotFoundError(f"{ledger.store}: no committed checkpoint {value!r}")
-            return os.path.dirname(ledger.url_of(rec))
-        if os.path.isfile(value) and os.path.basename(value) == MANIFEST_NAME:
-            return os.path.dirname(os.path.abspath(value))
-        return value
+        return committed_directory(value, lambda: ledger, MANIFEST_NAME)
 
     def _certckpt_prepare(self, directory: str | None, *, verified: bool = False) -> None:
         """Verify the checkpoint, then decide the branch (the same decision on every rank).
@@ -713,13 +685,6 @@ def _refuse_unsupported(trainer: Any) -> None:
         raise ConfigurationError(
             "CertifiedTrainer cannot certify this set-up: " + "; ".join(problems) + "; use the plain Trainer for it"
         )
-
-
-def _snapshot(ledger: Ledger) -> LedgerSnapshot:
-    """The ledger's records; none yet when the output directory does not exist (a first run)."""
-    if "://" not in ledger.store and not os.path.isdir(ledger.store):
-        return LedgerSnapshot()
-    return ledger.snapshot()
 
 
 def _distributed() -> bool:
