@@ -93,6 +93,32 @@ def test_a_plain_deepspeed_directory_is_refused_naming_its_pickles_and_the_fix(t
     assert "\n" not in msg
 
 
+def test_audit_events_wait_for_the_run_store_and_the_written_weights_must_be_the_agreed_ones(tmp_path):
+    from certckpt.detect.events import make_event
+    from certckpt.format.fingerprinting import fingerprint
+    from certckpt.integrations.deepspeed.audit import StoreSink
+    from certckpt.integrations.deepspeed.engine import _weights_problem
+
+    # ZeroAudit's sink keeps the events until the certified engine names the store, then writes them there.
+    sink = StoreSink()
+    ev = make_event(run="ds", branch="main", world=3, inventory={}, step=2, kind="replay", outcome="pass", details={})
+    sink.emit(ev)
+    sink.flush()  # no store yet: kept
+    store = str(tmp_path / "ckpt")
+    os.makedirs(store)
+    assert sink.bind(Ledger(store)) and not sink.bind(Ledger(store))  # the same store twice: nothing new
+    sink.flush()
+    assert [(e["step"], e["kind"]) for e in Ledger(store).snapshot().events] == [(2, "replay")]
+
+    # The module weights about to be written are compared with the fingerprints every replica agreed on.
+    w = torch.arange(4.0)
+    agreed = {"0.weight": f"{fingerprint(w):016x}"}
+    assert _weights_problem({"0.weight": w}, agreed, "m.pt") is None
+    problem = _weights_problem({"0.weight": w + 1}, agreed, "m.pt")
+    assert problem is not None and "`module.0.weight` has fingerprint" in problem and "not committed" in problem
+    assert "none of the weights" in str(_weights_problem({"other": w}, agreed, "m.pt"))
+
+
 # --- 3 gloo ranks ------------------------------------------------------------------------------
 
 
