@@ -43,7 +43,42 @@ from .evidence import CheckpointEvidence
 from .fleet_check import check_fleet_at_start, fleet_for
 from .options import AuditOptions, session_options
 
-__all__ = ["AuditSessionCore"]
+__all__ = ["AuditSessionCore", "lineage_evidence"]
+
+
+def lineage_evidence(
+    state: SessionState,
+    s: int,
+    *,
+    run: str,
+    branch: str,
+    parent: str | None,
+    head: dict[str, Any],
+    consensus_fp: str | None,
+    known_fingerprints: dict[tuple, tuple[str, str]] | None = None,
+    tensor_fps: dict[str, str] | None = None,
+) -> CheckpointEvidence:
+    """What a checkpoint at step s carries, from a session's ``state``: its step range and the audit
+    lineage since the previous checkpoint (``head``: the driver's description of its audits, first in
+    the record). Every driver of the checks builds it so: the sessions (``AuditSessionCore.evidence``)
+    and DeepSpeed's ``ZeroAudit``."""
+    lineage = {
+        **head,
+        "audits": [{"step": st, "kind": k, "outcome": o} for st, k, o in state.lineage],
+        "last_clean_audit": state.last_clean_audit,
+        "consensus": {"step": s, "fp": consensus_fp} if consensus_fp else None,
+    }
+    return CheckpointEvidence(
+        step=s,
+        run=run,
+        branch=branch,
+        parent=parent,
+        step_range=[(state.last_checkpoint_step or 0) + 1, s],
+        lineage=lineage,
+        consensus_fp=consensus_fp,
+        known_fingerprints=known_fingerprints or {},
+        tensor_fps=tensor_fps or {},
+    )
 
 
 class AuditSessionCore:
@@ -225,23 +260,16 @@ class AuditSessionCore:
     ) -> CheckpointEvidence:
         """What a checkpoint at step s carries: its step range and the lineage since the previous
         checkpoint (``head``: the variant's description of its audits, first in the record)."""
-        state = self.state
-        lineage = {
-            **head,
-            "audits": [{"step": st, "kind": k, "outcome": o} for st, k, o in state.lineage],
-            "last_clean_audit": state.last_clean_audit,
-            "consensus": {"step": s, "fp": consensus_fp} if consensus_fp else None,
-        }
-        return CheckpointEvidence(
-            step=s,
+        return lineage_evidence(
+            self.state,
+            s,
             run=self.run,
             branch=self.branch,
             parent=self.parent,
-            step_range=[(state.last_checkpoint_step or 0) + 1, s],
-            lineage=lineage,
+            head=head,
             consensus_fp=consensus_fp,
-            known_fingerprints=known_fingerprints or {},
-            tensor_fps=tensor_fps or {},
+            known_fingerprints=known_fingerprints,
+            tensor_fps=tensor_fps,
         )
 
     def end_lineage(self, s: int) -> None:

@@ -35,6 +35,7 @@ __all__ = [
     "INVENTORY_ENV",
     "make_event",
     "publish",
+    "log_audit_pass",
 ]
 
 # nonfinite: the per-step checks since the previous audit, summarised at each audit step (and a

@@ -27,6 +27,7 @@ from certckpt.detect.launch import run_ranks
 from certckpt.errors import CorruptCheckpointError, NotACheckpointError
 from certckpt.integrations.deepspeed import MANIFEST_NAME, export_fp32, require_intact, verify_checkpoint
 from certckpt.integrations.deepspeed.codecs import register_deepspeed_types
+from certckpt.trust.ledger import Ledger
 from certckpt_cli.main import main
 from tests.support import deepspeed_cases
 
@@ -92,6 +93,32 @@ def test_a_plain_deepspeed_directory_is_refused_naming_its_pickles_and_the_fix(t
     assert "\n" not in msg
 
 
+def test_audit_events_wait_for_the_run_store_and_the_written_weights_must_be_the_agreed_ones(tmp_path):
+    from certckpt.detect.events import make_event
+    from certckpt.format.fingerprinting import fingerprint
+    from certckpt.integrations.deepspeed.audit import StoreSink
+    from certckpt.integrations.deepspeed.engine import _weights_problem
+
+    # ZeroAudit's sink keeps the events until the certified engine names the store, then writes them there.
+    sink = StoreSink()
+    ev = make_event(run="ds", branch="main", world=3, inventory={}, step=2, kind="replay", outcome="pass", details={})
+    sink.emit(ev)
+    sink.flush()  # no store yet: kept
+    store = str(tmp_path / "ckpt")
+    os.makedirs(store)
+    assert sink.bind(Ledger(store)) and not sink.bind(Ledger(store))  # the same store twice: nothing new
+    sink.flush()
+    assert [(e["step"], e["kind"]) for e in Ledger(store).snapshot().events] == [(2, "replay")]
+
+    # The module weights about to be written are compared with the fingerprints every replica agreed on.
+    w = torch.arange(4.0)
+    agreed = {"0.weight": f"{fingerprint(w):016x}"}
+    assert _weights_problem({"0.weight": w}, agreed, "m.pt") is None
+    problem = _weights_problem({"0.weight": w + 1}, agreed, "m.pt")
+    assert problem is not None and "`module.0.weight` has fingerprint" in problem and "not committed" in problem
+    assert "none of the weights" in str(_weights_problem({"other": w}, agreed, "m.pt"))
+
+
 # --- 3 gloo ranks ------------------------------------------------------------------------------
 
 
@@ -127,8 +154,17 @@ def test_zero_checkpoints_are_certified_committed_verified_and_resume_bit_equal(
     with open(os.path.join(out, "latest")) as f:
         assert f.read() == "step6"
 
-    # The commands work on these checkpoints.
-    assert _verdicts(out) == {"main@2": "verified", "main@4": "verified", "main@6": "verified"}
+    # The commands work on these checkpoints: audited (ZeRO-2), they are trusted; ZeRO-3's are verified.
+    level = "trusted" if audit else "verified"
+    assert _verdicts(out) == {"main@2": level, "main@4": level, "main@6": level}
+    if audit:
+        assert certckpt.find_latest_good(out)[1] == "main@6"  # the default accept: trusted only
+        rec = Ledger(out).snapshot().records["main@4"]
+        assert rec["step_range"] == [3, 4] and rec["consensus_fp"]
+        lineage = certckpt.inspect(os.path.join(step4, MANIFEST_NAME)).record.lineage
+        assert lineage["consensus"]["fp"] == rec["consensus_fp"] and lineage["last_clean_audit"] == 4
+        audits = [(a["step"], a["kind"]) for a in lineage["audits"]]
+        assert audits == [(4, "replay"), (4, "consensus"), (4, "nonfinite")]
     r = _cli("latest-good", out, "--accept", "verified")
     assert r.exit_code == 0 and r.output.strip() == os.path.join(out, "step6", MANIFEST_NAME)
     r = _cli("latest-good", out, "--accept", "verified", "--dir")
@@ -185,18 +221,31 @@ def test_loads_of_plain_tampered_or_incomplete_directories_are_refused_on_every_
     ("stage", "fault", "kind", "step"),
     [
         # a unit that computes wrongly from step 3 on: the replay at step 4 names rank 1
-        (1, {"kind": "forward", "rank": 1, "step": 3, "persistent": True}, "replay", 4),
+        (2, {"kind": "forward", "rank": 1, "step": 3, "persistent": True}, "replay", 4),
         # one weight of rank 2's replica changed right after step 3: the consensus then names rank 2
-        (2, {"kind": "post-optimizer", "rank": 2, "step": 3}, "consensus", 3),
+        (1, {"kind": "post-optimizer", "rank": 2, "step": 3}, "consensus", 3),
     ],
 )
-def test_zero_audit_names_the_faulty_rank(tmp_path, stage, fault, kind, step):
-    args = {"stage": stage, "out": str(tmp_path / "c"), "steps": 6, "audit": 2, "consensus_every": 1, "faults": [fault]}
-    got = _ranks(deepspeed_cases.train, args)
-    assert [(g["detected"]["kind"], g["detected"]["step"], g["detected"]["suspects"]) for g in got] == [
+def test_zero_audit_names_the_faulty_rank_in_an_incident_and_keeps_latest_good(tmp_path, stage, fault, kind, step):
+    # A checkpoint every step, audits every 2 (consensus every step): main@1 and main@2 are covered by
+    # the clean audit at 2; what follows it up to the detection is suspect.
+    out = str(tmp_path / "c")
+    args = {"stage": stage, "out": out, "steps": 6, "audit": 2, "consensus_every": 1, "save_every": 1}
+    got = _ranks(deepspeed_cases.train, {**args, "faults": [fault]})
+    assert [(g["detected"]["kind"], g["detected"]["step"], g["detected"]["suspect_ranks"]) for g in got] == [
         (kind, step, [fault["rank"]])
     ] * 3
     assert got[0]["passed"][:3] == [["consensus", 1], ["replay", 2], ["consensus", 2]]
+    (incident,) = {g["incident"] for g in got}  # the same incident on every rank, opened by rank 0
+    assert incident == f"inc-main-{step}-{kind}"
+    assert Ledger(out).snapshot().open_incidents()
+    suspect = {"main@3": "suspect"} if step == 4 else {}  # a detection at 3 stops before the save at 3
+    assert _verdicts(out) == {"main@1": "trusted", "main@2": "trusted", **suspect}
+    assert certckpt.find_latest_good(out)[1] == "main@2"  # the default accept: trusted only
+    r = _cli("latest-good", out, "--dir")
+    assert r.exit_code == 0 and r.output.strip() == os.path.join(out, "step2")
+    r = _cli("status", out)
+    assert f"step {step} on main: {kind} failed, suspect rank(s) [{fault['rank']}]" in r.output, r.output
 
 
 @pytest.mark.slow

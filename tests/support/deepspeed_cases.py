@@ -114,11 +114,12 @@ def train(args: dict[str, Any]) -> dict[str, Any]:
             if args.get("save_every") and engine.global_steps % args["save_every"] == 0:
                 engine.save_checkpoint(args["out"], tag=f"step{engine.global_steps}")
     except FaultDetectedError as e:
-        result.update(detected=e.event, message=str(e))
+        result.update(detected=e.event.to_dict(), message=str(e), incident=e.incident_id)
     result["global_step"] = int(engine.global_steps)
     result["weights"] = full_weights(engine)
     if audit is not None:
         result["passed"] = audit.passed
+        audit.close()
     return result
 
 

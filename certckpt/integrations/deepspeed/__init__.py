@@ -13,7 +13,9 @@ safetensors file under DeepSpeed's own name, a manifest over all of them is comm
 in the save directory, and loading verifies the whole tag directory on every rank first; nothing is
 pickled or unpickled. ``export_fp32(tag_dir, path)`` writes the consolidated fp32 weights as one
 certified safetensors file (what ``zero_to_fp32.py`` does for pickles). ``ZeroAudit`` runs the weight
-consensus and a cross-rank replay where the ZeRO stage allows (docs/detection.md, "DeepSpeed").
+consensus, a cross-rank replay and a non-finite check where the ZeRO stage allows (1 and 2), writes
+their events to the ledger, and its evidence goes into every checkpoint committed: they become
+``trusted`` (docs/detection.md, "DeepSpeed"; ZeRO-3's stay ``verified``).
 
 Modules: ``layout`` (the tag directory and its check), ``codecs`` (DeepSpeed's classes, allowed by
 name), ``engine`` (the checkpoint engine and ``certify_engine``), ``fp32`` (consolidated weights),

@@ -18,7 +18,7 @@ import logging
 import os
 import shutil
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -26,13 +26,16 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointComm
 from deepspeed.runtime.engine import DeepSpeedEngine
 
 from certckpt.detect.agreement import refuse_together, wire_device_for
+from certckpt.detect.evidence import CheckpointEvidence
 from certckpt.errors import (
     CertckptError,
     CheckpointExistsError,
     CheckpointNotFoundError,
     ConfigurationError,
+    CorruptCheckpointError,
     NotACheckpointError,
 )
+from certckpt.format.fingerprinting import fingerprint_many
 from certckpt.format.reader import load
 from certckpt.format.record import RecordFields
 from certckpt.format.verify import inspect
@@ -47,7 +50,28 @@ from .layout import CONVERT_HINT, MANIFEST_NAME, is_pickle, manifest_of, require
 
 __all__ = ["CertifiedCheckpointEngine", "certify_engine", "Resumed"]
 
+_MODEL_FILE = "mp_rank_00_model_states.pt"  # ZeRO-1/2's module weights (written by rank 0)
+
 logger = logging.getLogger(__name__)
+
+
+class CheckpointAudit(Protocol):
+    """What the certified engine asks of the run's audit (``audit.ZeroAudit``)."""
+
+    def bind(self, ledger: Ledger, *, run: str) -> None:
+        """Its events go to ``ledger`` from now on."""
+
+    def restart(self, step: int, *, branch: str) -> None:
+        """A checkpoint at ``step`` was loaded; new checkpoints go on ``branch``."""
+
+    def checkpoint_evidence(self, s: int) -> CheckpointEvidence:
+        """What a checkpoint at step s carries (collective)."""
+
+    def end_lineage(self, s: int) -> None:
+        """A checkpoint at step s was committed."""
+
+    def flush(self) -> None:
+        """Its events so far to the ledger (rank 0)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +127,17 @@ class CertifiedCheckpointEngine(CheckpointEngine):
         self.resumed: Resumed | None = None
         self._commit_as: str | None = None  # the id the tag being written commits as (None: not committed)
         self._tag_dir: str | None = None
+        self.known_store: str | None = os.fspath(ledger) if ledger is not None else None  # where it commits
+        self.audit: CheckpointAudit | None = None  # the run's ZeroAudit (it attaches itself): its evidence is committed
+        self._evidence: CheckpointEvidence | None = None  # the tag being written's
+        self._weights_problem: str | None = None  # its module weights differ from the agreed ones (rank 0)
+
+    def attach(self, audit: CheckpointAudit) -> None:
+        """``audit``'s events go to the run store this engine commits to, and every checkpoint
+        committed carries its evidence (``ZeroAudit`` calls it at its construction)."""
+        self.audit = audit
+        if self.known_store is not None:
+            audit.bind(self.ledger_for(self.known_store), run=self._run_name(self.known_store))
 
     # --- where ----------------------------------------------------------------------------------
 
@@ -172,9 +207,22 @@ class CertifiedCheckpointEngine(CheckpointEngine):
 
         self._commit_as = self._together(prepare, what="checkpoint")
         self._tag_dir = tag_dir
+        self._evidence = None
+        self._weights_problem = f"{tag_dir}: no model states file written to check the agreed weights against"
+        self.known_store = self.known_store or os.fspath(info.save_dir)
+        if self.audit is not None and self._commit_as is not None:
+            # before any file is written: the replicas agree on the weights at this step (collective;
+            # a disagreement raises on every rank and nothing is written)
+            self.audit.bind(self.ledger_for(info.save_dir), run=self._run_name(info.save_dir))
+            self._evidence = self.audit.checkpoint_evidence(step)
 
     def save(self, state_dict: Any, path: str) -> None:
-        """One file of a rank, certified, create-only, under DeepSpeed's name."""
+        """One file of a rank, certified, create-only, under DeepSpeed's name. With a ``ZeroAudit``,
+        the module weights of the model states file are checked against the agreed fingerprints first
+        (the commit refuses on every rank when they differ)."""
+        if self._evidence is not None and os.path.basename(os.fspath(path)) == _MODEL_FILE:
+            module = state_dict.get("module") if isinstance(state_dict, dict) else None
+            self._weights_problem = _weights_problem(module, self._evidence.tensor_fps, os.fspath(path))
         save_certified(
             state_dict,
             os.fspath(path),
@@ -198,24 +246,34 @@ class CertifiedCheckpointEngine(CheckpointEngine):
             "deepspeed": _ds_version(),
         }
 
+        evidence, self._evidence = self._evidence, None
+
         def write() -> None:
             if self._rank() != 0:
                 return
+            if evidence is not None and self._weights_problem is not None:
+                raise CorruptCheckpointError(self._weights_problem)
             fields = RecordFields(
                 step=step,
                 run=self._run_name(info.save_dir),
                 branch=self.branch,
                 parent=self.parent,
                 step_range=[first, step],
+                lineage=evidence.lineage if evidence is not None else None,
+                consensus_fp=evidence.consensus_fp if evidence is not None else None,
             )
             result = write_manifest(tag_dir, state, fields)
             if self._commit_as is not None:
-                # the branch was started at the load that resumed it
-                commit_saved(self.ledger_for(info.save_dir), result, fields, branch_started=True)
+                # the audit's events reach the ledger before the commit record; the branch was
+                # started at the load that resumed it
+                flush = self.audit.flush if self.audit is not None else None
+                commit_saved(self.ledger_for(info.save_dir), result, fields, flush=flush, branch_started=True)
 
         self._together(write, what="checkpoint commit")
         if self._commit_as is not None:
             self.last_step = step
+            if self.audit is not None and evidence is not None:
+                self.audit.end_lineage(step)
         return True
 
     def preserves_storage_sharing(self) -> bool:
@@ -272,6 +330,25 @@ class CertifiedCheckpointEngine(CheckpointEngine):
         return Resumed(directory=tag_dir, step=step or 0, parent=src if known else None, branch=branch)
 
 
+def _weights_problem(module: Any, fingerprints: dict[str, str], path: str) -> str | None:
+    """Whether the module weights about to be written (the ``module`` of ZeRO-1/2's model states file)
+    are the ones every replica agreed on: each tensor's fingerprint equals the consensus one. The
+    writer then digests exactly these bytes. Returns the problem, or None."""
+    if not isinstance(module, dict):
+        return f"{path}: no module state to compare with the weights every replica agreed on"
+    names = [n for n in sorted(fingerprints) if isinstance(module.get(n), torch.Tensor)]
+    if not names:
+        return f"{path}: none of the weights every replica agreed on is in the module state written"
+    for name, fp in zip(names, fingerprint_many([module[n].detach() for n in names])):
+        want = fingerprints[name]
+        if f"{fp:016x}" != want:
+            return (
+                f"{path}: tensor `module.{name}` has fingerprint {fp:016x}, every replica agreed on {want}; the"
+                " weights changed between the consensus and the write: not committed"
+            )
+    return None
+
+
 def _snapshot(ledger: Ledger) -> LedgerSnapshot:
     if "://" not in ledger.store and not os.path.isdir(ledger.store):
         return LedgerSnapshot()
@@ -317,6 +394,10 @@ def _certified_load_checkpoint(engine: Any, original: Any, load_dir: str, tag: A
 
     ce._together(record, what="checkpoint load")
     ce.branch, ce.parent, ce.last_step, ce.resumed = resumed.branch, resumed.parent, resumed.step, resumed
+    ce.known_store = ce.known_store or os.fspath(load_dir)
+    if ce.audit is not None:  # an audit built before the load: it goes on from the loaded step
+        ce.audit.restart(resumed.step, branch=resumed.branch)
+        ce.audit.bind(ce.ledger_for(os.fspath(load_dir)), run=ce._run_name(os.fspath(load_dir)))
     if ce._rank() == 0:
         logger.info(
             "certckpt: resumed from %s: new checkpoints go on branch %s", resumed.parent or tag_dir, resumed.branch
