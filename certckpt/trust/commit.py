@@ -121,7 +121,7 @@ def save(
 
 
 def _ledger_target(
-    f: Any, *, ledger: str | Ledger, step: Any, branch: Any, overwrite: bool | None, signing_key: Any
+    f: Any, *, ledger: str | Ledger, step: object, branch: object, overwrite: bool | None, signing_key: Any
 ) -> tuple[Ledger, SigningKey | None, str]:
     """Check what a ledger commit needs; returns the ledger, the signing key and the file's location."""
     if overwrite:
@@ -203,7 +203,7 @@ def async_save(
     return saver.save(obj, location, fields=fields, metadata=metadata, overwrite=False, signing_key=key, then=commit)
 
 
-def check_commit_target(*, step: Any, branch: Any) -> None:
+def check_commit_target(*, step: object, branch: object) -> None:
     """Refuse, before anything is written, the step and branch a commit would refuse after the save.
 
     Raises:

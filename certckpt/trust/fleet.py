@@ -42,7 +42,7 @@ from .devices import DeviceStanding, check_appeal, check_clearance, device_of, f
 from .incident import incident_id_for
 from .ledger import FROM_ENV, Ledger, key_option
 from .memory import recall, recall_genesis, recall_view, remember_snapshot, remember_view
-from .records import FleetRecord, parse_record
+from .records import AppealRecord, ClearanceRecord, ConvictionRecord, FleetRecord, parse_record
 from .snapshot import FleetRecords
 
 __all__ = ["Fleet", "FleetView", "FLEET_ENV", "absolute_url"]
@@ -132,7 +132,7 @@ _VIEW_VERSION = 1
 _VIEW_KINDS = (("convictions", "conviction_id"), ("appeals", "appeal_id"), ("clearances", "clearance_id"))
 
 
-def _view_to_json(view: FleetView, recs: FleetRecords) -> dict[str, Any]:
+def _view_to_json(view: FleetView, recs: FleetRecords) -> dict[str, object]:
     """What ``Fleet.read`` keeps of a verified read: the records that stood (each with whether a
     trusted writer vouched for it) and what the read said of the registry."""
     return {
@@ -145,14 +145,19 @@ def _view_to_json(view: FleetView, recs: FleetRecords) -> dict[str, Any]:
     }
 
 
-def _view_from_json(url: str, doc: Mapping[str, Any]) -> FleetView | None:
+def _view_from_json(url: str, doc: Mapping[str, object]) -> FleetView | None:
     """The view a kept read concluded, every record parsed again as a read parses it (None: not
     one this version kept; the registry is read again)."""
     try:
-        parsed: dict[str, list[Any]] = {}
+        parsed: dict[str, list[FleetRecord]] = {}
         for kind, id_key in _VIEW_KINDS:
             out = []
-            for raw in doc[kind]:
+            raws = doc[kind]
+            if not isinstance(raws, list):
+                return None
+            for raw in raws:
+                if not isinstance(raw, dict):
+                    return None
                 rec = parse_record(kind, f"{raw[id_key]}.json", raw)
                 if not isinstance(rec, FleetRecord):
                     return None
@@ -161,14 +166,25 @@ def _view_from_json(url: str, doc: Mapping[str, Any]) -> FleetView | None:
         return FleetView(
             url=url,
             store_id=doc["store_id"] if isinstance(doc["store_id"], str) else None,
-            devices=fleet_standing(parsed["convictions"], parsed["appeals"], parsed["clearances"]),
-            stores=[str(x) for x in doc["stores"]],
-            breaks=[str(x) for x in doc["breaks"]],
-            invalid=[(str(a), str(b)) for a, b in doc["invalid"]],
-            notes=[str(x) for x in doc["notes"]],
+            devices=fleet_standing(
+                [r for r in parsed["convictions"] if isinstance(r, ConvictionRecord)],
+                [r for r in parsed["appeals"] if isinstance(r, AppealRecord)],
+                [r for r in parsed["clearances"] if isinstance(r, ClearanceRecord)],
+            ),
+            stores=[str(x) for x in _listed(doc["stores"])],
+            breaks=[str(x) for x in _listed(doc["breaks"])],
+            invalid=[(str(a), str(b)) for a, b in _listed(doc["invalid"])],
+            notes=[str(x) for x in _listed(doc["notes"])],
         )
     except (KeyError, TypeError, ValueError, AttributeError):
         return None
+
+
+def _listed(value: object) -> list[Any]:
+    """A kept view's list (anything else: the kept view is not one this version wrote)."""
+    if not isinstance(value, list):
+        raise TypeError("not a list")
+    return value
 
 
 def _store_key(store: str) -> str:

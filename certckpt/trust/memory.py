@@ -148,7 +148,7 @@ def remember_snapshot(store: str, snap: LedgerSnapshot, *, base: str | None = No
         remember(store, snap.memorable_heads, genesis=snap.genesis, base=base)
 
 
-def recall_view(store: str, key: str, *, base: str | None = None) -> dict[str, Any] | None:
+def recall_view(store: str, key: str, *, base: str | None = None) -> dict[str, object] | None:
     """What a verified read of ``store`` concluded, when it was kept under ``key`` (the store's
     listing stamp, the heads remembered and the keys it was read with; None: another key, none
     kept, or unreadable: read the store again)."""
@@ -159,11 +159,11 @@ def recall_view(store: str, key: str, *, base: str | None = None) -> dict[str, A
         return None
     if not isinstance(doc, dict) or doc.get("key") != key or not isinstance(doc.get("view"), dict):
         return None
-    view: dict[str, Any] = doc["view"]
+    view: dict[str, object] = doc["view"]
     return view
 
 
-def remember_view(store: str, key: str, view: dict[str, Any], *, base: str | None = None) -> None:
+def remember_view(store: str, key: str, view: dict[str, object], *, base: str | None = None) -> None:
     """Keep what a verified read of ``store`` concluded, under ``key`` (see ``recall_view``)."""
     _write(_path(store, ".view.json", base), {"key": key, "view": view})
 

@@ -20,7 +20,7 @@ from certckpt.format.signing import TrustedKeys
 from certckpt.format.trustconfig import TrustConfig
 
 from .certify import Certification, CheckpointEntry, Level, accept_level, certify
-from .devices import Placement, convicted_ranges, conviction_spans, placements_of
+from .devices import DeviceStanding, Placement, convicted_ranges, conviction_spans, placements_of
 from .facts import EventProblem, read_event
 from .fleet import Fleet, FleetView
 from .incident import (
@@ -247,7 +247,7 @@ def convicted_ranges_for(
     if not snap.placements:
         return {}
     convicted = set(extra)
-    standing: dict[str, tuple[str, Any]] = {}  # convicted device -> (its registry, its standing)
+    standing: dict[str, tuple[str, DeviceStanding]] = {}  # convicted device -> (its registry, its standing)
     views = {} if views is None else views
     for url in sorted({r.fleet for r, ok in snap.placements if ok and r.fleet is not None}):
         if url not in views:
@@ -279,7 +279,9 @@ def convicted_ranges_for(
     return convicted_ranges(placements, convicted - set(exclude))
 
 
-def _conviction_marks(placements: list[Placement], standing: Mapping[str, tuple[str, Any]]) -> list[dict[str, Any]]:
+def _conviction_marks(
+    placements: list[Placement], standing: Mapping[str, tuple[str, DeviceStanding]]
+) -> list[dict[str, Any]]:
     """Per placement of a convicted device: the steps it computed and its first open conviction's evidence."""
     out = []
     for p, (lo, hi), rank, dev in conviction_spans(placements, standing):
