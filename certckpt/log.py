@@ -26,7 +26,7 @@ import logging
 import os
 import sys
 
-__all__ = ["LOGGER", "AUDIT", "RESUME", "COMMIT", "TRUST", "ENV", "enable"]
+__all__ = ["LOGGER", "AUDIT", "RESUME", "COMMIT", "TRUST", "ENV", "enable", "say"]
 
 ENV = "CERTCKPT_LOG"
 LOGGER = logging.getLogger("certckpt")
@@ -50,6 +50,18 @@ def enable(level: int = logging.INFO) -> None:
     handler.setFormatter(logging.Formatter("certckpt: %(message)s"))
     LOGGER.addHandler(handler)
     LOGGER.propagate = False
+
+
+def say(line: str) -> None:
+    """Print one line to stderr in one write.
+
+    Training ranks share one stderr. ``print`` writes the text and its newline separately, and under
+    ``PYTHONUNBUFFERED`` (set by many launchers and CI runners) those are two system calls, between
+    which another rank's line can land: two exit lines glued into one, and a scheduler reading
+    ``certckpt: refused: ...`` lines miscounts. One write of under ``PIPE_BUF`` bytes is atomic.
+    """
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def _from_env() -> None:

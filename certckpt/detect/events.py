@@ -10,13 +10,12 @@ import collections
 import json
 import os
 import socket
-import sys
 import threading
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from certckpt.errors import CertckptError, ConfigurationError
-from certckpt.log import AUDIT, TRUST
+from certckpt.log import AUDIT, TRUST, say
 from certckpt.trust.fleet import Fleet
 from certckpt.trust.ledger import Ledger
 from certckpt.trust.runstore import open_incident
@@ -303,12 +302,12 @@ def publish(ev: AuditEvent, *, sink: EventSink, ledger: Ledger | None = None, fl
             open_incident(ledger, ev.to_dict())
         except (CertckptError, OSError) as e:
             where = getattr(ledger, "store", ledger)
-            print(f"certckpt: could not record the incident in {where}: {e}", file=sys.stderr)
+            say(f"certckpt: could not record the incident in {where}: {e}")
     if fleet is not None:
         try:
             fleet.report_detection(ev.to_dict(), store=getattr(ledger, "store", None))
         except (CertckptError, OSError) as e:
-            print(f"certckpt: could not record the conviction in fleet {fleet.url}: {e}", file=sys.stderr)
+            say(f"certckpt: could not record the conviction in fleet {fleet.url}: {e}")
 
 
 def log_audit_pass(*, step: int, branch: str | None, ranks: int, checked: int, seconds: float) -> None:

@@ -37,6 +37,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from certckpt.errors import DeviceConvictedError, FaultDetectedError
+from certckpt.log import say
 from certckpt.trust.incident import EXIT_DEVICE_REFUSED, EXIT_FAULT_DETECTED, incident_id_for, node_of
 
 __all__ = [
@@ -155,7 +156,7 @@ def stop_on_fault(
         yield
     except DeviceConvictedError as e:
         code = refusal_exit_code(e)
-        print(_refusal_line(e, code), file=sys.stderr, flush=True)
+        say(_refusal_line(e, code))
         leave_refusal_marker(e)
         if auditor is not None:
             with contextlib.suppress(Exception):
@@ -176,11 +177,9 @@ def stop_on_fault(
             if convicted
             else ""
         )
-        print(
+        say(
             f"certckpt: {e}; suspect rank(s) {suspects}{where}; {record}{conviction}; "
-            f"exit {exit_code}: do not requeue on the suspect node",
-            file=sys.stderr,
-            flush=True,
+            f"exit {exit_code}: do not requeue on the suspect node"
         )
         if auditor is not None:
             with contextlib.suppress(Exception):

@@ -4,6 +4,7 @@ around torchrun (which itself exits 1); the run that convicted the device says s
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -87,6 +88,38 @@ def test_refusals_a_scheduler_understands_the_convicting_run_says_so(capsys):
     assert "convicted device(s) gpu-x in fleet registry /f" in line and "exit 86" in line
 
 
+class _Writes(io.RawIOBase):
+    """A raw stream that keeps each system-call-sized write apart."""
+
+    def __init__(self) -> None:
+        self.calls: list[bytes] = []
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        self.calls.append(bytes(b))
+        return len(b)
+
+
+def test_each_refusal_and_exit_line_reaches_stderr_in_one_write(monkeypatch):
+    # ranks share one stderr; under PYTHONUNBUFFERED (CI runners, many launchers) a line written as
+    # text then newline is two writes, and another rank's line can land between them (stop 49's CI)
+    from certckpt.detect.events import AuditEvent
+
+    raw = _Writes()
+    monkeypatch.setattr(sys, "stderr", io.TextIOWrapper(raw, encoding="utf-8", write_through=True))
+    monkeypatch.delenv("CERTCKPT_DETECTION_DIR", raising=False)
+    with pytest.raises(SystemExit), stop_on_fault():
+        raise DeviceConvictedError("fleet check: rank 1 runs on device gpu-x", devices=[("1", "gpu-x", "node-x")])
+    ev = AuditEvent(run="r", branch="main", step=5, kind="replay", outcome="fail", ranks=[0, 1, 2], suspect_ranks=[1])
+    with pytest.raises(SystemExit), stop_on_fault():
+        raise FaultDetectedError("step 5: replay failed", ev, incident_id="inc-main-5-replay")
+    sys.stderr.flush()
+    assert len(raw.calls) == 2 and all(c.endswith(b"\n") and c.count(b"\n") == 1 for c in raw.calls), raw.calls
+    assert raw.calls[0].startswith(b"certckpt: refused: ") and raw.calls[1].startswith(b"certckpt: step 5")
+
+
 def _torchrun(tmp_path, **env: str) -> subprocess.CompletedProcess:
     (tmp_path / "train.py").write_text(SCRIPT)
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-port"]
@@ -117,7 +150,8 @@ def test_refusals_a_scheduler_understands_through_torchrun(tmp_path, monkeypatch
     d = _torchrun(tmp_path, RUN="d", STORE=str(tmp_path / "d"), WRAP="1")
     assert d.returncode == 87, d.stderr[-3000:]
     refused = [ln for ln in d.stderr.splitlines() if ln.startswith("certckpt: refused: ")]
-    assert 1 <= len(refused) <= 3 and len(set(refused)) == 1 and "gpu-x (host node-x)" in refused[0], d.stderr[-3000:]
+    distinct = sorted(set(refused))
+    assert 1 <= len(refused) <= 3 and len(distinct) == 1 and "gpu-x (host node-x)" in refused[0], distinct
     assert "DeviceConvictedError" not in d.stderr and 'train.py", line' not in d.stderr
     last = d.stderr.strip().splitlines()[-1]
     assert re.search(
