@@ -22,6 +22,7 @@ from certckpt.errors import (
     NotACheckpointError,
     TruncatedCheckpointError,
 )
+from certckpt.format.companions import check_companions, companions_of
 from certckpt.format.header import DTYPE_SIZES, printable
 from certckpt.format.record import CheckpointRecord, check_header, state_fingerprint
 from certckpt.format.signing import TrustedKeys
@@ -103,6 +104,13 @@ class ShardedReport:
 
 
 def _not_committed(location: str, listing: Listing | None = None) -> NotACheckpointError:
+    if exists(join(location, ".metadata")) and exists(join(location, "metadata.json")):
+        # Megatron-Core's torch_dist layout: DCP's pickled .metadata beside its metadata.json
+        return NotACheckpointError(
+            f"{location}: written by plain Megatron-Core dist_checkpointing (.metadata and common.pt are pickles);"
+            " certckpt never unpickles — load it once with plain Megatron in a process you trust and save it"
+            " with sharded_strategy=certckpt.integrations.megatron.CertifiedSaveStrategy(...)"
+        )
     if exists(join(location, ".metadata")):
         return NotACheckpointError(
             f"{location}: a plain torch.distributed.checkpoint directory (its .metadata is a pickle);"
@@ -299,6 +307,7 @@ def verify_checkpoint(
         report.seconds = time.perf_counter() - t0
         return report
     _check_manifest(report, location, manifest, info, trusted_keys)
+    companions = _check_companion_files(report, location, info, trusted_keys)
     by_file = _chunks_by_file(manifest)
     for i, sf in enumerate(manifest.files):
         chunks = by_file.get(i, [])
@@ -314,9 +323,26 @@ def verify_checkpoint(
             continue
         _check_identity(report, location, sf, finfo)
         _check_entries(report, manifest, sf, finfo, chunks)
-    _report_extra(report, location, listing, manifest)
+    _report_extra(report, location, listing, manifest, companions)
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _check_companion_files(
+    report: ShardedReport, location: str, info: CheckpointInfo, trusted_keys: TrustedKeys | None
+) -> frozenset[str]:
+    """The files beside the shards that the manifest's record lists (``format.companions``: a
+    framework's own files, such as Megatron's common state and ``metadata.json``), each checked
+    against its size and digest; their names, which are then not extra."""
+    try:
+        files = companions_of(info.record)
+    except (ValueError, RecursionError):
+        files = None  # check_companions names the unreadable table
+    check = check_companions(join(location, MANIFEST_NAME), info.record, trusted_keys=trusted_keys)
+    for problem in check.problems:
+        report.fail(ProblemKind.COMPANION, problem)
+    report.nbytes += sum(f.nbytes for f in check.verified)
+    return frozenset(files or ())
 
 
 def _check_manifest(
@@ -399,8 +425,10 @@ def _check_identity(report: ShardedReport, location: str, sf: ShardFile, finfo: 
         )
 
 
-def _report_extra(report: ShardedReport, location: str, listing: Listing, manifest: Manifest) -> None:
-    listed = {f.name for f in manifest.files} | {MANIFEST_NAME}
+def _report_extra(
+    report: ShardedReport, location: str, listing: Listing, manifest: Manifest, companions: frozenset[str]
+) -> None:
+    listed = {f.name for f in manifest.files} | {MANIFEST_NAME} | companions
     for name in sorted(listing.files - listed):
         report.fail(
             ProblemKind.EXTRA, f"{location}/{name}: not part of this checkpoint (the manifest does not list it)"
