@@ -14,7 +14,7 @@ from typing import NoReturn
 
 import click
 
-from certckpt.format.companions import CompanionCheck, check_companions, companion_listing, companion_marker
+from certckpt.format.companions import CompanionCheck, check_companions, companion_listing
 from certckpt.format.header import printable
 from certckpt.format.record import check_header
 from certckpt.format.signing import TrustedKeys, trusted_keys_from_env
@@ -51,6 +51,18 @@ def _is_directory(location: str) -> bool:
         return is_directory(location)
     except Exception:  # botocore's own types for missing credentials or an unreachable endpoint
         return False
+
+
+def _listing_of(location: str) -> tuple[str, dict] | None:
+    """The certified file of a local directory-shaped checkpoint (a Trainer checkpoint-N/) and what it
+    lists, or None. A sharded checkpoint's manifest may list companion files too (Megatron's common
+    state beside the shards): that directory is checked as a sharded one, shards and companions."""
+    if "://" in location:
+        return None
+    from certckpt.format.sharded.layout import MANIFEST_NAME
+
+    listing = companion_listing(location.removeprefix("file://"))
+    return None if listing is None or os.path.basename(listing[0]) == MANIFEST_NAME else listing
 
 
 def _verify_sharded(location: str, deep: bool, as_json: bool, progress: Progress, keys: TrustedKeys | None) -> NoReturn:
@@ -97,7 +109,8 @@ def verify(location: str, deep: bool, ledger_url: str | None, as_json: bool) -> 
     keys = trusted_keys_from_env()  # --trusted-keys stands for the variable (common.trusted_keys_option)
     if _is_directory(location):
         # a directory-shaped checkpoint (a Trainer checkpoint-N/): its certified file and every companion
-        marker = companion_marker(location.removeprefix("file://")) if "://" not in location else None
+        listing = _listing_of(location)
+        marker = listing[0] if listing is not None else None
         if marker is None:
             if ledger_url:
                 fail("verify --ledger takes a checkpoint file; for a sharded checkpoint use certckpt status", 2)
@@ -260,7 +273,7 @@ def inspect(location: str, as_json: bool, ledger_url: str | None = None) -> None
     companions = None
     if _is_directory(location):
         # a directory-shaped checkpoint (a Trainer checkpoint-N/): its certified file, and what it lists
-        listing = companion_listing(location.removeprefix("file://")) if "://" not in location else None
+        listing = _listing_of(location)
         if listing is None:
             _inspect_sharded(location, as_json)
             return

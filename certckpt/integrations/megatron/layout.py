@@ -58,10 +58,10 @@ def plain_megatron_refusal(where: str, backend: str) -> NotACheckpointError:
     """The one line for a directory plain Megatron wrote (``torch_dist``: DCP's pickled ``.metadata``,
     ``common.pt``): what it is, that certckpt never unpickles it, and how to bring it in."""
     return NotACheckpointError(
-        f"{where}: written by plain Megatron-Core dist_checkpointing (backend {backend!r}: .metadata and"
-        " common.pt are pickles, never unpickled by certckpt); to bring it in, load it once with plain Megatron"
-        " in a process you trust (dist_checkpointing.load without a certckpt strategy) and save it with"
-        " sharded_strategy=CertifiedSaveStrategy(...)"
+        f"refusing to load: {where} was written by plain Megatron-Core dist_checkpointing (backend {backend!r}:"
+        " .metadata and common.pt are pickles, never unpickled by certckpt); to bring it in, load it once with"
+        " plain Megatron in a process you trust (dist_checkpointing.load without a certckpt strategy) and save it"
+        " with sharded_strategy=CertifiedSaveStrategy(...)"
     )
 
 
