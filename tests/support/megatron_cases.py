@@ -35,7 +35,10 @@ def _sharded(sd_tensors: dict[str, torch.Tensor], rank: int, world: int, *, spli
     return {
         "model": {
             "qkv": ShardedTensor.from_rank_offsets(
-                "decoder.qkv.weight", qkv[piece * rows : (piece + 1) * rows].clone(), (0, piece, split), replica_id=replica
+                "decoder.qkv.weight",
+                qkv[piece * rows : (piece + 1) * rows].clone(),
+                (0, piece, split),
+                replica_id=replica,
             ),
             "proj": ShardedTensor.from_rank_offsets(
                 "decoder.proj.weight",
@@ -106,9 +109,7 @@ def save_and_reload(args):
     loader = CertifiedLoadStrategy(check_fingerprints=True)
     state = dist_checkpointing.load(template, args["ckpt"], sharded_strategy=loader)
     expect = _sharded(full, rank, world, split=2)
-    out["equal"] = {
-        k: torch.equal(state["model"][k], expect["model"][k].data) for k in ("qkv", "proj", "emb")
-    } | {
+    out["equal"] = {k: torch.equal(state["model"][k], expect["model"][k].data) for k in ("qkv", "proj", "emb")} | {
         "rng_torch": torch.equal(state["rng"]["torch"], torch.arange(4) + rank),
         "scale": torch.equal(state["scale"], torch.tensor([2.0, 4.0])),
     }
@@ -125,9 +126,13 @@ def save_and_reload(args):
 
     plain_torch_dist_save(tensors_only(_sharded(full, rank, world, split=3)), args["plain"])
     back = dist_checkpointing.load(tensors_only(_sharded(zeros, rank, world, split=3)), args["plain"])
-    out["plain_megatron_reads"] = torch.equal(back["model"]["qkv"], _sharded(full, rank, world, split=3)["model"]["qkv"].data)
+    out["plain_megatron_reads"] = torch.equal(
+        back["model"]["qkv"], _sharded(full, rank, world, split=3)["model"]["qkv"].data
+    )
     try:
-        dist_checkpointing.load(tensors_only(_sharded(zeros, rank, world, split=3)), args["plain"], sharded_strategy=loader)
+        dist_checkpointing.load(
+            tensors_only(_sharded(zeros, rank, world, split=3)), args["plain"], sharded_strategy=loader
+        )
         out["plain"] = None
     except Exception as e:
         out["plain"] = f"{type(e).__name__}: {e}"

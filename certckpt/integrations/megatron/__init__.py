@@ -5,7 +5,8 @@ Megatron's own calls, with certckpt's strategies::
     from megatron.core import dist_checkpointing
     from certckpt.integrations.megatron import CertifiedLoadStrategy, CertifiedSaveStrategy
 
-    dist_checkpointing.save(sharded_sd, "ckpt/iter_100", sharded_strategy=CertifiedSaveStrategy(ledger="ckpt", step=100))
+    strategy = CertifiedSaveStrategy(ledger="ckpt", step=100)
+    dist_checkpointing.save(sharded_sd, "ckpt/iter_100", sharded_strategy=strategy)
     state = dist_checkpointing.load(sharded_sd, "ckpt/iter_100", sharded_strategy=CertifiedLoadStrategy())
 
 The ShardedTensors are written through certckpt's DCP layer (``certckpt.dcp``: certified shards, a

@@ -117,7 +117,9 @@ def read_companions(location: str, *, check: bool) -> Companions | None:
         files = companions_of(record) or {}
         objects = json.loads(record.user.get(OBJECTS_KEY, "{}"))
     except (ValueError, RecursionError) as e:
-        raise CorruptCheckpointError(f"{location}/{MANIFEST_NAME}: its table of Megatron files is unreadable ({e})")
+        raise CorruptCheckpointError(
+            f"{location}/{MANIFEST_NAME}: its table of Megatron files is unreadable ({e})"
+        ) from e
     if record.user.get(LAYOUT_KEY) != LAYOUT or FILES_KEY not in record.user:
         raise NotACheckpointError(
             f"{location}: a certified sharded checkpoint, but not one written through Megatron's"

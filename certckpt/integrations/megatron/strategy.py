@@ -13,7 +13,8 @@ Example::
 
     from megatron.core import dist_checkpointing
     from certckpt.integrations.megatron import CertifiedSaveStrategy, CertifiedLoadStrategy
-    dist_checkpointing.save(sharded_sd, "ckpt/iter_100", sharded_strategy=CertifiedSaveStrategy(ledger="ckpt", step=100))
+    strategy = CertifiedSaveStrategy(ledger="ckpt", step=100)
+    dist_checkpointing.save(sharded_sd, "ckpt/iter_100", sharded_strategy=strategy)
     state = dist_checkpointing.load(sharded_sd, "ckpt/iter_100", sharded_strategy=CertifiedLoadStrategy())
 """
 
@@ -117,7 +118,8 @@ class CertifiedSaveStrategy(SaveShardedStrategy):
     replaced by ``common.safetensors``. A committed directory is never written over.
 
     Example:
-        >>> dist_checkpointing.save(sd, "ckpt/iter_100", sharded_strategy=CertifiedSaveStrategy(ledger="ckpt", step=100))
+        >>> strategy = CertifiedSaveStrategy(ledger="ckpt", step=100)
+        >>> dist_checkpointing.save(sd, "ckpt/iter_100", sharded_strategy=strategy)
     """
 
     def __init__(
@@ -330,4 +332,3 @@ class CertifiedLoadStrategy(LoadShardedStrategy):
         for key in companions.objects if companions is not None else ():
             out[key] = ShardedObject.empty_from_unique_key(key)
         return out
-
