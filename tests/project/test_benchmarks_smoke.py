@@ -42,7 +42,8 @@ HEADERS: dict[str, tuple[str, ...]] = {
     "gpu_session.sh": ("bench_gpu on",),
 }
 GPU_ONLY = {"bench_gpu.py", "gpu_session.sh"}
-NEEDS = {"bench_deepspeed.py": "deepspeed", "bench_megatron.py": "megatron.core"}  # script -> the optional package it measures (skipped without it)
+# script -> the optional package it measures (skipped without it)
+NEEDS = {"bench_deepspeed.py": "deepspeed", "bench_megatron.py": "megatron.core"}
 TIMEOUT = 300  # seconds per script; tiny runs take 1-40 s on 2 cores
 
 
