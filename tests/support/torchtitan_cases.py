@@ -115,7 +115,7 @@ def checkpoints(args):
     session = ShardedAuditSession(model, optimizers.optimizers[0], run="titan", ledger=folder, loss_fn=loss_of, audit_every=2)
     ckpt = manager(
         CertifiedCheckpointManager, folder, model, optimizers, schedulers, keep_latest_k=2, accept="trusted",
-        run="titan", async_mode="async",
+        run="titan",
     )
     fps = {}
     for step in range(1, 9):
@@ -127,12 +127,19 @@ def checkpoints(args):
         if step in (2, 4, 6, 8):
             fps[step] = _fingerprint(model)
             ckpt.save(step)
-            ckpt.maybe_wait_for_saving()  # the async save committed before the next one starts
     session.close()
     ckpt.close()
     out["fps"] = fps
     out["dirs"] = sorted(os.listdir(folder))
     out["last_ckpt_id"] = ckpt.last_ckpt_id
+    # an async save (TorchTitan's "async" mode: staged, then written on a thread) commits the same way
+    late = manager(CertifiedCheckpointManager, folder, model, optimizers, schedulers, keep_latest_k=0,
+                   async_mode="async", run="titan")
+    train_step(model, optimizers, schedulers, 9)
+    late.save(9)
+    late.maybe_wait_for_saving()
+    late.close()
+    out["async_ckpt_id"] = late.last_ckpt_id
     dist.barrier()
 
     # resume: a fresh manager on the same folder loads latest-good (step 2), every byte checked
@@ -234,11 +241,11 @@ class _StandIn:
     def __init__(self, model) -> None:
         self.model = model
 
-    def _signature(self, loss) -> list[int]:
-        digests = [int(torch.hash_tensor(loss.detach()))]
+    def _signature(self, loss) -> list[torch.Tensor]:
+        digests = [torch.hash_tensor(loss.detach())]
         for p in self.model.parameters():
             g = p.grad.to_local() if p.grad is not None else torch.zeros(())
-            digests.append(int(torch.hash_tensor(g.detach())))
+            digests.append(torch.hash_tensor(g.detach()))
         return digests
 
     def run_fwd_bwd(self, execute, *, step: int):
@@ -249,7 +256,8 @@ class _StandIn:
             if p.grad is not None:
                 p.grad.zero_()
         loss = execute()
-        mismatch = torch.tensor([int(self._signature(loss) != reference)])
+        same = all(torch.equal(a, b) for a, b in zip(self._signature(loss), reference))
+        mismatch = torch.tensor([0 if same else 1])
         dist.all_reduce(mismatch, op=dist.ReduceOp.MAX)
         if int(mismatch):
             raise _StandInMismatch(f"SDC replay mismatch at step {step}")

@@ -129,7 +129,7 @@ class CertifiedCheckpointManager(CheckpointManager):
         self.parent: str | None = None
         self.resumed_step: int | None = None
         self.resumed_consensus_fp: str | None = None
-        self.last_ckpt_id: str | None = None
+        self._last_writer: CertifiedWriter | None = None
         self._saving_step: int | None = None
         self._retiring: dict[str, str] = {}
         if self.purge_thread is not None:
@@ -192,7 +192,6 @@ class CertifiedCheckpointManager(CheckpointManager):
         ret: Any = None
         if async_mode == AsyncMode.ASYNC:
             ret = dcp.async_save(state_dict, storage_writer=writer, checkpoint_id=checkpoint_id, process_group=self.pg)
-            ret.add_done_callback(lambda _f: self._committed(writer))
         elif async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM:
             ret = dcp.async_save(
                 state_dict,
@@ -204,14 +203,16 @@ class CertifiedCheckpointManager(CheckpointManager):
             )
         else:
             dcp.save(state_dict, storage_writer=writer, checkpoint_id=checkpoint_id)
-            self._committed(writer)
+        self._last_writer = writer
         if enable_garbage_collection:
             GarbageCollection.collect("GC collection invoked by checkpointer.")
         return ret
 
-    def _committed(self, writer: CertifiedWriter) -> None:
-        if writer.ckpt_id is not None:
-            self.last_ckpt_id = writer.ckpt_id
+    @property
+    def last_ckpt_id(self) -> str | None:
+        # the writer sets it in finish(), which an async save runs before its future completes; in
+        # the pinned-memory mode DCP writes from another process and this stays None
+        return None if self._last_writer is None else self._last_writer.ckpt_id
 
     # --- loading --------------------------------------------------------------------------------
 
