@@ -30,6 +30,7 @@ HEADERS: dict[str, tuple[str, ...]] = {
     "bench_format.py": ("1. SAVE (fsync included)", "2. VERIFY", "3. FINGERPRINT THROUGHPUT"),
     "bench_transformers.py": ("checkpoint save", "ratio certified / plain"),
     "bench_deepspeed.py": ("checkpoint save", "ratio certified / plain"),
+    "bench_torchtitan.py": ("checkpoint save / load", "ratio certified / plain"),
     "bench_accelerate.py": ("save_state", "ratio certified / plain", "premium - floor"),
     "bench_dcp.py": ("1 process:", "2 gloo ranks", "dcp.save  certckpt", "dcp.load  certckpt"),
     "bench_keyed.py": ("keyed reads and signed writes", "tensors (whole processes)"),
@@ -41,7 +42,7 @@ HEADERS: dict[str, tuple[str, ...]] = {
     "gpu_session.sh": ("bench_gpu on",),
 }
 GPU_ONLY = {"bench_gpu.py", "gpu_session.sh"}
-NEEDS = {"bench_deepspeed.py": "deepspeed"}  # script -> the optional package it measures (skipped without it)
+NEEDS = {"bench_deepspeed.py": "deepspeed", "bench_torchtitan.py": "torchtitan"}  # script -> the optional package it measures (skipped without it)
 TIMEOUT = 300  # seconds per script; tiny runs take 1-40 s on 2 cores
 
 
