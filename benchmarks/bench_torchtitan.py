@@ -54,11 +54,17 @@ def main() -> int:
     # a collective operation lasts as long as its slowest rank
     times = {k: [max(r["times"][k][i] for r in out) for i in range(a.trials)] for k in out[0]["times"]}
     mib = sum(r["local_bytes"] for r in out) / 2**20
-    print(f"TorchTitan debug model, {a.layers} layer(s), 3 gloo ranks, {mib:.0f} MiB of model + AdamW state;"
-          f" {a.trials} trial(s), interleaved; medians in seconds")
+    print(
+        f"TorchTitan debug model, {a.layers} layer(s), 3 gloo ranks, {mib:.0f} MiB of model + AdamW state;"
+        f" {a.trials} trial(s), interleaved; medians in seconds"
+    )
     print(f"{'checkpoint save / load':<28}{'TorchTitan':>12}{'certified':>12}{'ratio certified / plain':>26}")
-    for what, key in (("save, sync", "sync"), ("save, async (blocking)", "async-block"),
-                      ("save, async (to finished)", "async-total"), ("load", "load")):
+    for what, key in (
+        ("save, sync", "sync"),
+        ("save, async (blocking)", "async-block"),
+        ("save, async (to finished)", "async-total"),
+        ("load", "load"),
+    ):
         plain, cert = statistics.median(times[f"titan-{key}"]), statistics.median(times[f"certified-{key}"])
         print(f"{what:<28}{plain:>12.3f}{cert:>12.3f}{cert / plain:>25.2f}x")
     return 0

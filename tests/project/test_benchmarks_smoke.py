@@ -42,7 +42,10 @@ HEADERS: dict[str, tuple[str, ...]] = {
     "gpu_session.sh": ("bench_gpu on",),
 }
 GPU_ONLY = {"bench_gpu.py", "gpu_session.sh"}
-NEEDS = {"bench_deepspeed.py": "deepspeed", "bench_torchtitan.py": "torchtitan"}  # script -> the optional package it measures (skipped without it)
+NEEDS = {
+    "bench_deepspeed.py": "deepspeed",
+    "bench_torchtitan.py": "torchtitan",
+}  # script -> the optional package it measures (skipped without it)
 TIMEOUT = 300  # seconds per script; tiny runs take 1-40 s on 2 cores
 
 

@@ -66,7 +66,12 @@ def loss_of(model, tokens: torch.Tensor) -> torch.Tensor:
 def manager(cls, folder: str, model, optimizers, schedulers, **config):
     cfg = cls.Config(enable=True, folder=folder, interval=1, **config)
     return cfg.build(
-        dataloader=None, model_parts=[model], optimizers=optimizers, lr_schedulers=schedulers, states={}, sd_adapter=None
+        dataloader=None,
+        model_parts=[model],
+        optimizers=optimizers,
+        lr_schedulers=schedulers,
+        states={},
+        sd_adapter=None,
     )
 
 
@@ -112,9 +117,17 @@ def checkpoints(args):
     folder = os.path.join(root, "ckpt")
     out: dict = {"rank": rank}
     model, optimizers, schedulers = build()
-    session = ShardedAuditSession(model, optimizers.optimizers[0], run="titan", ledger=folder, loss_fn=loss_of, audit_every=2)
+    session = ShardedAuditSession(
+        model, optimizers.optimizers[0], run="titan", ledger=folder, loss_fn=loss_of, audit_every=2
+    )
     ckpt = manager(
-        CertifiedCheckpointManager, folder, model, optimizers, schedulers, keep_latest_k=2, accept="trusted",
+        CertifiedCheckpointManager,
+        folder,
+        model,
+        optimizers,
+        schedulers,
+        keep_latest_k=2,
+        accept="trusted",
         run="titan",
     )
     fps = {}
@@ -133,8 +146,16 @@ def checkpoints(args):
     out["dirs"] = sorted(os.listdir(folder))
     out["last_ckpt_id"] = ckpt.last_ckpt_id
     # an async save (TorchTitan's "async" mode: staged, then written on a thread) commits the same way
-    late = manager(CertifiedCheckpointManager, folder, model, optimizers, schedulers, keep_latest_k=0,
-                   async_mode="async", run="titan")
+    late = manager(
+        CertifiedCheckpointManager,
+        folder,
+        model,
+        optimizers,
+        schedulers,
+        keep_latest_k=0,
+        async_mode="async",
+        run="titan",
+    )
     train_step(model, optimizers, schedulers, 9)
     late.save(9)
     late.maybe_wait_for_saving()
@@ -148,8 +169,12 @@ def checkpoints(args):
         CertifiedCheckpointManager, folder, model2, opt2, sched2, keep_latest_k=0, accept="trusted", run="titan"
     )
     out["loaded"] = again.load()
-    out["resumed"] = {"fp": _fingerprint(model2), "branch": again.branch, "parent": again.parent,
-                      "step": again.resumed_step}
+    out["resumed"] = {
+        "fp": _fingerprint(model2),
+        "branch": again.branch,
+        "parent": again.parent,
+        "step": again.resumed_step,
+    }
     train_step(model2, opt2, sched2, 3)
     again.save(3)
     again.close()
@@ -182,7 +207,7 @@ def bench(args):
     kinds = {"titan": CheckpointManager, "certified": CertifiedCheckpointManager}
     times: dict = {f"{k}-{m}": [] for k in kinds for m in ("sync", "async-block", "async-total", "load")}
     for trial in range(args["trials"]):
-        for name, cls in (kinds.items() if trial % 2 == 0 else reversed(kinds.items())):
+        for name, cls in kinds.items() if trial % 2 == 0 else reversed(kinds.items()):
             for mode in ("disabled", "async"):
                 folder = os.path.join(root, f"{name}-{mode}-{trial}")
                 m = manager(cls, folder, model, optimizers, schedulers, keep_latest_k=0, async_mode=mode)

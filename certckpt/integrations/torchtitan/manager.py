@@ -108,7 +108,9 @@ class CertifiedCheckpointManager(CheckpointManager):
             try:
                 accept_level(self.accept)
             except (ValueError, TypeError) as e:
-                raise ConfigurationError(f"checkpoint.accept must be 'trusted' or 'verified', got {self.accept!r}") from e
+                raise ConfigurationError(
+                    f"checkpoint.accept must be 'trusted' or 'verified', got {self.accept!r}"
+                ) from e
             if self.last_save_in_hf:
                 # HuggingFaceStorageWriter writes plain safetensors without a record or a commit
                 raise ConfigurationError(
@@ -146,9 +148,7 @@ class CertifiedCheckpointManager(CheckpointManager):
     def attach(self, audit: Any) -> None:
         """Carry ``audit``'s evidence (a ``ShardedAuditSession``) into every checkpoint saved from now on."""
         if not hasattr(audit, "checkpoint_evidence"):
-            raise ConfigurationError(
-                f"attach takes a certckpt.detect.ShardedAuditSession, got {type(audit).__name__}"
-            )
+            raise ConfigurationError(f"attach takes a certckpt.detect.ShardedAuditSession, got {type(audit).__name__}")
         self.audit = audit
 
     # --- saving ---------------------------------------------------------------------------------
@@ -264,7 +264,9 @@ class CertifiedCheckpointManager(CheckpointManager):
         self.resumed_step = record.step or 0
         self.resumed_consensus_fp = record.consensus_fp if known else None
         if not known:
-            logger.warning("certckpt: %s is not committed in %s; branch %s has no parent", directory, self.store, self.branch)
+            logger.warning(
+                "certckpt: %s is not committed in %s; branch %s has no parent", directory, self.store, self.branch
+            )
 
     # --- rotation -------------------------------------------------------------------------------
 
@@ -303,4 +305,6 @@ class CertifiedCheckpointManager(CheckpointManager):
         filesystem.rmtree(path)
         cid = self._retiring.pop(path, None)
         if cid is not None:
-            Ledger(self.store).retire(cid, reason="TorchTitan removed it (checkpoint.keep_latest_k)", policy="torchtitan")
+            Ledger(self.store).retire(
+                cid, reason="TorchTitan removed it (checkpoint.keep_latest_k)", policy="torchtitan"
+            )
