@@ -134,15 +134,17 @@ class CertifiedCheckpointManager(CheckpointManager):
         self._last_writer: CertifiedWriter | None = None
         self._saving_step: int | None = None
         self._retiring: dict[str, str] = {}
-        if self.purge_thread is not None:
+        theirs: threading.Thread | None = getattr(self, "purge_thread", None)
+        if theirs is not None:
             # TorchTitan's purge thread only removes the directory; certckpt's also records the
             # retirement in the ledger, after the delete, so `certckpt status` says where it went.
             self.purge_queue.put(None)
-            self.purge_thread.join()
-            self.purge_thread = threading.Thread(
+            theirs.join()
+            ours = threading.Thread(
                 target=purge_thread, args=(self.purge_queue, self._remove), daemon=True, name="certckpt-titan-purge"
             )
-            self.purge_thread.start()
+            ours.start()
+            setattr(self, "purge_thread", ours)  # noqa: B010 - TorchTitan's attribute, untyped for mypy
         enable_log()
 
     def attach(self, audit: Any) -> None:
