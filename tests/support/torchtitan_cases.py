@@ -16,7 +16,6 @@ import shutil
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
@@ -358,10 +357,3 @@ def replay_comparison(args):
     if out["certckpt"] is None:
         session.close()
     return out
-
-
-def plain_save(args):
-    """Only for ad-hoc use: a plain TorchTitan-written DCP directory, for the CLI checks."""
-    model, optimizers, schedulers = build()
-    dcp.save({"model": model.state_dict()}, checkpoint_id=args["dir"])
-    return {}
