@@ -5,6 +5,7 @@
 #                                   model-signing)
 #   bash scripts/install.sh release plus what `certckpt release` needs (OpenSSF model-signing)
 #   bash scripts/install.sh deepspeed  plus DeepSpeed 0.19.8 (certckpt.integrations.deepspeed; `test` installs it too)
+#   bash scripts/install.sh torchtitan plus TorchTitan 0.3.0 (certckpt.integrations.torchtitan; `test` installs it too)
 # Arguments after the first go to every `pip install` (CI passes --no-compile: see .ci/run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,9 +24,18 @@ pipi_deepspeed() {
   pipi "$@" wheel
   DS_BUILD_OPS=0 pipi "$@" --no-build-isolation deepspeed==0.19.8
 }
+# TorchTitan's wheel requires wandb, tensorboard, datasets and more, and pins nightly torch builds in its
+# docs: install it alone (--no-deps, pure Python), with the few modules it imports from the extra.
+pipi_torchtitan() {
+  pipi "$@" --no-deps torchtitan==0.3.0
+}
 if [ "$what" = "test" ]; then
   pipi "$@" -e ".[test]"
   pipi_deepspeed "$@"
+  pipi_torchtitan "$@"
+elif [ "$what" = "torchtitan" ]; then
+  pipi "$@" -e ".[torchtitan]"
+  pipi_torchtitan "$@"
 elif [ "$what" = "deepspeed" ]; then
   pipi "$@" -e .
   pipi_deepspeed "$@"

@@ -31,6 +31,7 @@ HEADERS: dict[str, tuple[str, ...]] = {
     "bench_transformers.py": ("checkpoint save", "ratio certified / plain"),
     "bench_deepspeed.py": ("checkpoint save", "ratio certified / plain"),
     "bench_megatron.py": ("contender", "ratio save certified / torch_dist", "ratio load certified / torch_dist"),
+    "bench_torchtitan.py": ("checkpoint save / load", "ratio certified / plain"),
     "bench_accelerate.py": ("save_state", "ratio certified / plain", "premium - floor"),
     "bench_dcp.py": ("1 process:", "2 gloo ranks", "dcp.save  certckpt", "dcp.load  certckpt"),
     "bench_keyed.py": ("keyed reads and signed writes", "tensors (whole processes)"),
@@ -43,7 +44,7 @@ HEADERS: dict[str, tuple[str, ...]] = {
 }
 GPU_ONLY = {"bench_gpu.py", "gpu_session.sh"}
 # script -> the optional package it measures (skipped without it)
-NEEDS = {"bench_deepspeed.py": "deepspeed", "bench_megatron.py": "megatron.core"}
+NEEDS = {"bench_deepspeed.py": "deepspeed", "bench_megatron.py": "megatron.core", "bench_torchtitan.py": "torchtitan"}
 TIMEOUT = 300  # seconds per script; tiny runs take 1-40 s on 2 cores
 
 
