@@ -101,7 +101,7 @@ def moto_server():
 
 
 @pytest.fixture(scope="session")
-def seaweed_server():
+def seaweedfs_server():
     """A real SeaweedFS (master, volume server, filer, S3 gateway with Object Lock) on 127.0.0.1, once
     per pytest process (about 3 s to start), its data in its own temporary directory; yields the
     environment that points s3fs and the CLI at it."""

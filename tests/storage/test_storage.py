@@ -1,5 +1,6 @@
 """The storage interface's contract, run against each backend for real: a local directory, fsspec's
-in-memory filesystem, and S3 through s3fs against moto's server (with an Object Lock bucket)."""
+in-memory filesystem, and S3 through s3fs against moto's server and a real SeaweedFS (with an Object Lock
+bucket)."""
 
 from __future__ import annotations
 
@@ -13,16 +14,17 @@ from certckpt.errors import CheckpointExistsError, CheckpointNotFoundError, Stor
 from certckpt.storage import LocalStorage, LockRequest, Storage, storage_for, storage_of
 from certckpt.storage.fsspec_store import FsspecStorage
 from certckpt.storage.s3 import S3Storage
+from tests.support.s3 import S3_BACKENDS, new_bucket, use_s3
 
 
-@pytest.fixture(params=["local", "memory", "s3"])
+@pytest.fixture(params=["local", "memory", *S3_BACKENDS])
 def storage(request, tmp_path) -> Storage:
     if request.param == "local":
         return storage_for(str(tmp_path / "store"))
     if request.param == "memory":
         return storage_for(f"memory://certckpt-{uuid.uuid4().hex[:8]}")
-    bucket = request.getfixturevalue("s3_bucket")
-    return storage_for(f"{bucket}/store")
+    use_s3(request, request.param)  # moto, or a real SeaweedFS: the contract holds on both
+    return storage_for(f"s3://{new_bucket()}/store")
 
 
 def test_storage_for_picks_the_backend(tmp_path, s3_bucket):
