@@ -14,7 +14,7 @@ from certckpt.errors import CheckpointExistsError, CheckpointNotFoundError, Stor
 from certckpt.storage import LocalStorage, LockRequest, Storage, storage_for, storage_of
 from certckpt.storage.fsspec_store import FsspecStorage
 from certckpt.storage.s3 import S3Storage
-from tests.support.s3 import S3_BACKENDS, new_bucket, use_s3
+from tests.support.s3 import S3_BACKENDS, moto_only, new_bucket, use_s3
 
 
 @pytest.fixture(params=["local", "memory", *S3_BACKENDS])
@@ -27,6 +27,7 @@ def storage(request, tmp_path) -> Storage:
     return storage_for(f"s3://{new_bucket()}/store")
 
 
+@moto_only  # no request reaches the server's storage
 def test_storage_for_picks_the_backend(tmp_path, s3_bucket):
     assert type(storage_for(str(tmp_path))) is LocalStorage
     assert type(storage_for(f"file://{tmp_path}")) is LocalStorage
@@ -107,6 +108,7 @@ def test_local_walk_reports_links_and_fifos_and_never_opens_them(tmp_path):
         storage.get("genesis.json")
 
 
+@moto_only  # no request reaches the server's storage
 def test_storage_of_splits_an_object_from_its_store(tmp_path, s3_bucket):
     st, name = storage_of(str(tmp_path / "d" / "x.json"))
     assert (type(st), st.url, name) == (LocalStorage, str(tmp_path / "d"), "x.json")
@@ -167,3 +169,29 @@ def test_an_object_in_a_vault_at_the_bucket_root_is_never_replaced(s3_bucket, tm
     for url in (f"{s3_bucket}/main@5.safetensors", f"{s3_bucket}/exp/main@6.safetensors"):
         with pytest.raises(ProtectedCheckpointError, match="inside the vault"):
             refuse_protected(url)
+
+
+def test_racing_create_only_writes_of_one_name_leave_one_winner(storage):
+    """Eight writers put different bytes under one name at once: exactly one is written, every other
+    is refused as taken (on S3 the server's If-None-Match decides; on SeaweedFS its 412 names no
+    condition, see ``storage.s3.precondition_failed``), and the winner's bytes stay."""
+    import threading
+
+    barrier = threading.Barrier(8)
+    outcomes: dict[int, str] = {}
+
+    def write(i: int) -> None:
+        barrier.wait()
+        try:
+            outcomes[i] = "written" if storage.put_once("_ledger/holdings/main@5.json", b"%d" % i) else "same"
+        except CheckpointExistsError:
+            outcomes[i] = "refused"
+
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    winners = [i for i, o in outcomes.items() if o == "written"]
+    assert len(winners) == 1 and sorted(outcomes.values()).count("refused") == 7, outcomes
+    assert storage.get("_ledger/holdings/main@5.json") == b"%d" % winners[0]

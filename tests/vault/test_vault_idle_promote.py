@@ -30,7 +30,9 @@ def _run(tmp_path, monkeypatch, *, key: str | None = None) -> str:
     if key is not None:
         monkeypatch.setenv("CERTCKPT_SIGNING_KEY", key)
     for step in (5, 10):
-        certckpt.save({"w": torch.full((3,), float(step))}, str(run / f"main@{step}.safetensors"), ledger=str(run), step=step)
+        certckpt.save(
+            {"w": torch.full((3,), float(step))}, str(run / f"main@{step}.safetensors"), ledger=str(run), step=step
+        )
     monkeypatch.delenv("CERTCKPT_SIGNING_KEY", raising=False)
     return str(run)
 
