@@ -177,6 +177,8 @@ def test_racing_create_only_writes_of_one_name_leave_one_winner(storage):
     condition, see ``storage.s3.precondition_failed``), and the winner's bytes stay."""
     import threading
 
+    if type(storage) is FsspecStorage:
+        pytest.skip("a generic fsspec store's create-only write is check-then-write: not race-free (documented)")
     barrier = threading.Barrier(8)
     outcomes: dict[int, str] = {}
 
