@@ -2,7 +2,7 @@
 # Install certckpt from this checkout on a fresh machine (Python >= 3.10 and pip).
 #   bash scripts/install.sh         the library and the `certckpt` command
 #   bash scripts/install.sh test    plus what the test suite needs (pytest, hypothesis, s3fs, moto server,
-#                                   model-signing)
+#                                   SeaweedFS's weed binary, model-signing)
 #   bash scripts/install.sh release plus what `certckpt release` needs (OpenSSF model-signing)
 #   bash scripts/install.sh deepspeed  plus DeepSpeed 0.19.8 (certckpt.integrations.deepspeed; `test` installs it too)
 #   bash scripts/install.sh torchtitan plus TorchTitan 0.3.0 (certckpt.integrations.torchtitan; `test` installs it too)

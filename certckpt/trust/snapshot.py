@@ -149,6 +149,9 @@ class LedgerSnapshot:
     drills: list[dict[str, Any]] = field(default_factory=list)
     incident_records: list[dict[str, Any]] = field(default_factory=list)
     is_vault: bool = False
+    # a vault: its mark is sealed by the vault's own chain, in an entry that counts for this reader
+    # (intact, and authenticated under its trusted keys); a promoter seals it again only when not
+    mark_sealed: bool = False
     invalid: list[tuple[str, str]] = field(default_factory=list)  # (kind/file, why): records ignored
     # The keys this snapshot was read with: checkpoint files must be signed by one of them too.
     trusted_keys: TrustedKeys | None = None
@@ -639,6 +642,7 @@ class _Reader:
         self.check_chains()
         mark = self._mark()
         snap.is_vault = mark is not None or bool(self.files["holdings"])
+        snap.mark_sealed = mark is not None and snap.chained and self.counts("", VAULT_MARK)[0]
         writer_steps: dict[str, int] = {}
 
         def note_step(kind: str, name: str, step: int) -> None:

@@ -119,8 +119,14 @@ def _check_pinned_source(vault: Ledger, source: str, store_id: str | None) -> No
         )
 
 
-def _claim(vault: Ledger, run: str | None, source: str, run_ledger: Ledger) -> None:
-    """Tie the vault to one run (checkpoint ids are only unique within a run)."""
+def _claim(vault: Ledger, run: str | None, source: str, run_ledger: Ledger, *, sealed: bool) -> None:
+    """Tie the vault to one run (checkpoint ids are only unique within a run).
+
+    ``sealed``: the vault's snapshot found its mark sealed by its own chain in an entry that counts.
+    Then nothing is written when the mark is already there: sealing it again would start one more
+    writer chain per promoting process (kept for good under Object Lock), an hourly promote with
+    nothing new 8,760 a year. A mark whose seal does not count (none, a broken chain, a writer the
+    trusted keys do not authenticate) is sealed again by this promoter, as before."""
     local = resolve(source).local
     if local is not None:
         source = os.path.abspath(local)
@@ -132,7 +138,7 @@ def _claim(vault: Ledger, run: str | None, source: str, run_ledger: Ledger) -> N
         mark["source_store"] = run_ledger.store_id
         vault.put_raw(SOURCES_DIR, f"{run_ledger.store_id}.json", genesis)
     try:
-        vault.put_raw("", VAULT_MARK, (json.dumps(mark, sort_keys=True) + "\n").encode(), seal=True)
+        vault.put_raw("", VAULT_MARK, (json.dumps(mark, sort_keys=True) + "\n").encode(), seal=not sealed)
     except CheckpointExistsError:
         existing = json.loads(vault.read_raw("", [VAULT_MARK])[VAULT_MARK])
         if existing.get("run") != run:
@@ -223,9 +229,10 @@ def promote(
     cert, snap = status.certification, status.snapshot
     dest = Ledger(vault, chain=source.chained(), trust=trust)  # a run's vault is chained exactly when the run is
     try:
-        held = dest.snapshot().holdings
+        before = dest.snapshot()
+        held, mark_sealed = before.holdings, before.mark_sealed
     except CheckpointNotFoundError:  # a new vault: an S3 prefix exists only once something is in it
-        held = {}
+        held, mark_sealed = {}, False
     if ckpts is None:
         chosen = [c for c in reversed(cert.candidates(level)) if snap.available(c) and c not in held]
     else:
@@ -246,7 +253,7 @@ def promote(
     if not chosen and not held:
         return repaired
     runs = {snap.records[c].get("run") for c in chosen or held if c in snap.records}
-    _claim(dest, runs.pop() if len(runs) == 1 else None, run, source)
+    _claim(dest, runs.pop() if len(runs) == 1 else None, run, source, sealed=mark_sealed)
     # Always bring the evidence up to date, even with nothing new to copy: a revocation or a
     # detection recorded since the last promotion must reach the vault's verdicts.
     _mirror(source, dest, chosen)

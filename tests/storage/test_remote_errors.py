@@ -10,8 +10,12 @@ import subprocess
 import pytest
 
 from tests.support.helpers import console_script
+from tests.support.s3 import moto_only
 
-pytestmark = pytest.mark.slow  # starts the S3 server and a dozen CLI processes
+# starts the S3 server and a dozen CLI processes; on moto only: none of these requests is answered by
+# the server's storage (no credentials and a refused endpoint never reach it; the missing bucket is
+# also checked on SeaweedFS in test_s3.py and test_storage.py)
+pytestmark = pytest.mark.slow
 
 
 def cli_env(**overrides):
@@ -42,6 +46,7 @@ def _cases(s3_server, bucket):
     }
 
 
+@moto_only
 @pytest.mark.parametrize("what", ["no credentials", "refused endpoint", "missing bucket"])
 def test_cli_reads_of_an_unusable_store_are_one_line_and_exit_2(s3_bucket, s3_server, what):
     import torch
@@ -69,6 +74,7 @@ def test_cli_reads_of_an_unusable_store_are_one_line_and_exit_2(s3_bucket, s3_se
         assert what != "refused endpoint" or "not found" not in r.stderr, (args, r.stderr)
 
 
+@moto_only
 def test_load_of_an_unreachable_store_raises_storage_error(s3_bucket, monkeypatch):
     import s3fs
 

@@ -1,5 +1,6 @@
 """The storage interface's contract, run against each backend for real: a local directory, fsspec's
-in-memory filesystem, and S3 through s3fs against moto's server (with an Object Lock bucket)."""
+in-memory filesystem, and S3 through s3fs against moto's server and a real SeaweedFS (with an Object Lock
+bucket)."""
 
 from __future__ import annotations
 
@@ -13,18 +14,20 @@ from certckpt.errors import CheckpointExistsError, CheckpointNotFoundError, Stor
 from certckpt.storage import LocalStorage, LockRequest, Storage, storage_for, storage_of
 from certckpt.storage.fsspec_store import FsspecStorage
 from certckpt.storage.s3 import S3Storage
+from tests.support.s3 import S3_BACKENDS, moto_only, new_bucket, use_s3
 
 
-@pytest.fixture(params=["local", "memory", "s3"])
+@pytest.fixture(params=["local", "memory", *S3_BACKENDS])
 def storage(request, tmp_path) -> Storage:
     if request.param == "local":
         return storage_for(str(tmp_path / "store"))
     if request.param == "memory":
         return storage_for(f"memory://certckpt-{uuid.uuid4().hex[:8]}")
-    bucket = request.getfixturevalue("s3_bucket")
-    return storage_for(f"{bucket}/store")
+    use_s3(request, request.param)  # moto, or a real SeaweedFS: the contract holds on both
+    return storage_for(f"s3://{new_bucket()}/store")
 
 
+@moto_only  # no request reaches the server's storage
 def test_storage_for_picks_the_backend(tmp_path, s3_bucket):
     assert type(storage_for(str(tmp_path))) is LocalStorage
     assert type(storage_for(f"file://{tmp_path}")) is LocalStorage
@@ -105,6 +108,7 @@ def test_local_walk_reports_links_and_fifos_and_never_opens_them(tmp_path):
         storage.get("genesis.json")
 
 
+@moto_only  # no request reaches the server's storage
 def test_storage_of_splits_an_object_from_its_store(tmp_path, s3_bucket):
     st, name = storage_of(str(tmp_path / "d" / "x.json"))
     assert (type(st), st.url, name) == (LocalStorage, str(tmp_path / "d"), "x.json")
@@ -165,3 +169,31 @@ def test_an_object_in_a_vault_at_the_bucket_root_is_never_replaced(s3_bucket, tm
     for url in (f"{s3_bucket}/main@5.safetensors", f"{s3_bucket}/exp/main@6.safetensors"):
         with pytest.raises(ProtectedCheckpointError, match="inside the vault"):
             refuse_protected(url)
+
+
+def test_racing_create_only_writes_of_one_name_leave_one_winner(storage):
+    """Eight writers put different bytes under one name at once: exactly one is written, every other
+    is refused as taken (on S3 the server's If-None-Match decides; on SeaweedFS its 412 names no
+    condition, see ``storage.s3.precondition_failed``), and the winner's bytes stay."""
+    import threading
+
+    if type(storage) is FsspecStorage:
+        pytest.skip("a generic fsspec store's create-only write is check-then-write: not race-free (documented)")
+    barrier = threading.Barrier(8)
+    outcomes: dict[int, str] = {}
+
+    def write(i: int) -> None:
+        barrier.wait()
+        try:
+            outcomes[i] = "written" if storage.put_once("_ledger/holdings/main@5.json", b"%d" % i) else "same"
+        except CheckpointExistsError:
+            outcomes[i] = "refused"
+
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    winners = [i for i, o in outcomes.items() if o == "written"]
+    assert len(winners) == 1 and sorted(outcomes.values()).count("refused") == 7, outcomes
+    assert storage.get("_ledger/holdings/main@5.json") == b"%d" % winners[0]
