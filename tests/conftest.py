@@ -21,6 +21,18 @@ if "CERTCKPT_STATE_DIR" not in os.environ:
 # certckpt's log lines (certckpt.log) stay off in the suite and the ranks it starts: the outputs the
 # tests compare are the commands' own; the tests of the log lines turn them on where they look.
 os.environ["CERTCKPT_LOG"] = "off"
+# Ranks start warm: a server that imported torch once forks each rank `run_ranks` starts (about two
+# CPU-seconds saved per rank, hundreds of ranks per run; certckpt.detect.forkserver). Started by the
+# first pytest process (xdist's workers inherit it); until it listens, ranks start as plain processes.
+# CERTCKPT_FORKSERVER= (empty) turns it off.
+if "CERTCKPT_FORKSERVER" not in os.environ:
+    from certckpt.detect.forkserver import ENV, ForkServer
+
+    _fs_dir = tempfile.mkdtemp(prefix="certckpt-fs-")
+    _fs = ForkServer(os.path.join(_fs_dir, "sock"), env=dict(os.environ, OMP_NUM_THREADS="1"), wait=False)
+    os.environ[ENV] = _fs.address
+    atexit.register(shutil.rmtree, _fs_dir, ignore_errors=True)
+    atexit.register(_fs.stop)  # runs first: the server, then its folder
 
 
 @pytest.fixture
