@@ -59,10 +59,14 @@ def _listing_of(location: str) -> tuple[str, dict] | None:
     state beside the shards): that directory is checked as a sharded one, shards and companions."""
     if "://" in location:
         return None
-    from certckpt.format.sharded.layout import MANIFEST_NAME
+    from certckpt.format.sharded.layout import MANIFEST_MARK
+    from certckpt.format.verify import inspect as inspect_file
 
     listing = companion_listing(location.removeprefix("file://"))
-    return None if listing is None or os.path.basename(listing[0]) == MANIFEST_NAME else listing
+    # a Trainer's listing file is named manifest.safetensors too: the sharded manifest is told by its mark
+    if listing is None or inspect_file(listing[0]).record.user.get(MANIFEST_MARK) is not None:
+        return None
+    return listing
 
 
 def _verify_sharded(location: str, deep: bool, as_json: bool, progress: Progress, keys: TrustedKeys | None) -> NoReturn:
