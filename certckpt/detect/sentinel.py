@@ -17,8 +17,8 @@ its size):
 - **history**: the rank's value against its own exponentially weighted mean and standard deviation
   (``ewma_alpha``; never below ``floor``), once it has seen ``warmup_steps`` values; an outlier
   scores above ``band``. The history only takes in values inside its band (one outside is clipped to
-  the band's edge first), so a fault does not widen the band that should catch the next one, and a
-  lasting change of regime is still absorbed over a few tens of steps.
+  the band's edge first, from the second value on), so a fault does not widen the band that should
+  catch the next one, and a lasting change of regime is still absorbed over a few tens of steps.
 
 A rank is flagged when one of its scalars is an outlier on both tests (3 ranks or more; before its
 history is warm, on the peer test alone), or on the history test (1 or 2 ranks). A flagged step is
@@ -203,14 +203,17 @@ def _history_score(track: Track, x: float, triggers: Triggers) -> float | None:
 
 
 def _absorb(track: Track, x: float, triggers: Triggers) -> Track:
-    """The track after value ``x``: a warm track clips it to its band first; non-finite is skipped."""
+    """The track after value ``x``, clipped to the band first; a non-finite value is skipped.
+
+    Clipped from the second value on, warm-up included: a fault during the warm-up, taken in
+    whole, would widen the band for tens of steps and hide the next one.
+    """
     if not math.isfinite(x):
         return track
     if track.count == 0:
         return Track(mean=x, var=0.0, count=1)
-    if track.count >= triggers.warmup_steps:
-        half = triggers.band * max(math.sqrt(track.var), triggers.floor)
-        x = min(max(x, track.mean - half), track.mean + half)
+    half = triggers.band * max(math.sqrt(track.var), triggers.floor)
+    x = min(max(x, track.mean - half), track.mean + half)
     a = triggers.ewma_alpha
     delta = x - track.mean
     # the exponentially weighted variance (West 1979): it stays >= 0 and needs no stored values
