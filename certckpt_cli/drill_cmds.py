@@ -90,7 +90,8 @@ def drill_faults(
         if escapes:
             click.echo(
                 f"{len(escapes)} escape(s): a small one-time finite fault between audits is averaged into every"
-                " replica; no later check can see it (a large one is flagged by the sentinels and replayed at its step)."
+                " replica; no later check can see it (a large one is flagged by the sentinels and replayed at its"
+                " step)."
             )
         notes = {n for c in matrix["cases"] for n in c["notes"]}
         for n in sorted(notes):

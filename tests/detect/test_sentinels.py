@@ -16,7 +16,10 @@ from certckpt.errors import ConfigurationError
 NAMES = ("grad_norm", "loss")
 
 
-def _run(rows_per_step, *, triggers=Triggers(), audit_every=None):
+DEFAULT = Triggers()
+
+
+def _run(rows_per_step, *, triggers=DEFAULT, audit_every=None):
     """Feed steps 1, 2, ... to ``decide``; returns the decisions and the last state."""
     state, out = SentinelState(), []
     for s, rows in enumerate(rows_per_step, 1):
