@@ -17,6 +17,10 @@ DDP copies of the same MLP (identical initialisation), each with its own SGD opt
     audit/10    Auditor(audit_every=10): non-finite check every step; replay + consensus every 10th
     audit/100   Auditor(audit_every=100): the same, one full audit per 100 steps
     nonfinite   Auditor(audit_every=10**9): the non-finite check alone (no replay, no consensus)
+    audit/10 sentinels off
+                audit/10 with AuditOptions(triggers=Triggers(enabled=False)): against audit/10 (sentinels
+                on, the default), the cost of the per-step sentinels (their sums of squares and the
+                one small all-gather per step that carries them with the flags), goal <= 1.01x
     plain/view  reference, no target: plain DDP with gradient_as_bucket_view=True. With
                 zero_grad(set_to_none=True) DDP still copies each fresh gradient into its bucket,
                 but not the reduced bucket back into .grad: the same copies as the auditor, which
@@ -74,20 +78,23 @@ from certckpt.detect.timing import PARTS
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 WORLD = 3
-CONFIGS = ("plain", "audit/10", "audit/100", "nonfinite", "plain/view")
-AUDIT_EVERY = {"audit/10": 10, "audit/100": 100, "nonfinite": 10**9}
+CONFIGS = ("plain", "audit/10", "audit/100", "nonfinite", "audit/10 sentinels off", "plain/view")
+AUDIT_EVERY = {"audit/10": 10, "audit/100": 100, "nonfinite": 10**9, "audit/10 sentinels off": 10}
+NO_SENTINELS = "audit/10 sentinels off"
+SENTINEL_GOAL = 1.01  # audit/10 (sentinels on) over audit/10 with them off, at most
 LABELS = {
     "plain": "plain DDP (default hook)",
     "audit/10": "Auditor, full audit every 10 steps",
     "audit/100": "Auditor, full audit every 100 steps",
     "nonfinite": "Auditor, non-finite check alone",
+    NO_SENTINELS: "Auditor, audit every 10 steps, sentinels off",
     "plain/view": "reference: plain DDP, gradient_as_bucket_view",
 }
 
 
 def configs_for(bucket_view: bool) -> tuple[str, ...]:
     """The configurations of one run (with --bucket-view, plain is already the no-copy reference)."""
-    return CONFIGS[:4] if bucket_view else CONFIGS
+    return tuple(c for c in CONFIGS if not (bucket_view and c == "plain/view"))
 
 
 TARGETS = {"audit/10": 1.10, "audit/100": 1.02, "nonfinite": 1.02}  # ratio to plain DDP, at most
@@ -173,7 +180,7 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from certckpt.detect import timing
+    from certckpt.detect import Triggers, timing
     from certckpt.detect.auditor import Auditor, nonfinite_flag
     from certckpt.detect.launch import ProgressLog
     from certckpt.detect.signature import signature
@@ -209,6 +216,7 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
                 run=f"bench-{name}",
                 audit_every=AUDIT_EVERY[name],
                 replay_micro_batches=args.get("replay_micro_batches"),
+                triggers=Triggers(enabled=name != NO_SENTINELS),
             )
             auditors[name] = aud
             runners[name] = aud.train_step if micro <= 1 else (lambda item, a=aud: a.train_step(micro_batches=item))
@@ -347,7 +355,10 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
             hooked_b += 1
             hb = _item(rank, hooked_b, bsz, widths, micro)
             record("torch_hook_step", lambda hb=hb: hooked_step(hb))
-    expected = {"audit": AUDIT_PARTS, "nonaudit": NONAUDIT_PARTS}
+    # the sentinels are off where no triggered replay could run (--bucket-view: no hand-over)
+    sent = ("sentinels",) if aud.sentinels.active else ()
+    audit_parts = tuple(p for p in AUDIT_PARTS if p != "sentinels" or sent)
+    expected = {"audit": audit_parts, "nonaudit": NONAUDIT_PARTS + sent}
     missing = {kind: [k for k in want if not calls[kind].get(k)] for kind, want in expected.items()}
     if any(missing.values()):
         raise RuntimeError(
@@ -390,6 +401,17 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
         },
         "parts": parts,
         "events": {n: len(a.sink.events) for n, a in auditors.items()},
+        # every step these auditors ran is a clean step: each triggered replay is a false trigger
+        "sentinels": {
+            n: {
+                "on": a.sentinels.active,
+                "steps": steps_done[n],
+                "triggered": a.state.triggered_replays,
+                "suppressed": a.state.triggers_suppressed,
+                "failures": sum(e.failed for e in a.sink.events),
+            }
+            for n, a in auditors.items()
+        },
         "rank_elapsed_s": time.perf_counter() - t_start,
     }
 
@@ -458,6 +480,24 @@ def summarise(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     }
     out["insitu"] = insitu
     out["insitu_audit_parts"] = derived
+    if NO_SENTINELS in configs:
+        paired = [a / b for a, b in zip(ms["audit/10"], ms[NO_SENTINELS])]
+        ratio = median(ms["audit/10"]) / median(ms[NO_SENTINELS])
+        on = [v for v in r0["sentinels"].values() if v["on"]]
+        steps, triggered = sum(v["steps"] for v in on), sum(v["triggered"] for v in on)
+        out["sentinels"] = {
+            "ratio": ratio,
+            "paired_ratio_median": median(paired),
+            "paired_ratio_min": min(paired),
+            "paired_ratio_max": max(paired),
+            "verdict": "PASS" if ratio <= SENTINEL_GOAL else "MISS",
+            "clean_steps": steps,
+            "triggered": triggered,
+            "suppressed": sum(v["suppressed"] for v in on),
+            "failures": sum(v["failures"] for v in on),
+            "per_1000_steps": triggered / steps * 1000 if steps else None,
+            "on": bool(on),
+        }
     return out
 
 
@@ -622,6 +662,22 @@ def print_report(R: dict[str, Any]) -> None:
             f"{n}: {v['since_audit']}, {v['events_since_checkpoint']}, {v['sink_events']}" for n, v in bk.items()
         )
     )
+
+    sn = S.get("sentinels")
+    if sn is not None:
+        print()
+        print(
+            f"Sentinels: audit/10 with them on (the default) vs off, same loop, interleaved: {sn['ratio']:.4f}x"
+            f" (goal <= {SENTINEL_GOAL:.2f}x: {sn['verdict']}; paired per trial {sn['paired_ratio_median']:.4f}"
+            f" [{sn['paired_ratio_min']:.4f}-{sn['paired_ratio_max']:.4f}])"
+            + ("" if sn["on"] else " -- the sentinels were off in every auditor (--bucket-view: no hand-over)")
+        )
+        rate = "-" if sn["per_1000_steps"] is None else f"{sn['per_1000_steps']:.1f}"
+        print(
+            f"   false triggers on these clean runs: {sn['triggered']} triggered replay(s) in {sn['clean_steps']}"
+            f" steps with sentinels on ({rate} per 1,000 steps), {sn['suppressed']} held back by the rate limit,"
+            f" {sn['failures']} detection(s)"
+        )
 
     misses = [n for n in TARGETS if S["configs"][n]["verdict"] != "PASS"]
     print()

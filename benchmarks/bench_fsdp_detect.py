@@ -81,7 +81,8 @@ LABELS = {
 TARGETS = {"consensus/10": 1.10, "audit/100": 1.05}  # ratio to plain FSDP2, at most
 FLOORS = {"audit/10": 1 + 1 / 10, "audit/100": 1 + 1 / 100}  # one more forward + backward per K steps
 # the certckpt.detect.timing parts every audit step must record (with --mesh 4 also "update_audit")
-AUDIT_PARTS = tuple(p for p in PARTS if p != "update_audit")  # (the optimizer-step replay: FSDP2 only)
+# (update_audit: the optimizer-step replay, FSDP2 only; sentinels: DDP only)
+AUDIT_PARTS = tuple(p for p in PARTS if p not in ("update_audit", "sentinels"))
 
 FULL = {"widths": [1024, 2048, 1536, 1024, 1024], "batch": 32, "trials": 2, "steps": 100, "warmup": 5, "reps": 2}
 QUICK = {"widths": [512, 1024, 768, 512, 512], "batch": 32, "trials": 1, "steps": 100, "warmup": 5, "reps": 2}

@@ -75,10 +75,10 @@ def drill_faults(
             rows.append(
                 (
                     c["fault"],
-                    c["timing"],
+                    c["timing"] + (f" ({c['magnitude']})" if c.get("magnitude") else ""),
                     str(c["rank"]),
                     str(c["injected_step"]),
-                    c["caught_by"] or "ESCAPED",
+                    (c["caught_by"] + (" (triggered)" if c.get("triggered") else "")) if c["caught_by"] else "ESCAPED",
                     "-" if c["detected_step"] is None else str(c["detected_step"]),
                     ",".join(map(str, c["suspect_ranks"])) or "-",
                     "-" if c["updates_before_detection"] is None else str(c["updates_before_detection"]),
@@ -89,8 +89,9 @@ def drill_faults(
         escapes = [c for c in matrix["cases"] if c["caught_by"] is None]
         if escapes:
             click.echo(
-                f"{len(escapes)} escape(s): a one-time finite fault between audits is averaged into every replica; "
-                "no later check can see it."
+                f"{len(escapes)} escape(s): a small one-time finite fault between audits is averaged into every"
+                " replica; no later check can see it (a large one is flagged by the sentinels and replayed at its"
+                " step)."
             )
         notes = {n for c in matrix["cases"] for n in c["notes"]}
         for n in sorted(notes):

@@ -27,6 +27,7 @@ _LAZY = {
     "FAULT_KINDS": "inject",
     "FaultKind": "inject",
     "AuditOptions": "options",
+    "Triggers": "sentinel",
     "attribute_replay": "attribution",
     "consensus_verdict": "attribution",
     "ReplayVerdict": "attribution",

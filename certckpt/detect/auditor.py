@@ -134,7 +134,8 @@ class Auditor(AuditSession):
         sign = (audit and block is None) or state.path_check_pending
         # With a scaler, a non-finite step may be an overflow, told apart by a neighbour's replay
         # of the step: the RNG state is kept at every step then (a small host copy).
-        rng = ctx.rng_state() if audit or sign or ctx.grad_scaler is not None else None
+        # And with the sentinels on, at every step: any step may be replayed.
+        rng = ctx.rng_state() if audit or sign or ctx.grad_scaler is not None or self.sentinels.active else None
         # What this rank ships for its audit (kept for an arbitration): its step, or a sample of
         # it; it travels to the neighbour while this rank computes its own step.
         shipment = _Shipment({"units": units, "micro": micro, "n": len(units), "rng": rng})
@@ -152,6 +153,7 @@ class Auditor(AuditSession):
         if self.consensus.seal_source:
             self.consensus.check_seal()  # before the forward, where DDP broadcasts rank 0's buffers
         loss = self._forward_backward(units, micro, shipment, block)
+        self.sentinels.loss = loss  # a forward fault shows in the loss first
         if self.consensus.seal_source:
             self.consensus.seal()
         if ctx.hook.hand_over and not ctx.hook.handed_over_intact():
@@ -192,12 +194,20 @@ class Auditor(AuditSession):
         state.checked_since_audit += 1
         if state.path_check_pending:
             self.replay.check_path(s, units, micro, rng)
+        decision = self.sentinels.decide(s, self.nonfinite.table, replaying=audit)
         t0 = time.perf_counter()
         if audit:
             assert shipment.shift is not None, "an audit step's micro-batches travel to the neighbour"
             prev = shipment.shift.finish()
             if not self.replay.audit(s, units, prev, payload=shipment.payload, sampled=shipment.sampled):
                 return None
+        # not an audit: no consensus follows, and the replay vouches for this step alone
+        elif (
+            decision is not None
+            and decision.replay
+            and not self.sentinels.replay_now(s, units, shipment.payload, decision)
+        ):
+            return None
         return time.perf_counter() - t0
 
     def _update(self, s: int, audit: bool, replay_seconds: float) -> None:

@@ -35,6 +35,7 @@ from .evidence import StepOutcome
 from .hook import HookState
 from .inject import Injector
 from .options import AuditOptions
+from .sentinel import SentinelState
 from .signature import Probes
 
 __all__ = [
@@ -111,6 +112,12 @@ class DDPState(SessionState):
     """The last fingerprint consensus that agreed: ``(step, {tensor: fp}, state fp)``."""
     first_step: bool = True
     """The first step's set-up checks are still due."""
+    sentinel: SentinelState = field(default_factory=SentinelState)
+    """The sentinels' histories and rate limit (``sentinel.decide``; the same on every rank)."""
+    triggered_replays: int = 0
+    """Steps the sentinels had replayed so far."""
+    triggers_suppressed: int = 0
+    """Steps the sentinels flagged but the rate limit did not replay."""
 
     def agreed_at(self, step: int) -> tuple[dict[str, str], str] | None:
         """``({tensor: fp}, state fp)`` when the replicas agreed on their fingerprints at ``step``."""

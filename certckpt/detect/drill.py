@@ -2,8 +2,10 @@
 
 One case per fault kind x {persistent, one time on an audit step, one time between audits}; each case
 trains from scratch with the auditor, checkpointing as it goes, and records which check caught the
-fault, at which step, and which rank it named. Escapes are listed as escapes: a one-time finite fault
-between audits is averaged into every replica and no later check can see it.
+fault, at which step, and which rank it named. Escapes are listed as escapes: a small one-time finite
+fault between audits is averaged into every replica and no later check can see it. The kinds a
+replay catches get one more case, a *large* one-time fault between audits (``LARGE_SCALE``), which
+the sentinels flag, so that the replay runs at its step (``docs/detection.md``, "Triggered replays").
 """
 
 from __future__ import annotations
@@ -19,6 +21,11 @@ from .inject import FAULT_KINDS
 __all__ = ["run_matrix", "matrix_cases", "expected_catch", "make_model", "evaluate", "TIMINGS"]
 
 TIMINGS = ("persistent", "one-time-audit-step", "one-time-between-audits")
+LARGE_SCALE = 1e3  # a large fault: the largest element scaled by about 1e3 (the drill's default is 0.05)
+# The drill model's output layer: a large forward fault there reaches the loss and the gradients
+# whole. The default forward target, the first Linear, feeds a Tanh, which saturates: the same
+# fault there changes the gradients too little for the sentinels (the matrix keeps that escape).
+OUTPUT_LAYER = "3"
 _CAUGHT_BY = {  # event kind -> the matrix's "caught_by"
     "nonfinite-pre": "nonfinite-pre",
     "nonfinite-post": "nonfinite-post",
@@ -38,6 +45,14 @@ def matrix_cases(*, audit_every: int, ckpt_every: int, rank: int = 1) -> list[di
         for timing in TIMINGS:
             step = on_audit if timing == "one-time-audit-step" else between
             cases.append({"fault": kind, "timing": timing, "rank": rank, "injected_step": step})
+        if FAULT_KINDS[kind].caught_by == "replay":
+            large = {"fault": kind, "timing": TIMINGS[2], "rank": rank, "injected_step": between}
+            large |= {"magnitude": "large", "scale": LARGE_SCALE, "name": f"{kind}-one-time-between-audits-large"}
+            if kind == "forward":
+                cases.append({**large, "target": OUTPUT_LAYER})
+                cases.append({**large, "saturated": True, "name": f"{large['name']}-saturated"})
+            else:
+                cases.append(large)
     return cases
 
 
@@ -53,6 +68,8 @@ def expected_catch(case: dict[str, Any], *, audit_every: int, ckpt_every: int) -
         consensus_steps = [t for t in range(s, next_audit + 1) if t % audit_every == 0 or t % ckpt_every == 0]
         return check, consensus_steps[0]
     if timing == "one-time-between-audits":
+        if case.get("magnitude") == "large" and not case.get("saturated"):
+            return check, s  # the sentinels flag the step and the replay runs there, before its update
         return None, None  # the documented escape: no replay recomputes that step
     return check, next_audit
 
@@ -158,6 +175,7 @@ def run_cases_on_rank(args: dict[str, Any]) -> list[dict[str, Any]]:
             step=case["injected_step"],
             persistent=case["timing"] == "persistent",
             scale=case.get("scale", args.get("scale", 0.05)),
+            target=case.get("target"),
         )
         # rank 0 keeps the events twice: in the ledger (for status / latest-good) and as plain JSON lines
         sink = (
@@ -200,6 +218,7 @@ def run_cases_on_rank(args: dict[str, Any]) -> list[dict[str, Any]]:
             {
                 **case,
                 "caught_by": _CAUGHT_BY.get(detected.kind) if detected else None,
+                "triggered": bool(detected and detected.details.get("trigger")),  # a sentinel asked for the replay
                 "detected_step": detected.step if detected else None,
                 "suspect_ranks": detected.suspect_ranks if detected else [],
                 "notes": detected.details.get("notes", []) if detected else [],

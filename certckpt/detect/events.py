@@ -42,7 +42,10 @@ __all__ = [
 # weight fingerprints of W_s compared across replicas; overflow: a gradient scaler's overflow,
 # confirmed by a neighbour's replay (always outcome "pass": the scaler skipped the update by design,
 # and the certifier counts only the three audit kinds and failures, so it changes no verdict).
-KINDS = ("nonfinite-pre", "nonfinite-post", "nonfinite", "replay", "consensus", "overflow")
+# triggered-replay: a replay the sentinels asked for between audits that found nothing (always
+# outcome "pass"; one that finds a fault is a failed "replay" event). It is no audit: it vouches for
+# the computation of its own step only, so the certifier builds no full audit from it.
+KINDS = ("nonfinite-pre", "nonfinite-post", "nonfinite", "replay", "consensus", "overflow", "triggered-replay")
 
 # Environment variables that identify where a rank runs (Kubernetes, Slurm, clouds, torchrun).
 _NODE_ENV = (

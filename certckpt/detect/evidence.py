@@ -31,6 +31,8 @@ class StepOutcome:
     audited: bool = False
     events: list[AuditEvent] = field(default_factory=list)
     grad_norm: torch.Tensor | None = None  # the total norm before clipping, with clip_grad_norm
+    flagged: tuple[int, ...] = ()  # the ranks the sentinels flagged at this step
+    triggered: bool = False  # the sentinels had this step replayed
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

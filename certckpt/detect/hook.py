@@ -25,6 +25,7 @@ __all__ = [
     "comm_hook",
     "any_nonfinite",
     "finiteness_sum",
+    "sum_of_squares",
     "nonfinite_flag",
     "local_grads_sum",
     "lazy_pre_possible",
@@ -47,6 +48,7 @@ class HookState:
         group: Any,
         eager_pre: bool,
         hand_over: bool,
+        sentinels: bool = False,
     ):
         # What the hook needs from the auditor: the trained parameters' names and their index by
         # id(), the signature mode and probes, a drill's injector, the process group.
@@ -63,7 +65,12 @@ class HookState:
         self.local_sig: dict[int, torch.Tensor] = {}
         self.audit = False
         self.views: dict[int, tuple[tuple[int, int], list[torch.Tensor], list[torch.Tensor]]] = {}
-        self.kept: list[torch.Tensor] = []
+        # ``(parameter, its local gradient)`` for each gradient handed over: the local gradients
+        # stay alive until the next step, so a triggered replay can still sign them
+        self.kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # Sentinels (``trigger.SentinelCheck``): each bucket's local sum of squares, by bucket index.
+        self.sentinels = sentinels
+        self.sumsq: list[tuple[int, torch.Tensor]] = []
         # Micro-batch steps: the factor (1 / world) the hook applies to each bucket before its
         # all-reduce, as DDP's own hook does; None when the loss already carries the averaging.
         self.average: float | None = None
@@ -74,6 +81,7 @@ class HookState:
         # system and the next backward pays a page fault per 4 KiB to get it again.
         self.pre, self.post, self.local_sig, self.audit, self.kept = [], [], {}, audit, []
         self.average = average
+        self.sumsq = []
 
     def bucket_views(self, bucket, buf: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The bucket's parameters and, for each, a view of its gradient in the bucket (cached).
@@ -129,6 +137,17 @@ def any_nonfinite(sums: list[torch.Tensor]) -> torch.Tensor:
         return torch.zeros((), dtype=torch.bool)
     both = sums[0] if len(sums) == 1 else torch.stack(sums)
     return ~torch.isfinite(both).all()
+
+
+def sum_of_squares(buf: torch.Tensor) -> torch.Tensor:
+    """A float32 0-dim tensor: the sum of the squares of ``buf`` (a sentinel; no host sync).
+
+    A dot product: one read of the bucket without a temporary. It overflows to inf for an element
+    near 1e19 or larger, which the sentinels read as an outlier (such a gradient is one).
+    """
+    if buf.dtype in (torch.float32, torch.float64) and buf.dim() == 1:
+        return torch.dot(buf, buf).to(torch.float32)
+    return torch.linalg.vector_norm(buf, dtype=torch.float32).square()
 
 
 def nonfinite_flag(buf: torch.Tensor) -> torch.Tensor:
@@ -189,11 +208,11 @@ def _dense(t: torch.Tensor) -> bool:
     return True
 
 
-def comm_hook(state, bucket):
-    # No annotations: DDP inspects them, and `from __future__ import annotations` turns them into
-    # strings it rejects ("bucket annotation should be dist.GradBucket").
-    buf = bucket.buffer()
-    params, grads = state.bucket_views(bucket, buf)
+def _before_reduce(state: HookState, bucket: Any, buf: torch.Tensor, params: list, grads: list) -> None:
+    """What the hook reads of a bucket's local gradients before its all-reduce: a drill's injected
+    faults first, then the non-finite sum (eager), the sentinels' sum of squares and, on audit
+    steps, the signatures."""
+    idx: list[int] = []
     if state.audit or state.injector is not None:
         idx = [state.index[id(p)] for p in params]
         if state.injector is not None:
@@ -207,12 +226,23 @@ def comm_hook(state, bucket):
     if state.eager_pre:
         with span("nonfinite_flags"):
             state.pre.append(finiteness_sum(buf))
+    if state.sentinels:
+        with span("sentinels"):
+            state.sumsq.append((bucket.index(), sum_of_squares(buf)))
     if state.audit:
         probes = state.probes.subset(idx) if state.probes is not None else None
         with span("train_signature"):
             sig = signature(grads, mode=state.mode, probes=probes)
         for i, row in zip(idx, sig):
             state.local_sig[i] = row
+
+
+def comm_hook(state, bucket):
+    # No annotations: DDP inspects them, and `from __future__ import annotations` turns them into
+    # strings it rejects ("bucket annotation should be dist.GradBucket").
+    buf = bucket.buffer()
+    params, grads = state.bucket_views(bucket, buf)
+    _before_reduce(state, bucket, buf, params, grads)
     # No division here on a one-batch step: the auditor folds DDP's averaging into the loss (loss /
     # world before backward), so the sum this all-reduce computes is already the average. DDP's
     # own hook fuses its division into the copy into the bucket; a hook's ``div_`` would be one
@@ -235,7 +265,7 @@ def comm_hook(state, bucket):
         if state.hand_over:  # after the lazy check, which reads the local gradients from .grad
             for p, g in zip(params, grads):
                 if p.grad is not None:
-                    state.kept.append(p.grad)
+                    state.kept.append((p, p.grad))
                 p.grad = g
         return out
 

@@ -23,6 +23,7 @@ from .options import ExchangeFlags, NonfiniteRead
 from .replay import RingReplay
 from .setup_checks import late_detection_note
 from .timing import timed
+from .trigger import SentinelCheck
 
 __all__ = ["NonFiniteCheck"]
 
@@ -32,13 +33,16 @@ Flags = tuple[list[int], list[int]]  # per rank: (pre-reduce flags, post-reduce 
 class NonFiniteCheck:
     """The non-finite check of ``AuditSession``: reads the hook's flags (``ctx.hook``).
 
-    ``replay``: the ring replay that tells a gradient scaler's overflow from a fault. Its own state
-    is the deferred read still on its way (``nonfinite_read="deferred"``).
+    ``replay``: the ring replay that tells a gradient scaler's overflow from a fault. ``sentinels``:
+    the sentinels whose scalars travel with the flags (``trigger.SentinelCheck``). Its own state is
+    the deferred read still on its way (``nonfinite_read="deferred"``) and the table of every rank's
+    sentinel row the last immediate read exchanged (``table``; None when none was).
     """
 
-    def __init__(self, ctx: CheckContext, *, replay: RingReplay) -> None:
-        self.ctx, self.replay = ctx, replay
+    def __init__(self, ctx: CheckContext, *, replay: RingReplay, sentinels: SentinelCheck | None = None) -> None:
+        self.ctx, self.replay, self.sentinels = ctx, replay, sentinels
         self._pending: tuple[int, tuple[int, torch.Tensor, Any]] | None = None  # a deferred read's step and sums
+        self.table: list[list[float]] | None = None
 
     def must_read_now(self, s: int, *, audit: bool) -> bool:
         """Steps whose non-finite flags are read before their update even when reads are deferred:
@@ -59,6 +63,7 @@ class NonFiniteCheck:
         drain its queue, which the immediate one does once a step (issue 15: 9 % of a 4.7 ms step
         of the envelope's model on an H200).
         """
+        self.table = None
         failed = self._settle_deferred_flags()
         if failed is not None:
             return failed
@@ -133,6 +138,8 @@ class NonFiniteCheck:
         such a fault becomes a contained detection on all ranks.
         """
         ctx, hook = self.ctx, self.ctx.hook
+        if self.sentinels is not None and self.sentinels.active:
+            return self._exchange_with_sentinels()
         post_local = bool(any_nonfinite(hook.post)) if hook.post else False  # the step's one host read
         if not post_local and ctx.options.exchange_flags is ExchangeFlags.ON_FAILURE:
             return None
@@ -146,6 +153,28 @@ class NonFiniteCheck:
         if not any(values):
             return None
         return values[: ctx.world], values[ctx.world :]
+
+    def _exchange_with_sentinels(self) -> Flags | None:
+        """The flags and the sentinels' scalars of every rank, in one all-gather and one host read.
+
+        The sentinels need every rank's scalars at every step, so the flags ride along: every rank
+        learns every rank's flags, as with ``exchange_flags="every-step"`` (a reduction that
+        delivers non-finite values to some ranks only is a contained detection too), and a clean
+        step still pays one small collective and one host read.
+        """
+        ctx, hook = self.ctx, self.ctx.hook
+        assert self.sentinels is not None
+        pre, post = self.sentinels.flags_of(hook.pre, hook.post)
+        mine = self.sentinels.row(pre, post)
+        rows = [torch.empty_like(mine) for _ in range(ctx.world)]
+        dist.all_gather(rows, mine, group=ctx.group)
+        table = torch.stack(rows).tolist()  # the step's one host read
+        self.table = table
+        pre_flags = [int(r[0] != 0) for r in table]
+        post_flags = [int(r[1] != 0) for r in table]
+        if not any(pre_flags) and not any(post_flags):
+            return None
+        return pre_flags, post_flags
 
     def scaler_nonfinite(
         self, s: int, flags: Flags, units: list[Any], micro: bool, rng: dict[str, torch.Tensor] | None

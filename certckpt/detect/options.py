@@ -17,6 +17,8 @@ from typing import Any
 
 from certckpt.errors import ConfigurationError
 
+from .sentinel import Triggers
+
 __all__ = [
     "AuditOptions",
     "Mode",
@@ -25,6 +27,7 @@ __all__ = [
     "ExchangeFlags",
     "NonfiniteRead",
     "FleetPolicy",
+    "Triggers",
     "DDP_ONLY",
     "SHARDED_ONLY",
     "unused_problem",
@@ -148,6 +151,11 @@ class AuditOptions:
         fleet_policy: with a fleet registry (``fleet=URL``), what a convicted device (or a registry
             that cannot be read or is tampered) does at the start: ``"refuse"`` (default: every rank
             raises ``DeviceConvictedError`` with the same message) or ``"warn"``.
+        triggers: the per-step sentinels and the replays they trigger between audits (a
+            ``Triggers``; default on): each rank's local gradient norms (and loss) are exchanged
+            every step, and a step where a rank's look like outliers is replayed at once, before
+            its update (``docs/detection.md``, "Triggered replays"). ``Triggers(enabled=False)``
+            turns them off.
     """
 
     audit_every: int = 10
@@ -168,6 +176,7 @@ class AuditOptions:
     state_fn: Callable[[], dict[str, Any]] | None = None
     fleet: str | None = None
     fleet_policy: FleetPolicy = FleetPolicy.REFUSE
+    triggers: Triggers = Triggers()
 
     def __post_init__(self) -> None:
         for name, kind in _CHOICES.items():
@@ -181,6 +190,9 @@ class AuditOptions:
         if self.state_fn is not None and not callable(self.state_fn):
             got = type(self.state_fn).__name__
             raise ConfigurationError(f"state_fn must be None or callable as state_fn() -> state dict, got a {got}")
+        if not isinstance(self.triggers, Triggers):
+            got = type(self.triggers).__name__
+            raise ConfigurationError(f"triggers must be a certckpt.detect.Triggers(...), got a {got}")
         if self.fleet is not None and (not isinstance(self.fleet, str) or not self.fleet.strip()):
             raise ConfigurationError(f"fleet must be None or a fleet registry's path or URL, got {self.fleet!r}")
         for name, low, optional in (
@@ -216,8 +228,9 @@ class AuditOptions:
 FIELDS = tuple(f.name for f in dataclasses.fields(AuditOptions))
 # Which options each session reads; one set to anything but its default where it is not read is
 # refused (``unused_problem``), never silently ignored.
+# ``triggers`` is DDP's only for now: the sharded session has no sentinels yet.
 DDP_ONLY = ("mode", "rtol", "exchange_flags", "hand_over_grads", "clip_grad_norm", "before_optimizer_step",
-            "grad_scaler", "replay_micro_batches")  # fmt: skip
+            "grad_scaler", "replay_micro_batches", "triggers")  # fmt: skip
 SHARDED_ONLY = ("audit_updates", "state_fn")
 
 

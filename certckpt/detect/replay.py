@@ -301,13 +301,16 @@ class RingReplay:
         *,
         payload: dict[str, Any],
         sampled: torch.Tensor | None = None,
+        trigger: dict[str, Any] | None = None,
     ) -> bool:
         """Run the ring replay of ``prev`` (the previous rank's micro-batches and RNG state); returns
         whether the update may be applied.
 
         ``payload``: what this rank shipped to its neighbour (sent again to an arbiter); ``sampled``:
         the signature of an audit's sampled micro-batches, taken in training (default: the hook's
-        signatures of the step's local gradients).
+        signatures of the step's local gradients). ``trigger``: the sentinels' reasons, when they
+        asked for this replay between audits: a pass is then a ``triggered-replay`` event (no
+        audit), a failure a ``replay`` failure like an audit's, carrying them as ``trigger``.
         """
         ctx = self.ctx
         local = sampled if sampled is not None else self._local_signatures()
@@ -327,11 +330,13 @@ class RingReplay:
             if not all(ok):
                 failed.append((origin, replayer))
                 mismatched[f"{origin}->{replayer}"] = [n for n, good in zip(ctx.param_names, ok) if not good][:10]
+        extra: dict[str, Any] = {} if trigger is None else {"trigger": trigger}
         if not failed:
             ctx.report.event(
-                "replay",
+                "replay" if trigger is None else "triggered-replay",
                 "pass",
                 step=s,
+                **extra,
                 comparisons=len(ring_pairs(ctx.world)),
                 mode=ctx.options.mode.value,
                 micro_batches=len(units),
@@ -359,6 +364,7 @@ class RingReplay:
             mismatched=mismatched,
             arbitration={f"{o}->{r}": v for (o, r), v in arbitration.items()},
             notes=list(verdict.notes),
+            **extra,
         )
         return ctx.fail_replay(ev, verdict.suspects)
 

@@ -59,6 +59,7 @@ from .options import SHARDED_ONLY, AuditOptions, Mode
 from .replay import RingReplay, restore_rng
 from .setup_checks import SetupChecks, option_problem
 from .signature import Probes
+from .trigger import SentinelCheck
 
 __all__ = [
     "AuditSession",
@@ -227,7 +228,8 @@ class AuditSession(AuditSessionCore):
         # The checks, each on the shared context; the session's methods below drive them.
         self.consensus = WeightConsensus(self.ctx)
         self.replay = RingReplay(self.ctx, consensus=self.consensus)
-        self.nonfinite = NonFiniteCheck(self.ctx, replay=self.replay)
+        self.sentinels = SentinelCheck(self.ctx, replay=self.replay)
+        self.nonfinite = NonFiniteCheck(self.ctx, replay=self.replay, sentinels=self.sentinels)
         self.setup = SetupChecks(self.ctx, consensus=self.consensus, replay=self.replay)
         self.join(expect_consensus_fp=expect_consensus_fp)
         # recorded only once the resumed weights are known to be the parent's
@@ -304,7 +306,9 @@ class AuditSession(AuditSessionCore):
                 ctx.injector.begin(s, "train")
             if self.consensus.seal_source:
                 self.consensus.check_seal()  # before the forward, where DDP broadcasts rank 0's buffers
-            state.open = {"s": s, "audit": audit, "units": [], "rngs": [], "rng": audit or sign or state.first_step}
+            # the RNG states at every step when a sentinel may have the step replayed
+            keep_rng = audit or sign or state.first_step or self.sentinels.active
+            state.open = {"s": s, "audit": audit, "units": [], "rngs": [], "rng": keep_rng}
         state.open["units"].append(unit)
         if state.open["rng"]:
             state.open["rngs"].append(ctx.rng_state())
@@ -352,14 +356,17 @@ class AuditSession(AuditSessionCore):
         rng = rngs[0] if rngs else None
         if state.path_check_pending:
             self.replay.check_path(s, units, True, rng, n_total=n, rngs=rngs)
+        decision = self.sentinels.decide(s, self.nonfinite.table, replaying=step["audit"])
+        payload = {"units": units, "micro": True, "n": n, "rng": rng, "rngs": rngs}
         if step["audit"]:
             t0 = time.perf_counter()
-            payload = {"units": units, "micro": True, "n": n, "rng": rng, "rngs": rngs}
             prev = RingShift(payload, group=ctx.group, wire_device=ctx.wire_device, out_device=ctx.device).finish()
             passed = self.replay.audit(s, units, prev, payload=payload)
             state.audit_seconds = time.perf_counter() - t0
             if not passed:
                 return False
+        elif decision is not None and decision.replay:
+            return self.sentinels.replay_now(s, units, payload, decision)
         return True
 
     def after_update(self) -> bool:

@@ -135,6 +135,8 @@ class SetupChecks:
                 opts.before_optimizer_step is not None,
                 ctx.grad_scaler is not None,
                 opts.replay_micro_batches,
+                repr(opts.triggers),
+                ctx.hook.sentinels,  # every rank exchanges the sentinels' rows, or none does
                 [(n, list(p.shape), str(p.dtype)) for n, p in zip(ctx.param_names, ctx.params)],
                 [(n, list(b.shape), str(b.dtype)) for n, b in zip(ctx.buffer_names, ctx.buffers)],
             ]

@@ -42,6 +42,9 @@ The parts (``PARTS``; timers around collectives include waiting for the other ra
 ``update_audit``
     ``ShardedReplayAudit.audit_update``: the optimizer-step replay of a mesh without replicas (copy,
     ring shift, recompute, compare);
+``sentinels``
+    the sentinels' sums of squares of each bucket's local gradient in the DDP hook, and packing the
+    row the non-finite check exchanges (``trigger.SentinelCheck``; DDP only);
 ``consensus``
     ``WeightConsensus.check`` (``ShardedAuditSession.weight_consensus``): the weight consensus, its
     all-gather included.
@@ -71,6 +74,7 @@ PARTS = (
     "replay_audit",
     "update_audit",
     "consensus",
+    "sentinels",
 )
 
 P = ParamSpec("P")

@@ -75,6 +75,9 @@ class EventKind(StrEnum):
     REPLAY = "replay"
     CONSENSUS = "consensus"
     OVERFLOW = "overflow"  # a gradient scaler's overflow, confirmed: no audit, changes no verdict
+    # a clean replay the sentinels triggered between audits: it proves its own step's computation
+    # only (not the weights it started from, nor the steps since the last audit), so no audit
+    TRIGGERED_REPLAY = "triggered-replay"
 
 
 class Outcome(StrEnum):

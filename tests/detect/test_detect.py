@@ -20,9 +20,9 @@ def ranks(fn, world, args=None, timeout=180):
 
 def test_fault_matrix_on_three_ranks(tmp_path):
     m = run_matrix(ranks=3, audit_every=10, ckpt_every=5, directory=str(tmp_path / "drill"))
-    assert len(m["cases"]) == 12
+    assert len(m["cases"]) == 15  # 4 kinds x 3 timings, and large one-time faults between audits (3 cases)
     for c in m["cases"]:
-        where = f"{c['fault']}/{c['timing']}"
+        where = f"{c['fault']}/{c['timing']}/{c.get('magnitude', 'small')}"
         assert c["fired"] >= 1, where  # the fault really happened
         assert (c["caught_by"], c["detected_step"]) == (c["expected"]["caught_by"], c["expected"]["detected_step"]), (
             where
@@ -30,7 +30,8 @@ def test_fault_matrix_on_three_ranks(tmp_path):
         if c["caught_by"] is not None:
             assert c["suspect_ranks"] == [1], where
             assert c["updates_before_detection"] == c["detected_step"] - c["injected_step"]
-    by = {(c["fault"], c["timing"]): c for c in m["cases"]}
+    by = {(c["fault"], c["timing"]): c for c in m["cases"] if "magnitude" not in c}
+    large = {c["fault"]: c for c in m["cases"] if c.get("magnitude") == "large" and not c.get("saturated")}
     # the designed outcomes, spelled out
     assert (
         by[("backward", "persistent")]["caught_by"] == "replay"
@@ -41,6 +42,14 @@ def test_fault_matrix_on_three_ranks(tmp_path):
     assert by[("non-finite", "one-time-between-audits")]["caught_by"] == "nonfinite-pre"
     assert by[("forward", "one-time-between-audits")]["caught_by"] is None  # the documented escape
     assert by[("backward", "one-time-between-audits")]["caught_by"] is None
+    # large ones between audits: the sentinels flag the step, the replay runs there and names rank 1
+    for kind in ("forward", "backward"):
+        c = large[kind]
+        assert (c["caught_by"], c["triggered"], c["detected_step"]) == ("replay", True, c["injected_step"]), kind
+        assert c["updates_before_detection"] == 0 and c["suspect_ranks"] == [1], kind
+    # the same large forward fault before the Tanh, which saturates: too small a change for the sentinels
+    (saturated,) = [c for c in m["cases"] if c.get("saturated")]
+    assert saturated["caught_by"] is None
     # run stores are kept for the other commands: checkpoints verify, events are there
     store = by[("backward", "persistent")]["store"]
     path = store[len("file://") :]
