@@ -136,9 +136,18 @@ def main() -> None:
     Exit codes: 0 verified; 1 verification failed (corrupt, truncated, tampered);
     2 could not verify (usage, not found, not a certckpt checkpoint, store unreachable).
     """
+    import logging
     import os
 
     from certckpt.log import ENV, enable
+
+    # s3fs's event loop reports the requests a dead or dropped connection abandoned ("Task exception
+    # was never retrieved", with aiohttp's traceback) through the asyncio logger, which Python prints
+    # to stderr when nothing is configured: the command's error is one line, and those tasks' errors
+    # are already in it (the request they belonged to failed and was retried or reported).
+    quiet = logging.getLogger("asyncio")
+    quiet.addHandler(logging.NullHandler())
+    quiet.propagate = False
 
     # Audits and resumes say one line each on stderr, here and in the training ranks a command starts.
     os.environ.setdefault(ENV, "info")

@@ -380,6 +380,13 @@ class Storage(ABC):
         """The entries directly under ``prefix``, directories included, hidden names included."""
         return self.walk(prefix, depth=1, hidden=True, detail=False)
 
+    def names_after(self, prefix: str, *, after: str = "", limit: int = 1000) -> list[str]:
+        """Up to ``limit`` names of the files under ``prefix`` that sort after ``after``, in order:
+        a growing directory read a page at a time, at a cost that does not grow with it where the
+        store can list from a key (S3: one request; here, a walk sliced)."""
+        names = sorted(e.name for e in self.walk(prefix, detail=False) if e.kind == "file" and e.name > after)
+        return names[:limit]
+
     @abstractmethod
     def get(self, name: str, *, limit: int | None = None) -> bytes | None:
         """The whole object (None when missing). Refuses a link or special file; refuses an object

@@ -114,7 +114,7 @@ class FsspecStorage(Storage):
         self, prefix: str = "", *, depth: int = 8, hidden: bool = False, skip: Container[str] = (), detail: bool = True
     ) -> list[Entry]:
         try:
-            found: dict[str, Info] = self.fs.find(self._path(prefix), maxdepth=depth, detail=True)
+            found = self._find(self._path(prefix), depth=depth)
         except FileNotFoundError:
             return []
         except Exception as e:
@@ -129,6 +129,10 @@ class FsspecStorage(Storage):
                 continue
             out.append(self._entry(name, info))
         return out
+
+    def _find(self, path: str, *, depth: int) -> dict[str, Info]:
+        """Every file under ``path``, ``depth`` levels at most, with what fsspec says of it."""
+        return cast(dict[str, Info], self.fs.find(path, maxdepth=depth, detail=True))
 
     def listdir(self, prefix: str = "") -> list[Entry]:
         try:

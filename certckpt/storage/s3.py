@@ -12,7 +12,7 @@ from typing import cast
 
 from fsspec import AbstractFileSystem
 
-from certckpt.errors import CheckpointNotFoundError, StorageError
+from certckpt.errors import CheckpointNotFoundError, ConfigurationError, StorageError
 
 from .base import Lock, LockRequest, Protection, Versions, remote_error_text
 from .fsspec_store import FsspecStorage, Info
@@ -70,6 +70,32 @@ class S3Storage(FsspecStorage):
         else:
             # A versioned, locked bucket keeps the replaced version; the new one gets its own lock.
             self.fs.put_file(src, path, **retention, **extra)
+
+    def _find(self, path: str, *, depth: int) -> dict[str, Info]:
+        # s3fs's find with a maxdepth lists every "directory" on its own (a ledger's chains: one LIST
+        # per writer, 1,025 requests at 1,024 writers); without one it lists the prefix flat, one
+        # request per 1,000 keys, and the depth is applied here.
+        found = cast(dict[str, Info], self.fs.find(path, detail=True))
+        base = path.rstrip("/") + "/"
+        return {
+            p: i for p, i in found.items() if p == path or (p.startswith(base) and p[len(base) :].count("/") < depth)
+        }
+
+    def names_after(self, prefix: str, *, after: str = "", limit: int = 1000) -> list[str]:
+        """One ListObjectsV2 request (``StartAfter``), however many objects the prefix holds."""
+        if not 1 <= limit <= 1000:
+            raise ConfigurationError(f"names_after: limit {limit} is not 1-1000 (one S3 page)")
+        key = self._key(prefix).rstrip("/") + "/"
+        start = {"StartAfter": self._key(after)} if after else {}
+        try:
+            page = self._s3("list_objects_v2", Prefix=key, MaxKeys=limit, **start)
+        except FileNotFoundError:
+            return []
+        except Exception as e:
+            raise self._failed(e, prefix, "list") from e
+        root = self._key("").rstrip("/")
+        names = [str(o["Key"])[len(root) + 1 :] if root else str(o["Key"]) for o in page.get("Contents", [])]
+        return [n for n in names if not any(part.startswith(".") for part in n.split("/"))]
 
     def open(self, *, create: bool = False, what: str = "store") -> Protection:
         return self.protection()  # a bucket is never created here: it needs Object Lock from its start

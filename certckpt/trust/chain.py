@@ -12,8 +12,9 @@ signature. So a chained store (``docs/signing.md``, "Chained ledgers") adds:
   [[kind, name, sha256], ...], "seen": {writer: seq}, "at"}``. ``prev`` is the SHA-256 of the
   writer's previous entry file (of the genesis for the first), so the entries of one writer form a
   chain; ``records`` seals each record file by its SHA-256 (one signature per block, however many
-  lines it holds); ``seen`` seals the heads of every other writer visible when it was written, so a
-  truncated or deleted chain is noticed by the next entry of anyone else; ``scope`` says what a
+  lines it holds); ``seen`` seals the heads of the other writers this writer has listed (a page of the
+  chains directory per commit, going round: ``Ledger._heads``), so a truncated or deleted chain is
+  noticed by the next entries of anyone else; ``scope`` says what a
   writer may write (``branch:<name>`` for a branch's events, commits and forks, ``store`` for
   revocations, incidents, retirements and vault records, ``cache`` for certificates).
 

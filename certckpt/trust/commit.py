@@ -270,6 +270,20 @@ def commit_saved(
             f"{result.location}: a commit needs the checkpoint's branch and step, got branch={branch!r},"
             f" step={step!r}; pass them in the RecordFields"
         )
+    with ledger.one_listing():  # one page of the chains directory for the whole commit
+        return _commit(ledger, result, fields, flush=flush, branch_started=branch_started)
+
+
+def _commit(
+    ledger: Ledger,
+    result: SaveResult,
+    fields: RecordFields,
+    *,
+    flush: Callable[[], object] | None,
+    branch_started: bool,
+) -> str:
+    branch, step = fields.branch, fields.step
+    assert branch is not None and step is not None  # commit_saved refused them
     if flush is not None:
         flush()
     if fields.parent is not None and not branch_started:

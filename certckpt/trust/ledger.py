@@ -22,6 +22,7 @@ candidates for latest-good there. Every object is written once (create-only: a h
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -29,7 +30,7 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
@@ -61,6 +62,7 @@ from .chain import (
     entry_doc,
     entry_name,
     genesis_problem,
+    is_writer_id,
     new_genesis,
     parse_entry_name,
     scope_of,
@@ -75,6 +77,7 @@ __all__ = ["Ledger", "LedgerSink", "LedgerSnapshot", "ckpt_id_for", "is_ckpt_id"
 # by the file layer, which must respect them too (a plain save never replaces a vault copy).
 _KINDS = KINDS
 FROM_ENV = "from-env"  # the default of Ledger's key options: read the environment
+HEADS_PAGE = 1000  # chain entry names a seal lists (one S3 LIST page) to learn the other writers' heads
 _RECORD_FILE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._@-]{0,250}$")  # no separator, no leading dot
 
 
@@ -170,6 +173,10 @@ class Ledger:
         self._store_id: str | None = None
         self._genesis_sha = ""
         self._chains: dict[str, _Chain] = {}  # scope -> this process's chain for it
+        self._seen: dict[str, int] = {}  # writer -> the last of its entries this writer listed
+        self._seen_after = ""  # where the next page of the chains directory starts (``_heads``)
+        self._rounds = 0  # open ``one_listing`` blocks
+        self._round_read = False  # whether a seal inside them has read its page
         self._lock = threading.RLock()
 
     def _dumps(self, doc: Mapping[str, object]) -> bytes:
@@ -249,12 +256,41 @@ class Ledger:
         return self._read_optional(GENESIS)
 
     def _heads(self) -> dict[str, int]:
-        """Every writer's last entry number visible now (names only: one listing)."""
-        heads: dict[str, int] = {}
-        for writer, names in self.chain_listing(detail=False).items():
-            if writer.startswith("w"):
-                heads[writer] = max(parse_entry_name(n) or 0 for n in names)
-        return heads
+        """Every other writer's last entry number this writer has seen, after reading one more page
+        of the chains directory (at most ``HEADS_PAGE`` names: one request on S3).
+
+        Listing the whole directory at every seal made each commit cost more as the run grew (a
+        request per 1,000 entries, and s3fs's walk one per writer). A page a seal, going round,
+        costs the same at any size and still says only what was there: a head is the last entry
+        this writer listed of that chain, never more, so it can never claim a tail that was not
+        written (no false break), and every writer's head is seen again within one round of the
+        directory (every entry, below 1,000 entries in all, as before)."""
+        if self._rounds and self._round_read:
+            return dict(self._seen)
+        self._round_read = bool(self._rounds)
+        page = self._storage().names_after(CHAINS_DIR, after=self._seen_after, limit=HEADS_PAGE)
+        for path in page:
+            parts = path.split("/")
+            seq = parse_entry_name(parts[-1]) if len(parts) == 3 else None
+            if seq is not None and is_writer_id(parts[1]):
+                self._seen[parts[1]] = max(self._seen.get(parts[1], 0), seq)
+        # a short page reached the end: the next seal starts the round again from the first chain
+        self._seen_after = page[-1] if len(page) == HEADS_PAGE else ""
+        return dict(self._seen)
+
+    @contextlib.contextmanager
+    def one_listing(self) -> Iterator[None]:
+        """Seals written inside share one page of the chains directory: a commit (its events, its
+        branch, its record: ``commit_saved``) lists once, however many entries it writes. The lock is
+        not held across the block (a sink flushing from another thread would wait on it)."""
+        with self._lock:
+            self._rounds += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._rounds -= 1
+                self._round_read = self._round_read and self._rounds > 0
 
     def _seal(self, scope: str, records: list[tuple[str, str, bytes]]) -> None:
         """Append one entry to this writer's chain for ``scope``, sealing these record files (written

@@ -38,6 +38,7 @@ HEADERS: dict[str, tuple[str, ...]] = {
     "bench_async.py": ("async save blocking / clone() of every tensor", "training loop"),
     "bench_vault.py": ("certckpt vault copies:", "ratio S3 restore"),
     "bench_certify.py": ("signed ledger:", "ledger scale:"),
+    "bench_store_scale.py": ("requests per checkpoint commit, per writer", "latest-good (in process", "what it costs:"),
     "bench_startup.py": ("start-up, whole process", "certckpt verify"),
     "bench_gpu.py": ("bench_gpu on",),
     "gpu_session.sh": ("bench_gpu on",),
