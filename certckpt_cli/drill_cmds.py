@@ -51,11 +51,12 @@ def drill_faults(
 
     Exit 0 when every case behaved as designed (escapes included), 1 otherwise.
     """
-    from certckpt.detect.drill import run_matrix
+    from certckpt.detect.drill import matrix_cases, run_matrix
 
     if not as_json:
+        n = len(matrix_cases(audit_every=audit_every, ckpt_every=ckpt_every))
         click.echo(
-            f"running 12 fault cases on {ranks} gloo ranks ({device}) "
+            f"running {n} fault cases on {ranks} gloo ranks ({device}) "
             f"(audit every {audit_every}, checkpoint every {ckpt_every})...",
             err=True,
         )
@@ -75,7 +76,7 @@ def drill_faults(
             rows.append(
                 (
                     c["fault"],
-                    c["timing"] + (f" ({c['magnitude']})" if c.get("magnitude") else ""),
+                    c["timing"] + _magnitude(c),
                     str(c["rank"]),
                     str(c["injected_step"]),
                     (c["caught_by"] + (" (triggered)" if c.get("triggered") else "")) if c["caught_by"] else "ESCAPED",
@@ -89,9 +90,9 @@ def drill_faults(
         escapes = [c for c in matrix["cases"] if c["caught_by"] is None]
         if escapes:
             click.echo(
-                f"{len(escapes)} escape(s): a small one-time finite fault between audits is averaged into every"
-                " replica; no later check can see it (a large one is flagged by the sentinels and replayed at its"
-                " step)."
+                f"{len(escapes)} escape(s): a one-time finite fault between audits that the sentinels do not flag"
+                " (a small one, or one a saturating layer hides) is averaged into every replica; no later check can"
+                " see it."
             )
         notes = {n for c in matrix["cases"] for n in c["notes"]}
         for n in sorted(notes):
@@ -99,6 +100,15 @@ def drill_faults(
         if directory:
             click.echo(f"run stores (checkpoints and their ledgers) kept under {directory}/<fault>-<timing>/")
     sys.exit(EXIT_OK if as_designed else EXIT_FAILED)
+
+
+def _magnitude(case: dict) -> str:
+    """The label of a large case: where it lands when that decides whether the sentinels see it."""
+    if not case.get("magnitude"):
+        return ""
+    if case.get("saturated"):
+        return f" ({case['magnitude']}, into a tanh)"
+    return f" ({case['magnitude']}, output layer)" if case.get("target") else f" ({case['magnitude']})"
 
 
 @drill.command("restore")
