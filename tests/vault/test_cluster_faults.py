@@ -59,6 +59,10 @@ def s3(cluster, monkeypatch):
         "AWS_ACCESS_KEY_ID": ACCESS_KEY,
         "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
         "AWS_DEFAULT_REGION": "us-east-1",
+        # botocore's own retries (behind s3fs's five) as the standard mode's 2 attempts: the same paths
+        # (retried, then given up) in seconds rather than the legacy mode's minute of backoff per command
+        "AWS_RETRY_MODE": "standard",
+        "AWS_MAX_ATTEMPTS": "2",
     }
     for k, v in env.items():
         monkeypatch.setenv(k, v)
