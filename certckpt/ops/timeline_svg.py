@@ -26,6 +26,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from certckpt.trust.records import EventKind
+
 from .drawing import FONT, SVG_NS, Node, el, num, svg_markup
 from .timeline import (
     DRILL,
@@ -44,6 +46,8 @@ from .timeline import (
     interval_label,
     ranks_text,
 )
+
+TRIGGERED_REPLAY = EventKind.TRIGGERED_REPLAY.value  # a replay the sentinels asked for between audits
 
 __all__ = ["svg", "picture"]
 
@@ -391,12 +395,15 @@ def _audit_marks(lane: Lane, x: _Scale, placer: _Placer) -> list[Node]:
     by_step: dict[int, list[str]] = {}
     failed: set[int] = set()
     replayed: set[int] = set()
+    triggered: set[int] = set()
     for a in lane.audits:
         by_step.setdefault(a.step, []).append(f"{a.kind} {a.outcome}")
         if a.outcome == "fail":
             failed.add(a.step)
         elif a.kind == "replay":
             replayed.add(a.step)
+        elif a.kind == TRIGGERED_REPLAY:
+            triggered.add(a.step)
     out = []
     for step, what in sorted(by_step.items()):
         tip = f"step {step}: " + ", ".join(what)
@@ -405,6 +412,11 @@ def _audit_marks(lane: Lane, x: _Scale, placer: _Placer) -> list[Node]:
         elif step in replayed:
             tick = _line(x(step), _AUDIT_Y - 6, x(step), _AUDIT_Y + 6, color=GREY, width=1.6)
             out.append(_group("audit pass", [tick], title=tip))
+        elif step in triggered:
+            # the sentinels had this step recomputed and it was right: dashed, since it vouches for
+            # its own step only, not for the steps before it as an audit does
+            tick = _line(x(step), _AUDIT_Y - 6, x(step), _AUDIT_Y + 6, color=GREY, width=1.6, dash="2 2")
+            out.append(_group("triggered replay pass", [tick], title=tip))
         else:
             dot = el("circle", {"cx": round(x(step), 2), "cy": _AUDIT_Y, "r": 2.2, "fill": GREY})
             out.append(_group("check pass", [dot], title=tip))
@@ -793,6 +805,11 @@ def _legend_entries(tl: Timeline) -> list[tuple[Node, str]]:
             "audit passed (replay + consensus)",
         ),
         (
+            any(a.kind == TRIGGERED_REPLAY and a.outcome == "pass" for a in audits),
+            _line(0, -6, 0, 6, color=GREY, width=1.6, dash="2 2"),
+            "triggered replay passed (its step recomputed)",
+        ),
+        (
             _consensus_only(tl),
             el("circle", {"cx": 0, "cy": 0, "r": 2.2, "fill": GREY}),
             "consensus only passed (no replay)",
@@ -834,7 +851,8 @@ def _consensus_only(tl: Timeline) -> bool:
         steps: dict[int, set[str]] = {}
         for a in lane.audits:
             steps.setdefault(a.step, set()).add(f"{a.kind} {a.outcome}")
-        if any("replay pass" not in v and not any(k.endswith("fail") for k in v) for v in steps.values()):
+        recomputed = ("replay pass", f"{TRIGGERED_REPLAY} pass")
+        if any(not any(r in v for r in recomputed) and not any(k.endswith("fail") for k in v) for v in steps.values()):
             return True
     return False
 
