@@ -211,6 +211,7 @@ def coverage_lines(st: StoreStatus, cov: dict) -> list[str]:
         x = cov[c.ckpt_id]
         w = x.window
         sampled = f" ({len(w.sampled_steps)} sampled)" if w.sampled_steps else ""
+        sampled += f" (+{len(w.triggered_steps)} triggered)" if w.triggered_steps else ""
         persistent = "unbounded" if x.persistent_within is None else f"<= {x.persistent_within} steps"
         if x.persistent_within is not None:
             persistent += ", rank named" if x.rank_named else ", rank unnamed"

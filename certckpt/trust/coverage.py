@@ -44,6 +44,7 @@ _OUTCOMES = frozenset(o.value for o in Outcome)
 _NONFINITE: str = EventKind.NONFINITE.value
 _REPLAY: str = EventKind.REPLAY.value
 _CONSENSUS: str = EventKind.CONSENSUS.value
+_TRIGGERED: str = EventKind.TRIGGERED_REPLAY.value
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -117,6 +118,19 @@ def _read(e: object) -> _Check | None:
             steps_checked=0,
             covered={},
         )
+    if kind == _TRIGGERED:
+        # a clean replay the sentinels asked for between audits: reported on its own (it vouches for
+        # its own step only, so it is kept out of the replays that bound a window)
+        return _Check(
+            branch=branch,
+            step=step,
+            kind=kind,
+            phase="triggered",
+            ranks=len(ranks),
+            fraction=Fraction(1),
+            steps_checked=0,
+            covered={},
+        )
     if kind == _CONSENSUS:
         covered = {k: v for k in _COVERED_KEYS if (v := _int(details.get(k))) is not None}
         return _Check(
@@ -136,12 +150,14 @@ def _read(e: object) -> _Check | None:
 class _BranchChecks:
     replays: dict[int, _Check] = field(default_factory=dict)  # gradient replays by step (the widest)
     update_replays: set[int] = field(default_factory=set)
+    triggered: set[int] = field(default_factory=set)  # steps of clean triggered replays
     consensus: dict[int, _Check] = field(default_factory=dict)
     nonfinite: list[_Check] = field(default_factory=list)  # summaries and per-step failures, by step
     replay_steps: list[int] = field(default_factory=list)  # sorted, for the persistent bound
     # Sorted once per branch, so that a window is a slice (bisect), never a scan of every event:
     # a store of thousands of checkpoints and audits stays linear-logarithmic.
     update_steps: list[int] = field(default_factory=list)
+    triggered_steps: list[int] = field(default_factory=list)
     consensus_steps: list[int] = field(default_factory=list)
     nonfinite_spans: list[tuple[int, int]] = field(default_factory=list)  # disjoint (lo, hi], sorted
     nonfinite_before: list[int] = field(default_factory=list)  # steps covered by the spans before each
@@ -162,11 +178,14 @@ def _index(events: Iterable[object]) -> dict[str, _BranchChecks]:
                 b.replays[c.step] = c
         elif c.kind == _CONSENSUS:
             b.consensus.setdefault(c.step, c)
+        elif c.kind == _TRIGGERED:
+            b.triggered.add(c.step)
         else:
             b.nonfinite.append(c)
     for b in out.values():
         b.replay_steps = sorted(b.replays)
         b.update_steps = sorted(b.update_replays)
+        b.triggered_steps = sorted(b.triggered)
         b.consensus_steps = sorted(b.consensus)
         b.nonfinite.sort(key=lambda c: c.step)
         b.nonfinite_spans = _nonfinite_spans(b.nonfinite)
@@ -223,6 +242,9 @@ class WindowCoverage:
             ``buffers``; sharded: ``tensor_count``, ``regions``, ``replicas``, ``min_replicas``).
         nonfinite_steps: steps a non-finite check covered.
         replayed: the sum over the window's steps of the fraction of micro-batches replayed.
+        triggered_steps: steps the sentinels had replayed between audits, found right. Each vouches
+            for its own step only (``docs/detection.md``, "Triggered replays"), so they count in
+            none of the figures above, nor in the bound.
     """
 
     branch: str
@@ -235,6 +257,7 @@ class WindowCoverage:
     consensus_covered: dict[str, int]
     nonfinite_steps: int
     replayed: Fraction
+    triggered_steps: list[int] = field(default_factory=list)
 
     @property
     def steps(self) -> int:
@@ -288,6 +311,7 @@ class Coverage:
                 "ranks": {str(s): n for s, n in sorted(w.replay_steps.items())},
                 "sampled": {str(s): f for s, f in sorted(w.sampled_steps.items())},
                 "update_steps": w.update_replay_steps,
+                "triggered_steps": w.triggered_steps,
             },
             "consensus": {"steps": w.consensus_steps, "covered": w.consensus_covered},
             "nonfinite_steps": w.nonfinite_steps,
@@ -313,6 +337,8 @@ class Coverage:
             head = f"no replay over steps {w.start + 1}-{w.end}"
         else:
             head = f"replayed {self.one_time_replayed} of steps {w.start + 1}-{w.end} ({len(w.replay_steps)} step(s))"
+        if w.triggered_steps:
+            head += f"; {len(w.triggered_steps)} triggered replay(s) clean"
         bound = (
             "a persistent fault: no bound"
             if self.persistent_within is None
@@ -376,6 +402,7 @@ def _window(b: _BranchChecks | None, branch: str, start: int, end: int) -> Windo
         consensus_covered=covered,
         nonfinite_steps=_nonfinite_steps(b, start, end),
         replayed=sum((b.replays[st].fraction for st in replayed), Fraction(0)),
+        triggered_steps=_between(b.triggered_steps, start, end),
     )
 
 

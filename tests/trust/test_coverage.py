@@ -67,6 +67,25 @@ def test_two_ranks_bound_the_fault_but_name_nobody():
     assert "rank not named" in cov["main@10"].summary()
 
 
+def test_a_clean_triggered_replay_is_reported_and_vouches_for_nothing_else():
+    # issue 46: the sentinels had step 13 replayed between the audits at 10 and 20, and it was right
+    trig = ev(13, "triggered-replay", comparisons=3, mode="deterministic", micro_batches=1, replayed_micro_batches=1)
+    with_trigger = coverage(ckpts(10, 15, 20), [*audit(10), trig, *audit(20)], branch_parents={})
+    without = coverage(ckpts(10, 15, 20), [*audit(10), *audit(20)], branch_parents={})
+    c15 = with_trigger["main@15"]
+    assert c15.window.triggered_steps == [13] and with_trigger["main@20"].window.triggered_steps == []
+    assert c15.to_json()["replay"]["triggered_steps"] == [13] and "1 triggered replay(s) clean" in c15.summary()
+    # it is no audit: the replayed steps, the one-time figure and the persistent bound are unchanged
+    for cid in ("main@10", "main@15", "main@20"):
+        a, b = with_trigger[cid], without[cid]
+        assert (a.window.replay_steps, a.one_time_replayed, a.persistent_within, a.lineage_replayed) == (
+            b.window.replay_steps,
+            b.one_time_replayed,
+            b.persistent_within,
+            b.lineage_replayed,
+        )
+
+
 def test_sampled_micro_batches_count_their_share():
     events = [*audit(10, micro_batches=8, replayed_micro_batches=2), *audit(20, micro_batches=8)]
     cov = coverage(ckpts(10, 20), events, branch_parents={})
