@@ -381,10 +381,13 @@ class Storage(ABC):
         return self.walk(prefix, depth=1, hidden=True, detail=False)
 
     def names_after(self, prefix: str, *, after: str = "", limit: int = 1000) -> list[str]:
-        """Up to ``limit`` names of the files under ``prefix`` that sort after ``after``, in order:
-        a growing directory read a page at a time, at a cost that does not grow with it where the
-        store can list from a key (S3: one request; here, a walk sliced)."""
-        names = sorted(e.name for e in self.walk(prefix, detail=False) if e.kind == "file" and e.name > after)
+        """Up to ``limit`` names of the files under ``prefix`` that sort after ``after``, in order,
+        hidden names included: a growing directory read a page at a time, at a cost that does not
+        grow with it where the store can list from a key (S3: one request; here, a walk sliced).
+        A page shorter than ``limit`` is the end of the listing; the caller picks the names it reads
+        (filtering before the slice would let planted names end a page early)."""
+        found = self.walk(prefix, detail=False, hidden=True)
+        names = sorted(e.name for e in found if e.kind == "file" and e.name > after)
         return names[:limit]
 
     @abstractmethod

@@ -82,7 +82,8 @@ class S3Storage(FsspecStorage):
         }
 
     def names_after(self, prefix: str, *, after: str = "", limit: int = 1000) -> list[str]:
-        """One ListObjectsV2 request (``StartAfter``), however many objects the prefix holds."""
+        """One ListObjectsV2 request (``StartAfter``), however many objects the prefix holds; hidden
+        names are kept, so that a short page always means the end (see ``Storage.names_after``)."""
         if not 1 <= limit <= 1000:
             raise ConfigurationError(f"names_after: limit {limit} is not 1-1000 (one S3 page)")
         key = self._key(prefix).rstrip("/") + "/"
@@ -94,8 +95,7 @@ class S3Storage(FsspecStorage):
         except Exception as e:
             raise self._failed(e, prefix, "list") from e
         root = self._key("").rstrip("/")
-        names = [str(o["Key"])[len(root) + 1 :] if root else str(o["Key"]) for o in page.get("Contents", [])]
-        return [n for n in names if not any(part.startswith(".") for part in n.split("/"))]
+        return [str(o["Key"])[len(root) + 1 :] if root else str(o["Key"]) for o in page.get("Contents", [])]
 
     def open(self, *, create: bool = False, what: str = "store") -> Protection:
         return self.protection()  # a bucket is never created here: it needs Object Lock from its start

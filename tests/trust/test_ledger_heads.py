@@ -88,3 +88,33 @@ def test_a_commit_lists_once_whatever_the_run_wrote_before(s3_bucket, tmp_path):
     assert all(c.get("ListObjectsV2", 0) == 1 for c in per_commit), per_commit
     assert per_commit[-1] == per_commit[1], per_commit  # the tenth costs what the second did
     assert certify_store(store, write_certificates=False).snapshot.breaks == []
+
+
+@pytest.mark.parametrize("s3_server", ["moto"], indirect=True)
+def test_hidden_names_planted_in_the_chains_never_end_a_round_early(s3_bucket, monkeypatch):
+    """A page is one LIST of at most HEADS_PAGE keys; a short page ends the round. Hidden keys that
+    sort first (anyone with write access can plant them) must count toward the page, or the round
+    would end on them every time and no seal would ever witness the writers listed after them."""
+    import s3fs
+
+    monkeypatch.setattr(ledger_module, "HEADS_PAGE", 2)
+    store = f"{s3_bucket}/run"
+    writers = [Ledger(store) for _ in range(2)]
+    for n, led in enumerate(writers):
+        led.append_events([event_dict(f"b{n}", 10, "nonfinite")])
+    fs = s3fs.S3FileSystem()
+    for name in (".a", ".b", ".c"):
+        fs.pipe(f"{store}/_ledger/chains/{name}", b"planted")
+    fs.invalidate_cache()
+    witness = Ledger(store)
+    for i in range(8):
+        witness.append_events([event_dict("w", 10 * (i + 1), "nonfinite")])
+    assert certify_store(store, write_certificates=False).snapshot.breaks == []
+    chains: dict[str, list[dict]] = {}
+    for path in sorted(fs.find(f"{store}/_ledger/chains")):
+        writer, name = path.split("/")[-2:]
+        if writer != "chains" and not name.startswith("."):
+            chains.setdefault(writer, []).append(json.loads(fs.cat(path)))
+    mine = next(w for w, es in chains.items() if es[0]["scope"] == "branch:w")
+    # the witness's last seal saw both other writers' heads, the planted names notwithstanding
+    assert chains[mine][-1]["seen"] == {w: len(es) for w, es in chains.items() if w != mine}
