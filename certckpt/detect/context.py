@@ -98,6 +98,12 @@ class SessionState:
     awaiting_trust: list[int] = field(default_factory=list)
     """Steps of the checkpoints taken since the last clean audit (rank 0's log line when one passes;
     a failed check empties it: those checkpoints are not made trusted by the next audit)."""
+    sentinel: SentinelState = field(default_factory=SentinelState)
+    """The sentinels' histories and rate limit (``sentinel.decide``; the same on every rank)."""
+    triggered_replays: int = 0
+    """Steps the sentinels had replayed so far."""
+    triggers_suppressed: int = 0
+    """Steps the sentinels flagged but the rate limit did not replay."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -112,12 +118,6 @@ class DDPState(SessionState):
     """The last fingerprint consensus that agreed: ``(step, {tensor: fp}, state fp)``."""
     first_step: bool = True
     """The first step's set-up checks are still due."""
-    sentinel: SentinelState = field(default_factory=SentinelState)
-    """The sentinels' histories and rate limit (``sentinel.decide``; the same on every rank)."""
-    triggered_replays: int = 0
-    """Steps the sentinels had replayed so far."""
-    triggers_suppressed: int = 0
-    """Steps the sentinels flagged but the rate limit did not replay."""
 
     def agreed_at(self, step: int) -> tuple[dict[str, str], str] | None:
         """``({tensor: fp}, state fp)`` when the replicas agreed on their fingerprints at ``step``."""

@@ -154,8 +154,9 @@ class AuditOptions:
         triggers: the per-step sentinels and the replays they trigger between audits (a
             ``Triggers``; default on): each rank's local gradient norms (and loss) are exchanged
             every step, and a step where a rank's look like outliers is replayed at once, before
-            its update (``docs/detection.md``, "Triggered replays"). ``Triggers(enabled=False)``
-            turns them off.
+            its update (``docs/detection.md``, "Triggered replays"). DDP: per bucket, before the
+            all-reduce; ``ShardedAuditSession`` with ``loss_fn``: per ``fully_shard``-ed layer, at
+            its reduce-scatter. ``Triggers(enabled=False)`` turns them off.
     """
 
     audit_every: int = 10
@@ -228,9 +229,8 @@ class AuditOptions:
 FIELDS = tuple(f.name for f in dataclasses.fields(AuditOptions))
 # Which options each session reads; one set to anything but its default where it is not read is
 # refused (``unused_problem``), never silently ignored.
-# ``triggers`` is DDP's only for now: the sharded session has no sentinels yet.
 DDP_ONLY = ("mode", "rtol", "exchange_flags", "hand_over_grads", "clip_grad_norm", "before_optimizer_step",
-            "grad_scaler", "replay_micro_batches", "triggers")  # fmt: skip
+            "grad_scaler", "replay_micro_batches")  # fmt: skip
 SHARDED_ONLY = ("audit_updates", "state_fn")
 
 

@@ -45,6 +45,7 @@ __all__ = [
     "Decision",
     "decide",
     "to_log",
+    "scalars_of",
     "MAD_SCALE",
 ]
 
@@ -67,7 +68,7 @@ class Triggers:
         mad_threshold: the peer test's threshold, in robust standard deviations from the median.
         ewma_alpha: the weight of the newest value in the history's moving mean and variance.
         band: the history test's threshold, in the history's standard deviations.
-        floor: the smallest spread either test assumes, in natural-log units (0.25: 28 %): without
+        floor: the smallest spread either test assumes, in natural-log units (0.125: 13 %): without
             it, ranks or steps that happen to agree closely would make a small change an outlier.
         warmup_steps: values a rank's history must have seen before its test counts.
         min_interval: at most one triggered replay every this many steps (the rate limit: a
@@ -175,6 +176,22 @@ def to_log(value: float) -> float:
     if not math.isfinite(value):
         return math.inf if not math.isnan(value) else math.nan
     return math.log(max(abs(value), _TINY))
+
+
+def scalars_of(table: Sequence[Sequence[float]], names: Sequence[str], *, skip: int) -> list[list[float]]:
+    """The scalars ``decide`` reads from an exchanged table (pure).
+
+    Each row starts with ``skip`` values that are not scalars (the non-finite flags); then one value
+    per name. A norm (a name ending in ``_norm``) travels as its square, a sum of squares: its square
+    root is taken here (a NaN or negative value stays as it is, an outlier); others (the loss) as
+    they are.
+    """
+    squares = [name.endswith("_norm") for name in names]
+    out = []
+    for row in table:
+        values = row[skip : skip + len(names)]
+        out.append([math.sqrt(v) if sq and v >= 0 else v for sq, v in zip(squares, values)])
+    return out
 
 
 def _median(values: Sequence[float]) -> float:

@@ -59,6 +59,7 @@ from .core import AuditSessionCore
 from .events import EventSink
 from .evidence import CheckpointEvidence
 from .exchange import refuse_unshippable
+from .inject import Fault, Injector
 from .options import DDP_ONLY, AuditOptions
 from .setup_checks import nonfinite_read_problem
 from .sharded_audit import ShardedReplayAudit
@@ -70,7 +71,12 @@ from .sharded_replay import (
     shard_group_size,
     update_inputs,
 )
+from .sharded_trigger import ShardedSentinels
 from .timing import timed
+
+# The drill's fault kinds this session can plant: in a module's forward, or in a layer's local
+# gradient at its reduce-scatter (the others act on DDP's buckets or on replicated weights).
+SHARDED_FAULTS = ("forward", "backward", "non-finite")
 
 __all__ = ["ShardedAuditSession", "ShardConsensus", "local_regions"]
 
@@ -80,6 +86,16 @@ def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
     return state
+
+
+def _faults_problem(faults: list[Any], *, replays: bool) -> str | None:
+    """Why a drill's faults cannot be planted in this session (None: they can)."""
+    if not replays:
+        return "injector_faults needs loss_fn: faults are planted at the replay's reduce-scatter"
+    odd = sorted({f.kind for f in faults if not isinstance(f, Fault) or f.kind not in SHARDED_FAULTS})
+    if odd or not all(isinstance(f, Fault) for f in faults):
+        return f"ShardedAuditSession plants only {', '.join(SHARDED_FAULTS)} faults, got {odd}"
+    return None
 
 
 def _replay_problem(model: torch.nn.Module, loss_fn: Any, audit_every: Any) -> str | None:
@@ -178,9 +194,11 @@ class ShardedAuditSession(AuditSessionCore):
         options: AuditOptions | None = None,
         expect_consensus_fp: str | None = None,
         resume_state: dict[str, Any] | None = None,
+        injector_faults: list[Fault] | None = None,
         **shorthand: Any,
     ) -> None:
         self.loss_fn = loss_fn
+        self._faults = list(injector_faults or [])
         self.params: list[tuple[str, torch.Tensor]] = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.audit_updates = False
         self._recorder: GradientRecorder | None = None
@@ -213,8 +231,9 @@ class ShardedAuditSession(AuditSessionCore):
             recorder=self._recorder,
         )
         # The checks, each on the shared context; the session's methods below drive them.
-        self.nonfinite = ShardedNonFiniteCheck(self.ctx)
         self.replay = ShardedReplayAudit(self.ctx, consensus=self.weight_consensus)
+        self.sentinels = ShardedSentinels(self.ctx, replay=self.replay)
+        self.nonfinite = ShardedNonFiniteCheck(self.ctx, sentinels=self.sentinels)
         self.join(expect_consensus_fp=expect_consensus_fp)
 
     def _setup_problem(self, opts: AuditOptions) -> str | None:
@@ -234,11 +253,20 @@ class ShardedAuditSession(AuditSessionCore):
         if audit_updates is None:  # no replicas: nothing else checks the optimizer step
             audit_updates = loss_fn is not None and problem is None and shard_group_size(model) == self.world
         self.audit_updates = bool(audit_updates) and loss_fn is not None
+        if problem is None and self._faults:
+            problem = _faults_problem(self._faults, replays=loss_fn is not None)
         if problem is None and loss_fn is not None:
             try:
                 self._recorder = GradientRecorder(model)
             except ValueError as e:  # FSDP refuses a custom reduce-scatter with several param groups
                 problem = f"the replay cannot sign the local gradients: {e}"
+        if problem is None and self._recorder is not None and self._faults:
+            injector = Injector(self._faults, rank=self.rank)
+            injector.install(model)  # forward faults: hooks on the modules
+            # backward and non-finite faults hit a layer's reduce-scatter input: the target names
+            # the fully_shard-ed module (default: the first one that owns parameters)
+            injector.default_param = self._recorder.layers[0] if self._recorder.layers else None
+            self._recorder.injector = injector
         return problem
 
     def agree(self) -> None:
@@ -253,6 +281,8 @@ class ShardedAuditSession(AuditSessionCore):
                 opts.audit_every,
                 self.audit_updates,
                 opts.nonfinite_read.value,
+                repr(opts.triggers),
+                self.sentinels.active,  # every rank exchanges the sentinels' rows, or none does
                 [n for n, _ in self.params],
             ]
         )
@@ -281,9 +311,10 @@ class ShardedAuditSession(AuditSessionCore):
     def begin_micro_batch(self, unit: Any) -> None:
         """Call on every rank before each micro-batch's forward pass (replay audits only).
 
-        Keeps ``unit`` (by reference: do not modify it in place) and, when the step will be replayed,
-        the RNG state it starts with; on an audit step, arms the signing of every layer's local
-        gradient at its reduce-scatter.
+        Keeps ``unit`` (by reference: do not modify it in place) and, when the step may be replayed
+        (an audit step, or any step while the sentinels are on: a trigger replays the step it
+        doubts), the RNG state it starts with; on an audit step, arms the signing of every layer's
+        local gradient at its reduce-scatter.
 
         Raises:
             ConfigurationError: the session has no ``loss_fn`` (nothing to replay).
@@ -296,12 +327,15 @@ class ShardedAuditSession(AuditSessionCore):
             s = state.step + 1
             audit = s % self.audit_every == 0
             signed = audit or state.path_check_pending
-            step = state.open = {"s": s, "audit": audit, "signed": signed, "units": [], "rngs": []}
+            keep_rng = signed or self.sentinels.active
+            step = state.open = {"s": s, "audit": audit, "signed": signed, "units": [], "rngs": [], "rng": keep_rng}
             recorder.new_step()
             if signed:
                 recorder.arm("train")
-        if step["signed"]:
-            recorder.micro = len(step["units"])
+            if recorder.injector is not None:
+                recorder.injector.begin(s, "train")
+        recorder.micro = len(step["units"])
+        if step["rng"]:
             step["rngs"].append(_rng_state(self.device))
         step["units"].append(unit)
 
@@ -334,15 +368,22 @@ class ShardedAuditSession(AuditSessionCore):
         now = (step is not None and step["audit"]) or self._consensus_due(s) or state.path_check_pending
         if not self.nonfinite.check(s, now=now):
             return False
-        if trained is None or step is None:
+        if step is None:
             return True
-        n = loss_divisor or len(step["units"])
-        if state.first_batch:
+        decision = self.sentinels.decide(s, self.nonfinite.table, replaying=step["audit"])
+        triggered = decision is not None and decision.replay
+        if state.first_batch and (trained is not None or self.sentinels.active):
+            # before any step's micro-batches may travel: with the sentinels on, that is any step
             state.first_batch = False
             refuse_unshippable(step["units"], group=self.group, wire_device=self.wire_device)
-        if state.path_check_pending:
+        if trained is None and not triggered:
+            return True
+        n = loss_divisor or len(step["units"])
+        if trained is not None and state.path_check_pending:
             self.replay.check_path(step, trained, n)
-        if not step["audit"]:
+        if decision is not None and triggered:
+            return self.sentinels.replay_now(s, step, n, decision)
+        if trained is None or not step["audit"]:
             return True
         t0 = time.perf_counter()
         ok = self.replay.audit(s, step, trained, n)

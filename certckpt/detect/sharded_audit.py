@@ -51,7 +51,9 @@ class ShardedReplayAudit:
         self._update_skip_warned = False
 
     @timed("replay")
-    def _replay(self, payload: dict[str, Any], trained: list[LayerDigest]) -> list[LayerDigest]:
+    def _replay(
+        self, payload: dict[str, Any], trained: list[LayerDigest], measure: str = "digest"
+    ) -> list[LayerDigest]:
         ctx = self.ctx
         assert ctx.recorder is not None and ctx.loss_fn is not None, "the replay audit runs with loss_fn only"
         return ctx.recorder.replay(
@@ -62,6 +64,7 @@ class ShardedReplayAudit:
             divisor=int(payload["n"]),
             pattern=sync_pattern(trained),
             restore_rng=lambda state: restore_rng(state, ctx.device),
+            measure=measure,
         )
 
     def _gather_digests(self, *lists: list[LayerDigest]) -> list[list[Any]]:
@@ -108,9 +111,24 @@ class ShardedReplayAudit:
         )
 
     @timed("replay_audit")
-    def audit(self, s: int, step: dict[str, Any], trained: list[LayerDigest], n: int) -> bool:
-        """Every rank replays its predecessor's micro-batches; returns whether the update may be applied."""
+    def audit(
+        self,
+        s: int,
+        step: dict[str, Any],
+        trained: list[LayerDigest],
+        n: int,
+        *,
+        trigger: dict[str, Any] | None = None,
+    ) -> bool:
+        """Every rank replays its predecessor's micro-batches; returns whether the update may be applied.
+
+        ``trained``: this rank's signed reduce-scatter inputs. ``trigger``: the sentinels' reasons,
+        when they asked for this replay between audits (``sharded_trigger``): ``trained`` then holds
+        the sums of squares training took, the replay takes its own (``measure="squares"``), a pass
+        is a ``triggered-replay`` event (no audit) and a failure a ``replay`` failure carrying them.
+        """
         ctx = self.ctx
+        measure = "digest" if trigger is None else "squares"
         refuse_together(
             self._unsigned_problem(trained),
             group=ctx.group,
@@ -119,7 +137,7 @@ class ShardedReplayAudit:
         )
         payload = {"units": step["units"], "rngs": step["rngs"], "n": n}
         prev = RingShift(payload, group=ctx.group, wire_device=ctx.wire_device, out_device=ctx.device).finish()
-        replayed = self._replay(prev, trained)
+        replayed = self._replay(prev, trained, measure)
         docs = self._gather_digests(trained, replayed)
         trained_all, replayed_all = [d[0] for d in docs], [d[1] for d in docs]
         result = compare_ring(trained_all, replayed_all)
@@ -128,10 +146,13 @@ class ShardedReplayAudit:
             "layers": len(trained),
             "micro_batches": len(step["units"]),
         }
+        if trigger is not None:
+            details = {"trigger": trigger, "compared": "sum of squares per layer", **details}
         if ctx.not_replayed:
             details["params_not_replayed"] = ctx.not_replayed[:20]  # not fully_shard-ed: FSDP never reduces them
         if result.passed:
-            ctx.report.event("replay", "pass", step=s, mode="deterministic", **details)
+            kind = "replay" if trigger is None else "triggered-replay"
+            ctx.report.event(kind, "pass", step=s, mode="deterministic", **details)
             return True
         # A replay can only be trusted between replicas holding the same weights: check them first.
         if not self.consensus(found_by="replay precondition").agreed:
@@ -141,7 +162,7 @@ class ShardedReplayAudit:
         if arbitrate_needed := bool(arbitration_plan(ctx.world, result.failed)):
             # two hops round the ring: the rank after each replayer recomputes the origin's micro-batches
             prev2 = RingShift(prev, group=ctx.group, wire_device=ctx.wire_device, out_device=ctx.device).finish()
-            arbiters = [d[0] for d in self._gather_digests(self._replay(prev2, trained))]
+            arbiters = [d[0] for d in self._gather_digests(self._replay(prev2, trained, measure))]
             arbitration = arbitrate(ctx.world, result.failed, trained_all, replayed_all, arbiters)
         verdict = attribute_replay(ctx.world, result.failed, arbitration)
         ev = ctx.report.event(

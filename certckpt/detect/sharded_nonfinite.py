@@ -4,7 +4,8 @@ Each rank sees only its own gradient shards, so the ranks exchange one flag pair
 rank's reduced shards non-finite; its local gradient non-finite before the reduce-scatter, known
 when the replay's reduce-scatter is installed), immediately or, with ``nonfinite_read="deferred"``,
 by an asynchronous all-gather read a step later; a failing step is attributed from where each rank
-found the values. ``ShardedNonFiniteCheck`` is a check object of ``sharded.ShardedAuditSession``,
+found the values. With the sentinels on (``sharded_trigger``), the same all-gather carries each
+rank's sentinel row, the flags first. ``ShardedNonFiniteCheck`` is a check object of ``sharded.ShardedAuditSession``,
 built on its ``sharded_context.ShardedContext``.
 """
 
@@ -21,6 +22,7 @@ from .agreement import all_gather_bytes
 from .options import NonfiniteRead
 from .setup_checks import late_detection_note
 from .sharded_context import ShardedContext
+from .sharded_trigger import ShardedSentinels
 from .timing import timed
 
 __all__ = ["ShardedNonFiniteCheck", "shard_offsets"]
@@ -59,11 +61,12 @@ class ShardedNonFiniteCheck:
     summary (``summarise``).
     """
 
-    def __init__(self, ctx: ShardedContext) -> None:
-        self.ctx = ctx
+    def __init__(self, ctx: ShardedContext, *, sentinels: ShardedSentinels | None = None) -> None:
+        self.ctx, self.sentinels = ctx, sentinels
         self._pending: dict[str, Any] | None = None  # a deferred read's step, still on its way
         self._checked = 0  # steps whose non-finite check passed since the last summary
         self._first_checked: int | None = None
+        self.table: list[list[float]] | None = None  # every rank's sentinel row, when this step exchanged them
 
     @timed("nonfinite_check")
     def check(self, s: int, *, now: bool = True) -> bool:
@@ -76,6 +79,7 @@ class ShardedNonFiniteCheck:
         FSDP's reduce-scatter has consumed, and names nobody. A refused update's gradients are dropped.
         """
         ctx = self.ctx
+        self.table = None
         self.settle(at=s)  # a deferred read of the previous step raises here
         named = [(n, p.grad) for n, p in ctx.params if p.grad is not None]
         grads = [g.to_local() if isinstance(g, DTensor) else g for _, g in named]
@@ -83,6 +87,8 @@ class ShardedNonFiniteCheck:
         if ctx.options.nonfinite_read is NonfiniteRead.DEFERRED and not now:
             self._pending = self._queue(s, named, grads, pre_sums)
             return True
+        if self.sentinels is not None and self.sentinels.active:
+            return self._check_with_sentinels(s, named, grads, pre_sums)
         flags, pre_bad = _nonfinite_flags(grads, pre_sums)
         mine = torch.tensor([int(flags.any()), int(pre_bad)], dtype=torch.int64, device=ctx.wire_device)
         everyone = [torch.empty_like(mine) for _ in range(ctx.world)]
@@ -90,6 +96,28 @@ class ShardedNonFiniteCheck:
         rows = [[int(x) for x in f.tolist()] for f in everyone]
         bad = [[n, shard_offsets(g)] for (n, g), b in zip(named, flags.tolist()) if b]
         return self._outcome(s, rows, bad)
+
+    def _check_with_sentinels(
+        self, s: int, named: list[Any], grads: list[torch.Tensor], pre_sums: torch.Tensor | None
+    ) -> bool:
+        """The flags and the sentinels' scalars of every rank, in the same one all-gather (float32
+        rows in place of the two int flags) and one host read, where the plain check reads twice."""
+        ctx = self.ctx
+        assert self.sentinels is not None
+        device = grads[0].device if grads else pre_sums.device if pre_sums is not None else ctx.device
+        bad = ~torch.isfinite(torch.stack([g.sum(dtype=torch.float32) for g in grads])) if grads else None
+        post = bad.any() if bad is not None else torch.zeros((), dtype=torch.bool, device=device)
+        pre = ~torch.isfinite(pre_sums.sum()) if pre_sums is not None else torch.zeros((), dtype=torch.bool)
+        mine = self.sentinels.row(pre, post)
+        everyone = [torch.empty_like(mine) for _ in range(ctx.world)]
+        dist.all_gather(everyone, mine, group=ctx.group)
+        table = torch.stack(everyone).tolist()  # the step's one host read
+        self.table = table
+        rows = [[int(r[0] != 0), int(r[1] != 0)] for r in table]
+        if not any(any(r) for r in rows):
+            return self._outcome(s, rows, [])
+        flags = bad.tolist() if bad is not None else []
+        return self._outcome(s, rows, [[n, shard_offsets(g)] for (n, g), b in zip(named, flags) if b])
 
     def discard_pending(self) -> None:
         """Forget a deferred read still pending (``close``: no checkpoint covers that step)."""

@@ -39,6 +39,8 @@ from torch.distributed.tensor import DTensor
 
 from .attribution import arbitration_plan, ring_pairs
 from .digest import digest
+from .hook import sum_of_squares
+from .inject import Injector
 from .timing import span
 
 try:  # the interface set_custom_reduce_scatter takes (documented there, defined in a private module)
@@ -52,6 +54,7 @@ __all__ = [
     "ReplayComparison",
     "arbitrate",
     "compare_ring",
+    "signed",
     "shard_group_size",
     "sync_pattern",
     "update_inputs",
@@ -95,16 +98,27 @@ class _SigningReduceScatter(_ReduceScatterBase):
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         rec = self.recorder
-        if rec.mode != "off":
-            with span("replay_signature" if rec.mode == "replay" else "train_signature"):
-                rec.calls.append((rec.micro, self.layer, digest(input_tensor)))
+        if rec.injector is not None:  # drills: a fault in this layer's local gradient, before anything reads it
+            rec.injector.on_local_grads([self.layer], [input_tensor])
         if rec.mode == "replay":
+            with span("replay_signature"):
+                value = sum_of_squares(input_tensor) if rec.measure == "squares" else digest(input_tensor)
+                rec.calls.append((rec.micro, self.layer, value))
             output_tensor.zero_()  # nothing moves: the replay's gradients are dropped
             return None
+        if rec.mode == "train":
+            with span("train_signature"):
+                rec.calls.append((rec.micro, self.layer, digest(input_tensor)))
         # Every training reduce-scatter: is this rank's local gradient finite? (one sum on the device,
         # no synchronisation: NaN and Inf survive it). Read at before_update, with the reduced flags.
         with span("nonfinite_flags"):
             rec.pre_flags.append(input_tensor.sum(dtype=torch.float32))
+        if rec.sentinels:
+            # The sentinels' scalar of this layer (one dot product on the device, no synchronisation),
+            # and the step's trained signature should a trigger replay it: FSDP frees this input
+            # after the collective, but a replay recomputes it bit for bit, and its sum of squares.
+            with span("sentinels"):
+                rec.squares.append((rec.micro, self.layer, sum_of_squares(input_tensor)))
         if self.inner is not None:
             return self.inner(output_tensor, input_tensor, group, op, async_op)
         return dist.reduce_scatter_single(output_tensor, input_tensor, group=group, op=op, async_op=async_op)
@@ -132,10 +146,15 @@ class GradientRecorder:
         from torch.distributed.fsdp import FSDPModule
 
         self.modules = [(name or "<root>", m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+        self.layers = _owning_layers(model, [name for name, _ in self.modules])
         self.mode = "off"
+        self.measure = "digest"  # what a replay signs each layer with: "digest", or "squares" (a triggered one)
         self.micro = 0
         self.calls: list[tuple[int, str, torch.Tensor]] = []
         self.pre_flags: list[torch.Tensor] = []  # one sum per training reduce-scatter since new_step
+        self.sentinels = False  # take each training reduce-scatter's sum of squares (the session's sentinels)
+        self.squares: list[tuple[int, str, torch.Tensor]] = []  # (micro-batch, layer, sum of squares)
+        self.injector: Injector | None = None  # drills: faults planted in the local gradients
         for name, m in self.modules:
             m.set_custom_reduce_scatter(_SigningReduceScatter(name, self, _current_reduce_scatter(m)))
 
@@ -143,8 +162,14 @@ class GradientRecorder:
         self.mode, self.micro, self.calls = mode, 0, []
 
     def new_step(self) -> None:
-        """Forget the previous step's pre-reduce sums (a step that failed before reading them)."""
-        self.pre_flags = []
+        """Forget the previous step's pre-reduce sums and squares (a step that failed before reading them)."""
+        self.pre_flags, self.squares, self.micro = [], [], 0
+
+    def take_squares(self) -> list[tuple[int, str, torch.Tensor]]:
+        """This step's ``(micro-batch, layer, sum of squares)`` per training reduce-scatter, in call
+        order (on the device; no synchronisation)."""
+        squares, self.squares = self.squares, []
+        return squares
 
     def take_pre_sums(self) -> torch.Tensor | None:
         """The sums of this step's local gradients, one per reduce-scatter, stacked (None: none ran)."""
@@ -156,8 +181,7 @@ class GradientRecorder:
         calls, self.calls, self.mode = self.calls, [], "off"
         if not calls:
             return []
-        values = torch.stack([d for _, _, d in calls]).tolist()
-        return [LayerDigest(m, layer, int(v)) for (m, layer, _), v in zip(calls, values)]
+        return signed(calls)
 
     def replay(
         self,
@@ -169,12 +193,15 @@ class GradientRecorder:
         divisor: int,
         pattern: dict[int, set[str]],
         restore_rng: Callable[[dict[str, torch.Tensor]], None],
+        measure: str = "digest",
     ) -> list[LayerDigest]:
         """Recompute ``units`` through the sharded model, signing every layer's local gradient (collective).
 
         ``.grad`` and the buffers are left as they were; no gradient is reduced. ``pattern``: per
         micro-batch, the layers that reduce-scattered after it in training (the others accumulated
         without sync), reproduced here so that the signed inputs are the ones training reduced.
+        ``measure``: ``"digest"`` (an audit) or ``"squares"`` (a triggered replay: each input's sum of
+        squares, compared by its bits with the one training took).
         """
         params = list(model.parameters())
         saved_grads = [p.grad for p in params]
@@ -186,6 +213,9 @@ class GradientRecorder:
         for p in params:
             p.grad = None
         self.arm("replay")
+        self.measure = measure
+        if self.injector is not None:  # a persistent fault corrupts the replays its rank computes too
+            self.injector.begin(self.injector.step, "replay")
         try:
             with torch.random.fork_rng(devices=devices):
                 for k, unit in enumerate(units):
@@ -199,7 +229,9 @@ class GradientRecorder:
                     del loss
             return self.take()
         finally:
-            self.mode = "off"
+            self.mode, self.measure = "off", "digest"
+            if self.injector is not None:
+                self.injector.begin(self.injector.step, "train")
             if toggled:  # as the step's last micro-batch left them
                 last = pattern.get(len(units) - 1, set())
                 for name in layers:
@@ -209,6 +241,30 @@ class GradientRecorder:
             with torch.no_grad():
                 for b, v in zip(model.buffers(), saved_buffers):
                     b.copy_(v)
+
+
+def signed(calls: Sequence[tuple[int, str, torch.Tensor]]) -> list[LayerDigest]:
+    """``(micro-batch, layer, value)`` records as ``LayerDigest``s (one host synchronisation): a digest
+    as it is, a float32 sum of squares as its 32 raw bits, so that equality is exact and a NaN
+    equals a NaN with the same bits."""
+    if not calls:
+        return []
+    values = torch.stack([v for _, _, v in calls])
+    if values.dtype == torch.float32:
+        values = values.view(torch.int32)
+    return [LayerDigest(m, layer, int(v)) for (m, layer, _), v in zip(calls, values.tolist())]
+
+
+def _owning_layers(model: torch.nn.Module, names: Sequence[str]) -> list[str]:
+    """The FSDP modules (by recorder name, in module order) that own a trained parameter: each
+    parameter belongs to the innermost ``fully_shard``-ed module around it, whose reduce-scatter
+    carries its gradient; a module that owns none never reduce-scatters."""
+    prefixes = sorted(((n, "" if n == "<root>" else n + ".") for n in names), key=lambda it: -len(it[1]))
+    owners = set()
+    for pname, p in model.named_parameters():
+        if p.requires_grad:
+            owners.add(next((n for n, pre in prefixes if pname.startswith(pre)), "<root>"))
+    return [n for n in names if n in owners]
 
 
 def sync_pattern(calls: Sequence[LayerDigest]) -> dict[int, set[str]]:

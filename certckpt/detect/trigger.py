@@ -20,7 +20,6 @@ all-reduce (no hand-over: ``gradient_as_bucket_view=True``, ``hand_over_grads=Fa
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -30,7 +29,7 @@ from .exchange import RingShift
 from .hook import any_nonfinite
 from .options import NonfiniteRead
 from .replay import RingReplay
-from .sentinel import Decision, decide
+from .sentinel import Decision, decide, scalars_of
 from .signature import signature
 from .timing import span
 
@@ -114,12 +113,7 @@ class SentinelCheck:
 
     def scalars(self, table: list[list[float]]) -> list[list[float]]:
         """The exchanged rows without their flags, squares turned into norms (loss as it is)."""
-        out = []
-        for row in table:
-            values = row[FLAGS:]
-            norms = len(self.names) - (1 if self.names and self.names[-1] == "loss" else 0)
-            out.append([math.sqrt(v) if k < norms and v >= 0 else v for k, v in enumerate(values)])
-        return out
+        return scalars_of(table, self.names, skip=FLAGS)
 
     def decide(self, s: int, table: list[list[float]] | None, *, replaying: bool) -> Decision | None:
         """The decision at step s from the exchanged table (None: no table this step); every rank

@@ -9,10 +9,15 @@ refused. Fast: the pure comparison and arbitration functions."""
 from __future__ import annotations
 
 import os
+import struct
 
 import pytest
+import torch
 
-from certckpt.detect.sharded_replay import LayerDigest, arbitrate, compare_ring, sync_pattern
+from certckpt.detect import AuditOptions, Triggers
+from certckpt.detect.sentinel import scalars_of
+from certckpt.detect.sharded_replay import LayerDigest, arbitrate, compare_ring, signed, sync_pattern
+from certckpt.detect.sharded_trigger import layer_groups, sentinels_off
 from certckpt.trust.ledger import Ledger
 from certckpt.trust.runstore import certify_store
 from tests.support import fsdp_cases
@@ -169,6 +174,66 @@ def test_a_shard_dimension_of_one_a_loop_without_begin_micro_batch_and_a_replace
         assert "no reduce-scatter was signed" in r["error"]
 
 
+# Every step flagged (any spread is an outlier on both tests, from the first step), one replay in two.
+EAGER = {"mad_threshold": 1e-9, "band": 1e-9, "floor": 1e-9, "warmup_steps": 1, "min_interval": 2}
+
+
+@pytest.mark.slow
+def test_sentinels_replay_the_step_of_a_large_backward_fault_between_audits_and_clean_triggers_pass(tmp_path):
+    """One world of 3 ranks on a 1-D FSDP2 mesh, audits every 10 steps: a clean run of 13 steps
+    (default triggers), a run whose every step is flagged (accumulation without sync), and a
+    backward fault scaling rank 1's largest local gradient element by about 1e3 at step 13."""
+    from certckpt.detect.launch import run_ranks
+
+    fault = {"kind": "backward", "rank": 1, "step": 13, "scale": 1e3}
+    scenarios = {
+        "clean": {"store": str(tmp_path / "clean"), "steps": 13},
+        "eager": {"store": str(tmp_path / "eager"), "steps": 5, "micro": 2, "nosync": True, "triggers": EAGER},
+        "fault": {"store": str(tmp_path / "fault"), "steps": 14, "faults": [fault], "on_fault": "raise"},
+    }
+    args = {"mesh": [3], "audit_every": 10, "scenarios": scenarios}
+    out = run_ranks(fsdp_cases.triggered_world, 3, args, timeout=240)
+    events = {name: Ledger(sc["store"]).snapshot().events for name, sc in scenarios.items()}
+
+    # clean: nothing detected, every update applied and bit-for-bit plain FSDP; the triggers that
+    # fired (if any) were clean replays
+    clean = [r["clean"] for r in out]
+    assert all(s["applied"] and s["as_plain"] for r in clean for s in r["steps"]) and len(clean[0]["steps"]) == 13
+    assert not [e for e in events["clean"] if e["outcome"] == "fail"]
+    triggered = [e["step"] for e in _of(events["clean"], "triggered-replay")]
+    assert clean[0]["sentinels"]["off"] is None
+    assert clean[0]["sentinels"]["names"] == ["grad_norm", "group0_norm", "group1_norm"]  # layers 0 and 2
+    assert len(triggered) == clean[0]["sentinels"]["triggered"]
+    print(f"clean run: {len(triggered)} triggered replay(s) in 13 steps at {triggered}")
+
+    # every step flagged: replays at steps 1, 3 and 5 (the rate limit), each clean; the sums of
+    # squares a neighbour recomputes equal the trained ones exactly, sync pattern included
+    eager = [r["eager"] for r in out]
+    assert all(s["applied"] and s["as_plain"] for r in eager for s in r["steps"])
+    passes = _of(events["eager"], "triggered-replay", "pass")
+    assert [e["step"] for e in passes] == [1, 3, 5] and not [e for e in events["eager"] if e["outcome"] == "fail"]
+    assert passes[1]["details"]["compared"] == "sum of squares per layer"
+    assert passes[1]["details"]["layers"] == 2 and passes[1]["details"]["micro_batches"] == 2
+    assert passes[1]["details"]["trigger"]["suppressed_before"] == 1
+    assert eager[0]["sentinels"]["suppressed"] == 2
+
+    # the fault: replayed at its own step, before its update, and rank 1 named by arbitration
+    for r in out:
+        f = r["fault"]
+        assert [s["step"] for s in f["steps"]] == list(range(1, 13))
+        assert f["raised"]["type"] == "FaultDetectedError" and f["raised"]["suspects"] == [1]
+    assert len({r["fault"]["raised"]["incident"] for r in out}) == 1
+    (ev,) = [e for e in events["fault"] if e["outcome"] == "fail"]
+    assert ev["kind"] == "replay" and ev["step"] == 13 and ev["suspect_ranks"] == [1]
+    assert ev["details"]["trigger"]["flagged"] == [1]
+    assert ev["details"]["failed"] == [{"origin": 1, "replayer": 2}]
+    assert ev["details"]["mismatched"] == {"1->2": ["0"]}  # the layer the fault hit, by module path
+    assert ev["details"]["arbitration"] == {"1->2": "replayer"}
+    assert not _of(events["fault"], "triggered-replay", "pass") or all(
+        e["step"] < 13 for e in _of(events["fault"], "triggered-replay")
+    )
+
+
 # --- pure functions -------------------------------------------------------------------------------
 
 
@@ -208,3 +273,49 @@ def test_a_reduce_scatter_the_user_installed_before_the_session_keeps_communicat
     for r in out:  # 2 layers x 2 steps through the user's collective (the replays communicate nothing)
         assert r["error"] is None and r["own_calls"] == 4
     assert out[0]["replays"] == [["gradients", "pass"], ["update", "pass"]]  # rank 0 publishes the events
+
+
+def test_layers_are_grouped_consecutively_into_at_most_max_groups():
+    layers = [f"layers.{i}" for i in range(10)]
+    groups = layer_groups(layers, 4)
+    assert [groups[x] for x in layers] == [0, 0, 0, 1, 1, 2, 2, 2, 3, 3]
+    assert layer_groups(["0", "2"], 8) == {"0": 0, "2": 1}  # fewer layers than groups: one each
+    assert layer_groups([], 8) == {}
+
+
+def test_sums_of_squares_are_compared_by_their_bits_so_nan_equals_itself():
+    nan = torch.tensor(float("nan"))
+    calls = [(0, "2", torch.tensor(4.0)), (0, "0", nan), (1, "0", torch.tensor(-0.0))]
+    got = signed(calls)
+    assert [(d.micro, d.layer) for d in got] == [(0, "2"), (0, "0"), (1, "0")]
+    assert got[0].value == struct.unpack("<i", struct.pack("<f", 4.0))[0]
+    assert signed(calls) == got  # a NaN sum compares equal to the same NaN (float == would not)
+    assert got[2].value != signed([(1, "0", torch.tensor(0.0))])[0].value  # and -0.0 is not 0.0
+    digests = [(0, "x", torch.tensor(123, dtype=torch.int64))]
+    assert signed(digests)[0].value == 123  # a digest as it is
+
+
+def test_the_exchanged_squares_become_norms_and_the_flags_are_skipped():
+    table = [[0.0, 1.0, 16.0, 9.0, 2.5], [0.0, 0.0, float("nan"), -1.0, 2.0]]
+    assert scalars_of(table, ("grad_norm", "group0_norm", "loss"), skip=2) == [
+        [4.0, 3.0, 2.5],
+        pytest.approx([float("nan"), -1.0, 2.0], nan_ok=True),
+    ]
+
+
+def test_the_sharded_sentinels_are_off_without_loss_fn_or_with_deferred_reads_and_say_why():
+    assert sentinels_off(AuditOptions(), replays=True) is None
+    assert "no loss_fn" in sentinels_off(AuditOptions(), replays=False)
+    assert "deferred" in sentinels_off(AuditOptions(nonfinite_read="deferred"), replays=True)
+    assert "turned off" in sentinels_off(AuditOptions(triggers=Triggers(enabled=False)), replays=True)
+
+
+def test_the_sharded_session_plants_only_the_faults_it_has_a_place_for():
+    from certckpt.detect import Fault
+    from certckpt.detect.sharded import _faults_problem
+
+    assert _faults_problem([Fault(kind="backward", rank=1, step=3)], replays=True) is None
+    assert "only forward, backward, non-finite" in _faults_problem(
+        [Fault(kind="post-optimizer", rank=0, step=1)], replays=True
+    )
+    assert "needs loss_fn" in _faults_problem([Fault(kind="forward", rank=0, step=1)], replays=False)

@@ -18,6 +18,7 @@ from torch.distributed.fsdp import fully_shard
 
 import certckpt
 from certckpt.dcp import CertifiedWriter, state_fingerprints
+from certckpt.detect import Fault, Triggers
 from certckpt.detect.sharded import ShardedAuditSession
 from certckpt.errors import AuditSetupError, ConfigurationError, FaultDetectedError
 
@@ -206,6 +207,8 @@ def replay_audit(args):
             audit_every=args["audit_every"],
             on_fault=args.get("on_fault", "continue"),
             audit_updates=args.get("audit_updates"),
+            triggers=Triggers(**args.get("triggers", {})),
+            injector_faults=[Fault(**f) for f in args.get("faults", ())] or None,
         )
     except AuditSetupError as e:
         return {"setup_error": str(e)}
@@ -259,7 +262,19 @@ def replay_audit(args):
                 state, storage_writer=CertifiedWriter(f"{args['store']}/step{step}", evidence=ev, ledger=args["store"])
             )
     session.close()
+    out["sentinels"] = {
+        "off": session.sentinels.off,
+        "triggered": session.state.triggered_replays,
+        "suppressed": session.state.triggers_suppressed,
+        "names": list(session.sentinels.names),
+    }
     return out
+
+
+def triggered_world(args):
+    """``replay_audit`` once per scenario of ``args["scenarios"]`` (each with its own store), in one
+    launched world: the sentinels' tests pay for one start of torch.distributed."""
+    return {name: replay_audit({**args, **scenario}) for name, scenario in args["scenarios"].items()}
 
 
 def _scaled_loss(args):
