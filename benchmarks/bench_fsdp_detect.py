@@ -22,6 +22,13 @@ Linear ``fully_shard``-ed and then the root, each copy with its own optimizer (A
                   calls begin_micro_batch(unit) before each forward; a full audit (ring replay,
                   non-finite, consensus) every 10th step, the non-finite check on the others
     audit/100     the same with audit_every=100
+    audit/10 sentinels off
+                  audit/10 with triggers=Triggers(enabled=False): against audit/10 (sentinels on, the
+                  default), the cost of the per-step sentinels (a sum of squares of each layer's
+                  local gradient at its reduce-scatter, the RNG state kept per micro-batch, float
+                  rows instead of two int flags in the non-finite all-gather); the triggered replays
+                  the sessions with sentinels ran are counted (each is a false trigger: nothing is
+                  injected)
 
 Events go to an in-memory ``MemorySink`` (no ledger). With ``--micro N`` (N > 1) every configuration
 takes N micro-batches per optimizer step, ``set_requires_gradient_sync(k == N - 1)`` before each and
@@ -71,18 +78,21 @@ from certckpt.detect.timing import PARTS
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 WORLD = 4
-CONFIGS = ("plain", "consensus/10", "audit/10", "audit/100")
+NO_SENTINELS = "audit/10 sentinels off"
+CONFIGS = ("plain", "consensus/10", "audit/10", "audit/100", NO_SENTINELS)
 LABELS = {
     "plain": "plain FSDP2",
     "consensus/10": "session, consensus every 10 (no replay)",
     "audit/10": "session, full audit every 10 steps",
     "audit/100": "session, full audit every 100 steps",
+    NO_SENTINELS: "audit/10, sentinels off",
 }
+SENTINEL_GOAL = 1.01  # audit/10 (sentinels on) over audit/10 with them off, at most
 TARGETS = {"consensus/10": 1.10, "audit/100": 1.05}  # ratio to plain FSDP2, at most
-FLOORS = {"audit/10": 1 + 1 / 10, "audit/100": 1 + 1 / 100}  # one more forward + backward per K steps
+FLOORS = {"audit/10": 1 + 1 / 10, "audit/100": 1 + 1 / 100, NO_SENTINELS: 1 + 1 / 10}  # one more fwd + bwd per K
 # the certckpt.detect.timing parts every audit step must record (with --mesh 4 also "update_audit")
-# (update_audit: the optimizer-step replay, FSDP2 only; sentinels: DDP only)
-AUDIT_PARTS = tuple(p for p in PARTS if p not in ("update_audit", "sentinels"))
+# (update_audit: the optimizer-step replay, FSDP2 only)
+AUDIT_PARTS = tuple(p for p in PARTS if p != "update_audit")
 
 FULL = {"widths": [1024, 2048, 1536, 1024, 1024], "batch": 32, "trials": 2, "steps": 100, "warmup": 5, "reps": 2}
 QUICK = {"widths": [512, 1024, 768, 512, 512], "batch": 32, "trials": 1, "steps": 100, "warmup": 5, "reps": 2}
@@ -182,7 +192,7 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from certckpt.detect import timing
+    from certckpt.detect import Triggers, timing
     from certckpt.detect.events import MemorySink
     from certckpt.detect.launch import ProgressLog
     from certckpt.detect.sharded import ShardedAuditSession
@@ -222,9 +232,10 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
                 opt,
                 run=f"bench-{name}",
                 loss_fn=_loss,
-                audit_every=int(name.split("/")[1]),
+                audit_every=int(name.split("/")[1].split()[0]),
                 sink=MemorySink(),
                 nonfinite_read=args["read"],
+                triggers=Triggers(enabled=name != NO_SENTINELS),
             )
         sessions[name] = session
         runners[name] = _runner(m, opt, session, micro, replay=name.startswith("audit/"))
@@ -330,9 +341,11 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
             bd["audit_step" if is_audit else "nonaudit_step"].append(dt)
             parts["audit" if is_audit else "nonaudit"].append({**a, "step": dt})
             count_calls("audit" if is_audit else "nonaudit")
+    sentinels_on = sessions["audit/10"].sentinels.active  # off with --nonfinite-read deferred
     expected = {
-        "audit": AUDIT_PARTS + (("update_audit",) if args["mesh"] == [WORLD] else ()),
-        "nonaudit": ("nonfinite_flags", "nonfinite_check"),
+        "audit": tuple(p for p in AUDIT_PARTS if sentinels_on or p != "sentinels")
+        + (("update_audit",) if args["mesh"] == [WORLD] else ()),
+        "nonaudit": ("nonfinite_flags", "nonfinite_check") + (("sentinels",) if sentinels_on else ()),
         "consensus": ("nonfinite_check", "consensus"),
         "consensus_other": ("nonfinite_check",),
     }
@@ -356,6 +369,8 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
             "consensus_pass": _count(s, "consensus", "pass"),
             "consensus_fail": _count(s, "consensus", "fail"),
             "nonfinite_fail": _count(s, "nonfinite-post", "fail"),
+            "triggered": _count(s, "triggered-replay"),
+            "failures": sum(1 for e in s.sink.events if e.failed),
             "total": len(s.sink.events),
         }
         for n, s in sessions.items()
@@ -428,6 +443,23 @@ def summarise(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         insitu[kind] = {k: median([st.get(k, 0.0) for st in steps]) * 1e3 for k in keys}
         insitu[kind]["n"] = len(steps)
     out["insitu"] = insitu
+    paired = [a / b for a, b in zip(ms["audit/10"], ms[NO_SENTINELS])]
+    ev = r0["events"]
+    on = [n for n in CONFIGS if n.startswith("audit/") and n != NO_SENTINELS]
+    steps = sum(r0["steps_done"][n] for n in on)
+    triggered = sum(ev[n]["triggered"] for n in on)
+    ratio = median(ms["audit/10"]) / median(ms[NO_SENTINELS])
+    out["sentinels"] = {
+        "ratio": ratio,
+        "paired_ratio_median": median(paired),
+        "paired_ratio_min": min(paired),
+        "paired_ratio_max": max(paired),
+        "verdict": "PASS" if ratio <= SENTINEL_GOAL else "MISS",
+        "clean_steps": steps,
+        "triggered": triggered,
+        "failures": sum(ev[n]["failures"] for n in on),
+        "per_1000_steps": triggered / steps * 1000 if steps else None,
+    }
     a = insitu.get("audit", {})
     out["insitu_audit_parts"] = {
         "signing the local gradients at the reduce-scatters (training)": a.get("train_signature", 0.0),
@@ -582,6 +614,18 @@ def print_report(R: dict[str, Any]) -> None:
     )
     for line in R["per_rank"][0]["breakdown_mismatches"]:
         print(f"   ODD: a single step's events do not match its step number: {line}")
+    sn = S["sentinels"]
+    print()
+    print(
+        f"Sentinels: audit/10 with them on (the default) vs off, same loop, interleaved: {sn['ratio']:.4f}x"
+        f" (goal <= {SENTINEL_GOAL:.2f}x: {sn['verdict']}; paired per trial {sn['paired_ratio_median']:.4f}"
+        f" [{sn['paired_ratio_min']:.4f}-{sn['paired_ratio_max']:.4f}])"
+    )
+    rate = "-" if sn["per_1000_steps"] is None else f"{sn['per_1000_steps']:.1f}"
+    print(
+        f"   false triggers on these clean runs: {sn['triggered']} triggered replay(s) in {sn['clean_steps']}"
+        f" steps with sentinels on ({rate} per 1,000 steps), {sn['failures']} detection(s)"
+    )
     misses = [n for n in TARGETS if S["configs"][n]["verdict"] != "PASS"]
     print()
     print(

@@ -194,11 +194,9 @@ class ShardedAuditSession(AuditSessionCore):
         options: AuditOptions | None = None,
         expect_consensus_fp: str | None = None,
         resume_state: dict[str, Any] | None = None,
-        injector_faults: list[Fault] | None = None,
         **shorthand: Any,
     ) -> None:
         self.loss_fn = loss_fn
-        self._faults = list(injector_faults or [])
         self.params: list[tuple[str, torch.Tensor]] = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.audit_updates = False
         self._recorder: GradientRecorder | None = None
@@ -253,21 +251,32 @@ class ShardedAuditSession(AuditSessionCore):
         if audit_updates is None:  # no replicas: nothing else checks the optimizer step
             audit_updates = loss_fn is not None and problem is None and shard_group_size(model) == self.world
         self.audit_updates = bool(audit_updates) and loss_fn is not None
-        if problem is None and self._faults:
-            problem = _faults_problem(self._faults, replays=loss_fn is not None)
         if problem is None and loss_fn is not None:
             try:
                 self._recorder = GradientRecorder(model)
             except ValueError as e:  # FSDP refuses a custom reduce-scatter with several param groups
                 problem = f"the replay cannot sign the local gradients: {e}"
-        if problem is None and self._recorder is not None and self._faults:
-            injector = Injector(self._faults, rank=self.rank)
-            injector.install(model)  # forward faults: hooks on the modules
-            # backward and non-finite faults hit a layer's reduce-scatter input: the target names
-            # the fully_shard-ed module (default: the first one that owns parameters)
-            injector.default_param = self._recorder.layers[0] if self._recorder.layers else None
-            self._recorder.injector = injector
         return problem
+
+    def inject_faults(self, faults: list[Fault]) -> None:
+        """Plant synthetic faults for drills and tests (``certckpt.detect.inject``); call on every rank
+        right after construction, with the same list. Forward faults perturb a module's output;
+        backward and non-finite faults the local gradient of a ``fully_shard``-ed module at its
+        reduce-scatter (``Fault.target``: the module's path, default the first one that owns
+        parameters), before the sentinels, the signatures and the flags read it.
+
+        Raises:
+            ConfigurationError: a kind this session has no place for, or no ``loss_fn``.
+        """
+        recorder = self.ctx.recorder
+        problem = _faults_problem(faults, replays=recorder is not None)
+        if problem is not None:
+            raise ConfigurationError(problem)
+        assert recorder is not None
+        injector = Injector(faults, rank=self.rank)
+        injector.install(self.model)  # forward faults: hooks on the modules
+        injector.default_param = recorder.layers[0] if recorder.layers else None
+        recorder.injector = injector
 
     def agree(self) -> None:
         """Every rank must have the same options and trained parameters (one all-gather)."""

@@ -43,8 +43,9 @@ The parts (``PARTS``; timers around collectives include waiting for the other ra
     ``ShardedReplayAudit.audit_update``: the optimizer-step replay of a mesh without replicas (copy,
     ring shift, recompute, compare);
 ``sentinels``
-    the sentinels' sums of squares of each bucket's local gradient in the DDP hook, and packing the
-    row the non-finite check exchanges (``trigger.SentinelCheck``; DDP only);
+    the sentinels' sums of squares of each bucket's local gradient in the DDP hook (under FSDP of
+    each reduce-scatter's input), and packing the row the non-finite check exchanges
+    (``trigger.SentinelCheck``, ``sharded_trigger.ShardedSentinels``);
 ``consensus``
     ``WeightConsensus.check`` (``ShardedAuditSession.weight_consensus``): the weight consensus, its
     all-gather included.

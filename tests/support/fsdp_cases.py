@@ -208,10 +208,11 @@ def replay_audit(args):
             on_fault=args.get("on_fault", "continue"),
             audit_updates=args.get("audit_updates"),
             triggers=Triggers(**args.get("triggers", {})),
-            injector_faults=[Fault(**f) for f in args.get("faults", ())] or None,
         )
     except AuditSetupError as e:
         return {"setup_error": str(e)}
+    if args.get("faults"):
+        session.inject_faults([Fault(**f) for f in args["faults"]])
     g = torch.Generator().manual_seed(100 + rank)
     micro, nosync = args.get("micro", 1), args.get("nosync", False)
     for step in range(1, args["steps"] + 1):
