@@ -621,6 +621,14 @@ def print_report(R: dict[str, Any]) -> None:
         f" (goal <= {SENTINEL_GOAL:.2f}x: {sn['verdict']}; paired per trial {sn['paired_ratio_median']:.4f}"
         f" [{sn['paired_ratio_min']:.4f}-{sn['paired_ratio_max']:.4f}])"
     )
+    na = S["insitu"].get("nonaudit", {})
+    if "sentinels" in na and "nonaudit_step" in bd:
+        print(
+            f"   in situ on audit/10's non-audit steps: the sentinels' marks (sums of squares at the"
+            f" reduce-scatters, packing the row) {na['sentinels']:.2f} ms of a {m['nonaudit_step']:.1f} ms step"
+            f" ({na['sentinels'] / m['nonaudit_step'] * 100:.2f} %); the non-finite check with the rows"
+            f" {na.get('nonfinite_check', 0.0):.2f} ms"
+        )
     rate = "-" if sn["per_1000_steps"] is None else f"{sn['per_1000_steps']:.1f}"
     print(
         f"   false triggers on these clean runs: {sn['triggered']} triggered replay(s) in {sn['clean_steps']}"

@@ -32,7 +32,8 @@ With ``loss_fn`` the session also runs the ring replay audit every ``audit_every
 recomputes its predecessor's micro-batches through the sharded model); the loop then calls
 ``begin_micro_batch(unit)`` before each micro-batch's forward. An audit step is a full audit (replay,
 non-finite, consensus), so DCP checkpoints of such a run become ``trusted`` once the next audit
-passes (see ``docs/detection.md``, "Sharded training: FSDP2 and HSDP").
+passes (see ``docs/detection.md``, "Sharded training: FSDP2 and HSDP"). Between audits, per-layer
+sentinels replay the step they doubt, before its update (``sharded_trigger.py``).
 
 What the session shares with DDP's ``AuditSession`` (start-up, options agreed by every rank, ledger,
 sink and signing key, node inventory, fleet check, step counters, lineage, ``flush``/``close``) is
@@ -154,7 +155,9 @@ class ShardedAuditSession(AuditSessionCore):
             ``loss_fn``; the loop must not change the gradients between ``before_update()`` and
             ``opt.step()`` other than by clipping) and ``state_fn`` (what the per-step consensus
             covers, as a DCP state dict; default ``{"model": model.state_dict()}``: parameters and
-            buffers). The DDP-only options are refused.
+            buffers) and ``triggers`` (with ``loss_fn``: per-layer sentinels at each reduce-scatter
+            replay a step they doubt before its update, ``sharded_trigger.py``; on by default).
+            The DDP-only options are refused.
         group: the process group of every rank of the mesh (default: the default group).
         sink: where rank 0 emits events (default: the ledger's, else in memory).
         ledger: a ``certckpt.Ledger`` or run store URL: events and incidents go there.

@@ -5,7 +5,9 @@ reduce-scatter. FSDP2 lets a user replace that collective (``FSDPModule.set_cust
 its input is exactly the rank's local gradient of the layer's parameters, flattened, padded and laid
 out by destination shard, the same layout on every rank of the mesh. ``GradientRecorder`` installs a
 pass-through replacement that, when armed, takes the 32-bit audit digest (``digest.py``) of that input
-first: one digest per layer per reduce-scatter, in backward order.
+first: one digest per layer per reduce-scatter, in backward order. With the sentinels on
+(``sharded_trigger.py``) it also takes every training input's sum of squares, and a triggered replay
+signs each layer with that instead of a digest.
 
 The replay is collective, because every layer's weights are all-gathered for it: on an audit step
 every rank replays its predecessor's micro-batches (they travel around the ring, as under DDP)
