@@ -107,7 +107,12 @@ class ShardedNonFiniteCheck:
         device = grads[0].device if grads else pre_sums.device if pre_sums is not None else ctx.device
         bad = ~torch.isfinite(torch.stack([g.sum(dtype=torch.float32) for g in grads])) if grads else None
         post = bad.any() if bad is not None else torch.zeros((), dtype=torch.bool, device=device)
-        pre = ~torch.isfinite(pre_sums.sum()) if pre_sums is not None else torch.zeros((), dtype=torch.bool)
+        # (a zero made on the host and copied to a GPU would be a synchronisation: made there instead)
+        pre = (
+            ~torch.isfinite(pre_sums.sum())
+            if pre_sums is not None
+            else torch.zeros((), dtype=torch.bool, device=device)
+        )
         mine = self.sentinels.row(pre, post)
         everyone = [torch.empty_like(mine) for _ in range(ctx.world)]
         dist.all_gather(everyone, mine, group=ctx.group)

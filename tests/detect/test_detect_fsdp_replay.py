@@ -188,7 +188,14 @@ def test_sentinels_replay_the_step_of_a_large_backward_fault_between_audits_and_
     fault = {"kind": "backward", "rank": 1, "step": 13, "scale": 1e3}
     scenarios = {
         "clean": {"store": str(tmp_path / "clean"), "steps": 13},
-        "eager": {"store": str(tmp_path / "eager"), "steps": 5, "micro": 2, "nosync": True, "triggers": EAGER},
+        "eager": {
+            "store": str(tmp_path / "eager"),
+            "steps": 5,
+            "micro": 2,
+            "nosync": True,
+            "triggers": EAGER,
+            "ckpt_steps": [4],
+        },
         "fault": {"store": str(tmp_path / "fault"), "steps": 14, "faults": [fault], "on_fault": "raise"},
     }
     args = {"mesh": [3], "audit_every": 10, "scenarios": scenarios}
@@ -216,6 +223,9 @@ def test_sentinels_replay_the_step_of_a_large_backward_fault_between_audits_and_
     assert passes[1]["details"]["layers"] == 2 and passes[1]["details"]["micro_batches"] == 2
     assert passes[1]["details"]["trigger"]["suppressed_before"] == 1
     assert eager[0]["sentinels"]["suppressed"] == 2
+    # coverage reports them on their own, as under DDP: each vouches for its own step only
+    window = certify_store(scenarios["eager"]["store"], write_certificates=False).coverage()["main@4"].window
+    assert window.triggered_steps == [1, 3] and window.replay_steps == {}
 
     # the fault: replayed at its own step, before its update, and rank 1 named by arbitration
     for r in out:
