@@ -257,8 +257,10 @@ def commit_saved(
 
     Raises:
         ConfigurationError: ``fields`` has no branch or no step.
-        CheckpointExistsError: ``branch@step`` is committed already (to another file); the file
+        CheckpointExistsError: ``branch@step`` has a commit record of another checkpoint; the file
             just written stays uncommitted (``certckpt status`` lists it, ``certckpt gc`` ignores it).
+            A record of this very checkpoint (an earlier attempt of this commit, killed before its
+            chain entry) is completed instead (``Ledger.commit_checkpoint``).
 
     Example:
         >>> commit_saved(ledger, result, RecordFields(step=100, run="r1", branch="main"), flush=sink.flush)
@@ -302,7 +304,4 @@ def _commit(
             nbytes=result.nbytes,
         )
     except CheckpointExistsError as e:
-        raise CheckpointExistsError(
-            f"{ledger.store}: {ckpt_id_for(branch, step)} is committed already; {result.location} was written "
-            "but is not committed: save under a new step or branch"
-        ) from e
+        raise CheckpointExistsError(f"{e} ({result.location} was written but is not committed)") from e

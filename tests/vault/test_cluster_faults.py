@@ -21,7 +21,7 @@ import uuid
 
 import pytest
 
-from certckpt.errors import StorageError
+from certckpt.errors import CheckpointExistsError, StorageError
 from certckpt.trust.ledger import Ledger
 from certckpt.trust.runstore import certify_store
 from tests.support.helpers import console_script, event_dict
@@ -135,11 +135,6 @@ def test_gateway_killed_mid_promote_and_mid_prune_loses_nothing_and_a_rerun_comp
     assert sorted(kept, key=lambda c: int(c.split("@")[1]))[-2:] == ["main@25", "main@30"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open bug (issue 47): a commit killed between its record and its chain entry leaves an unsealed "
-    "record whose bytes (committed_at) differ from a retry's, so the retry raises CheckpointExistsError",
-)
 def test_gateway_killed_mid_ledger_commit_leaves_no_break_and_the_commit_can_be_made_again(cluster, s3):
     c, proxy = cluster
     store = f"s3://{s3}/run"
@@ -164,12 +159,19 @@ def test_gateway_killed_mid_ledger_commit_leaves_no_break_and_the_commit_can_be_
     t.join(300)
     assert failed and isinstance(failed[0], StorageError), failed
     c.start("s3")
+    orphan = led.read_raw("checkpoints", ["main@10.json"])  # the record reached the store; nothing seals it
+    assert list(orphan) == ["main@10.json"]
     st = certify_store(store, write_certificates=False)
     assert st.snapshot.breaks == [] and "main@10" not in st.certification.verdicts
-    # the same commit again (a retry of the crashed save) completes it
+    # the same commit again (a retry of the crashed save) completes it, adopting the record as written
     Ledger(store).commit_checkpoint(branch="main", step=10, location=f"{store}/main@10.safetensors", consensus_fp="f")
     st = certify_store(store, write_certificates=False)
     assert st.snapshot.breaks == [] and "main@10" in st.certification.verdicts
+    assert led.read_raw("checkpoints", ["main@10.json"]) == orphan
+    # another checkpoint under the name is refused, and replaces nothing
+    with pytest.raises(CheckpointExistsError, match="of another checkpoint"):
+        Ledger(store).commit_checkpoint(branch="main", step=10, location=f"{store}/other.safetensors")
+    assert led.read_raw("checkpoints", ["main@10.json"]) == orphan
 
 
 def test_a_volume_server_lost_during_promote_and_restore_never_records_an_unreadable_copy(
