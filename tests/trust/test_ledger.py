@@ -277,3 +277,39 @@ def test_an_unsealed_record_of_another_checkpoint_is_never_adopted_nor_replaced(
     assert (Path(store) / "_ledger" / "checkpoints" / "main@10.json").read_bytes() == orphan
     assert sorted(p.relative_to(tmp_path) for p in (Path(store) / "_ledger" / "chains").rglob("*")) == chains
     assert Ledger(store, signing_key=None).snapshot().checkpoints == []
+
+
+def test_certify_with_a_ledger_run_again_after_it_stopped_before_its_commit_completes_it(tmp_path, monkeypatch):
+    import torch
+
+    import certckpt.trust.ledger as ledger_module
+    from certckpt.trust.runstore import find_latest_good
+
+    store = tmp_path / "run"
+    store.mkdir()
+    src, other = tmp_path / "w.pt", tmp_path / "other.pt"
+    torch.save({"w": torch.arange(6.0)}, src)
+    torch.save({"w": torch.zeros(6)}, other)
+    real = ledger_module.put_once
+    for lost in ("/checkpoints/", "/chains/"):  # the commit record, or its chain entry, never lands
+        dest = str(store / f"lost-{lost.strip('/')}.safetensors")
+        step = 5 if lost == "/checkpoints/" else 10
+        args = ["certify", str(src), dest, "--ledger", str(store), "--step", str(step)]
+
+        def put_once(location, data, lost=lost):
+            if lost in location:
+                raise certckpt.StorageError(f"{location}: connection reset")
+            return real(location, data)
+
+        with monkeypatch.context() as m:
+            m.setattr(ledger_module, "put_once", put_once)
+            assert invoke(*args).exit_code != 0
+        good = find_latest_good(str(store), accept="verified", write_certificates=False)[1]
+        assert os.path.exists(dest) and good != f"main@{step}"  # the file is there, committed by nothing
+        # another file's content under the name: the name stays taken, one line, nothing written
+        r = invoke("certify", str(other), dest, "--ledger", str(store), "--step", str(step))
+        assert r.exit_code != 0 and "already exists under this name" in r.output and "Traceback" not in r.output
+        r = invoke(*args)  # the same command again completes the commit
+        assert r.exit_code == 0 and f"as main@{step}" in r.output, r.output
+        status, good = find_latest_good(str(store), accept="verified", write_certificates=False)
+        assert good == f"main@{step}" and status.entry(good).url == dest and status.uncommitted == []
