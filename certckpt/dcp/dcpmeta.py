@@ -31,7 +31,7 @@ from certckpt.format.tensors import ST_TO_TORCH, TORCH_TO_ST
 
 from .values import decode_value, encode_value
 
-__all__ = ["ShardRef", "ValueRef", "ChunkRef", "build_manifest", "to_metadata", "DCP_VERSION"]
+__all__ = ["ShardRef", "ValueRef", "ChunkRef", "build_manifest", "state_mismatch", "to_metadata", "DCP_VERSION"]
 
 DCP_VERSION = "1.0.0"  # the DCP metadata version these fields follow (torch's CURRENT_DCP_VERSION)
 
@@ -130,6 +130,24 @@ def build_manifest(metadata: Metadata, results: list[list[WriteResult]]) -> Mani
         state_fp=state_fp({t.fqn: t.fp for t in tensors}),
         dcp={"version": metadata.version or DCP_VERSION, "planner_data": planner_data, "storage_meta": storage_meta},
     )
+
+
+def state_mismatch(new: Manifest, held: Manifest) -> str | None:
+    """Why the state ``new`` describes is not the one ``held`` stores, or None when it is: the same
+    tensors (name, dtype, shape, fingerprint) and the same values. How either is sharded, and DCP's
+    own ids for the save, do not matter: a retry on another world size saves the same state."""
+    if new.state_fp != held.state_fp:
+        return f"state fingerprint {held.state_fp}, this save's {new.state_fp}"
+    mine = {t.fqn: (t.dtype, t.shape, t.fp) for t in new.tensors}
+    theirs = {t.fqn: (t.dtype, t.shape, t.fp) for t in held.tensors}
+    if mine != theirs:
+        differ = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
+        return f"tensors that differ: {[printable(k) for k in differ[:5]]}"
+    values = {v.fqn: v.node for v in new.values}, {v.fqn: v.node for v in held.values}
+    if values[0] != values[1]:
+        differ = sorted(k for k in values[0].keys() | values[1].keys() if values[0].get(k) != values[1].get(k))
+        return f"values that differ: {[printable(k) for k in differ[:5]]}"
+    return None
 
 
 def to_metadata(manifest: Manifest, *, source: str, load_id: str | None) -> Metadata:

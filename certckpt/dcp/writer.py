@@ -22,6 +22,7 @@ import dataclasses
 import os
 import threading
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,6 +34,7 @@ from torch.futures import Future
 from certckpt.errors import ArgumentTypeError, CheckpointExistsError, ConfigurationError, StorageError
 from certckpt.format.header import canonical_json
 from certckpt.format.record import RecordFields
+from certckpt.format.sharded.check import verify_checkpoint
 from certckpt.format.sharded.composition import finalize, hex64, raw_of
 from certckpt.format.sharded.layout import (
     MANIFEST_MARK,
@@ -46,16 +48,16 @@ from certckpt.format.sharded.layout import (
     remove,
     shard_name,
 )
-from certckpt.format.sharded.manifest import MANIFEST_VERSION, Manifest
+from certckpt.format.sharded.manifest import MANIFEST_VERSION, Manifest, read_manifest
 from certckpt.format.sharded.shardfp import sum_plan, tensor_contribution, write_sums
 from certckpt.format.tensors import TORCH_TO_ST
-from certckpt.format.verify import inspect
+from certckpt.format.verify import CheckpointInfo, inspect
 from certckpt.format.writer import SaveResult, save_certified
 from certckpt.storage import refuse_protected
 from certckpt.trust.commit import check_commit_target, commit_saved
 from certckpt.trust.ledger import Ledger
 
-from .dcpmeta import DCP_VERSION, ShardRef, ValueRef, build_manifest
+from .dcpmeta import DCP_VERSION, ShardRef, ValueRef, build_manifest, state_mismatch
 from .values import encode_value, value_of
 
 __all__ = ["CertifiedWriter", "SHARDS_KEY"]
@@ -82,6 +84,14 @@ def _storage(t: torch.Tensor) -> tuple:
 
 def _view(t: torch.Tensor) -> tuple:
     return t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype
+
+
+@dataclass(frozen=True, slots=True)
+class _Recheck:
+    """A rank's assignment when the directory holds a checkpoint already (a retry): work out its
+    chunks' fingerprints for file ``file`` and write nothing (see ``CertifiedWriter.finish``)."""
+
+    file: str
 
 
 class _Shard:
@@ -137,7 +147,11 @@ class CertifiedWriter(StorageWriter):
         overwrite: replace a committed checkpoint in ``path`` (default False: certified checkpoints
             are write-once). Shard files left by an unfinished save (no manifest) are always replaced.
         ledger: a run store (path or URL) whose ledger records the checkpoint once its manifest is
-            written (``branch@step``; needs ``step``): ``certckpt status STORE`` lists it.
+            written (``branch@step``; needs ``step``): ``certckpt status STORE`` lists it. The same
+            save run again after a failure completes it: where an earlier attempt's manifest is
+            there already (the save stopped before its commit), the state is fingerprinted, nothing
+            is written, and the checkpoint there is committed if it is this state and verifies;
+            another state there is refused.
         branch: the line of training recorded with a ledger commit (default ``main``, or the evidence's).
         parent: the checkpoint id this branch resumed from (a ledger commit records it once).
         evidence: a ``certckpt.detect.CheckpointEvidence`` of this step (from
@@ -221,6 +235,8 @@ class CertifiedWriter(StorageWriter):
         self.rank = 0
         self.is_coordinator = True
         self.manifest: Manifest | None = None  # set on the coordinator by finish()
+        # the coordinator's: the checkpoint an earlier attempt of this save left (a retry's)
+        self._held: tuple[Manifest, CheckpointInfo] | None = None
 
     # --- StorageWriter ------------------------------------------------------------------------
 
@@ -249,7 +265,9 @@ class CertifiedWriter(StorageWriter):
             # checkpoint a ledger committed is never replaced, overwrite or not (docs/format.md).
             refuse_protected(self.path)
             refuse_protected(join(self.path, MANIFEST_NAME))
-        if not self.overwrite and exists(join(self.path, MANIFEST_NAME)):
+        if not self.overwrite and self.ledger is None and exists(join(self.path, MANIFEST_NAME)):
+            # (with a ledger, the ledger's record commits the directory, and the coordinator tells an
+            # earlier attempt of this save from another checkpoint: prepare_global_plan)
             raise CheckpointExistsError(
                 f"{self.path}: holds a committed certified checkpoint already; save to a new directory, or pass"
                 " CertifiedWriter(..., overwrite=True) to replace it"
@@ -260,10 +278,45 @@ class CertifiedWriter(StorageWriter):
         manifest = join(self.path, MANIFEST_NAME)
         if self.overwrite and exists(manifest):
             remove(manifest)  # un-commit first: a crash from here on leaves no checkpoint, never a mix
+        self._held = None
+        if self.ledger is not None and exists(manifest):
+            self._held = self._earlier_attempt()
+            return [dataclasses.replace(p, storage_data=_Recheck(shard_name(i))) for i, p in enumerate(plans)]
         return [dataclasses.replace(p, storage_data=shard_name(i)) for i, p in enumerate(plans)]
 
+    def _record_fields(self) -> RecordFields:
+        return RecordFields(
+            step=self.step,
+            run=self.run,
+            branch=self.branch if self.ledger is not None else None,
+            parent=self.parent if self.ledger is not None else None,
+            step_range=self.step_range,
+            lineage=self.lineage,
+            consensus_fp=self.consensus_fp,
+        )
+
+    def _earlier_attempt(self) -> tuple[Manifest, CheckpointInfo]:
+        """The checkpoint in the directory, when its manifest's record is the one this save writes
+        (an earlier attempt of it, stopped between its manifest and its commit, or after); whether
+        it holds this state is known once the ranks have fingerprinted theirs (``finish``)."""
+        held, info = read_manifest(self.path)
+        rec = info.record
+        fields = self._record_fields().as_kwargs()
+        differ = [k for k, v in fields.items() if canonical_json(getattr(rec, k)) != canonical_json(v)]
+        if rec.user != {**self.metadata, MANIFEST_MARK: str(MANIFEST_VERSION), "state_fp": held.state_fp}:
+            differ.append("metadata")
+        if differ:
+            raise CheckpointExistsError(
+                f"{self.path}: holds a certified checkpoint already, not one this save wrote (its {', '.join(differ)}"
+                f" differ: {', '.join(f'{k}={getattr(rec, k, None)!r:.40}' for k in differ[:3])}); nothing was"
+                " written: save to a new directory"
+            )
+        return held, info
+
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        file_name = plan.storage_data if is_shard_name(plan.storage_data) else shard_name(self.rank)
+        recheck = isinstance(plan.storage_data, _Recheck)
+        assigned = plan.storage_data.file if isinstance(plan.storage_data, _Recheck) else plan.storage_data
+        file_name = assigned if is_shard_name(assigned) else shard_name(self.rank)
         shard = _Shard()
         results: list[WriteResult] = []
         for item in plan.items:
@@ -275,7 +328,7 @@ class CertifiedWriter(StorageWriter):
                 assert isinstance(data, torch.Tensor)  # an item that is not BYTE_IO resolves to a tensor
                 shard.add(item, data)
         if shard.tensors:
-            results += self._write_shard(shard, file_name)
+            results += self._fingerprint_shard(shard, file_name) if recheck else self._write_shard(shard, file_name)
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -285,21 +338,16 @@ class CertifiedWriter(StorageWriter):
         manifest = build_manifest(metadata, results)
         if self.consensus_fp is not None and manifest.state_fp != self.consensus_fp:
             self._refuse_unagreed(manifest)
+        fields = self._record_fields()
+        if self._held is not None:  # a retry: nothing in the directory is touched
+            self._complete(manifest, fields)
+            return
         listed = {f.name for f in manifest.files}
         # Shard files of an earlier, larger save in this directory are not part of this checkpoint.
         for name in list_directory(self.path).files:
             if is_shard_name(name) and name not in listed:
                 remove(join(self.path, name))
         data = torch.frombuffer(bytearray(manifest.to_bytes()), dtype=torch.uint8)
-        fields = RecordFields(
-            step=self.step,
-            run=self.run,
-            branch=self.branch if self.ledger is not None else None,
-            parent=self.parent if self.ledger is not None else None,
-            step_range=self.step_range,
-            lineage=self.lineage,
-            consensus_fp=self.consensus_fp,
-        )
         saved = save_certified(
             {MANIFEST_TENSOR: data},
             join(self.path, MANIFEST_NAME),
@@ -328,6 +376,35 @@ class CertifiedWriter(StorageWriter):
         assert self.ledger is not None  # finish commits only with a ledger
         self.ckpt_id = commit_saved(Ledger(self.ledger), whole, fields)
 
+    def _complete(self, manifest: Manifest, fields: RecordFields) -> None:
+        """A retry's end: the checkpoint an earlier attempt left is committed when it holds the state
+        this save fingerprinted (``manifest``, whose files were not written) and reads back whole;
+        anything else is refused, and nothing in the directory has changed either way."""
+        assert self._held is not None and self.ledger is not None  # prepare_global_plan set it, with a ledger
+        held, info = self._held
+        why = state_mismatch(manifest, held)
+        if why is not None:
+            raise CheckpointExistsError(
+                f"{self.path}: an earlier save left a certified checkpoint of another state here ({why}); nothing"
+                " was written: save this state to a new directory"
+            )
+        report = verify_checkpoint(self.path)
+        if not report.ok:
+            raise CheckpointExistsError(
+                f"{self.path}: an earlier save of this state is here but does not read back whole"
+                f" ({report.problems[0].message}); nothing was written: save to a new directory"
+            )
+        self.manifest = held
+        saved = SaveResult(
+            location=join(self.path, MANIFEST_NAME),
+            nbytes=info.nbytes,
+            state_fp=info.record.state_fp,
+            tensors=1,
+            seconds=0.0,
+            header_digest=info.record.header_digest,
+        )
+        self._commit(saved, held, fields)
+
     def _refuse_unagreed(self, manifest: Manifest) -> None:
         # The replicas agreed on one state and another is being written (changed in between, or a
         # different state dict): a checkpoint carrying that agreement would be a false witness.
@@ -355,6 +432,26 @@ class CertifiedWriter(StorageWriter):
         return isinstance(checkpoint_id, (str, os.PathLike))
 
     # --- the shard file -----------------------------------------------------------------------
+
+    def _fingerprint_shard(self, shard: _Shard, file_name: str) -> list[WriteResult]:
+        """A retry's part of a rank: each chunk's contribution to its tensor's fingerprint, nothing
+        written (the results name no file bytes: the coordinator only compares the state)."""
+        raws = {
+            name: tensor_contribution(
+                t, offsets=shard.chunks[name]["offsets"], global_shape=shard.chunks[name]["shape"]
+            )
+            for name, t in shard.tensors.items()
+        }
+        return [
+            WriteResult(
+                index=item.index,
+                size_in_bytes=0,
+                storage_data=ShardRef(
+                    file=file_name, entry=name, raw=hex64(raws[name]), rank=self.rank, file_bytes=0, header_digest=""
+                ),
+            )
+            for item, name in shard.item_entry
+        ]
 
     def _write_shard(self, shard: _Shard, file_name: str) -> list[WriteResult]:
         # Each chunk needs its own fingerprint (the format writer computes it while it writes) and

@@ -35,7 +35,7 @@ from certckpt.errors import (
     UntrustedCheckpointError,
 )
 from certckpt.format.companions import companion_listing
-from certckpt.storage import LEDGER_DIR
+from certckpt.storage import LEDGER_DIR, storage_for
 from certckpt.trust.certify import Level, accept_level
 from certckpt.trust.coverage import lineage_of, parents_of
 from certckpt.trust.runstore import StoreStatus, certify_store, check_file, find_latest_good
@@ -112,12 +112,24 @@ def _model_signing() -> Any:
     return model_signing
 
 
+def is_run_store(location: str) -> bool:
+    """Whether the directory or prefix ``location`` (a path or URL) holds a ledger."""
+    if "://" not in location:
+        return os.path.isdir(os.path.join(location, LEDGER_DIR))
+    return not location.endswith(".safetensors") and storage_for(location).exists(LEDGER_DIR)
+
+
 def enclosing_store(path: str) -> str | None:
-    """The run store holding a local checkpoint file: the nearest directory (up to 3 up) with a ledger."""
-    here = os.path.abspath(path)
+    """The run store holding a checkpoint file or directory (a path or URL): the nearest directory or
+    prefix (up to 3 up) with a ledger."""
+    remote = "://" in path
+    here = path.rstrip("/") if remote else os.path.abspath(path)
     for _ in range(3):
-        here = os.path.dirname(here)
-        if os.path.isdir(os.path.join(here, LEDGER_DIR)):
+        up = here.rsplit("/", 1)[0] if remote else os.path.dirname(here)
+        if up == here or (remote and (up.endswith(":/") or "://" not in up)):
+            return None  # above the root (a bucket's, or the filesystem's)
+        here = up
+        if is_run_store(here):
             return here
     return None
 
@@ -125,7 +137,7 @@ def enclosing_store(path: str) -> str | None:
 def _choose(ckpt: str, store: str | None, level: Level) -> tuple[StoreStatus, str, str | None]:
     """The store's certified status, the checkpoint to release (its bytes are checked on the copy
     that is released) and, when ``ckpt`` named one weight file of a checkpoint directory, that file."""
-    if store is None and "://" not in ckpt and os.path.isdir(os.path.join(ckpt, LEDGER_DIR)):
+    if store is None and is_run_store(ckpt):
         status, cid = find_latest_good(ckpt, accept=level, write_certificates=False)
         if cid is None:
             verified = [c for c in status.certification.verified_order if status.snapshot.available(c)]

@@ -12,22 +12,25 @@ auditor's, the DCP writer's and every framework integration's.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from typing import Any
 
 from certckpt.errors import ArgumentTypeError, CheckpointExistsError, ConfigurationError
 from certckpt.format.asyncsave import AsyncSaver, SaveFuture, default_saver
+from certckpt.format.fingerprinting import fingerprint_many
 from certckpt.format.reader import warn_ignored
-from certckpt.format.record import RecordFields
+from certckpt.format.record import RecordFields, state_fingerprint
 from certckpt.format.signing import SigningKey, signing_key_for
-from certckpt.format.writer import SaveResult, save_certified
+from certckpt.format.verify import verify
+from certckpt.format.writer import SaveJob, SaveResult, save_certified
 from certckpt.format.writer import save as plain_save
 from certckpt.storage import resolve, storage_of
 
 from .ledger import Ledger, ckpt_id_for, is_ckpt_id
 
-__all__ = ["save", "async_save", "commit_saved", "check_commit_target", "name_taken"]
+__all__ = ["save", "async_save", "commit_saved", "check_commit_target", "earlier_save", "name_taken"]
 
 _NOT_GIVEN = object()  # torch.save's pickle options: forwarded only when the caller passed them
 
@@ -54,7 +57,8 @@ def save(
     Without ``ledger`` this is ``torch.save``'s drop-in (see ``certckpt.format.writer.save``): an
     existing file is replaced atomically unless it is certified. With ``ledger``, the file is
     create-only and its commit record goes to that run store's ledger, so ``certckpt status`` lists
-    it and ``certckpt latest-good --accept verified`` can answer it.
+    it and ``certckpt latest-good --accept verified`` can answer it. Run again after it failed between
+    the file and its commit, it finds its own file (this state, these fields) and commits it.
 
     Args:
         obj: what ``torch.save`` takes (see ``certckpt.format.writer.save``).
@@ -115,9 +119,46 @@ def save(
     try:
         result = save_certified(obj, location, fields=fields, metadata=metadata, overwrite=False, signing_key=key)
     except CheckpointExistsError as e:
-        raise name_taken(location, led.store) from e
+        # The same save run again after it stopped before its commit (or after it, its answer lost)
+        # finds its own file there: committing that completes it. Any other file keeps the name.
+        earlier = earlier_save(obj, location, fields=fields, metadata=metadata)
+        if earlier is None:
+            raise name_taken(location, led.store) from e
+        result = earlier
     commit_saved(led, result, fields)
     return result
+
+
+def earlier_save(
+    obj: Any, location: str, *, fields: RecordFields, metadata: dict[str, str] | None
+) -> SaveResult | None:
+    """The file at ``location`` as a ``SaveResult`` when it is the one saving ``obj`` with these
+    fields and metadata writes (the same state fingerprint, the same record fields) and every byte of
+    it reads back as written; else None. Reads the whole file and fingerprints ``obj``: a retry's cost."""
+    report = verify(location)
+    if not report.ok or report.info is None:
+        return None
+    record = report.info.record
+    same = {k: v for k, v in fields.as_kwargs().items() if _data(getattr(record, k)) == _data(v)}
+    if len(same) != len(fields.as_kwargs()) or record.user != dict(metadata or {}):
+        return None
+    job = SaveJob(obj, fields=fields, metadata=metadata)  # the object flattened as a save stores it
+    fps = fingerprint_many(s.tensor for s in job.stored)
+    if state_fingerprint({s.name: f"{fp:016x}" for s, fp in zip(job.stored, fps)}) != record.state_fp:
+        return None
+    return SaveResult(
+        location=location,
+        nbytes=report.info.nbytes,
+        state_fp=record.state_fp,
+        tensors=len(job.stored),
+        seconds=0.0,
+        header_digest=record.header_digest,
+    )
+
+
+def _data(value: Any) -> str:
+    # a field as the record stores it (JSON: a tuple given is a list read back)
+    return json.dumps(value, sort_keys=True)
 
 
 def _ledger_target(
@@ -257,8 +298,10 @@ def commit_saved(
 
     Raises:
         ConfigurationError: ``fields`` has no branch or no step.
-        CheckpointExistsError: ``branch@step`` is committed already (to another file); the file
+        CheckpointExistsError: ``branch@step`` has a commit record of another checkpoint; the file
             just written stays uncommitted (``certckpt status`` lists it, ``certckpt gc`` ignores it).
+            A record of this very checkpoint (an earlier attempt of this commit, killed before its
+            chain entry) is completed instead (``Ledger.commit_checkpoint``).
 
     Example:
         >>> commit_saved(ledger, result, RecordFields(step=100, run="r1", branch="main"), flush=sink.flush)
@@ -302,7 +345,4 @@ def _commit(
             nbytes=result.nbytes,
         )
     except CheckpointExistsError as e:
-        raise CheckpointExistsError(
-            f"{ledger.store}: {ckpt_id_for(branch, step)} is committed already; {result.location} was written "
-            "but is not committed: save under a new step or branch"
-        ) from e
+        raise CheckpointExistsError(f"{e} ({result.location} was written but is not committed)") from e

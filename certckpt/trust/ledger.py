@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import re
 import secrets
@@ -71,7 +72,16 @@ from .factcache import FactsCache
 from .records import KINDS, CommitRecord, HoldingRecord, KeptRecord, is_ckpt_id, is_plain_name
 from .snapshot import MAX_SMALL_RECORD_BYTES, SOURCES_DIR, LedgerSnapshot, read_snapshot
 
-__all__ = ["Ledger", "LedgerSink", "LedgerSnapshot", "ckpt_id_for", "is_ckpt_id", "LEDGER_DIR", "VAULT_MARK"]
+__all__ = [
+    "Ledger",
+    "LedgerSink",
+    "LedgerSnapshot",
+    "commit_mismatch",
+    "ckpt_id_for",
+    "is_ckpt_id",
+    "LEDGER_DIR",
+    "VAULT_MARK",
+]
 
 # LEDGER_DIR and VAULT_MARK (a vault's ledger: {"kind": "certckpt-vault", "run", "source"}) are defined
 # by the file layer, which must respect them too (a plain save never replaces a vault copy).
@@ -111,6 +121,28 @@ class _Chain:
 
 def _dumps(doc: Mapping[str, object]) -> bytes:
     return (json.dumps(doc, separators=(",", ":"), sort_keys=True) + "\n").encode("utf-8")
+
+
+def commit_mismatch(held: bytes, doc: Mapping[str, Any], *, dumps: Callable[[Mapping[str, Any]], bytes]) -> str | None:
+    """Why the commit record ``held`` (bytes found under a checkpoint's name) is not the record ``doc``
+    written at another time, or None when it is: every field but ``committed_at`` the same, and the
+    very bytes ``dumps`` (this writer, its key) makes of ``doc`` at the held record's commit time.
+    A retry of a commit whose record was written, and whose chain entry was not, finds such a record."""
+    try:
+        got = json.loads(held)
+    except (ValueError, RecursionError):
+        return "it is not readable JSON"
+    if not isinstance(got, dict):
+        return "it is not a JSON object"
+    when = got.get("committed_at")
+    if isinstance(when, bool) or not isinstance(when, (int, float)) or not math.isfinite(when):
+        return "its commit time is not a number"
+    differ = [k for k in sorted((doc.keys() | got.keys()) - {"committed_at", "sig"}) if got.get(k) != doc.get(k)]
+    if differ:
+        return "; ".join(f"its {k} is {str(got.get(k))[:80]!r}, not {str(doc.get(k))[:80]!r}" for k in differ[:3])
+    if dumps({**doc, "committed_at": when}) != held:
+        return "it is signed by another key, or not signed as this writer signs"
+    return None
 
 
 _Key = TypeVar("_Key")
@@ -342,7 +374,18 @@ class Ledger:
     ) -> str:
         """Write the commit record that makes a published checkpoint exist; returns its id. The
         first writer of the record says so in the log (``certckpt.log``): one line per commit,
-        whatever wrote it (a session, an integration, ``certckpt.save``)."""
+        whatever wrote it (a session, an integration, ``certckpt.save``).
+
+        A commit is its record sealed by a chain entry; a record nothing seals counts for nothing.
+        Run again after a failure (the record written, its chain entry not), it finds the earlier
+        attempt's record, the same in every field but its commit time, and seals it: the commit is
+        completed, with the time it was first made. Run again after it succeeded, it seals the
+        record once more and changes nothing else.
+
+        Raises:
+            CheckpointExistsError: a record of another checkpoint (another file, fingerprint, run,
+                parent...) holds ``branch@step``; nothing is written.
+        """
         _check_name("branch", branch)
         cid = ckpt_id_for(branch, step)
         doc = {
@@ -359,7 +402,35 @@ class Ledger:
             "bytes": nbytes,
             "committed_at": time.time(),
         }
-        if self._put("checkpoints", f"{cid}.json", self._dumps(doc), branch=branch):
+        name = _record_name(f"{cid}.json")
+        data = self._dumps(doc)
+        self.chained()  # a new ledger gets its genesis before its first record
+        try:
+            written = put_once(join(self.root, "checkpoints", name), data)
+        except CheckpointExistsError:
+            # A record is there already. An earlier attempt of this very commit (killed between its
+            # record and its chain entry, or its answer lost) wrote the same description at another
+            # time: sealing those bytes completes it. Anything else is refused, and nothing is replaced.
+            held = self._read_optional(f"checkpoints/{name}")
+            why = "it cannot be read" if held is None else commit_mismatch(held, doc, dumps=self._dumps)
+            if why is not None:
+                raise CheckpointExistsError(
+                    f"{self.store}: {cid} has a commit record already, of another checkpoint ({why}); a record "
+                    "is never replaced: commit this checkpoint under a new step or branch"
+                ) from None
+            assert held is not None  # no bytes are no match
+            self._seal(scope_of("checkpoints", branch), [("checkpoints", name, held)])
+            COMMIT.info(
+                "completed the commit of checkpoint %s (step %d of branch %s) in %s: its record was written by an "
+                "earlier attempt",
+                cid,
+                step,
+                branch,
+                self.store,
+            )
+            return cid
+        self._seal(scope_of("checkpoints", branch), [("checkpoints", name, data)])
+        if written:
             COMMIT.info("committed checkpoint %s (step %d of branch %s) in %s", cid, step, branch, self.store)
         return cid
 

@@ -292,6 +292,48 @@ def test_shard_files_of_an_unfinished_save_are_replaced(tmp_path):
     assert verify_checkpoint(url).ok
 
 
+def test_a_save_stopped_before_its_commit_is_completed_by_running_it_again_and_another_state_is_refused(
+    tmp_path, monkeypatch
+):
+    import certckpt.trust.ledger as ledger_module
+    from certckpt.trust.runstore import certify_store, find_latest_good
+
+    store, url = str(tmp_path / "run"), str(tmp_path / "run" / "step5")
+    real = ledger_module.put_once
+
+    def no_chain_entry(location, data):  # the commit record lands, its chain entry never does
+        if "/chains/" in location:
+            raise certckpt.StorageError(f"{location}: connection reset")
+        return real(location, data)
+
+    with monkeypatch.context() as m:
+        m.setattr(ledger_module, "put_once", no_chain_entry)
+        with pytest.raises(dcp.CheckpointException, match="connection reset"):
+            dcp.save(_state(), storage_writer=CertifiedWriter(url, ledger=store, run="r1", step=5), no_dist=True)
+    files = {n: os.stat(os.path.join(url, n)).st_mtime_ns for n in os.listdir(url)}
+    st = certify_store(store, write_certificates=False)
+    assert st.snapshot.checkpoints == [] and st.uncommitted == [url]  # a whole directory, committed by nothing
+    # another state, or the same state with other fields, is not this save's: refused, nothing written
+    refused = r"another state here \(state fingerprint \w+, this save.s \w+\); nothing was written"
+    with pytest.raises(dcp.CheckpointException, match=refused):
+        dcp.save(_state(1), storage_writer=CertifiedWriter(url, ledger=store, run="r1", step=5), no_dist=True)
+    with pytest.raises(dcp.CheckpointException, match="not one this save wrote .*run='r1'"):
+        dcp.save(_state(), storage_writer=CertifiedWriter(url, ledger=store, run="r2", step=5), no_dist=True)
+    assert {n: os.stat(os.path.join(url, n)).st_mtime_ns for n in os.listdir(url)} == files
+    # the same save again: nothing is written, the checkpoint there is committed
+    writer = CertifiedWriter(url, ledger=store, run="r1", step=5)
+    dcp.save(_state(), storage_writer=writer, no_dist=True)
+    assert writer.ckpt_id == "main@5" and writer.manifest == read_manifest(url)[0]
+    assert {n: os.stat(os.path.join(url, n)).st_mtime_ns for n in os.listdir(url)} == files
+    status, good = find_latest_good(store, accept="verified", write_certificates=False)
+    assert good == "main@5" and status.uncommitted == [] and status.snapshot.breaks == []
+    # once committed, the same save again changes nothing; another state is still refused
+    dcp.save(_state(), storage_writer=CertifiedWriter(url, ledger=store, run="r1", step=5), no_dist=True)
+    with pytest.raises(dcp.CheckpointException, match="another state"):
+        dcp.save(_state(2), storage_writer=CertifiedWriter(url, ledger=store, run="r1", step=5), no_dist=True)
+    assert [c.ckpt_id for c in certify_store(store, write_certificates=False).snapshot.checkpoints] == ["main@5"]
+
+
 def _flip_at(path, offset, mask=0x04):
     with open(path, "r+b") as fh:
         fh.seek(offset)

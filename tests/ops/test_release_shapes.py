@@ -161,6 +161,21 @@ def test_release_of_every_checkpoint_shape_single_file_and_lightning(keys, tmp_p
     assert _equal(_released(rel), state["state_dict"])
 
 
+def test_release_from_an_s3_run_store_its_latest_good_or_a_checkpoint_by_url(s3_bucket, keys, tmp_path):
+    store = f"{s3_bucket}/run"
+    torch.manual_seed(0)
+    weights = {5: torch.nn.Linear(4, 3).state_dict(), 10: torch.nn.Linear(4, 3).state_dict()}
+    for step, w in weights.items():
+        certckpt.save({"model": w}, f"{store}/s{step}.safetensors", ledger=store, step=step)
+    rel = make_release(store, key=keys["key"], out=str(tmp_path / "latest"), accept="verified")
+    assert rel.ckpt_id == "main@10" and _equal(_released(tmp_path / "latest"), weights[10])
+    _signed_by(tmp_path / "latest", keys["pub"])
+    r = _release_cli(f"{store}/s5.safetensors", keys, tmp_path / "s5")  # the store around it, found
+    assert r.exit_code == 0, r.output
+    _signed_by(tmp_path / "s5", keys["pub"])
+    assert _equal(_released(tmp_path / "s5"), weights[5])
+
+
 # --- a DCP directory ------------------------------------------------------------------------------
 
 

@@ -166,7 +166,8 @@ def _wait_volumes(cluster: Cluster, n: int, *, seconds: float = 30) -> None:
 class FaultProxy:
     """A TCP proxy on 127.0.0.1 in front of ``target_port``.
 
-    ``arm(method, n)``: when the ``n``-th request of ``method`` (counted from the arming) arrives,
+    ``arm(method, n, path=...)``: when the ``n``-th request of ``method`` (counted from the arming;
+    with ``path``, of those whose path holds that text) arrives,
     ``hit`` is set and that request is held (not forwarded) until ``release()``: the test does its
     damage in between, tied to the request, never to a clock. ``cut_next(k)``: the next ``k``
     connections are closed as soon as they send anything (a dropped connection). ``delay``: seconds
@@ -180,7 +181,7 @@ class FaultProxy:
         self.lock = threading.Lock()
         self.hit = threading.Event()
         self._go = threading.Event()
-        self._armed: tuple[bytes, int] | None = None
+        self._armed: tuple[bytes, int, str] | None = None
         self._cut = 0
         self.delay = 0.0
         self.requests: list[tuple[str, str]] = []
@@ -191,11 +192,11 @@ class FaultProxy:
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def arm(self, method: str, n: int) -> None:
+    def arm(self, method: str, n: int, *, path: str = "") -> None:
         with self.lock:
             self.hit.clear()
             self._go.clear()
-            self._armed = (method.encode(), n)
+            self._armed = (method.encode(), n, path)
 
     def release(self) -> None:
         self._go.set()
@@ -258,8 +259,8 @@ class FaultProxy:
             with self.lock:
                 self.requests.append((method.decode(), path))
                 armed = self._armed
-                if armed and armed[0] == method:
-                    self._armed = (armed[0], armed[1] - 1) if armed[1] > 1 else None
+                if armed and armed[0] == method and armed[2] in path:
+                    self._armed = (armed[0], armed[1] - 1, armed[2]) if armed[1] > 1 else None
                     held = armed[1] == 1
                 else:
                     held = False

@@ -455,3 +455,25 @@ def test_a_conviction_rejudges_other_runs_and_refuses_the_device_until_cleared(t
     rates_doc = json.loads(CliRunner().invoke(main, ["fleet", "rates", "--json", "--fleet", args["fleet"]]).output)
     (rx,) = [r for r in rates_doc["devices"] if r["device"] == "gpu-x"]
     assert rx["detections"] == 1 and rx["device_steps"] >= 10
+
+
+def test_a_registry_on_s3_convicts_clears_and_is_broken_by_a_conviction_edited_in_place(s3_bucket, keys):
+    import s3fs
+
+    url, run = f"{s3_bucket}/fleet", f"{s3_bucket}/run"
+    _fleet(url, keys["writer"]).create()
+    _fleet(url, keys["writer"]).convict(device="gpu-x", inventory={"host": "node-x"}, evidence=EVIDENCE)
+    assert _fleet(url, keys["writer"]).register_store(run) and not _fleet(url, keys["writer"]).register_store(run)
+    view = Fleet(url).read()
+    assert view.stores == [run] and view.start_problem({"1": "gpu-x"}).startswith("rank 1 runs on device gpu-x")
+    appeal = _fleet(url, keys["alice"]).appeal("gpu-x", by="alice", reason="reseated")
+    _fleet(url, keys["bob"]).clear("gpu-x", approves=appeal["appeal_id"], by="bob", reason="ok")
+    view = Fleet(url).read()  # a write since the last read: read again, not taken from this reader's memory
+    assert view.start_problem({"1": "gpu-x"}) is None and view.devices["gpu-x"].status == "cleared"
+    # someone who can write the bucket moves the conviction onto another device: same name, new bytes
+    fs = s3fs.S3FileSystem()
+    (conv,) = fs.ls(f"{url}/_ledger/convictions", refresh=True)
+    doc = json.loads(fs.cat(conv))
+    fs.pipe(conv, json.dumps({**doc, "device": "gpu-other"}).encode())
+    problem = Fleet(url).read().start_problem({"0": "gpu-ok"})
+    assert problem is not None and "tampered" in problem

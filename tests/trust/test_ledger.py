@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -13,6 +14,7 @@ import certckpt
 from certckpt.trust.certify import CheckpointEntry
 from certckpt.trust.ledger import Ledger, LedgerSink
 from certckpt_cli.main import main
+from tests.support.helpers import event_dict
 
 
 def test_records_are_write_once_and_read_back(memroot):
@@ -201,3 +203,113 @@ def test_a_relative_file_location_that_climbs_out_of_the_store_is_invalid(tmp_pa
     path.write_text(json.dumps(doc))
     snap = led.snapshot()
     assert snap.records == {} and "climbs out of the store" in snap.invalid[0][1]
+
+
+def _killed_before_its_chain_entry(led: Ledger, monkeypatch, **commit) -> bytes:
+    """``led.commit_checkpoint(**commit)`` stopped where a crash stops it: its record written, the PUT of
+    its chain entry failed. Returns the record's bytes, nothing seals."""
+    import certckpt.trust.ledger as ledger_module
+    from certckpt.errors import StorageError
+
+    real = ledger_module.put_once
+
+    def put_once(location: str, data: bytes) -> bool:
+        if "/chains/" in location:
+            raise StorageError(f"{location}: connection reset (the gateway died)")
+        return real(location, data)
+
+    with monkeypatch.context() as m:
+        m.setattr(ledger_module, "put_once", put_once)
+        with pytest.raises(certckpt.StorageError, match="gateway died"):
+            led.commit_checkpoint(**commit)
+    return (Path(led.store) / "_ledger" / "checkpoints" / f"{commit['branch']}@{commit['step']}.json").read_bytes()
+
+
+def test_a_commit_killed_before_its_chain_entry_counts_for_nothing_and_running_it_again_completes_it(
+    tmp_path, monkeypatch, caplog
+):
+    import logging
+
+    from certckpt.trust.runstore import certify_store
+
+    store = str(tmp_path / "run")
+    commit = {"branch": "main", "step": 10, "location": f"{store}/main@10.safetensors", "consensus_fp": "ab" * 8}
+    led = Ledger(store, signing_key=None)
+    led.append_events([event_dict("main", 10, "nonfinite")])  # a run's audit events come before its commits
+    orphan = _killed_before_its_chain_entry(led, monkeypatch, **commit)
+    # what a reader sees meanwhile: no commit, no break, the unsealed record named as such
+    st = certify_store(store, write_certificates=False)
+    assert st.snapshot.breaks == [] and st.snapshot.checkpoints == []
+    assert any(r == "checkpoints/main@10.json" and "sealed by no chain entry" in why for r, why in st.snapshot.invalid)
+    with caplog.at_level(logging.INFO, logger="certckpt"):
+        assert Ledger(store, signing_key=None).commit_checkpoint(**commit) == "main@10"
+    assert any("completed the commit of checkpoint main@10" in r.getMessage() for r in caplog.records)
+    rec = Path(store) / "_ledger" / "checkpoints" / "main@10.json"
+    assert rec.read_bytes() == orphan  # adopted as written: its first commit time stays
+    (entry,) = certify_store(store, write_certificates=False).snapshot.checkpoints
+    assert entry.ckpt_id == "main@10" and entry.committed_at == json.loads(orphan)["committed_at"]
+    # a retry of a commit that had succeeded (its answer lost) changes nothing but one more seal
+    assert Ledger(store, signing_key=None).commit_checkpoint(**commit) == "main@10"
+    st = certify_store(store, write_certificates=False)
+    assert st.snapshot.breaks == [] and [c.ckpt_id for c in st.snapshot.checkpoints] == ["main@10"]
+
+
+def test_an_unsealed_record_of_another_checkpoint_is_never_adopted_nor_replaced(tmp_path, monkeypatch):
+    from certckpt.format.signing import SigningKey, generate_key
+
+    store = str(tmp_path / "run")
+    commit = {"branch": "main", "step": 10, "location": f"{store}/main@10.safetensors", "consensus_fp": "ab" * 8}
+    orphan = _killed_before_its_chain_entry(Ledger(store, signing_key=None), monkeypatch, **commit)
+    chains = sorted(p.relative_to(tmp_path) for p in (Path(store) / "_ledger" / "chains").rglob("*"))
+    for other, named in (
+        ({"consensus_fp": "cd" * 8}, "its consensus_fp is 'abababababababab', not 'cdcdcdcdcdcdcdcd'"),
+        ({"location": f"{store}/other.safetensors"}, "its url is 'main@10.safetensors', not 'other.safetensors'"),
+        ({"run": "r2"}, "its run is 'None', not 'r2'"),
+    ):
+        with pytest.raises(certckpt.CheckpointExistsError, match="main@10 has a commit record already") as ei:
+            Ledger(store, signing_key=None).commit_checkpoint(**{**commit, **other})
+        assert named in str(ei.value) and "new step or branch" in str(ei.value)
+    # the same checkpoint, signed by a key that did not sign the record: not this writer's record either
+    key = SigningKey.load(generate_key(tmp_path / "keys" / "k")[0])
+    with pytest.raises(certckpt.CheckpointExistsError, match="signed by another key"):
+        Ledger(store, signing_key=key).commit_checkpoint(**commit)
+    # nothing replaced, nothing sealed: the name still holds the orphan, which still counts for nothing
+    assert (Path(store) / "_ledger" / "checkpoints" / "main@10.json").read_bytes() == orphan
+    assert sorted(p.relative_to(tmp_path) for p in (Path(store) / "_ledger" / "chains").rglob("*")) == chains
+    assert Ledger(store, signing_key=None).snapshot().checkpoints == []
+
+
+def test_certify_with_a_ledger_run_again_after_it_stopped_before_its_commit_completes_it(tmp_path, monkeypatch):
+    import torch
+
+    import certckpt.trust.ledger as ledger_module
+    from certckpt.trust.runstore import find_latest_good
+
+    store = tmp_path / "run"
+    store.mkdir()
+    src, other = tmp_path / "w.pt", tmp_path / "other.pt"
+    torch.save({"w": torch.arange(6.0)}, src)
+    torch.save({"w": torch.zeros(6)}, other)
+    real = ledger_module.put_once
+    for lost in ("/checkpoints/", "/chains/"):  # the commit record, or its chain entry, never lands
+        dest = str(store / f"lost-{lost.strip('/')}.safetensors")
+        step = 5 if lost == "/checkpoints/" else 10
+        args = ["certify", str(src), dest, "--ledger", str(store), "--step", str(step)]
+
+        def put_once(location, data, lost=lost):
+            if lost in location:
+                raise certckpt.StorageError(f"{location}: connection reset")
+            return real(location, data)
+
+        with monkeypatch.context() as m:
+            m.setattr(ledger_module, "put_once", put_once)
+            assert invoke(*args).exit_code != 0
+        good = find_latest_good(str(store), accept="verified", write_certificates=False)[1]
+        assert os.path.exists(dest) and good != f"main@{step}"  # the file is there, committed by nothing
+        # another file's content under the name: the name stays taken, one line, nothing written
+        r = invoke("certify", str(other), dest, "--ledger", str(store), "--step", str(step))
+        assert r.exit_code != 0 and "already exists under this name" in r.output and "Traceback" not in r.output
+        r = invoke(*args)  # the same command again completes the commit
+        assert r.exit_code == 0 and f"as main@{step}" in r.output, r.output
+        status, good = find_latest_good(str(store), accept="verified", write_certificates=False)
+        assert good == f"main@{step}" and status.entry(good).url == dest and status.uncommitted == []

@@ -20,8 +20,8 @@ def test_log_lines_a_commit_says_so_once_whatever_wrote_it(tmp_path, caplog):
     led = Ledger(str(tmp_path), signing_key=None)
     with caplog.at_level(logging.INFO, logger="certckpt"):
         led.commit_checkpoint(branch="main", step=5, location=str(tmp_path / "m5.safetensors"))
-        with pytest.raises(CheckpointExistsError):  # a second record under the name: refused, not logged
-            led.commit_checkpoint(branch="main", step=5, location=str(tmp_path / "m5.safetensors"))
+        with pytest.raises(CheckpointExistsError):  # another checkpoint under the name: refused, not logged
+            led.commit_checkpoint(branch="main", step=5, location=str(tmp_path / "other.safetensors"))
     lines = [r.getMessage() for r in caplog.records if r.name == "certckpt.commit"]
     assert lines == [f"committed checkpoint main@5 (step 5 of branch main) in {led.store}"]
 

@@ -87,7 +87,7 @@ def test_revoked_is_suspect_and_never_accepted(plain_run):
 
 
 def test_save_with_a_ledger_is_create_only_and_checks_its_options(plain_run, tmp_path):
-    with pytest.raises(certckpt.CheckpointExistsError, match="main@30 is committed already"):
+    with pytest.raises(certckpt.CheckpointExistsError, match="main@30 has a commit record already, of another"):
         certckpt.save({"w": torch.ones(1)}, os.path.join(plain_run, "other.safetensors"), ledger=plain_run, step=30)
     with pytest.raises(certckpt.CheckpointExistsError):  # the file name is taken: never replaced
         certckpt.save({"w": torch.ones(1)}, os.path.join(plain_run, "s10.safetensors"), ledger=plain_run, step=11)

@@ -21,7 +21,7 @@ import uuid
 
 import pytest
 
-from certckpt.errors import StorageError
+from certckpt.errors import CheckpointExistsError, StorageError
 from certckpt.trust.ledger import Ledger
 from certckpt.trust.runstore import certify_store
 from tests.support.helpers import console_script, event_dict
@@ -135,11 +135,6 @@ def test_gateway_killed_mid_promote_and_mid_prune_loses_nothing_and_a_rerun_comp
     assert sorted(kept, key=lambda c: int(c.split("@")[1]))[-2:] == ["main@25", "main@30"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open bug (issue 47): a commit killed between its record and its chain entry leaves an unsealed "
-    "record whose bytes (committed_at) differ from a retry's, so the retry raises CheckpointExistsError",
-)
 def test_gateway_killed_mid_ledger_commit_leaves_no_break_and_the_commit_can_be_made_again(cluster, s3):
     c, proxy = cluster
     store = f"s3://{s3}/run"
@@ -164,12 +159,97 @@ def test_gateway_killed_mid_ledger_commit_leaves_no_break_and_the_commit_can_be_
     t.join(300)
     assert failed and isinstance(failed[0], StorageError), failed
     c.start("s3")
+    orphan = led.read_raw("checkpoints", ["main@10.json"])  # the record reached the store; nothing seals it
+    assert list(orphan) == ["main@10.json"]
     st = certify_store(store, write_certificates=False)
     assert st.snapshot.breaks == [] and "main@10" not in st.certification.verdicts
-    # the same commit again (a retry of the crashed save) completes it
+    # the same commit again (a retry of the crashed save) completes it, adopting the record as written
     Ledger(store).commit_checkpoint(branch="main", step=10, location=f"{store}/main@10.safetensors", consensus_fp="f")
     st = certify_store(store, write_certificates=False)
     assert st.snapshot.breaks == [] and "main@10" in st.certification.verdicts
+    assert led.read_raw("checkpoints", ["main@10.json"]) == orphan
+    # another checkpoint under the name is refused, and replaces nothing
+    with pytest.raises(CheckpointExistsError, match="of another checkpoint"):
+        Ledger(store).commit_checkpoint(branch="main", step=10, location=f"{store}/other.safetensors")
+    assert led.read_raw("checkpoints", ["main@10.json"]) == orphan
+
+
+def _dcp_state() -> dict:
+    import torch
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    return {"model": m.state_dict(), "extra": {"epoch": 3}}
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_gateway_killed_mid_dcp_save_leaves_nothing_half_visible_and_the_save_can_be_made_again(cluster, s3):
+    """A certified DCP save to S3 with a ledger makes four PUTs: the shard file, the manifest, the commit
+    record, its chain entry. The gateway dies at each in turn (each attempt a retry of the one before,
+    the same state); after each, the run's latest good checkpoint is still the previous one, untouched,
+    and step 10 is no checkpoint of the run; the fifth attempt completes it, and it verifies."""
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    from certckpt.dcp import CertifiedWriter, verify_checkpoint
+    from certckpt.errors import CheckpointNotFoundError, NotACheckpointError
+    from certckpt.trust.runstore import find_latest_good
+
+    c, proxy = cluster
+    store = f"s3://{s3}/run"
+    state = _dcp_state()
+    dcp.save(state, storage_writer=CertifiedWriter(f"{store}/step5", ledger=store, step=5), no_dist=True)
+    previous = verify_checkpoint(f"{store}/step5")
+    assert previous.ok
+
+    def save() -> CertifiedWriter:
+        writer = CertifiedWriter(f"{store}/step10", ledger=store, step=10)
+        dcp.save(state, storage_writer=writer, no_dist=True)
+        return writer
+
+    # the PUT held while the gateway dies (it never lands), and what earlier attempts left in the store
+    points = [
+        ("/step10/shard-", set()),
+        ("/step10/manifest.safetensors", {"shard"}),
+        ("/_ledger/checkpoints/main%4010.json", {"shard", "manifest"}),
+        ("/_ledger/chains/", {"shard", "manifest", "record"}),
+    ]
+    for held, landed in points:
+        failed: list[BaseException] = []
+        proxy.arm("PUT", 1, path=held)
+        t = threading.Thread(target=_raises_into, args=(save, failed))
+        t.start()
+        try:
+            while not proxy.hit.wait(0.1) and t.is_alive():
+                pass
+            assert proxy.hit.is_set(), f"the save ended before its PUT of {held}: {failed}"
+            c.kill("s3")
+        finally:
+            proxy.release()
+        t.join(300)
+        assert failed, f"the save went on with the gateway dead ({held})"
+        c.start("s3")
+        st, good = find_latest_good(store, accept="verified", write_certificates=False)
+        assert good == "main@5" and "main@10" not in st.certification.verdicts, (held, good)
+        assert st.snapshot.breaks == [] and verify_checkpoint(f"{store}/step5").files == previous.files
+        if "manifest" in landed:  # a whole directory, which no commit names: listed as uncommitted
+            assert st.uncommitted == [f"{store}/step10"]
+        else:
+            with pytest.raises((NotACheckpointError, CheckpointNotFoundError)):  # no manifest: nothing to read
+                verify_checkpoint(f"{store}/step10")
+        assert ("record" in landed) == bool(Ledger(store).list_raw("checkpoints") == ["main@10.json", "main@5.json"])
+    writer = save()  # the fifth attempt completes the checkpoint the fourth left without its chain entry
+    assert writer.ckpt_id == "main@10"
+    st, good = find_latest_good(store, accept="verified", write_certificates=False)
+    assert good == "main@10" and st.snapshot.breaks == [] and st.uncommitted == []
+    assert verify_checkpoint(f"{store}/step10", deep=True).ok
+    r = cli("latest-good", store, "--accept", "verified")
+    assert r.returncode == 0 and r.stdout.strip().rstrip("/").endswith("run/step10"), r.stdout + r.stderr
+
+
+def _raises_into(fn, failed: list[BaseException]) -> None:
+    try:
+        fn()
+    except BaseException as e:  # the thread's failure, for the test to assert on
+        failed.append(e)
 
 
 def test_a_volume_server_lost_during_promote_and_restore_never_records_an_unreadable_copy(
