@@ -3,7 +3,8 @@
 ``triggers_world`` runs every scenario in one launched world of ranks, one after another, so that
 the tests pay for one start of torch.distributed: a clean run, one-time large faults between audits
 (backward and forward), a rate-limited run whose every step is flagged, and the same forced triggers
-through the hook points of a user's loop (``AuditSession``) and with gradient accumulation.
+through the hook points of a user's loop (``AuditSession``) and with gradient accumulation; and where
+no local gradient survives the all-reduce (no hand-over), the same with the buckets' sums of squares.
 """
 
 from __future__ import annotations
@@ -37,9 +38,10 @@ def _loss(model, batch):
     return F.mse_loss(model(batch[0]), batch[1])
 
 
-def _auditor(**options):
+def _auditor(*, ddp: dict | None = None, **options):
     m = _model()
-    return Auditor(DDP(m), torch.optim.SGD(m.parameters(), lr=0.05), loss_fn=_loss, sink=MemorySink(), **options)
+    model = DDP(m, **(ddp or {}))
+    return Auditor(model, torch.optim.SGD(m.parameters(), lr=0.05), loss_fn=_loss, sink=MemorySink(), **options)
 
 
 def _kinds(aud, kind):
@@ -64,8 +66,8 @@ def _clean(steps: int) -> dict:
     }
 
 
-def _one_time_fault(kind: str, step: int, scale: float) -> dict:
-    aud = _auditor(audit_every=10, injector_faults=[Fault(kind=kind, rank=1, step=step, scale=scale)])
+def _one_time_fault(kind: str, step: int, scale: float, **options) -> dict:
+    aud = _auditor(audit_every=10, injector_faults=[Fault(kind=kind, rank=1, step=step, scale=scale)], **options)
     out: dict = {"caught": None}
     for s in range(1, step + 3):
         try:
@@ -79,6 +81,8 @@ def _one_time_fault(kind: str, step: int, scale: float) -> dict:
                 "trigger": ev.details.get("trigger"),
                 "contained": ev.contained,
                 "incident": e.incident_id,
+                "compared": ev.details.get("compared"),
+                "mismatched": ev.details.get("mismatched"),
             }
             break
     aud.close()
@@ -130,15 +134,44 @@ def _session_loop(steps: int) -> dict:
 
 def _off_where_no_replay_can_run() -> dict:
     m = _model()
-    view = Auditor(DDP(m, gradient_as_bucket_view=True), torch.optim.SGD(m.parameters(), lr=0.05), loss_fn=_loss)
-    m = _model()
     deferred = Auditor(DDP(m), torch.optim.SGD(m.parameters(), lr=0.05), loss_fn=_loss, nonfinite_read="deferred")
     for s in range(1, 4):
-        view.train_step(_batch(s))
         deferred.train_step(_batch(s))
-    view.close()
     deferred.close()
-    return {"view": view.sentinels.off, "deferred": deferred.sentinels.off, "table": view.nonfinite.table}
+    return {"deferred": deferred.sentinels.off, "table": deferred.nonfinite.table}
+
+
+def _no_hand_over() -> dict:
+    """No local gradient survives the all-reduce: the triggered replays compare the buckets' sums of
+    squares. A large one-time backward fault is caught at its step; forced triggers on clean steps
+    pass, through gradient copies (``hand_over_grads=False``), bucket views with accumulation (the
+    sums taken at the sync micro-batch over the accumulated gradient), several buckets rebuilt after
+    the first step, and tolerance mode."""
+    out: dict = {"caught": _one_time_fault("backward", 13, 1e3, hand_over_grads=False)["caught"]}
+    setups = {
+        "copies": ({}, {"hand_over_grads": False}, False),
+        "views-accumulated": ({"gradient_as_bucket_view": True, "bucket_cap_mb": 0.0002}, {}, True),
+        "tolerance": ({"gradient_as_bucket_view": True}, {"mode": "tolerance"}, False),
+    }
+    for name, (ddp, options, micro) in setups.items():
+        aud = _auditor(ddp=ddp, audit_every=100, triggers=EAGER, **options)
+        for s in range(1, 6):
+            if micro:
+                aud.train_step(micro_batches=[_batch(3 * s + k) for k in range(3)])
+            else:
+                aud.train_step(_batch(s))
+        aud.close()
+        out[name] = {
+            "off": aud.sentinels.off,
+            "hand_over": aud.ctx.hook.hand_over,
+            "buckets": len(aud.ctx.hook.sumsq),
+            "triggered": _kinds(aud, "triggered-replay"),
+            "compared": [e.details.get("compared") for e in aud.sink.events if e.kind == "triggered-replay"]
+            if dist.get_rank() == 0
+            else None,
+            "failures": [e.kind for e in aud.sink.events if e.failed] if dist.get_rank() == 0 else None,
+        }
+    return out
 
 
 def triggers_world(args: dict) -> dict:
@@ -163,6 +196,8 @@ def triggers_world(args: dict) -> dict:
             out[name] = _session_loop(10)
         elif name == "off":
             out[name] = _off_where_no_replay_can_run()
+        elif name == "no-hand-over":
+            out[name] = _no_hand_over()
         out[name + "_seconds"] = time.perf_counter() - t0
         dist.barrier()
     return out
