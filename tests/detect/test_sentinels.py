@@ -335,8 +335,8 @@ def test_without_hand_over_a_triggered_replay_compares_the_buckets_sums_of_squar
     assert list(caught["mismatched"]) == ["1->2"]
     assert all(w["no-hand-over"]["caught"] == caught for w in world)
     # forced triggers on clean steps all pass: gradient copies; bucket views with accumulation and
-    # two buckets rebuilt after step 1; tolerance mode
-    for name in ("copies", "views-accumulated", "tolerance"):
+    # two buckets rebuilt after step 1; tolerance mode; an unused parameter; a static graph
+    for name in ("copies", "views-accumulated", "tolerance", "unused", "static"):
         got = res[name]
         assert (got["off"], got["hand_over"]) == (None, False), name
         assert got["triggered"] == [1, 5] and got["failures"] == [], name

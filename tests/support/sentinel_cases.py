@@ -28,6 +28,18 @@ def _model():
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
 
 
+class _WithSpare(torch.nn.Module):
+    """The test model with a layer the forward never uses (its bucket part stays zeros)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = _model()
+        self.spare = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.net(x)
+
+
 def _batch(step: int):
     g = torch.Generator().manual_seed(dist.get_rank() * 1000 + step)
     x = torch.randn(4, 8, generator=g)
@@ -38,8 +50,8 @@ def _loss(model, batch):
     return F.mse_loss(model(batch[0]), batch[1])
 
 
-def _auditor(*, ddp: dict | None = None, **options):
-    m = _model()
+def _auditor(*, ddp: dict | None = None, spare: bool = False, **options):
+    m = _WithSpare() if spare else _model()
     model = DDP(m, **(ddp or {}))
     return Auditor(model, torch.optim.SGD(m.parameters(), lr=0.05), loss_fn=_loss, sink=MemorySink(), **options)
 
@@ -146,12 +158,15 @@ def _no_hand_over() -> dict:
     squares. A large one-time backward fault is caught at its step; forced triggers on clean steps
     pass, through gradient copies (``hand_over_grads=False``), bucket views with accumulation (the
     sums taken at the sync micro-batch over the accumulated gradient), several buckets rebuilt after
-    the first step, and tolerance mode."""
+    the first step, tolerance mode, an unused parameter (``find_unused_parameters``) and a static
+    graph."""
     out: dict = {"caught": _one_time_fault("backward", 13, 1e3, hand_over_grads=False)["caught"]}
     setups = {
         "copies": ({}, {"hand_over_grads": False}, False),
         "views-accumulated": ({"gradient_as_bucket_view": True, "bucket_cap_mb": 0.0002}, {}, True),
         "tolerance": ({"gradient_as_bucket_view": True}, {"mode": "tolerance"}, False),
+        "unused": ({"find_unused_parameters": True}, {"spare": True}, False),
+        "static": ({"static_graph": True}, {}, False),
     }
     for name, (ddp, options, micro) in setups.items():
         aud = _auditor(ddp=ddp, audit_every=100, triggers=EAGER, **options)
