@@ -9,6 +9,7 @@ no local gradient survives the all-reduce (no hand-over), the same with the buck
 
 from __future__ import annotations
 
+import importlib
 import time
 
 import torch
@@ -214,6 +215,61 @@ def triggers_world(args: dict) -> dict:
         elif name == "no-hand-over":
             out[name] = _no_hand_over()
         out[name + "_seconds"] = time.perf_counter() - t0
+        dist.barrier()
+    return out
+
+
+def outcome(session, error) -> dict:
+    """What an integration's session did: the detection raised (None: none), the triggered replays
+    that ran (and passed: a failed one raises), and whether the sentinels ran without hand-over."""
+    caught = None
+    if error is not None:
+        ev = error.event
+        trigger = ev.details.get("trigger") or {}
+        caught = {
+            "kind": ev.kind,
+            "step": ev.step,
+            "suspects": list(ev.suspect_ranks),
+            "flagged": trigger.get("flagged"),
+            "compared": ev.details.get("compared"),
+        }
+    return {
+        "caught": caught,
+        "triggered": session.state.triggered_replays,
+        "off": session.sentinels.off,
+        "hand_over": session.ctx.hook.hand_over,
+    }
+
+
+FAMILIES = {"accelerate": "accelerate_cases", "lightning": "lightning_cases", "transformers": "hf_cases"}
+
+
+def integrations_world(args: dict) -> dict:
+    """The triggered replays of the Accelerate, Lightning and Trainer integrations (their DDP runs
+    hand no gradient over), in one launched world: per family, a one-time backward fault of 1e3 on
+    rank 1 at step 13 with the default triggers, then a clean run whose every step is flagged."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    fault = {"kind": "backward", "rank": 1, "step": 13, "scale": 1e3}
+    forced = {"mad_threshold": 1e-9, "band": 1e-9, "floor": 1e-9, "warmup_steps": 1, "min_interval": 4}
+    out: dict = {}
+    for family in args["families"]:
+        module = importlib.import_module(f"tests.support.{FAMILIES[family]}")
+        where = f"{args['dir']}/{family}"
+        t0 = time.perf_counter()
+        out[family] = {
+            "fault": module.triggered(
+                {"project": where + "-fault", "dir": where + "-fault", "out": where + "-fault", "faults": [fault]}
+                | {"max_steps": 13}
+            ),
+            "clean": module.triggered(
+                {"project": where + "-clean", "dir": where + "-clean", "out": where + "-clean", "triggers": forced}
+                | {"max_steps": 5}
+            ),
+        }
+        out[family + "_seconds"] = time.perf_counter() - t0
+        AcceleratorState._reset_state(True)  # the Trainer runs on Accelerate's process-wide singletons too
+        GradientState._reset_state()
         dist.barrier()
     return out
 
