@@ -1,8 +1,9 @@
 """The DDP communication hook behind the non-finite checks, and its per-step state.
 
 The hook performs each bucket's all-reduce itself: before it, the local gradients' non-finite flag
-(eagerly, or lazily from ``.grad`` once the reduced bucket comes back non-finite) and, on audit
-steps, their signatures; after it, the reduced bucket's flag and, where DDP would copy the reduced
+(eagerly, or lazily from ``.grad`` once the reduced bucket comes back non-finite), with the
+sentinels the bucket's sum of squares (and, once per bucket buffer, its layout: ``buckets.py``) and,
+on audit steps, their signatures; after it, the reduced bucket's flag and, where DDP would copy the reduced
 bucket into ``.grad``, the hand-over of ``.grad`` to its view of the bucket. The sums stay on the
 device; the auditor tests them once per step (``Auditor._read_flags``).
 """
