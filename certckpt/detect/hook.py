@@ -1,8 +1,9 @@
 """The DDP communication hook behind the non-finite checks, and its per-step state.
 
 The hook performs each bucket's all-reduce itself: before it, the local gradients' non-finite flag
-(eagerly, or lazily from ``.grad`` once the reduced bucket comes back non-finite) and, on audit
-steps, their signatures; after it, the reduced bucket's flag and, where DDP would copy the reduced
+(eagerly, or lazily from ``.grad`` once the reduced bucket comes back non-finite), with the
+sentinels the bucket's sum of squares (and, once per bucket buffer, its layout: ``buckets.py``) and,
+on audit steps, their signatures; after it, the reduced bucket's flag and, where DDP would copy the reduced
 bucket into ``.grad``, the hand-over of ``.grad`` to its view of the bucket. The sums stay on the
 device; the auditor tests them once per step (``Auditor._read_flags``).
 """
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from .buckets import BucketLayout, layout_of, sum_of_squares
 from .inject import Injector
 from .signature import Probes, signature
 from .timing import span
@@ -68,9 +70,11 @@ class HookState:
         # ``(parameter, its local gradient)`` for each gradient handed over: the local gradients
         # stay alive until the next step, so a triggered replay can still sign them
         self.kept: list[tuple[torch.Tensor, torch.Tensor]] = []
-        # Sentinels (``trigger.SentinelCheck``): each bucket's local sum of squares, by bucket index.
+        # Sentinels (``trigger.SentinelCheck``): each bucket's local sum of squares, by bucket index,
+        # and each bucket's layout, by which a triggered replay without hand-over recomputes them.
         self.sentinels = sentinels
         self.sumsq: list[tuple[int, torch.Tensor]] = []
+        self.layouts: dict[int, BucketLayout] = {}
         # Micro-batch steps: the factor (1 / world) the hook applies to each bucket before its
         # all-reduce, as DDP's own hook does; None when the loss already carries the averaging.
         self.average: float | None = None
@@ -102,7 +106,13 @@ class HookState:
                 g = buf.as_strided(p.size(), p.stride(), g.storage_offset())
             views.append(g)
         self.views[bucket.index()] = (key, params, views)
+        self.layouts[bucket.index()] = layout_of(bucket.index(), buf, [self.index[id(p)] for p in params], views)
         return params, views
+
+    def step_layouts(self) -> list[BucketLayout]:
+        """The layouts of the buckets reduced at this step (by index; a bucket rebuilt since
+        has a new layout, and an index no longer used is not among this step's)."""
+        return [self.layouts[i] for i in sorted({i for i, _ in self.sumsq})]
 
     def handed_over_intact(self) -> bool:
         """Does each bucket's first gradient still view the reduced bucket after backward?
@@ -137,17 +147,6 @@ def any_nonfinite(sums: list[torch.Tensor]) -> torch.Tensor:
         return torch.zeros((), dtype=torch.bool)
     both = sums[0] if len(sums) == 1 else torch.stack(sums)
     return ~torch.isfinite(both).all()
-
-
-def sum_of_squares(buf: torch.Tensor) -> torch.Tensor:
-    """A float32 0-dim tensor: the sum of the squares of ``buf`` (a sentinel; no host sync).
-
-    A dot product: one read of the bucket without a temporary. It overflows to inf for an element
-    near 1e19 or larger, which the sentinels read as an outlier (such a gradient is one).
-    """
-    if buf.dtype in (torch.float32, torch.float64) and buf.dim() == 1:
-        return torch.dot(buf, buf).to(torch.float32)
-    return torch.linalg.vector_norm(buf, dtype=torch.float32).square()
 
 
 def nonfinite_flag(buf: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from .agreement import refuse_together
 from .attribution import arbitration_plan, attribute_replay, ring_pairs
+from .buckets import BucketLayout, BucketSquares, TrainedSquares, squares_match
 from .consensus import WeightConsensus
 from .context import CheckContext
 from .exchange import recv_payload, send_payload
@@ -52,11 +53,15 @@ class _ReplaySigner:
     One batch: each gradient is signed by its tensor hook (small ones batched, up to
     SIGN_BATCH_BYTES, into one launch). Several micro-batches: the hook adds each gradient into
     a per-parameter accumulator (``acc``) in micro-batch order, signed at the end. ``finite``: each
-    row is a non-finite flag instead of a signature.
+    row is a non-finite flag instead of a signature. ``buckets``: each gradient goes into its DDP
+    bucket instead, and the result is each bucket's sum of squares (a triggered replay without
+    hand-over, ``buckets.py``).
     """
 
-    def __init__(self, ctx: CheckContext, *, finite: bool, accumulate: bool) -> None:
-        self.ctx, self.finite = ctx, finite
+    def __init__(
+        self, ctx: CheckContext, *, finite: bool, accumulate: bool, buckets: BucketSquares | None = None
+    ) -> None:
+        self.ctx, self.finite, self.buckets = ctx, finite, buckets
         self.rows: list[torch.Tensor | None] = [None] * len(ctx.params)
         self.acc: list[torch.Tensor | None] | None = [None] * len(ctx.params) if accumulate else None
         # Small gradients are signed in batches: on a GPU one launch per small parameter costs more
@@ -82,6 +87,9 @@ class _ReplaySigner:
             self.held = 0
 
     def sign_later(self, i: int, g: torch.Tensor) -> None:
+        if self.buckets is not None:
+            self.buckets.add(i, g)
+            return
         size = g.numel() * g.element_size()
         if not self.batched or size >= SIGN_ALONE_BYTES:
             self.rows[i] = self.sign(i, g)
@@ -129,7 +137,9 @@ class _ReplaySigner:
 
     def result(self) -> torch.Tensor:
         """The stacked rows (a parameter unused in the forward signs zeros, as DDP's bucket holds
-        them), or one flag with ``finite``."""
+        them), one flag with ``finite``, or the buckets' sums of squares with ``buckets``."""
+        if self.buckets is not None:
+            return self.buckets.result()
         rows = [
             r if r is not None else self.sign(i, torch.zeros_like(p))
             for i, (r, p) in enumerate(zip(self.rows, self.ctx.params))
@@ -159,6 +169,7 @@ class RingReplay:
         finite: bool = False,
         n_total: int | None = None,
         rngs: Sequence[dict[str, torch.Tensor]] | None = None,
+        layouts: Sequence[BucketLayout] | None = None,
     ) -> torch.Tensor:
         """Gradient signature of one step's micro-batches recomputed on this rank, leaving .grad and
         buffers alone.
@@ -181,10 +192,14 @@ class RingReplay:
         ``units`` is a sample of them (each loss is divided by the step's count, as in training).
         ``rngs``: the RNG state each micro-batch started with (a loop someone else runs may draw
         random numbers between micro-batches, e.g. in its data pipeline); default: ``rng`` once.
+        ``layouts``: return each of these DDP buckets' sum of squares instead, the replayed (and,
+        with micro-batches, accumulated) gradients laid out as DDP lays them into its buckets
+        (``buckets.BucketSquares``: one bucket's buffer alive while backward fills it).
         """
         ctx = self.ctx
         buffers = [b.detach().clone() for b in module.buffers()]
-        signer = _ReplaySigner(ctx, finite=finite, accumulate=len(units) > 1)
+        buckets = BucketSquares(layouts, device=ctx.device) if layouts is not None else None
+        signer = _ReplaySigner(ctx, finite=finite, accumulate=len(units) > 1, buckets=buckets)
         handles = [p.register_hook(signer.hook(i)) for i, p in enumerate(ctx.params)]
         try:
             self._forward_backward(module, units, micro, rng, s, n=n_total or len(units), rngs=rngs)
@@ -292,6 +307,25 @@ class RingReplay:
         """The signatures the hook took of this rank's local gradients, in parameter order."""
         return torch.stack([self.ctx.hook.local_sig[i] for i in range(len(self.ctx.params))])
 
+    def _comparison(self, layouts: Sequence[BucketLayout] | None) -> Callable[[torch.Tensor, torch.Tensor], list[bool]]:
+        """How two gathered rows are compared: signatures per parameter, or sums of squares per bucket."""
+        mode, rtol = self.ctx.options.mode.value, self.ctx.options.rtol
+        if layouts is not None:
+            return lambda a, b: squares_match(a, b, mode=mode, rtol=rtol)
+        return lambda a, b: matches(a, b, mode=mode, rtol=rtol)
+
+    def _labels(self, layouts: Sequence[BucketLayout] | None) -> list[str]:
+        """What each compared row is called in a failure's ``mismatched``: a parameter's name, or a
+        bucket with the first parameters it holds."""
+        names = self.ctx.param_names
+        if layouts is None:
+            return list(names)
+        out = []
+        for lay in layouts:
+            held = ", ".join(names[i] for i in lay.params[:3]) + (", ..." if len(lay.params) > 3 else "")
+            out.append(f"bucket {lay.index} ({held})")
+        return out
+
     @timed("replay_audit")
     def audit(
         self,
@@ -302,6 +336,7 @@ class RingReplay:
         payload: dict[str, Any],
         sampled: torch.Tensor | None = None,
         trigger: dict[str, Any] | None = None,
+        squares: TrainedSquares | None = None,
     ) -> bool:
         """Run the ring replay of ``prev`` (the previous rank's micro-batches and RNG state); returns
         whether the update may be applied.
@@ -311,9 +346,16 @@ class RingReplay:
         signatures of the step's local gradients). ``trigger``: the sentinels' reasons, when they
         asked for this replay between audits: a pass is then a ``triggered-replay`` event (no
         audit), a failure a ``replay`` failure like an audit's, carrying them as ``trigger``.
+        ``squares``: the buckets' sums of squares the hook took in training, compared (and
+        arbitrated) instead of signatures: a triggered replay where no local gradient survived the
+        all-reduce (``buckets.py``).
         """
         ctx = self.ctx
-        local = sampled if sampled is not None else self._local_signatures()
+        layouts = squares.layouts if squares is not None else None
+        if squares is not None:
+            local = squares.sums
+        else:
+            local = sampled if sampled is not None else self._local_signatures()
         replay = self.recompute(
             ctx.model.module,
             prev["units"],
@@ -322,15 +364,20 @@ class RingReplay:
             s,
             n_total=int(prev["n"]),
             rngs=prev.get("rngs"),
+            layouts=layouts,
         )
-        gathered = ctx.gather_rows(torch.stack([local, replay]))  # [W, 2, P, ...]
+        gathered = ctx.gather_rows(torch.stack([local, replay]))  # [W, 2, P, ...] (buckets: [W, 2, B])
+        same = self._comparison(layouts)
+        labels = self._labels(layouts)
         failed, mismatched = [], {}
         for origin, replayer in ring_pairs(ctx.world):
-            ok = matches(gathered[replayer][1], gathered[origin][0], mode=ctx.options.mode, rtol=ctx.options.rtol)
+            ok = same(gathered[replayer][1], gathered[origin][0])
             if not all(ok):
                 failed.append((origin, replayer))
-                mismatched[f"{origin}->{replayer}"] = [n for n, good in zip(ctx.param_names, ok) if not good][:10]
+                mismatched[f"{origin}->{replayer}"] = [n for n, good in zip(labels, ok) if not good][:10]
         extra: dict[str, Any] = {} if trigger is None else {"trigger": trigger}
+        if layouts is not None:
+            extra["compared"] = "sum of squares per bucket"
         if not failed:
             ctx.report.event(
                 "replay" if trigger is None else "triggered-replay",
@@ -349,7 +396,7 @@ class RingReplay:
         if not self.consensus.check(s - 1, found_by="replay precondition"):
             ctx.drop_grads()
             return False
-        arbitration = self._arbitrate(s, failed, payload, gathered)
+        arbitration = self._arbitrate(s, failed, payload, gathered, layouts=layouts)
         verdict = attribute_replay(ctx.world, failed, arbitration)
         ev = ctx.report.event(
             "replay",
@@ -374,9 +421,13 @@ class RingReplay:
         failed: list[tuple[int, int]],
         payload: dict[str, Any],
         gathered: list[torch.Tensor],
+        *,
+        layouts: Sequence[BucketLayout] | None = None,
     ) -> dict[tuple[int, int], str]:
-        """For each failed comparison no persistent fault explains, a third rank replays the batch."""
+        """For each failed comparison no persistent fault explains, a third rank replays the batch
+        (``layouts``: it recomputes the buckets' sums of squares, compared as the replay's were)."""
         ctx = self.ctx
+        same = self._comparison(layouts)
         results: dict[tuple[int, int], str] = {}
         for origin, replayer, arbiter in arbitration_plan(ctx.world, failed):
             if ctx.rank == origin:
@@ -402,13 +453,14 @@ class RingReplay:
                     s,
                     n_total=int(got["n"]),
                     rngs=got.get("rngs"),
+                    layouts=layouts,
                 ).cpu()
             else:
                 sig = torch.zeros_like(gathered[origin][1])
             wire = sig.to(ctx.wire_device)
             dist.broadcast(wire, dist.get_global_rank(ctx.group, arbiter), group=ctx.group)
             arb = wire.cpu()
-            with_origin = all(matches(arb, gathered[origin][0], mode=ctx.options.mode, rtol=ctx.options.rtol))
-            with_replayer = all(matches(arb, gathered[replayer][1], mode=ctx.options.mode, rtol=ctx.options.rtol))
+            with_origin = all(same(arb, gathered[origin][0]))
+            with_replayer = all(same(arb, gathered[replayer][1]))
             results[(origin, replayer)] = "origin" if with_origin else "replayer" if with_replayer else "neither"
         return results

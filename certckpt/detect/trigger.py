@@ -8,14 +8,22 @@ into one small float32 row, and the non-finite check exchanges those rows in its
 the step (``NonFiniteCheck``: an all-gather in place of its flag exchange; one host read). Every
 rank then holds the same table and runs the same pure decision (``sentinel.decide``), so every rank
 replays the same steps. A replay triggered at step s is the ring replay of an audit step, run at s
-before the update: the local gradients it compares are the ones the hook handed over to DDP
-(``HookState.kept``), signed only now.
+before the update, and compares one of two trained signatures:
+
+- with the hand-over, the local gradients the hook handed over to DDP (``HookState.kept``), signed
+  only now, as an audit signs them;
+- without it (``gradient_as_bucket_view=True``, ``hand_over_grads=False``, as the Accelerate,
+  Lightning and Trainer integrations run, ``find_unused_parameters``, static graphs) no local
+  gradient survives the all-reduce, and the signature is what the hook took of each bucket for the
+  sentinels anyway: its sum of squares. The replaying neighbour lays its replayed gradients out as
+  DDP's buckets (``HookState.layouts``) and sums their squares the same way; the sums are compared
+  by their 32 bits (tolerance mode: the bucket norms within ``rtol``), and arbitrated the same way
+  (``buckets.py``).
 
 Where a triggered replay cannot run, the sentinels are off and say why (``SentinelCheck.off``):
 a deferred non-finite read (the host learns of a step's scalars only after its update), a gradient
-scaler (its scale moves every norm), or a model whose local gradients do not survive the
-all-reduce (no hand-over: ``gradient_as_bucket_view=True``, ``hand_over_grads=False``,
-``find_unused_parameters``, static graphs, DDP mixed precision).
+scaler (its scale moves every norm), or DDP's own mixed precision (its buckets hold gradients of a
+low-precision forward the replay does not run).
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from typing import Any
 
 import torch
 
+from .buckets import TrainedSquares
 from .context import CheckContext
 from .exchange import RingShift
 from .hook import any_nonfinite
@@ -47,11 +56,10 @@ def sentinels_off(ctx: CheckContext) -> str | None:
         return "nonfinite_read='deferred' reads a step's scalars after its update, too late to replay it"
     if ctx.grad_scaler is not None:
         return "a gradient scaler moves every gradient norm with its scale"
-    if not ctx.hook.hand_over:
+    if getattr(ctx.model, "mixed_precision", None) is not None:
         return (
-            "the step's local gradients do not survive the all-reduce here (no hand-over of .grad: "
-            "gradient_as_bucket_view, hand_over_grads=False, find_unused_parameters, static graph or DDP mixed "
-            "precision), so a replay would have nothing to compare"
+            "DDP mixed precision: the buckets hold gradients of DDP's low-precision forward, which a replay through "
+            "the bare module does not run, so the two would not compare"
         )
     return None
 
@@ -149,19 +157,36 @@ class SentinelCheck:
             rows = signature(grads, mode=ctx.options.mode, probes=ctx.probes)
         hook.local_sig = dict(enumerate(rows))
 
+    def trained_squares(self) -> TrainedSquares:
+        """The step's buckets' sums of squares as the hook took them, with their layouts (no host
+        read). A bucket reduced twice in a step (a loop that syncs on every micro-batch) counts with
+        its last sum, the one its reduced gradient came from."""
+        hook = self.ctx.hook
+        last = dict(hook.sumsq)
+        sums = [last[i] for i in sorted(last)]
+        device = sums[0].device if sums else self.ctx.device
+        stacked = torch.stack(sums) if sums else torch.zeros(0, dtype=torch.float32, device=device)
+        return TrainedSquares(layouts=tuple(hook.step_layouts()), sums=stacked)
+
     def replay_now(self, s: int, units: list[Any], payload: dict[str, Any], decision: Decision) -> bool:
         """The ring replay of step s, before its update, because the sentinels flagged it (collective).
 
-        Returns whether the update may be applied (a failed replay is a detection like any other,
-        raised or dropped by ``on_fault``). ``payload``: this rank's micro-batches and the RNG state
-        they started with, as an audit ships them.
+        Compares the kept local gradients' signatures (with the hand-over) or the buckets' sums of
+        squares (without it) with the neighbour's replay. Returns whether the update may be applied
+        (a failed replay is a detection like any other, raised or dropped by ``on_fault``).
+        ``payload``: this rank's micro-batches and the RNG state they started with, as an audit
+        ships them.
         """
         ctx = self.ctx
-        self.sign_local()
+        squares = None
+        if ctx.hook.hand_over:
+            self.sign_local()
+        else:
+            squares = self.trained_squares()
         prev = RingShift(payload, group=ctx.group, wire_device=ctx.wire_device, out_device=ctx.device).finish()
         trigger = {
             "flagged": list(decision.flagged),
             "outliers": [o.to_dict() for o in decision.outliers[:8]],
             "suppressed_before": decision.suppressed_before,
         }
-        return self.replay.audit(s, units, prev, payload=payload, trigger=trigger)
+        return self.replay.audit(s, units, prev, payload=payload, trigger=trigger, squares=squares)

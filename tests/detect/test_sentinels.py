@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from types import SimpleNamespace
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from certckpt.detect import AuditOptions, Triggers
+from certckpt.detect.buckets import BucketSquares, bucket_squares, lay_out, layout_of, squares_match, sum_of_squares
 from certckpt.detect.drill import expected_catch, matrix_cases
 from certckpt.detect.sentinel import SentinelState, decide
+from certckpt.detect.trigger import sentinels_off
 from certckpt.errors import ConfigurationError
 
 NAMES = ("grad_norm", "loss")
@@ -161,9 +166,107 @@ def test_the_drill_expects_large_one_time_faults_between_audits_caught_at_their_
     assert [expected_catch(c, audit_every=10, ckpt_every=5) for c in escapes] == [(None, None)] * 3
 
 
+# --- without hand-over: a DDP bucket's layout, and its sum of squares from replayed gradients ---
+
+
+def _bucket(shapes, *, channels_last=(), seed=0):
+    """A flat bucket as DDP fills it: each gradient at its offset, a channels_last one with its own
+    strides (DDP's layout contract); returns the buffer, the layout and each gradient row-major,
+    as a replay's autograd hands it over."""
+    g = torch.Generator().manual_seed(seed)
+    buf = torch.zeros(sum(math.prod(s) for s in shapes), dtype=torch.float32)
+    views, grads, offset = [], {}, 0
+    for i, shape in enumerate(shapes):
+        n = math.prod(shape)
+        grad = torch.randn(shape, generator=g) * 10.0 ** float(torch.randint(-3, 4, (), generator=g))
+        if i in channels_last:
+            strides = torch.empty(shape).to(memory_format=torch.channels_last).stride()
+        else:
+            strides = torch.empty(shape).stride()
+        view = buf.as_strided(shape, strides, offset)
+        view.copy_(grad)
+        views.append(view)
+        grads[i] = grad.contiguous()
+        offset += n
+    return buf, layout_of(0, buf, list(range(len(shapes))), views), grads
+
+
+def test_a_replays_gradients_laid_out_as_the_bucket_give_the_hooks_sum_of_squares_bit_for_bit():
+    shapes = [(3, 5), (4, 2, 3, 3), (7,), (2, 3, 2, 2)]
+    buf, layout, grads = _bucket(shapes, channels_last=(1, 3))
+    assert layout.offsets == (0, 15, 87, 94) and layout.strides[1] == (18, 1, 6, 2)  # channels_last kept
+    trained = sum_of_squares(buf)  # what the hook takes before the all-reduce
+    order = [2, 0, 3, 1]  # backward hands the gradients over in its own order
+    squares = BucketSquares([layout], device=buf.device)
+    for i in order[:-1]:
+        squares.add(i, grads[i])
+        assert squares.bufs[0] is not None  # the bucket's buffer lives until its last gradient ...
+    squares.add(order[-1], grads[order[-1]])
+    assert squares.bufs[0] is None  # ... and is reduced and freed then
+    replayed = squares.result()
+    assert replayed.view(torch.int32).tolist() == [trained.view(torch.int32).item()]
+    assert torch.equal(lay_out(layout, grads, device=buf.device), buf)  # the very bytes of the bucket
+    # the same gradients row-major (the parameters' strides ignored) are another buffer
+    row_major = dataclasses.replace(layout, strides=tuple(torch.empty(s).stride() for s in layout.sizes))
+    assert not torch.equal(lay_out(row_major, grads, device=buf.device), buf)
+    # a parameter without a gradient is zeros in the bucket (as DDP zeroes an unused one's part)
+    missing = {i: g for i, g in grads.items() if i != 2}
+    buf[layout.offsets[2] : layout.offsets[2] + 7] = 0
+    assert bucket_squares([layout], missing, device=buf.device).view(torch.int32).tolist() == [
+        sum_of_squares(buf).view(torch.int32).item()
+    ]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.lists(st.integers(1, 6), min_size=1, max_size=4), min_size=1, max_size=6),
+    st.integers(0, 2**31 - 1),
+    st.randoms(use_true_random=False),
+)
+def test_bucket_squares_equal_the_flat_buffers_for_any_shapes_and_any_order(shapes, seed, rnd):
+    shapes = [tuple(s) for s in shapes]
+    four_d = tuple(i for i, s in enumerate(shapes) if len(s) == 4)
+    buf, layout, grads = _bucket(shapes, channels_last=four_d, seed=seed)
+    items = list(grads.items())
+    rnd.shuffle(items)
+    assert torch.equal(lay_out(layout, dict(items), device=buf.device), buf)
+    got = bucket_squares([layout], dict(items), device=buf.device)
+    assert got.view(torch.int32).tolist() == [sum_of_squares(buf).view(torch.int32).item()]
+
+
+def test_sums_of_squares_compare_by_their_bits_or_as_norms_within_rtol():
+    a = torch.tensor([4.0, float("inf"), float("nan"), 1.0])
+    ulp = torch.nextafter(torch.tensor(4.0), torch.tensor(5.0))
+    b = torch.tensor([ulp.item(), float("inf"), float("nan"), 1.0])
+    assert squares_match(a, a.clone(), mode="deterministic", rtol=0) == [True, True, True, True]  # NaN: same bits
+    assert squares_match(a, b, mode="deterministic", rtol=0) == [False, True, True, True]  # one ulp apart
+    assert squares_match(a, b, mode="tolerance", rtol=1e-3) == [True, True, False, True]  # NaN never agrees
+    # tolerance compares norms: 4 against 4.0161 is a norm of 2 against 2.004 (0.2 % off)
+    c = torch.tensor([4.0161, 1e30, 1.0, 0.0])
+    assert squares_match(a, c, mode="tolerance", rtol=1e-3) == [False, False, False, False]
+    assert squares_match(a[:1], c[:1], mode="tolerance", rtol=3e-3) == [True]
+
+
+def _ctx(**over):
+    ctx = SimpleNamespace(
+        options=AuditOptions(), grad_scaler=None, model=SimpleNamespace(mixed_precision=None), hook=None
+    )
+    for k, v in over.items():
+        setattr(ctx, k, v)
+    return ctx
+
+
+def test_without_hand_over_the_sentinels_run_and_stay_off_for_ddp_mixed_precision_and_say_why():
+    assert sentinels_off(_ctx(hook=SimpleNamespace(hand_over=False))) is None  # sums of squares instead
+    mp = sentinels_off(_ctx(model=SimpleNamespace(mixed_precision=object())))
+    assert mp is not None and "DDP mixed precision" in mp and "low-precision forward" in mp
+    assert "gradient scaler" in sentinels_off(_ctx(grad_scaler=object()))
+    assert "deferred" in sentinels_off(_ctx(options=AuditOptions(nonfinite_read="deferred")))
+
+
 # --- one launched world of 3 gloo ranks: every scenario in turn (tests/support/sentinel_cases.py) ---
 
-SCENARIOS = ["clean", "backward", "forward", "huge-element", "rate", "accumulated", "session", "off"]
+SCENARIOS = ["clean", "backward", "forward", "huge-element", "rate", "accumulated", "session", "off", "no-hand-over"]
 
 
 @pytest.fixture(scope="module")
@@ -217,6 +320,25 @@ def test_the_rate_limit_holds_and_forced_triggers_on_clean_runs_never_detect(wor
 @pytest.mark.slow
 def test_the_sentinels_are_off_where_no_triggered_replay_can_run_and_say_why(world):
     off = world[0]["off"]
-    assert "local gradients do not survive the all-reduce" in off["view"]
     assert "deferred" in off["deferred"]
     assert off["table"] is None  # nothing exchanged for them
+
+
+@pytest.mark.slow
+def test_without_hand_over_a_triggered_replay_compares_the_buckets_sums_of_squares(world):
+    res = world[0]["no-hand-over"]
+    # hand_over_grads=False: a gradient scaled by 1e3 on rank 1 at step 13 is replayed at its step,
+    # the bucket's sum of squares differs, and arbitration names rank 1 on every rank
+    caught = res["caught"]
+    assert (caught["kind"], caught["step"], caught["suspects"]) == ("replay", 13, [1])
+    assert caught["trigger"]["flagged"] == [1] and caught["compared"] == "sum of squares per bucket"
+    assert list(caught["mismatched"]) == ["1->2"]
+    assert all(w["no-hand-over"]["caught"] == caught for w in world)
+    # forced triggers on clean steps all pass: gradient copies; bucket views with accumulation and
+    # two buckets rebuilt after step 1; tolerance mode; an unused parameter; a static graph
+    for name in ("copies", "views-accumulated", "tolerance", "unused", "static"):
+        got = res[name]
+        assert (got["off"], got["hand_over"]) == (None, False), name
+        assert got["triggered"] == [1, 5] and got["failures"] == [], name
+        assert got["compared"] == ["sum of squares per bucket"] * 2, name
+    assert res["views-accumulated"]["buckets"] == 2

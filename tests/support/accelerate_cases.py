@@ -54,7 +54,9 @@ def _as_torchrun() -> None:
     os.environ.update(RANK=str(r), WORLD_SIZE=str(w), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(w))
 
 
-def build(project: str, *, total_limit: int | None, faults=(), audit_every: int = 10, resume: bool = False):
+def build(
+    project: str, *, total_limit: int | None, faults=(), audit_every: int = 10, resume: bool = False, triggers=None
+):
     from accelerate.utils import ProjectConfiguration
 
     from certckpt.detect import Fault
@@ -77,6 +79,7 @@ def build(project: str, *, total_limit: int | None, faults=(), audit_every: int 
             loss_fn=loss_fn,
             audit_every=audit_every,
             injector_faults=[Fault(**f) for f in faults] or None,
+            **({"triggers": triggers} if triggers is not None else {}),
         )
     return accelerator, model, opt, sched, audit
 
@@ -139,6 +142,29 @@ def train(args):
         losses=losses,
     )
     return out
+
+
+def triggered(args):
+    """One rank of the triggered-replay world (``sentinel_cases.integrations_world``): the loop above
+    without checkpoints, with ``args["faults"]`` and ``args["triggers"]``."""
+    from tests.support.sentinel_cases import outcome
+
+    _as_torchrun()
+    from certckpt.detect import Triggers
+    from certckpt.errors import FaultDetectedError
+
+    triggers = Triggers(**args["triggers"]) if args.get("triggers") else None
+    accelerator, model, opt, sched, audit = build(
+        args["project"], total_limit=None, faults=args.get("faults", []), audit_every=10, triggers=triggers
+    )
+    error = None
+    try:
+        loop(accelerator, model, opt, sched, audit, max_steps=args["max_steps"], save_every=10**6, losses=[])
+    except FaultDetectedError as e:
+        error = e
+    finally:
+        audit.close()
+    return outcome(audit.session, error)
 
 
 def main(argv: list[str]) -> None:

@@ -157,6 +157,34 @@ def audited_run(args):
     return out
 
 
+def triggered(args):
+    """One rank of the triggered-replay world (``sentinel_cases.integrations_world``): the tiny GPT2
+    under the Trainer's DDP, 2 micro-batches a step, audits every 10 steps, no checkpoint,
+    ``args["faults"]`` and ``args["triggers"]``."""
+    _as_torchrun()
+    from certckpt.detect import Fault, FaultDetectedError, Triggers
+    from certckpt.integrations.transformers import AuditCallback
+    from tests.support.sentinel_cases import outcome
+
+    extra = {"triggers": Triggers(**args["triggers"])} if args.get("triggers") else {}
+    audit = AuditCallback(audit_every=10, injector_faults=[Fault(**f) for f in args.get("faults", [])], **extra)
+    trainer = certified_trainer(
+        args["out"],
+        callbacks=[audit],
+        max_steps=args["max_steps"],
+        save_steps=10**6,
+        ddp_backend="gloo",
+        gradient_accumulation_steps=2,
+        logging_steps=100,
+    )
+    error = None
+    try:
+        trainer.train()
+    except FaultDetectedError as e:
+        error = e
+    return outcome(audit.session, error)
+
+
 class _BatchNormRegressor(torch.nn.Module):
     """A Trainer-compatible model with BatchNorm statistics (buffers every forward updates)."""
 

@@ -194,6 +194,28 @@ def session_plain_loop(args):
     return out
 
 
+def triggered(args):
+    """One rank of the triggered-replay world (``sentinel_cases.integrations_world``): accumulated
+    (2 micro-batches a step), clipped, audits every 10 steps, ``args["faults"]`` and
+    ``args["triggers"]``."""
+    from certckpt.detect import Fault, FaultDetectedError, Triggers
+    from certckpt.integrations.lightning import AuditCallback
+    from tests.support.sentinel_cases import outcome
+
+    _env()
+    extra = {"triggers": Triggers(**args["triggers"])} if args.get("triggers") else {}
+    faults = [Fault(**f) for f in args.get("faults", [])]
+    audit = AuditCallback(audit_every=10, ledger=args["dir"], injector_faults=faults, **extra)
+    trainer = _trainer(max_steps=args["max_steps"], callbacks=[audit], accumulate_grad_batches=2, gradient_clip_val=0.5)
+    error = None
+    try:
+        trainer.fit(_module(), _data())
+    except FaultDetectedError as e:
+        error = e
+    audit.close()
+    return outcome(audit.session, error)
+
+
 # --- a user's script: `python lightning_cases.py DIR OUT [--fault] [--ckpt-path P]` -----------------
 # Lightning's own launcher starts ranks 1 and 2 by running this file again (devices=3); every rank
 # writes OUT/rank{r}.json before it leaves, and a detected fault leaves with status 86.
