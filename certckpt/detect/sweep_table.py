@@ -175,14 +175,16 @@ def effect_ratio(effect: Sequence[float | str] | None) -> float | None:
     return after / before
 
 
-def _span(ratios: Sequence[float]) -> dict[str, float | str] | None:
-    """The smallest and largest ratio over a row's runs (non-finite as strings, JSON-safe)."""
-    finite = sorted(r for r in ratios if not math.isnan(r))
+def _span(ratios: Sequence[float]) -> dict[str, Any] | None:
+    """The smallest and largest ratio over a row's runs (an infinite one as a string, JSON-safe),
+    and how many were NaN (a flipped exponent that made the element NaN)."""
     if not ratios:
         return None
-    if not finite:
-        return {"min": "nan", "max": "nan"}
-    return {k: v if math.isfinite(v) else str(v) for k, v in (("min", finite[0]), ("max", finite[-1]))}
+    known = sorted(r for r in ratios if not math.isnan(r))
+    ends = {"min": known[0], "max": known[-1]} if known else {"min": None, "max": None}
+    out: dict[str, Any] = {k: v if v is None or math.isfinite(v) else str(v) for k, v in ends.items()}
+    out["nan"] = len(ratios) - len(known)
+    return out
 
 
 def clean_summary(results: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -250,8 +252,13 @@ TABLE_HEAD = (
 def _factor(span: Mapping[str, Any] | None) -> str:
     if span is None:
         return "-"
-    lo, hi = (f"{float(span[k]):.2g}" for k in ("min", "max"))
-    return lo if lo == hi else f"{lo}..{hi}"
+    text = ""
+    if span["min"] is not None:
+        lo, hi = (f"{float(span[k]):.2g}" for k in ("min", "max"))
+        text = lo if lo == hi else f"{lo}..{hi}"
+    if span.get("nan"):
+        text += f"{', ' if text else ''}NaN x{span['nan']}"
+    return text
 
 
 def table_rows(rows: Sequence[Mapping[str, Any]]) -> list[tuple[str, ...]]:
