@@ -117,8 +117,13 @@ def drill_faults(
             clean_steps=clean_steps,
             svg_path=svg_path,
         )
-    given = [name for name, v in (("--trials", trials != 3), ("--kinds", kinds), ("--magnitudes", magnitudes)) if v]
-    given += [name for name, v in (("--clean-steps", clean_steps != 100), ("--svg", svg_path)) if v]
+    ctx = click.get_current_context()
+    sweep_only = ("trials", "kinds", "magnitudes", "clean_steps", "svg_path")
+    given = [
+        f"--{p.replace('_path', '').replace('_', '-')}"
+        for p in sweep_only
+        if ctx.get_parameter_source(p) is click.core.ParameterSource.COMMANDLINE
+    ]
     if given:
         raise ConfigurationError(f"{', '.join(given)} only apply to the sweep: add --sweep")
     if not as_json:
