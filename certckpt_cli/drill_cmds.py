@@ -8,6 +8,8 @@ import sys
 
 import click
 
+from certckpt.errors import ConfigurationError
+
 from .common import COPY_PROGRESS, EXIT_FAILED, EXIT_OK, Progress, echo_table, expected_errors
 
 
@@ -42,17 +44,88 @@ def drill() -> None:
     type=click.Choice(["cpu", "cuda"]),
     help="Where the ranks train (cuda: round-robin over the visible GPUs, gloo between ranks).",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print the matrix as JSON.")
+@click.option("--json", "as_json", is_flag=True, help="Print the matrix (or the sweep) as JSON.")
+@click.option(
+    "--sweep",
+    is_flag=True,
+    help="The magnitude sweep instead of the matrix: one-time faults between audits over a range of magnitudes "
+    "and kinds, with and without the sentinels; prints the catch rate per kind and magnitude.",
+)
+@click.option(
+    "--trials", default=3, show_default=True, type=click.IntRange(1, 1000), help="--sweep: runs per kind and magnitude."
+)
+@click.option(
+    "--kinds",
+    default=None,
+    metavar="LIST",
+    help="--sweep: comma-separated kinds (backward-scale...), perturbations (scale, bitflip-fp32, bitflip-bf16, "
+    "set, zero) or sites (forward, backward); default: all.",
+)
+@click.option(
+    "--magnitudes",
+    default=None,
+    metavar="LIST",
+    help="--sweep: comma-separated magnitudes instead of each kind's defaults (bit indexes for bit flips).",
+)
+@click.option(
+    "--clean-steps",
+    default=100,
+    show_default=True,
+    type=click.IntRange(1, 100_000),
+    help="--sweep: steps of each clean run (no fault: the false triggers).",
+)
+@click.option(
+    "--svg",
+    "svg_path",
+    default=None,
+    type=click.Path(dir_okay=False),
+    help="--sweep: draw the catch rate against the magnitude to this .svg file.",
+)
 @expected_errors
 def drill_faults(
-    ranks: int, audit_every: int, ckpt_every: int, directory: str | None, device: str, as_json: bool
+    ranks: int,
+    audit_every: int,
+    ckpt_every: int,
+    directory: str | None,
+    device: str,
+    as_json: bool,
+    sweep: bool,
+    trials: int,
+    kinds: str | None,
+    magnitudes: str | None,
+    clean_steps: int,
+    svg_path: str | None,
 ) -> None:
     """Run the fault-injection matrix on a small model and print which check caught what.
 
-    Exit 0 when every case behaved as designed (escapes included), 1 otherwise.
+    Exit 0 when every case behaved as designed (escapes included), 1 otherwise. With --sweep: exit 0
+    when no clean run had a detection, 1 otherwise (--ckpt-every does not apply: the sweep saves nothing).
     """
     from certckpt.detect.drill import matrix_cases, run_matrix
 
+    if sweep:
+        if directory:
+            raise ConfigurationError("--dir keeps the matrix's run stores; the sweep keeps none (leave --dir out)")
+        _sweep(
+            ranks=ranks,
+            audit_every=audit_every,
+            device=device,
+            as_json=as_json,
+            trials=trials,
+            kinds=kinds,
+            magnitudes=magnitudes,
+            clean_steps=clean_steps,
+            svg_path=svg_path,
+        )
+    ctx = click.get_current_context()
+    sweep_only = ("trials", "kinds", "magnitudes", "clean_steps", "svg_path")
+    given = [
+        f"--{p.replace('_path', '').replace('_', '-')}"
+        for p in sweep_only
+        if ctx.get_parameter_source(p) is click.core.ParameterSource.COMMANDLINE
+    ]
+    if given:
+        raise ConfigurationError(f"{', '.join(given)} only apply to the sweep: add --sweep")
     if not as_json:
         n = len(matrix_cases(audit_every=audit_every, ckpt_every=ckpt_every))
         click.echo(
@@ -100,6 +173,67 @@ def drill_faults(
         if directory:
             click.echo(f"run stores (checkpoints and their ledgers) kept under {directory}/<fault>-<timing>/")
     sys.exit(EXIT_OK if as_designed else EXIT_FAILED)
+
+
+def _sweep(
+    *,
+    ranks: int,
+    audit_every: int,
+    device: str,
+    as_json: bool,
+    trials: int,
+    kinds: str | None,
+    magnitudes: str | None,
+    clean_steps: int,
+    svg_path: str | None,
+) -> None:
+    """``--sweep``: run it, print the table (or the JSON), draw the picture; exits."""
+    from certckpt.detect import sweep as sw
+    from certckpt.detect import sweep_table as st
+    from certckpt.detect.sweep_run import run_sweep
+
+    chosen = sw.select_kinds(kinds)
+    values = sw.parse_magnitudes(magnitudes, chosen)
+    if svg_path is not None and not svg_path.lower().endswith(".svg"):
+        raise ConfigurationError(f"--svg {svg_path}: the picture is written as SVG; name a .svg file")
+    cases = sw.sweep_cases(
+        kinds=chosen, trials=trials, ranks=ranks, audit_every=audit_every, magnitudes=values, clean_steps=clean_steps
+    )
+    click.echo(
+        f"sweep: {len(cases)} runs ({len(chosen)} kind(s), {trials} trial(s), sentinels on and off, and clean runs) "
+        f"on {ranks} gloo ranks ({device}), audits every {audit_every}...",
+        err=True,
+    )
+    result = run_sweep(
+        cases, ranks=ranks, audit_every=audit_every, device=device, progress=lambda line: click.echo(line, err=True)
+    )
+    doc = st.report(result, trials=trials, kinds=chosen)
+    rows, clean = doc["table"], doc["clean"]
+    if svg_path is not None:
+        from certckpt.ops.sweep_chart import render_sweep
+
+        render_sweep(doc, svg_path)
+    if as_json:
+        click.echo(json.dumps(doc, indent=2))
+    else:
+        click.echo(st.CAUGHT_MEANS + ".")
+        echo_table(st.TABLE_HEAD, st.table_rows(rows))
+        for t in doc["thresholds"]:
+            never = "none" if t["largest_never_caught"] is None else f"{t['largest_never_caught']:g}"
+            always = "none" if t["always_caught_from"] is None else f"{t['always_caught_from']:g}"
+            click.echo(
+                f"{t['kind']}: largest magnitude never caught with the sentinels {never}; always caught from {always}"
+            )
+        for dtype, c in clean.items():
+            click.echo(
+                f"clean runs ({dtype}, no fault, sentinels on): {c['triggered']} triggered replay(s) that found "
+                f"nothing in {c['steps']} steps ({c['per_1000_steps']:.1f} per 1,000 steps); "
+                f"{c['detections']} detection(s)"
+            )
+        click.echo(
+            f"{len(result['cases'])} runs in {result['seconds']:.0f} s" + (f"; picture: {svg_path}" if svg_path else "")
+        )
+    sys.exit(EXIT_OK if all(c["detections"] == 0 for c in clean.values()) else EXIT_FAILED)
 
 
 def _magnitude(case: dict) -> str:

@@ -18,7 +18,19 @@ from certckpt.errors import ConfigurationError, DeviceUnavailableError
 
 from .inject import FAULT_KINDS
 
-__all__ = ["run_matrix", "matrix_cases", "expected_catch", "make_model", "evaluate", "TIMINGS"]
+__all__ = [
+    "run_matrix",
+    "matrix_cases",
+    "expected_catch",
+    "make_model",
+    "evaluate",
+    "drill_model",
+    "drill_batch",
+    "drill_loss",
+    "rank_device",
+    "TIMINGS",
+    "OUTPUT_LAYER",
+]
 
 TIMINGS = ("persistent", "one-time-audit-step", "one-time-between-audits")
 LARGE_SCALE = 1e3  # a large fault: the largest element scaled by about 1e3 (the drill's default is 0.05)
@@ -77,7 +89,8 @@ def expected_catch(case: dict[str, Any], *, audit_every: int, ckpt_every: int) -
 # --- the per-rank case runner (called through certckpt.detect.launch) ------------------------------
 
 
-def _model(seed: int):
+def drill_model(seed: int):
+    """The drill's model (also the sweep's, ``certckpt.detect.sweep_run``): Linear, Tanh, Dropout, Linear."""
     import torch
 
     torch.manual_seed(seed)
@@ -86,7 +99,7 @@ def _model(seed: int):
 
 def make_model():
     """The drill's model, freshly built (``certckpt drill restore --model certckpt.detect.drill:make_model``)."""
-    return _model(0)
+    return drill_model(0)
 
 
 def evaluate(model) -> dict[str, float]:
@@ -95,10 +108,11 @@ def evaluate(model) -> dict[str, float]:
 
     model.eval()
     with torch.no_grad():
-        return {"eval_loss": float(_loss(model, _batch(10_000, 0)))}
+        return {"eval_loss": float(drill_loss(model, drill_batch(10_000, 0)))}
 
 
-def _batch(rank: int, step: int, device=None):
+def drill_batch(rank: int, step: int, device=None):
+    """The batch of ``rank`` at ``step``: 8 seeded rows of 16 features, a smooth target of 8."""
     import torch
 
     g = torch.Generator().manual_seed(rank * 100_003 + step)
@@ -107,7 +121,7 @@ def _batch(rank: int, step: int, device=None):
     return (x, y) if device is None else (x.to(device), y.to(device))
 
 
-def _rank_device(kind: str, rank: int):
+def rank_device(kind: str, rank: int):
     """This rank's device: the CPU, or a CUDA device (ranks share the GPUs round-robin, gloo between them)."""
     import torch
 
@@ -118,7 +132,8 @@ def _rank_device(kind: str, rank: int):
     return device
 
 
-def _loss(model, batch):
+def drill_loss(model, batch):
+    """Mean squared error of the model on a batch."""
     import torch.nn.functional as F
 
     x, y = batch
@@ -159,13 +174,13 @@ def run_cases_on_rank(args: dict[str, Any]) -> list[dict[str, Any]]:
     from .inject import Fault
 
     rank = dist.get_rank()
-    device = _rank_device(args.get("device", "cpu"), rank)
+    device = rank_device(args.get("device", "cpu"), rank)
     results = []
     for case in args["cases"]:
         store = os.path.join(args["dir"], case["name"])
         if rank == 0:
             os.makedirs(store, exist_ok=True)
-        model = _model(0).to(device)
+        model = drill_model(0).to(device)
         torch.manual_seed(1000 + rank)  # each rank its own dropout stream, as in real training
         ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -186,7 +201,7 @@ def run_cases_on_rank(args: dict[str, Any]) -> list[dict[str, Any]]:
         auditor = Auditor(
             ddp,
             opt,
-            loss_fn=_loss,
+            loss_fn=drill_loss,
             run=case["name"],
             audit_every=args["audit_every"],
             mode=args.get("mode", "deterministic"),
@@ -198,7 +213,7 @@ def run_cases_on_rank(args: dict[str, Any]) -> list[dict[str, Any]]:
         detected = None
         for step in range(1, args["steps"] + 1):
             try:
-                auditor.train_step(_batch(rank, step, device))
+                auditor.train_step(drill_batch(rank, step, device))
             except FaultDetectedError as e:
                 detected = e.event
                 break

@@ -12,9 +12,12 @@ A ``Fault`` hits one rank at one step (``persistent=False``) or at every step fr
 - ``buffer``: perturbs one stored floating-point buffer (a BatchNorm running statistic) after the
   optimizer step, as a memory fault in state outside the parameters would.
 
-The perturbation is a relative scale of the largest-magnitude element (``scale``) or one flipped bit
-of it (``bit``). A persistent fault also corrupts the replays its rank computes; a one-time fault hits
-the training computation only, as a transient error would.
+The perturbation is a relative scale of the largest-magnitude element (``scale``), one flipped bit
+of it (``bit``), that element set to a value (``set_to``), the whole tensor multiplied by a factor
+(``factor``), or zeros (``zero``: a backward fault zeroes every local gradient of the DDP bucket that
+holds its target, a forward fault the module's whole output). A persistent fault also corrupts the
+replays its rank computes; a one-time fault hits the training computation only, as a transient
+error would.
 """
 
 from __future__ import annotations
@@ -68,8 +71,12 @@ class Fault:
             delivers the same bad values to all).
         step: the first (or only) optimizer step it hits.
         persistent: hit every step from ``step`` on, replays included.
-        scale: relative perturbation of the largest-magnitude element (ignored when ``bit`` is set).
+        scale: relative perturbation of the largest-magnitude element (the default perturbation:
+            used when none of ``bit``, ``set_to``, ``factor`` and ``zero`` is set).
         bit: flip this bit of that element's raw bits instead.
+        set_to: set that element to this value instead.
+        factor: multiply the whole target tensor by this factor instead.
+        zero: zero the target instead (backward: every gradient of its DDP bucket).
         target: module name (forward), buffer name (buffer) or parameter name (others); default:
             the first one (for buffer: the first floating-point buffer).
         value: for ``non-finite``: ``"nan"`` or ``"inf"``.
@@ -81,6 +88,9 @@ class Fault:
     persistent: bool = False
     scale: float = 1e-2
     bit: int | None = None
+    set_to: float | None = None
+    factor: float | None = None
+    zero: bool = False
     target: str | None = None
     value: str = "nan"
 
@@ -93,6 +103,13 @@ class Fault:
             )
         if self.value not in ("nan", "inf"):
             raise ConfigurationError("value must be 'nan' or 'inf'")
+        chosen = [n for n in ("bit", "set_to", "factor") if getattr(self, n) is not None] + (
+            ["zero"] if self.zero else []
+        )
+        if len(chosen) > 1:
+            raise ConfigurationError(f"a fault perturbs one way: choose one of {', '.join(chosen)}")
+        if chosen and self.kind in ("non-finite", "reduction"):
+            raise ConfigurationError(f"a {self.kind} fault writes {self.value}: {chosen[0]} does not apply")
 
     def active(self, step: int, phase: str) -> bool:
         if self.persistent:
@@ -100,24 +117,36 @@ class Fault:
         return phase == "train" and step == self.step
 
 
-def perturb_(t: torch.Tensor, fault: Fault) -> None:
-    """Perturb the largest-magnitude element of ``t`` in place."""
+def perturb_(t: torch.Tensor, fault: Fault) -> tuple[float, float] | None:
+    """Perturb ``t`` in place (its largest-magnitude element, or all of it: ``factor``, ``zero``).
+
+    Returns:
+        That element's value before and after (what a sweep reports as the fault's effect), or
+        None for an empty tensor.
+    """
     with torch.no_grad():
         flat = t.view(-1)
         if flat.numel() == 0:
-            return
+            return None
         i = int(flat.abs().argmax())
+        old = flat[i].clone()
         if fault.kind in ("non-finite", "reduction"):
             flat[i] = float(fault.value)
+        elif fault.zero:
+            flat.zero_()
+        elif fault.factor is not None:
+            flat.mul_(fault.factor)
+        elif fault.set_to is not None:
+            flat[i] = fault.set_to
         elif fault.bit is not None:
             ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
             flat.view(ints)[i] ^= 1 << fault.bit if fault.bit < 8 * flat.element_size() - 1 else -(1 << fault.bit)
         else:
-            old = flat[i].clone()
             flat[i] = flat[i] * (1 + fault.scale) + fault.scale
             if bool(flat[i] == old):  # lost to rounding (a small scale in bfloat16): flip the lowest bit
                 ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
                 flat.view(ints)[i] ^= 1
+        return float(old), float(flat[i])
 
 
 class Injector:
@@ -130,6 +159,7 @@ class Injector:
         self.phase = "train"
         self._handles: list = []
         self.fired: list[tuple[str, int, str]] = []  # (kind, step, phase), for reports
+        self.effects: list[tuple[float, float]] = []  # the perturbed element's (before, after), per firing
         self.default_param: str | None = None  # the model's first parameter, set by install()
         self.default_buffer: str | None = None  # its first floating-point buffer
 
@@ -151,11 +181,15 @@ class Injector:
             if not fault.active(self.step, self.phase) or not isinstance(out, torch.Tensor):
                 return None
             bad = out.detach().clone()
-            perturb_(bad, fault)
-            self.fired.append((fault.kind, self.step, self.phase))
+            self._fired(fault, perturb_(bad, fault))
             return out + (bad - out.detach())
 
         return hook
+
+    def _fired(self, fault: Fault, effect: tuple[float, float] | None) -> None:
+        self.fired.append((fault.kind, self.step, self.phase))
+        if effect is not None:
+            self.effects.append(effect)
 
     def begin(self, step: int, phase: str) -> None:
         self.step, self.phase = step, phase
@@ -174,21 +208,22 @@ class Injector:
         """Backward and non-finite faults: local gradients before the all-reduce (or a replay's)."""
         kinds = ("backward", "non-finite") if self.phase == "train" else ("backward",)
         for f, i in self._pick(kinds, names):
-            perturb_(grads[i], f)
-            self.fired.append((f.kind, self.step, self.phase))
+            if f.zero:  # a zeroed bucket: every gradient it holds (the target's effect is the one reported)
+                for j, g in enumerate(grads):
+                    if j != i:
+                        perturb_(g, f)
+            self._fired(f, perturb_(grads[i], f))
 
     def on_reduced(self, buffer: torch.Tensor) -> None:
         """Reduction faults: the all-reduced bucket this rank received."""
         for f in self.faults:
             if f.kind == "reduction" and f.active(self.step, self.phase):
-                perturb_(buffer, f)
-                self.fired.append((f.kind, self.step, self.phase))
+                self._fired(f, perturb_(buffer, f))
 
     def after_optimizer(self, named_params: Sequence[tuple[str, torch.Tensor]]) -> None:
         names = [n for n, _ in named_params]
         for f, i in self._pick(("post-optimizer",), names):
-            perturb_(named_params[i][1].data, f)
-            self.fired.append((f.kind, self.step, self.phase))
+            self._fired(f, perturb_(named_params[i][1].data, f))
 
     def after_optimizer_buffers(self, named_buffers: Sequence[tuple[str, torch.Tensor]]) -> None:
         """Buffer faults: one stored buffer, after the optimizer step."""
@@ -197,8 +232,7 @@ class Injector:
             if f.kind == "buffer" and f.active(self.step, self.phase):
                 target = f.target or self.default_buffer
                 if target in names:
-                    perturb_(named_buffers[names.index(target)][1], f)
-                    self.fired.append((f.kind, self.step, self.phase))
+                    self._fired(f, perturb_(named_buffers[names.index(target)][1], f))
 
     def remove(self) -> None:
         for h in self._handles:

@@ -44,6 +44,7 @@ __all__ = [
     "Outlier",
     "Decision",
     "decide",
+    "scores",
     "to_log",
     "scalars_of",
     "MAD_SCALE",
@@ -237,6 +238,39 @@ def _absorb(track: Track, x: float, triggers: Triggers) -> Track:
     return Track(mean=track.mean + a * delta, var=(1 - a) * (track.var + a * delta * delta), count=track.count + 1)
 
 
+def _tracks(state: SentinelState, names: tuple[str, ...], world: int) -> tuple[tuple[Track, ...], ...]:
+    """The state's histories, or fresh ones when the layout of the scalars or the world changed."""
+    if state.names != names or len(state.tracks) != world:
+        return tuple(tuple(Track() for _ in names) for _ in range(world))
+    return state.tracks
+
+
+def scores(
+    rows: Sequence[Sequence[float]], names: Sequence[str], state: SentinelState, *, triggers: Triggers
+) -> list[list[tuple[float | None, float | None]]]:
+    """Every rank's two scores on each scalar at this step, ``[rank][scalar] -> (peer, history)``
+    (None: that test does not run: fewer than 3 ranks, or a history still warming up); what
+    ``decide`` compares with ``mad_threshold`` and ``band``, and what a benchmark reports as the
+    margin of a clean run (pure).
+
+    Example:
+        >>> rows = [[1.0], [1.1], [30.0]]
+        >>> [round(p, 1) for (p, _), in scores(rows, ["grad_norm"], SentinelState(), triggers=Triggers())]
+        [0.7, 0.0, 23.4]
+    """
+    world = len(rows)
+    tracks = _tracks(state, tuple(names), world)
+    logs = [[to_log(float(v)) for v in row] for row in rows]
+    peers = [_peer_scores([logs[r][k] for r in range(world)], triggers.floor) for k in range(len(names))]
+    return [
+        [
+            (peers[k][r] if world >= 3 else None, _history_score(tracks[r][k], logs[r][k], triggers))
+            for k in range(len(names))
+        ]
+        for r in range(world)
+    ]
+
+
 def decide(
     rows: Sequence[Sequence[float]],
     names: Sequence[str],
@@ -262,17 +296,14 @@ def decide(
     """
     world = len(rows)
     names = tuple(names)
-    tracks = state.tracks
-    if state.names != names or len(tracks) != world:
-        tracks = tuple(tuple(Track() for _ in names) for _ in range(world))
+    tracks = _tracks(state, names, world)
     logs = [[to_log(float(v)) for v in row] for row in rows]
-    peers = [_peer_scores([logs[r][k] for r in range(world)], triggers.floor) for k in range(len(names))]
+    table = scores(rows, names, state, triggers=triggers)
     outliers = []
     for r in range(world):
         for k, name in enumerate(names):
             x = logs[r][k]
-            hist = _history_score(tracks[r][k], x, triggers)
-            peer = peers[k][r] if world >= 3 else None
+            peer, hist = table[r][k]
             peer_out = peer is not None and not peer <= triggers.mad_threshold  # NaN counts as out
             hist_out = hist is not None and not hist <= triggers.band
             if world >= 3:

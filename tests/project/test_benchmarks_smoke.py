@@ -26,6 +26,7 @@ BENCH = ROOT / "benchmarks"
 HEADERS: dict[str, tuple[str, ...]] = {
     "bench_fsdp_detect.py": ("ms/step median [min-max]", "Where the time goes", "inside the audit steps"),
     "bench_detect.py": ("ms/step median [min-max]", "Where the extra time goes", "inside the audit steps"),
+    "bench_false_triggers.py": ("false triggers per 1,000 steps", "largest clean score"),
     "bench_lightning.py": ("save, CertifiedCheckpointIO", "load, CertifiedCheckpointIO"),
     "bench_format.py": ("1. SAVE (fsync included)", "2. VERIFY", "3. FINGERPRINT THROUGHPUT"),
     "bench_transformers.py": ("checkpoint save", "ratio certified / plain"),
