@@ -106,7 +106,11 @@ class FsspecStorage(Storage):
             return Entry(name, "directory")
         if info.get("islink"):
             return Entry(name, "link", what="a symbolic link")
-        stamp = f"{info.get('size')}:{info.get('ETag') or info.get('LastModified') or info.get('mtime')}"
+        # What moves when the object is rewritten: on S3 its ETag (the bytes' MD5 for a plain PUT) and
+        # the time the server wrote it, which no writer chooses; a backend that says neither gives no
+        # stamp, and nothing derived from the object is kept (every reader cache reads it again).
+        moved = [str(info[k]) for k in ("ETag", "LastModified", "mtime", "created") if info.get(k)]
+        stamp = ":".join([str(info.get("size")), *moved]) if moved else ""
         size = info.get("size")
         return Entry(name, "file", int(size) if size is not None else None, stamp)
 

@@ -67,6 +67,7 @@ from .chain import (
     parse_entry_name,
     scope_of,
 )
+from .chaincache import ChainCache
 from .factcache import FactsCache
 from .records import KINDS, CommitRecord, HoldingRecord, KeptRecord, is_ckpt_id, is_plain_name
 from .snapshot import MAX_SMALL_RECORD_BYTES, SOURCES_DIR, LedgerSnapshot, read_snapshot
@@ -562,6 +563,7 @@ class Ledger:
         remembered: dict[str, tuple[int, str]] | None = None,
         remembered_genesis: str | None = None,
         cache: FactsCache | None = None,
+        chains: ChainCache | None = None,
     ) -> LedgerSnapshot:
         """Read every record, check every chain (missing ledger: an empty snapshot).
 
@@ -572,6 +574,8 @@ class Ledger:
                 without it, or with another, was deleted or re-created: a break).
             cache: event segments a reader verified and folded before (only what was appended since
                 is parsed; used only where the chains still seal them as they were).
+            chains: chain entries and small records a reader verified before (only what the listing
+                does not show unchanged is fetched; ``certckpt.trust.chaincache``).
 
         Raises:
             StorageError: the store cannot be read; CertckptError: an event names no branch or step.
@@ -584,6 +588,7 @@ class Ledger:
             remembered=remembered,
             remembered_genesis=remembered_genesis,
             cache=cache,
+            chains=chains,
         )
         snap.trust = self.trust
         return snap
