@@ -13,7 +13,8 @@ signature. So a chained store (``docs/signing.md``, "Chained ledgers") adds:
   writer's previous entry file (of the genesis for the first), so the entries of one writer form a
   chain; ``records`` seals each record file by its SHA-256 (one signature per block, however many
   lines it holds); ``seen`` seals the heads of the other writers this writer has listed (a page of the
-  chains directory per commit, going round: ``Ledger._heads``), so a truncated or deleted chain is
+  chains directory per commit, going round: ``Ledger._heads``) that moved since its chain's previous
+  entry (a chain's claims on a writer are their greatest), so a truncated or deleted chain is
   noticed by the next entries of anyone else; ``scope`` says what a
   writer may write (``branch:<name>`` for a branch's events, commits and forks, ``store`` for
   revocations, incidents, retirements and vault records, ``cache`` for certificates).
