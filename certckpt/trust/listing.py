@@ -8,6 +8,7 @@ Event segments are not fetched here: they are hashed and folded by the snapshot,
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from certckpt.errors import StorageError
@@ -112,15 +113,25 @@ def _proven_seq(path: str, proven: dict[str, Proven]) -> bool:
     return seq is not None and seq <= len(proven[parts[1]].shas)
 
 
-def take(storage: Storage, *, chains: ChainCache | None, keys: list[str]) -> Taken:
+def take(storage: Storage, *, chains: ChainCache | None, keys: list[str], segments: Iterable[str] = ()) -> Taken:
     """List the ledger and fetch what the checks need, from ``chains`` where the listing shows it
-    unchanged (a cache verified with other trusted keys is not used).
+    unchanged (a cache verified with other trusted keys is not used). What the caches name (their
+    entries, records and ``segments``) only helps split the listing into parts listed at once.
 
     The chains are listed first: a writer seals a record only after writing it, and records are
     never removed, so every record an entry listed here seals is there when the rest is listed (a
     writer at work meanwhile cannot make a sealed record look deleted)."""
     out = Taken()
-    for e in storage.walk(CHAINS_DIR, depth=2) + storage.walk(depth=3, skip=(CHAINS_DIR,)):
+    entries: list[str] = []
+    records: list[str] = [f"events/{n}" for n in segments]
+    if chains is not None:
+        entries = [
+            _entry_path(w, seq) for w, (stamps, _) in chains.writers.items() for seq in range(1, len(stamps) + 1)
+        ]
+        records += chains.records
+    listed = storage.walk(CHAINS_DIR, depth=2, hint=sorted(entries))
+    listed += storage.walk(depth=3, skip=(CHAINS_DIR,), hint=sorted(records))
+    for e in listed:
         out.admit(e)
     cache = chains if chains is not None and chains.keys == keys else None
     if cache is not None:

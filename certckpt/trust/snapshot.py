@@ -304,7 +304,8 @@ def read_snapshot(
                 reader = reader_of(take_again(storage, reader.taken, reader.check.behind))
             return reader
 
-        reader = settled(reader_of(take(storage, chains=chains, keys=keys)))
+        segments = cache.segments if cache is not None else ()
+        reader = settled(reader_of(take(storage, chains=chains, keys=keys, segments=segments)))
         if reader.check is not None and reader.check.incomplete:
             reader = settled(reader_of(take(storage, chains=None, keys=keys)))
         snap = reader.read()
