@@ -188,6 +188,7 @@ class S3Storage(FsspecStorage):
         names are kept, so that a short page always means the end (see ``Storage.names_after``)."""
         if not 1 <= limit <= 1000:
             raise ConfigurationError(f"names_after: limit {limit} is not 1-1000 (one S3 page)")
+        _fast_timestamps(self.fs)  # a writer reads a page at every seal: 1,000 timestamps
         key = self._key(prefix).rstrip("/") + "/"
         start = {"StartAfter": self._key(after)} if after else {}
         try:

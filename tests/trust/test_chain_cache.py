@@ -179,3 +179,50 @@ def test_a_chain_that_looks_behind_is_listed_again_on_its_own(tmp_path):
     assert snap.heads[first][0] == 6  # both appends the race made, the second found by the relisting
     assert storage.listed.count("") == 1  # the ledger was listed once...
     assert storage.listed.count(f"{CHAINS_DIR}/{first}") == 2  # ...and the chain that looked behind twice
+
+
+def _s3_entries(fs, store: str) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for path in sorted(fs.find(f"{store}/_ledger/chains")):
+        writer = path.split("/")[-2]
+        out.setdefault(writer, []).append(path)
+    return out
+
+
+@pytest.mark.parametrize("s3_server", ["seaweedfs"], indirect=True)
+@pytest.mark.parametrize("tamper", ["entry deleted", "record rewritten, same size"])
+def test_on_s3_a_warm_read_gets_nothing_and_still_sees_a_deletion_or_a_same_size_rewrite(s3_bucket, tmp_path, tamper):
+    """On a real S3 server an object's stamp is its size, ETag and write time: a warm read of an
+    unchanged store makes no GET at all, and a deleted entry or a record rewritten to the same size
+    gives the breaks a read without the cache gives."""
+    import s3fs
+
+    store, state = f"{s3_bucket}/run", str(tmp_path / "state")
+    a, b = Ledger(store), Ledger(store)
+    for step in (10, 20):
+        _audit(a, step, "main")
+        _audit(b, step, "side")
+    _read(store, state, use_cache=True)
+    fs = s3fs.S3FileSystem()
+    kinds: list[str] = []
+    count = lambda model, **_: kinds.append(model.name)  # noqa: E731 - botocore passes keywords
+    fs.s3.meta.events.register("before-call.s3", count)
+    try:
+        again, _ = _read(store, state, use_cache=True)
+    finally:
+        fs.s3.meta.events.unregister("before-call.s3", count)
+    assert again.breaks == [] and "GetObject" not in kinds and again.chain_cache.unchanged, kinds
+    if tamper == "entry deleted":
+        victim = next(iter(_s3_entries(fs, store).values()))[1]
+        fs.rm(victim)
+    else:
+        path = f"{store}/_ledger/checkpoints/main@10.json"
+        data = fs.cat(path)
+        fs.pipe(path, data.replace(b'"fp10"', b'"fp99"'))  # same size, other bytes: another ETag
+    fs.invalidate_cache()
+    cold_state = str(tmp_path / "cold-state")
+    shutil.copytree(state, cold_state)
+    warm, warm_cert = _read(store, state, use_cache=True)
+    cold, cold_cert = _read(store, cold_state, use_cache=False)
+    assert warm.breaks and warm.breaks == cold.breaks and warm.tampered == cold.tampered
+    assert warm_cert.verdicts == cold_cert.verdicts
