@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import inspect
 import weakref
 from collections.abc import Container, Iterable, Sequence
 from typing import cast
@@ -182,6 +183,22 @@ class S3Storage(FsspecStorage):
                     "LastModified": o.get("LastModified"),
                 }
         return found
+
+    def get_many(self, names: Iterable[str]) -> dict[str, bytes]:
+        names = list(names)
+        if not names:
+            return {}
+        paths = {self._path(n): n for n in names}
+        # s3fs asks each object's size first (a HEAD per GET) to fetch a large one in ranges at once;
+        # these are ledger records, read whole: one GET each.
+        cat_file = getattr(self.fs, "_cat_file", None)
+        takes = cat_file is not None and "max_concurrency" in inspect.signature(cat_file).parameters
+        whole = {"max_concurrency": 1} if takes else {}
+        try:
+            got: dict[str, object] = self.fs.cat(list(paths), on_error="omit", **whole)
+        except Exception as e:
+            raise self._failed(e, "", "read") from e
+        return {paths[p]: v for p, v in got.items() if isinstance(v, bytes)}
 
     def names_after(self, prefix: str, *, after: str = "", limit: int = 1000) -> list[str]:
         """One ListObjectsV2 request (``StartAfter``), however many objects the prefix holds; hidden

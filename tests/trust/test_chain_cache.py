@@ -226,3 +226,41 @@ def test_on_s3_a_warm_read_gets_nothing_and_still_sees_a_deletion_or_a_same_size
     cold, cold_cert = _read(store, cold_state, use_cache=False)
     assert warm.breaks and warm.breaks == cold.breaks and warm.tampered == cold.tampered
     assert warm_cert.verdicts == cold_cert.verdicts
+
+
+def test_with_trusted_keys_the_cache_keeps_each_chain_standing_and_is_not_used_under_other_keys(tmp_path):
+    """A signed writer and an unsigned one under trusted keys: a warm read gives the cold read's
+    unauthenticated writers and verdicts, a forged signed entry breaks as it does cold, and a cache
+    proved without keys is never used with them (it would have counted the unsigned chain)."""
+    from certckpt.format.signing import SigningKey, TrustedKeys, generate_key
+
+    priv, pub = generate_key(tmp_path / "keys" / "k")
+    trusted = TrustedKeys.load([pub])
+    store, state = str(tmp_path / "run"), str(tmp_path / "state")
+    signed = Ledger(store, signing_key=SigningKey.load(priv), trusted_keys=None)
+    unsigned = Ledger(store, signing_key=None, trusted_keys=None)
+    for step in (10, 20):
+        _audit(signed, step, "main")
+        _audit(unsigned, step, "side")
+
+    def read(state: str, *, keys: TrustedKeys | None, use_cache: bool = True):
+        snap = read_remembering(
+            Ledger(store, trust=TrustConfig(trusted_keys=keys, state_dir=state)), use_cache=use_cache
+        )
+        return snap, certify_snapshot(snap)
+
+    read(state, keys=None)  # a cache proved without keys: both chains count there
+    keyed_state = str(tmp_path / "keyed")
+    shutil.copytree(state, keyed_state)
+    warm, warm_cert = read(keyed_state, keys=trusted)
+    cold, cold_cert = read(str(tmp_path / "cold"), keys=trusted, use_cache=False)
+    assert warm.invalid and sorted(warm.invalid) == sorted(cold.invalid)  # the unsigned chain counts only against
+    assert warm_cert.verdicts == cold_cert.verdicts and warm_cert.latest_good == "main@20"
+    assert "side@10" not in warm_cert.verdicts  # an unsigned commit is no checkpoint under trusted keys
+    again, _ = read(keyed_state, keys=trusted)
+    assert again.chain_cache is not None and again.chain_cache.unchanged  # proved under these keys, used
+    _rewrite(_chains(store)["main"][1], lambda d: d.update(at=d["at"] + 1))  # its signature no longer holds
+    shutil.copytree(keyed_state, str(tmp_path / "cold2"))
+    warm, warm_cert = read(keyed_state, keys=trusted)
+    cold, cold_cert = read(str(tmp_path / "cold2"), keys=trusted, use_cache=False)
+    assert warm.breaks and warm.breaks == cold.breaks and warm_cert.verdicts == cold_cert.verdicts
