@@ -41,7 +41,7 @@ import secrets
 import stat
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Container, Iterable
+from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass
 from typing import IO, Literal, Protocol, TypeVar
 
@@ -364,7 +364,14 @@ class Storage(ABC):
 
     @abstractmethod
     def walk(
-        self, prefix: str = "", *, depth: int = 8, hidden: bool = False, skip: Container[str] = (), detail: bool = True
+        self,
+        prefix: str = "",
+        *,
+        depth: int = 8,
+        hidden: bool = False,
+        skip: Container[str] = (),
+        detail: bool = True,
+        hint: Sequence[str] = (),
     ) -> list[Entry]:
         """Every object under ``prefix``, ``depth`` levels at most (a directory deeper than that is
         an entry of kind ``directory``); links and special files are entries, never followed.
@@ -374,6 +381,9 @@ class Storage(ABC):
             skip: names directly under ``prefix`` not to descend into.
             detail: sizes and stamps (False: names and kinds only, which a local walk learns without
                 one ``stat`` per file).
+            hint: names an earlier listing found here, sorted: a store that lists a page at a time
+                (S3) splits the listing at every page's worth of them and lists the parts at once.
+                What is listed is the same with any hint or none.
         """
 
     def listdir(self, prefix: str = "") -> list[Entry]:

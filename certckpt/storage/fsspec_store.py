@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
-from collections.abc import Container, Iterable
+from collections.abc import Container, Iterable, Sequence
 from typing import Any, cast
 
 import fsspec.core
@@ -106,15 +106,26 @@ class FsspecStorage(Storage):
             return Entry(name, "directory")
         if info.get("islink"):
             return Entry(name, "link", what="a symbolic link")
-        stamp = f"{info.get('size')}:{info.get('ETag') or info.get('LastModified') or info.get('mtime')}"
+        # What moves when the object is rewritten: on S3 its ETag (the bytes' MD5 for a plain PUT) and
+        # the time the server wrote it, which no writer chooses; a backend that says neither gives no
+        # stamp, and nothing derived from the object is kept (every reader cache reads it again).
+        moved = [str(info[k]) for k in ("ETag", "LastModified", "mtime", "created") if info.get(k)]
+        stamp = ":".join([str(info.get("size")), *moved]) if moved else ""
         size = info.get("size")
         return Entry(name, "file", int(size) if size is not None else None, stamp)
 
     def walk(
-        self, prefix: str = "", *, depth: int = 8, hidden: bool = False, skip: Container[str] = (), detail: bool = True
+        self,
+        prefix: str = "",
+        *,
+        depth: int = 8,
+        hidden: bool = False,
+        skip: Container[str] = (),
+        detail: bool = True,
+        hint: Sequence[str] = (),
     ) -> list[Entry]:
         try:
-            found = self._find(self._path(prefix), depth=depth)
+            found = self._find(self._path(prefix), depth=depth, skip=skip, hint=[self._path(n) for n in hint])
         except FileNotFoundError:
             return []
         except Exception as e:
@@ -130,8 +141,9 @@ class FsspecStorage(Storage):
             out.append(self._entry(name, info))
         return out
 
-    def _find(self, path: str, *, depth: int) -> dict[str, Info]:
-        """Every file under ``path``, ``depth`` levels at most, with what fsspec says of it."""
+    def _find(self, path: str, *, depth: int, skip: Container[str] = (), hint: Sequence[str] = ()) -> dict[str, Info]:
+        """Every file under ``path``, ``depth`` levels at most, with what fsspec says of it (those
+        under ``skip`` may be left out: ``walk`` drops them; ``hint``: see ``Storage.walk``)."""
         return cast(dict[str, Info], self.fs.find(path, maxdepth=depth, detail=True))
 
     def listdir(self, prefix: str = "") -> list[Entry]:

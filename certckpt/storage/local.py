@@ -10,7 +10,7 @@ import contextlib
 import os
 import shutil
 import stat
-from collections.abc import Container
+from collections.abc import Container, Sequence
 
 from certckpt.errors import CheckpointExistsError, CheckpointNotFoundError, StorageError
 
@@ -67,7 +67,14 @@ class LocalStorage(Storage):
         return Entry(name, kind, st.st_size if kind == "file" else None, stamp, what)
 
     def walk(
-        self, prefix: str = "", *, depth: int = 8, hidden: bool = False, skip: Container[str] = (), detail: bool = True
+        self,
+        prefix: str = "",
+        *,
+        depth: int = 8,
+        hidden: bool = False,
+        skip: Container[str] = (),
+        detail: bool = True,
+        hint: Sequence[str] = (),  # a directory is read whole: nothing to split
     ) -> list[Entry]:
         out: list[Entry] = []
         try:

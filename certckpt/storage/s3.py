@@ -6,11 +6,16 @@ Imported only for an ``s3://`` URL (``storage_for`` imports it lazily, with fssp
 
 from __future__ import annotations
 
+import asyncio
 import datetime
-from collections.abc import Iterable
+import inspect
+import weakref
+from collections.abc import Container, Iterable, Sequence
 from typing import cast
 
+from botocore.utils import parse_timestamp, tzutc
 from fsspec import AbstractFileSystem
+from fsspec.asyn import sync
 
 from certckpt.errors import CheckpointNotFoundError, ConfigurationError, StorageError
 
@@ -18,6 +23,41 @@ from .base import Lock, LockRequest, Protection, Versions, remote_error_text
 from .fsspec_store import FsspecStorage, Info
 
 __all__ = ["S3Storage"]
+
+_PAGE = 1000  # keys in one ListObjectsV2 answer
+_LAST = "\U0010ffff"  # after every key that starts with what it follows (the greatest code point)
+
+
+def _timestamp(value: object) -> datetime.datetime:
+    """A timestamp of a response, as botocore's own parser gives it (UTC, dateutil's ``tzutc``).
+
+    S3 lists every object's time as ISO 8601 in UTC (``2026-06-01T12:00:00.000Z``), which botocore
+    parses with dateutil: 40 µs a key, three quarters of what a listing of thousands of keys costs
+    the client. Those are read directly; anything else goes to botocore's parser."""
+    if isinstance(value, str) and value.endswith("Z") and "T" in value:
+        try:
+            return datetime.datetime.fromisoformat(value[:-1]).replace(tzinfo=tzutc())
+        except ValueError:
+            pass
+    return cast(datetime.datetime, parse_timestamp(value))
+
+
+_FAST_TIMESTAMPS: weakref.WeakSet[object] = weakref.WeakSet()
+
+
+def _fast_timestamps(fs: AbstractFileSystem) -> None:
+    """Parse the timestamps of this s3fs session's responses with ``_timestamp`` (once a session;
+    botocore's public hook: the session's response parser factory, shared by its clients)."""
+    session = getattr(fs, "session", None)
+    if session is None:
+        return
+    try:
+        factory = session.get_component("response_parser_factory")
+        if factory not in _FAST_TIMESTAMPS:
+            factory.set_parser_defaults(timestamp_parser=_timestamp)
+            _FAST_TIMESTAMPS.add(factory)
+    except Exception:  # another botocore: its own parser stays, only slower
+        return
 
 
 def precondition_failed(e: BaseException) -> bool:
@@ -71,21 +111,101 @@ class S3Storage(FsspecStorage):
             # A versioned, locked bucket keeps the replaced version; the new one gets its own lock.
             self.fs.put_file(src, path, **retention, **extra)
 
-    def _find(self, path: str, *, depth: int) -> dict[str, Info]:
+    def _find(self, path: str, *, depth: int, skip: Container[str] = (), hint: Sequence[str] = ()) -> dict[str, Info]:
         # s3fs's find with a maxdepth lists every "directory" on its own (a ledger's chains: one LIST
         # per writer, 1,025 requests at 1,024 writers); without one it lists the prefix flat, one
         # request per 1,000 keys, and the depth is applied here.
-        found = cast(dict[str, Info], self.fs.find(path, detail=True))
+        if skip or hint:
+            found = self._listed_in_parts(path, skip=skip, hint=hint)
+        else:
+            found = cast(dict[str, Info], self.fs.find(path, detail=True))
         base = path.rstrip("/") + "/"
         return {
             p: i for p, i in found.items() if p == path or (p.startswith(base) and p[len(base) :].count("/") < depth)
         }
+
+    def _listed_in_parts(self, path: str, *, skip: Container[str], hint: Sequence[str]) -> dict[str, Info]:
+        """Every object under the directory ``path``, listed in parts at once: the keys under each
+        skipped name are not listed at all (a ledger's records are listed without its chains), and
+        the rest is cut at every page's worth of ``hint``.
+
+        A part starts after one cut (``StartAfter``) and ends where it sees the next cut, or at the
+        end of the listing: so the parts cover every key whatever the server's order (SeaweedFS lists
+        a directory's entries before the names that sort between them) and whichever cuts are gone,
+        at worst listing some keys twice. A skipped name's keys are contiguous in both orders: a part
+        ends at the first of them, and the next starts after the last any key could be."""
+        _fast_timestamps(self.fs)
+        bucket, _, key = path.partition("/")
+        prefix = key.rstrip("/") + "/" if key else ""
+        names = list(skip) if isinstance(skip, Iterable) else []  # one that cannot be named is listed (and dropped)
+        gaps = sorted(f"{prefix}{name}/" for name in names if isinstance(name, str) and name)
+        cuts = sorted({h.partition("/")[2] for h in hint[_PAGE - 1 :: _PAGE]} - {""})
+        cuts = [c for c in cuts if not any(c.startswith(g) for g in gaps)]
+        bounds = sorted([(c, c, False) for c in cuts] + [(g, g + _LAST, True) for g in gaps])
+        parts: list[tuple[str | None, str | None, bool]] = []  # (start after, end, end is a gap)
+        after: str | None = None
+        for at, then, gap in bounds:
+            parts.append((after, at, gap))
+            after = then
+        parts.append((after, None, False))
+
+        async def part(after: str | None, end: str | None, gap: bool) -> list[Info]:
+            out: list[Info] = []
+            while True:
+                start = {"StartAfter": after} if after else {}
+                page = await self.fs._call_s3("list_objects_v2", Bucket=bucket, Prefix=prefix, MaxKeys=_PAGE, **start)
+                contents = page.get("Contents", [])
+                for o in contents:
+                    k = str(o["Key"])
+                    if end is not None and (k.startswith(end) if gap else k == end):
+                        if not gap:
+                            out.append(o)  # a cut belongs to the part it ends
+                        return out
+                    out.append(o)
+                if not page.get("IsTruncated") or not contents:
+                    return out
+                after = str(contents[-1]["Key"])
+
+        async def every() -> list[list[Info]]:
+            return list(await asyncio.gather(*(part(a, e, g) for a, e, g in parts)))
+
+        found: dict[str, Info] = {}
+        for listed in sync(self.fs.loop, every):
+            for o in listed:
+                k = str(o["Key"])
+                if k.endswith("/"):
+                    continue  # a "directory" marker, not an object
+                found[f"{bucket}/{k}"] = {
+                    "name": f"{bucket}/{k}",
+                    "type": "file",
+                    "size": o.get("Size"),
+                    "ETag": o.get("ETag"),
+                    "LastModified": o.get("LastModified"),
+                }
+        return found
+
+    def get_many(self, names: Iterable[str]) -> dict[str, bytes]:
+        names = list(names)
+        if not names:
+            return {}
+        paths = {self._path(n): n for n in names}
+        # s3fs asks each object's size first (a HEAD per GET) to fetch a large one in ranges at once;
+        # these are ledger records, read whole: one GET each.
+        cat_file = getattr(self.fs, "_cat_file", None)
+        takes = cat_file is not None and "max_concurrency" in inspect.signature(cat_file).parameters
+        whole = {"max_concurrency": 1} if takes else {}
+        try:
+            got: dict[str, object] = self.fs.cat(list(paths), on_error="omit", **whole)
+        except Exception as e:
+            raise self._failed(e, "", "read") from e
+        return {paths[p]: v for p, v in got.items() if isinstance(v, bytes)}
 
     def names_after(self, prefix: str, *, after: str = "", limit: int = 1000) -> list[str]:
         """One ListObjectsV2 request (``StartAfter``), however many objects the prefix holds; hidden
         names are kept, so that a short page always means the end (see ``Storage.names_after``)."""
         if not 1 <= limit <= 1000:
             raise ConfigurationError(f"names_after: limit {limit} is not 1-1000 (one S3 page)")
+        _fast_timestamps(self.fs)  # a writer reads a page at every seal: 1,000 timestamps
         key = self._key(prefix).rstrip("/") + "/"
         start = {"StartAfter": self._key(after)} if after else {}
         try:

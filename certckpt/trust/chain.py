@@ -13,7 +13,8 @@ signature. So a chained store (``docs/signing.md``, "Chained ledgers") adds:
   writer's previous entry file (of the genesis for the first), so the entries of one writer form a
   chain; ``records`` seals each record file by its SHA-256 (one signature per block, however many
   lines it holds); ``seen`` seals the heads of the other writers this writer has listed (a page of the
-  chains directory per commit, going round: ``Ledger._heads``), so a truncated or deleted chain is
+  chains directory per commit, going round: ``Ledger._heads``) that moved since its chain's previous
+  entry (a chain's claims on a writer are their greatest), so a truncated or deleted chain is
   noticed by the next entries of anyone else; ``scope`` says what a
   writer may write (``branch:<name>`` for a branch's events, commits and forks, ``store`` for
   revocations, incidents, retirements and vault records, ``cache`` for certificates).
@@ -27,7 +28,7 @@ import hashlib
 import json
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from certckpt.format.signing import TrustedKeys
@@ -38,6 +39,7 @@ __all__ = [
     "GENESIS",
     "Break",
     "ChainCheck",
+    "Proven",
     "Sealed",
     "check_chains",
     "digest",
@@ -158,6 +160,29 @@ class Sealed:
 
 
 @dataclass(kw_only=True, slots=True)
+class Proven:
+    """What the intact start of one writer's chain proved: enough to carry on from its head without
+    reading those entries again (``check_chains(proven=...)``; a reader keeps it, ``chaincache``).
+
+    Attributes:
+        shas: the SHA-256 of entries 1, 2, ... in order (the last is the head).
+        stores: per entry, the store it names.
+        genesis: what its first entry links to (the genesis record's SHA-256 of that store).
+        scope: the writer's scope.
+        unauthenticated: with trusted keys, why its first entry is not signed by one (None: it is,
+            or there are no keys).
+        records: ``(seq, kind, name, sha256)`` of every record those entries seal, in order.
+    """
+
+    shas: list[str]
+    stores: list[str]
+    scope: str
+    genesis: str
+    unauthenticated: str | None = None
+    records: list[tuple[int, str, str, str]] = field(default_factory=list)
+
+
+@dataclass(kw_only=True, slots=True)
 class ChainCheck:
     """What the chains prove about a store's records.
 
@@ -172,6 +197,12 @@ class ChainCheck:
         behind: writers broken only because another writer's entry saw more of their chain than was
             given: truncation, or (for a reader listing one chain after another) entries appended
             between the two listings; a reader lists again before it calls that a break.
+        claims: per writer, the greatest entry number an entry that counts for truncation (intact,
+            and with trusted keys authenticated) says it saw.
+        proven: per writer whose chain is intact to its head, what it proved (for the next read).
+        incomplete: a check resumed from ``proven`` that cannot say by itself what broke (a proven
+            start that no longer holds, a claim beyond a head: its exact break needs the entries the
+            reader skipped); the reader checks again from every entry.
     """
 
     sealed: dict[tuple[str, str], Sealed] = field(default_factory=dict)
@@ -180,6 +211,9 @@ class ChainCheck:
     scopes: dict[str, str] = field(default_factory=dict)
     unauthenticated: dict[str, str] = field(default_factory=dict)
     behind: set[str] = field(default_factory=set)
+    claims: dict[str, int] = field(default_factory=dict)
+    proven: dict[str, Proven] = field(default_factory=dict)
+    incomplete: bool = False
 
     def counts(self, kind: str, name: str) -> bool:
         """Whether the record may move a verdict toward trusted: sealed by an intact, authenticated entry."""
@@ -219,6 +253,8 @@ def check_chains(
     trusted_keys: TrustedKeys | None,
     optional: Callable[[str, str], bool] = lambda store, kind: False,
     remembered: Mapping[str, tuple[int, str]] | None = None,
+    proven: Mapping[str, Proven] | None = None,
+    claims: Mapping[str, int] | None = None,
 ) -> ChainCheck:
     """Check every writer's chain and what it seals.
 
@@ -233,16 +269,31 @@ def check_chains(
             (a vault mirrors a run's evidence, not its retirements or drills).
         remembered: per writer, the head this reader verified last time (a chain that is shorter now,
             or whose entry at that head changed, was truncated or rewritten: a break).
+        proven: per writer, what the start of its chain proved when an earlier check (with the same
+            stores and trusted keys) read it, for a caller that knows those entries are unchanged
+            since; ``entries`` then holds only the writer's later entries. Every record a proven
+            start seals is held again to its bytes now; a start that no longer holds, or a claim
+            beyond a head, leaves the check ``incomplete`` (the caller checks again from every entry).
+        claims: the ``claims`` of the check that proved them.
     """
     rules = _Rules(stores=stores, record_digest=record_digest, trusted_keys=trusted_keys, optional=optional)
     found = _Findings()
-    for writer in sorted(entries):
-        _walk_chain(writer, entries[writer], rules=rules, found=found)
     out = found.out
-    _break_truncated(out, found.seals, keyed=trusted_keys is not None)
+    out.claims.update(claims or {})
+    proven = proven or {}
+    for writer in sorted(set(entries) | set(proven)):
+        p = proven.get(writer)
+        link = _Link() if p is None else _resume(writer, p, rules=rules, found=found)
+        if link is None:
+            out.incomplete = True
+            return out
+        _walk_chain(writer, entries.get(writer, {}), link=link, rules=rules, found=found)
+    _break_truncated(out, found.seals, resumed=bool(proven))
     _break_rolled_back(out, remembered or {}, found.at_seq)
     if out.breaks:
         _demote_after_breaks(out)
+        for writer in out.breaks:
+            out.proven.pop(writer, None)
     return out
 
 
@@ -262,7 +313,8 @@ class _Findings:
 
     out: ChainCheck = field(default_factory=ChainCheck)
     at_seq: dict[tuple[str, int], str] = field(default_factory=dict)  # (writer, seq) -> the intact entry's SHA-256
-    seals: list[tuple[str, int, str, int]] = field(default_factory=list)  # (sealer, its seq, sealed writer, seq)
+    # (sealer, its seq, its seen): read again only to name the first entry that saw a missing tail
+    seals: list[tuple[str, int, dict[str, int]]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -275,12 +327,45 @@ class _Link:
     broken: Break | None = None
 
 
-def _walk_chain(writer: str, files: Mapping[int, bytes], *, rules: _Rules, found: _Findings) -> None:
-    """Walk one writer's entries in order: the intact ones seal their records, the first one that is
-    missing, altered or does not link is the writer's break, and what comes after it only counts
-    against trust."""
+def _resume(writer: str, p: Proven, *, rules: _Rules, found: _Findings) -> _Link | None:
+    """Carry on from a proven start: it seals what it sealed, it is the writer's head, and the walk
+    goes on after it. None when it does not hold now (a record it seals is gone or changed, or it
+    does not start this store's chain): which entry broke is for a walk over the entries to say."""
+    if not p.shas or len(p.stores) != len(p.shas) or p.stores[0] not in rules.stores:
+        return None
+    if rules.stores[p.stores[0]] != p.genesis or any(s not in rules.stores for s in p.stores):
+        return None
+    for seq, kind, name, sha in p.records:
+        if not 1 <= seq <= len(p.shas):
+            return None
+        store = p.stores[seq - 1]
+        have = rules.record_digest(store, kind, name)
+        if have != sha and not (have is None and rules.optional(store, kind)):
+            return None
     out = found.out
-    link = _Link()
+    out.scopes[writer] = p.scope
+    if p.unauthenticated is not None:
+        out.unauthenticated[writer] = p.unauthenticated
+    keyed = rules.trusted_keys is not None
+    counts = not keyed or p.unauthenticated is None
+    for seq, sha in enumerate(p.shas, 1):
+        found.at_seq[writer, seq] = sha
+    out.heads[writer] = (len(p.shas), p.shas[-1])
+    sealed = out.sealed
+    for seq, kind, name, sha in p.records:
+        was = sealed.get((kind, name))
+        if was is None or (counts and not was.counts):  # a seal that counts wins (as _accept_entry)
+            sealed[kind, name] = Sealed(sha, writer, seq, counts)
+    out.proven[writer] = replace(p, shas=list(p.shas), stores=list(p.stores), records=list(p.records))
+    authenticated = (p.unauthenticated is None) if keyed else None
+    return _Link(prev=p.shas[-1], authenticated=authenticated, expected=len(p.shas) + 1)
+
+
+def _walk_chain(writer: str, files: Mapping[int, bytes], *, link: _Link, rules: _Rules, found: _Findings) -> None:
+    """Walk one writer's entries in order (from ``link``: its start, or where a proven start ends):
+    the intact ones seal their records, the first one that is missing, altered or does not link is
+    the writer's break, and what comes after it only counts against trust."""
+    out = found.out
     for seq in sorted(files):
         data = files[seq]
         try:
@@ -310,6 +395,7 @@ def _walk_chain(writer: str, files: Mapping[int, bytes], *, rules: _Rules, found
                     link=link,
                     counts=rules.trusted_keys is None or bool(link.authenticated),
                     found=found,
+                    claims_count=rules.trusted_keys is None or writer not in out.unauthenticated,
                 )
                 continue
         _seal_against_trust(out, doc, writer=writer, seq=seq)
@@ -349,21 +435,44 @@ def _signature_problem(
 
 
 def _accept_entry(
-    writer: str, seq: int, data: bytes, doc: dict[str, Any], *, link: _Link, counts: bool, found: _Findings
+    writer: str,
+    seq: int,
+    data: bytes,
+    doc: dict[str, Any],
+    *,
+    link: _Link,
+    counts: bool,
+    found: _Findings,
+    claims_count: bool,
 ) -> None:
     """An intact entry: it becomes the writer's head, seals the records it lists (for trust when
-    ``counts``) and notes the other writers' heads it saw."""
+    ``counts``) and notes the other writers' heads it saw (``claims_count``: its word on them counts
+    toward a truncation: with trusted keys, only an authenticated writer's)."""
     out = found.out
     out.scopes.setdefault(writer, doc["scope"])
     h = digest(data)
     found.at_seq[writer, seq] = h
     out.heads[writer] = (seq, h)
+    if link.prev is None:
+        out.proven[writer] = Proven(
+            shas=[], stores=[], scope=doc["scope"], genesis=doc["prev"], unauthenticated=out.unauthenticated.get(writer)
+        )
     link.prev, link.expected = h, seq + 1
+    p = out.proven[writer]
+    p.shas.append(h)
+    p.stores.append(doc["store"])
     for kind, name, sha in doc["records"]:
+        p.records.append((seq, kind, name, sha))
         have = out.sealed.get((kind, name))
         if have is None or (counts and not have.counts):  # a seal that counts wins
             out.sealed[kind, name] = Sealed(sha, writer, seq, counts)
-    found.seals.extend((writer, seq, w, s) for w, s in doc["seen"].items() if w != writer)
+    seen: dict[str, int] = doc["seen"]
+    if claims_count:
+        claims = out.claims
+        for w, s in seen.items():
+            if w != writer and s > claims.get(w, 0):
+                claims[w] = s
+        found.seals.append((writer, seq, seen))
 
 
 def _seal_against_trust(out: ChainCheck, doc: object, *, writer: str, seq: int) -> None:
@@ -374,22 +483,35 @@ def _seal_against_trust(out: ChainCheck, doc: object, *, writer: str, seq: int) 
                 out.sealed.setdefault((r[0], r[1]), Sealed(r[2], writer, seq, False))
 
 
-def _break_truncated(out: ChainCheck, seals: list[tuple[str, int, str, int]], *, keyed: bool) -> None:
+def _break_truncated(out: ChainCheck, seals: list[tuple[str, int, dict[str, int]]], *, resumed: bool) -> None:
     """A writer whose head is behind what another writer's entry saw of it lost its tail. With
-    trusted keys, only an authenticated writer's word counts: anyone can write an unsigned entry
-    claiming to have seen entry 999 of a real writer."""
-    for sealer, at, writer, seq in seals:
-        if keyed and sealer in out.unauthenticated:
-            continue
-        have = out.heads.get(writer, (0, ""))[0]
-        if have < seq and writer not in out.breaks:
-            out.breaks[writer] = Break(
-                writer=writer,
-                seq=have + 1,
-                scope=out.scopes.get(writer, "store"),
-                why=f"entries up to {seq}, sealed by writer {sealer} entry {at}, are missing (truncated or deleted)",
-            )
-            out.behind.add(writer)
+    trusted keys, only an authenticated writer's word counts (``claims`` holds only that): anyone
+    can write an unsigned entry claiming to have seen entry 999 of a real writer.
+
+    The greatest claims say whether any tail is missing; which entry saw it first (what the break
+    names) is looked up only then, in the entries' own claims, which a resumed check does not hold."""
+    late = {w for w, seq in out.claims.items() if out.heads.get(w, (0, ""))[0] < seq and w not in out.breaks}
+    if not late:
+        return
+    if resumed:
+        out.incomplete = True
+        out.behind |= late
+        return
+    for sealer, at, seen in seals:
+        for writer, seq in seen.items():
+            if writer == sealer or writer not in late:
+                continue
+            have = out.heads.get(writer, (0, ""))[0]
+            if have < seq and writer not in out.breaks:
+                out.breaks[writer] = Break(
+                    writer=writer,
+                    seq=have + 1,
+                    scope=out.scopes.get(writer, "store"),
+                    why=(
+                        f"entries up to {seq}, sealed by writer {sealer} entry {at}, are missing (truncated or deleted)"
+                    ),
+                )
+                out.behind.add(writer)
 
 
 def _break_rolled_back(

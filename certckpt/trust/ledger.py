@@ -32,7 +32,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from certckpt.errors import (
@@ -68,6 +68,7 @@ from .chain import (
     parse_entry_name,
     scope_of,
 )
+from .chaincache import ChainCache
 from .factcache import FactsCache
 from .records import KINDS, CommitRecord, HoldingRecord, KeptRecord, is_ckpt_id, is_plain_name
 from .snapshot import MAX_SMALL_RECORD_BYTES, SOURCES_DIR, LedgerSnapshot, read_snapshot
@@ -111,12 +112,14 @@ def _record_name(name: str) -> str:
 
 @dataclass(slots=True)
 class _Chain:
-    """This process's chain for one scope: its writer id, the last entry's number and digest."""
+    """This process's chain for one scope: its writer id, the last entry's number and digest, and
+    the heads of the other writers its entries have named."""
 
     writer: str
     scope: str
     seq: int
     prev: str
+    named: dict[str, int] = field(default_factory=dict)
 
 
 def _dumps(doc: Mapping[str, object]) -> bytes:
@@ -333,7 +336,11 @@ class Ledger:
             ch = self._chains.get(scope)
             if ch is None:
                 ch = self._chains[scope] = _Chain("w" + secrets.token_hex(8), scope, 0, self._genesis_sha)
-            seen = {w: n for w, n in self._heads().items() if w != ch.writer}
+            # Only the heads that moved since this chain's last entry: what its entries claim of a
+            # writer is still the greatest head this writer saw, first named in the same entry as
+            # with every head repeated (so a truncation is caught, and named, exactly as before), and
+            # an entry costs what moved, not one name per writer of the store.
+            seen = {w: n for w, n in self._heads().items() if w != ch.writer and n > ch.named.get(w, 0)}
             assert self._store_id is not None  # chained() read it from the genesis record
             doc = entry_doc(
                 store=self._store_id,
@@ -348,6 +355,7 @@ class Ledger:
             raw = self._dumps(doc)
             put_once(join(self.root, CHAINS_DIR, ch.writer, entry_name(ch.seq + 1)), raw)
             ch.seq, ch.prev = ch.seq + 1, digest(raw)
+            ch.named.update(seen)
 
     def _put(self, kind: str, name: str, data: bytes, *, branch: str | None = None) -> bool:
         """Write one record create-only and seal it in this writer's chain."""
@@ -633,6 +641,7 @@ class Ledger:
         remembered: dict[str, tuple[int, str]] | None = None,
         remembered_genesis: str | None = None,
         cache: FactsCache | None = None,
+        chains: ChainCache | None = None,
     ) -> LedgerSnapshot:
         """Read every record, check every chain (missing ledger: an empty snapshot).
 
@@ -643,6 +652,8 @@ class Ledger:
                 without it, or with another, was deleted or re-created: a break).
             cache: event segments a reader verified and folded before (only what was appended since
                 is parsed; used only where the chains still seal them as they were).
+            chains: chain entries and small records a reader verified before (only what the listing
+                does not show unchanged is fetched; ``certckpt.trust.chaincache``).
 
         Raises:
             StorageError: the store cannot be read; CertckptError: an event names no branch or step.
@@ -655,6 +666,7 @@ class Ledger:
             remembered=remembered,
             remembered_genesis=remembered_genesis,
             cache=cache,
+            chains=chains,
         )
         snap.trust = self.trust
         return snap

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from certckpt.format.trustconfig import default_state_dir, state_dir_from_env
 
+from .chaincache import ChainCache
 from .factcache import FactsCache
 
 if TYPE_CHECKING:
@@ -36,10 +37,12 @@ __all__ = [
     "STATE_ENV",
     "forget",
     "recall",
+    "recall_chains",
     "recall_facts",
     "recall_genesis",
     "recall_view",
     "remember",
+    "remember_chains",
     "remember_facts",
     "remember_snapshot",
     "remember_view",
@@ -86,6 +89,22 @@ def remember_facts(store: str, cache: FactsCache | None, *, base: str | None = N
     """Keep what this read verified (skipped when it added nothing to what was kept before)."""
     if cache is not None and cache.segments and not cache.unchanged:
         _write(_path(store, ".facts.json", base), cache.to_json())
+
+
+def recall_chains(store: str, *, base: str | None = None) -> ChainCache | None:
+    """The chain entries and small records this reader verified for ``store`` (None: none, or unreadable)."""
+    try:
+        with open(_path(store, ".chains.json", base), "rb") as f:
+            doc = json.loads(f.read(_MAX_FACTS_BYTES))
+    except (OSError, ValueError, RecursionError):
+        return None
+    return ChainCache.from_json(doc) if isinstance(doc, dict) else None
+
+
+def remember_chains(store: str, cache: ChainCache | None, *, base: str | None = None) -> None:
+    """Keep what this read verified of the chains (skipped when it added nothing to what was kept)."""
+    if cache is not None and cache.writers and not cache.unchanged:
+        _write(_path(store, ".chains.json", base), cache.to_json())
 
 
 def _recall_doc(store: str, base: str | None) -> dict[str, Any]:
@@ -169,11 +188,11 @@ def remember_view(store: str, key: str, view: dict[str, object], *, base: str | 
 
 
 def forget(store: str, *, base: str | None = None) -> list[str]:
-    """Forget what this reader verified of ``store`` (its identity, heads and folded segments): the
+    """Forget what this reader verified of ``store`` (its identity, heads, chains and folded segments): the
     deliberate way to accept a store re-created at the same URL, or to drop heads an earlier version
     remembered of unauthenticated writers. Returns the files removed."""
     removed = []
-    for suffix in (".json", ".facts.json", ".view.json"):
+    for suffix in (".json", ".facts.json", ".chains.json", ".view.json"):
         p = _path(store, suffix, base)
         try:
             os.remove(p)

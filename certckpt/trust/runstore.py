@@ -32,7 +32,15 @@ from .incident import (
     incident_state,
 )
 from .ledger import Ledger, LedgerSnapshot, is_ckpt_id
-from .memory import recall, recall_facts, recall_genesis, remember_facts, remember_snapshot
+from .memory import (
+    recall,
+    recall_chains,
+    recall_facts,
+    recall_genesis,
+    remember_chains,
+    remember_facts,
+    remember_snapshot,
+)
 from .records import HoldingRecord, KeptRecord, Outcome
 
 if TYPE_CHECKING:  # for annotations only (imported where they run: see check_file, StoreStatus.coverage)
@@ -404,17 +412,22 @@ def read_remembering(ledger: Ledger, *, use_cache: bool = True) -> LedgerSnapsho
     that shrank was rolled back), and the heads it proves now remembered for next time.
 
     Args:
-        use_cache: start from the event segments this reader verified before (only what was appended
-            since is read); False re-reads and re-hashes every segment.
+        use_cache: start from the chain entries, records and event segments this reader verified
+            before (only what was written since is read); False re-reads and re-hashes everything.
     """
     store, base = ledger.store, ledger.trust.memory_dir
     cache = recall_facts(store, base=base) if use_cache else None
+    chains = recall_chains(store, base=base) if use_cache else None
     snap = ledger.snapshot(
-        remembered=recall(store, base=base), remembered_genesis=recall_genesis(store, base=base), cache=cache
+        remembered=recall(store, base=base),
+        remembered_genesis=recall_genesis(store, base=base),
+        cache=cache,
+        chains=chains,
     )
     remember_snapshot(store, snap, base=base)
     if snap.chained:
         remember_facts(store, snap.facts_cache, base=base)
+        remember_chains(store, snap.chain_cache, base=base)
     return snap
 
 

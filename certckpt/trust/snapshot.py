@@ -30,10 +30,22 @@ from certckpt.format.trustconfig import TrustConfig
 from certckpt.storage import VAULT_MARK, Storage, is_missing_bucket, remote_error_text, storage_for
 
 from .certify import CheckpointEntry, Revocation
-from .chain import CHAINS_DIR, GENESIS, Break, ChainCheck, check_chains, digest, genesis_problem, parse_entry_name
+from .chain import (
+    CHAINS_DIR,
+    GENESIS,
+    Break,
+    ChainCheck,
+    Proven,
+    check_chains,
+    digest,
+    genesis_problem,
+    parse_entry_name,
+)
+from .chaincache import ChainCache
 from .factcache import FactsCache
 from .facts import AuditFacts, EventProblem, read_event
 from .incident import incident_state
+from .listing import MAX_RECORD_BYTES, MAX_SMALL_RECORD_BYTES, Taken, keep, take, take_again
 from .records import (
     KINDS,
     AppealRecord,
@@ -75,18 +87,14 @@ MIRRORED_KINDS = frozenset({"checkpoints", "branches", "events", "revocations", 
 _FOR_TRUST = ("checkpoints", "holdings", "branches", "drills", "certificates", "appeals", "clearances")
 BRANCH_KINDS = ("checkpoints", "branches", "placements")  # records sealed by their branch's chain
 _BATCH = 256  # event segments read per request: bounded memory, few round trips
-# Listings again when a chain looks truncated (see read_snapshot). Each new listing can race the
-# writers again: with two writers appending without pause, three were lapped in the suite under load
-# (a false break); a true truncation stays through every one, so more cost only a racing read.
+# Listings again of the chains that look truncated (see read_snapshot). Each can race the writers
+# again: with two writers appending without pause, three were lapped in the suite under load (a false
+# break); a true truncation stays through every one, and each lists only the chains still behind.
 _RELISTS = 8
-MAX_RECORD_BYTES = 1 << 30  # no event segment is this large (a segment holds 4,096 events)
-# Every other file of a ledger (a commit record, a chain entry, a revocation...) is a small JSON object,
-# and all of them are held at once while a ledger is read: each is bounded, and so is their sum and
-# the sum of everything one read takes in (a sparse file counts by its size, not its blocks).
-MAX_SMALL_RECORD_BYTES = 16 << 20
-MAX_SMALL_TOTAL_BYTES = 1 << 30
-MAX_LEDGER_BYTES = 64 << 30
 _BATCH_BYTES = 256 << 20  # event segments held at once while they are hashed
+# Segments hashed by this read are kept for folding up to this many bytes, so that a warm read (a
+# few new segments) fetches each once; beyond it (a cold read of a big ledger) they are read again.
+_KEEP_BYTES = 64 << 20
 _R = TypeVar("_R", bound=Record)
 _F = TypeVar("_F", bound=FleetRecord)
 
@@ -182,6 +190,7 @@ class LedgerSnapshot:
     memorable_heads: dict[str, tuple[int, str]] = field(default_factory=dict)
     event_loader: Callable[[], list[dict[str, Any]]] | None = None
     facts_cache: FactsCache | None = None  # what a reader keeps to read only new segments next time
+    chain_cache: ChainCache | None = None  # what a reader keeps to read only new chain entries next time
     loaded_events: list[dict[str, Any]] | None = None
 
     @property
@@ -241,46 +250,6 @@ def _segment_lines(data: bytes) -> list[object]:
     return out
 
 
-def _list(
-    storage: Storage, refused: list[tuple[str, str]], stamps: dict[str, str], sizes: dict[str, int]
-) -> dict[str, list[str]]:
-    """Every ledger name, by top-level entry (kind, ``chains``, ``sources``, or ``""`` for files).
-
-    The storage never follows or opens what is not a regular file: a FIFO would block a reader
-    forever, a device never ends, a link may leave the store; each is refused (``refused``: what,
-    why). So is a file larger than any record."""
-    out: dict[str, list[str]] = {}
-    # The chains first: a writer seals a record only after writing it, and records are never removed,
-    # so every record an entry listed here seals is there when the rest is listed (a writer at work
-    # meanwhile cannot make a sealed record look deleted).
-    entries = storage.walk(CHAINS_DIR, depth=2) + storage.walk(depth=3, skip=(CHAINS_DIR,))
-    small = total = 0
-    for e in entries:
-        if e.kind != "file":
-            what = "a directory nested too deep" if e.kind == "directory" else e.what
-            refused.append((e.name, f"not a regular file ({what}); never opened"))
-            continue
-        top, _, rest = e.name.partition("/")
-        segment = top == "events" and bool(rest)
-        limit = MAX_RECORD_BYTES if segment else MAX_SMALL_RECORD_BYTES
-        if e.size is not None and e.size > limit:
-            refused.append((e.name, f"{e.size} bytes, more than any {'segment' if segment else 'record'}; never read"))
-            continue
-        size = e.size or 0
-        total += size
-        small += 0 if segment else size
-        if small > MAX_SMALL_TOTAL_BYTES or total > MAX_LEDGER_BYTES:
-            budget = MAX_SMALL_TOTAL_BYTES if small > MAX_SMALL_TOTAL_BYTES else MAX_LEDGER_BYTES
-            raise StorageError(
-                f"the ledger holds more than {budget} bytes of records, more than one read takes in (files planted "
-                "to exhaust memory?); nothing is certified from it until they are removed"
-            )
-        stamps[e.name] = e.stamp
-        sizes[e.name] = size
-        out.setdefault(top if rest else "", []).append(e.name)
-    return out
-
-
 def read_snapshot(
     *,
     store: str,
@@ -290,6 +259,7 @@ def read_snapshot(
     remembered: dict[str, tuple[int, str]] | None = None,
     remembered_genesis: str | None = None,
     cache: FactsCache | None = None,
+    chains: ChainCache | None = None,
 ) -> LedgerSnapshot:
     """Read and check every record of one ledger (missing ledger: an empty snapshot).
 
@@ -299,6 +269,10 @@ def read_snapshot(
             without it, or with another one, was deleted or re-created (a break).
         cache: event segments this reader verified and folded before: used only where the chains
             still seal them as they were (``LedgerSnapshot.facts_cache`` is the cache to keep next).
+        chains: chain entries and small records this reader verified before: used only for what the
+            listing shows unchanged (``LedgerSnapshot.chain_cache`` is the cache to keep next); a
+            read it cannot finish exactly (a proven start that no longer holds, a chain behind a
+            claim) is done again without it.
 
     Raises:
         CheckpointNotFoundError: no such store; StorageError: it cannot be read; CertckptError: an
@@ -311,29 +285,33 @@ def read_snapshot(
             if not storage_for(store).exists():
                 raise CheckpointNotFoundError(f"{store}: no such run store")
             return LedgerSnapshot(trusted_keys=trusted_keys)
-        for attempt in range(_RELISTS + 1):
-            refused: list[tuple[str, str]] = []
-            stamps: dict[str, str] = {}
-            sizes: dict[str, int] = {}
-            listing = _list(storage, refused, stamps, sizes)
-            small = [p for k, v in listing.items() if k != "events" for p in v]
-            got = storage.get_many(small)
-            # listed, then gone (records are never removed): read as empty, it fails its checks
-            contents = {p: got.get(p, b"") for p in small}
-            reader = _Reader(store, trusted_keys, url_of, listing, contents, remembered, storage, cache)
+        keys = sorted(trusted_keys.keys) if trusted_keys is not None else []
+
+        def reader_of(taken: Taken) -> _Reader:
+            reader = _Reader(store, trusted_keys, url_of, taken, remembered, storage, cache)
             reader.remembered_genesis = remembered_genesis
-            segments = set(listing.get("events", []))
-            reader.stamps = {p.rsplit("/", 1)[-1]: v for p, v in stamps.items() if p in segments}
-            reader.sizes = {p.rsplit("/", 1)[-1]: v for p, v in sizes.items() if p in segments}
-            reader.snap.invalid.extend(refused)
             reader.hash_segments()
             reader.check_chains()
-            # Chains are listed one after another: a writer that appends to chain A after A was
-            # listed and then to chain B (whose entry sees A's new head) makes A look truncated.
-            # Entries are never removed, so a second listing shows them; a truncation stays.
-            if not (reader.check and reader.check.behind) or attempt == _RELISTS:
-                return reader.read()
-        raise AssertionError("unreachable")
+            return reader
+
+        def settled(reader: _Reader) -> _Reader:
+            # A chain that looks behind another writer's claim is listed again (only that chain),
+            # a few times: each listing can race the writers again (with two writers appending
+            # without pause, three were lapped in the suite under load), a true truncation stays.
+            for _ in range(_RELISTS):
+                if reader.check is None or not reader.check.behind:
+                    break
+                reader = reader_of(take_again(storage, reader.taken, reader.check.behind))
+            return reader
+
+        segments = cache.segments if cache is not None else ()
+        reader = settled(reader_of(take(storage, chains=chains, keys=keys, segments=segments)))
+        if reader.check is not None and reader.check.incomplete:
+            reader = settled(reader_of(take(storage, chains=None, keys=keys)))
+        snap = reader.read()
+        if snap.chained and snap.store_id is not None:
+            snap.chain_cache = keep(reader.taken, reader.check, store_id=snap.store_id, keys=keys, before=chains)
+        return snap
     except (CertckptError, FileNotFoundError) as e:
         if isinstance(e, CertckptError):
             raise
@@ -365,18 +343,23 @@ class _Reader:
         store: str,
         trusted_keys: TrustedKeys | None,
         url_of: Callable[..., str],
-        listing: dict[str, list[str]],
-        contents: dict[str, bytes],
+        taken: Taken,
         remembered: dict[str, tuple[int, str]] | None,
         storage: Storage,
         cache: FactsCache | None,
     ) -> None:
         self.store, self.keys, self.url_of = store, trusted_keys, url_of
-        self.listing, self.contents, self.remembered, self.storage = listing, contents, remembered, storage
+        self.taken, self.remembered, self.storage = taken, remembered, storage
+        listing, contents = taken.listing, dict(taken.contents)
+        self.listing, self.contents = listing, contents
         self.digests: dict[tuple[str, str], str] = {}
         self.cache: FactsCache | None = cache
-        self.stamps: dict[str, str] = {}  # segment name -> its change detector (see hash_segments)
-        self.sizes: dict[str, int] = {}  # segment name -> its listed size (batches are bounded by bytes)
+        segments = set(listing.get("events", []))
+        # segment name -> its change detector (see hash_segments), and its listed size (batches are
+        # bounded by bytes)
+        self.stamps = {p.rsplit("/", 1)[-1]: v for p, v in taken.stamps.items() if p in segments}
+        self.sizes = {p.rsplit("/", 1)[-1]: v for p, v in taken.sizes.items() if p in segments}
+        self.kept: dict[str, bytes] = {}  # segments hashed by this read, kept for folding (bounded)
         self.files: dict[str, list[str]] = {k: sorted(listing.get(k, [])) for k in KINDS}
         self.segment_names = [p.rsplit("/", 1)[-1] for p in self.files["events"]]
         for k in KINDS:
@@ -387,6 +370,7 @@ class _Reader:
         for p in listing.get("", []):
             self.digests["", p.rsplit("/", 1)[-1]] = digest(contents[p])
         self.snap = LedgerSnapshot(segments=len(self.files["events"]), trusted_keys=trusted_keys)
+        self.snap.invalid.extend(taken.refused)
         self.check: ChainCheck | None = None
         self.source: str | None = None  # a vault's source run's store id, when the vault vouches for it
         # per writer, the store its first entry names: untrusted JSON (any value), only ever compared
@@ -397,18 +381,23 @@ class _Reader:
     # --- event segments: hashed first (the chains need their digests), parsed once they are judged --
 
     def _batches(self, names: list[str]) -> Iterator[tuple[str, bytes]]:
-        """The segments' bytes, at most ``_BATCH`` segments and ``_BATCH_BYTES`` (as listed) at a time."""
+        """The segments' bytes in order, at most ``_BATCH`` segments and ``_BATCH_BYTES`` (as listed)
+        fetched at a time; one kept since it was hashed (``kept``) is not fetched again."""
         by_name = {p.rsplit("/", 1)[-1]: p for p in self.files["events"]}
         i = 0
         while i < len(names):
             j, held = i, 0
             while j < len(names) and j - i < _BATCH and (j == i or held + self.sizes.get(names[j], 0) <= _BATCH_BYTES):
-                held += self.sizes.get(names[j], 0)
+                held += 0 if names[j] in self.kept else self.sizes.get(names[j], 0)
                 j += 1
-            paths = [by_name[n] for n in names[i:j]]
+            paths = [by_name[n] for n in names[i:j] if n not in self.kept]
             got = self.storage.get_many(paths)
-            for n, p in zip(names[i:j], paths):
-                yield n, got.get(p, b"")  # a sealed segment that vanished breaks its chain
+            for n in names[i:j]:
+                kept = self.kept.pop(n, None)
+                yield (
+                    n,
+                    kept if kept is not None else got.get(by_name[n], b""),
+                )  # a sealed segment gone breaks its chain
             i = j
 
     def hash_segments(self) -> None:
@@ -421,8 +410,12 @@ class _Reader:
         fresh = [n for n in self.segment_names if n not in same]
         for n in same:
             self.digests["events", n] = known[n][0]
+        kept = 0
         for n, data in self._batches(fresh):
             self.digests["events", n] = digest(data)
+            if kept + len(data) <= _KEEP_BYTES:
+                self.kept[n] = data  # folded soon after (a cold read of a big ledger reads the rest again)
+                kept += len(data)
 
     # --- chains ----------------------------------------------------------------------------------
 
@@ -456,7 +449,8 @@ class _Reader:
         source = mark.get("source_store") if isinstance(mark, dict) else None
         self._source_genesis(source, stores)
         entries = self._chain_entries()
-        if not entries and any(self.files[k] for k in KINDS):
+        proven = self.taken.proven
+        if not entries and not proven and any(self.files[k] for k in KINDS):
             # Every record is written, then sealed: records with no chain at all lost their chains.
             self._break_store("records but no chain entry at all: the chains were deleted")
             return
@@ -471,8 +465,12 @@ class _Reader:
             trusted_keys=self.keys,
             optional=lambda store_id, kind: store_id != own and kind not in MIRRORED_KINDS,
             remembered=self.remembered,
+            proven=proven,
+            claims=self.taken.claims,
         )
-        self._note_writer_stores(entries)
+        if self.check.incomplete:
+            return  # read again without the cache (read_snapshot)
+        self._note_writer_stores(entries, proven)
         if self.source is not None:
             self._check_vault_mark(self.check, own)
         snap.heads = dict(self.check.heads)
@@ -553,12 +551,19 @@ class _Reader:
             if seq is None or "/" in name:
                 self.snap.invalid.append((f"{CHAINS_DIR}/{writer}/{name}"[:120], "not a chain entry name"))
                 continue
+            p_start = self.taken.proven.get(writer)
+            if p_start is not None and seq <= len(p_start.shas):
+                continue  # proven at an earlier read, unchanged since: its bytes were not fetched
             entries.setdefault(writer, {})[seq] = self.contents[p]
         return entries
 
-    def _note_writer_stores(self, entries: dict[str, dict[int, bytes]]) -> None:
+    def _note_writer_stores(self, entries: dict[str, dict[int, bytes]], proven: dict[str, Proven]) -> None:
         """The store each writer's first entry names (a vault holds its source run's writers too)."""
+        for writer, p in proven.items():
+            self.writer_store[writer] = p.stores[0]
         for writer, files in entries.items():
+            if writer in proven:
+                continue
             first = files.get(min(files)) if files else None
             try:
                 self.writer_store[writer] = json.loads(first).get("store") if first else None

@@ -27,6 +27,31 @@ def storage(request, tmp_path) -> Storage:
     return storage_for(f"s3://{new_bucket()}/store")
 
 
+def test_a_walk_split_by_hints_or_skipping_a_name_lists_what_a_plain_walk_lists(storage, monkeypatch):
+    """S3 lists a split walk in parts at once, each ending where it sees the next cut (pages of two
+    keys here). SeaweedFS lists a directory's keys before the names that sort between them ("a/b"
+    before "a.txt"), and moto in plain key order: every key is listed once either way, whatever the
+    cuts (stale, unsorted, inside a skipped name) or the names planted around a skipped one."""
+    import certckpt.storage.s3 as s3
+
+    monkeypatch.setattr(s3, "_PAGE", 2)
+    names = ["a/b", "a.txt", "a-c", "a0", "a/c/d", "ab", "chains/w1/1", "chains/w1/2", "chains.x", "chains-y"]
+    names += ["chains0", "chains/w2/1", "chains/w1x/3", "b", "z/z"]
+    for n in names:
+        storage.put_once(n, n.encode())
+    storage.refresh()
+    plain = sorted(e.name for e in storage.walk())
+    assert plain == sorted(names)
+    for hint in ([], sorted(names), names[::-1], ["gone", "a/zz", "chains/w1/2", "zz"], names[::3]):
+        assert sorted(e.name for e in storage.walk(hint=hint)) == plain
+        assert sorted(e.name for e in storage.walk(skip=("chains",), hint=hint)) == [
+            n for n in plain if not n.startswith("chains/")
+        ]
+        assert sorted(e.name for e in storage.walk("chains", depth=2, hint=hint)) == [
+            n for n in plain if n.startswith("chains/")
+        ]
+
+
 @moto_only  # no request reaches the server's storage
 def test_storage_for_picks_the_backend(tmp_path, s3_bucket):
     assert type(storage_for(str(tmp_path))) is LocalStorage
