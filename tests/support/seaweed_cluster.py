@@ -41,8 +41,17 @@ def _free_ports(n: int) -> list[int]:
             s.close()
 
 
-def _wait_http(url: str, proc: subprocess.Popen, *, seconds: float = 60) -> None:
-    """Until ``url`` answers (any HTTP status), or ``proc`` exits, or ``seconds`` pass."""
+def _log_tail(path: str, lines: int = 8) -> str:
+    try:
+        with open(path, "rb") as f:
+            return b"".join(f.readlines()[-lines:]).decode(errors="replace").strip()
+    except OSError:
+        return "(no log)"
+
+
+def _wait_http(url: str, proc: subprocess.Popen, *, log: str, seconds: float = 60) -> None:
+    """Until ``url`` answers (any HTTP status), or ``proc`` exits, or ``seconds`` pass (the error
+    carries the end of the process's log: why ``weed`` gave up)."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         try:
@@ -52,9 +61,11 @@ def _wait_http(url: str, proc: subprocess.Popen, *, seconds: float = 60) -> None
             return
         except OSError:
             if proc.poll() is not None:
-                raise RuntimeError(f"weed exited ({proc.returncode}) before {url} answered") from None
+                raise RuntimeError(
+                    f"weed exited ({proc.returncode}) before {url} answered; its log ends:\n{_log_tail(log)}"
+                ) from None
             time.sleep(0.05)
-    raise RuntimeError(f"{url} did not answer in {seconds:.0f} s")
+    raise RuntimeError(f"{url} did not answer in {seconds:.0f} s; its log ends:\n{_log_tail(log)}")
 
 
 @dataclass(kw_only=True)
@@ -88,10 +99,13 @@ class Cluster:
         if role == "filer":
             return ["filer", *common, f"-master={self._addr('master')}", "-defaultReplicaPlacement=001"]
         conf = os.path.join(self.directory, "s3.json")
-        return ["s3", *common, f"-filer={self._addr('filer')}", f"-config={conf}", "-port.iceberg=0"]
+        # no Iceberg or Lance server: they bind fixed default ports (8181, 9101), so a gateway restarted
+        # while another SeaweedFS of the suite runs (the other xdist worker's) died at start-up
+        return ["s3", *common, f"-filer={self._addr('filer')}", f"-config={conf}", "-port.iceberg=0", "-port.lance=0"]
 
     def start(self, role: str) -> None:
-        log = open(os.path.join(self.directory, f"{role}.log"), "ab")  # noqa: SIM115 - the process owns it
+        log_path = os.path.join(self.directory, f"{role}.log")
+        log = open(log_path, "ab")  # noqa: SIM115 - the process owns it
         env = dict(os.environ, TMPDIR=os.path.join(self.directory, "run"))
         self.procs[role] = subprocess.Popen(
             [console_script("weed"), *self._args(role)],
@@ -106,7 +120,7 @@ class Cluster:
             url += "cluster/status"
         elif role.startswith("volume"):
             url += "status"
-        _wait_http(url, self.procs[role])
+        _wait_http(url, self.procs[role], log=log_path)
 
     def kill(self, role: str) -> None:
         """SIGKILL: what a crashed node does (nothing flushed, nothing said goodbye)."""
