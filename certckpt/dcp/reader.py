@@ -7,7 +7,8 @@ into the destination tensor when the chunk is exactly that tensor) and checks it
 digest before handing any part of it to the planner: a flipped bit names the file, the stored
 tensor and the state entry. Resharding is DCP's: any new sharding reads the boxes it overlaps.
 With ``check_fingerprints=True`` the loaded state is then checked, collectively, against the
-sharding-independent fingerprints (``statecheck``).
+sharding-independent fingerprints (``statecheck``), each region fingerprinted beside the reads
+(``loadfp``).
 
 Example::
 
@@ -91,7 +92,7 @@ class CertifiedReader(StorageReader):
         check_fingerprints: after loading, compare the loaded state (on any sharding) with the
             manifest's sharding-independent fingerprints. Collective: every rank of
             ``process_group`` must take part in the same ``dcp.load``. Costs one fingerprint pass
-            over the loaded data.
+            over the loaded data, on a thread beside the reads (``loadfp``).
         process_group: the group for ``check_fingerprints`` (default: the default group when one
             is initialized, else this process alone).
         trusted_keys: public keys (``TrustedKeys`` or key files; default ``$CERTCKPT_TRUSTED_KEYS``;

@@ -239,7 +239,7 @@ class CertifiedLoadStrategy(LoadShardedStrategy):
     Args:
         check_fingerprints: after loading, compare the loaded tensors (on whatever split this run
             uses) with the fingerprints saved, collectively over every rank. One fingerprint pass
-            over the loaded data.
+            over the loaded data, on a second thread beside the reads (``certckpt.dcp.loadfp``).
 
     Example:
         >>> state = dist_checkpointing.load(sd, "ckpt/iter_100", sharded_strategy=CertifiedLoadStrategy())
