@@ -30,12 +30,15 @@ from certckpt.format.sharded.shardfp import tensor_contribution
 
 from .statecheck import Region
 
-__all__ = ["RegionFingerprints", "QUEUE_BYTES"]
+__all__ = ["RegionFingerprints", "QUEUE_BYTES", "SMALL_BYTES"]
 
 # The reading thread runs at most this far ahead of the worker (bytes queued): past it, the reading
 # thread fingerprints the oldest queued region itself. A longer queue would only hold more memory (a
 # planner's temporary destinations stay alive until they are fingerprinted).
 QUEUE_BYTES = 64 << 20
+# A smaller region is fingerprinted at once, on the reading thread: handing it over would cost more
+# than its sum (and keeps the queue, which ``guard`` scans, to at most QUEUE_BYTES / SMALL_BYTES).
+SMALL_BYTES = 64 << 10
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
@@ -93,6 +96,7 @@ class RegionFingerprints:
 
     def __init__(self) -> None:
         self._jobs: list[_Job] = []
+        self._open: list[_Job] = []  # handed to the worker, not seen done yet
         self._queue: deque[_Job] = deque()  # not yet started
         self._queued_bytes = 0
         self._lock = threading.Condition()
@@ -142,8 +146,9 @@ class RegionFingerprints:
     def guard(self, dest: torch.Tensor) -> None:
         """Finish every region not yet fingerprinted whose memory ``dest``'s may overlap."""
         lo, hi = _span(dest)
-        for job in self._jobs:
-            if not job.done.is_set() and job.span[0] < hi and lo < job.span[1]:
+        self._open = [job for job in self._open if not job.done.is_set()]
+        for job in self._open:
+            if job.span[0] < hi and lo < job.span[1]:
                 self._finish(job)
 
     def _finish(self, job: _Job) -> None:
@@ -155,9 +160,10 @@ class RegionFingerprints:
         """Queue ``dest``, the loaded region at ``offsets`` of the global tensor ``fqn``."""
         job = _Job(fqn, tuple(offsets), tuple(dest.shape), tuple(global_shape), dest.detach(), _span(dest))
         self._jobs.append(job)
-        if dest.device.type != "cpu":  # on the reading thread's stream, after its copy
-            job.run()
+        if dest.device.type != "cpu" or job.span[1] - job.span[0] < SMALL_BYTES:
+            job.run()  # a GPU region on the reading thread's stream, after its copy; a small one at once
             return
+        self._open.append(job)
         with self._lock:
             self._queue.append(job)
             self._queued_bytes += job.span[1] - job.span[0]
