@@ -5,13 +5,17 @@ Run from the repository root:
 
     python benchmarks/bench_megatron.py               # 24 layers of a GPT block's weights, 5 trials
     python benchmarks/bench_megatron.py --trials 9 --dir /dev/shm
+    python benchmarks/bench_megatron.py --threads 2   # torch's intra-op threads (default 1)
 
 ``CERTCKPT_BENCH_TINY=1`` (``benchmarks/tinymode.py``): toy sizes, one trial, figures meaningless.
 
 One process (a gloo group of one), one sharded state dict built with Megatron's ``ShardedTensor``
 (per layer: qkv, proj, fc1, fc2 weights in bfloat16 and their fp32 copies, as a mixed-precision
 optimizer holds them), through ``dist_checkpointing.save`` / ``load`` on the same disk, contenders
-alternating every trial (one untimed warm-up round; medians, [min-max] beside them):
+alternating every trial (one untimed warm-up round; medians, [min-max] beside them). torch runs with one
+intra-op thread, as under torchrun (its default ``OMP_NUM_THREADS=1``, how Megatron is launched) and
+as in ``bench_dcp.py``; ``--threads N`` changes that. Beside the wall times, the process's CPU seconds
+(every thread): on a shared machine they move much less than wall time.
 
 1. save: ``sharded_strategy=CertifiedSaveStrategy(ledger=..., step=...)`` (certified shards, common state
    and manifest, fsync'd, committed to a ledger) vs Megatron's ``torch_dist``. On a CUDA machine that is
@@ -22,6 +26,7 @@ alternating every trial (one untimed warm-up round; medians, [min-max] beside th
 2. load, warm page cache, into the same preallocated tensors: ``CertifiedLoadStrategy()`` (every chunk's
    digest checked, and the loaded state's fingerprints against the saved ones) vs Megatron's
    ``torch_dist`` load strategy (this one runs on the CPU); a third line without the fingerprint check.
+   The fingerprint check runs on a second thread beside the reads (``certckpt/dcp/loadfp.py``).
 
 Target: both ratios <= 1.10x. Every figure printed is measured in this run.
 """
@@ -97,6 +102,7 @@ def main() -> int:
     p.add_argument("--hidden", type=int, default=64 if tiny else 512)
     p.add_argument("--trials", type=int, default=1 if tiny else 5)
     p.add_argument("--dir", default=None, help="where checkpoints are written (default: a temp dir)")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1, torchrun's default)")
     args = p.parse_args()
     warnings.filterwarnings("ignore")
     try:
@@ -104,12 +110,19 @@ def main() -> int:
     except ImportError:
         print("bench_megatron: megatron-core is not installed (pip install 'certckpt[megatron]')", file=sys.stderr)
         return 2
+    import resource
+
     import torch
     import torch.distributed as dist
 
     from certckpt.detect.launch import free_port
     from certckpt.integrations.megatron import CertifiedLoadStrategy, CertifiedSaveStrategy
 
+    def cpu() -> float:
+        r = resource.getrusage(resource.RUSAGE_SELF)  # every thread of this process
+        return r.ru_utime + r.ru_stime
+
+    torch.set_num_threads(args.threads)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     cuda = torch.cuda.is_available()
@@ -117,16 +130,15 @@ def main() -> int:
     template = _state(args.layers, args.hidden, zeros=True)
     nbytes = sum(sh.data.numel() * sh.data.element_size() for d in (sd["model"], sd["optimizer"]) for sh in d.values())
     root = tempfile.mkdtemp(prefix="bench-megatron-", dir=args.dir)
-    times: dict[str, list[float]] = {
-        k: []
-        for k in (
-            "save certified",
-            "save torch_dist",
-            "load certified",
-            "load certified, no fp check",
-            "load torch_dist",
-        )
-    }
+    names = (
+        "save certified",
+        "save torch_dist",
+        "load certified",
+        "load certified, no fp check",
+        "load torch_dist",
+    )
+    times: dict[str, list[float]] = {k: [] for k in names}
+    cpus: dict[str, list[float]] = {k: [] for k in names}
 
     def plain_save(d: str) -> None:
         if cuda:
@@ -168,11 +180,12 @@ def main() -> int:
                 order = group if trial % 2 == 0 else list(reversed(group))
                 for name, fn in order:
                     os.sync()
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), cpu()
                     fn()
-                    dt = time.perf_counter() - t0
+                    dt, dc = time.perf_counter() - t0, cpu() - c0
                     if trial:  # round 0 warms up
                         times[name].append(dt)
+                        cpus[name].append(dc)
             shutil.rmtree(store)
             shutil.rmtree(dirs["plain"])
             os.sync()
@@ -187,11 +200,12 @@ def main() -> int:
     )
     print(
         f"# bench_megatron: {args.layers} layers, hidden {args.hidden}, {nbytes / 2**20:.0f} MiB of tensors;"
-        f" {args.trials} trials; {os.cpu_count()} cpus; baseline: {baseline}"
+        f" {args.trials} trials; {os.cpu_count()} cpus, {torch.get_num_threads()} torch thread(s); load average"
+        f" {os.getloadavg()[0]:.2f}; baseline: {baseline}"
     )
-    print("contender                       median s    [min-max]")
+    print("contender                       median s    [min-max]      CPU s (median)")
     for name, xs in times.items():
-        print(f"{name:30s}{_fmt(xs)}")
+        print(f"{name:30s}{_fmt(xs)}   {statistics.median(cpus[name]):8.3f}")
     ratio = statistics.median(times["save certified"]) / statistics.median(times["save torch_dist"])
     print(f"ratio save certified / torch_dist:  {ratio:.2f}x  (goal <= {TARGET:.2f}x)")
     ratio = statistics.median(times["load certified"]) / statistics.median(times["load torch_dist"])

@@ -7,7 +7,8 @@ into the destination tensor when the chunk is exactly that tensor) and checks it
 digest before handing any part of it to the planner: a flipped bit names the file, the stored
 tensor and the state entry. Resharding is DCP's: any new sharding reads the boxes it overlaps.
 With ``check_fingerprints=True`` the loaded state is then checked, collectively, against the
-sharding-independent fingerprints (``statecheck``).
+sharding-independent fingerprints (``statecheck``), each region fingerprinted beside the reads
+(``loadfp``).
 
 Example::
 
@@ -43,13 +44,13 @@ from certckpt.format.record import check_header
 from certckpt.format.sharded.check import verify_checkpoint
 from certckpt.format.sharded.layout import join
 from certckpt.format.sharded.manifest import Manifest, ShardFile, ValueInfo, read_manifest
-from certckpt.format.sharded.shardfp import tensor_contribution
 from certckpt.format.signing import KEYS_FROM_ENV, TrustedKeys, trusted_keys_for
 from certckpt.format.tensors import ST_TO_TORCH, host_bytes
 from certckpt.format.verify import digest_problem, read_checkpoint_header, read_tensor
 from certckpt.storage import open_read, resolve
 
 from .dcpmeta import ChunkRef, to_metadata
+from .loadfp import RegionFingerprints
 from .statecheck import Region, compare, exchange
 from .values import decode_value, deliver_value
 
@@ -91,7 +92,7 @@ class CertifiedReader(StorageReader):
         check_fingerprints: after loading, compare the loaded state (on any sharding) with the
             manifest's sharding-independent fingerprints. Collective: every rank of
             ``process_group`` must take part in the same ``dcp.load``. Costs one fingerprint pass
-            over the loaded data.
+            over the loaded data, on a thread beside the reads (``loadfp``).
         process_group: the group for ``check_fingerprints`` (default: the default group when one
             is initialized, else this process alone).
         trusted_keys: public keys (``TrustedKeys`` or key files; default ``$CERTCKPT_TRUSTED_KEYS``;
@@ -186,7 +187,12 @@ class CertifiedReader(StorageReader):
         regions: list[Region] = []
         error: BaseException | None = None
         try:
-            self._read(plan, planner, regions if self.check_fingerprints else None)
+            if self.check_fingerprints:
+                with RegionFingerprints() as fps:  # beside the reads, on a thread of its own (loadfp)
+                    self._read(plan, planner, fps)
+                    regions = fps.regions()
+            else:
+                self._read(plan, planner, None)
         except Exception as e:  # with check_fingerprints every rank must still reach the exchange
             if not self.check_fingerprints:
                 raise
@@ -207,7 +213,7 @@ class CertifiedReader(StorageReader):
 
     # --- reading ------------------------------------------------------------------------------
 
-    def _read(self, plan: LoadPlan, planner: LoadPlanner, regions: list[Region] | None) -> None:
+    def _read(self, plan: LoadPlan, planner: LoadPlanner, fps: RegionFingerprints | None) -> None:
         assert self.manifest is not None
         per_file: dict[int, list[tuple[ReadItem, ChunkRef]]] = {}
         for req in plan.items:
@@ -226,14 +232,14 @@ class CertifiedReader(StorageReader):
                 )
             per_file.setdefault(ref.file, []).append((req, ref))
         for index in sorted(per_file):
-            self._read_file(self.manifest.files[index], per_file[index], planner, regions)
+            self._read_file(self.manifest.files[index], per_file[index], planner, fps)
 
     def _read_file(
         self,
         sf: ShardFile,
         reqs: list[tuple[ReadItem, ChunkRef]],
         planner: LoadPlanner,
-        regions: list[Region] | None,
+        fps: RegionFingerprints | None,
     ) -> None:
         target = resolve(join(self.path, sf.name))
         source = target.display
@@ -265,7 +271,7 @@ class CertifiedReader(StorageReader):
             for name in sorted(by_entry, key=lambda n: entries[n].begin):
                 entry = entries[name]
                 fh.seek(info.header.data_start + entry.begin)
-                self._read_entry(fh, source, entry, info.record.tensors[name]["xxh3"], by_entry[name], planner, regions)
+                self._read_entry(fh, source, entry, info.record.tensors[name]["xxh3"], by_entry[name], planner, fps)
 
     def _read_entry(
         self,
@@ -275,7 +281,7 @@ class CertifiedReader(StorageReader):
         expected: str,
         reqs: list[ReadItem],
         planner: LoadPlanner,
-        regions: list[Region] | None,
+        fps: RegionFingerprints | None,
     ) -> None:
         dtype = ST_TO_TORCH[e.dtype]
         direct = None
@@ -289,6 +295,8 @@ class CertifiedReader(StorageReader):
             ):
                 direct = dest  # the chunk is exactly the destination: read straight into it
         if direct is not None:
+            if fps is not None:
+                fps.guard(direct)
             view = host_bytes(direct)
             _read_into(fh, view, source, e)
             src = direct
@@ -313,13 +321,13 @@ class CertifiedReader(StorageReader):
                         f"{source}: `{printable(req.dest_index.fqn)}` expects {list(dest.shape)}, the checkpoint"
                         f" holds {list(piece.shape)}"
                     )
+                if fps is not None:
+                    fps.guard(dest)
                 dest.copy_(piece)
-            if regions is not None:
-                offsets = [a + b for a, b in zip(req.storage_index.offset or (), req.storage_offsets)]
-                shape = self._shapes[req.storage_index.fqn]
-                raw = tensor_contribution(dest, offsets=offsets, global_shape=shape)
-                regions.append(Region(req.storage_index.fqn, tuple(offsets), tuple(req.lengths), f"{raw:016x}"))
             planner.commit_tensor(req, dest)
+            if fps is not None:  # what the planner holds once committed, fingerprinted beside the next reads
+                offsets = [a + b for a, b in zip(req.storage_index.offset or (), req.storage_offsets)]
+                fps.submit(req.storage_index.fqn, offsets, dest, self._shapes[req.storage_index.fqn])
 
     # --- the fingerprint check ----------------------------------------------------------------
 

@@ -27,7 +27,8 @@ from __future__ import annotations
 import os
 import threading
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 
 import torch
 import xxhash
@@ -58,6 +59,7 @@ __all__ = [
     "as_words",
     "raw_sum",
     "raw_sum_eager",
+    "one_thread",
     "finalize",
 ]
 
@@ -145,7 +147,52 @@ def raw_sum(words: torch.Tensor, first_chunk: int = 0) -> torch.Tensor:
 
         if fused.ready(words.device):
             return fused.raw_sum_fused(words, first_chunk)
+    elif getattr(_one_thread, "on", False) and words.device.type == "cpu" and _one_thread_checked():
+        return fpsum.raw_sum_one_thread(words, first_chunk)
     return raw_sum_eager(words, first_chunk)
+
+
+# --- one thread ---------------------------------------------------------------------------------
+
+_one_thread = threading.local()
+_one_thread_ok: bool | None = None  # None: not checked yet in this process
+_one_thread_lock = threading.Lock()
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """Within the block, this thread's CPU sums run on this thread alone (``fpsum.raw_sum_one_thread``):
+    for a worker that fingerprints beside another busy thread. The same bits as the eager path; the
+    first use in a process checks that on a known block and, if they differ, warns and stays eager.
+    """
+    was = getattr(_one_thread, "on", False)
+    _one_thread.on = True
+    try:
+        yield
+    finally:
+        _one_thread.on = was
+
+
+def _one_thread_checked() -> bool:
+    global _one_thread_ok
+    if _one_thread_ok is None:
+        with _one_thread_lock:
+            if _one_thread_ok is None:
+                g = torch.Generator().manual_seed(20261203)
+                words = torch.randint(-(2**31), 2**31, (3 * FP_CHUNK_WORDS + 1234,), dtype=torch.int32, generator=g)
+                try:
+                    same = int(fpsum.raw_sum_one_thread(words, 5)) == int(fpsum.raw_sum_eager(words, 5))
+                except Exception as e:  # a numpy or torch build without what it needs: eager serves
+                    warnings.warn(f"certckpt: one-thread fingerprint sums disabled ({e})", RuntimeWarning, stacklevel=3)
+                    same = None
+                if same is False:
+                    warnings.warn(
+                        "certckpt: one-thread fingerprint sums disagree with the eager ones on this build; using eager",
+                        RuntimeWarning,
+                        stacklevel=3,
+                    )
+                _one_thread_ok = bool(same)
+    return _one_thread_ok
 
 
 def raw_sum_eager(words: torch.Tensor, first_chunk: int = 0, *, block_chunks: int | None = None) -> torch.Tensor:

@@ -10,16 +10,18 @@ names ``<branch>@<step>.safetensors``, never collide.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from certckpt.errors import CheckpointNotFoundError
 from certckpt.format.trustconfig import TrustConfig
 
 from .certify import Level, accept_level
-from .ledger import Ledger
+from .ledger import Ledger, ckpt_id_for
 from .runstore import find_latest_good
 
-__all__ = ["ResumePoint", "plan_resume", "next_branch"]
+__all__ = ["ResumePoint", "plan_resume", "next_branch", "BranchAfterLoad", "branch_after_load", "recorded_branches"]
 
 _SUFFIX = re.compile(r"-r[0-9]+$")
 
@@ -58,6 +60,61 @@ def next_branch(parent_branch: str, taken: set[str]) -> str:
     return f"{base}-r{n}"
 
 
+@dataclass(frozen=True, slots=True)
+class BranchAfterLoad:
+    """Where new checkpoints go once a framework has loaded a checkpoint's files.
+
+    Attributes:
+        source: the id the files name (``<their branch>@<their step>``).
+        parent: ``source`` when the store committed these very files (the same header digest),
+            else None: the new branch then starts without a parent.
+        branch: the new branch, ``next_branch`` of the files' branch among every name taken.
+        step: the files' step.
+    """
+
+    source: str
+    parent: str | None
+    branch: str
+    step: int
+
+
+def branch_after_load(
+    *,
+    branch: str | None,
+    step: int | None,
+    header_digest: str,
+    records: Mapping[str, Mapping[str, Any]],
+    branch_parents: Iterable[str],
+    recorded: Iterable[str],
+) -> BranchAfterLoad:
+    """The branch a run continues on after loading a checkpoint (a pure decision).
+
+    Args:
+        branch, step, header_digest: the loaded files' record (its branch, None for ``main``).
+        records: the ledger's commit records by checkpoint id (``LedgerSnapshot.records``).
+        branch_parents: the branches the ledger records a parent for.
+        recorded: every branch name ever recorded, valid or not (``recorded_branches``): a new
+            branch reuses none of them, nor any branch a commit names.
+
+    The files count as the committed checkpoint only when the commit record's header digest is
+    theirs (a directory replaced after its commit, or another store's, is not): doubt never gives
+    a branch a parent.
+    """
+    source_branch = branch or "main"
+    source = ckpt_id_for(source_branch, step or 0)
+    committed = records.get(source)
+    known = committed is not None and committed.get("header_digest") == header_digest
+    taken = {r["branch"] for r in records.values()} | set(branch_parents) | set(recorded)
+    return BranchAfterLoad(
+        source=source, parent=source if known else None, branch=next_branch(source_branch, taken), step=step or 0
+    )
+
+
+def recorded_branches(ledger: Ledger) -> set[str]:
+    """Every branch name the ledger has a branch record for, valid or not."""
+    return {n.removesuffix(".json") for n in ledger.list_raw("branches")}
+
+
 def plan_resume(
     store: str, *, accept: str | Level = Level.TRUSTED, verify_bytes: bool = True, trust: TrustConfig | None = None
 ) -> ResumePoint:
@@ -81,7 +138,7 @@ def plan_resume(
     snap = status.snapshot
     entry = status.entry(chosen)
     # every branch name ever recorded, valid or not: a new branch must not reuse any
-    recorded = {n.removesuffix(".json") for n in Ledger(store, trust=trust).list_raw("branches")}
+    recorded = recorded_branches(Ledger(store, trust=trust))
     taken = {c.branch for c in snap.checkpoints} | set(snap.branch_parents) | recorded
     return ResumePoint(
         parent=chosen,

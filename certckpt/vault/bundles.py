@@ -5,7 +5,8 @@ Three kinds, told apart by the commit record's url:
 
 * ``file``: one certified file, held as ``<ckpt_id>.safetensors`` (unchanged since the first vault);
 * ``sharded``: a DCP directory (``shard-RRRRR.safetensors`` and ``manifest.safetensors``, the manifest
-  listing every shard with its size and header digest), held as the directory ``<ckpt_id>``;
+  listing every shard with its size and header digest, and its record any companion files: Megatron's
+  common state, ShardedObjects and ``metadata.json``), held as the directory ``<ckpt_id>``;
 * ``companions``: one certified file whose record lists other files of its directory (size and header
   digest or xxh3), held as ``<ckpt_id>/<its name>`` with its companions beside it.
 
@@ -23,6 +24,7 @@ from typing import Any
 
 from certckpt.errors import CertckptError, CorruptCheckpointError
 from certckpt.format.companions import companions_of, plain_problem
+from certckpt.format.record import CheckpointRecord
 from certckpt.format.sharded.layout import MANIFEST_NAME, is_directory
 from certckpt.format.sharded.manifest import read_manifest
 from certckpt.format.signing import TrustedKeys
@@ -98,19 +100,33 @@ def bundle_of(url: str, *, header_digest: str | None) -> Bundle:
     """
     if not url.endswith(".safetensors") and is_directory(url):
         manifest, info = read_manifest(url)
-        _committed(join(url, MANIFEST_NAME), info.record.header_digest, header_digest)
-        members = tuple(Member(f.name, f.nbytes, header_digest=f.header_digest) for f in manifest.files)
+        where = join(url, MANIFEST_NAME)
+        _committed(where, info.record.header_digest, header_digest)
+        shards = tuple(Member(f.name, f.nbytes, header_digest=f.header_digest) for f in manifest.files)
+        # the manifest's record may bind files beside the shards (Megatron's common state and
+        # ShardedObjects): without them a copy's manifest does not verify, nor does the checkpoint load
+        members = shards + _companions(where, info.record, MANIFEST_NAME)
         return Bundle(kind="sharded", directory=url.rstrip("/"), marker=MANIFEST_NAME, members=_plain(url, members))
     record = inspect(url).record
     _committed(url, record.header_digest, header_digest)
     marker = url.rstrip("/").rsplit("/", 1)[-1]
+    members = _companions(url, record, marker)
+    if not members:
+        return Bundle(kind="file", directory=parent_of(url), marker=marker)
+    return Bundle(kind="companions", directory=parent_of(url), marker=marker, members=_plain(url, members))
+
+
+def _companions(where: str, record: CheckpointRecord, marker: str) -> tuple[Member, ...]:
+    """The companion files ``record`` lists (``format.companions``), as members; none when it lists none."""
     try:
         files = companions_of(record)
     except (ValueError, RecursionError) as e:
-        raise CorruptCheckpointError(f"{url}: the record's table of companion files is unreadable ({e})") from e
+        raise CorruptCheckpointError(f"{where}: the record's table of companion files is unreadable ({e})") from e
     if not files:
-        return Bundle(kind="file", directory=parent_of(url), marker=marker)
-    members = tuple(
+        return ()
+    if marker in files:
+        raise CorruptCheckpointError(f"{where}: its table of companion files lists the file itself")
+    return tuple(
         Member(
             name,
             want["bytes"],
@@ -120,9 +136,6 @@ def bundle_of(url: str, *, header_digest: str | None) -> Bundle:
         )
         for name, want in sorted(files.items())
     )
-    if marker in files:
-        raise CorruptCheckpointError(f"{url}: its table of companion files lists the file itself")
-    return Bundle(kind="companions", directory=parent_of(url), marker=marker, members=_plain(url, members))
 
 
 def _committed(where: str, found: str, want: str | None) -> None:

@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from click.testing import CliRunner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 import certckpt
 from certckpt.dcp import CertifiedReader, CertifiedWriter, inspect_checkpoint, read_manifest, verify_checkpoint
@@ -226,6 +227,49 @@ def test_save_load_round_trip_with_values_as_data(kind, tmp_path, memroot):
     assert other["optim"]["param_groups"][0]["betas"] == (0.9, 0.999)
     assert reader.checked_tensors == len(manifest.tensors)
     assert verify_checkpoint(url).ok and verify_checkpoint(url, deep=True).ok
+
+
+class _StagingPlanner(DefaultLoadPlanner):
+    """Every region is read into one staging buffer and copied to its tensor on commit (as a planner
+    bound for another device may do); ``corrupt`` names a tensor the commit changes afterwards."""
+
+    def __init__(self, corrupt: str | None = None) -> None:
+        super().__init__()
+        self.staging = torch.empty(1 << 18)
+        self.corrupt = corrupt
+
+    def resolve_tensor(self, read_item):
+        self._target = super().resolve_tensor(read_item)
+        return self.staging[: self._target.numel()].view(self._target.shape)
+
+    def commit_tensor(self, read_item, tensor):
+        self._target.copy_(tensor)
+        if read_item.dest_index.fqn == self.corrupt:
+            tensor.view(-1)[7] += 1  # a change after the digest was checked, before the fingerprint
+
+
+def test_the_fingerprint_check_sees_what_the_planner_holds_even_when_every_region_shares_one_buffer(tmp_path):
+    url = str(tmp_path / "ck")
+    g = torch.Generator().manual_seed(3)
+    state = {"model": {f"w{i}": torch.randn(256, 1024, generator=g) for i in range(12)}}
+    dcp.save(state, storage_writer=CertifiedWriter(url), no_dist=True)
+    # the worker fingerprints each region in the shared buffer before the next region overwrites it
+    out = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}}
+    reader = CertifiedReader(url, check_fingerprints=True)
+    dcp.load(out, storage_reader=reader, planner=_StagingPlanner(), no_dist=True)
+    assert all(torch.equal(out["model"][k], v) for k, v in state["model"].items()) and reader.checked_tensors == 12
+    # a value changed after its digest was checked: every chunk's digest matched, the fingerprint does not
+    with pytest.raises(dcp.api.CheckpointException) as e:
+        dcp.load(
+            out,
+            storage_reader=CertifiedReader(url, check_fingerprints=True),
+            planner=_StagingPlanner("model.w5"),
+            no_dist=True,
+        )
+    assert "tensor `model.w5`: the loaded state's fingerprint" in str(
+        e.value
+    ) and "not the values that were saved" in str(e.value)
+    dcp.load(out, storage_reader=CertifiedReader(url), planner=_StagingPlanner("model.w5"), no_dist=True)  # unchecked
 
 
 def test_tied_weights_are_stored_once(tmp_path):

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import certckpt
-from certckpt.format.fingerprinting import FP_CHUNK_WORDS, as_words, fingerprint_many, raw_sum
+from certckpt.format.fingerprinting import FP_CHUNK_WORDS, as_words, fingerprint_many, raw_sum, raw_sum_eager
 from certckpt.format.tensors import TORCH_TO_ST
 from tests.support.fpref import reference_fingerprint
 
@@ -351,3 +351,27 @@ def test_the_eager_sum_does_not_depend_on_its_block_size():
         for first in (0, 7):
             want = int(raw_sum_eager(words, first))
             assert [int(raw_sum_eager(words, first, block_chunks=b)) for b in (1, 3, 256)] == [want] * 3, (n, first)
+
+
+@pytest.mark.parametrize("chunks, tail", [(0, 0), (0, 5), (1, 0), (17, 3), (33, 65535)])
+def test_one_thread_sums_equal_the_reference(chunks, tail):
+    from certckpt.format.fingerprinting import _one_thread_checked, one_thread
+
+    assert _one_thread_checked()  # the one-thread sums serve on this build (not a silent fall-back)
+    g = torch.Generator().manual_seed(chunks + tail)
+    t = torch.randint(0, 256, (4 * (chunks * FP_CHUNK_WORDS + tail) + 2,), dtype=torch.uint8, generator=g)
+    with one_thread():
+        assert certckpt.fingerprint(t) == ref(t)
+        # a piece placed further along the sequence (first_chunk): the same as the eager sum
+        assert int(raw_sum(as_words(t), 3)) == int(raw_sum_eager(as_words(t), 3))
+
+
+def test_one_thread_sums_that_disagree_fall_back_to_eager(monkeypatch):
+    import certckpt.format.fingerprinting as fpm
+
+    monkeypatch.setattr(fpm, "_one_thread_ok", None)
+    monkeypatch.setattr(fpm.fpsum, "raw_sum_one_thread", lambda words, first_chunk=0: torch.tensor(1))
+    t = torch.randn(2 * FP_CHUNK_WORDS + 9)
+    with fpm.one_thread(), pytest.warns(RuntimeWarning, match="disagree with the eager ones"):
+        assert certckpt.fingerprint(t) == ref(t)
+    assert fpm._one_thread_ok is False

@@ -2,9 +2,10 @@
 on 3 gloo ranks, one launch (``tests/support/megatron_cases.py``): saved split 3 ways, re-loaded split 2
 ways with a replica and by the strategy ``metadata.json`` names, fingerprints independent of the split,
 ShardedObjects and the common state certified (no ``common.pt``), committed to a run store that
-``certckpt status`` / ``latest-good --dir`` / ``verify DIR`` answer, a plain ``torch_dist`` directory
-refused in one line. Megatron's GPT model needs CUDA to be built: the state dicts are hand-built with
-Megatron's own ShardedTensor / ShardedObject API."""
+``certckpt status`` / ``latest-good --dir`` / ``verify DIR`` answer, promoted whole to a vault and
+released; a plain ``torch_dist`` directory and a ``flattened_range`` tensor refused in one line.
+Megatron's GPT model needs CUDA to be built: the state dicts are hand-built with Megatron's own
+ShardedTensor / ShardedObject API."""
 
 from __future__ import annotations
 
@@ -21,10 +22,13 @@ if importlib.util.find_spec("megatron.core") is None:
 import torch
 import torch.distributed.checkpoint as dcp
 from click.testing import CliRunner
+from safetensors.torch import load_file
 
 import certckpt
 from certckpt.dcp import CertifiedReader, inspect_checkpoint
 from certckpt.detect.launch import run_ranks
+from certckpt.ops.release import verify_release
+from certckpt.ops.release_cert import generate_release_key
 from certckpt_cli.main import main
 from tests.support import megatron_cases
 
@@ -58,6 +62,13 @@ def test_certified_megatron_checkpoints_on_three_ranks(tmp_path):
         assert o["default_equal"] and o["plain_megatron_reads"]
         assert o["plain"].startswith("NotACheckpointError: refusing to load: the checkpoint was written by plain")
         assert "never unpickled" in o["plain"] and "CertifiedSaveStrategy" in o["plain"]
+        # a flattened_range tensor: one line on every rank, saving and loading, before a file is written
+        for what in ("flat_save", "flat_load"):
+            assert o[what].startswith(
+                "UnsupportedObjectError: ShardedTensor `decoder.qkv.weight` has a flattened_range"
+            ), o[what]
+            assert "sharding_type='fully_sharded_model_space'" in o[what], o[what]
+        assert o["flat_written"] == [], o["flat_written"]
 
     # nothing pickled: common.pt replaced by common.safetensors; every file a safetensors header or JSON
     names = sorted(os.listdir(ckpt))
@@ -95,6 +106,24 @@ def test_certified_megatron_checkpoints_on_three_ranks(tmp_path):
     assert r.exit_code == 0 and os.path.abspath(r.output.strip()) == os.path.abspath(ckpt), r.output
     r = _cli("verify", plain)
     assert r.exit_code == 2 and "written by plain Megatron-Core" in r.output and "never unpickles" in r.output
+
+    # the vault holds the whole directory (companions too), checked; a damaged companion there is named
+    vault = f"file://{tmp_path / 'vault'}"
+    r = _cli("vault", "promote", store, vault, "--accept", "verified")
+    assert r.exit_code == 0 and "copied, verified" in r.output, r.output
+    assert sorted(os.listdir(tmp_path / "vault" / "main@5")) == names
+    r = _cli("vault", "ls", vault, "--verify")
+    assert r.exit_code == 0 and "main@5" in r.output, r.output
+    _flip_last_byte(str(tmp_path / "vault" / "main@5" / "objects-00001.safetensors"))
+    r = _cli("vault", "ls", vault, "--verify")
+    assert r.exit_code == 1 and "damaged" in r.output and "objects-00001.safetensors" in r.output, r.output
+    # a release: the saved global tensors, signed, checked by the release verifier
+    key, pub = generate_release_key(str(tmp_path / "release-key"))
+    r = _cli("release", ckpt, "--key", key, "--out", str(tmp_path / "rel"), "--accept", "verified")
+    assert r.exit_code == 0 and "released main@5 (verified)" in r.output, r.output
+    released = load_file(str(tmp_path / "rel" / "model.safetensors"))  # plain safetensors, for any reader
+    assert released.keys() == full.keys() and all(torch.equal(released[k], full[k]) for k in full)
+    assert verify_release(str(tmp_path / "rel"), public_key=pub, accept="verified").level == "verified"
 
     # a damaged common state fails the directory, and latest-good no longer names it
     _flip_last_byte(os.path.join(ckpt, "common.safetensors"))

@@ -136,4 +136,36 @@ def save_and_reload(args):
         out["plain"] = None
     except Exception as e:
         out["plain"] = f"{type(e).__name__}: {e}"
+    out.update(_flattened_refused(args, full, zeros, rank, world))
+    return out
+
+
+def _flattened_refused(args, full, zeros, rank, world):
+    """A ShardedTensor with a ``flattened_range`` (the pre-0.14 distributed optimizer's layout) handed
+    to the strategies directly, as a wrapping strategy does: megatron-core 0.16.1's constructors and
+    ``dist_checkpointing.save/load`` refuse one themselves, so it is set after construction."""
+    from certckpt.integrations.megatron import CertifiedLoadStrategy, CertifiedSaveStrategy
+
+    def flattened(sd):
+        sh = sd["model"]["qkv"]
+        sh.flattened_range = slice(0, sh.data.numel())
+        return sd
+
+    where = args["plain"] + "-flat"
+    if rank == 0:
+        os.makedirs(where)
+    dist.barrier()
+    out = {}
+    try:
+        CertifiedSaveStrategy(step=6).save(flattened(_sharded(full, rank, world, split=3)), where)
+        out["flat_save"] = None
+    except Exception as e:
+        out["flat_save"] = f"{type(e).__name__}: {e}"
+    dist.barrier()
+    out["flat_written"] = sorted(os.listdir(where))
+    try:
+        CertifiedLoadStrategy().load(flattened(_sharded(zeros, rank, world, split=2)), args["ckpt"])
+        out["flat_load"] = None
+    except Exception as e:
+        out["flat_load"] = f"{type(e).__name__}: {e}"
     return out

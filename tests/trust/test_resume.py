@@ -8,7 +8,7 @@ import pytest
 import certckpt
 from certckpt.trust.certify import CheckpointEntry, certify
 from certckpt.trust.ledger import Ledger
-from certckpt.trust.resume import next_branch, plan_resume
+from certckpt.trust.resume import BranchAfterLoad, branch_after_load, next_branch, plan_resume, recorded_branches
 from certckpt.trust.runstore import certify_store, find_latest_good
 from tests.support.helpers import event_dict
 
@@ -41,6 +41,40 @@ def test_next_branch_names_never_collide():
     assert next_branch("main", {"main-r1", "main-r2"}) == "main-r3"
     assert next_branch("main-r2", {"main-r1", "main-r2"}) == "main-r3"  # resumes of resumes stay flat
     assert next_branch("b2", {"main-r1"}) == "b2-r1"
+
+
+def test_branch_after_load_gives_a_parent_only_to_the_committed_files_and_a_name_nobody_took():
+    records = {
+        "main@10": {"branch": "main", "step": 10, "header_digest": "aa"},
+        "main-r1@12": {"branch": "main-r1", "step": 12, "header_digest": "bb"},
+    }
+
+    def after(branch, step, digest, recorded=()):
+        return branch_after_load(
+            branch=branch,
+            step=step,
+            header_digest=digest,
+            records=records,
+            branch_parents={"main-r2"},
+            recorded=recorded,
+        )
+
+    # the committed files: their id is the parent; main-r1 (a commit) and main-r2 (a branch record) are taken
+    assert after(None, 10, "aa") == BranchAfterLoad(source="main@10", parent="main@10", branch="main-r3", step=10)
+    # the same id, other bytes (replaced after the commit, or another store's): no parent, still a new branch
+    assert after("main", 10, "cc") == BranchAfterLoad(source="main@10", parent=None, branch="main-r3", step=10)
+    # a resume of a resume stays flat, and a name recorded only as a (damaged) branch record is skipped too
+    assert after("main-r1", 12, "bb", recorded={"main-r3"}).branch == "main-r4"
+    # files of a store that committed nothing: main@0 when they carry no step
+    empty = branch_after_load(branch=None, step=None, header_digest="aa", records={}, branch_parents=(), recorded=())
+    assert empty == BranchAfterLoad(source="main@0", parent=None, branch="main-r1", step=0)
+
+
+def test_recorded_branches_lists_every_branch_record(killed_run):
+    led = Ledger(str(killed_run), signing_key=None, trusted_keys=None)
+    assert recorded_branches(led) == set()
+    led.start_branch("main-r1", parent="main@20")
+    assert recorded_branches(led) == {"main-r1"}
 
 
 def test_plan_resume_takes_latest_good_and_a_new_branch(killed_run):

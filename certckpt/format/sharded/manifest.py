@@ -10,13 +10,14 @@ checkpoint's, and the header stays small however many shards there are. No torch
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
 import xxhash
 
 from certckpt.errors import CorruptCheckpointError, NotACheckpointError
-from certckpt.format.header import DTYPE_SIZES, MAX_DIMS, canonical_json, printable, strict_json_loads
+from certckpt.format.header import DTYPE_SIZES, MAX_DIMS, canonical_json, gc_paused, printable, strict_json_loads
 from certckpt.format.record import check_header
 from certckpt.format.verify import CheckpointInfo, read_checkpoint_header
 from certckpt.storage import open_read, resolve
@@ -238,7 +239,6 @@ def _parse_tensor(t: Any, nfiles: int, source: str) -> TensorInfo:
     ):
         raise _bad(source, f"tensor entry {printable(str(t.get('fqn', '?')) if isinstance(t, dict) else '?')}")
     shape = tuple(t["shape"])
-    where = f"tensor `{printable(t['fqn'])}`"
     chunks = []
     for c in t["chunks"]:
         if not (
@@ -251,9 +251,13 @@ def _parse_tensor(t: Any, nfiles: int, source: str) -> TensorInfo:
             and isinstance(c["entry"], str)
             and _is_hex(c["raw"], 16)
         ):
-            raise _bad(source, f"{where} has a malformed chunk")
+            raise _bad(source, f"tensor `{printable(t['fqn'])}` has a malformed chunk")
         if any(o + s > g for o, s, g in zip(c["offsets"], c["sizes"], shape)):
-            raise _bad(source, f"{where} has a chunk at {c['offsets']} of {c['sizes']} outside its shape {list(shape)}")
+            raise _bad(
+                source,
+                f"tensor `{printable(t['fqn'])}` has a chunk at {c['offsets']} of {c['sizes']} outside its shape"
+                f" {list(shape)}",
+            )
         chunks.append(Chunk(tuple(c["offsets"]), tuple(c["sizes"]), c["file"], c["entry"], c["raw"]))
     return TensorInfo(t["fqn"], t["dtype"], shape, t["requires_grad"], t["fp"], tuple(chunks))
 
@@ -368,4 +372,26 @@ def read_manifest(location: str) -> tuple[Manifest, CheckpointInfo]:
                 f"{target.display}: manifest xxh3 digest mismatch (expected {expected}, found {found});"
                 " the manifest changed after writing — restore this checkpoint from a good copy"
             )
-    return parse_manifest(data, source=target.display), info
+    return _parsed(data, target.display), info
+
+
+# The last manifest parsed, by its bytes: one load reads the same manifest more than once (Megatron's
+# common strategy, its sharded strategy, the DCP reader), each time checking every byte, and the
+# same bytes always parse to the same (immutable) Manifest. Errors are never kept; nor are manifests
+# over _KEEP_BYTES (about 20,000 tensors), so that a process never holds a large one for nothing.
+_last: tuple[bytes, Manifest] | None = None
+_last_lock = threading.Lock()
+_KEEP_BYTES = 4 << 20
+
+
+def _parsed(data: bytes, source: str) -> Manifest:
+    global _last
+    with _last_lock:
+        if _last is not None and _last[0] == data:
+            return _last[1]
+    with gc_paused():  # thousands of small objects and no cycles (header.gc_paused)
+        manifest = parse_manifest(data, source=source)
+    if len(data) <= _KEEP_BYTES:
+        with _last_lock:
+            _last = (data, manifest)
+    return manifest

@@ -43,7 +43,7 @@ from certckpt.format.writer import save_certified
 from certckpt.log import enable as enable_log
 from certckpt.trust.commit import commit_saved
 from certckpt.trust.ledger import Ledger, LedgerSnapshot, ckpt_id_for, is_ckpt_id
-from certckpt.trust.resume import next_branch, plan_resume
+from certckpt.trust.resume import branch_after_load, plan_resume, recorded_branches
 
 from .codecs import register_deepspeed_types
 from .layout import CONVERT_HINT, MANIFEST_NAME, is_pickle, manifest_of, require_intact, write_manifest
@@ -318,16 +318,22 @@ class CertifiedCheckpointEngine(CheckpointEngine):
         snap = _snapshot(ledger)
         path, _, step = manifest_of(tag_dir)
         record = inspect(path).record
-        src = ckpt_id_for(record.branch or "main", step or 0)
-        known = src in snap.records and snap.records[src].get("header_digest") == record.header_digest
-        recorded = {n.removesuffix(".json") for n in ledger.list_raw("branches")} if snap.records else set()
-        taken = {r["branch"] for r in snap.records.values()} | set(snap.branch_parents) | recorded
-        branch = next_branch(record.branch or "main", taken)
-        if not known:
+        choice = branch_after_load(
+            branch=record.branch,
+            step=step,
+            header_digest=record.header_digest,
+            records=snap.records,
+            branch_parents=snap.branch_parents,
+            recorded=recorded_branches(ledger) if snap.records else (),
+        )
+        if choice.parent is None:
             logger.warning(
-                "certckpt: %s is not committed in %s; branch %s starts without a parent", tag_dir, ledger.store, branch
+                "certckpt: %s is not committed in %s; branch %s starts without a parent",
+                tag_dir,
+                ledger.store,
+                choice.branch,
             )
-        return Resumed(directory=tag_dir, step=step or 0, parent=src if known else None, branch=branch)
+        return Resumed(directory=tag_dir, step=choice.step, parent=choice.parent, branch=choice.branch)
 
 
 def _weights_problem(module: Any, fingerprints: dict[str, str], path: str) -> str | None:

@@ -88,8 +88,8 @@ def _tensors_by_key(sharded_state_dict: Any, *, main_only: bool) -> dict[str, li
         if sh.flattened_range is not None:
             raise UnsupportedObjectError(
                 f"ShardedTensor `{printable(sh.key)}` has a flattened_range (the pre-0.14 distributed-optimizer"
-                " layout), which certckpt does not store; save the optimizer with a fully sharded model-space"
-                " layout (sharding_type='fully_sharded_model_space' or 'dp_reshardable')"
+                " layout), which certckpt neither stores nor reads; build the optimizer's sharded state dict with a"
+                " model-space layout (sharding_type='fully_sharded_model_space' or 'dp_reshardable')"
             )
         out.setdefault(sh.key, []).append(sh)
     return out
@@ -163,7 +163,10 @@ class CertifiedSaveStrategy(SaveShardedStrategy):
         rank = _rank()
         error: BaseException | None = None
         mine: dict[str, Any] = {}
+        tensors: dict[str, list[ShardedTensor]] = {}
         try:
+            # what certckpt cannot store is refused before a file is written
+            tensors = _tensors_by_key(sharded_state_dict, main_only=True)
             mine = self._write_companions(sharded_state_dict, path, rank)
         except Exception as e:  # every rank hears of it before anyone enters DCP's collectives
             error = e
@@ -180,7 +183,6 @@ class CertifiedSaveStrategy(SaveShardedStrategy):
             objects.update(p["objects"])
         metadata = {FILES_KEY: canonical_json(files), LAYOUT_KEY: LAYOUT, OBJECTS_KEY: canonical_json(objects)}
         writer = self._writer(path, metadata)
-        tensors = _tensors_by_key(sharded_state_dict, main_only=True)
         # Megatron's own translation: ShardedTensor -> DCP's checkpointable sharded tensor, and its
         # planner that plans every rank's chunks (without DCP's replica deduplication: Megatron's
         # replica ids already chose one writer per chunk)
@@ -237,7 +239,7 @@ class CertifiedLoadStrategy(LoadShardedStrategy):
     Args:
         check_fingerprints: after loading, compare the loaded tensors (on whatever split this run
             uses) with the fingerprints saved, collectively over every rank. One fingerprint pass
-            over the loaded data.
+            over the loaded data, on a second thread beside the reads (``certckpt.dcp.loadfp``).
 
     Example:
         >>> state = dist_checkpointing.load(sd, "ckpt/iter_100", sharded_strategy=CertifiedLoadStrategy())
@@ -268,12 +270,12 @@ class CertifiedLoadStrategy(LoadShardedStrategy):
 
     def load(self, sharded_state_dict: Any, checkpoint_dir: str | Path) -> Any:
         path = os.fspath(checkpoint_dir)
+        tensors = _tensors_by_key(sharded_state_dict, main_only=False)  # refused before a byte is read
         companions = read_companions(path, check=False)  # checked whole by the common strategy just before
         if companions is None:
             raise plain_megatron_refusal(path, "none certified: no manifest.safetensors")
         objects = _objects(sharded_state_dict, main_only=False)
         loaded = self._load_objects(companions, objects)
-        tensors = _tensors_by_key(sharded_state_dict, main_only=False)
         for group in tensors.values():
             for sh in group:
                 if sh.data is None:

@@ -43,8 +43,8 @@ from certckpt.format.verify import inspect
 from certckpt.log import enable as enable_log
 from certckpt.trust.certify import accept_level
 from certckpt.trust.gate import rotation_keeps
-from certckpt.trust.ledger import Ledger, ckpt_id_for
-from certckpt.trust.resume import next_branch, plan_resume
+from certckpt.trust.ledger import Ledger
+from certckpt.trust.resume import branch_after_load, plan_resume, recorded_branches
 from certckpt.trust.runstore import StoreStatus, certify_store, snapshot_or_empty
 
 from .layout import refuse_plain, step_directories, step_directory_name
@@ -257,15 +257,19 @@ class CertifiedCheckpointManager(CheckpointManager):
         record = inspect(join(directory, MANIFEST_NAME)).record
         ledger = Ledger(self.store)
         snap = snapshot_or_empty(ledger)
-        src = ckpt_id_for(record.branch or "main", record.step or 0)
-        known = src in snap.records and snap.records[src].get("header_digest") == record.header_digest
-        recorded = {n.removesuffix(".json") for n in ledger.list_raw("branches")} if snap.records else set()
-        taken = {r["branch"] for r in snap.records.values()} | set(snap.branch_parents) | recorded
-        self.branch = next_branch(record.branch or "main", taken)
-        self.parent = src if known else None
-        self.resumed_step = record.step or 0
-        self.resumed_consensus_fp = record.consensus_fp if known else None
-        if not known:
+        choice = branch_after_load(
+            branch=record.branch,
+            step=record.step,
+            header_digest=record.header_digest,
+            records=snap.records,
+            branch_parents=snap.branch_parents,
+            recorded=recorded_branches(ledger) if snap.records else (),
+        )
+        self.branch = choice.branch
+        self.parent = choice.parent
+        self.resumed_step = choice.step
+        self.resumed_consensus_fp = record.consensus_fp if choice.parent is not None else None
+        if choice.parent is None:
             logger.warning(
                 "certckpt: %s is not committed in %s; branch %s has no parent", directory, self.store, self.branch
             )
