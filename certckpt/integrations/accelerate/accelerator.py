@@ -169,6 +169,14 @@ class CertifiedAccelerator(Accelerator):
                 inner.register_step_post_hook(self._certckpt_count)
         return result
 
+    def backward(self, loss: Any, **kwargs: Any) -> None:
+        """``Accelerator.backward``; with an ``AcceleratorAudit``, after the backward that reduced the
+        gradients (``sync_gradients``), the audit's flag exchange starts, to overlap the clipping."""
+        super().backward(loss, **kwargs)
+        audit = self.certckpt.audit
+        if audit is not None and self.sync_gradients:
+            audit.after_backward()
+
     def _certckpt_count(self, *_: Any) -> None:
         self.certckpt.steps += 1
 
