@@ -42,7 +42,38 @@ class NonFiniteCheck:
     def __init__(self, ctx: CheckContext, *, replay: RingReplay, sentinels: SentinelCheck | None = None) -> None:
         self.ctx, self.replay, self.sentinels = ctx, replay, sentinels
         self._pending: tuple[int, tuple[int, torch.Tensor, Any]] | None = None  # a deferred read's step and sums
+        self._early: tuple[int, torch.Tensor, Any] | None = None  # an exchange started early: step, flags, work
         self.table: list[list[float]] | None = None
+
+    def exchange_early(self, s: int) -> None:
+        """Start step s's flag exchange now, right after its last backward, and read it before the
+        update (``exchange_flags="every-step"``, without sentinels; else nothing to do).
+
+        The exchange is a point where every rank waits for the slowest. Started as the step's
+        gradients come out of their all-reduce, where the ranks have just met, it runs while the
+        loop clips the gradients, and ``due`` finds it done instead of making every rank wait once
+        more (measured in ``benchmarks/bench_accelerate.py``). The flags are final by then: the
+        hook computed them as each bucket came back. Every rank must call it at the same point of
+        the same step (a collective), and call nothing else that changes the flags before ``due``.
+        """
+        self._settle_early()
+        ctx = self.ctx
+        if ctx.options.exchange_flags is not ExchangeFlags.EVERY_STEP or (
+            self.sentinels is not None and self.sentinels.active
+        ):
+            return
+        flags = self._local_flags()
+        work = dist.all_reduce(flags, group=ctx.group, async_op=True)
+        self._early = (s, flags, work)
+
+    def _settle_early(self) -> tuple[int, torch.Tensor] | None:
+        """The early exchange started, once complete: ``(its step, the summed flags)``; None when none was."""
+        early, self._early = self._early, None
+        if early is None:
+            return None
+        s, flags, work = early
+        work.wait()
+        return s, flags
 
     def must_read_now(self, s: int, *, audit: bool) -> bool:
         """Steps whose non-finite flags are read before their update even when reads are deferred:
@@ -70,12 +101,14 @@ class NonFiniteCheck:
         if self.ctx.options.nonfinite_read is NonfiniteRead.DEFERRED and not now:
             self._pending = (s, self._queue_flags())
             return None
-        flags = self._read_flags()
+        flags = self._read_flags(s)
         return None if flags is None else (s, flags)
 
     def discard_pending(self) -> None:
-        """Forget a deferred read still pending (``close``: no checkpoint covers that step)."""
+        """Forget a deferred read still pending (``close``: no checkpoint covers that step); an early
+        exchange every rank started is let finish first."""
         self._pending = None
+        self._settle_early()
 
     def _queue_flags(self) -> tuple[int, torch.Tensor, Any]:
         """This step's per-bucket sums, local (pre-reduce) ones first, on their way to the host (no
@@ -123,7 +156,18 @@ class NonFiniteCheck:
         if failed is not None:
             self.detected(*failed)
 
-    def _read_flags(self) -> Flags | None:
+    def _local_flags(self) -> torch.Tensor:
+        """This rank's flags as the exchange sums them: ``[pre-reduce by rank..., post-reduce by
+        rank...]``, this rank's two entries set (no host read)."""
+        ctx, hook = self.ctx, self.ctx.hook
+        flags = torch.zeros(2 * ctx.world, dtype=torch.int32, device=ctx.wire_device)
+        if hook.post:
+            flags[ctx.world + ctx.rank] = any_nonfinite(hook.post).to(ctx.wire_device)
+        if hook.pre:  # eager: every bucket's; lazy: those of the buckets that came back non-finite
+            flags[ctx.rank] = any_nonfinite(hook.pre).to(ctx.wire_device)
+        return flags
+
+    def _read_flags(self, s: int) -> Flags | None:
         """None on a clean step; else per rank ``(pre-reduce flags, post-reduce flags)``.
 
         A non-finite value in any rank's local gradients survives the averaging (NaN and Inf
@@ -138,18 +182,18 @@ class NonFiniteCheck:
         such a fault becomes a contained detection on all ranks.
         """
         ctx, hook = self.ctx, self.ctx.hook
-        if self.sentinels is not None and self.sentinels.active:
-            return self._exchange_with_sentinels()
-        post_local = bool(any_nonfinite(hook.post)) if hook.post else False  # the step's one host read
-        if not post_local and ctx.options.exchange_flags is ExchangeFlags.ON_FAILURE:
-            return None
-        flags = torch.zeros(2 * ctx.world, dtype=torch.int32, device=ctx.wire_device)
-        if post_local:
-            flags[ctx.world + ctx.rank] = 1
-        if hook.pre:  # eager: every bucket's; lazy: those of the buckets that came back non-finite
-            flags[ctx.rank] = any_nonfinite(hook.pre).to(ctx.wire_device)
-        dist.all_reduce(flags, group=ctx.group)
-        values = flags.tolist()
+        early = self._settle_early()
+        if early is not None and early[0] == s:
+            values = early[1].tolist()  # exchanged already (exchange_early)
+        else:
+            if self.sentinels is not None and self.sentinels.active:
+                return self._exchange_with_sentinels()
+            post_local = bool(any_nonfinite(hook.post)) if hook.post else False  # the step's one host read
+            if not post_local and ctx.options.exchange_flags is ExchangeFlags.ON_FAILURE:
+                return None
+            flags = self._local_flags()
+            dist.all_reduce(flags, group=ctx.group)
+            values = flags.tolist()
         if not any(values):
             return None
         return values[: ctx.world], values[ctx.world :]

@@ -313,6 +313,15 @@ class AuditSession(AuditSessionCore):
         if state.open["rng"]:
             state.open["rngs"].append(ctx.rng_state())
 
+    def after_backward(self) -> None:
+        """Optionally, on every rank right after the step's last backward (the one that reduced the
+        gradients): with ``exchange_flags="every-step"`` the non-finite flags' exchange starts now,
+        while the loop goes on to clip, and ``before_update`` reads it done (``NonFiniteCheck.exchange_early``).
+        Call no collective that changes the gradients in between."""
+        step = self.state.open
+        if step is not None:
+            self.nonfinite.exchange_early(step["s"])
+
     def before_update(self, *, loss_divisor: int | None = None) -> bool:
         """Call on every rank after the step's last backward, before the optimizer step.
 

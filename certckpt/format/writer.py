@@ -4,7 +4,8 @@ Write path for local files (the common, fast case): the header's length is known
 computed (all hashes are fixed-width), so tensor bytes go straight from tensor memory to their final
 offsets in a temp file while a second thread computes the device fingerprints; the header is written
 last, the file fsync'd, then published with a no-replace hard link and the directory fsync'd. A crash
-at any point leaves no file under the final name, or a complete one.
+at any point leaves no file under the final name, or a complete one. Several saves inside
+``durable.durable_together()`` fsync their files together and are published when the block ends.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from certckpt.errors import ArgumentTypeError, PlatformError, StorageError, Unsu
 from certckpt.storage import Target, refuse_protected, resolve, storage_of
 
 from .datahash import DIGEST_FIELDS, BackgroundDigest, hash_pieces, new_hash, preferred_digest_field
+from .durable import current_batch
 from .fingerprinting import SharedFingerprints, fingerprint_many
 from .header import TensorEntry
 from .inventory import writer_inventory
@@ -236,8 +238,9 @@ class SaveJob:
         shared.work()
         return device_fps, digests
 
-    def write_fd(self, fd: int, *, cap_threads: bool = True, drop_cache: bool = False) -> None:
-        """Data first (hashes computed alongside on a worker thread), header last, fsync."""
+    def write_fd(self, fd: int, *, cap_threads: bool = True, drop_cache: bool = False, sync: bool = True) -> None:
+        """Data first (hashes computed alongside on a worker thread), header last, fsync (``sync``;
+        without it the caller makes the file durable: ``certckpt.format.durable``)."""
         base = self.header_length
         host_digests: dict[int, str] = {}
         # A signed save of host tensors hashes its data digest in the worker's xxh3 pass (measured on
@@ -279,6 +282,8 @@ class SaveJob:
         if data_hash is not None:
             data_digest = data_hash.finish()
         _pwrite_all(fd, memoryview(self.finish(fps, digests, data_digest)), 0)
+        if not sync:
+            return
         os.fsync(fd)
         if drop_cache and hasattr(os, "posix_fadvise"):
             # Durable now: its pages leave the page cache, and the next save reuses them instead of
@@ -304,7 +309,17 @@ class SaveJob:
         f.flush()
 
 
-def _write_temp(job: SaveJob, tmp: str, display: str, *, cap_threads: bool = True, drop_cache: bool = False) -> None:
+def _write_temp(
+    job: SaveJob,
+    tmp: str,
+    display: str,
+    *,
+    cap_threads: bool = True,
+    drop_cache: bool = False,
+    then: Callable[[int], None] | None = None,
+) -> None:
+    """Write the file at ``tmp`` and fsync it, or, given ``then``, hand ``then`` its descriptor
+    instead of the fsync (``then`` raising removes the file as a failed write does)."""
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     except FileNotFoundError as e:
@@ -313,7 +328,9 @@ def _write_temp(job: SaveJob, tmp: str, display: str, *, cap_threads: bool = Tru
         raise StorageError(f"{display}: permission denied creating a file in its directory") from e
     try:
         try:
-            job.write_fd(fd, cap_threads=cap_threads, drop_cache=drop_cache)
+            job.write_fd(fd, cap_threads=cap_threads, drop_cache=drop_cache, sync=then is None)
+            if then is not None:
+                then(fd)
         finally:
             os.close(fd)
     except BaseException as e:
@@ -521,7 +538,8 @@ def publish(
     cap_threads: bool = True,
     drop_cache: bool = False,
 ) -> SaveResult:
-    """Write a prepared save's file (hashes beside the write), fsync it, publish it whole.
+    """Write a prepared save's file (hashes beside the write), fsync it, publish it whole (a local
+    file inside ``durable_together()``: fsync'd beside the block's others, published at its end).
 
     Args:
         cap_threads: cap torch's intra-op threads while writing (a synchronous save owns the
@@ -539,12 +557,29 @@ def publish(
         if overwrite:
             refuse_protected(cast(str, target.location), display=target.display)  # before writing: costs nothing
         tmp = storage.staging(name)
+        batch = current_batch() if storage.in_place else None
         try:
-            # drop_cache only where the file written is the one kept: an upload still reads it
-            _write_temp(job, tmp, target.display, cap_threads=cap_threads, drop_cache=drop_cache and storage.in_place)
-            storage.publish(tmp, name, create_only=not overwrite, staged=True, display=target.display)
+            if batch is not None:
+                # inside durable_together(): the block fsyncs it beside the others and links it at its end
+                final, written = os.path.join(os.path.dirname(tmp), name), tmp
+                _write_temp(
+                    job,
+                    tmp,
+                    target.display,
+                    cap_threads=cap_threads,
+                    then=lambda fd: batch.add(
+                        fd, written, final, create_only=not overwrite, display=target.display, drop_cache=drop_cache
+                    ),
+                )
+                tmp = ""  # the batch's now
+            else:
+                # drop_cache only where the file written is the one kept: an upload still reads it
+                _write_temp(
+                    job, tmp, target.display, cap_threads=cap_threads, drop_cache=drop_cache and storage.in_place
+                )
+                storage.publish(tmp, name, create_only=not overwrite, staged=True, display=target.display)
         finally:
-            if os.path.exists(tmp):
+            if tmp and os.path.exists(tmp):
                 os.unlink(tmp)
     return SaveResult(
         location=target.display,

@@ -249,11 +249,13 @@ class LocalStorage(Storage):
         return Lock(mode="read-only file")
 
 
-def publish_local(tmp: str, final: str, *, create_only: bool, display: str) -> None:
+def publish_local(tmp: str, final: str, *, create_only: bool, display: str, sync_dir: bool = True) -> None:
     """Publish a fully written, fsync'd temp file under its final name, then fsync the directory.
 
     Create-only is a hard link, which fails when the name exists, so two writers can never replace
     each other's file; otherwise ``os.replace`` (atomic). The temp name is gone afterwards.
+    ``sync_dir=False``: the caller fsyncs the directory itself, once for several files
+    (``certckpt.format.durable``).
     """
     try:
         if not create_only:
@@ -267,7 +269,8 @@ def publish_local(tmp: str, final: str, *, create_only: bool, display: str) -> N
                 if e.errno not in (1, 38, 95):  # EPERM/ENOSYS/EOPNOTSUPP: no hard links here
                     raise
                 _exclusive_rename(tmp, final, display)
-        fsync_dir(os.path.dirname(final))
+        if sync_dir:
+            fsync_dir(os.path.dirname(final))
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)

@@ -334,6 +334,16 @@ def test_three_ranks_catch_a_fault_name_rank_1_keep_latest_good_and_resume_bit_i
 
 
 @pytest.mark.slow
+def test_a_nan_gradient_on_rank_1_is_caught_before_its_update_on_every_rank(tmp_path):
+    # step 3 is no audit step: the flags exchanged after the backward (CertifiedAccelerator.backward
+    # starts the exchange, the optimizer's pre-hook reads it) name rank 1 on every rank
+    fault = {"kind": "non-finite", "rank": 1, "step": 3}
+    got = _ranks({"project": str(tmp_path / "p"), "max_steps": 6, "save_every": 100, "faults": [fault]})
+    assert [(g["kind"], g["step"], g["suspects"]) for g in got] == [("nonfinite-pre", 3, [1])] * 3
+    assert len({g["weights"] for g in got}) == 1  # contained: no rank applied the NaN update
+
+
+@pytest.mark.slow
 def test_certckpt_run_around_accelerate_launch_exits_86_on_a_detection(tmp_path):
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "3"]
     launch += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]

@@ -38,6 +38,7 @@ from certckpt.errors import (
     CorruptCheckpointError,
     UnsupportedObjectError,
 )
+from certckpt.format.durable import durable_together
 from certckpt.format.reader import load
 from certckpt.format.record import RecordFields
 from certckpt.format.verify import inspect
@@ -168,6 +169,14 @@ class CertifiedAccelerator(Accelerator):
                 inner.register_step_post_hook(self._certckpt_count)
         return result
 
+    def backward(self, loss: Any, **kwargs: Any) -> None:
+        """``Accelerator.backward``; with an ``AcceleratorAudit``, after the backward that reduced the
+        gradients (``sync_gradients``), the audit's flag exchange starts, to overlap the clipping."""
+        super().backward(loss, **kwargs)
+        audit = self.certckpt.audit
+        if audit is not None and self.sync_gradients:
+            audit.after_backward()
+
     def _certckpt_count(self, *_: Any) -> None:
         self.certckpt.steps += 1
 
@@ -295,13 +304,24 @@ class CertifiedAccelerator(Accelerator):
         return directory
 
     def _certckpt_write_files(self, directory: str, step: int, known: Any) -> None:
-        """Every process its RNG file; the main process the weights and the other states."""
+        """Every process its RNG file; the main process the weights and the other states. The files
+        are made durable together, under their names when this returns (``durable_together``)."""
         os.makedirs(directory, exist_ok=True)
-        name = self.certckpt.run
+        weights = []
         if self.is_main_process:
             weights = [self.unwrap_model(m).state_dict() for m in self._models]
             for hook in self._save_model_state_pre_hook.values():
                 hook(self._models, weights, directory)  # a hook may write files and remove weights
+        # the hooks ran outside the block: a hook's own save is under its name when the hook returns
+        with durable_together() as batch:
+            if self.is_main_process:
+                for path in _visible_files(directory):  # a hook's files: the manifest lists them, durable or not
+                    batch.add_existing(path)
+            self._certckpt_write_states(directory, step, known, weights)
+
+    def _certckpt_write_states(self, directory: str, step: int, known: Any, weights: list[Any]) -> None:
+        name = self.certckpt.run
+        if self.is_main_process:
             for i, w in enumerate(weights):
                 path = os.path.join(directory, indexed_name("model", i))
                 save_certified(w, path, step=step, run=name, **_known(known))
@@ -552,6 +572,12 @@ class CertifiedAccelerator(Accelerator):
 
 def _known(known: Any) -> dict[str, Any]:
     return {"known_fingerprints": known} if known else {}
+
+
+def _visible_files(directory: str) -> list[str]:
+    """The regular files of ``directory`` but hidden ones (writers' temp files)."""
+    with os.scandir(directory) as entries:
+        return sorted(e.path for e in entries if not e.name.startswith(".") and e.is_file(follow_symlinks=False))
 
 
 def _numbered(parent: str) -> list[str]:

@@ -173,6 +173,12 @@ class AcceleratorAudit:
             expect_consensus_fp=run.resumed_fp,
         )
 
+    def after_backward(self) -> None:
+        """After the backward of a synchronised micro-batch (``CertifiedAccelerator.backward`` calls
+        it): the non-finite flags' exchange starts while the loop clips (``AuditSession.after_backward``)."""
+        if self.session is not None and self._handles:  # not after close()
+            self.session.after_backward()
+
     # --- the optimizer's step -----------------------------------------------------------------
 
     def _before_step(self, *_: Any) -> None:
