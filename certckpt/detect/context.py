@@ -32,7 +32,7 @@ from certckpt.trust.ledger import Ledger
 
 from .events import AuditEvent, EventSink, emit_event
 from .evidence import StepOutcome
-from .hook import HookState
+from .hook import HookState, average_over_ranks
 from .inject import Injector
 from .options import AuditOptions
 from .sentinel import SentinelState
@@ -118,6 +118,10 @@ class DDPState(SessionState):
     """The last fingerprint consensus that agreed: ``(step, {tensor: fp}, state fp)``."""
     first_step: bool = True
     """The first step's set-up checks are still due."""
+    loss_averaged: bool = False
+    """The step under way back-propagates losses that carry DDP's averaging over the ranks
+    (``hook.average_over_ranks``): the hook leaves the reduced sum as it is, and replays scale
+    their losses the same way (``CheckContext.scaled``)."""
 
     def agreed_at(self, step: int) -> tuple[dict[str, str], str] | None:
         """``({tensor: fp}, state fp)`` when the replicas agreed on their fingerprints at ``step``."""
@@ -275,11 +279,15 @@ class CheckContext(SessionContext):
         the scalar loss costs nothing, where dividing the gradients in the hook costs a pass over
         them. Micro-batches: ``loss / n``, as plain DDP users accumulate, and the hook multiplies
         the accumulated bucket by ``1 / world`` before the all-reduce, as DDP does: one pass per
-        optimizer step (amortised over n backward passes) buys weights bit-equal to plain DDP's.
-        Replays scale the same way, so that a replayed gradient is bit-for-bit the local one.
+        optimizer step (amortised over n backward passes) buys weights bit-equal to plain DDP's. When
+        the step's losses carry the averaging (``state.loss_averaged``): ``average_over_ranks(loss) / n``,
+        in the order the loop applied them (``AcceleratorAudit.loss``, then ``accelerator.backward``'s
+        division), and the hook multiplies nothing. Replays scale the same way, so that a replayed
+        gradient is bit-for-bit the local one.
         """
         if micro:
-            out = loss / n if n > 1 else loss
+            out = average_over_ranks(loss, self.world) if self.state.loss_averaged else loss
+            out = out / n if n > 1 else out
         else:
             out = loss / self.world if self.world > 1 else loss
         # As plain AMP code writes it: ``scaler.scale(loss / n).backward()``.

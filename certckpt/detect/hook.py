@@ -32,6 +32,7 @@ __all__ = [
     "local_grads_sum",
     "lazy_pre_possible",
     "hand_over_possible",
+    "average_over_ranks",
 ]
 
 
@@ -128,6 +129,37 @@ class HookState:
                         return False
                     break
         return True
+
+
+class _AverageOverRanks(torch.autograd.Function):
+    """The identity forward; backward multiplies the incoming gradient by ``factor``."""
+
+    @staticmethod
+    def forward(ctx: Any, loss: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grads[0] * ctx.factor, None
+
+
+def average_over_ranks(loss: torch.Tensor, world: int) -> torch.Tensor:
+    """``loss`` itself, whose gradient carries DDP's averaging over ``world`` ranks.
+
+    A loop that back-propagates this (``AcceleratorAudit.loss``) lets the communication hook
+    all-reduce the buckets as they are: their sum is already the average. Multiplying each bucket
+    by ``1 / world`` in the hook, as DDP's own hook does while it copies the gradients in, is one
+    more pass over every gradient per optimizer step (measured in the Accelerate loop of
+    ``benchmarks/bench_accelerate.py``: about 3 ms of CPU per rank and step for 32 MiB of
+    gradients), where scaling the scalar at the top of the backward costs nothing. The value is
+    unchanged (the loop logs the true loss); the gradients equal DDP's average within rounding,
+    not bit for bit, and a replay that scales its loss the same way (``CheckContext.scaled``)
+    reproduces them bit for bit.
+    """
+    if world <= 1:
+        return loss
+    return _AverageOverRanks.apply(loss, 1.0 / world)
 
 
 def finiteness_sum(buf: torch.Tensor) -> torch.Tensor:
@@ -246,7 +278,8 @@ def comm_hook(state, bucket):
     # world before backward), so the sum this all-reduce computes is already the average. DDP's
     # own hook fuses its division into the copy into the bucket; a hook's ``div_`` would be one
     # more full pass. A micro-batch step pays that pass once (after n backward passes), so that
-    # its weights are bit-equal to plain DDP accumulation: the same multiplication DDP makes.
+    # its weights are bit-equal to plain DDP accumulation: the same multiplication DDP makes;
+    # unless the loop's loss carries the averaging (``average_over_ranks``: average is None).
     if state.average is not None:
         buf.mul_(state.average)
     fut = dist.all_reduce(buf, group=state.group, async_op=True).get_future()

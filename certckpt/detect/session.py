@@ -273,7 +273,7 @@ class AuditSession(AuditSessionCore):
 
     # --- hook points for a loop someone else runs -------------------------------------------
 
-    def begin_micro_batch(self, unit: Any) -> None:
+    def begin_micro_batch(self, unit: Any, *, loss_averaged: bool = False) -> None:
         """Call on every rank before each micro-batch's forward pass (each of an optimizer step's).
 
         The first call of a step prepares it: the gradients of parameters the optimizer does not own
@@ -283,6 +283,12 @@ class AuditSession(AuditSessionCore):
         world size, as with plain DDP), and the broadcast source's buffer seal is checked. Each call
         keeps ``unit`` (by reference: do not modify it in place) and, when the step will be replayed,
         the RNG state.
+
+        Args:
+            loss_averaged: the loop back-propagates this micro-batch's loss through
+                ``hook.average_over_ranks`` (the averaging over the ranks is in the loss, and the hook
+                leaves the reduced gradients as the all-reduce sums them); every micro-batch of a step
+                says the same.
 
         Raises:
             ConfigurationError: the session has a ``grad_scaler``: telling an overflow from a fault
@@ -301,7 +307,9 @@ class AuditSession(AuditSessionCore):
             sign = audit or state.path_check_pending
             for p in ctx.not_in_optimizer:
                 p.grad = None
-            ctx.hook.reset(audit=sign, average=1.0 / ctx.world if ctx.world > 1 else None)
+            state.loss_averaged = loss_averaged
+            average = 1.0 / ctx.world if ctx.world > 1 and not loss_averaged else None
+            ctx.hook.reset(audit=sign, average=average)
             if ctx.injector is not None:
                 ctx.injector.begin(s, "train")
             if self.consensus.seal_source:
@@ -309,6 +317,12 @@ class AuditSession(AuditSessionCore):
             # the RNG states at every step when a sentinel may have the step replayed
             keep_rng = audit or sign or state.first_step or self.sentinels.active
             state.open = {"s": s, "audit": audit, "units": [], "rngs": [], "rng": keep_rng}
+        elif loss_averaged != state.loss_averaged:
+            raise ConfigurationError(
+                "the micro-batches of one step must all average their loss over the ranks, or none: compute every "
+                "micro-batch's loss the same way (AcceleratorAudit: always through audit.loss, or always through "
+                "audit.note and your own loss)"
+            )
         state.open["units"].append(unit)
         if state.open["rng"]:
             state.open["rngs"].append(ctx.rng_state())

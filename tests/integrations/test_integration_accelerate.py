@@ -334,6 +334,18 @@ def test_three_ranks_catch_a_fault_name_rank_1_keep_latest_good_and_resume_bit_i
 
 
 @pytest.mark.slow
+def test_audit_loss_carries_the_averaging_and_every_replay_matches_bit_for_bit(tmp_path):
+    # audit.loss scales the gradient by 1/world (the hook multiplies nothing): the replay, which
+    # scales its loss the same way, must reproduce training exactly at every step (audit_every=1,
+    # deterministic mode: a differing bit would fail the audit), and the optimizer must get the
+    # average a run without the audit computes (within rounding; a sum would be 3x it)
+    got = run_ranks(accelerate_cases.averaging, 3, {"project": str(tmp_path)}, timeout=300)
+    for g in got:
+        assert g["steps"] == 3 and g["last_clean_audit"] == 3 and g["hook_average"] is None
+        assert g["max_rel"] < 1e-5, g
+
+
+@pytest.mark.slow
 def test_a_nan_gradient_on_rank_1_is_caught_before_its_update_on_every_rank(tmp_path):
     # step 3 is no audit step: the flags exchanged after the backward (CertifiedAccelerator.backward
     # starts the exchange, the optimizer's pre-hook reads it) name rank 1 on every rank

@@ -167,6 +167,48 @@ def triggered(args):
     return outcome(audit.session, error)
 
 
+def averaging(args):
+    """One rank: 3 steps (2 micro-batches, no clipping) without the audit, then the same 3 steps
+    (same weights, batches and RNG) with ``AcceleratorAudit(audit_every=1)``; each step's reduced
+    gradients as the optimizer receives them, and what the audit concluded."""
+    _as_torchrun()
+    from certckpt.integrations.accelerate import AcceleratorAudit, CertifiedAccelerator
+
+    grads: dict[str, list[list[torch.Tensor]]] = {}
+    out: dict = {}
+    for name in ("plain", "audited"):
+        accelerator = CertifiedAccelerator(
+            cpu=True, gradient_accumulation_steps=ACCUMULATION, ledger=os.path.join(args["project"], name)
+        )
+        model = tiny_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt = accelerator.prepare(model, opt)
+        audit = AcceleratorAudit(accelerator, model, opt, loss_fn=loss_fn, audit_every=1) if name == "audited" else None
+        seen = grads.setdefault(name, [])
+        inner = getattr(opt, "optimizer", opt)
+        params = list(model.parameters())
+        inner.register_step_pre_hook(lambda *_, seen=seen, params=params: seen.append([p.grad.clone() for p in params]))
+        torch.manual_seed(1234)  # the same dropout masks in both runs
+        for step in range(1, 4):  # unclipped: clipping would hide a gradient's scale
+            for micro in range(ACCUMULATION):
+                batch = batch_for(accelerator.process_index, step, micro)
+                with accelerator.accumulate(model):
+                    accelerator.backward(audit.loss(batch) if audit is not None else loss_fn(model, batch))
+                    opt.step()
+                    opt.zero_grad()
+        if audit is not None:
+            out["last_clean_audit"] = audit.session.state.last_clean_audit
+            out["hook_average"] = audit.session.ctx.hook.average
+            audit.close()
+    out["max_rel"] = max(
+        float((a - p).abs().max() / p.abs().max())
+        for step_a, step_p in zip(grads["audited"], grads["plain"])
+        for a, p in zip(step_a, step_p)
+    )
+    out["steps"] = len(grads["audited"])
+    return out
+
+
 def main(argv: list[str]) -> None:
     """Under ``accelerate launch``: train with the audits, exit 86 on a detection."""
     import argparse

@@ -11,9 +11,10 @@ callbacks' too); this module only finds the session's hook points in an Accelera
             optimizer.step(); scheduler.step(); optimizer.zero_grad()
 
 - ``audit.loss(batch)`` (each micro-batch): ``begin_micro_batch`` (the batch noted, with the RNG
-  state on steps that will be replayed), then ``loss_fn(model, batch)`` on the prepared DDP model.
-  The first call starts the session (a collective, on every process): the DDP communication hook
-  (each bucket's all-reduce averaged as DDP does, with NaN/Inf checks of the local and reduced
+  state on steps that will be replayed), then ``loss_fn(model, batch)`` on the prepared DDP model,
+  its gradient scaled by ``1 / world`` (``average_over_ranks``: the all-reduce's sum is then DDP's
+  average). The first call starts the session (a collective, on every process): the DDP
+  communication hook (each bucket's all-reduce, with NaN/Inf checks of the local and reduced
   gradients), the branch and the step the ``CertifiedAccelerator`` decided, and after a
   ``load_state`` the proof that every replica holds exactly the weights loaded;
 - a step pre-hook on the prepared optimizer's torch optimizer, which Accelerate calls only when
@@ -42,6 +43,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from certckpt.detect.agreement import refuse_together, wire_device_for
+from certckpt.detect.hook import average_over_ranks
 from certckpt.detect.inject import Fault
 from certckpt.detect.options import AuditOptions
 from certckpt.detect.session import AuditSession, CheckpointEvidence
@@ -143,16 +145,28 @@ class AcceleratorAudit:
     # --- per micro-batch ----------------------------------------------------------------------
 
     def note(self, batch: Any) -> None:
-        """Note a micro-batch before its forward pass (``loss`` does it for you)."""
+        """Note a micro-batch before its forward pass, for a loop that computes its loss itself
+        (``loss`` does it for you, and is cheaper: see there)."""
+        self._note(batch, averaged=False)
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        """Note ``batch``, then return ``loss_fn(model, batch)`` for ``accelerator.backward``.
+
+        The value is ``loss_fn``'s; its gradient carries DDP's averaging over the processes
+        (``average_over_ranks``), so the communication hook need not multiply every reduced
+        gradient by ``1 / world`` in one more pass over them (the replay scales its losses the
+        same way and reproduces the gradients bit for bit). The weights then equal a run without
+        the audit within rounding, not bit for bit.
+        """
+        session = self._note(batch, averaged=True)
+        return average_over_ranks(self.loss_fn(self.model, batch), session.world)
+
+    def _note(self, batch: Any, *, averaged: bool) -> AuditSession:
         if self.session is None:
             self._start()
         assert self.session is not None
-        self.session.begin_micro_batch(batch)
-
-    def loss(self, batch: Any) -> torch.Tensor:
-        """Note ``batch``, then return ``loss_fn(model, batch)`` for ``accelerator.backward``."""
-        self.note(batch)
-        return self.loss_fn(self.model, batch)
+        self.session.begin_micro_batch(batch, loss_averaged=averaged)
+        return self.session
 
     def _start(self) -> None:
         acc = self.accelerator
