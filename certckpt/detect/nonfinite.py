@@ -42,38 +42,43 @@ class NonFiniteCheck:
     def __init__(self, ctx: CheckContext, *, replay: RingReplay, sentinels: SentinelCheck | None = None) -> None:
         self.ctx, self.replay, self.sentinels = ctx, replay, sentinels
         self._pending: tuple[int, tuple[int, torch.Tensor, Any]] | None = None  # a deferred read's step and sums
-        self._early: tuple[int, torch.Tensor, Any] | None = None  # an exchange started early: step, flags, work
+        self._early: tuple[int, list[torch.Tensor], Any] | None = None  # an exchange started early: step, out, work
         self.table: list[list[float]] | None = None
 
     def exchange_early(self, s: int) -> None:
-        """Start step s's flag exchange now, right after its last backward, and read it before the
-        update (``exchange_flags="every-step"``, without sentinels; else nothing to do).
+        """Start step s's exchange now, right after its last backward, and read it before the
+        update: the sentinels' rows (with the flags) when the sentinels are on, else the flags with
+        ``exchange_flags="every-step"``; otherwise nothing to do.
 
         The exchange is a point where every rank waits for the slowest. Started as the step's
         gradients come out of their all-reduce, where the ranks have just met, it runs while the
         loop clips the gradients, and ``due`` finds it done instead of making every rank wait once
-        more (measured in ``benchmarks/bench_accelerate.py``). The flags are final by then: the
-        hook computed them as each bucket came back. Every rank must call it at the same point of
-        the same step (a collective), and call nothing else that changes the flags before ``due``.
+        more (measured in ``benchmarks/bench_accelerate.py``). The flags and the buckets' sums of
+        squares are final by then: the hook computed them as each bucket came back. Every rank must
+        call it at the same point of the same step (a collective), and call nothing else that
+        changes the flags before ``due``.
         """
         self._settle_early()
         ctx = self.ctx
-        if ctx.options.exchange_flags is not ExchangeFlags.EVERY_STEP or (
-            self.sentinels is not None and self.sentinels.active
-        ):
+        if self.sentinels is not None and self.sentinels.active:
+            rows, work = self._start_rows()
+            self._early = (s, rows, work)
+            return
+        if ctx.options.exchange_flags is not ExchangeFlags.EVERY_STEP:
             return
         flags = self._local_flags()
         work = dist.all_reduce(flags, group=ctx.group, async_op=True)
-        self._early = (s, flags, work)
+        self._early = (s, [flags], work)
 
-    def _settle_early(self) -> tuple[int, torch.Tensor] | None:
-        """The early exchange started, once complete: ``(its step, the summed flags)``; None when none was."""
+    def _settle_early(self) -> tuple[int, list[torch.Tensor]] | None:
+        """The early exchange started, once complete: ``(its step, what it exchanged)`` (the summed
+        flags, or every rank's sentinel row); None when none was."""
         early, self._early = self._early, None
         if early is None:
             return None
-        s, flags, work = early
+        s, out, work = early
         work.wait()
-        return s, flags
+        return s, out
 
     def must_read_now(self, s: int, *, audit: bool) -> bool:
         """Steps whose non-finite flags are read before their update even when reads are deferred:
@@ -183,11 +188,14 @@ class NonFiniteCheck:
         """
         ctx, hook = self.ctx, self.ctx.hook
         early = self._settle_early()
-        if early is not None and early[0] == s:
-            values = early[1].tolist()  # exchanged already (exchange_early)
+        sentinels = self.sentinels is not None and self.sentinels.active
+        if early is not None and early[0] == s:  # exchanged already (exchange_early)
+            if sentinels:
+                return self._flags_from_rows(early[1])
+            values = early[1][0].tolist()
         else:
-            if self.sentinels is not None and self.sentinels.active:
-                return self._exchange_with_sentinels()
+            if sentinels:
+                return self._flags_from_rows(self._start_rows(wait=True)[0])
             post_local = bool(any_nonfinite(hook.post)) if hook.post else False  # the step's one host read
             if not post_local and ctx.options.exchange_flags is ExchangeFlags.ON_FAILURE:
                 return None
@@ -198,8 +206,9 @@ class NonFiniteCheck:
             return None
         return values[: ctx.world], values[ctx.world :]
 
-    def _exchange_with_sentinels(self) -> Flags | None:
-        """The flags and the sentinels' scalars of every rank, in one all-gather and one host read.
+    def _start_rows(self, *, wait: bool = False) -> tuple[list[torch.Tensor], Any]:
+        """All-gather this rank's sentinel row (its flags ride along): ``(every rank's row, the
+        work)``, in flight unless ``wait``.
 
         The sentinels need every rank's scalars at every step, so the flags ride along: every rank
         learns every rank's flags, as with ``exchange_flags="every-step"`` (a reduction that
@@ -211,8 +220,13 @@ class NonFiniteCheck:
         pre, post = self.sentinels.flags_of(hook.pre, hook.post)
         mine = self.sentinels.row(pre, post)
         rows = [torch.empty_like(mine) for _ in range(ctx.world)]
-        dist.all_gather(rows, mine, group=ctx.group)
-        table = torch.stack(rows).tolist()  # the step's one host read
+        work = dist.all_gather(rows, mine, group=ctx.group, async_op=not wait)
+        return rows, work
+
+    def _flags_from_rows(self, rows: list[torch.Tensor]) -> Flags | None:
+        """The exchanged rows, kept as ``table`` (the step's one host read): every rank's flags,
+        or None on a clean step."""
+        table = torch.stack(rows).tolist()
         self.table = table
         pre_flags = [int(r[0] != 0) for r in table]
         post_flags = [int(r[1] != 0) for r in table]

@@ -329,8 +329,9 @@ class AuditSession(AuditSessionCore):
 
     def after_backward(self) -> None:
         """Optionally, on every rank right after the step's last backward (the one that reduced the
-        gradients): with ``exchange_flags="every-step"`` the non-finite flags' exchange starts now,
-        while the loop goes on to clip, and ``before_update`` reads it done (``NonFiniteCheck.exchange_early``).
+        gradients): the sentinels' exchange (the non-finite flags ride along) starts now, or with
+        ``exchange_flags="every-step"`` the flags' alone, while the loop goes on to clip, and
+        ``before_update`` reads it done (``NonFiniteCheck.exchange_early``).
         Call no collective that changes the gradients in between."""
         step = self.state.open
         if step is not None:
