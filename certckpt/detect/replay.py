@@ -64,6 +64,7 @@ class _ReplaySigner:
         self.ctx, self.finite, self.buckets = ctx, finite, buckets
         self.rows: list[torch.Tensor | None] = [None] * len(ctx.params)
         self.acc: list[torch.Tensor | None] | None = [None] * len(ctx.params) if accumulate else None
+        self._adopted: set[int] = set()  # data pointers of the gradients adopted as accumulators
         # Small gradients are signed in batches: on a GPU one launch per small parameter costs more
         # host time than the replay's own backward (issue 15); a few MiB held at a time.
         self.batched = ctx.options.mode is Mode.DETERMINISTIC and not finite
@@ -104,7 +105,7 @@ class _ReplaySigner:
             if self.acc is not None:
                 a = self.acc[i]
                 if a is None:
-                    self.acc[i] = grad.detach().clone()
+                    self.acc[i] = self._adopt(grad.detach())
                 else:
                     a.add_(grad.detach())
             else:
@@ -117,6 +118,22 @@ class _ReplaySigner:
             return torch.zeros((), dtype=grad.dtype, device=grad.device).expand_as(grad)
 
         return hook
+
+    def _adopt(self, g: torch.Tensor) -> torch.Tensor:
+        """The first micro-batch's gradient as its accumulator: the tensor itself when autograd
+        made it for this parameter alone (dense, not a view, not handed to another parameter),
+        else a copy.
+
+        The hook hands autograd a placeholder, so nothing else writes this tensor once the hook
+        has run, and the next micro-batch adds into it after this backward's graph is gone. A copy
+        of every gradient (a model's worth of fresh memory per audit, a page fault per 4 KiB on
+        CPU) is kept for the gradients that alias something: a view of a larger gradient, or one
+        tensor reaching two parameters (``p1 + p2``), which two accumulators must not share.
+        """
+        if g._base is None and g.is_contiguous() and g.data_ptr() not in self._adopted:
+            self._adopted.add(g.data_ptr())
+            return g
+        return g.clone()
 
     def sign_accumulated(self, s: int) -> None:
         """Sign the accumulators (after a drill's backward faults, which hit an accumulated

@@ -22,6 +22,8 @@ def test_accumulation_and_clipping_train_like_plain_ddp_and_detect():
             assert case["bit_equal"], (rank, view)
             assert case["replays"] == [["replay", "pass"]] and case["failures"] == []
             assert case["loss_is_mean"]
+        shared = res["shared_gradient"]  # two parameters handed one gradient tensor: replayed apart
+        assert shared == {"bit_equal": True, "replays": [["replay", "pass"]], "failures": []}, (rank, shared)
         for name in ("clip", "clip+transform"):
             assert res[name]["bit_equal"] and res[name]["clipped"], (rank, name)
             assert res[name]["failures"] == []

@@ -24,6 +24,20 @@ def _model():
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
 
 
+class _SharedGradient(torch.nn.Module):
+    """Two weights summed before use: autograd hands both the very same gradient tensor, which a
+    replay's accumulators must not share."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Parameter(torch.randn(8, 4) * 0.3)
+        self.b = torch.nn.Parameter(torch.randn(8, 4) * 0.3)
+
+    def forward(self, x):
+        return torch.tanh(x @ (self.a + self.b))
+
+
 def _mb(step: int, k: int):
     g = torch.Generator().manual_seed(dist.get_rank() * 100_000 + step * 10 + k)
     x = torch.randn(4, 8, generator=g)
@@ -93,6 +107,18 @@ def accumulation_and_clipping(args):
             "failures": _failures(aud),
             "loss_is_mean": abs(got - want) < 1e-6,
         }
+    # 1b. a gradient tensor shared by two parameters, accumulated: the replay's accumulators stay apart
+    pm, am = _SharedGradient(), _SharedGradient()
+    plain, popt = DDP(pm), torch.optim.SGD(pm.parameters(), lr=0.05)
+    aud = Auditor(DDP(am), torch.optim.SGD(am.parameters(), lr=0.05), loss_fn=_loss, audit_every=2, sink=MemorySink())
+    for s in range(1, 5):
+        _plain_accumulated_step(plain, popt, _micro(s))
+        aud.train_step(micro_batches=_micro(s))
+    out["shared_gradient"] = {
+        "bit_equal": _same(pm, am),
+        "replays": sorted({(k, o) for _, k, o in aud.state.lineage if k == "replay"}),
+        "failures": _failures(aud),
+    }
     # 2. clipping and a gradient transform: bit-equal to plain DDP + clip_grad_norm_ (one
     # micro-batch per step: the accumulation path averages as DDP does); clipping really clips
     for name, kw in {
