@@ -41,12 +41,10 @@ import collections
 import json
 import math
 import os
-import platform
 import re
 import sys
 import sysconfig
 import tempfile
-import threading
 import time
 from typing import Any
 
@@ -229,7 +227,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="also print every step's record as JSON")
     args = ap.parse_args()
 
-    from bench_format import loadavg, others_busy_cores
+    from rankbench import Machine, progress_tail
     from tinymode import announce
 
     tiny = announce("bench_false_triggers")
@@ -242,9 +240,10 @@ def main() -> None:
 
     import torch
 
-    from certckpt.detect.launch import follow, run_ranks
+    from certckpt.detect.launch import run_ranks
 
-    busy = others_busy_cores(0.1 if tiny else 1.0)
+    machine = Machine(tiny=tiny)
+    common = machine.start()
     ids, corpus = tokenize(int(P["corpus_mb"] * 1e6), P["vocab"])
     R: dict[str, Any] = {
         "config": {
@@ -253,32 +252,18 @@ def main() -> None:
             "world": WORLD,
             "audit_every": AUDIT_EVERY,
             "corpus": corpus,
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "cpus": os.cpu_count(),
-            "loadavg_start": loadavg(),
-            "others_busy_cores_before": busy,
+            **common,
         }
     }
     t0 = time.perf_counter()
+    banner = (
+        f"running {WORLD} ranks: {P['steps']} steps of a {P['layers']}-layer, width-{P['d_model']} model "
+        f"(vocabulary {P['vocab']:,}), {P['batch']} x {P['seq']} tokens per rank per step"
+    )
     with tempfile.TemporaryDirectory(prefix="certckpt-bench-false-triggers-") as d:
         tokens = os.path.join(d, "tokens.i32")
         torch.tensor(ids, dtype=torch.int32).numpy().tofile(tokens)
-        prog = os.path.join(d, "progress.log")
-        open(prog, "w").close()
-        stop = threading.Event()
-        tail = threading.Thread(
-            target=follow,
-            args=(prog, stop, lambda ln: print(f"  rank 0 {ln}", file=sys.stderr, flush=True)),
-            daemon=True,
-        )
-        tail.start()
-        print(
-            f"running {WORLD} ranks: {P['steps']} steps of a {P['layers']}-layer, width-{P['d_model']} model "
-            f"(vocabulary {P['vocab']:,}), {P['batch']} x {P['seq']} tokens per rank per step",
-            file=sys.stderr,
-        )
-        try:
+        with progress_tail(d, banner) as prog:
             per_rank = run_ranks(
                 f"{os.path.splitext(os.path.basename(__file__))[0]}:rank_main",
                 WORLD,
@@ -287,12 +272,9 @@ def main() -> None:
                 threads=1,
                 extra_path=HERE,
             )
-        finally:
-            stop.set()
-            tail.join()
     r0 = per_rank[0]
     R["elapsed_s"] = time.perf_counter() - t0
-    R["config"]["loadavg_end"] = loadavg()
+    R["config"].update(machine.end())
     R["config"]["params"] = r0["params"]
     done = len(r0["steps"])
     R["result"] = {

@@ -65,11 +65,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
-import sys
 import tempfile
-import threading
 import time
 from typing import Any
 
@@ -665,7 +662,7 @@ def main() -> None:
     )
     args = ap.parse_args()
 
-    from bench_format import cpu_busy_seconds, loadavg, others_busy_cores, own_cpu_seconds
+    from rankbench import Machine, progress_tail
     from tinymode import announce
 
     tiny = announce("bench_fsdp_detect")
@@ -682,14 +679,10 @@ def main() -> None:
     if P["slice"] < 1 or P["steps"] % P["slice"]:
         ap.error("--slice must divide --steps")
 
-    import torch
+    from certckpt.detect.launch import run_ranks
 
-    from certckpt.detect.launch import follow, run_ranks
-
-    busy = others_busy_cores(0.1 if tiny else 1.0)
-    if busy is not None and busy > 0.25:
-        print(f"warning: other processes keep {busy:.2f} cores busy; figures will be noisy", file=sys.stderr)
-    busy0, own0 = cpu_busy_seconds(), own_cpu_seconds()
+    machine = Machine(tiny=tiny)
+    common = machine.start()
     R: dict[str, Any] = {
         "config": {
             "quick": args.quick,
@@ -697,46 +690,25 @@ def main() -> None:
             **P,
             "params": n_params(P["widths"]),
             "world": WORLD,
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "cpus": os.cpu_count(),
-            "loadavg_start": loadavg(),
-            "others_busy_cores_before": busy,
+            **common,
         }
     }
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="certckpt-bench-fsdp-detect-") as d:
-        prog = os.path.join(d, "progress.log")
-        open(prog, "w").close()
-        stop = threading.Event()
-        tail = threading.Thread(
-            target=follow,
-            args=(prog, stop, lambda ln: print(f"  rank 0 {ln}", file=sys.stderr, flush=True)),
-            daemon=True,
+    banner = (
+        f"running {WORLD} ranks: {P['trials']} trials x {len(CONFIGS)} configurations x {P['steps']} steps "
+        f"of a {n_params(P['widths']):,}-parameter MLP, mesh {P['mesh']}"
+    )
+    with tempfile.TemporaryDirectory(prefix="certckpt-bench-fsdp-detect-") as d, progress_tail(d, banner) as prog:
+        per_rank = run_ranks(
+            f"{os.path.splitext(os.path.basename(__file__))[0]}:rank_main",
+            WORLD,
+            {**P, "progress": prog},
+            timeout=1800,
+            threads=1,
+            extra_path=HERE,
         )
-        tail.start()
-        print(
-            f"running {WORLD} ranks: {P['trials']} trials x {len(CONFIGS)} configurations x {P['steps']} steps "
-            f"of a {n_params(P['widths']):,}-parameter MLP, mesh {P['mesh']}",
-            file=sys.stderr,
-        )
-        try:
-            per_rank = run_ranks(
-                f"{os.path.splitext(os.path.basename(__file__))[0]}:rank_main",
-                WORLD,
-                {**P, "progress": prog},
-                timeout=1800,
-                threads=1,
-                extra_path=HERE,
-            )
-        finally:
-            stop.set()
-            tail.join()
     R["elapsed_s"] = time.perf_counter() - t0
-    R["config"]["loadavg_end"] = loadavg()
-    busy1 = cpu_busy_seconds()
-    if busy0 is not None and busy1 is not None:
-        R["config"]["others_cpu_s_during_run"] = max(0.0, (busy1 - busy0) - (own_cpu_seconds() - own0))
+    R["config"].update(machine.end())
     R["config"]["params"] = per_rank[0]["params"]
     R["config"]["placements"] = per_rank[0]["placements"]
     R["config"]["deterministic"] = all(pr["deterministic"] for pr in per_rank)
