@@ -60,6 +60,9 @@ def test_certified_megatron_checkpoints_on_three_ranks(tmp_path):
         assert (o["rng_seed"], o["iteration"], o["checked"]) == (100 + rank, 5, 3)
         assert o["args"] == {"lr": 3e-4, "tp": 3, "names": ["a", "b"]}
         assert o["default_equal"] and o["plain_megatron_reads"]
+        # one open of the manifest per rank and load: the common strategy's read (digest-checked once)
+        # is handed to the sharded strategy and the DCP reader, which used to read it again each
+        assert (o["manifest_opens"], o["manifest_opens_default"]) == (1, 1), o
         assert o["plain"].startswith("NotACheckpointError: refusing to load: the checkpoint was written by plain")
         assert "never unpickled" in o["plain"] and "CertifiedSaveStrategy" in o["plain"]
         # a flattened_range tensor: one line on every rank, saving and loading, before a file is written

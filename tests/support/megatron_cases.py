@@ -8,6 +8,7 @@ ids, ``ShardedObject``), the shapes Megatron's dist_checkpointing tests use: its
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -86,6 +87,28 @@ def plain_torch_dist_save(sharded_state_dict, directory: str) -> None:
     dist.barrier()
 
 
+_manifest_opens: list[str] = []
+
+
+def _count_manifest_opens() -> None:
+    """Record every open of a ``manifest.safetensors`` in this rank (an audit hook: it observes the real
+    opens, by whatever route, and replaces nothing; it lives as long as the rank's process)."""
+
+    def hook(event, args):
+        path = args[0] if event == "open" else None
+        if isinstance(path, (str, bytes, os.PathLike)) and os.fsdecode(path).endswith("manifest.safetensors"):
+            _manifest_opens.append(os.fsdecode(path))
+
+    sys.addaudithook(hook)
+
+
+def _opens_during(fn):
+    """``(fn(), how many times fn opened a manifest)``."""
+    _manifest_opens.clear()
+    result = fn()
+    return result, len(_manifest_opens)
+
+
 def save_and_reload(args):
     """Save split 3 ways (TP=3), re-load split 2 ways with a replica (TP=2, DP over rank 2), the
     default strategy chosen by metadata.json, and a plain torch_dist checkpoint refused."""
@@ -107,7 +130,10 @@ def save_and_reload(args):
     template = _sharded(zeros, rank, world, split=2)
     template["rng"] = _sharded(zeros, rank, world, split=2)["rng"]
     loader = CertifiedLoadStrategy(check_fingerprints=True)
-    state = dist_checkpointing.load(template, args["ckpt"], sharded_strategy=loader)
+    _count_manifest_opens()
+    state, out["manifest_opens"] = _opens_during(
+        lambda: dist_checkpointing.load(template, args["ckpt"], sharded_strategy=loader)
+    )
     expect = _sharded(full, rank, world, split=2)
     out["equal"] = {k: torch.equal(state["model"][k], expect["model"][k].data) for k in ("qkv", "proj", "emb")} | {
         "rng_torch": torch.equal(state["rng"]["torch"], torch.arange(4) + rank),
@@ -117,7 +143,9 @@ def save_and_reload(args):
     out["checked"] = loader.checked_tensors
 
     # no strategy given: metadata.json names certckpt's backend, registered on import
-    again = dist_checkpointing.load(_sharded(zeros, rank, world, split=3), args["ckpt"])
+    again, out["manifest_opens_default"] = _opens_during(
+        lambda: dist_checkpointing.load(_sharded(zeros, rank, world, split=3), args["ckpt"])
+    )
     out["default_equal"] = torch.equal(again["model"]["qkv"], _sharded(full, rank, world, split=3)["model"]["qkv"].data)
 
     # plain Megatron's torch_dist: Megatron reads it, the certified strategy refuses it before a byte is read
