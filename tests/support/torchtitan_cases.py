@@ -17,13 +17,17 @@ import shutil
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 SEQ, BATCH, VOCAB = 16, 2, 2048
 
 
-def build(*, seed: int = 0, layers: int = 2):
-    """The debug model, sharded over every rank, with TorchTitan's optimizer and LR scheduler."""
+def build(*, seed: int = 0, layers: int = 2, hsdp: bool = False):
+    """The debug model, sharded over every rank, with TorchTitan's optimizer and LR scheduler.
+
+    ``hsdp``: 2 replica groups x (world / 2) shards, by TorchTitan's own ``apply_fsdp_to_decoder`` (its
+    trainer's FSDP2 / HSDP path, here on a CPU mesh with the trainer's dimension names: ``ParallelDims``
+    builds its meshes on "cuda"), with gradients summed, not averaged, as TorchTitan's are."""
     from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
     from torchtitan.components.optimizer.optimizer import OptimizersContainer, ParamGroupConfig
     from torchtitan.models.common.attention import ScaledDotProductAttention
@@ -37,10 +41,23 @@ def build(*, seed: int = 0, layers: int = 2):
     torch.manual_seed(seed)
     model = cfg.build()
     model.init_states(buffer_device=torch.device("cpu"))
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for block in model.layers.values():
-        fully_shard(block, mesh=mesh, reshard_after_forward=True)
-    fully_shard(model, mesh=mesh)
+    if hsdp:
+        from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
+
+        shape = (2, dist.get_world_size() // 2)
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp_replicate", "fsdp"))
+        apply_fsdp_to_decoder(model, mesh, param_dtype=torch.float32, reduce_dtype=torch.float32, pp_enabled=False)
+        # TorchTitan turns FSDP's gradient division off (factor 1.0; its loop divides by the global token
+        # count), which FSDP reduces with ReduceOp.PREMUL_SUM: gloo has none ("Cannot use
+        # ReduceOp.PREMUL_SUM with Gloo"). Plain SUM instead, the same sums (FSDP's own switch).
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_force_sum_reduction_for_comms(True)
+    else:
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for block in model.layers.values():
+            fully_shard(block, mesh=mesh, reshard_after_forward=True)
+        fully_shard(model, mesh=mesh)
     opt_cfg = OptimizersContainer.Config(
         implementation="for-loop",
         param_groups=[ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-3})],
@@ -189,6 +206,56 @@ def checkpoints(args):
     certified = manager(CertifiedCheckpointManager, plain, model, optimizers, schedulers, keep_latest_k=0)
     out["plain_refused"] = _raised(certified.load)
     certified.close()
+    return out
+
+
+def hsdp_checkpoints(args):
+    """HSDP (2 replica groups x 2 shards on 4 ranks): certified saves carrying the audits' evidence, and
+    a resume from latest-good onto a fresh HSDP model."""
+    from certckpt.detect.sharded import ShardedAuditSession
+    from certckpt.integrations.torchtitan import CertifiedCheckpointManager
+
+    folder = os.path.join(args["root"], "ckpt")
+    model, optimizers, schedulers = build(hsdp=True)
+    placements = {str(p.placements) for p in model.parameters()}
+    session = ShardedAuditSession(
+        model, optimizers.optimizers[0], run="titan-hsdp", ledger=folder, loss_fn=loss_of, audit_every=2
+    )
+    ckpt = manager(
+        CertifiedCheckpointManager,
+        folder,
+        model,
+        optimizers,
+        schedulers,
+        keep_latest_k=0,
+        accept="trusted",
+        run="titan-hsdp",
+    )
+    fps = {}
+    for step in range(1, 5):
+        train_step(model, optimizers, schedulers, step, session=session)
+        if step == 2:
+            ckpt.attach(session)  # from here every checkpoint carries the fingerprint the replicas agreed on
+        if step in (2, 4):
+            fps[step] = _fingerprint(model)
+            ckpt.save(step)
+    audited = session.step
+    session.close()
+    ckpt.close()
+    dist.barrier()
+    model2, opt2, sched2 = build(seed=1, hsdp=True)
+    again = manager(
+        CertifiedCheckpointManager, folder, model2, opt2, sched2, keep_latest_k=0, accept="trusted", run="titan-hsdp"
+    )
+    loaded = again.load()
+    out = {
+        "placements": sorted(placements),
+        "fps": fps,
+        "steps": audited,
+        "loaded": loaded,
+        "resumed": {"fp": _fingerprint(model2), "parent": again.parent, "step": again.resumed_step},
+    }
+    again.close()
     return out
 
 
