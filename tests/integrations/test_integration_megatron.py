@@ -134,3 +134,11 @@ def test_certified_megatron_checkpoints_on_three_ranks(tmp_path):
     assert r.exit_code == 1 and "common.safetensors" in r.output and "digest mismatch" in r.output, r.output
     r = _cli("latest-good", store, "--dir", "--accept", "verified")
     assert r.exit_code != 0 and ckpt not in r.output.splitlines()[0:1], r.output
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (benchmarks/gpu_session.sh runs it)")
+def test_sharded_tensors_on_a_cuda_gpu_save_and_load_certified(tmp_path):
+    store = str(tmp_path / "run")
+    (out,) = run_ranks(megatron_cases.gpu_round_trip, 1, {"store": store, "ckpt": f"{store}/iter_7"}, timeout=300)
+    assert out == {"ckpt_id": "main@7", "equal": True, "device": "cuda:0", "checked": 3, "fps_as_on_cpu": True}

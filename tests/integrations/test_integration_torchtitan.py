@@ -91,3 +91,20 @@ def test_a_persistent_fault_escapes_the_same_rank_replay_and_is_named_by_the_cro
     for r in out:
         assert r["titan"] is None  # the same wrong answer twice: every same-rank comparison passed
         assert r["certckpt"]["step"] == 3 and r["certckpt"]["suspects"] == [1]
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA device (benchmarks/gpu_session.sh runs it)")
+def test_on_one_cuda_gpu_every_async_mode_writes_certified_checkpoints_that_load_back(tmp_path):
+    from certckpt.detect.launch import run_ranks
+
+    (out,) = run_ranks(torchtitan_cases.gpu_checkpoints, 1, {"root": str(tmp_path)}, timeout=600)
+    assert sorted(out) == ["async", "async_with_pinned_mem", "disabled"]
+    for mode, r in out.items():
+        assert r == {"verified": True, "problems": [], "loaded": True, "same": True, "device": "cuda:0"}, (mode, r)

@@ -197,3 +197,37 @@ def _flattened_refused(args, full, zeros, rank, world):
     except Exception as e:
         out["flat_load"] = f"{type(e).__name__}: {e}"
     return out
+
+
+def gpu_round_trip(args):
+    """One rank on one GPU (NCCL for CUDA tensors, gloo for the rest): ShardedTensors on the GPU saved
+    certified, loaded back onto the GPU with the fingerprint check; the fingerprints saved from the GPU
+    are those of the same tensors on the CPU. ``device="cpu"``: the same steps on the CPU."""
+    from megatron.core import dist_checkpointing
+
+    import certckpt
+    from certckpt.dcp import inspect_checkpoint
+    from certckpt.integrations.megatron import CertifiedLoadStrategy, CertifiedSaveStrategy
+
+    device = args.get("device", "cuda")
+    if device == "cuda":
+        torch.cuda.set_device(0)
+        dist.destroy_process_group()
+        dist.init_process_group("cpu:gloo,cuda:nccl", store=dist.HashStore(), rank=0, world_size=1)
+    full = {k: v.to(device) for k, v in full_tensors().items()}
+    os.makedirs(args["ckpt"])
+    strategy = CertifiedSaveStrategy(ledger=args["store"], step=7, run="mg-gpu")
+    dist_checkpointing.save(_sharded(full, 0, 1, split=1), args["ckpt"], sharded_strategy=strategy)
+    loader = CertifiedLoadStrategy(check_fingerprints=True)
+    zeros = {k: torch.zeros_like(v) for k, v in full.items()}
+    state = dist_checkpointing.load(_sharded(zeros, 0, 1, split=1), args["ckpt"], sharded_strategy=loader)
+    manifest, _ = inspect_checkpoint(args["ckpt"])
+    expect = _sharded(full, 0, 1, split=1)["model"]
+    return {
+        "ckpt_id": strategy.ckpt_id,
+        "equal": all(torch.equal(state["model"][k], expect[k].data) for k in ("qkv", "proj", "emb")),
+        "device": str(state["model"]["qkv"].device),
+        "checked": loader.checked_tensors,
+        "fps_as_on_cpu": {t.fqn: t.fp for t in manifest.tensors}
+        == {k: certckpt.fingerprint_hex(v) for k, v in full_tensors().items()},
+    }
