@@ -6,6 +6,7 @@ Run from the repository root:
     python benchmarks/bench_megatron.py               # 24 layers of a GPT block's weights, 5 trials
     python benchmarks/bench_megatron.py --trials 9 --dir /dev/shm
     python benchmarks/bench_megatron.py --threads 2   # torch's intra-op threads (default 1)
+    python benchmarks/bench_megatron.py --device cuda # the tensors on the GPU, against Megatron's own strategy
 
 ``CERTCKPT_BENCH_TINY=1`` (``benchmarks/tinymode.py``): toy sizes, one trial, figures meaningless.
 
@@ -28,6 +29,9 @@ as in ``bench_dcp.py``; ``--threads N`` changes that. Beside the wall times, the
    ``torch_dist`` load strategy (this one runs on the CPU); a third line without the fingerprint check.
    The fingerprint check runs on a second thread beside the reads (``certckpt/dcp/loadfp.py``).
 
+``--device cuda``: the ShardedTensors live on the GPU (saved from it, loaded back into it), the group
+is NCCL for CUDA tensors and gloo for the rest, and the save baseline is Megatron's own strategy.
+
 Target: both ratios <= 1.10x. Every figure printed is measured in this run.
 """
 
@@ -48,7 +52,7 @@ from tinymode import announce
 TARGET = 1.10
 
 
-def _state(layers: int, hidden: int, *, zeros: bool):
+def _state(layers: int, hidden: int, *, zeros: bool, device: str = "cpu"):
     import torch
     from megatron.core.dist_checkpointing import ShardedTensor
 
@@ -63,7 +67,7 @@ def _state(layers: int, hidden: int, *, zeros: bool):
     for i in range(layers):
         for name, shape in shapes.items():
             key = f"decoder.layers.{i}.{name}.weight"
-            w = torch.zeros(shape) if zeros else torch.randn(shape, generator=g)
+            w = (torch.zeros(shape) if zeros else torch.randn(shape, generator=g)).to(device)
             model[f"{i}.{name}"] = ShardedTensor.from_rank_offsets(key, w.to(torch.bfloat16))
             optim[f"{i}.{name}"] = ShardedTensor.from_rank_offsets(f"optimizer.fp32.{key}", w.clone())
     return {"model": model, "optimizer": optim, "iteration": 100, "args": {"hidden": hidden, "layers": layers}}
@@ -103,6 +107,7 @@ def main() -> int:
     p.add_argument("--trials", type=int, default=1 if tiny else 5)
     p.add_argument("--dir", default=None, help="where checkpoints are written (default: a temp dir)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1, torchrun's default)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the tensors live")
     args = p.parse_args()
     warnings.filterwarnings("ignore")
     try:
@@ -124,10 +129,17 @@ def main() -> int:
 
     torch.set_num_threads(args.threads)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            print("bench_megatron: --device cuda, but torch sees no CUDA device", file=sys.stderr)
+            return 2
+        torch.cuda.set_device(0)
+        dist.init_process_group("cpu:gloo,cuda:nccl", rank=0, world_size=1)
+    else:
+        dist.init_process_group("gloo", rank=0, world_size=1)
     cuda = torch.cuda.is_available()
-    sd = _state(args.layers, args.hidden, zeros=False)
-    template = _state(args.layers, args.hidden, zeros=True)
+    sd = _state(args.layers, args.hidden, zeros=False, device=args.device)
+    template = _state(args.layers, args.hidden, zeros=True, device=args.device)
     nbytes = sum(sh.data.numel() * sh.data.element_size() for d in (sd["model"], sd["optimizer"]) for sh in d.values())
     root = tempfile.mkdtemp(prefix="bench-megatron-", dir=args.dir)
     names = (
@@ -182,6 +194,8 @@ def main() -> int:
                     os.sync()
                     t0, c0 = time.perf_counter(), cpu()
                     fn()
+                    if args.device == "cuda":
+                        torch.cuda.synchronize()
                     dt, dc = time.perf_counter() - t0, cpu() - c0
                     if trial:  # round 0 warms up
                         times[name].append(dt)
@@ -198,10 +212,12 @@ def main() -> int:
         if cuda
         else "torch_dist format via Megatron's translation + DCP FileSystemWriter (its strategy needs CUDA)"
     )
+    on = torch.cuda.get_device_name(0) if args.device == "cuda" else "the CPU"
     print(
         f"# bench_megatron: {args.layers} layers, hidden {args.hidden}, {nbytes / 2**20:.0f} MiB of tensors;"
         f" {args.trials} trials; {os.cpu_count()} cpus, {torch.get_num_threads()} torch thread(s); load average"
-        f" {os.getloadavg()[0]:.2f}; baseline: {baseline}"
+        f" {os.getloadavg()[0]:.2f}; tensors on {on};"
+        f" baseline: {baseline}"
     )
     print("contender                       median s    [min-max]      CPU s (median)")
     for name, xs in times.items():

@@ -100,6 +100,10 @@ class CertifiedReader(StorageReader):
             them and every byte must match its signed data digest (BLAKE3, or SHA-256 in older
             files): checked in full, on every rank, before anything is loaded (one more read of
             the checkpoint).
+        manifest: the manifest of ``path``, already read by the caller through ``read_manifest``
+            (every byte checked): the reader then uses it instead of reading the file again (a
+            Megatron load hands over the one its common strategy read). Dropped when ``reset`` names
+            another checkpoint, and used for one load only.
 
     Raises (from ``dcp.load``, wrapped by DCP in a ``CheckpointException`` that carries the text):
         CorruptCheckpointError: a digest mismatch (naming file, tensor and state entry), a missing
@@ -117,9 +121,12 @@ class CertifiedReader(StorageReader):
         check_fingerprints: bool = False,
         process_group: Any = None,
         trusted_keys: TrustedKeys | str | None = KEYS_FROM_ENV,
+        manifest: Manifest | None = None,
     ) -> None:
         super().__init__()
         self.trusted_keys = trusted_keys_for(trusted_keys)
+        if manifest is not None and not isinstance(manifest, Manifest):
+            raise ArgumentTypeError(f"manifest must be a Manifest from read_manifest, got {type(manifest).__name__}")
         if type(check_fingerprints) is not bool:
             raise ArgumentTypeError(f"check_fingerprints must be True or False, got {check_fingerprints!r}")
         self.path = _location(path)
@@ -131,12 +138,16 @@ class CertifiedReader(StorageReader):
         self.checked_tensors = 0  # tensors compared in full by the last check_fingerprints load
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._metadata_error: CertckptError | None = None  # read_metadata's, raised by set_up_storage_reader
+        self._given = manifest  # the caller's read of self.path's manifest, used instead of reading it
 
     # --- StorageReader ------------------------------------------------------------------------
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id:
-            self.path = _location(checkpoint_id)
+            path = _location(checkpoint_id)
+            if path != self.path:
+                self._given = None  # the manifest handed over is another checkpoint's
+            self.path = path
         self.load_id = str(uuid.uuid4())
         self.manifest = None
         self.storage_data = {}
@@ -147,7 +158,9 @@ class CertifiedReader(StorageReader):
         # replaces any exception from read_metadata with a bare "metadata is None".
         self._metadata_error = None
         try:
-            manifest, _ = read_manifest(self.path)
+            # the manifest handed over serves one load: a reader used again reads the file again
+            given, self._given = self._given, None
+            manifest = given if given is not None else read_manifest(self.path)[0]
         except CheckpointNotFoundError as e:
             error = CheckpointNotFoundError(
                 f"{self.path}: no committed certified checkpoint here (no manifest: the save never finished,"

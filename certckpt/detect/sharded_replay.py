@@ -147,8 +147,20 @@ class GradientRecorder:
     def __init__(self, model: torch.nn.Module):
         from torch.distributed.fsdp import FSDPModule
 
-        self.modules = [(name or "<root>", m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
-        self.layers = _owning_layers(model, [name for name, _ in self.modules])
+        # One entry per FSDP state, not per FSDPModule: fully_shard([a, b]) (TorchTitan groups its final
+        # norm and output projection so) makes a and b one unit with one reduce-scatter; wrapping it once
+        # per module would sign that collective twice in training and once in a replay.
+        units: dict[int, tuple[list[str], Any]] = {}
+        for name, m in model.named_modules():
+            if isinstance(m, FSDPModule):
+                try:
+                    key = id(m._get_fsdp_state())
+                except AttributeError:  # pragma: no cover - a torch without it: one unit per module
+                    key = id(m)
+                units.setdefault(key, ([], m))[0].append(name or "<root>")
+        self.modules = [("+".join(names), m) for names, m in units.values()]
+        unit_of = {member: "+".join(names) for names, _ in units.values() for member in names}
+        self.layers = _owning_layers(model, unit_of)
         self.mode = "off"
         self.measure = "digest"  # what a replay signs each layer with: "digest", or "squares" (a triggered one)
         self.micro = 0
@@ -257,16 +269,17 @@ def signed(calls: Sequence[tuple[int, str, torch.Tensor]]) -> list[LayerDigest]:
     return [LayerDigest(m, layer, int(v)) for (m, layer, _), v in zip(calls, values.tolist())]
 
 
-def _owning_layers(model: torch.nn.Module, names: Sequence[str]) -> list[str]:
-    """The FSDP modules (by recorder name, in module order) that own a trained parameter: each
-    parameter belongs to the innermost ``fully_shard``-ed module around it, whose reduce-scatter
-    carries its gradient; a module that owns none never reduce-scatters."""
-    prefixes = sorted(((n, "" if n == "<root>" else n + ".") for n in names), key=lambda it: -len(it[1]))
+def _owning_layers(model: torch.nn.Module, unit_of: dict[str, str]) -> list[str]:
+    """The FSDP units (by recorder name, in module order) that own a trained parameter: each
+    parameter belongs to the innermost ``fully_shard``-ed module around it, whose unit's reduce-scatter
+    carries its gradient; a unit that owns none never reduce-scatters. ``unit_of``: each FSDP module's
+    name, in module order, to the name of its unit."""
+    prefixes = sorted(((n, "" if n == "<root>" else n + ".") for n in unit_of), key=lambda it: -len(it[1]))
     owners = set()
     for pname, p in model.named_parameters():
         if p.requires_grad:
-            owners.add(next((n for n, pre in prefixes if pname.startswith(pre)), "<root>"))
-    return [n for n in names if n in owners]
+            owners.add(unit_of.get(next((n for n, pre in prefixes if pname.startswith(pre)), "<root>"), "<root>"))
+    return list(dict.fromkeys(u for u in unit_of.values() if u in owners))
 
 
 def sync_pattern(calls: Sequence[LayerDigest]) -> dict[int, set[str]]:

@@ -272,6 +272,24 @@ def test_the_fingerprint_check_sees_what_the_planner_holds_even_when_every_regio
     dcp.load(out, storage_reader=CertifiedReader(url), planner=_StagingPlanner("model.w5"), no_dist=True)  # unchecked
 
 
+def test_a_reader_handed_the_manifest_does_not_read_it_again_and_uses_it_for_one_load(tmp_path):
+    url = str(tmp_path / "ck")
+    state = {"model": {"w": torch.randn(6, 4), "b": torch.randn(4)}}
+    dcp.save(state, storage_writer=CertifiedWriter(url), no_dist=True)
+    manifest, _ = read_manifest(url)
+    # the file moved away after the caller read it: the reader never opens it, the shards still check
+    os.rename(os.path.join(url, "manifest.safetensors"), tmp_path / "elsewhere")
+    out = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}}
+    reader = CertifiedReader(url, check_fingerprints=True, manifest=manifest)
+    dcp.load(out, storage_reader=reader, no_dist=True)
+    assert all(torch.equal(out["model"][k], v) for k, v in state["model"].items()) and reader.checked_tensors == 2
+    # a second load with the same reader reads the file again (and here finds none)
+    with pytest.raises(dcp.api.CheckpointException, match="no committed certified checkpoint"):
+        dcp.load(out, storage_reader=reader, no_dist=True)
+    with pytest.raises(certckpt.errors.ArgumentTypeError, match="manifest must be a Manifest"):
+        CertifiedReader(url, manifest={"files": []})
+
+
 def test_tied_weights_are_stored_once(tmp_path):
     url = str(tmp_path / "ck")
     w = torch.randn(5, 3)

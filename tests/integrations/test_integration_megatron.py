@@ -60,6 +60,9 @@ def test_certified_megatron_checkpoints_on_three_ranks(tmp_path):
         assert (o["rng_seed"], o["iteration"], o["checked"]) == (100 + rank, 5, 3)
         assert o["args"] == {"lr": 3e-4, "tp": 3, "names": ["a", "b"]}
         assert o["default_equal"] and o["plain_megatron_reads"]
+        # one open of the manifest per rank and load: the common strategy's read (digest-checked once)
+        # is handed to the sharded strategy and the DCP reader, which used to read it again each
+        assert (o["manifest_opens"], o["manifest_opens_default"]) == (1, 1), o
         assert o["plain"].startswith("NotACheckpointError: refusing to load: the checkpoint was written by plain")
         assert "never unpickled" in o["plain"] and "CertifiedSaveStrategy" in o["plain"]
         # a flattened_range tensor: one line on every rank, saving and loading, before a file is written
@@ -131,3 +134,11 @@ def test_certified_megatron_checkpoints_on_three_ranks(tmp_path):
     assert r.exit_code == 1 and "common.safetensors" in r.output and "digest mismatch" in r.output, r.output
     r = _cli("latest-good", store, "--dir", "--accept", "verified")
     assert r.exit_code != 0 and ckpt not in r.output.splitlines()[0:1], r.output
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (benchmarks/gpu_session.sh runs it)")
+def test_sharded_tensors_on_a_cuda_gpu_save_and_load_certified(tmp_path):
+    store = str(tmp_path / "run")
+    (out,) = run_ranks(megatron_cases.gpu_round_trip, 1, {"store": store, "ckpt": f"{store}/iter_7"}, timeout=300)
+    assert out == {"ckpt_id": "main@7", "equal": True, "device": "cuda:0", "checked": 3, "fps_as_on_cpu": True}

@@ -57,6 +57,32 @@ def test_torchtitan_checkpoints_are_certified_rotated_around_latest_good_resumed
 
 
 @pytest.mark.slow
+def test_hsdp_checkpoints_are_certified_with_the_audits_evidence_and_resume_from_latest_good(tmp_path):
+    # TorchTitan's Trainer itself does not start on CPU (docs/integrations.md, "What runs where"): its HSDP
+    # path, apply_fsdp_to_decoder on a 2 x 2 (dp_replicate, fsdp) mesh, runs here on 4 gloo ranks
+    from certckpt.detect.launch import run_ranks
+    from certckpt.format.sharded.check import verify_checkpoint
+
+    out = run_ranks(torchtitan_cases.hsdp_checkpoints, 4, {"root": str(tmp_path)}, timeout=600)
+    store = str(tmp_path / "ckpt")
+    for r in out:
+        assert r["placements"] == ["(Replicate(), Shard(dim=0))"], r["placements"]  # HSDP, not FSDP
+        assert r["fps"] == out[0]["fps"] and r["steps"] == 4
+    # both checkpoints verify whole; each carries the fingerprint the replicas agreed on, and the audits
+    # at steps 2 and 4 passed: trusted
+    for step in (2, 4):
+        report = verify_checkpoint(os.path.join(store, f"step-{step}"))
+        assert report.ok, report.problems
+    status = certify_store(store, write_certificates=False)
+    labels = {cid: status.certification.verdicts[cid].label for cid in status.snapshot.records}
+    assert labels == {"main@2": "trusted", "main@4": "trusted"}, labels
+    # a fresh HSDP model resumes from latest-good (step 4), every byte checked, bit for bit
+    for r in out:
+        assert r["loaded"] is True
+        assert r["resumed"] == {"fp": out[0]["fps"]["4"], "parent": "main@4", "step": 4}
+
+
+@pytest.mark.slow
 def test_a_persistent_fault_escapes_the_same_rank_replay_and_is_named_by_the_cross_rank_replay():
     from certckpt.detect.launch import run_ranks
 
@@ -65,3 +91,20 @@ def test_a_persistent_fault_escapes_the_same_rank_replay_and_is_named_by_the_cro
     for r in out:
         assert r["titan"] is None  # the same wrong answer twice: every same-rank comparison passed
         assert r["certckpt"]["step"] == 3 and r["certckpt"]["suspects"] == [1]
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA device (benchmarks/gpu_session.sh runs it)")
+def test_on_one_cuda_gpu_every_async_mode_writes_certified_checkpoints_that_load_back(tmp_path):
+    from certckpt.detect.launch import run_ranks
+
+    (out,) = run_ranks(torchtitan_cases.gpu_checkpoints, 1, {"root": str(tmp_path)}, timeout=600)
+    assert sorted(out) == ["async", "async_with_pinned_mem", "disabled"]
+    for mode, r in out.items():
+        assert r == {"verified": True, "problems": [], "loaded": True, "same": True, "device": "cuda:0"}, (mode, r)

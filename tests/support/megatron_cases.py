@@ -8,6 +8,7 @@ ids, ``ShardedObject``), the shapes Megatron's dist_checkpointing tests use: its
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -86,6 +87,28 @@ def plain_torch_dist_save(sharded_state_dict, directory: str) -> None:
     dist.barrier()
 
 
+_manifest_opens: list[str] = []
+
+
+def _count_manifest_opens() -> None:
+    """Record every open of a ``manifest.safetensors`` in this rank (an audit hook: it observes the real
+    opens, by whatever route, and replaces nothing; it lives as long as the rank's process)."""
+
+    def hook(event, args):
+        path = args[0] if event == "open" else None
+        if isinstance(path, (str, bytes, os.PathLike)) and os.fsdecode(path).endswith("manifest.safetensors"):
+            _manifest_opens.append(os.fsdecode(path))
+
+    sys.addaudithook(hook)
+
+
+def _opens_during(fn):
+    """``(fn(), how many times fn opened a manifest)``."""
+    _manifest_opens.clear()
+    result = fn()
+    return result, len(_manifest_opens)
+
+
 def save_and_reload(args):
     """Save split 3 ways (TP=3), re-load split 2 ways with a replica (TP=2, DP over rank 2), the
     default strategy chosen by metadata.json, and a plain torch_dist checkpoint refused."""
@@ -107,7 +130,10 @@ def save_and_reload(args):
     template = _sharded(zeros, rank, world, split=2)
     template["rng"] = _sharded(zeros, rank, world, split=2)["rng"]
     loader = CertifiedLoadStrategy(check_fingerprints=True)
-    state = dist_checkpointing.load(template, args["ckpt"], sharded_strategy=loader)
+    _count_manifest_opens()
+    state, out["manifest_opens"] = _opens_during(
+        lambda: dist_checkpointing.load(template, args["ckpt"], sharded_strategy=loader)
+    )
     expect = _sharded(full, rank, world, split=2)
     out["equal"] = {k: torch.equal(state["model"][k], expect["model"][k].data) for k in ("qkv", "proj", "emb")} | {
         "rng_torch": torch.equal(state["rng"]["torch"], torch.arange(4) + rank),
@@ -117,7 +143,9 @@ def save_and_reload(args):
     out["checked"] = loader.checked_tensors
 
     # no strategy given: metadata.json names certckpt's backend, registered on import
-    again = dist_checkpointing.load(_sharded(zeros, rank, world, split=3), args["ckpt"])
+    again, out["manifest_opens_default"] = _opens_during(
+        lambda: dist_checkpointing.load(_sharded(zeros, rank, world, split=3), args["ckpt"])
+    )
     out["default_equal"] = torch.equal(again["model"]["qkv"], _sharded(full, rank, world, split=3)["model"]["qkv"].data)
 
     # plain Megatron's torch_dist: Megatron reads it, the certified strategy refuses it before a byte is read
@@ -169,3 +197,37 @@ def _flattened_refused(args, full, zeros, rank, world):
     except Exception as e:
         out["flat_load"] = f"{type(e).__name__}: {e}"
     return out
+
+
+def gpu_round_trip(args):
+    """One rank on one GPU (NCCL for CUDA tensors, gloo for the rest): ShardedTensors on the GPU saved
+    certified, loaded back onto the GPU with the fingerprint check; the fingerprints saved from the GPU
+    are those of the same tensors on the CPU. ``device="cpu"``: the same steps on the CPU."""
+    from megatron.core import dist_checkpointing
+
+    import certckpt
+    from certckpt.dcp import inspect_checkpoint
+    from certckpt.integrations.megatron import CertifiedLoadStrategy, CertifiedSaveStrategy
+
+    device = args.get("device", "cuda")
+    if device == "cuda":
+        torch.cuda.set_device(0)
+        dist.destroy_process_group()
+        dist.init_process_group("cpu:gloo,cuda:nccl", store=dist.HashStore(), rank=0, world_size=1)
+    full = {k: v.to(device) for k, v in full_tensors().items()}
+    os.makedirs(args["ckpt"])
+    strategy = CertifiedSaveStrategy(ledger=args["store"], step=7, run="mg-gpu")
+    dist_checkpointing.save(_sharded(full, 0, 1, split=1), args["ckpt"], sharded_strategy=strategy)
+    loader = CertifiedLoadStrategy(check_fingerprints=True)
+    zeros = {k: torch.zeros_like(v) for k, v in full.items()}
+    state = dist_checkpointing.load(_sharded(zeros, 0, 1, split=1), args["ckpt"], sharded_strategy=loader)
+    manifest, _ = inspect_checkpoint(args["ckpt"])
+    expect = _sharded(full, 0, 1, split=1)["model"]
+    return {
+        "ckpt_id": strategy.ckpt_id,
+        "equal": all(torch.equal(state["model"][k], expect[k].data) for k in ("qkv", "proj", "emb")),
+        "device": str(state["model"]["qkv"].device),
+        "checked": loader.checked_tensors,
+        "fps_as_on_cpu": {t.fqn: t.fp for t in manifest.tensors}
+        == {k: certckpt.fingerprint_hex(v) for k, v in full_tensors().items()},
+    }

@@ -17,13 +17,27 @@ import shutil
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 SEQ, BATCH, VOCAB = 16, 2, 2048
 
 
-def build(*, seed: int = 0, layers: int = 2):
-    """The debug model, sharded over every rank, with TorchTitan's optimizer and LR scheduler."""
+def one_gpu() -> None:
+    """Make this single rank's default group one that drives a GPU: NCCL for CUDA tensors (FSDP2's
+    collectives), gloo for the rest (DCP's object exchanges, TorchTitan's async checkpoint group). A
+    world of one: NCCL allows one rank per GPU, and the machine these run on has one."""
+    assert dist.get_world_size() == 1, "one_gpu is for a world of one rank"
+    torch.cuda.set_device(0)
+    dist.destroy_process_group()
+    dist.init_process_group("cpu:gloo,cuda:nccl", store=dist.HashStore(), rank=0, world_size=1)
+
+
+def build(*, seed: int = 0, layers: int = 2, hsdp: bool = False, device: str = "cpu"):
+    """The debug model, sharded over every rank, with TorchTitan's optimizer and LR scheduler.
+
+    ``hsdp``: 2 replica groups x (world / 2) shards, by TorchTitan's own ``apply_fsdp_to_decoder`` (its
+    trainer's FSDP2 / HSDP path, here on a CPU mesh with the trainer's dimension names: ``ParallelDims``
+    builds its meshes on "cuda"), with gradients summed, not averaged, as TorchTitan's are."""
     from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
     from torchtitan.components.optimizer.optimizer import OptimizersContainer, ParamGroupConfig
     from torchtitan.models.common.attention import ScaledDotProductAttention
@@ -35,12 +49,26 @@ def build(*, seed: int = 0, layers: int = 2):
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
         layer.attention.rope.max_seq_len = 64
     torch.manual_seed(seed)
-    model = cfg.build()
-    model.init_states(buffer_device=torch.device("cpu"))
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for block in model.layers.values():
-        fully_shard(block, mesh=mesh, reshard_after_forward=True)
-    fully_shard(model, mesh=mesh)
+    with torch.device(device):
+        model = cfg.build()
+    model.init_states(buffer_device=torch.device(device))
+    if hsdp:
+        from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
+
+        shape = (2, dist.get_world_size() // 2)
+        mesh = init_device_mesh(device, shape, mesh_dim_names=("dp_replicate", "fsdp"))
+        apply_fsdp_to_decoder(model, mesh, param_dtype=torch.float32, reduce_dtype=torch.float32, pp_enabled=False)
+        # TorchTitan turns FSDP's gradient division off (factor 1.0; its loop divides by the global token
+        # count), which FSDP reduces with ReduceOp.PREMUL_SUM: gloo has none ("Cannot use
+        # ReduceOp.PREMUL_SUM with Gloo"). Plain SUM instead, the same sums (FSDP's own switch).
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_force_sum_reduction_for_comms(True)
+    else:
+        mesh = init_device_mesh(device, (dist.get_world_size(),))
+        for block in model.layers.values():
+            fully_shard(block, mesh=mesh, reshard_after_forward=True)
+        fully_shard(model, mesh=mesh)
     opt_cfg = OptimizersContainer.Config(
         implementation="for-loop",
         param_groups=[ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-3})],
@@ -56,8 +84,9 @@ def batch(step: int, rank: int) -> torch.Tensor:
 
 
 def loss_of(model, tokens: torch.Tensor) -> torch.Tensor:
+    tokens = tokens.to(next(model.parameters()).device)
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
-    positions = torch.arange(inputs.shape[1]).expand(inputs.shape[0], -1)
+    positions = torch.arange(inputs.shape[1], device=tokens.device).expand(inputs.shape[0], -1)
     logits = model(inputs, positions, None)
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
@@ -192,6 +221,93 @@ def checkpoints(args):
     return out
 
 
+def hsdp_checkpoints(args):
+    """HSDP (2 replica groups x 2 shards on 4 ranks): certified saves carrying the audits' evidence, and
+    a resume from latest-good onto a fresh HSDP model."""
+    from certckpt.detect.sharded import ShardedAuditSession
+    from certckpt.integrations.torchtitan import CertifiedCheckpointManager
+
+    folder = os.path.join(args["root"], "ckpt")
+    model, optimizers, schedulers = build(hsdp=True)
+    placements = {str(p.placements) for p in model.parameters()}
+    session = ShardedAuditSession(
+        model, optimizers.optimizers[0], run="titan-hsdp", ledger=folder, loss_fn=loss_of, audit_every=2
+    )
+    ckpt = manager(
+        CertifiedCheckpointManager,
+        folder,
+        model,
+        optimizers,
+        schedulers,
+        keep_latest_k=0,
+        accept="trusted",
+        run="titan-hsdp",
+    )
+    fps = {}
+    for step in range(1, 5):
+        train_step(model, optimizers, schedulers, step, session=session)
+        if step == 2:
+            ckpt.attach(session)  # from here every checkpoint carries the fingerprint the replicas agreed on
+        if step in (2, 4):
+            fps[step] = _fingerprint(model)
+            ckpt.save(step)
+    audited = session.step
+    session.close()
+    ckpt.close()
+    dist.barrier()
+    model2, opt2, sched2 = build(seed=1, hsdp=True)
+    again = manager(
+        CertifiedCheckpointManager, folder, model2, opt2, sched2, keep_latest_k=0, accept="trusted", run="titan-hsdp"
+    )
+    loaded = again.load()
+    out = {
+        "placements": sorted(placements),
+        "fps": fps,
+        "steps": audited,
+        "loaded": loaded,
+        "resumed": {"fp": _fingerprint(model2), "parent": again.parent, "step": again.resumed_step},
+    }
+    again.close()
+    return out
+
+
+def gpu_checkpoints(args):
+    """One rank on one GPU (NCCL): every async mode of the checkpoint manager (``async_with_pinned_mem``
+    stages into pinned shared memory and writes from another process: it needs an accelerator, "Non-blocking
+    copy requires that the current accelerator is available" on CPU) writes a certified checkpoint that
+    verifies whole, and a fresh model on the GPU loads it back bit for bit."""
+    from certckpt.format.sharded.check import verify_checkpoint
+    from certckpt.integrations.torchtitan import CertifiedCheckpointManager
+
+    device = args.get("device", "cuda")  # "cpu": the same checks without the GPU and the pinned mode
+    if device == "cuda":
+        one_gpu()
+    out: dict = {}
+    model, optimizers, schedulers = build(device=device)
+    modes = ("disabled", "async", *(("async_with_pinned_mem",) if device == "cuda" else ()))
+    for step, mode in enumerate(modes, start=1):
+        folder = os.path.join(args["root"], mode)
+        train_step(model, optimizers, schedulers, step)
+        saved = _fingerprint(model)
+        cls = CertifiedCheckpointManager
+        ckpt = manager(cls, folder, model, optimizers, schedulers, keep_latest_k=0, async_mode=mode)
+        ckpt.save(step)
+        ckpt.maybe_wait_for_saving()
+        ckpt.close()
+        report = verify_checkpoint(os.path.join(folder, f"step-{step}"))
+        model2, opt2, sched2 = build(seed=step, device=device)
+        again = manager(CertifiedCheckpointManager, folder, model2, opt2, sched2, keep_latest_k=0)
+        out[mode] = {
+            "verified": report.ok,
+            "problems": [p.message for p in report.problems[:2]],
+            "loaded": again.load(),
+            "same": _fingerprint(model2) == saved,
+            "device": str(next(model2.parameters()).device),
+        }
+        again.close()
+    return out
+
+
 def bench(args):
     """Certified save / load against TorchTitan's own, same model and disk, interleaved."""
     import time
@@ -200,14 +316,20 @@ def bench(args):
 
     from certckpt.integrations.torchtitan import CertifiedCheckpointManager
 
+    device = args.get("device", "cpu")
+    if device == "cuda":
+        one_gpu()
     rank, root = dist.get_rank(), args["root"]
-    model, optimizers, schedulers = build(layers=args["layers"])
+    model, optimizers, schedulers = build(layers=args["layers"], device=device)
     train_step(model, optimizers, schedulers, 1)  # optimizer state exists, as in a real checkpoint
     kinds = {"titan": CheckpointManager, "certified": CertifiedCheckpointManager}
-    times: dict = {f"{k}-{m}": [] for k in kinds for m in ("sync", "async-block", "async-total", "load")}
+    # the pinned-memory mode needs an accelerator (its stager's non-blocking copies)
+    asyncs = {"async": "async", **({"pinned": "async_with_pinned_mem"} if device == "cuda" else {})}
+    measures = ("sync", "load", *(f"{a}-{w}" for a in asyncs for w in ("block", "total")))
+    times: dict = {f"{k}-{m}": [] for k in kinds for m in measures}
     for trial in range(args["trials"]):
         for name, cls in kinds.items() if trial % 2 == 0 else reversed(kinds.items()):
-            for mode in ("disabled", "async"):
+            for mode in ("disabled", *asyncs.values()):
                 folder = os.path.join(root, f"{name}-{mode}-{trial}")
                 m = manager(cls, folder, model, optimizers, schedulers, keep_latest_k=0, async_mode=mode)
                 dist.barrier()
@@ -224,8 +346,9 @@ def bench(args):
                     dist.barrier()
                     times[f"{name}-load"].append(time.perf_counter() - t0)
                 else:
-                    times[f"{name}-async-block"].append(t1 - t0)
-                    times[f"{name}-async-total"].append(t2 - t0)
+                    short = next(k for k, v in asyncs.items() if v == mode)
+                    times[f"{name}-{short}-block"].append(t1 - t0)
+                    times[f"{name}-{short}-total"].append(t2 - t0)
                 m.close()
                 dist.barrier()
                 if rank == 0:

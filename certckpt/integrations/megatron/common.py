@@ -10,7 +10,7 @@
   certified (``common.safetensors``) and deletes the ``common.pt`` just written, unread;
 - ``CommonLoadStrategy``: for a directory with a certified manifest, the certified common state
   (checked against the manifest, every tensor's digest checked, nothing unpickled); for any other,
-  Megatron's own.
+  Megatron's own. The manifest it read is kept for the sharded strategy (``handoff``).
 
 Registration happens once, when ``certckpt.integrations.megatron`` is imported.
 """
@@ -27,7 +27,8 @@ from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadSt
 
 from certckpt.format.reader import load as certified_load
 
-from .layout import COMMON_NAME, read_companions
+from .handoff import read_and_keep
+from .layout import COMMON_NAME
 
 __all__ = ["CommonSaveStrategy", "CommonLoadStrategy", "take_common_state", "register_common_strategies"]
 
@@ -64,7 +65,8 @@ class CommonLoadStrategy(TorchCommonLoadStrategy):
     """The certified common state of a certified directory; Megatron's own reading for any other."""
 
     def load_common(self, checkpoint_dir: str | Path) -> Any:
-        companions = read_companions(os.fspath(checkpoint_dir), check=True)
+        # kept for the sharded strategy, which runs next in the same load (handoff: one manifest read)
+        companions = read_and_keep(os.fspath(checkpoint_dir), check=True)
         if companions is None:
             return super().load_common(checkpoint_dir)
         return certified_load(companions.certified(COMMON_NAME), map_location="cpu")

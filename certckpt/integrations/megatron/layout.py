@@ -23,7 +23,7 @@ from certckpt.errors import CertckptError, CorruptCheckpointError, NotACheckpoin
 from certckpt.format.companions import FILES_KEY, LAYOUT_KEY, check_companions, companions_of
 from certckpt.format.sharded.check import ShardedReport, verify_checkpoint
 from certckpt.format.sharded.layout import MANIFEST_NAME, exists, join
-from certckpt.format.sharded.manifest import read_manifest
+from certckpt.format.sharded.manifest import Manifest, read_manifest
 from certckpt.format.verify import inspect
 
 __all__ = [
@@ -67,12 +67,16 @@ def plain_megatron_refusal(where: str, backend: str) -> NotACheckpointError:
 
 class Companions:
     """The companion table of a committed directory, checked: which file holds the common state, which
-    holds each ShardedObject, and the header digest each certified one must have."""
+    holds each ShardedObject, and the header digest each certified one must have; and the manifest
+    it was read from (parsed, every byte checked), which the DCP reader can reuse (``handoff``)."""
 
-    def __init__(self, location: str, files: dict[str, dict[str, Any]], objects: dict[str, str]) -> None:
+    def __init__(
+        self, location: str, files: dict[str, dict[str, Any]], objects: dict[str, str], *, manifest: Manifest
+    ) -> None:
         self.location = location
         self.files = files
         self.objects = objects
+        self.manifest = manifest
 
     def certified(self, name: str) -> str:
         """The path of the listed certified file ``name``, after checking it is the file the manifest
@@ -111,7 +115,7 @@ def read_companions(location: str, *, check: bool) -> Companions | None:
     """
     if not exists(join(location, MANIFEST_NAME)):
         return None
-    _, info = read_manifest(location)
+    manifest, info = read_manifest(location)
     record = info.record
     try:
         files = companions_of(record) or {}
@@ -131,4 +135,4 @@ def read_companions(location: str, *, check: bool) -> Companions | None:
         problems = check_companions(join(location, MANIFEST_NAME), record).problems
         if problems:
             raise CorruptCheckpointError(f"{problems[0]}; nothing was loaded")
-    return Companions(location, files, objects)
+    return Companions(location, files, objects, manifest=manifest)

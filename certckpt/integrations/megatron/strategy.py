@@ -50,11 +50,12 @@ from certckpt.format.companions import FILES_KEY, LAYOUT_KEY, plain_entry
 from certckpt.format.header import canonical_json, printable
 from certckpt.format.reader import load as certified_load
 from certckpt.format.sharded.layout import MANIFEST_NAME, exists, join, remove
-from certckpt.format.sharded.manifest import read_manifest
+from certckpt.format.sharded.manifest import Manifest, read_manifest
 from certckpt.format.tensors import ST_TO_TORCH
 from certckpt.format.writer import save_certified
 
 from .common import take_common_state
+from .handoff import kept
 from .layout import (
     BACKEND,
     COMMON_NAME,
@@ -271,7 +272,9 @@ class CertifiedLoadStrategy(LoadShardedStrategy):
     def load(self, sharded_state_dict: Any, checkpoint_dir: str | Path) -> Any:
         path = os.fspath(checkpoint_dir)
         tensors = _tensors_by_key(sharded_state_dict, main_only=False)  # refused before a byte is read
-        companions = read_companions(path, check=False)  # checked whole by the common strategy just before
+        # what the common strategy read and checked whole just before, in this load (handoff); read
+        # again only when the strategy is called on its own or the manifest changed since
+        companions = kept(path, take=True) or read_companions(path, check=False)
         if companions is None:
             raise plain_megatron_refusal(path, "none certified: no manifest.safetensors")
         objects = _objects(sharded_state_dict, main_only=False)
@@ -281,7 +284,7 @@ class CertifiedLoadStrategy(LoadShardedStrategy):
                 if sh.data is None:
                     sh.init_data("cpu", init_fn=torch.zeros if sh.allow_shape_mismatch else torch.empty)
         everything = [sh for group in tensors.values() for sh in group]
-        reader = CertifiedReader(path, check_fingerprints=self.check_fingerprints)
+        reader = CertifiedReader(path, check_fingerprints=self.check_fingerprints, manifest=companions.manifest)
         dcp.load(
             mcore_to_pyt_state_dict(tensors, True),
             storage_reader=reader,
@@ -320,17 +323,26 @@ class CertifiedLoadStrategy(LoadShardedStrategy):
         return out
 
     def load_tensors_metadata(self, checkpoint_dir: str | Path) -> dict[str, ShardedTensor]:
-        manifest, _ = read_manifest(os.fspath(checkpoint_dir))
-        return {
-            t.fqn: ShardedTensor.from_rank_offsets(
-                t.fqn, torch.empty(t.shape, dtype=ST_TO_TORCH[t.dtype], device="meta")
-            ).without_data()
-            for t in manifest.tensors
-        }
+        path = os.fspath(checkpoint_dir)
+        companions = kept(path, take=False)  # within a load (strict modes), the manifest already read
+        return _tensors_metadata(companions.manifest if companions is not None else read_manifest(path)[0])
 
     def load_sharded_metadata(self, checkpoint_dir: str | Path) -> dict[str, Any]:
-        out: dict[str, Any] = dict(self.load_tensors_metadata(checkpoint_dir))
-        companions = read_companions(os.fspath(checkpoint_dir), check=False)
-        for key in companions.objects if companions is not None else ():
+        path = os.fspath(checkpoint_dir)
+        companions = kept(path, take=False) or read_companions(path, check=False)
+        if companions is None:
+            raise plain_megatron_refusal(path, "none certified: no manifest.safetensors")
+        out: dict[str, Any] = dict(_tensors_metadata(companions.manifest))
+        for key in companions.objects:
             out[key] = ShardedObject.empty_from_unique_key(key)
         return out
+
+
+def _tensors_metadata(manifest: Manifest) -> dict[str, ShardedTensor]:
+    """Megatron's metadata of every saved tensor: its key, global shape and dtype, no data."""
+    return {
+        t.fqn: ShardedTensor.from_rank_offsets(
+            t.fqn, torch.empty(t.shape, dtype=ST_TO_TORCH[t.dtype], device="meta")
+        ).without_data()
+        for t in manifest.tensors
+    }
