@@ -451,11 +451,15 @@ def test_a_planted_fault_stops_the_run_names_the_rank_and_latest_good_resumes(tm
     assert latest == "main@5"  # before the suspect interval (5, 10]
     latest_url = status.entry(latest).url
 
+    parent_fp = status.entry(latest).consensus_fp
+    assert parent_fp
     code, log = _launch([ckpt, "--ckpt-path", latest_url], str(second))
     ranks = [json.loads((second / f"rank{r}.json").read_text()) for r in range(3)]
     assert code == 0, log[-3000:]
     assert all(r["exit"] == 0 and r["global_step"] == 20 for r in ranks)
-    assert all(r["resume"] == ["main-r1", "main@5", "trusted"] for r in ranks)  # a new branch from latest-good
+    # a new branch from latest-good, and the replicas proved they hold its weights before the first step
+    assert all(r["resume"] == ["main-r1", "main@5", "trusted", parent_fp] for r in ranks)
+    assert all(r["proof"] == [5, parent_fp] for r in ranks)
     status, latest = find_latest_good(ckpt, write_certificates=False)
     verdicts = {c: v.label for c, v in status.certification.verdicts.items()}
     assert verdicts == {
@@ -465,3 +469,15 @@ def test_a_planted_fault_stops_the_run_names_the_rank_and_latest_good_resumes(tm
         "main-r1@20": "trusted",
     }
     assert latest == "main-r1@20" and status.snapshot.branch_parents == {"main-r1": "main@5"}
+
+    # The same file, but rank 0's weights changed once loaded (DDP hands them to every replica):
+    # every rank refuses to start, naming both fingerprints, and no branch is recorded.
+    third = tmp_path / "third"
+    third.mkdir()
+    code, log = _launch([ckpt, "--ckpt-path", latest_url, "--alter"], str(third))
+    ranks = [json.loads((third / f"rank{r}.json").read_text()) for r in range(3)]
+    assert code == 3, log[-3000:]
+    assert all(r["exit"] == 3 and r["global_step"] == 5 and r["resume"][:2] == ["main-r2", "main@5"] for r in ranks)
+    refused = {r["refused"] for r in ranks}
+    assert len(refused) == 1 and f"but the checkpoint resumed from (main@5) recorded {parent_fp}" in refused.pop()
+    assert find_latest_good(ckpt, write_certificates=False)[0].snapshot.branch_parents == {"main-r1": "main@5"}

@@ -216,7 +216,7 @@ def triggered(args):
     return outcome(audit.session, error)
 
 
-# --- a user's script: `python lightning_cases.py DIR OUT [--fault] [--ckpt-path P]` -----------------
+# --- a user's script: `python lightning_cases.py DIR OUT [--fault] [--ckpt-path P] [--alter]` -------
 # Lightning's own launcher starts ranks 1 and 2 by running this file again (devices=3); every rank
 # writes OUT/rank{r}.json before it leaves, and a detected fault leaves with status 86.
 
@@ -261,9 +261,10 @@ def _script(argv: list[str]) -> None:
     import json
     import sys
 
-    from pytorch_lightning.callbacks import ModelCheckpoint
+    from pytorch_lightning.callbacks import Callback, ModelCheckpoint
 
     from certckpt.detect import Fault, stop_on_fault
+    from certckpt.errors import AuditSetupError
     from certckpt.integrations.lightning import AuditCallback, CertifiedCheckpointIO
 
     p = argparse.ArgumentParser()
@@ -271,12 +272,28 @@ def _script(argv: list[str]) -> None:
     p.add_argument("out")
     p.add_argument("--fault", action="store_true")
     p.add_argument("--ckpt-path")
+    p.add_argument("--alter", action="store_true", help="change rank 0's weights once they are loaded")
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     faults = [Fault(kind="backward", rank=1, step=8, persistent=True)] if args.fault else None
     audit = AuditCallback(audit_every=5, injector_faults=faults)
     io = CertifiedCheckpointIO()
+    result: dict = {"exit": None}
+
+    class Probe(Callback):
+        """After the checkpoint's weights are loaded (before DDP spreads rank 0's copy), and after
+        AuditCallback set its session up: the consensus the session agreed on at the start."""
+
+        def on_load_checkpoint(self, trainer, pl_module, checkpoint):
+            if args.alter and trainer.global_rank == 0:
+                with torch.no_grad():
+                    next(pl_module.parameters())[0, 0] += 1e-3
+
+        def on_train_start(self, trainer, pl_module):
+            agreed = audit.session.state.agreed
+            result["proof"] = None if agreed is None else [agreed[0], agreed[2]]
+
     pl = _lightning()
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -284,25 +301,30 @@ def _script(argv: list[str]) -> None:
         strategy="ddp",
         max_steps=20,
         plugins=[io],
-        callbacks=[ModelCheckpoint(dirpath=args.dir, every_n_train_steps=5, save_top_k=-1), audit],
+        callbacks=[ModelCheckpoint(dirpath=args.dir, every_n_train_steps=5, save_top_k=-1), audit, Probe()],
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
     )
-    result: dict = {"exit": None}
 
     def report(code: int) -> None:
         result["exit"] = code
         result["global_step"] = trainer.global_step
         point = io.resume_point
-        result["resume"] = None if point is None else [point.branch, point.parent, point.level]
+        result["resume"] = None if point is None else [point.branch, point.parent, point.level, point.consensus_fp]
         with open(os.path.join(args.out, f"rank{trainer.global_rank}.json"), "w", encoding="utf-8") as f:
             json.dump(result, f)
 
     try:
         with stop_on_fault(audit, hard_exit=False):
             trainer.fit(_module(), _data(), ckpt_path=args.ckpt_path)
+    except AuditSetupError as e:  # a refused start: every rank says why
+        result["refused"] = str(e)
+        report(3)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(3)
     except SystemExit as e:
         report(int(e.code))
         sys.stdout.flush()
