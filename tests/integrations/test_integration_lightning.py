@@ -267,6 +267,15 @@ def test_resume_through_the_plugin_trains_like_an_uninterrupted_run(tmp_path):
     assert status.snapshot.branch_parents == {"main-r1": "main@10"}
     with pytest.raises(ConfigurationError, match="new branch name"):
         CertifiedCheckpointIO(branch="main-r1").load_checkpoint(d / "epoch=0-step=10.ckpt")
+    # a file that names main@10 but is not the one committed (another store's): a new branch without
+    # a parent, with a warning, and no weights for an audit to prove
+    other = tmp_path / "other.ckpt"
+    certckpt.save({"global_step": 10, "state_dict": {"w": torch.ones(2)}}, other, step=10)
+    io = CertifiedCheckpointIO(ledger=str(d))
+    with pytest.warns(UserWarning, match=r"other.ckpt is not the checkpoint main@10 committed to .*without a parent"):
+        io.load_checkpoint(other)
+    point = io.resume_point
+    assert (io.parent, io.branch, point.consensus_fp, point.level) == (None, "main-r2", None, "not committed in this store")
 
 
 def _certified_fit(tmp_path):
