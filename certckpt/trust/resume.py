@@ -130,9 +130,7 @@ def branch_after_load(
                 f"branch {requested!r} exists in {store or 'the run store'} already and a resume opens a new"
                 f" branch: pass a new branch name, or none (then it is {free!r}, after the branch resumed from)"
             )
-    return BranchAfterLoad(
-        source=source, parent=source if known else None, branch=requested or free, step=step or 0
-    )
+    return BranchAfterLoad(source=source, parent=source if known else None, branch=requested or free, step=step or 0)
 
 
 def recorded_branches(ledger: Ledger) -> set[str]:

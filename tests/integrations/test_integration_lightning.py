@@ -275,7 +275,12 @@ def test_resume_through_the_plugin_trains_like_an_uninterrupted_run(tmp_path):
     with pytest.warns(UserWarning, match=r"other.ckpt is not the checkpoint main@10 committed to .*without a parent"):
         io.load_checkpoint(other)
     point = io.resume_point
-    assert (io.parent, io.branch, point.consensus_fp, point.level) == (None, "main-r2", None, "not committed in this store")
+    assert (io.parent, io.branch, point.consensus_fp, point.level) == (
+        None,
+        "main-r2",
+        None,
+        "not committed in this store",
+    )
 
 
 def _certified_fit(tmp_path):
