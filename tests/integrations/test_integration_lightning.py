@@ -486,12 +486,10 @@ def test_a_planted_fault_stops_the_run_names_the_rank_and_latest_good_resumes(tm
 
     # The same file, but rank 0's weights changed once loaded (DDP hands them to every replica):
     # every rank refuses to start, naming both fingerprints, and no branch is recorded.
-    third = tmp_path / "third"
-    third.mkdir()
-    code, log = _launch([ckpt, "--ckpt-path", latest_url, "--alter"], str(third))
-    ranks = [json.loads((third / f"rank{r}.json").read_text()) for r in range(3)]
-    assert code == 3, log[-3000:]
-    assert all(r["exit"] == 3 and r["global_step"] == 5 and r["resume"][:2] == ["main-r2", "main@5"] for r in ranks)
-    refused = {r["refused"] for r in ranks}
-    assert len(refused) == 1 and f"but the checkpoint resumed from (main@5) recorded {parent_fp}" in refused.pop()
+    from certckpt.detect.launch import run_ranks
+
+    out = run_ranks(lightning_cases.altered_resume, 3, {"dir": ckpt, "ckpt": latest_url}, timeout=300)
+    assert [(r["global_step"], r["resume"]) for r in out] == [(5, ["main-r2", "main@5"])] * 3
+    assert len({r["refused"] for r in out}) == 1
+    assert f"but the checkpoint resumed from (main@5) recorded {parent_fp}" in out[0]["refused"]
     assert find_latest_good(ckpt, write_certificates=False)[0].snapshot.branch_parents == {"main-r1": "main@5"}

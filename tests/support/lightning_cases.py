@@ -216,7 +216,7 @@ def triggered(args):
     return outcome(audit.session, error)
 
 
-# --- a user's script: `python lightning_cases.py DIR OUT [--fault] [--ckpt-path P] [--alter]` -------
+# --- a user's script: `python lightning_cases.py DIR OUT [--fault] [--ckpt-path P]` -----------------
 # Lightning's own launcher starts ranks 1 and 2 by running this file again (devices=3); every rank
 # writes OUT/rank{r}.json before it leaves, and a detected fault leaves with status 86.
 
@@ -256,6 +256,35 @@ def last_ckpt_keeps_latest_good(args):
     return out
 
 
+def altered_resume(args):
+    """Resume from ``args["ckpt"]`` (audits every 5) with rank 0's weights changed once loaded,
+    before DDP hands rank 0's copy to every replica: what every rank was told at the start."""
+    from pytorch_lightning.callbacks import Callback
+
+    from certckpt.errors import AuditSetupError
+    from certckpt.integrations.lightning import AuditCallback, CertifiedCheckpointIO
+
+    class Alter(Callback):
+        def on_load_checkpoint(self, trainer, pl_module, checkpoint):  # after the weights are loaded
+            if trainer.global_rank == 0:
+                with torch.no_grad():
+                    next(pl_module.parameters())[0, 0] += 1e-3
+
+    _env()
+    io = CertifiedCheckpointIO()
+    trainer = _trainer(
+        max_steps=20, callbacks=[AuditCallback(audit_every=5, ledger=args["dir"]), Alter()], plugins=[io]
+    )
+    out: dict = {"refused": None}
+    try:
+        trainer.fit(_module(), _data(), ckpt_path=args["ckpt"])
+    except AuditSetupError as e:
+        out["refused"] = str(e)
+    point = io.resume_point
+    out.update(global_step=trainer.global_step, resume=None if point is None else [point.branch, point.parent])
+    return out
+
+
 def _script(argv: list[str]) -> None:
     import argparse
     import json
@@ -264,7 +293,6 @@ def _script(argv: list[str]) -> None:
     from pytorch_lightning.callbacks import Callback, ModelCheckpoint
 
     from certckpt.detect import Fault, stop_on_fault
-    from certckpt.errors import AuditSetupError
     from certckpt.integrations.lightning import AuditCallback, CertifiedCheckpointIO
 
     p = argparse.ArgumentParser()
@@ -272,7 +300,6 @@ def _script(argv: list[str]) -> None:
     p.add_argument("out")
     p.add_argument("--fault", action="store_true")
     p.add_argument("--ckpt-path")
-    p.add_argument("--alter", action="store_true", help="change rank 0's weights once they are loaded")
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
@@ -282,13 +309,7 @@ def _script(argv: list[str]) -> None:
     result: dict = {"exit": None}
 
     class Probe(Callback):
-        """After the checkpoint's weights are loaded (before DDP spreads rank 0's copy), and after
-        AuditCallback set its session up: the consensus the session agreed on at the start."""
-
-        def on_load_checkpoint(self, trainer, pl_module, checkpoint):
-            if args.alter and trainer.global_rank == 0:
-                with torch.no_grad():
-                    next(pl_module.parameters())[0, 0] += 1e-3
+        """After AuditCallback set its session up: the consensus the session agreed on at the start."""
 
         def on_train_start(self, trainer, pl_module):
             agreed = audit.session.state.agreed
@@ -319,12 +340,6 @@ def _script(argv: list[str]) -> None:
     try:
         with stop_on_fault(audit, hard_exit=False):
             trainer.fit(_module(), _data(), ckpt_path=args.ckpt_path)
-    except AuditSetupError as e:  # a refused start: every rank says why
-        result["refused"] = str(e)
-        report(3)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(3)
     except SystemExit as e:
         report(int(e.code))
         sys.stdout.flush()
