@@ -203,7 +203,8 @@ class CertifiedCheckpointIO(*CHECKPOINT_IO_BASES):  # type: ignore[misc]
 
     @property
     def parent(self) -> str | None:
-        """The checkpoint the branch forked from (None for a first branch)."""
+        """The checkpoint the branch forked from (None for a first branch, and after loading a file
+        that is not the one its store committed)."""
         return self.resume_point.parent if self.resume_point is not None else None
 
     def store_for(self, location: str) -> str:
