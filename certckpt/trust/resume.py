@@ -14,11 +14,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from certckpt.errors import CheckpointNotFoundError
+from certckpt.errors import CheckpointNotFoundError, ConfigurationError
 from certckpt.format.trustconfig import TrustConfig
 
 from .certify import Level, accept_level
-from .ledger import Ledger, ckpt_id_for
+from .ledger import Ledger, ckpt_id_for, is_ckpt_id
 from .runstore import find_latest_good
 
 __all__ = ["ResumePoint", "plan_resume", "next_branch", "BranchAfterLoad", "branch_after_load", "recorded_branches"]
@@ -32,15 +32,20 @@ class ResumePoint:
 
     Attributes:
         parent: the checkpoint id resumed from (``Auditor(parent=...)``; recorded once per branch).
+            ``plan_resume`` always names one; a framework's load (Lightning's ``resume_point``)
+            leaves it None when the file loaded is not the one its store committed (another
+            store's, or replaced after its commit): the branch then starts without a parent.
         url: the checkpoint's file (verified when the point was planned).
         step: its optimizer step (``Auditor(start_step=...)``).
         branch: the new branch to train on (``Auditor(branch=...)``), ``<base>-r<N>``.
-        consensus_fp: the weights every replica agreed on at ``step`` (None without the auditor):
-            the restarted replicas' first consensus must equal it.
-        level: ``trusted`` or ``verified``.
+        consensus_fp: the weights every replica agreed on at ``step``, as the committed parent
+            recorded them (None without the auditor, or without a parent): the restarted replicas'
+            first consensus must equal it (``Auditor(expect_consensus_fp=...)``).
+        level: ``trusted`` or ``verified`` (a framework's load: also ``suspect``, or ``not committed
+            in this store``).
     """
 
-    parent: str
+    parent: str | None
     url: str
     step: int
     branch: str
@@ -86,6 +91,8 @@ def branch_after_load(
     records: Mapping[str, Mapping[str, Any]],
     branch_parents: Iterable[str],
     recorded: Iterable[str],
+    requested: str | None = None,
+    store: str | None = None,
 ) -> BranchAfterLoad:
     """The branch a run continues on after loading a checkpoint (a pure decision).
 
@@ -93,21 +100,37 @@ def branch_after_load(
         branch, step, header_digest: the loaded files' record (its branch, None for ``main``).
         records: the ledger's commit records by checkpoint id (``LedgerSnapshot.records``).
         branch_parents: the branches the ledger records a parent for.
-        recorded: every branch name ever recorded, valid or not (``recorded_branches``): a new
-            branch reuses none of them, nor any branch a commit names.
+        recorded: every other branch name taken, valid or not (``recorded_branches``; the branches
+            audit events name, where a framework counts them): a new branch reuses none of them,
+            nor any branch a commit names.
+        requested: the branch name the user asked for, instead of the next free one.
+        store: the run store, named in the error.
 
     The files count as the committed checkpoint only when the commit record's header digest is
     theirs (a directory replaced after its commit, or another store's, is not): doubt never gives
     a branch a parent.
+
+    Raises:
+        ConfigurationError: ``requested`` is not a branch name, or is taken already.
     """
     source_branch = branch or "main"
     source = ckpt_id_for(source_branch, step or 0)
     committed = records.get(source)
     known = committed is not None and committed.get("header_digest") == header_digest
     taken = {r["branch"] for r in records.values()} | set(branch_parents) | set(recorded)
-    return BranchAfterLoad(
-        source=source, parent=source if known else None, branch=next_branch(source_branch, taken), step=step or 0
-    )
+    free = next_branch(source_branch, taken)
+    if requested is not None:
+        if not isinstance(requested, str) or not is_ckpt_id(ckpt_id_for(requested, 0)):
+            raise ConfigurationError(
+                f"branch {requested!r} is not a branch name: use 1-100 letters, digits, '.', '_' or '-', or pass"
+                f" none for the next free one ({free!r})"
+            )
+        if requested in taken:
+            raise ConfigurationError(
+                f"branch {requested!r} exists in {store or 'the run store'} already and a resume opens a new"
+                f" branch: pass a new branch name, or none (then it is {free!r}, after the branch resumed from)"
+            )
+    return BranchAfterLoad(source=source, parent=source if known else None, branch=requested or free, step=step or 0)
 
 
 def recorded_branches(ledger: Ledger) -> set[str]:

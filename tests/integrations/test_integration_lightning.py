@@ -267,6 +267,20 @@ def test_resume_through_the_plugin_trains_like_an_uninterrupted_run(tmp_path):
     assert status.snapshot.branch_parents == {"main-r1": "main@10"}
     with pytest.raises(ConfigurationError, match="new branch name"):
         CertifiedCheckpointIO(branch="main-r1").load_checkpoint(d / "epoch=0-step=10.ckpt")
+    # a file that names main@10 but is not the one committed (another store's): a new branch without
+    # a parent, with a warning, and no weights for an audit to prove
+    other = tmp_path / "other.ckpt"
+    certckpt.save({"global_step": 10, "state_dict": {"w": torch.ones(2)}}, other, step=10)
+    io = CertifiedCheckpointIO(ledger=str(d))
+    with pytest.warns(UserWarning, match=r"other.ckpt is not the checkpoint main@10 committed to .*without a parent"):
+        io.load_checkpoint(other)
+    point = io.resume_point
+    assert (io.parent, io.branch, point.consensus_fp, point.level) == (
+        None,
+        "main-r2",
+        None,
+        "not committed in this store",
+    )
 
 
 def _certified_fit(tmp_path):
@@ -451,11 +465,15 @@ def test_a_planted_fault_stops_the_run_names_the_rank_and_latest_good_resumes(tm
     assert latest == "main@5"  # before the suspect interval (5, 10]
     latest_url = status.entry(latest).url
 
+    parent_fp = status.entry(latest).consensus_fp
+    assert parent_fp
     code, log = _launch([ckpt, "--ckpt-path", latest_url], str(second))
     ranks = [json.loads((second / f"rank{r}.json").read_text()) for r in range(3)]
     assert code == 0, log[-3000:]
     assert all(r["exit"] == 0 and r["global_step"] == 20 for r in ranks)
-    assert all(r["resume"] == ["main-r1", "main@5", "trusted"] for r in ranks)  # a new branch from latest-good
+    # a new branch from latest-good, and the replicas proved they hold its weights before the first step
+    assert all(r["resume"] == ["main-r1", "main@5", "trusted", parent_fp] for r in ranks)
+    assert all(r["proof"] == [5, parent_fp] for r in ranks)
     status, latest = find_latest_good(ckpt, write_certificates=False)
     verdicts = {c: v.label for c, v in status.certification.verdicts.items()}
     assert verdicts == {
@@ -465,3 +483,13 @@ def test_a_planted_fault_stops_the_run_names_the_rank_and_latest_good_resumes(tm
         "main-r1@20": "trusted",
     }
     assert latest == "main-r1@20" and status.snapshot.branch_parents == {"main-r1": "main@5"}
+
+    # The same file, but rank 0's weights changed once loaded (DDP hands them to every replica):
+    # every rank refuses to start, naming both fingerprints, and no branch is recorded.
+    from certckpt.detect.launch import run_ranks
+
+    out = run_ranks(lightning_cases.altered_resume, 3, {"dir": ckpt, "ckpt": latest_url}, timeout=300)
+    assert [(r["global_step"], r["resume"]) for r in out] == [(5, ["main-r2", "main@5"])] * 3
+    assert len({r["refused"] for r in out}) == 1
+    assert f"but the checkpoint resumed from (main@5) recorded {parent_fp}" in out[0]["refused"]
+    assert find_latest_good(ckpt, write_certificates=False)[0].snapshot.branch_parents == {"main-r1": "main@5"}

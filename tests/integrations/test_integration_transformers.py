@@ -40,6 +40,7 @@ from certckpt.integrations.transformers import (
     save_pretrained,
     verify_checkpoint,
 )
+from certckpt.trust.runstore import certify_store
 from certckpt_cli.main import main
 from tests.support import hf_cases
 from tests.support.hf_cases import TokenData, certified_trainer, tiny_bert, tiny_gpt2, training_args
@@ -482,13 +483,24 @@ def test_ddp_audits_catch_a_planted_fault_and_resume_from_latest_good_on_a_branc
     assert _cli("latest-good", out).output.strip() == os.path.join(out, "checkpoint-4", MANIFEST_NAME)
     assert os.listdir(os.path.join(out, "_ledger", "incidents"))
 
-    # Resume from latest-good without the fault: a new branch from main@4, audited and trusted.
+    # Resume from latest-good without the fault: a new branch from main@4, audited and trusted; the
+    # replicas proved they hold main@4's weights before the first step.
+    parent_fp = certify_store(out, write_certificates=False).entry("main@4").consensus_fp
+    assert parent_fp
     got = _ranks({"out": out, "resume": True})
-    assert [(g.get("kind"), g["global_step"], g["branch"], g["parent"]) for g in got] == [
-        (None, 8, "main-r1", "main@4")
+    assert [(g.get("kind"), g["global_step"], g["branch"], g["parent"], g["proof"]) for g in got] == [
+        (None, 8, "main-r1", "main@4", [4, parent_fp])
     ] * 3
     assert _verdicts(out) == {"main@2": "trusted", "main@4": "trusted", "main-r1@6": "trusted", "main-r1@8": "trusted"}
     assert _cli("latest-good", out).output.strip() == os.path.join(out, "main-r1", "checkpoint-8", MANIFEST_NAME)
+
+    # main@4 again, but rank 0's weights changed once loaded (DDP hands them to every replica): every
+    # rank refuses before the first step, naming both fingerprints; nothing new is committed.
+    got = _ranks({"out": out, "resume": "main@4", "alter": True})
+    assert [(g["global_step"], g["branch"], g["parent"]) for g in got] == [(4, "main-r2", "main@4")] * 3
+    assert len({g["refused"] for g in got}) == 1
+    assert f"but the checkpoint resumed from (the parent) recorded {parent_fp}" in got[0]["refused"]
+    assert _verdicts(out) == {"main@2": "trusted", "main@4": "trusted", "main-r1@6": "trusted", "main-r1@8": "trusted"}
 
 
 @pytest.mark.slow

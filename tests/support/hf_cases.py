@@ -112,18 +112,31 @@ def _as_torchrun() -> None:
 
 
 def audited_run(args):
-    """Train with AuditCallback; returns what this rank saw (the fault, if one was detected)."""
+    """Train with AuditCallback; returns what this rank saw (the fault, if one was detected; the
+    consensus the session agreed on at the start, ``proof``). ``alter``: rank 0's weights change
+    once the checkpoint is loaded, before DDP hands rank 0's copy to every replica."""
     _as_torchrun()
+    import torch.distributed as dist
+    from transformers import TrainerCallback
+
     from certckpt.detect import Fault, FaultDetectedError
+    from certckpt.errors import AuditSetupError
     from certckpt.integrations.transformers import AuditCallback
 
     faults = [Fault(**f) for f in args.get("faults", [])]
     audit = AuditCallback(
         audit_every=args.get("audit_every", 2), consensus_every=args.get("consensus_every"), injector_faults=faults
     )
+    out: dict = {"rank": int(os.environ["RANK"])}
+
+    class Probe(TrainerCallback):  # after AuditCallback: what its session proved before the first step
+        def on_train_begin(self, targs, state, control, **kwargs):
+            agreed = audit.session.state.agreed
+            out["proof"] = None if agreed is None else [agreed[0], agreed[2]]
+
     trainer = certified_trainer(
         args["out"],
-        callbacks=[audit],
+        callbacks=[audit, Probe()],
         max_steps=args.get("max_steps", 8),
         save_steps=args.get("save_steps", 2),
         ddp_backend="gloo",
@@ -139,9 +152,20 @@ def audited_run(args):
             else {}
         ),
     )
-    out = {"rank": int(os.environ["RANK"])}
+    if args.get("alter"):
+        load = trainer._load_from_checkpoint
+
+        def load_then_alter(*a, **kw):
+            load(*a, **kw)
+            if dist.get_rank() == 0:
+                with torch.no_grad():
+                    next(trainer.model.parameters()).view(-1)[0] += 1e-3
+
+        trainer._load_from_checkpoint = load_then_alter
     try:
         trainer.train(resume_from_checkpoint=args.get("resume"))
+    except AuditSetupError as e:
+        out["refused"] = str(e)
     except FaultDetectedError as e:
         out.update(
             fault=str(e),

@@ -256,12 +256,41 @@ def last_ckpt_keeps_latest_good(args):
     return out
 
 
+def altered_resume(args):
+    """Resume from ``args["ckpt"]`` (audits every 5) with rank 0's weights changed once loaded,
+    before DDP hands rank 0's copy to every replica: what every rank was told at the start."""
+    from pytorch_lightning.callbacks import Callback
+
+    from certckpt.errors import AuditSetupError
+    from certckpt.integrations.lightning import AuditCallback, CertifiedCheckpointIO
+
+    class Alter(Callback):
+        def on_load_checkpoint(self, trainer, pl_module, checkpoint):  # after the weights are loaded
+            if trainer.global_rank == 0:
+                with torch.no_grad():
+                    next(pl_module.parameters())[0, 0] += 1e-3
+
+    _env()
+    io = CertifiedCheckpointIO()
+    trainer = _trainer(
+        max_steps=20, callbacks=[AuditCallback(audit_every=5, ledger=args["dir"]), Alter()], plugins=[io]
+    )
+    out: dict = {"refused": None}
+    try:
+        trainer.fit(_module(), _data(), ckpt_path=args["ckpt"])
+    except AuditSetupError as e:
+        out["refused"] = str(e)
+    point = io.resume_point
+    out.update(global_step=trainer.global_step, resume=None if point is None else [point.branch, point.parent])
+    return out
+
+
 def _script(argv: list[str]) -> None:
     import argparse
     import json
     import sys
 
-    from pytorch_lightning.callbacks import ModelCheckpoint
+    from pytorch_lightning.callbacks import Callback, ModelCheckpoint
 
     from certckpt.detect import Fault, stop_on_fault
     from certckpt.integrations.lightning import AuditCallback, CertifiedCheckpointIO
@@ -277,6 +306,15 @@ def _script(argv: list[str]) -> None:
     faults = [Fault(kind="backward", rank=1, step=8, persistent=True)] if args.fault else None
     audit = AuditCallback(audit_every=5, injector_faults=faults)
     io = CertifiedCheckpointIO()
+    result: dict = {"exit": None}
+
+    class Probe(Callback):
+        """After AuditCallback set its session up: the consensus the session agreed on at the start."""
+
+        def on_train_start(self, trainer, pl_module):
+            agreed = audit.session.state.agreed
+            result["proof"] = None if agreed is None else [agreed[0], agreed[2]]
+
     pl = _lightning()
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -284,19 +322,18 @@ def _script(argv: list[str]) -> None:
         strategy="ddp",
         max_steps=20,
         plugins=[io],
-        callbacks=[ModelCheckpoint(dirpath=args.dir, every_n_train_steps=5, save_top_k=-1), audit],
+        callbacks=[ModelCheckpoint(dirpath=args.dir, every_n_train_steps=5, save_top_k=-1), audit, Probe()],
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
     )
-    result: dict = {"exit": None}
 
     def report(code: int) -> None:
         result["exit"] = code
         result["global_step"] = trainer.global_step
         point = io.resume_point
-        result["resume"] = None if point is None else [point.branch, point.parent, point.level]
+        result["resume"] = None if point is None else [point.branch, point.parent, point.level, point.consensus_fp]
         with open(os.path.join(args.out, f"rank{trainer.global_rank}.json"), "w", encoding="utf-8") as f:
             json.dump(result, f)
 

@@ -70,6 +70,37 @@ def test_branch_after_load_gives_a_parent_only_to_the_committed_files_and_a_name
     assert empty == BranchAfterLoad(source="main@0", parent=None, branch="main-r1", step=0)
 
 
+def test_branch_after_load_takes_a_requested_name_only_when_it_is_new_and_valid():
+    records = {"main@10": {"branch": "main", "step": 10, "header_digest": "aa"}}
+
+    def after(requested, digest="aa"):
+        return branch_after_load(
+            branch=None,
+            step=10,
+            header_digest=digest,
+            records=records,
+            branch_parents={"main-r1"},
+            recorded={"old"},
+            requested=requested,
+            store="runs/r1",
+        )
+
+    # a new name replaces the next free one; the parent is decided as without it
+    assert after("exp2") == BranchAfterLoad(source="main@10", parent="main@10", branch="exp2", step=10)
+    assert after("exp2", digest="cc").parent is None
+    # a taken name (a commit's branch, a branch record, a recorded name): one line saying what to do
+    for taken in ("main", "main-r1", "old"):
+        with pytest.raises(certckpt.ConfigurationError) as e:
+            after(taken)
+        assert str(e.value) == (
+            f"branch {taken!r} exists in runs/r1 already and a resume opens a new branch: pass a new branch name,"
+            " or none (then it is 'main-r2', after the branch resumed from)"
+        )
+    for bad in ("", "a/b", "x" * 101, ".."):
+        with pytest.raises(certckpt.ConfigurationError, match=r"is not a branch name: use 1-100 letters.*'main-r2'"):
+            after(bad)
+
+
 def test_recorded_branches_lists_every_branch_record(killed_run):
     led = Ledger(str(killed_run), signing_key=None, trusted_keys=None)
     assert recorded_branches(led) == set()

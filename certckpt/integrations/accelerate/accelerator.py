@@ -47,7 +47,7 @@ from certckpt.log import enable as enable_log
 from certckpt.trust.commit import commit_saved
 from certckpt.trust.gate import rotation_keeps, store_doubt
 from certckpt.trust.ledger import Ledger, ckpt_id_for, is_ckpt_id
-from certckpt.trust.resume import next_branch
+from certckpt.trust.resume import branch_after_load, recorded_branches
 from certckpt.trust.runstore import StoreStatus, certify_store, committed_directory, latest_intact_directory
 from certckpt.trust.runstore import snapshot_or_empty as _snapshot
 
@@ -539,32 +539,32 @@ class CertifiedAccelerator(Accelerator):
             config.iteration = max(config.iteration, last + 1)
 
     def _certckpt_branch_from(self, directory: str, record: Any, step: int) -> None:
-        """A load always opens a new branch forked from the checkpoint (``main`` -> ``main-r1``), as
-        ``certckpt.plan_resume`` names them; its parent is the committed checkpoint when this very file
-        is the one committed (else it starts without one, with a warning)."""
+        """A load always opens a new branch forked from the checkpoint (``main`` -> ``main-r1``, or
+        the name asked for), as ``certckpt.trust.resume.branch_after_load`` decides; its parent is
+        the committed checkpoint when this very file is the one committed (else it starts without
+        one, with a warning, and the audit proves nothing at the start)."""
         run = self.certckpt
         ledger = self.certckpt_ledger()
         snap = _snapshot(ledger)
-        recorded = {n.removesuffix(".json") for n in ledger.list_raw("branches")} if snap.records else set()
-        taken = {r["branch"] for r in snap.records.values()} | set(snap.branch_parents) | recorded
-        src_branch = record.branch or "main"
-        src_id = ckpt_id_for(src_branch, step)
-        known = src_id in snap.records and snap.records[src_id].get("header_digest") == record.header_digest
-        if run.requested is not None and run.requested in taken:
-            raise ConfigurationError(
-                f"branch {run.requested!r} exists in {ledger.store} already; a load opens a new branch: pass a new "
-                "name, or none (then it is named after the branch loaded from)"
-            )
-        branch = run.requested or next_branch(src_branch, taken)
-        if not known:
+        choice = branch_after_load(
+            branch=record.branch,
+            step=step,
+            header_digest=record.header_digest,
+            records=snap.records,
+            branch_parents=snap.branch_parents,
+            recorded=recorded_branches(ledger) if snap.records else (),
+            requested=run.requested,
+            store=ledger.store,
+        )
+        if choice.parent is None:
             logger.warning(
                 "%s is not a checkpoint committed to %s; branch %s starts without a parent",
                 directory,
                 ledger.store,
-                branch,
+                choice.branch,
             )
-        run.branch, run.parent, run.last_step = branch, src_id if known else None, step
-        run.resumed_fp = record.consensus_fp if known else None
+        run.branch, run.parent, run.last_step = choice.branch, choice.parent, step
+        run.resumed_fp = record.consensus_fp if choice.parent is not None else None
 
 
 # --- helpers ------------------------------------------------------------------------------------

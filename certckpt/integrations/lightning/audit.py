@@ -7,7 +7,9 @@ the model Lightning's ``ddp`` strategy built, through ``certckpt.detect.session.
 
 - ``on_train_start``: the session is set up on the ``DistributedDataParallel`` model (its
   communication hook, which checks every bucket for NaN/Inf before and after the all-reduce and
-  averages it over the ranks as DDP's own hook does), after Lightning restored a checkpoint;
+  averages it over the ranks as DDP's own hook does), after Lightning restored a checkpoint; a run
+  resumed from the committed checkpoint proves first that every replica holds its weights (their
+  consensus fingerprint is the one it recorded), else every rank refuses to start;
 - ``on_train_batch_start``: each micro-batch (the batch and its ``batch_idx``) is noted, with the
   RNG state it starts from on steps that will be replayed;
 - ``on_before_optimizer_step`` (after the step's last backward, before clipping and the update): the
@@ -184,10 +186,14 @@ class AuditCallback(*CALLBACK_BASES):  # type: ignore[misc]
         certified = isinstance(io, CertifiedCheckpointIO)
         run = self.run or (io.run_name(store) if certified else "run")
         branch, parent = (io.branch, io.parent) if certified else ("main", None)
+        # a resume from the committed parent: every replica must hold its weights before the first
+        # step, else every rank refuses (a file that is not the committed one has no parent: no proof)
+        point = io.resume_point if certified and parent is not None else None
+        expect = point.consensus_fp if point is not None else None
         start = int(trainer.global_step)
         # Every rank decided the branch from the ledger on its own; they must agree before anything
         # is recorded under it.
-        mine = json.dumps([run, branch, parent, start]).encode()
+        mine = json.dumps([run, branch, parent, start, expect]).encode()
         seen = all_gather_bytes(mine, group=group, wire_device=wire)
         refuse_together(
             None if all(s == seen[0] for s in seen) else f"ranks disagree on run/branch/step: {mine.decode()}",
@@ -207,6 +213,7 @@ class AuditCallback(*CALLBACK_BASES):  # type: ignore[misc]
             hand_over_grads=False,  # Lightning zeroes the gradients itself (the hand-over needs set_to_none)
             injector_faults=self.injector_faults or None,
             options=self.options,
+            expect_consensus_fp=expect,
         )
         if certified:
             io.bind_audits(store=store, run=run, flush=session.flush)

@@ -42,8 +42,8 @@ from certckpt.storage import Target, fsync_dir, join, resolve, temp_name
 from certckpt.storage.fsspec_store import filesystem
 from certckpt.trust.commit import commit_saved
 from certckpt.trust.gate import rotation_keeps
-from certckpt.trust.ledger import Ledger, LedgerSnapshot, ckpt_id_for, is_ckpt_id
-from certckpt.trust.resume import ResumePoint, next_branch
+from certckpt.trust.ledger import Ledger, LedgerSnapshot, ckpt_id_for
+from certckpt.trust.resume import ResumePoint, branch_after_load, recorded_branches
 from certckpt.trust.runstore import certify_store
 
 from .compat import CHECKPOINT_IO_BASES, version_text, warn_outside
@@ -203,7 +203,8 @@ class CertifiedCheckpointIO(*CHECKPOINT_IO_BASES):  # type: ignore[misc]
 
     @property
     def parent(self) -> str | None:
-        """The checkpoint the branch forked from (None for a first branch)."""
+        """The checkpoint the branch forked from (None for a first branch, and after loading a file
+        that is not the one its store committed)."""
         return self.resume_point.parent if self.resume_point is not None else None
 
     def store_for(self, location: str) -> str:
@@ -340,7 +341,7 @@ class CertifiedCheckpointIO(*CHECKPOINT_IO_BASES):  # type: ignore[misc]
         if kept is None or _key(origin.url) in kept:
             return
         store = self._store(self.store_for(origin.url))
-        if store.named.get(_key(origin.url)) != origin.parent:
+        if origin.parent is None or store.named.get(_key(origin.url)) != origin.parent:
             return  # not the commit it resumed from (an uncommitted or replaced file): never deleted here
         self._origin_let_go = True
         self._remove(origin.url)
@@ -392,35 +393,57 @@ class CertifiedCheckpointIO(*CHECKPOINT_IO_BASES):  # type: ignore[misc]
     def _resume_point(self, url: str, record: Any, step: int) -> ResumePoint:
         """Where training goes on from the checkpoint at ``url``: always a new branch (as
         ``certckpt.plan_resume`` decides for the auditor), so that no id or file name collides with
-        what the earlier run recorded after it, and what it left unproven there is superseded."""
+        what the earlier run recorded after it, and what it left unproven there is superseded.
+
+        The branch has a parent only when this very file is the one the store committed (the same
+        header digest, ``branch_after_load``); the parent's consensus fingerprint is then what
+        ``AuditCallback`` proves the replicas hold before the first step."""
         store = self.store_for(url)
         try:
             status = certify_store(store, write_certificates=False)
         except CheckpointNotFoundError:
             status = None
         snap = status.snapshot if status is not None else LedgerSnapshot()
-        recorded = {n.removesuffix(".json") for n in Ledger(store).list_raw("branches")} if status else set()
-        taken = {c.branch for c in snap.checkpoints} | set(snap.branch_parents) | recorded
-        taken |= snap.event_branches()
-        source = record.branch or "main"
-        parent = ckpt_id_for(source, step)
+        recorded = recorded_branches(Ledger(store)) if status else set()
         wanted = self._branch
-        if wanted is not None and (not is_ckpt_id(ckpt_id_for(wanted, 0)) or wanted in taken):
-            raise ConfigurationError(
-                f"CertifiedCheckpointIO(branch={wanted!r}): a resumed run needs a new branch name (letters, digits,"
-                f" '.', '_', '-'; not one of {sorted(t for t in taken if t)[:8]}); leave it out for the next free one"
+        try:
+            choice = branch_after_load(
+                branch=record.branch,
+                step=step,
+                header_digest=record.header_digest,
+                records=snap.records,
+                branch_parents=snap.branch_parents,
+                # the branches audit events name are taken too (events may precede any commit)
+                recorded={b for b in recorded | snap.event_branches() if b},
+                requested=wanted,
+                store=store,
             )
-        branch = self._branch or next_branch(source, {t for t in taken if t})
-        verdict = status.certification.verdicts.get(parent) if status is not None else None
-        level = verdict.label if verdict is not None else "not committed in this store"
-        if level not in ("trusted", "verified"):
-            reasons = f" ({', '.join(verdict.reasons)})" if verdict is not None and verdict.reasons else ""
+        except ConfigurationError as e:
+            raise ConfigurationError(f"CertifiedCheckpointIO(branch={wanted!r}): {e}") from None
+        parent = choice.parent
+        verdict = status.certification.verdicts.get(parent) if status is not None and parent is not None else None
+        if parent is None:
+            level = "not committed in this store"
             warn_outside(
-                f"certckpt: resuming from {parent} ({url}), which is {level}{reasons}; its descendants cannot be"
-                f" trusted; `certckpt latest-good {store}` names the newest trusted checkpoint"
+                f"certckpt: {url} is not the checkpoint {choice.source} committed to {store}; branch {choice.branch}"
+                f" starts without a parent and its descendants cannot be trusted; `certckpt latest-good {store}`"
+                " names the newest trusted checkpoint"
             )
+        else:
+            level = verdict.label if verdict is not None else "not committed in this store"
+            if level not in ("trusted", "verified"):
+                reasons = f" ({', '.join(verdict.reasons)})" if verdict is not None and verdict.reasons else ""
+                warn_outside(
+                    f"certckpt: resuming from {parent} ({url}), which is {level}{reasons}; its descendants cannot be"
+                    f" trusted; `certckpt latest-good {store}` names the newest trusted checkpoint"
+                )
         return ResumePoint(
-            parent=parent, url=url, step=step, branch=branch, consensus_fp=record.consensus_fp, level=level
+            parent=parent,
+            url=url,
+            step=step,
+            branch=choice.branch,
+            consensus_fp=record.consensus_fp if parent is not None else None,
+            level=level,
         )
 
     def remove_checkpoint(self, path: Any) -> None:

@@ -6,7 +6,9 @@ adapts the Trainer's loop to the session's hook points:
 
 - ``on_train_begin``: the refusals the Trainer needs (no ``CertifiedTrainer``, no DDP, fp16 with a
   gradient scaler), then the session: its communication hook on the DDP model (each bucket's
-  all-reduce, averaged as DDP does, with NaN/Inf checks of the local and reduced gradients);
+  all-reduce, averaged as DDP does, with NaN/Inf checks of the local and reduced gradients); on a
+  resume from the committed parent, the proof that every replica holds the parent's weights (their
+  consensus fingerprint is the one the parent recorded), else every rank refuses to start;
 - each micro-batch (``CertifiedTrainerMixin.training_step`` calls ``before_micro_batch``): the
   inputs, ``num_items_in_batch`` and the step's accumulation count are noted
   (``begin_micro_batch``), with the RNG state on steps that will be replayed;
@@ -135,6 +137,9 @@ class AuditCallback(TrainerCallback):
             injector_faults=self.faults or None,
             start_step=int(state.global_step),
             ledger=run.ledger,
+            # a resume from the committed parent: every replica must hold its weights before the
+            # first step, else every rank refuses (a wrong, partial or damaged load)
+            expect_consensus_fp=run.resumed_fp,
         )
         self._evidence = None
         return control

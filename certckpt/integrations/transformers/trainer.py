@@ -61,7 +61,7 @@ from certckpt.storage import write_atomic
 from certckpt.trust.commit import commit_saved
 from certckpt.trust.gate import rotation_keeps, store_doubt
 from certckpt.trust.ledger import Ledger, ckpt_id_for, is_ckpt_id
-from certckpt.trust.resume import next_branch
+from certckpt.trust.resume import branch_after_load, recorded_branches
 from certckpt.trust.runstore import StoreStatus, certify_store, committed_directory, latest_intact_directory
 from certckpt.trust.runstore import snapshot_or_empty as _snapshot
 
@@ -100,7 +100,11 @@ class CertifiedRun:
         run: the run name in every record.
         branch: the line of training, decided at ``train()``: ``main`` (or the name asked for) for
             a fresh run; for a resume a new branch, ``<branch>-r<N>``.
-        parent: the checkpoint id this branch resumed from.
+        parent: the checkpoint id this branch resumed from: None for a fresh run, and for a resume
+            from files that are not the ones the store committed (another store's, or replaced).
+        resumed_fp: the consensus fingerprint the committed parent recorded (None without a parent,
+            or without audit evidence): ``AuditCallback`` proves every replica holds exactly it
+            before the first step.
         subdir: whether this branch's checkpoints go under ``OUTPUT_DIR/<branch>/`` (a resumed
             branch: its checkpoint directories must not collide with the interrupted branch's).
         requested: the branch name passed to the Trainer, if any.
@@ -112,6 +116,7 @@ class CertifiedRun:
     requested: str | None = None
     branch: str | None = None
     parent: str | None = None
+    resumed_fp: str | None = None
     subdir: bool = False
     audit: AuditCallback | None = None
     saving_step: int | None = None  # set while a checkpoint is written (its shards carry the step)
@@ -276,8 +281,6 @@ class CertifiedTrainerMixin(_TrainerBase):
         """
         run = self.certckpt
         snap = _snapshot(run.ledger)
-        recorded = {n.removesuffix(".json") for n in run.ledger.list_raw("branches")} if snap.records else set()
-        taken = {r["branch"] for r in snap.records.values()} | set(snap.branch_parents) | recorded
         if directory is None:
             run.branch = run.requested or "main"
             mine = sorted(r["step"] for r in snap.records.values() if r["branch"] == run.branch)
@@ -287,30 +290,33 @@ class CertifiedTrainerMixin(_TrainerBase):
                     f"{ckpt_id_for(run.branch, mine[-1])}); resume with train(resume_from_checkpoint=True), train into "
                     "another output_dir, or pass another branch name: CertifiedTrainer(..., branch=...)"
                 )
-            run.parent, run.subdir, run.last_step = None, False, None
+            run.parent, run.subdir, run.last_step, run.resumed_fp = None, False, None, None
             return
         if not verified:
             require_intact(directory)
         path, _, step = manifest_of(directory)
         record = inspect(path).record
-        src_branch = record.branch or "main"
-        src_id = ckpt_id_for(src_branch, step or 0)
         # The committed checkpoint is this very file when the header digests agree (wherever it lies now).
-        known = src_id in snap.records and snap.records[src_id].get("header_digest") == record.header_digest
-        if run.requested is not None and run.requested in taken:
-            raise ConfigurationError(
-                f"branch {run.requested!r} exists in {run.ledger.store} already; a resume opens a new branch: "
-                "pass a new name, or none (then it is named after the branch resumed from)"
-            )
-        branch = run.requested or next_branch(src_branch, taken)
-        if not known:
+        choice = branch_after_load(
+            branch=record.branch,
+            step=step,
+            header_digest=record.header_digest,
+            records=snap.records,
+            branch_parents=snap.branch_parents,
+            recorded=recorded_branches(run.ledger) if snap.records else (),
+            requested=run.requested,
+            store=run.ledger.store,
+        )
+        if choice.parent is None:
             logger.warning(
                 "certckpt: %s is not a checkpoint committed to %s; branch %s starts without a parent",
                 directory,
                 run.ledger.store,
-                branch,
+                choice.branch,
             )
-        run.branch, run.parent, run.subdir, run.last_step = branch, src_id if known else None, True, step
+        run.branch, run.parent, run.subdir, run.last_step = choice.branch, choice.parent, True, step
+        # what the audit proves the replicas hold before the first step (the committed parent's weights)
+        run.resumed_fp = record.consensus_fp if choice.parent is not None else None
 
     def _certckpt_together(self, fn, *, what: str) -> None:
         """Run ``fn`` on every rank; when it fails on any, every rank raises (none is left waiting in
