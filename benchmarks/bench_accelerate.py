@@ -6,6 +6,7 @@ Run from the repository root:
 
     python benchmarks/bench_accelerate.py            # ~400 MiB checkpoints, 5 trials; 3 gloo ranks
     python benchmarks/bench_accelerate.py --json     # also every figure as JSON
+    python benchmarks/bench_accelerate.py --only save    # the save_state table alone (~30 s)
 
 ``CERTCKPT_BENCH_TINY=1`` (``benchmarks/tinymode.py``): toy sizes, one trial, a few steps: every code
 path in seconds, figures meaningless.
@@ -226,14 +227,25 @@ def main() -> int:
     p.add_argument("--round-steps", type=int, default=10 if tiny else 100)
     p.add_argument("--dir", default=None, help="where the checkpoints go (default: a temporary directory here)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--only", choices=("save", "audits"), default=None, help="run one of the two tables")
     args = p.parse_args()
     args.tiny = tiny
     top = tempfile.mkdtemp(prefix="bench-accelerate-", dir=args.dir or os.getcwd())
     try:
-        save = bench_save(args, top)
-        audits = bench_audits(args, os.path.join(top, "audits"))
+        save = bench_save(args, top) if args.only != "audits" else None
+        audits = bench_audits(args, os.path.join(top, "audits")) if args.only != "save" else None
     finally:
         shutil.rmtree(top, ignore_errors=True)
+    if save is not None:
+        print_save(args, save)
+    if audits is not None:
+        print_audits(args, audits, newline=save is not None)
+    if args.json:
+        print(json.dumps({"save": save, "audits": audits}, indent=2, default=str))
+    return 0
+
+
+def print_save(args: argparse.Namespace, save: dict[str, Any]) -> None:
     m = save["median_s"]
     ckpt = save["sizes"].get("certified", 0)
     print(
@@ -247,10 +259,15 @@ def main() -> int:
         print(f"{k:<18} {m[k]:8.3f}   [{min(v):.3f}-{max(v):.3f}]")
     print(f"ratio certified / plain:        {m['certified'] / m['plain']:.2f}x  (goal <= 1.10x)")
     print(f"ratio certified / plain+fsync:  {m['certified'] / m['plain+fsync']:.2f}x")
+
+
+def print_audits(args: argparse.Namespace, audits: dict[str, Any], *, newline: bool) -> None:
     a = audits["median_ms"]
     base = a["plain"]
+    if newline:
+        print()
     print(
-        f"\n# audits, 3 gloo ranks: {args.audit_layers} x {args.audit_width}^2 MLP, 2 micro-batches of"
+        f"# audits, 3 gloo ranks: {args.audit_layers} x {args.audit_width}^2 MLP, 2 micro-batches of"
         f" {args.batch}, clipping; {args.rounds} rounds of {args.round_steps} steps"
     )
     print("loop                ms/step   premium   replay floor   premium - floor   goal")
@@ -265,9 +282,6 @@ def main() -> int:
             f"{name:<18} {a[name]:8.2f}   {prem:+6.1f}%   {floor:10.2f}%   {prem - floor:+13.2f} pts"
             f"   <= {goal:.0f} pts {verdict}"
         )
-    if args.json:
-        print(json.dumps({"save": save, "audits": audits}, indent=2, default=str))
-    return 0
 
 
 if __name__ == "__main__":
