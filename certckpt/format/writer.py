@@ -11,9 +11,7 @@ at any point leaves no file under the final name, or a complete one. Several sav
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -27,7 +25,7 @@ from certckpt.storage import Target, refuse_protected, resolve, storage_of
 
 from .datahash import DIGEST_FIELDS, BackgroundDigest, hash_pieces, new_hash, preferred_digest_field
 from .durable import current_batch
-from .fingerprinting import SharedFingerprints, fingerprint_many
+from .fingerprinting import SharedFingerprints, fingerprint_many, one_thread
 from .header import TensorEntry
 from .inventory import writer_inventory
 from .reader import warn_ignored
@@ -36,7 +34,7 @@ from .signing import SigningKey, signing_key_for
 from .skeleton import StoredTensor, flatten
 from .tensors import host_bytes
 from .worker import SerialWorker
-from .writeback import Writeback, system_starter
+from .writeback import Writeback, preallocate
 
 __all__ = ["save", "save_certified", "SaveResult", "host_bytes", "TensorIdentity", "prepare", "publish", "SaveJob"]
 
@@ -78,46 +76,8 @@ def _plan(stored: list[StoredTensor]) -> tuple[list[StoredTensor], list[TensorEn
 
 _WRITE_PIECE = 64 << 20
 
-import os as _os  # EXPERIMENT
-_WB_MODE = _os.environ.get("WB_MODE", "inline")
-_wb_worker = None
 
-
-class _ThreadWB:
-    def __init__(self, fd):
-        global _wb_worker
-        if _wb_worker is None:
-            _wb_worker = SerialWorker("wb")
-        self.fd = os.dup(fd)
-        self.inner = Writeback(self.fd, starter=lambda *a: _wb_worker.submit(system_starter(), *a) and 0)
-    def written(self, o, n):
-        self.inner.written(o, n)
-    def close(self):
-        _wb_worker.submit(os.close, self.fd)
-
-
-class _OldWB:
-    def __init__(self, fd):
-        self.fd = fd
-    def written(self, o, n):
-        system_starter()(self.fd, o, n, 2)
-    def close(self):
-        pass
-
-
-def _make_wb(fd, first):
-    if _WB_MODE == "thread":
-        return _ThreadWB(fd)
-    if _WB_MODE == "old":
-        return _OldWB(fd)
-    class _W(Writeback):
-        __slots__ = ()
-        def close(self):
-            pass
-    return _W(fd, first=first, starter=_WB_MODE == "inline")
-
-
-def _pwrite_all(fd: int, data: memoryview, offset: int, writeback: Any = None) -> None:
+def _pwrite_all(fd: int, data: memoryview, offset: int, writeback: Writeback | None = None) -> None:
     while len(data):
         n = os.pwrite(fd, data[:_WRITE_PIECE], offset)
         if writeback is not None:
@@ -254,7 +214,8 @@ class SaveJob:
                 h = xxhash.xxh3_128()
                 hash_pieces(host_bytes(s.tensor), h, data_hash)
                 digests.append(h.hexdigest())
-        shared.work()
+        with one_thread():
+            shared.work()
         return device_fps, digests
 
     def write_fd(self, fd: int, *, cap_threads: bool = True, drop_cache: bool = False, sync: bool = True) -> None:
@@ -276,7 +237,10 @@ class SaveJob:
         data_hash = None if fused else self.data_hasher()
         capped = _intraop_threads(1) if cap_threads else contextlib.nullcontext()
         on_device, on_host, shared = self._fingerprint_plan()
-        writeback = _make_wb(fd, base)
+        # The file's blocks reserved at once, and its data's writeback started every few tens of MiB
+        # as it is written, so the fsync (still the durability point) finds little left to do.
+        preallocate(fd, base + self.data_length)
+        writeback = Writeback(fd, first=base)
         with capped, SerialWorker("certckpt-hash") as pool:
             hashed = pool.submit(self._hash_worker, fused_hash, on_device, shared)
             try:
@@ -293,10 +257,12 @@ class SaveJob:
                 shared.cancel()  # the save has failed: the worker need not fingerprint the rest
                 raise
             # The writes are done: fingerprint beside the worker (which may still be hashing)
-            # instead of waiting for it to fingerprint alone.
-            shared.work()
+            # instead of waiting for it to fingerprint alone. Each thread sums on itself alone
+            # (one_thread: numpy widening and one int64 mv per chunk, the same bits): 384 MiB in
+            # 0.091-0.107 s of one core against 0.107-0.24 s eager, on this VM (2026-12-03).
+            with one_thread():
+                shared.work()
             device_fps, worker_digests = hashed.result()
-        writeback.close()
         fps = self._all_fingerprints(dict(zip(on_device, device_fps)) | dict(zip(on_host, shared.results())))
         digests = [d if d is not None else host_digests[i] for i, d in enumerate(worker_digests)]
         data_digest = fused_hash.hexdigest() if fused_hash is not None else None
