@@ -41,7 +41,7 @@ def _load_starter() -> Starter | None:
         return None
     fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
     fn.restype = ctypes.c_int
-    return fn  # type: ignore[no-any-return]
+    return fn
 
 
 _SYSTEM = _load_starter()
@@ -56,7 +56,7 @@ def _load_fallocate() -> Callable[[int, int, int, int], int] | None:
         return None
     fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong]
     fn.restype = ctypes.c_int
-    return fn  # type: ignore[no-any-return]
+    return fn
 
 
 _FALLOCATE = _load_fallocate()

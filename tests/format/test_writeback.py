@@ -78,9 +78,34 @@ def test_the_system_call_is_found_on_linux_and_the_bytes_written_around_it_read_
     assert path.read_bytes() == data
 
 
-def test_certified_saves_with_writeback_every_few_bytes_verify_byte_for_byte(tmp_path, monkeypatch):
+def test_preallocate_reserves_the_whole_size_or_says_it_did_not(tmp_path, monkeypatch):
+    fd = os.open(tmp_path / "a", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        assert not wbmod.preallocate(fd, 0)
+        reserved = wbmod.preallocate(fd, 1_000_003)
+        assert os.fstat(fd).st_size == (1_000_003 if reserved else 0)
+        if sys.platform.startswith("linux"):
+            assert wbmod._FALLOCATE is not None  # the call exists; a file system may still refuse it
+    finally:
+        os.close(fd)
+    monkeypatch.setattr(wbmod, "_FALLOCATE", None)  # off Linux, or a libc without it
+    fd = os.open(tmp_path / "b", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        assert not wbmod.preallocate(fd, 4096)
+        assert os.fstat(fd).st_size == 0
+    finally:
+        os.close(fd)
+    monkeypatch.setattr(sys, "platform", "darwin")
+    assert wbmod._load_fallocate() is None
+
+
+@pytest.mark.parametrize("fallocate", ["system", "refused"])
+def test_certified_saves_with_writeback_every_few_bytes_verify_byte_for_byte(tmp_path, monkeypatch, fallocate):
     """The writer's ranges, started every 4 KiB (tensors of odd sizes, a header written last), make
-    files that verify and load back equal, alone and inside a durable_together block."""
+    files that verify and load back equal, alone and inside a durable_together block, whether the
+    file was preallocated or the file system refused it."""
+    if fallocate == "refused":
+        monkeypatch.setattr(wbmod, "_FALLOCATE", lambda fd, mode, off, n: -1)
     calls, starter = _recorder()
     real = wbmod.system_starter()
 
@@ -103,6 +128,7 @@ def test_certified_saves_with_writeback_every_few_bytes_verify_byte_for_byte(tmp
     assert calls, "the writer never started writeback"
     assert min(off for _, off, _, _ in calls) > 0  # the header's place (written last) is never started
     for f in (alone, tmp_path / "together.safetensors"):
+        assert os.path.getsize(f) == os.path.getsize(alone)  # nothing reserved past the end
         assert certckpt.verify(f, deep=True).ok
         back = certckpt.load(f)
         assert all(torch.equal(back[k], v) for k, v in state.items())
