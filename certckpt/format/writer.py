@@ -1,9 +1,10 @@
 """``certckpt.save``: a drop-in for ``torch.save`` that writes a certified safetensors file.
 
 Write path for local files (the common, fast case): the header's length is known before any hash is
-computed (all hashes are fixed-width), so tensor bytes go straight from tensor memory to their final
-offsets in a temp file while a second thread computes the device fingerprints; the header is written
-last, the file fsync'd, then published with a no-replace hard link and the directory fsync'd. A crash
+computed (all hashes are fixed-width), so the temp file is preallocated at its final size and tensor
+bytes go straight from tensor memory to their final offsets, their writeback started every few tens
+of MiB (``writeback``), while a second thread computes the digests and fingerprints; the header is
+written last, the file fsync'd, then published with a no-replace hard link and the directory fsync'd. A crash
 at any point leaves no file under the final name, or a complete one. Several saves inside
 ``durable.durable_together()`` fsync their files together and are published when the block ends.
 """
