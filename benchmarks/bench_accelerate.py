@@ -6,6 +6,7 @@ Run from the repository root:
 
     python benchmarks/bench_accelerate.py            # ~400 MiB checkpoints, 5 trials; 3 gloo ranks
     python benchmarks/bench_accelerate.py --json     # also every figure as JSON
+    python benchmarks/bench_accelerate.py --only save    # the save_state table alone (~30 s)
 
 ``CERTCKPT_BENCH_TINY=1`` (``benchmarks/tinymode.py``): toy sizes, one trial, a few steps: every code
 path in seconds, figures meaningless.
@@ -15,7 +16,8 @@ path in seconds, figures meaningless.
    digested, fsync'd; manifest; ledger commit) vs plain ``Accelerator.save_state`` (safetensors weights,
    pickled optimizer and RNG states, no fsync) vs plain + fsync of every file. One untimed warm-up
    round, then ``--trials`` rounds whose order rotates; each save into a fresh directory, deleted and
-   synced untimed. Goal: certified / plain <= 1.10x.
+   synced untimed. Goal: certified / plain <= 1.10x. The CPU seconds of this process (its threads,
+   user + system; not the kernel's writeback threads) vary less than wall time on a busy machine.
 2. the audits, 3 gloo ranks (``certckpt.detect.launch``): the user's loop (``accelerator.accumulate``
    over 2 micro-batches, ``clip_grad_norm_`` on the synchronised step, AdamW) with no audit, with
    ``AcceleratorAudit(audit_every=10)`` and ``(audit_every=100)``, interleaved in rounds of
@@ -106,16 +108,18 @@ def bench_save(args: argparse.Namespace, top: str) -> dict[str, Any]:
 
     contenders = [("certified", certified), ("plain", plain), ("plain+fsync", plain_fsync)]
     times: dict[str, list[float]] = {k: [] for k, _ in contenders}
+    cpu: dict[str, list[float]] = {k: [] for k, _ in contenders}
     sizes: dict[str, int] = {}
     for r in range(args.trials + 1):
         order = contenders[r % 3 :] + contenders[: r % 3]
         for name, fn in order:
             n[0] += 1
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             fn(n[0])
-            dt = time.perf_counter() - t0
+            dt, dc = time.perf_counter() - t0, time.process_time() - c0
             if r:
                 times[name].append(dt)
+                cpu[name].append(dc)
             d = [e for e in os.scandir(top) if e.is_dir() and e.name != "store"] + [
                 e for e in os.scandir(os.path.join(top, "store")) if e.is_dir() and e.name != "_ledger"
             ]
@@ -124,7 +128,7 @@ def bench_save(args: argparse.Namespace, top: str) -> dict[str, Any]:
                 shutil.rmtree(e.path)
             os.sync()
     med = {k: statistics.median(v) for k, v in times.items()}
-    return {"weights_bytes": weights, "sizes": sizes, "times": times, "median_s": med}
+    return {"weights_bytes": weights, "sizes": sizes, "times": times, "median_s": med, "cpu_s": cpu}
 
 
 # --- the audits: 3 gloo ranks ------------------------------------------------------------------
@@ -226,14 +230,25 @@ def main() -> int:
     p.add_argument("--round-steps", type=int, default=10 if tiny else 100)
     p.add_argument("--dir", default=None, help="where the checkpoints go (default: a temporary directory here)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--only", choices=("save", "audits"), default=None, help="run one of the two tables")
     args = p.parse_args()
     args.tiny = tiny
     top = tempfile.mkdtemp(prefix="bench-accelerate-", dir=args.dir or os.getcwd())
     try:
-        save = bench_save(args, top)
-        audits = bench_audits(args, os.path.join(top, "audits"))
+        save = bench_save(args, top) if args.only != "audits" else None
+        audits = bench_audits(args, os.path.join(top, "audits")) if args.only != "save" else None
     finally:
         shutil.rmtree(top, ignore_errors=True)
+    if save is not None:
+        print_save(args, save)
+    if audits is not None:
+        print_audits(args, audits, newline=save is not None)
+    if args.json:
+        print(json.dumps({"save": save, "audits": audits}, indent=2, default=str))
+    return 0
+
+
+def print_save(args: argparse.Namespace, save: dict[str, Any]) -> None:
     m = save["median_s"]
     ckpt = save["sizes"].get("certified", 0)
     print(
@@ -241,16 +256,21 @@ def main() -> int:
         f"(plain {save['sizes'].get('plain', 0) / MiB:.0f} MiB); {args.trials} trials; {platform.machine()},"
         f" {os.cpu_count()} cpus"
     )
-    print("save_state          median s    [min-max]")
+    print("save_state          median s    [min-max]       cpu s (this process, median)")
     for k in ("certified", "plain", "plain+fsync"):
         v = save["times"][k]
-        print(f"{k:<18} {m[k]:8.3f}   [{min(v):.3f}-{max(v):.3f}]")
+        print(f"{k:<18} {m[k]:8.3f}   [{min(v):.3f}-{max(v):.3f}]   {statistics.median(save['cpu_s'][k]):8.3f}")
     print(f"ratio certified / plain:        {m['certified'] / m['plain']:.2f}x  (goal <= 1.10x)")
     print(f"ratio certified / plain+fsync:  {m['certified'] / m['plain+fsync']:.2f}x")
+
+
+def print_audits(args: argparse.Namespace, audits: dict[str, Any], *, newline: bool) -> None:
     a = audits["median_ms"]
     base = a["plain"]
+    if newline:
+        print()
     print(
-        f"\n# audits, 3 gloo ranks: {args.audit_layers} x {args.audit_width}^2 MLP, 2 micro-batches of"
+        f"# audits, 3 gloo ranks: {args.audit_layers} x {args.audit_width}^2 MLP, 2 micro-batches of"
         f" {args.batch}, clipping; {args.rounds} rounds of {args.round_steps} steps"
     )
     print("loop                ms/step   premium   replay floor   premium - floor   goal")
@@ -265,9 +285,6 @@ def main() -> int:
             f"{name:<18} {a[name]:8.2f}   {prem:+6.1f}%   {floor:10.2f}%   {prem - floor:+13.2f} pts"
             f"   <= {goal:.0f} pts {verdict}"
         )
-    if args.json:
-        print(json.dumps({"save": save, "audits": audits}, indent=2, default=str))
-    return 0
 
 
 if __name__ == "__main__":
