@@ -61,8 +61,9 @@ class CheckpointAudit(Protocol):
     def bind(self, ledger: Ledger, *, run: str) -> None:
         """Its events go to ``ledger`` from now on."""
 
-    def restart(self, step: int, *, branch: str) -> None:
-        """A checkpoint at ``step`` was loaded; new checkpoints go on ``branch``."""
+    def restart(self, step: int, *, branch: str, resumed: Resumed | None = None) -> None:
+        """A checkpoint at ``step`` was loaded; new checkpoints go on ``branch``; ``resumed``: what was
+        loaded (its consensus fingerprint, which the loaded weights must have)."""
 
     def checkpoint_evidence(self, s: int) -> CheckpointEvidence:
         """What a checkpoint at step s carries (collective)."""
@@ -83,12 +84,15 @@ class Resumed:
         step: its step.
         parent: the checkpoint id it is committed as (None: not committed in this store).
         branch: the branch new checkpoints go on.
+        consensus_fp: the state fingerprint every replica agreed on when it was saved (its record's;
+            None: saved without ``ZeroAudit``). ``ZeroAudit`` proves the loaded weights have it.
     """
 
     directory: str
     step: int
     parent: str | None
     branch: str
+    consensus_fp: str | None = None
 
 
 class CertifiedCheckpointEngine(CheckpointEngine):
@@ -333,7 +337,13 @@ class CertifiedCheckpointEngine(CheckpointEngine):
                 ledger.store,
                 choice.branch,
             )
-        return Resumed(directory=tag_dir, step=choice.step, parent=choice.parent, branch=choice.branch)
+        return Resumed(
+            directory=tag_dir,
+            step=choice.step,
+            parent=choice.parent,
+            branch=choice.branch,
+            consensus_fp=record.consensus_fp,
+        )
 
 
 def _weights_problem(module: Any, fingerprints: dict[str, str], path: str) -> str | None:
@@ -402,7 +412,7 @@ def _certified_load_checkpoint(engine: Any, original: Any, load_dir: str, tag: A
     ce.branch, ce.parent, ce.last_step, ce.resumed = resumed.branch, resumed.parent, resumed.step, resumed
     ce.known_store = ce.known_store or os.fspath(load_dir)
     if ce.audit is not None:  # an audit built before the load: it goes on from the loaded step
-        ce.audit.restart(resumed.step, branch=resumed.branch)
+        ce.audit.restart(resumed.step, branch=resumed.branch, resumed=resumed)
         ce.audit.bind(ce.ledger_for(os.fspath(load_dir)), run=ce._run_name(os.fspath(load_dir)))
     if ce._rank() == 0:
         logger.info(
