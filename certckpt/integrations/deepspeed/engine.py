@@ -13,6 +13,7 @@ new branch. Nothing is pickled or unpickled.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -35,6 +36,7 @@ from certckpt.errors import (
     CorruptCheckpointError,
     NotACheckpointError,
 )
+from certckpt.format.durable import DurableBatch, joining
 from certckpt.format.fingerprinting import fingerprint_many
 from certckpt.format.reader import load
 from certckpt.format.record import RecordFields
@@ -135,6 +137,7 @@ class CertifiedCheckpointEngine(CheckpointEngine):
         self.audit: CheckpointAudit | None = None  # the run's ZeroAudit (it attaches itself): its evidence is committed
         self._evidence: CheckpointEvidence | None = None  # the tag being written's
         self._weights_problem: str | None = None  # its module weights differ from the agreed ones (rank 0)
+        self._batch: DurableBatch | None = None  # this rank's files of the tag being written, made durable at commit
 
     def attach(self, audit: CheckpointAudit) -> None:
         """``audit``'s events go to the run store this engine commits to, and every checkpoint
@@ -211,6 +214,11 @@ class CertifiedCheckpointEngine(CheckpointEngine):
 
         self._commit_as = self._together(prepare, what="checkpoint")
         self._tag_dir = tag_dir
+        if self._batch is not None:  # an earlier save that never reached its commit: its temp files go
+            self._batch.discard()
+        # This rank's files of the tag are fsync'd together (each fsync starts as its file is written,
+        # beside the next write) and linked under their names at the commit, each directory fsync'd once.
+        self._batch = DurableBatch()
         self._evidence = None
         self._weights_problem = f"{tag_dir}: no model states file written to check the agreed weights against"
         self.known_store = self.known_store or os.fspath(info.save_dir)
@@ -227,19 +235,22 @@ class CertifiedCheckpointEngine(CheckpointEngine):
         if self._evidence is not None and os.path.basename(os.fspath(path)) == _MODEL_FILE:
             module = state_dict.get("module") if isinstance(state_dict, dict) else None
             self._weights_problem = _weights_problem(module, self._evidence.tensor_fps, os.fspath(path))
-        save_certified(
-            state_dict,
-            os.fspath(path),
-            step=int(self.engine.global_steps),
-            run=self._run_name(os.path.dirname(os.path.dirname(os.fspath(path)))),
-            branch=self.branch,
-            parent=self.parent,
-        )
+        together = joining(self._batch) if self._batch is not None else contextlib.nullcontext()
+        with together:
+            save_certified(
+                state_dict,
+                os.fspath(path),
+                step=int(self.engine.global_steps),
+                run=self._run_name(os.path.dirname(os.path.dirname(os.fspath(path)))),
+                branch=self.branch,
+                parent=self.parent,
+            )
 
     def commit(self, info: CheckpointCommitInfo) -> bool:
-        """Every rank's files are on disk (a barrier): rank 0 writes the manifest and commits it."""
-        if dist.is_available() and dist.is_initialized():
-            dist.barrier()
+        """Every rank makes its files durable under their names; once every rank has (a collective),
+        rank 0 writes the manifest and commits it."""
+        batch, self._batch = self._batch, None
+        self._together(batch.publish if batch is not None else lambda: None, what="checkpoint")
         tag_dir = os.path.join(info.save_dir, str(info.tag))
         step = int(self.engine.global_steps)
         first = (self.last_step or 0) + 1
