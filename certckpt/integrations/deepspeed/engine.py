@@ -3,12 +3,14 @@
 DeepSpeed writes every checkpoint file through a pluggable ``CheckpointEngine`` (``create`` before
 a tag is written, ``save(state_dict, path)`` per file, ``commit`` once every file of the rank is
 written, ``load(path)`` per file). ``CertifiedCheckpointEngine`` is one: each file is a certified
-safetensors file under DeepSpeed's own name, and ``commit`` (after a barrier: every rank's files are
-on disk) writes the tag's manifest on rank 0 and commits it to the run store's ledger, before
-DeepSpeed writes ``latest``. ``certify_engine`` installs it on a built engine and wraps the engine's
-``load_checkpoint``: the tag directory is verified whole on every rank before DeepSpeed reads a
-byte, ``tag=None`` means the store's latest-good (never ``latest``), and a resumed run records on a
-new branch. Nothing is pickled or unpickled.
+safetensors file under DeepSpeed's own name; a rank's files of one tag are made durable together
+(``durable.joining``: each file's fsync starts once it is written, and at ``commit`` they are linked
+under their names and the directory fsync'd once), and ``commit`` (once every rank's files are
+durable: a collective) writes the tag's manifest on rank 0 and commits it to the run store's ledger,
+before DeepSpeed writes ``latest``. ``certify_engine`` installs it on a built engine and wraps the
+engine's ``load_checkpoint``: the tag directory is verified whole on every rank before DeepSpeed
+reads a byte, ``tag=None`` means the store's latest-good (never ``latest``), and a resumed run
+records on a new branch. Nothing is pickled or unpickled.
 """
 
 from __future__ import annotations
