@@ -28,7 +28,7 @@ from certckpt.errors import StorageError
 from certckpt.storage import fsync_dir
 from certckpt.storage.local import publish_local
 
-__all__ = ["DurableBatch", "durable_together", "current_batch"]
+__all__ = ["DurableBatch", "durable_together", "current_batch", "joining"]
 
 # Enough fsyncs in flight for the block device to queue them together; each thread mostly waits.
 _THREADS = 4
@@ -177,3 +177,24 @@ def durable_together() -> Iterator[DurableBatch]:
         raise
     _CURRENT.reset(token)
     batch.publish()
+
+
+@contextlib.contextmanager
+def joining(batch: DurableBatch) -> Iterator[DurableBatch]:
+    """Local certified saves in this block join ``batch``, which its owner publishes (or discards)
+    later: for the files of one checkpoint that arrive through separate calls, not inside one block
+    (a framework's per-file save hook between its own start and commit, as DeepSpeed's checkpoint
+    engine). Nothing is published when the block ends; a save's file is under its name only once
+    the owner's ``batch.publish()`` returned.
+
+    Example:
+        >>> batch = DurableBatch()
+        >>> with joining(batch):
+        ...     certckpt.save(model.state_dict(), "ckpt/model.safetensors")
+        >>> batch.publish()   # durable under its name here
+    """
+    token = _CURRENT.set(batch)
+    try:
+        yield batch
+    finally:
+        _CURRENT.reset(token)

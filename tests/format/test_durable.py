@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import certckpt
-from certckpt.format.durable import durable_together
+from certckpt.format.durable import DurableBatch, durable_together, joining
 from certckpt.format.writer import save_certified
 
 
@@ -95,3 +95,29 @@ def test_a_name_taken_meanwhile_is_refused_at_the_end_and_left_alone(tmp_path):
     assert taken.read_bytes() == b"another writer's"
     assert _temps(tmp_path) == []
     assert certckpt.verify(tmp_path / "a.safetensors").ok  # durable before the one refused: published
+
+
+def test_saves_joining_a_batch_are_published_by_its_owner_and_a_discard_leaves_nothing(tmp_path, disk_calls):
+    # DeepSpeed's checkpoint engine: one file per call, the batch published at its commit.
+    batch = DurableBatch()
+    for i in range(2):
+        with joining(batch):
+            save_certified({"w": torch.full((1000,), float(i))}, tmp_path / f"f{i}.safetensors", step=i)
+        assert not (tmp_path / f"f{i}.safetensors").exists()  # the block's end publishes nothing
+    certckpt.save({"w": torch.ones(4)}, tmp_path / "alone.safetensors", step=5)  # outside: published at once
+    assert (tmp_path / "alone.safetensors").exists()
+    before = len(disk_calls)
+    batch.publish()
+    assert [certckpt.load(tmp_path / f"f{i}.safetensors")["w"][0].item() for i in range(2)] == [0.0, 1.0]
+    at = {e: k for k, e in enumerate(disk_calls)}
+    for i in range(2):  # each file fsync'd before its name appeared
+        ino = os.stat(tmp_path / f"f{i}.safetensors").st_ino
+        assert at[("fsync", ino)] < at[("name", ino)]
+    published = [what for what, _ in disk_calls[before:] if what != "fsync"]
+    assert published == ["name", "name", "dir-fsync"]  # the names, then the directory once
+    # a save that never reached its commit: its batch discarded, no name and no temp file left
+    left = DurableBatch()
+    with joining(left):
+        save_certified({"w": torch.ones(8)}, tmp_path / "never.safetensors", step=9)
+    left.discard()
+    assert sorted(os.listdir(tmp_path)) == ["alone.safetensors", "f0.safetensors", "f1.safetensors"]

@@ -258,3 +258,44 @@ def test_accelerates_deepspeed_plugin_saves_a_certified_tag(tmp_path):
     assert {"pytorch_model", "latest", "_ledger"} <= set(got["files"])
     assert verify_checkpoint(os.path.join(out, "pytorch_model")).ok
     assert _verdicts(out) == {"main@4": "verified"}
+
+
+@pytest.mark.slow
+def test_zero_audit_proves_a_resume_holds_the_weights_loaded_and_checks_them_when_a_replay_fails(tmp_path):
+    # One ZeRO-2 launch: 4 audited steps (checkpoints at 2 and 4), then three loads of step2.
+    out = str(tmp_path / "c")
+    got = _ranks(
+        deepspeed_cases.resume_proof,
+        {"stage": 2, "out": out, "steps": 4, "save_every": 2, "audit": 2, "tag": "step2"},
+    )
+    recorded = Ledger(out).snapshot().records["main@2"]["consensus_fp"]
+    assert recorded
+
+    # Rank 1's weights changed after the load: refused on every rank before the first update, rank 1 named.
+    altered = [g["altered"] for g in got]
+    assert [(a["error"], a.get("kind"), a.get("found_by"), a.get("suspects"), a["at"]) for a in altered] == [
+        ("FaultDetectedError", "consensus", "resume", [1], 2)
+    ] * 3
+    assert "the weights loaded differ across replicas" in altered[0]["message"]
+
+    # Every rank's changed alike (they agree, on other weights): refused at the audit's construction.
+    every = [g["all"] for g in got]
+    assert [(e["error"], e["at"]) for e in every] == [("AuditSetupError", 2)] * 3
+    assert len({e["message"] for e in every}) == 1
+    msg = every[0]["message"]
+    assert msg.startswith("the weights loaded for step 2 have consensus fingerprint ")
+    assert f"but the checkpoint loaded (main@2) recorded {recorded}" in msg and "\n" not in msg
+
+    # A clean resume is proven and trains on: the audits at 4 pass, the weights are the first run's.
+    clean = [g["clean"] for g in got]
+    assert [(c["error"], c["at"]) for c in clean] == [(None, 4)] * 3
+    assert clean[0]["passed"] == [["replay", 4], ["consensus", 4]]
+    assert clean[0]["weights"] == got[0]["weights"]
+
+    # It trains on; rank 2's weights change before the audit step 6: the failed replay runs the consensus
+    # first (as the DDP session does), which names rank 2 before any arbitration or update.
+    drifted = [g["drifted"] for g in got]
+    assert [(d["error"], d.get("kind"), d.get("found_by"), d.get("suspects"), d["at"]) for d in drifted] == [
+        ("FaultDetectedError", "consensus", "replay precondition", [2], 5)
+    ] * 3
+    assert "the replay failed, and the weights it ran on differ across replicas" in drifted[0]["message"]

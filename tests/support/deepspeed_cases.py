@@ -209,3 +209,79 @@ def accelerate_save(args: dict[str, Any]) -> dict[str, Any]:
         opt.zero_grad()
     acc.save_state(args["out"])
     return {"engine": type(model).__name__, "files": sorted(os.listdir(args["out"])), "step": int(model.global_steps)}
+
+
+def resume_proof(args: dict[str, Any]) -> dict[str, Any]:
+    """In one launch: an audited run of ``steps`` steps saving every ``save_every`` into ``out``, then
+    three resumes from ``tag``. ``altered``: its audit (built before the load) sees rank 1's loaded
+    weights changed after the load; ``all``: every rank's changed alike, a new audit built after the
+    load; ``clean``: a new audit after the load, trained to ``steps`` again; ``drifted``: that run on
+    for 2 steps, rank 2's weights changed before the second (an audit step). Each outcome's error,
+    event and the step the engine stood at; the clean one's weights, against the first run's."""
+    import torch.distributed as dist
+
+    from certckpt.errors import FaultDetectedError
+    from certckpt.integrations.deepspeed import ZeroAudit, certify_engine
+
+    engine = build(args["stage"])
+    rank = dist.get_rank()
+    certify_engine(engine, run="ds")
+
+    def audit() -> ZeroAudit:
+        return ZeroAudit(engine, loss_fn=loss_fn, audit_every=args["audit"])
+
+    def train_to(a: ZeroAudit, steps: int, save_every: int | None = None) -> None:
+        while engine.global_steps < steps:
+            b = batch_for(engine.global_steps + 1, 0, rank)
+            a.begin_micro_batch(b)
+            engine.backward(loss_fn(engine, b))
+            a.before_update()
+            engine.step()
+            a.after_update()
+            if save_every and engine.global_steps % save_every == 0:
+                engine.save_checkpoint(args["out"], tag=f"step{engine.global_steps}")
+
+    def change_weights() -> None:
+        with torch.no_grad():
+            next(engine.module.parameters()).view(-1)[0] += 0.5
+
+    def outcome(fn: Any) -> dict[str, Any]:
+        try:
+            fn()
+        except FaultDetectedError as e:
+            ev = e.event.to_dict()
+            got = {"kind": ev["kind"], "found_by": ev["details"].get("found_by"), "suspects": ev["suspect_ranks"]}
+            return {"error": "FaultDetectedError", "message": str(e), **got, "at": int(engine.global_steps)}
+        except Exception as e:  # the test asserts which error, on every rank
+            return {"error": type(e).__name__, "message": str(e), "at": int(engine.global_steps)}
+        return {"error": None, "at": int(engine.global_steps)}
+
+    first = audit()
+    train_to(first, args["steps"], args["save_every"])
+    result: dict[str, Any] = {"weights": full_weights(engine), "passed": first.passed}
+
+    def altered() -> None:
+        engine.load_checkpoint(args["out"], tag=args["tag"])  # the audit built before: proven at its next step
+        if rank == 1:
+            change_weights()
+        train_to(first, args["steps"])
+
+    result["altered"] = outcome(altered)
+    engine.load_checkpoint(args["out"], tag=args["tag"])
+    change_weights()
+    result["all"] = outcome(audit)  # built after the load: proven at its construction
+    engine.load_checkpoint(args["out"], tag=args["tag"])
+    clean = audit()
+    result["clean"] = outcome(lambda: train_to(clean, args["steps"]))
+    result["clean"].update(weights=full_weights(engine), passed=clean.passed)
+
+    def drifted() -> None:  # rank 2's weights changed before the forward of an audit step (6)
+        train_to(clean, args["steps"] + 1)
+        if rank == 2:
+            change_weights()
+        train_to(clean, args["steps"] + 2)
+
+    result["drifted"] = outcome(drifted)
+    first.close()
+    clean.close()
+    return result

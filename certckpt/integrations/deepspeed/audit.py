@@ -12,7 +12,8 @@ consuming the local gradients. What is cleanly possible from the loop, through t
   of its own micro-batches and of its ring predecessor's (shipped as safetensors bytes with their
   RNG state) on the bare module with ``torch.autograd.grad`` (DeepSpeed's gradient hooks and
   ``.grad`` untouched), with the weights before the update. The predecessor's own recomputation
-  and the replay must be bit-equal; a failed comparison is arbitrated by a third rank, and
+  and the replay must be bit-equal; a failed comparison is first checked against the weight
+  consensus (the replicas must hold the same weights), then arbitrated by a third rank, and
   ``certckpt.detect.attribute_replay`` names the rank. It compares recomputations: a fault that
   repeats on a unit (persistent) is caught and named; a one-time fault inside DeepSpeed's own
   backward is not (training's local gradients are never seen).
@@ -23,6 +24,13 @@ consuming the local gradients. What is cleanly possible from the loop, through t
   too (a non-finite one names that rank). DeepSpeed skips a step whose reduced gradients are not
   finite (fp32; fp16's loss scaler): such a detection is contained. Under fp16 a skipped step is
   the loss scaler's overflow, recorded as such (no detection).
+
+- **the resume proof** after a certified ``engine.load_checkpoint``: before the first update (at the
+  audit's construction when it is built after the load, else at the next ``begin_micro_batch``),
+  the consensus runs on the loaded weights and its state fingerprint must be the ``consensus_fp``
+  the loaded checkpoint's record carries (a checkpoint saved with a ``ZeroAudit``): a wrong,
+  partial or damaged load, or weights changed after it, is refused on every rank (the DDP
+  session's ``expect_consensus_fp``).
 
 The events go where the DDP session's go, through the same machinery (``context.EventLog``,
 ``events.emit_event``): rank 0 publishes them to the run store's ledger (the certified engine's:
@@ -65,11 +73,17 @@ from certckpt.format.fingerprinting import fingerprint_many
 from certckpt.format.record import state_fingerprint
 from certckpt.trust.ledger import Ledger, LedgerSink
 
-from .engine import CertifiedCheckpointEngine
+from .engine import CertifiedCheckpointEngine, Resumed
 
 __all__ = ["ZeroAudit"]
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
+
+# What a failed consensus says, by the check that asked for it.
+_CONSENSUS_LEAD = {
+    "resume": "the weights loaded differ across replicas (checked before the first update)",
+    "replay precondition": "the replay failed, and the weights it ran on differ across replicas",
+}
 
 
 class StoreSink:
@@ -170,6 +184,7 @@ class ZeroAudit:
         self._replayed: tuple[int, list[int]] | None = None  # (step, ranks whose own recomputation was not finite)
         self._agreed: tuple[int, dict[str, str], str] | None = None  # (step, {tensor: fp}, state fp)
         self._seconds = 0.0  # the last replay's time (the audit's log line)
+        self._resume: Resumed | None = None  # a load whose weights are still to be proven the saved ones
         self.sink = StoreSink()
         ce = self._certified()
         self.report = EventLog(
@@ -188,6 +203,9 @@ class ZeroAudit:
         self.report.inventory = {str(r): json.loads(b) for r, b in enumerate(rows)}
         if ce is not None:
             ce.attach(self)
+            if ce.resumed is not None and ce.resumed.step == start:  # built after the resuming load
+                self._resume = ce.resumed
+        self._prove_resumed()  # the start of the session: before any step
 
     # --- where the events go --------------------------------------------------------------------
 
@@ -212,14 +230,36 @@ class ZeroAudit:
             self.sink.bind(ledger)
             self.report.ledger = ledger
 
-    def restart(self, step: int, *, branch: str) -> None:
-        """A checkpoint was loaded: the audits go on from ``step`` on ``branch`` (a new lineage)."""
+    def restart(self, step: int, *, branch: str, resumed: Resumed | None = None) -> None:
+        """A checkpoint was loaded: the audits go on from ``step`` on ``branch`` (a new lineage).
+        ``resumed``'s weights are proven at the next hook point (``begin_micro_batch``), before the
+        first forward: whatever changes them after the load is caught too."""
         self.flush()
         self.report.branch = branch
         self.state.step = step
         self.state.lineage = []
         self.state.last_clean_audit = self.state.last_checkpoint_step = step or None
         self.units, self._replayed, self._agreed, self._checked = [], None, None, 0
+        self._resume = resumed
+
+    def _prove_resumed(self) -> None:
+        """After a resuming load, before the first update (collective): every replica holds exactly
+        the weights of the checkpoint loaded. The replicas must agree (a disagreement is a fault, as
+        at any consensus, naming the odd ranks) and their state fingerprint must be the consensus
+        fingerprint the checkpoint's record carries (else every rank refuses: every rank computes the
+        same agreed value). Stays pending until it passes: a caught refusal is refused again."""
+        r = self._resume
+        if r is None or r.consensus_fp is None:
+            self._resume = None
+            return
+        _, agreed = self.consensus(r.step, found_by="resume")
+        if agreed != r.consensus_fp:
+            raise AuditSetupError(
+                f"the weights loaded for step {r.step} have consensus fingerprint {agreed}, but the checkpoint "
+                f"loaded ({r.parent or r.directory}) recorded {r.consensus_fp}: every rank must hold exactly the "
+                "weights engine.load_checkpoint loaded (nothing was updated); load it again before training"
+            )
+        self._resume = None
 
     def _follow(self) -> None:
         """Events carry the branch the checkpoints go on (a resume starts a new one)."""
@@ -245,6 +285,8 @@ class ZeroAudit:
 
     def begin_micro_batch(self, batch: Any) -> None:
         """Before each micro-batch's forward: keep it (and the RNG state it starts from) at audit steps."""
+        if self._resume is not None:
+            self._prove_resumed()
         s = self.state.step + 1
         if self.injector is not None:
             self.injector.begin(s, "train")
@@ -255,8 +297,11 @@ class ZeroAudit:
         """After the step's last backward, before ``engine.step()``: the replay at audit steps.
 
         Raises:
-            FaultDetectedError: on every rank, when the replay names a rank (or cannot tell which).
+            FaultDetectedError: on every rank, when the replay names a rank (or cannot tell which),
+                or the replicas' weights before the update differ (checked first when it fails).
         """
+        if self._resume is not None:
+            self._prove_resumed()
         s = self.state.step + 1
         if not self.is_audit_step(s):
             return
@@ -287,6 +332,9 @@ class ZeroAudit:
             self.passed.append(("replay", s))
             self._seconds = time.perf_counter() - t0
             return
+        # A replay can only be trusted between replicas that hold the same weights (the ones before
+        # this update): check first, as the DDP session does; a disagreement names the odd ranks.
+        self.consensus(s - 1, found_by="replay precondition")
         plan = arbitration_plan(self.world, failed)
         asked = {(o, r): self._replay(steps[o], s)[0] for o, r, a in plan if a == self.rank}
         said = json.dumps([[o, r, v] for (o, r), v in asked.items()]).encode()
@@ -374,9 +422,11 @@ class ZeroAudit:
         msg += "; DeepSpeed skipped the update" if not applied else "; the update was applied"
         self.report.fail(ev, msg, policy="raise")
 
-    def consensus(self, s: int) -> tuple[dict[str, str], str]:
+    def consensus(self, s: int, *, found_by: str | None = None) -> tuple[dict[str, str], str]:
         """Every rank's fingerprints of the full weights and floating-point buffers, compared;
-        returns ``({tensor: fingerprint}, state fingerprint)`` they agree on.
+        returns ``({tensor: fingerprint}, state fingerprint)`` they agree on. ``found_by``: the check
+        that asked for it (``"resume"``, ``"replay precondition"``): a pass is then no event of its
+        own, a failure carries it.
 
         Raises:
             FaultDetectedError: on every rank, naming the ranks the majority outvoted.
@@ -393,8 +443,9 @@ class ZeroAudit:
             fps = {n: f"{fp:016x}" for n, fp in zip(names, row)}
             fp = state_fingerprint(fps)
             self._agreed = (s, fps, fp)
-            self.report.event("consensus", "pass", step=s, params=len(self.params), buffers=len(buffers), fp=fp)
-            self.passed.append(("consensus", s))
+            if found_by is None:
+                self.report.event("consensus", "pass", step=s, params=len(self.params), buffers=len(buffers), fp=fp)
+                self.passed.append(("consensus", s))
             return fps, fp
         self._agreed = None
         where = [names[i] for i in verdict.mismatched][:20]
@@ -407,12 +458,13 @@ class ZeroAudit:
             contained=False,
             tensors=where,
             majority=verdict.majority is not None,
+            **({"found_by": found_by} if found_by else {}),
             **({} if verdict.majority is not None else {"note": "no majority: every rank differs (or a tie)"}),
         )
+        lead = _CONSENSUS_LEAD.get(found_by or "", "weight consensus failed")
         self.report.fail(
             ev,
-            f"weight consensus failed: rank(s) {minority or 'no majority'} hold other weights than the majority "
-            f"(tensors {where[:5]})",
+            f"{lead}: rank(s) {minority or 'no majority'} hold other weights than the majority (tensors {where[:5]})",
             policy="raise",
         )
         raise AssertionError("unreachable: EventLog.fail raises")  # pragma: no cover
@@ -428,6 +480,8 @@ class ZeroAudit:
             FaultDetectedError: on every rank, the replicas disagree.
         """
         self._follow()
+        if self._resume is not None:
+            self._prove_resumed()  # a save right after the load: its weights are the loaded ones first
         if self._agreed is not None and self._agreed[0] == s:
             fps, fp = self._agreed[1], self._agreed[2]
         else:

@@ -3,16 +3,19 @@
 DeepSpeed writes every checkpoint file through a pluggable ``CheckpointEngine`` (``create`` before
 a tag is written, ``save(state_dict, path)`` per file, ``commit`` once every file of the rank is
 written, ``load(path)`` per file). ``CertifiedCheckpointEngine`` is one: each file is a certified
-safetensors file under DeepSpeed's own name, and ``commit`` (after a barrier: every rank's files are
-on disk) writes the tag's manifest on rank 0 and commits it to the run store's ledger, before
-DeepSpeed writes ``latest``. ``certify_engine`` installs it on a built engine and wraps the engine's
-``load_checkpoint``: the tag directory is verified whole on every rank before DeepSpeed reads a
-byte, ``tag=None`` means the store's latest-good (never ``latest``), and a resumed run records on a
-new branch. Nothing is pickled or unpickled.
+safetensors file under DeepSpeed's own name; a rank's files of one tag are made durable together
+(``durable.joining``: each file's fsync starts once it is written, and at ``commit`` they are linked
+under their names and the directory fsync'd once), and ``commit`` (once every rank's files are
+durable: a collective) writes the tag's manifest on rank 0 and commits it to the run store's ledger,
+before DeepSpeed writes ``latest``. ``certify_engine`` installs it on a built engine and wraps the
+engine's ``load_checkpoint``: the tag directory is verified whole on every rank before DeepSpeed
+reads a byte, ``tag=None`` means the store's latest-good (never ``latest``), and a resumed run
+records on a new branch. Nothing is pickled or unpickled.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -35,6 +38,7 @@ from certckpt.errors import (
     CorruptCheckpointError,
     NotACheckpointError,
 )
+from certckpt.format.durable import DurableBatch, joining
 from certckpt.format.fingerprinting import fingerprint_many
 from certckpt.format.reader import load
 from certckpt.format.record import RecordFields
@@ -61,8 +65,9 @@ class CheckpointAudit(Protocol):
     def bind(self, ledger: Ledger, *, run: str) -> None:
         """Its events go to ``ledger`` from now on."""
 
-    def restart(self, step: int, *, branch: str) -> None:
-        """A checkpoint at ``step`` was loaded; new checkpoints go on ``branch``."""
+    def restart(self, step: int, *, branch: str, resumed: Resumed | None = None) -> None:
+        """A checkpoint at ``step`` was loaded; new checkpoints go on ``branch``; ``resumed``: what was
+        loaded (its consensus fingerprint, which the loaded weights must have)."""
 
     def checkpoint_evidence(self, s: int) -> CheckpointEvidence:
         """What a checkpoint at step s carries (collective)."""
@@ -83,12 +88,15 @@ class Resumed:
         step: its step.
         parent: the checkpoint id it is committed as (None: not committed in this store).
         branch: the branch new checkpoints go on.
+        consensus_fp: the state fingerprint every replica agreed on when it was saved (its record's;
+            None: saved without ``ZeroAudit``). ``ZeroAudit`` proves the loaded weights have it.
     """
 
     directory: str
     step: int
     parent: str | None
     branch: str
+    consensus_fp: str | None = None
 
 
 class CertifiedCheckpointEngine(CheckpointEngine):
@@ -131,6 +139,7 @@ class CertifiedCheckpointEngine(CheckpointEngine):
         self.audit: CheckpointAudit | None = None  # the run's ZeroAudit (it attaches itself): its evidence is committed
         self._evidence: CheckpointEvidence | None = None  # the tag being written's
         self._weights_problem: str | None = None  # its module weights differ from the agreed ones (rank 0)
+        self._batch: DurableBatch | None = None  # this rank's files of the tag being written, made durable at commit
 
     def attach(self, audit: CheckpointAudit) -> None:
         """``audit``'s events go to the run store this engine commits to, and every checkpoint
@@ -207,6 +216,11 @@ class CertifiedCheckpointEngine(CheckpointEngine):
 
         self._commit_as = self._together(prepare, what="checkpoint")
         self._tag_dir = tag_dir
+        if self._batch is not None:  # an earlier save that never reached its commit: its temp files go
+            self._batch.discard()
+        # This rank's files of the tag are fsync'd together (each fsync starts as its file is written,
+        # beside the next write) and linked under their names at the commit, each directory fsync'd once.
+        self._batch = DurableBatch()
         self._evidence = None
         self._weights_problem = f"{tag_dir}: no model states file written to check the agreed weights against"
         self.known_store = self.known_store or os.fspath(info.save_dir)
@@ -223,19 +237,22 @@ class CertifiedCheckpointEngine(CheckpointEngine):
         if self._evidence is not None and os.path.basename(os.fspath(path)) == _MODEL_FILE:
             module = state_dict.get("module") if isinstance(state_dict, dict) else None
             self._weights_problem = _weights_problem(module, self._evidence.tensor_fps, os.fspath(path))
-        save_certified(
-            state_dict,
-            os.fspath(path),
-            step=int(self.engine.global_steps),
-            run=self._run_name(os.path.dirname(os.path.dirname(os.fspath(path)))),
-            branch=self.branch,
-            parent=self.parent,
-        )
+        together = joining(self._batch) if self._batch is not None else contextlib.nullcontext()
+        with together:
+            save_certified(
+                state_dict,
+                os.fspath(path),
+                step=int(self.engine.global_steps),
+                run=self._run_name(os.path.dirname(os.path.dirname(os.fspath(path)))),
+                branch=self.branch,
+                parent=self.parent,
+            )
 
     def commit(self, info: CheckpointCommitInfo) -> bool:
-        """Every rank's files are on disk (a barrier): rank 0 writes the manifest and commits it."""
-        if dist.is_available() and dist.is_initialized():
-            dist.barrier()
+        """Every rank makes its files durable under their names; once every rank has (a collective),
+        rank 0 writes the manifest and commits it."""
+        batch, self._batch = self._batch, None
+        self._together(batch.publish if batch is not None else lambda: None, what="checkpoint")
         tag_dir = os.path.join(info.save_dir, str(info.tag))
         step = int(self.engine.global_steps)
         first = (self.last_step or 0) + 1
@@ -333,7 +350,13 @@ class CertifiedCheckpointEngine(CheckpointEngine):
                 ledger.store,
                 choice.branch,
             )
-        return Resumed(directory=tag_dir, step=choice.step, parent=choice.parent, branch=choice.branch)
+        return Resumed(
+            directory=tag_dir,
+            step=choice.step,
+            parent=choice.parent,
+            branch=choice.branch,
+            consensus_fp=record.consensus_fp,
+        )
 
 
 def _weights_problem(module: Any, fingerprints: dict[str, str], path: str) -> str | None:
@@ -402,7 +425,7 @@ def _certified_load_checkpoint(engine: Any, original: Any, load_dir: str, tag: A
     ce.branch, ce.parent, ce.last_step, ce.resumed = resumed.branch, resumed.parent, resumed.step, resumed
     ce.known_store = ce.known_store or os.fspath(load_dir)
     if ce.audit is not None:  # an audit built before the load: it goes on from the loaded step
-        ce.audit.restart(resumed.step, branch=resumed.branch)
+        ce.audit.restart(resumed.step, branch=resumed.branch, resumed=resumed)
         ce.audit.bind(ce.ledger_for(os.fspath(load_dir)), run=ce._run_name(os.fspath(load_dir)))
     if ce._rank() == 0:
         logger.info(
