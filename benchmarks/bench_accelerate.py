@@ -173,30 +173,34 @@ def ranks(a: dict[str, Any]) -> dict[str, Any]:
                 opt.zero_grad()
 
     ms: dict[str, list[float]] = {n: [] for n in setups}
+    cpu: dict[str, list[float]] = {n: [] for n in setups}  # this process's CPU ms per step (its threads too)
     names = list(setups)
     for rnd in range(a["rounds"] + 1):
         for name in names[rnd % 3 :] + names[: rnd % 3]:
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             for _ in range(a["round_steps"]):
                 step(name)
+            c1 = time.process_time()
             dist.barrier()
             if rnd:
                 ms[name].append((time.perf_counter() - t0) * 1000 / a["round_steps"])
+                cpu[name].append((c1 - c0) * 1000 / a["round_steps"])
     # the replay floor: one step's micro-batches forward + backward on the bare module (what a replay computes)
     bare = setups["plain"][1].module
-    reps = []
+    reps, reps_cpu = [], []
     for _ in range(a["floor_reps"]):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(ACCUMULATION):
             x = torch.randn(a["batch"], a["width"], generator=g)
             grads = torch.autograd.grad(loss_fn(bare, [x, x.sin()]) / ACCUMULATION, list(bare.parameters()))
             del grads
         reps.append((time.perf_counter() - t0) * 1000)
+        reps_cpu.append((time.process_time() - c0) * 1000)
     for _, _, _, audit in setups.values():
         if audit is not None:
             audit.close()
-    return {"ms": ms, "replay_ms": statistics.median(reps)}
+    return {"ms": ms, "cpu_ms": cpu, "replay_ms": statistics.median(reps), "replay_cpu_ms": statistics.median(reps_cpu)}
 
 
 def bench_audits(args: argparse.Namespace, top: str) -> dict[str, Any]:
@@ -214,7 +218,19 @@ def bench_audits(args: argparse.Namespace, top: str) -> dict[str, Any]:
     out = run_ranks("bench_accelerate:ranks", 3, a, timeout=3600, extra_path=os.path.dirname(os.path.abspath(__file__)))
     r0 = out[0]
     med = {k: statistics.median(v) for k, v in r0["ms"].items()}
-    return {"per_rank": out, "median_ms": med, "replay_ms": r0["replay_ms"]}
+    # CPU: every rank's, summed per round (the work the loop adds, less sensitive than wall time to how
+    # the 3 ranks share the cores), median over rounds
+    cpu = {
+        k: statistics.median(sum(r["cpu_ms"][k][i] for r in out) for i in range(len(v)))
+        for k, v in r0["cpu_ms"].items()
+    }
+    return {
+        "per_rank": out,
+        "median_ms": med,
+        "replay_ms": r0["replay_ms"],
+        "cpu_ms": cpu,
+        "replay_cpu_ms": sum(r["replay_cpu_ms"] for r in out),
+    }
 
 
 def main() -> int:
@@ -285,6 +301,15 @@ def print_audits(args: argparse.Namespace, audits: dict[str, Any], *, newline: b
             f"{name:<18} {a[name]:8.2f}   {prem:+6.1f}%   {floor:10.2f}%   {prem - floor:+13.2f} pts"
             f"   <= {goal:.0f} pts {verdict}"
         )
+    c = audits["cpu_ms"]
+    print("CPU, all ranks      ms/step   premium   replay floor   premium - floor")
+    for name, k in (("plain", None), ("audit/10", 10), ("audit/100", 100)):
+        if k is None:
+            print(f"{name:<18} {c[name]:8.2f}")
+            continue
+        prem = (c[name] / c["plain"] - 1) * 100
+        floor = audits["replay_cpu_ms"] / k / c["plain"] * 100
+        print(f"{name:<18} {c[name]:8.2f}   {prem:+6.1f}%   {floor:10.2f}%   {prem - floor:+13.2f} pts")
 
 
 if __name__ == "__main__":
