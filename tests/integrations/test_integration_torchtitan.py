@@ -80,6 +80,10 @@ def test_hsdp_checkpoints_are_certified_with_the_audits_evidence_and_resume_from
     for r in out:
         assert r["loaded"] is True
         assert r["resumed"] == {"fp": out[0]["fps"]["4"], "parent": "main@4", "step": 4}
+        # the resumed session proves the parent's agreed state, and refuses one shard changed after the load
+        assert r["resumed_fp_known"] is True
+        assert r["altered"] is not None, r
+    assert len({r["altered"] for r in out}) == 1, out  # refused together, the same way on every rank
 
 
 @pytest.mark.slow

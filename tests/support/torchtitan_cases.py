@@ -267,6 +267,34 @@ def hsdp_checkpoints(args):
         "loaded": loaded,
         "resumed": {"fp": _fingerprint(model2), "parent": again.parent, "step": again.resumed_step},
     }
+
+    def resumed_session():
+        # what docs/integrations.md tells a resumed TorchTitan loop to build: the manager's branch,
+        # parent, step and the parent's agreed fingerprint, which the session proves before the first step
+        return ShardedAuditSession(
+            model2,
+            opt2.optimizers[0],
+            run="titan-hsdp",
+            ledger=folder,
+            loss_fn=loss_of,
+            audit_every=2,
+            branch=again.branch,
+            parent=again.parent,
+            start_step=again.resumed_step,
+            expect_consensus_fp=again.resumed_consensus_fp,
+            resume_state=again.resumed_state(),
+        )
+
+    out["resumed_fp_known"] = again.resumed_consensus_fp is not None
+    resumed_session().close()  # the loaded state is the parent's: the proof passes
+    with torch.no_grad():  # one shard of rank 0 changed after the load: the proof refuses on every rank
+        if dist.get_rank() == 0:
+            next(iter(model2.parameters())).to_local().add_(1.0)
+    try:
+        resumed_session().close()
+        out["altered"] = None
+    except Exception as e:  # the test compares what every rank raised
+        out["altered"] = type(e).__name__
     again.close()
     return out
 

@@ -147,6 +147,12 @@ class CertifiedCheckpointManager(CheckpointManager):
             setattr(self, "purge_thread", ours)  # noqa: B010 - TorchTitan's attribute, untyped for mypy
         enable_log()
 
+    def resumed_state(self) -> dict[str, Any]:
+        """The training state as a save hands it to the audits (``checkpoint_evidence``): after
+        ``load()``, the state loaded, for ``ShardedAuditSession(resume_state=...,
+        expect_consensus_fp=self.resumed_consensus_fp)`` to prove it is the parent's."""
+        return _materialized(self._flattened_model_states_sd())
+
     def attach(self, audit: Any) -> None:
         """Carry ``audit``'s evidence (a ``ShardedAuditSession``) into every checkpoint saved from now on."""
         if not hasattr(audit, "checkpoint_evidence"):
