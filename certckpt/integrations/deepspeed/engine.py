@@ -89,7 +89,8 @@ class Resumed:
         parent: the checkpoint id it is committed as (None: not committed in this store).
         branch: the branch new checkpoints go on.
         consensus_fp: the state fingerprint every replica agreed on when it was saved (its record's;
-            None: saved without ``ZeroAudit``). ``ZeroAudit`` proves the loaded weights have it.
+            None: saved without ``ZeroAudit``, or not the committed tag). ``ZeroAudit`` proves the
+            loaded weights have it.
     """
 
     directory: str
@@ -355,7 +356,8 @@ class CertifiedCheckpointEngine(CheckpointEngine):
             step=choice.step,
             parent=choice.parent,
             branch=choice.branch,
-            consensus_fp=record.consensus_fp,
+            # as the other integrations: only the committed parent's agreed state is a claim to prove
+            consensus_fp=record.consensus_fp if choice.parent is not None else None,
         )
 
 
