@@ -94,6 +94,14 @@ def test_figures_k100_and_consistency():
     assert f["replay_floor"] == pytest.approx(0.006)
 
 
+def test_figures_take_a_negative_audit_estimate_as_noise():
+    # A is estimated by a difference of two timed blocks; CI once measured A = -2.5 ms on a tiny model
+    f = figures(plain_s=0.005, nonaudit_s=0.005, audit_s=-0.0025, consensus_s=0.001, fb_s=0.003, audit_every=10)
+    assert f["audited_s"] == pytest.approx(0.005 - 0.00075)
+    assert f["premium"] == pytest.approx(-0.15)
+    assert f["shares"] is None
+
+
 def test_figures_no_shares_without_a_premium():
     # Audited faster than plain (noise): premium -0.01, shares mean nothing
     f = figures(plain_s=0.100, nonaudit_s=0.098, audit_s=0.108, consensus_s=0.001, fb_s=0.05, audit_every=10)
@@ -109,6 +117,9 @@ def test_figures_no_shares_without_a_premium():
         {"plain_s": 0.0},
         {"plain_s": -1.0},
         {"audit_s": float("nan")},
+        {"audit_s": float("inf")},
+        {"nonaudit_s": -0.001},
+        {"fb_s": -0.001},
         {"consensus_s": -0.1},
         {"audit_every": 0},
         {"audit_every": True},
