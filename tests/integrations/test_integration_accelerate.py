@@ -20,6 +20,7 @@ import pytest
 pytest.importorskip("accelerate")
 
 import safetensors
+import safetensors.torch
 import torch
 from click.testing import CliRunner
 
@@ -67,8 +68,10 @@ def fresh_accelerate_state():
     GradientState._reset_state()
 
 
-def _run(project: str, *, steps: int, save_every: int = 2, resume: bool = False, total_limit=None):
-    accelerator, model, opt, sched, audit = build(project, total_limit=total_limit, resume=resume)
+def _run(project: str, *, steps: int, save_every: int = 2, resume: bool = False, total_limit=None, async_save=False):
+    accelerator, model, opt, sched, audit = build(
+        project, total_limit=total_limit, resume=resume, async_save=async_save
+    )
     losses: list[float] = []
     loop(accelerator, model, opt, sched, audit, max_steps=steps, save_every=save_every, losses=losses)
     return accelerator, model, losses
@@ -250,6 +253,56 @@ def test_total_limit_rotates_and_retires_what_it_deletes(tmp_path):
     assert sorted(os.listdir(os.path.join(project, "_ledger", "retired"))) == ["main@2.json", "main@4.json"]
 
 
+def _tensors(path: str) -> dict[str, torch.Tensor]:
+    return safetensors.torch.load_file(path)
+
+
+def test_async_save_commits_the_checkpoints_the_synchronous_one_does(saved, tmp_path):
+    project = str(tmp_path / "async")
+    accelerator, model, _ = _run(project, steps=6, async_save=True)
+    accelerator.end_training()  # waits for the checkpoint in flight
+    assert not accelerator.certckpt.pipeline.in_flight
+    for name in ("checkpoint_0", "checkpoint_1", "checkpoint_2"):
+        a, s = os.path.join(project, "checkpoints", name), os.path.join(saved, "checkpoints", name)
+        assert set(os.listdir(a)) == CERTIFIED and verify_state_dir(a).ok
+        for file in CERTIFIED - {MANIFEST_NAME}:  # snapshotted at their step
+            got, want = _tensors(os.path.join(a, file)), _tensors(os.path.join(s, file))
+            assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), (name, file)
+    assert _verdicts(project) == _verdicts(saved)
+    newest, saved_files = os.path.join(project, "checkpoints", "checkpoint_2"), CERTIFIED - {MANIFEST_NAME}
+    data = sum(t.nbytes for f in saved_files for t in _tensors(os.path.join(newest, f)).values())
+    files = sum(os.path.getsize(os.path.join(newest, f)) for f in saved_files)
+    assert data <= accelerator.certckpt.pipeline.staging_bytes < files  # one snapshot per file, reused
+
+    rotated = str(tmp_path / "rotated")
+    accelerator, *_ = _run(rotated, steps=8, save_every=2, total_limit=2, async_save=True)
+    accelerator.certckpt_wait()
+    assert sorted(os.listdir(os.path.join(rotated, "checkpoints"))) == ["checkpoint_2", "checkpoint_3"]
+    assert sorted(os.listdir(os.path.join(rotated, "_ledger", "retired"))) == ["main@2.json", "main@4.json"]
+
+
+def test_an_async_checkpoint_that_fails_in_the_background_is_raised_at_the_next_save(tmp_path):
+    from certckpt.errors import AsyncSaveError
+
+    project = str(tmp_path / "proj")
+    accelerator, model, opt, sched, audit = build(project, total_limit=None, async_save=True)
+
+    def plants_a_pickle(models, weights, directory):
+        if accelerator.certified_step == 4:  # the background manifest writer refuses the directory
+            torch.save({"w": torch.ones(1)}, os.path.join(directory, "extra.bin"))
+
+    accelerator.register_save_state_pre_hook(plants_a_pickle)
+    with pytest.raises(AsyncSaveError, match=r"checkpoint_1: the asynchronous checkpoint failed .*pickle") as e:
+        loop(accelerator, model, opt, sched, audit, max_steps=8, save_every=2, losses=[])
+    assert "latest-good still names the checkpoint before it" in str(e.value)
+    assert accelerator.certified_step == 6  # training went on until the next checkpoint asked for it
+    checkpoints = os.path.join(project, "checkpoints")
+    assert not os.path.exists(os.path.join(checkpoints, "checkpoint_1", MANIFEST_NAME))
+    assert sorted(os.listdir(checkpoints)) == ["checkpoint_0", "checkpoint_1"]  # step 6's not started
+    assert _verdicts(project) == {"main@2": "verified"}
+    accelerator.end_training()  # the failure was raised once; nothing is left in flight
+
+
 def test_a_fresh_run_into_a_used_store_is_refused(project_copy):
     accelerator, *_ = build(project_copy, total_limit=None)
     with pytest.raises(ConfigurationError, match="resume with accelerator.load_state"):
@@ -331,6 +384,21 @@ def test_three_ranks_catch_a_fault_name_rank_1_keep_latest_good_and_resume_bit_i
     verdicts = _verdicts(project)
     assert verdicts["main-r1@15"] == "trusted" and verdicts["main-r1@20"] == "trusted"
     assert sorted(os.listdir(os.path.join(project, "checkpoints"))) == ["checkpoint_4"]  # latest-good released
+
+
+@pytest.mark.slow
+def test_async_saves_on_three_ranks_are_trusted_suspect_and_rotated_as_the_synchronous_ones(tmp_path):
+    # The first test's faulted run with async_save: each commit runs behind training, with the
+    # consensus fingerprints taken at its step, so the verdicts and the rotation are the same.
+    project = str(tmp_path / "proj")
+    fault = {"kind": "backward", "rank": 1, "step": 13, "persistent": True}
+    got = _ranks({"project": project, "max_steps": 20, "faults": [fault], "async_save": True})
+    assert [(g["kind"], g["step"], g["suspects"]) for g in got] == [("replay", 20, [1])] * 3
+    verdicts = _verdicts(project)
+    assert (verdicts["main@5"], verdicts["main@10"], verdicts["main@15"]) == ("trusted", "trusted", "suspect")
+    assert sorted(os.listdir(os.path.join(project, "checkpoints"))) == ["checkpoint_1", "checkpoint_2"]
+    r = _cli("latest-good", project, "--dir")
+    assert r.exit_code == 0 and r.output.strip() == os.path.join(project, "checkpoints", "checkpoint_1")
 
 
 @pytest.mark.slow

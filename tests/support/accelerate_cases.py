@@ -55,7 +55,14 @@ def _as_torchrun() -> None:
 
 
 def build(
-    project: str, *, total_limit: int | None, faults=(), audit_every: int = 10, resume: bool = False, triggers=None
+    project: str,
+    *,
+    total_limit: int | None,
+    faults=(),
+    audit_every: int = 10,
+    resume: bool = False,
+    triggers=None,
+    async_save: bool = False,
 ):
     from accelerate.utils import ProjectConfiguration
 
@@ -63,7 +70,9 @@ def build(
     from certckpt.integrations.accelerate import AcceleratorAudit, CertifiedAccelerator
 
     config = ProjectConfiguration(project_dir=project, automatic_checkpoint_naming=True, total_limit=total_limit)
-    accelerator = CertifiedAccelerator(cpu=True, project_config=config, gradient_accumulation_steps=ACCUMULATION)
+    accelerator = CertifiedAccelerator(
+        cpu=True, project_config=config, gradient_accumulation_steps=ACCUMULATION, async_save=async_save
+    )
     model = tiny_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.5)
@@ -114,6 +123,7 @@ def train(args):
         faults=args.get("faults", []),
         audit_every=args.get("audit_every", 10),
         resume=args.get("resume", False),
+        async_save=args.get("async_save", False),
     )
     out = {"rank": accelerator.process_index, "start": accelerator.certified_step}
     losses: list[float] = []
@@ -134,6 +144,7 @@ def train(args):
     finally:
         if audit is not None:
             audit.close()
+        accelerator.certckpt_wait()  # async_save: the checkpoint in flight is committed first
     out.update(
         step=out.get("step", accelerator.certified_step),
         branch=accelerator.certckpt.branch,

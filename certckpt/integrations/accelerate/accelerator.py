@@ -15,6 +15,10 @@ pinned by ``tests/integrations/test_integration_accelerate.py``: ``_models``, ``
   the store's latest good checkpoint (trusted, else verified) whose files all verify; the RNG states
   are restored and checked; the run continues on a new branch (``main-r1``...) forked from it.
 - ``prepare``: counts the first optimizer's steps (the checkpoint's step).
+- ``async_save=True``: ``save_state`` returns once the weights and optimizer states are snapshotted
+  into host memory; their files, the manifest and the commit follow on background threads
+  (``certckpt.format.pipeline``), one checkpoint in flight. The next ``save_state``, ``load_state``,
+  ``end_training`` and ``certckpt_wait()`` wait for it and raise its failure on every process.
 """
 
 from __future__ import annotations
@@ -38,7 +42,9 @@ from certckpt.errors import (
     CorruptCheckpointError,
     UnsupportedObjectError,
 )
+from certckpt.format.asyncsave import SaveFuture
 from certckpt.format.durable import durable_together
+from certckpt.format.pipeline import CheckpointPipeline, host_copy
 from certckpt.format.reader import load
 from certckpt.format.record import RecordFields
 from certckpt.format.verify import inspect
@@ -85,6 +91,7 @@ class CertifiedRun:
         resumed_fp: the consensus fingerprint of the checkpoint loaded (the audit proves the
             replicas hold exactly it when it starts).
         audit: the ``AcceleratorAudit`` bound to this accelerator, if any.
+        pipeline: with ``async_save=True``, the checkpoint in flight and the savers' staging memory.
     """
 
     ledger: Ledger | None
@@ -96,6 +103,7 @@ class CertifiedRun:
     last_step: int | None = None
     resumed_fp: str | None = None
     audit: Any = None
+    pipeline: CheckpointPipeline | None = None
 
 
 class CertifiedAccelerator(Accelerator):
@@ -107,6 +115,10 @@ class CertifiedAccelerator(Accelerator):
             ``load_state``).
         ledger: the run store (default: ``ProjectConfiguration.project_dir``, else the parent of the
             first ``save_state`` directory).
+        async_save: ``save_state`` waits only for a snapshot of the weights and optimizer states in
+            host memory (kept and reused: about the size of those files); the files, the manifest
+            and the commit are finished in the background. The checkpoint is committed (and
+            ``latest-good`` can name it) only once all of it is durable.
         *args, **kwargs: the Accelerator's own.
 
     Example:
@@ -124,6 +136,7 @@ class CertifiedAccelerator(Accelerator):
         run: str | None = None,
         branch: str | None = None,
         ledger: str | None = None,
+        async_save: bool = False,
         **kwargs: Any,
     ):
         super().__init__(*args, **kwargs)
@@ -133,7 +146,9 @@ class CertifiedAccelerator(Accelerator):
             raise ConfigurationError(f"branch {branch!r}: use 1-100 letters, digits, '.', '_' or '-'")
         self._certckpt_refuse_unsupported()
         store = ledger or self.project_configuration.project_dir
-        self.certckpt = CertifiedRun(ledger=None, run=run, requested=branch)
+        self.certckpt = CertifiedRun(
+            ledger=None, run=run, requested=branch, pipeline=CheckpointPipeline() if async_save else None
+        )
         if store:
             self._certckpt_set_store(os.fspath(store))
         self._certckpt_counted: set[int] = set()
@@ -249,6 +264,7 @@ class CertifiedAccelerator(Accelerator):
                 f"save_state: {sorted(save_model_func_kwargs)} are DeepSpeed's options, which CertifiedAccelerator "
                 "does not run"
             )
+        self.certckpt_wait()  # one checkpoint in flight: the previous one is committed (or failed) first
         directory = self._certckpt_target(output_dir)
         ledger = self.certckpt_ledger(directory)
         run = self.certckpt
@@ -262,23 +278,36 @@ class CertifiedAccelerator(Accelerator):
         audit = run.audit
         evidence = audit.checkpoint_evidence() if audit is not None and audit.session is not None else None
         known = evidence.known_fingerprints if evidence is not None else None
-        self._certckpt_together(lambda: self._certckpt_write_files(directory, step, known), what="checkpoint save")
+        in_flight: list[SaveFuture] = []
+        self._certckpt_together(
+            lambda: self._certckpt_write_files(directory, step, known, in_flight), what="checkpoint save"
+        )
         if distributed():
             dist.barrier()  # every process's RNG file is on disk before the manifest lists them
         first = (run.last_step or 0) + 1
         state = self._certckpt_manifest_state()
+        consensus: dict[str, Any] = {}
 
         def commit() -> None:
-            if not self.is_main_process:
-                return
             if evidence is not None:
-                _check_weights_match(directory, audit.consensus_fingerprints())
-                audit.flush()  # the events up to this checkpoint reach the ledger before its commit
+                _check_weights_match(directory, consensus["fingerprints"])
             self._certckpt_commit(directory, state, step=step, branch=branch, first=first, evidence=evidence)
             self._certckpt_rotate()
             self._certckpt_retire_deleted()
 
-        self._certckpt_together(commit, what="checkpoint commit")
+        def finish() -> None:
+            if not self.is_main_process:
+                return
+            if evidence is not None:  # taken now: the audit moves on while a background commit waits
+                consensus["fingerprints"] = audit.consensus_fingerprints()
+                audit.flush()  # the events up to this checkpoint reach the ledger before its commit
+            if run.pipeline is None:
+                commit()
+            else:  # the manifest is written in the background while training moves the originals on
+                state.update(host_copy(state))
+                run.pipeline.submit(directory, in_flight, commit)
+
+        self._certckpt_together(finish, what="checkpoint commit")
         run.last_step = step
         self.project_configuration.iteration += 1
         logger.debug("saved %s at step %d on %s (%s)", directory, step, branch, ledger.store)
@@ -286,6 +315,19 @@ class CertifiedAccelerator(Accelerator):
 
     def _certckpt_together(self, fn: Any, *, what: str) -> Any:
         return together(fn, what=what, device=self.device)
+
+    def certckpt_wait(self) -> None:
+        """Wait for the checkpoint in flight (``async_save=True``; call it on every process): when it
+        failed, every process raises ``AsyncSaveError`` and latest-good still names the one before.
+        ``save_state``, ``load_state`` and ``end_training`` call it first."""
+        pipeline = self.certckpt.pipeline
+        if pipeline is not None:
+            self._certckpt_together(pipeline.wait, what="asynchronous checkpoint")
+
+    def end_training(self) -> None:
+        """``Accelerator.end_training``, after the checkpoint in flight is committed (``async_save``)."""
+        self.certckpt_wait()
+        super().end_training()
 
     def _certckpt_target(self, output_dir: str | None) -> str:
         """The directory ``save_state`` writes: Accelerate's automatic ``checkpoint_<iteration>``, or
@@ -303,9 +345,19 @@ class CertifiedAccelerator(Accelerator):
             directory = os.fspath(output_dir)
         return directory
 
-    def _certckpt_write_files(self, directory: str, step: int, known: Any) -> None:
+    def _certckpt_write_files(self, directory: str, step: int, known: Any, in_flight: list[SaveFuture]) -> None:
         """Every process its RNG file; the main process the weights and the other states. The files
-        are made durable together, under their names when this returns (``durable_together``)."""
+        are made durable together, under their names when this returns (``durable_together``); with
+        ``async_save`` the weights and optimizer states are snapshotted and their saves left running,
+        their futures appended to ``in_flight`` (waited for here when anything else fails)."""
+        try:
+            self._certckpt_write_all(directory, step, known, in_flight)
+        except BaseException:
+            for future in in_flight:  # nothing of a failed save keeps running behind the error
+                future.exception()
+            raise
+
+    def _certckpt_write_all(self, directory: str, step: int, known: Any, in_flight: list[SaveFuture]) -> None:
         os.makedirs(directory, exist_ok=True)
         weights = []
         if self.is_main_process:
@@ -317,31 +369,40 @@ class CertifiedAccelerator(Accelerator):
             if self.is_main_process:
                 for path in _visible_files(directory):  # a hook's files: the manifest lists them, durable or not
                     batch.add_existing(path)
-            self._certckpt_write_states(directory, step, known, weights)
+            self._certckpt_write_states(directory, step, known, weights, in_flight)
 
-    def _certckpt_write_states(self, directory: str, step: int, known: Any, weights: list[Any]) -> None:
+    def _certckpt_write_states(
+        self, directory: str, step: int, known: Any, weights: list[Any], in_flight: list[SaveFuture]
+    ) -> None:
         name = self.certckpt.run
+        # With async_save the main process hands every file to a saver (snapshotted now, written and
+        # fsync'd in the background, where its commit waits for them). Another process's RNG file is
+        # written at once: the main process's commit cannot wait on another process's saver.
+        pipeline = self.certckpt.pipeline if self.is_main_process else None
+
+        def write(obj: Any, file_name: str, **kwargs: Any) -> None:
+            path = os.path.join(directory, file_name)
+            if pipeline is None:
+                save_certified(obj, path, step=step, run=name, **kwargs)
+            else:
+                in_flight.append(pipeline.saver_for(file_name).save(obj, path, step=step, run=name, **kwargs))
+
         if self.is_main_process:
             for i, w in enumerate(weights):
-                path = os.path.join(directory, indexed_name("model", i))
-                save_certified(w, path, step=step, run=name, **_known(known))
+                write(w, indexed_name("model", i), **_known(known))
             for i, opt in enumerate(self._optimizers):
-                path = os.path.join(directory, indexed_name("optimizer", i))
-                save_certified(opt.state_dict(), path, step=step, run=name)
+                write(opt.state_dict(), indexed_name("optimizer", i))
             for i, sched in enumerate(self._schedulers):
-                save_certified(
-                    sched.state_dict(), os.path.join(directory, indexed_name("scheduler", i)), step=step, run=name
-                )
+                write(sched.state_dict(), indexed_name("scheduler", i))
             for i, obj in enumerate(self._custom_objects):
-                path = os.path.join(directory, f"custom_checkpoint_{i}.safetensors")
                 try:
-                    save_certified(obj.state_dict(), path, step=step, run=name)
+                    write(obj.state_dict(), f"custom_checkpoint_{i}.safetensors")
                 except UnsupportedObjectError as e:
                     raise UnsupportedObjectError(
                         f"register_for_checkpointing object {i} ({type(obj).__name__}): its state_dict() cannot be "
                         f"stored without pickle: {e}"
                     ) from e
-        save_certified(_rng_states(), os.path.join(directory, rng_file_name(self.process_index)), step=step, run=name)
+        write(_rng_states(), rng_file_name(self.process_index))
 
     def _certckpt_manifest_state(self) -> dict[str, Any]:
         """What the manifest holds beside the files table: Accelerate's counters, the samplers',
@@ -455,6 +516,7 @@ class CertifiedAccelerator(Accelerator):
                 with the way to convert them).
             CheckpointNotFoundError: ``None`` and the store holds checkpoints, none of them good.
         """
+        self.certckpt_wait()  # a checkpoint in flight is committed before the store is read
         strict = bool(load_model_func_kwargs.pop("strict", True))
         load_model_func_kwargs.pop("map_location", None)  # states are read to the CPU and moved by their owners
         if load_model_func_kwargs or load_kwargs:

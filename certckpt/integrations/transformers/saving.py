@@ -27,7 +27,7 @@ from certckpt.errors import ConfigurationError, MissingDependencyError, Unsuppor
 from certckpt.format.asyncsave import SaveFuture
 from certckpt.format.writer import SaveResult, save_certified
 
-from .background import CheckpointPipeline
+from certckpt.format.pipeline import CheckpointPipeline
 
 __all__ = ["save_function", "save_pretrained", "ShardWriter"]
 

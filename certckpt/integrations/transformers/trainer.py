@@ -66,7 +66,7 @@ from certckpt.trust.runstore import StoreStatus, certify_store, committed_direct
 from certckpt.trust.runstore import snapshot_or_empty as _snapshot
 
 from .audit import AuditCallback
-from .background import CheckpointPipeline, host_copy
+from certckpt.format.pipeline import CheckpointPipeline, host_copy
 from .checkpoint import (
     ARGS_NAME,
     MANIFEST_NAME,

@@ -1,16 +1,16 @@
-"""The certified Trainer's asynchronous checkpoints: one ``checkpoint-N/`` in flight at a time.
+"""A checkpoint directory saved in the background: its large files by ``AsyncSaver``s, then its commit.
 
-With ``CertifiedTrainer(..., async_save=True)`` a checkpoint's weight shards are snapshotted into
-staging memory and written by background savers (``certckpt.AsyncSaver``, one per file name, so each
-keeps and reuses its staging memory from one checkpoint to the next). The rest of the checkpoint is
-small or copied at once: the RNG files, ``training_args.json`` and ``trainer_state.json`` are
-written before training resumes, and the optimizer, scheduler and scaler states are copied to host
-memory. A background thread then waits for the shards, writes the manifest over every file of the
-directory (last, as the synchronous path does), commits it to the ledger and applies the rotation.
+The certified Trainer (``async_save=True``) and ``CertifiedAccelerator(async_save=True)`` use it. A
+checkpoint's large files (weight shards, optimizer states) are snapshotted into staging memory and
+written by background savers (``certckpt.AsyncSaver``, one per file name, so each keeps and reuses its
+staging memory from one checkpoint to the next); the caller writes the small files at once and copies
+to host memory what the manifest will hold. A background thread then waits for the large files, writes
+the manifest over every file of the directory (last, as the synchronous path does), commits it to the
+ledger and applies the rotation.
 
 ``latest-good`` never names a checkpoint in flight: its commit record is written after its manifest
-is durable, and the manifest after every shard. A failure in the background is raised on every rank
-at the next checkpoint, at the end of training, or by ``wait()``.
+is durable, and the manifest after every file. A failure in the background is raised by ``wait()``,
+which the integrations call (on every rank) at the next checkpoint, at a load and at the end of training.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class CheckpointPipeline:
         self._label = ""
 
     def saver_for(self, name: str) -> AsyncSaver:
-        """The saver of one file name (``model.safetensors``...): one in flight, staging reused."""
+        """The saver of one file name (``model.safetensors``...): one save in flight, staging reused."""
         saver = self._savers.get(name)
         if saver is None:
             saver = self._savers[name] = AsyncSaver()
@@ -71,7 +71,7 @@ class CheckpointPipeline:
                 future.set_result(None)
 
         # Not a daemon: an interpreter that exits with a checkpoint in flight finishes it first.
-        threading.Thread(target=run, name="certckpt-trainer-commit", daemon=False).start()
+        threading.Thread(target=run, name="certckpt-checkpoint-commit", daemon=False).start()
 
     def wait(self) -> None:
         """Wait for the checkpoint in flight; raise ``AsyncSaveError`` if it failed (once)."""
