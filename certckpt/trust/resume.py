@@ -133,6 +133,31 @@ def branch_after_load(
     return BranchAfterLoad(source=source, parent=source if known else None, branch=requested or free, step=step or 0)
 
 
+def branch_after_loading(
+    ledger: Ledger, record: Any, *, step: int | None, snap: Any, requested: str | None = None
+) -> BranchAfterLoad:
+    """:func:`branch_after_load` for a loaded file's record against ``ledger``: the records and branch
+    parents of ``snap`` (the ledger's snapshot, read once by the caller), every branch the ledger
+    names taken (:func:`recorded_branches`), errors naming the store.
+
+    Args:
+        record: the loaded file's ``CertRecord`` (its ``branch`` and ``header_digest``).
+        step: the step the loaded file holds.
+        snap: ``ledger``'s ``LedgerSnapshot`` (empty when the store has committed nothing).
+        requested: the branch name the user asked for.
+    """
+    return branch_after_load(
+        branch=record.branch,
+        step=step,
+        header_digest=record.header_digest,
+        records=snap.records,
+        branch_parents=snap.branch_parents,
+        recorded=recorded_branches(ledger) if snap.records else (),
+        requested=requested,
+        store=ledger.store,
+    )
+
+
 def recorded_branches(ledger: Ledger) -> set[str]:
     """Every branch name the ledger has a branch record for, valid or not."""
     return {n.removesuffix(".json") for n in ledger.list_raw("branches")}

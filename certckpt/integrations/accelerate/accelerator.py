@@ -53,7 +53,7 @@ from certckpt.log import enable as enable_log
 from certckpt.trust.commit import commit_saved
 from certckpt.trust.gate import rotation_keeps, store_doubt
 from certckpt.trust.ledger import Ledger, ckpt_id_for, is_ckpt_id
-from certckpt.trust.resume import branch_after_load, recorded_branches
+from certckpt.trust.resume import branch_after_loading
 from certckpt.trust.runstore import StoreStatus, certify_store, committed_directory, latest_intact_directory
 from certckpt.trust.runstore import snapshot_or_empty as _snapshot
 
@@ -608,16 +608,7 @@ class CertifiedAccelerator(Accelerator):
         run = self.certckpt
         ledger = self.certckpt_ledger()
         snap = _snapshot(ledger)
-        choice = branch_after_load(
-            branch=record.branch,
-            step=step,
-            header_digest=record.header_digest,
-            records=snap.records,
-            branch_parents=snap.branch_parents,
-            recorded=recorded_branches(ledger) if snap.records else (),
-            requested=run.requested,
-            store=ledger.store,
-        )
+        choice = branch_after_loading(ledger, record, step=step, snap=snap, requested=run.requested)
         if choice.parent is None:
             logger.warning(
                 "%s is not a checkpoint committed to %s; branch %s starts without a parent",

@@ -47,7 +47,7 @@ from certckpt.format.writer import save_certified
 from certckpt.log import enable as enable_log
 from certckpt.trust.commit import commit_saved
 from certckpt.trust.ledger import Ledger, LedgerSnapshot, ckpt_id_for, is_ckpt_id
-from certckpt.trust.resume import branch_after_load, plan_resume, recorded_branches
+from certckpt.trust.resume import branch_after_loading, plan_resume
 
 from .codecs import register_deepspeed_types
 from .layout import CONVERT_HINT, MANIFEST_NAME, is_pickle, manifest_of, require_intact, write_manifest
@@ -336,14 +336,7 @@ class CertifiedCheckpointEngine(CheckpointEngine):
         snap = _snapshot(ledger)
         path, _, step = manifest_of(tag_dir)
         record = inspect(path).record
-        choice = branch_after_load(
-            branch=record.branch,
-            step=step,
-            header_digest=record.header_digest,
-            records=snap.records,
-            branch_parents=snap.branch_parents,
-            recorded=recorded_branches(ledger) if snap.records else (),
-        )
+        choice = branch_after_loading(ledger, record, step=step, snap=snap)
         if choice.parent is None:
             logger.warning(
                 "certckpt: %s is not committed in %s; branch %s starts without a parent",

@@ -44,7 +44,7 @@ from certckpt.log import enable as enable_log
 from certckpt.trust.certify import accept_level
 from certckpt.trust.gate import rotation_keeps
 from certckpt.trust.ledger import Ledger
-from certckpt.trust.resume import branch_after_load, plan_resume, recorded_branches
+from certckpt.trust.resume import branch_after_loading, plan_resume
 from certckpt.trust.runstore import StoreStatus, certify_store, snapshot_or_empty
 
 from .layout import refuse_plain, step_directories, step_directory_name
@@ -263,14 +263,7 @@ class CertifiedCheckpointManager(CheckpointManager):
         record = inspect(join(directory, MANIFEST_NAME)).record
         ledger = Ledger(self.store)
         snap = snapshot_or_empty(ledger)
-        choice = branch_after_load(
-            branch=record.branch,
-            step=record.step,
-            header_digest=record.header_digest,
-            records=snap.records,
-            branch_parents=snap.branch_parents,
-            recorded=recorded_branches(ledger) if snap.records else (),
-        )
+        choice = branch_after_loading(ledger, record, step=record.step, snap=snap)
         self.branch = choice.branch
         self.parent = choice.parent
         self.resumed_step = choice.step

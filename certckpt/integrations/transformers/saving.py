@@ -25,9 +25,8 @@ import transformers.modeling_utils as modeling_utils
 
 from certckpt.errors import ConfigurationError, MissingDependencyError, UnsupportedObjectError
 from certckpt.format.asyncsave import SaveFuture
-from certckpt.format.writer import SaveResult, save_certified
-
 from certckpt.format.pipeline import CheckpointPipeline
+from certckpt.format.writer import SaveResult, save_certified
 
 __all__ = ["save_function", "save_pretrained", "ShardWriter"]
 

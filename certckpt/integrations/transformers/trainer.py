@@ -52,6 +52,7 @@ from certckpt.errors import (
     CorruptCheckpointError,
 )
 from certckpt.format.asyncsave import SaveFuture
+from certckpt.format.pipeline import CheckpointPipeline, host_copy
 from certckpt.format.reader import load
 from certckpt.format.record import RecordFields
 from certckpt.format.verify import inspect
@@ -61,12 +62,11 @@ from certckpt.storage import write_atomic
 from certckpt.trust.commit import commit_saved
 from certckpt.trust.gate import rotation_keeps, store_doubt
 from certckpt.trust.ledger import Ledger, ckpt_id_for, is_ckpt_id
-from certckpt.trust.resume import branch_after_load, recorded_branches
+from certckpt.trust.resume import branch_after_loading
 from certckpt.trust.runstore import StoreStatus, certify_store, committed_directory, latest_intact_directory
 from certckpt.trust.runstore import snapshot_or_empty as _snapshot
 
 from .audit import AuditCallback
-from certckpt.format.pipeline import CheckpointPipeline, host_copy
 from .checkpoint import (
     ARGS_NAME,
     MANIFEST_NAME,
@@ -297,16 +297,7 @@ class CertifiedTrainerMixin(_TrainerBase):
         path, _, step = manifest_of(directory)
         record = inspect(path).record
         # The committed checkpoint is this very file when the header digests agree (wherever it lies now).
-        choice = branch_after_load(
-            branch=record.branch,
-            step=step,
-            header_digest=record.header_digest,
-            records=snap.records,
-            branch_parents=snap.branch_parents,
-            recorded=recorded_branches(run.ledger) if snap.records else (),
-            requested=run.requested,
-            store=run.ledger.store,
-        )
+        choice = branch_after_loading(run.ledger, record, step=step, snap=snap, requested=run.requested)
         if choice.parent is None:
             logger.warning(
                 "certckpt: %s is not a checkpoint committed to %s; branch %s starts without a parent",
