@@ -22,7 +22,7 @@ path in seconds, figures meaningless.
    directory, deleted and synced untimed. Goal: certified / plain <= 1.10x. The CPU seconds of this
    process (its threads, user + system; not the kernel's writeback threads) vary less than wall time on
    a busy machine (the async row's CPU counts only what ran until save_state returned).
-2. the audits, 3 gloo ranks (``certckpt.detect.launch``): the user's loop (``accelerator.accumulate``
+2. the audits, 3 gloo ranks (``--ranks``; ``certckpt.detect.launch``): the user's loop (``accelerator.accumulate``
    over 2 micro-batches, ``clip_grad_norm_`` on the synchronised step, AdamW) with no audit, with
    ``AcceleratorAudit(audit_every=10)`` and ``(audit_every=100)``, interleaved in rounds of
    ``--round-steps`` steps; ms per step is the median over rounds of rank 0's mean. The replay floor
@@ -165,7 +165,7 @@ def bench_save(args: argparse.Namespace, top: str) -> dict[str, Any]:
     }
 
 
-# --- the audits: 3 gloo ranks ------------------------------------------------------------------
+# --- the audits: gloo ranks --------------------------------------------------------------------
 
 
 def ranks(a: dict[str, Any]) -> dict[str, Any]:
@@ -249,11 +249,12 @@ def bench_audits(args: argparse.Namespace, top: str) -> dict[str, Any]:
         "round_steps": args.round_steps,
         "floor_reps": 5 if args.tiny else 20,
     }
-    out = run_ranks("bench_accelerate:ranks", 3, a, timeout=3600, extra_path=os.path.dirname(os.path.abspath(__file__)))
+    here = os.path.dirname(os.path.abspath(__file__))
+    out = run_ranks("bench_accelerate:ranks", args.ranks, a, timeout=3600, extra_path=here)
     r0 = out[0]
     med = {k: statistics.median(v) for k, v in r0["ms"].items()}
     # CPU: every rank's, summed per round (the work the loop adds, less sensitive than wall time to how
-    # the 3 ranks share the cores), median over rounds
+    # the ranks share the cores), median over rounds
     cpu = {
         k: statistics.median(sum(r["cpu_ms"][k][i] for r in out) for i in range(len(v)))
         for k, v in r0["cpu_ms"].items()
@@ -278,6 +279,12 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=4 if tiny else 32)
     p.add_argument("--rounds", type=int, default=1 if tiny else 5)
     p.add_argument("--round-steps", type=int, default=10 if tiny else 100)
+    p.add_argument(
+        "--ranks",
+        type=int,
+        default=3,
+        help="gloo ranks of the audits table (3 names a faulty rank; as many as cores keeps them from sharing one)",
+    )
     p.add_argument("--dir", default=None, help="where the checkpoints go (default: a temporary directory here)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--only", choices=("save", "audits"), default=None, help="run one of the two tables")
@@ -327,7 +334,7 @@ def print_audits(args: argparse.Namespace, audits: dict[str, Any], *, newline: b
     if newline:
         print()
     print(
-        f"# audits, 3 gloo ranks: {args.audit_layers} x {args.audit_width}^2 MLP, 2 micro-batches of"
+        f"# audits, {args.ranks} gloo ranks: {args.audit_layers} x {args.audit_width}^2 MLP, 2 micro-batches of"
         f" {args.batch}, clipping; {args.rounds} rounds of {args.round_steps} steps"
     )
     print("loop                ms/step   premium   replay floor   premium - floor   goal")
