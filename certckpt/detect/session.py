@@ -54,6 +54,7 @@ from .evidence import CheckpointEvidence, StepOutcome
 from .exchange import RingShift
 from .hook import HookState, comm_hook, hand_over_possible, lazy_pre_possible
 from .inject import Injector
+from .letgo import wait_released
 from .nonfinite import NonFiniteCheck
 from .options import SHARDED_ONLY, AuditOptions, Mode
 from .replay import RingReplay, restore_rng
@@ -520,6 +521,8 @@ class AuditSession(AuditSessionCore):
         instead of the others hanging in the next collective."""
         status = torch.tensor([0 if error is None else 1], dtype=torch.int64, device=self.wire_device)
         dist.broadcast(status, dist.get_global_rank(self.group, 0), group=self.group)
+        # often the last collective before the script ends: let gloo's worker drop it first (letgo)
+        wait_released(status)
         if error is not None:
             raise error
         if int(status) != 0:
