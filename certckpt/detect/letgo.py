@@ -1,4 +1,4 @@
-"""Wait until a collective's worker thread has let go of the tensors it was given.
+"""Collectives whose tensors gloo's worker thread has let go of before the caller goes on.
 
 gloo runs each collective on a worker thread of its process group, which drops its reference to
 the work, and so to the work's tensors, a moment after ``wait()`` has returned. When Python lets go
@@ -12,23 +12,31 @@ the last reference and the tensor dies on the thread that drops it, with the GIL
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import torch
 
-__all__ = ["wait_released"]
+__all__ = ["released"]
 
 
-def wait_released(*tensors: torch.Tensor) -> None:
-    """Return once every CPU tensor of ``tensors`` is referenced by its Python object alone.
+@contextlib.contextmanager
+def released(*tensors: torch.Tensor) -> Iterator[None]:
+    """Around a collective on ``tensors``: on leaving, wait until every CPU tensor among them has
+    no more holders than on entering (the worker has dropped the work).
 
-    For tensors a caller created for one collective (no views of them alive). A CUDA tensor is not
-    waited for: NCCL's watchdog keeps its work for a time of its own choosing.
+    A CUDA tensor is not waited for (NCCL's watchdog keeps its work for a time of its own), nor
+    anything when the block raised.
+
+    Example::
+
+        with released(flag):
+            dist.broadcast(flag, 0)
     """
-    for t in tensors:
-        # private, not in torch's stubs; a torch without it leaves the wait to chance, as before
-        use_count = getattr(t, "_use_count", None)
-        if t.device.type != "cpu" or use_count is None:
-            continue
-        while use_count() > 1:
+    # private, not in torch's stubs; a torch without it leaves the release to chance, as before
+    counts = [(c, c()) for t in tensors if t.device.type == "cpu" and (c := getattr(t, "_use_count", None))]
+    yield
+    for use_count, before in counts:
+        while use_count() > before:
             os.sched_yield()  # the worker finishes its last step of the work; it needs no GIL for that
