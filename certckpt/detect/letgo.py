@@ -14,11 +14,15 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterator
 
 import torch
 
-__all__ = ["released"]
+__all__ = ["PATIENCE", "released"]
+
+PATIENCE = 1.0
+"""Seconds :func:`released` waits at most: the worker lets go microseconds after the wait returns."""
 
 
 @contextlib.contextmanager
@@ -27,7 +31,9 @@ def released(*tensors: torch.Tensor) -> Iterator[None]:
     no more holders than on entering (the worker has dropped the work).
 
     A CUDA tensor is not waited for (NCCL's watchdog keeps its work for a time of its own), nor
-    anything when the block raised.
+    anything when the block raised; nor longer than :data:`PATIENCE` seconds (a process group that
+    keeps its work, a debug wrapper's, would otherwise hold the caller forever: then the release is
+    left to chance, as without this).
 
     Example::
 
@@ -37,6 +43,7 @@ def released(*tensors: torch.Tensor) -> Iterator[None]:
     # private, not in torch's stubs; a torch without it leaves the release to chance, as before
     counts = [(c, c()) for t in tensors if t.device.type == "cpu" and (c := getattr(t, "_use_count", None))]
     yield
+    deadline = time.monotonic() + PATIENCE
     for use_count, before in counts:
-        while use_count() > before:
+        while use_count() > before and time.monotonic() < deadline:
             os.sched_yield()  # the worker finishes its last step of the work; it needs no GIL for that
