@@ -34,6 +34,7 @@ from .events import AuditEvent, EventSink, emit_event
 from .evidence import StepOutcome
 from .hook import HookState, average_over_ranks
 from .inject import Injector
+from .letgo import released
 from .options import AuditOptions
 from .sentinel import SentinelState
 from .signature import Probes
@@ -190,7 +191,8 @@ class EventLog:
         convicted = [d for r in ev.suspect_ranks if (d := device_of(ev.inventory.get(str(r)) or {}))] if blames else []
         if self.world > 1:
             arrived = torch.ones(1, dtype=torch.int64, device=self.wire_device)
-            dist.all_reduce(arrived, group=self.group)
+            with released(arrived):  # the process may end right after this raise (letgo)
+                dist.all_reduce(arrived, group=self.group)
             int(arrived.item())  # the host waits here for every rank (see above)
         raise FaultDetectedError(
             f"step {ev.step}: {message}",
@@ -304,5 +306,6 @@ class CheckContext(SessionContext):
         """Every rank's ``mine``, in rank order, on the CPU (one all-gather)."""
         wire = mine.to(self.wire_device)
         out = [torch.empty_like(wire) for _ in range(self.world)]
-        dist.all_gather(out, wire, group=self.group)
+        with released(wire, *out):  # a save's consensus: maybe the script's last collectives but one (letgo)
+            dist.all_gather(out, wire, group=self.group)
         return [o.cpu() for o in out]

@@ -54,6 +54,7 @@ from .evidence import CheckpointEvidence, StepOutcome
 from .exchange import RingShift
 from .hook import HookState, comm_hook, hand_over_possible, lazy_pre_possible
 from .inject import Injector
+from .letgo import released
 from .nonfinite import NonFiniteCheck
 from .options import SHARDED_ONLY, AuditOptions, Mode
 from .replay import RingReplay, restore_rng
@@ -519,7 +520,9 @@ class AuditSession(AuditSessionCore):
         """Every rank learns whether rank 0's write succeeded, so all raise (or go on) together
         instead of the others hanging in the next collective."""
         status = torch.tensor([0 if error is None else 1], dtype=torch.int64, device=self.wire_device)
-        dist.broadcast(status, dist.get_global_rank(self.group, 0), group=self.group)
+        # often the last collective before the script ends: gloo's worker drops it first (letgo)
+        with released(status):
+            dist.broadcast(status, dist.get_global_rank(self.group, 0), group=self.group)
         if error is not None:
             raise error
         if int(status) != 0:
