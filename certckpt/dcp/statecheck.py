@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from certckpt.detect.letgo import released
 from certckpt.format.header import printable
 from certckpt.format.sharded.composition import compose, hex64, is_partition
 from certckpt.format.sharded.manifest import Manifest
@@ -48,13 +49,15 @@ def exchange(payload: dict, group) -> list[dict]:
     world = dist.get_world_size(group)
     size = torch.tensor([len(data)], dtype=torch.int64, device=device)
     sizes = [torch.zeros_like(size) for _ in range(world)]
-    dist.all_gather(sizes, size, group=group)
+    with released(size, *sizes):  # a load's last collectives, which a script may end right after (letgo)
+        dist.all_gather(sizes, size, group=group)
     longest = max(int(s) for s in sizes)
     mine = torch.zeros(longest, dtype=torch.uint8, device=device)
     if data:
         mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
     bufs = [torch.zeros(longest, dtype=torch.uint8, device=device) for _ in range(world)]
-    dist.all_gather(bufs, mine, group=group)
+    with released(mine, *bufs):
+        dist.all_gather(bufs, mine, group=group)
     return [json.loads(bytes(b[: int(s)].cpu().numpy())) for b, s in zip(bufs, sizes)]
 
 

@@ -13,6 +13,8 @@ import torch.distributed as dist
 
 from certckpt.errors import AuditSetupError, CertckptError
 
+from .letgo import released
+
 __all__ = ["all_gather_bytes", "refuse_together", "wire_device_for"]
 
 
@@ -28,13 +30,15 @@ def all_gather_bytes(data: bytes, *, group, wire_device: torch.device) -> list[b
     world = dist.get_world_size(group)
     n = torch.tensor([len(data)], dtype=torch.int64, device=wire_device)
     sizes = [torch.empty_like(n) for _ in range(world)]
-    dist.all_gather(sizes, n, group=group)
+    with released(n, *sizes):  # the process may end right after these collectives (letgo)
+        dist.all_gather(sizes, n, group=group)
     longest = max(int(s) for s in sizes)
     buf = torch.zeros(longest, dtype=torch.uint8, device=wire_device)
     if data:
         buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     out = [torch.empty_like(buf) for _ in range(world)]
-    dist.all_gather(out, buf, group=group)
+    with released(buf, *out):
+        dist.all_gather(out, buf, group=group)
     return [bytes(o[: int(s)].cpu().tolist()) for o, s in zip(out, sizes)]
 
 
@@ -67,7 +71,8 @@ def refuse_together(
     world = dist.get_world_size(group)
     flag = torch.tensor([0 if reason is None else 1], dtype=torch.int64, device=wire_device)
     flags = [torch.empty_like(flag) for _ in range(world)]
-    dist.all_gather(flags, flag, group=group)
+    with released(flag, *flags):  # often a save's last collective, which a script may end right after (letgo)
+        dist.all_gather(flags, flag, group=group)
     objecting = [r for r, f in enumerate(flags) if int(f)]
     if not objecting:
         return

@@ -21,7 +21,15 @@ from .certify import Level, accept_level
 from .ledger import Ledger, ckpt_id_for, is_ckpt_id
 from .runstore import find_latest_good
 
-__all__ = ["ResumePoint", "plan_resume", "next_branch", "BranchAfterLoad", "branch_after_load", "recorded_branches"]
+__all__ = [
+    "ResumePoint",
+    "plan_resume",
+    "next_branch",
+    "BranchAfterLoad",
+    "branch_after_load",
+    "branch_after_loading",
+    "recorded_branches",
+]
 
 _SUFFIX = re.compile(r"-r[0-9]+$")
 
