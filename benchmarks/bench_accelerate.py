@@ -176,6 +176,7 @@ def ranks(a: dict[str, Any]) -> dict[str, Any]:
 
     r, w = dist.get_rank(), dist.get_world_size()
     os.environ.update(RANK=str(r), WORLD_SIZE=str(w), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(w))
+    from certckpt.detect import Triggers
     from certckpt.integrations.accelerate import AcceleratorAudit, CertifiedAccelerator
 
     def loss_fn(m, b):
@@ -190,7 +191,8 @@ def ranks(a: dict[str, Any]) -> dict[str, Any]:
         model = _model(a["width"], a["layers"])
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         model, opt = acc.prepare(model, opt)
-        audit = AcceleratorAudit(acc, model, opt, loss_fn=loss_fn, audit_every=k) if k else None
+        triggers = {} if a["sentinels"] else {"triggers": Triggers(enabled=False)}
+        audit = AcceleratorAudit(acc, model, opt, loss_fn=loss_fn, audit_every=k, **triggers) if k else None
         setups[name] = (acc, model, opt, audit)
 
     def step(name: str) -> None:
@@ -248,6 +250,7 @@ def bench_audits(args: argparse.Namespace, top: str) -> dict[str, Any]:
         "rounds": args.rounds,
         "round_steps": args.round_steps,
         "floor_reps": 5 if args.tiny else 20,
+        "sentinels": not args.no_sentinels,
     }
     here = os.path.dirname(os.path.abspath(__file__))
     out = run_ranks("bench_accelerate:ranks", args.ranks, a, timeout=3600, extra_path=here)
@@ -284,6 +287,11 @@ def main() -> int:
         type=int,
         default=3,
         help="gloo ranks of the audits table (3 names a faulty rank; as many as cores keeps them from sharing one)",
+    )
+    p.add_argument(
+        "--no-sentinels",
+        action="store_true",
+        help="audits without the per-step sentinels (Triggers(enabled=False)): the interval audits alone",
     )
     p.add_argument("--dir", default=None, help="where the checkpoints go (default: a temporary directory here)")
     p.add_argument("--json", action="store_true")
@@ -336,6 +344,7 @@ def print_audits(args: argparse.Namespace, audits: dict[str, Any], *, newline: b
     print(
         f"# audits, {args.ranks} gloo ranks: {args.audit_layers} x {args.audit_width}^2 MLP, 2 micro-batches of"
         f" {args.batch}, clipping; {args.rounds} rounds of {args.round_steps} steps"
+        + ("; sentinels off" if args.no_sentinels else "")
     )
     print("loop                ms/step   premium   replay floor   premium - floor   goal")
     for name, k, goal in (("plain", None, None), ("audit/10", 10, 2.0), ("audit/100", 100, 1.0)):
