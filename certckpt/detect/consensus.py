@@ -22,6 +22,7 @@ from certckpt.format.record import state_fingerprint
 from .attribution import consensus_verdict
 from .context import CheckContext
 from .digest import digests
+from .letgo import released
 from .timing import timed
 
 __all__ = ["WeightConsensus", "consensus_buffers"]
@@ -169,7 +170,8 @@ class WeightConsensus:
             by_dtype.setdefault(b.dtype, []).append(b)
         for same in by_dtype.values():
             flat = torch.cat([b.detach().reshape(-1) for b in same]).to(ctx.wire_device)
-            dist.broadcast(flat, src, group=ctx.group)
+            with released(flat):
+                dist.broadcast(flat, src, group=ctx.group)
             if ctx.rank != 0:
                 with torch.no_grad():
                     offset = 0

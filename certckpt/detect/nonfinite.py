@@ -19,6 +19,7 @@ import torch.distributed as dist
 from .context import CheckContext
 from .exchange import recv_payload, send_payload
 from .hook import any_nonfinite
+from .letgo import released
 from .options import ExchangeFlags, NonfiniteRead
 from .replay import RingReplay
 from .setup_checks import late_detection_note
@@ -150,7 +151,8 @@ class NonFiniteCheck:
         flags = torch.zeros(2 * ctx.world, dtype=torch.int32, device=ctx.wire_device)
         flags[ctx.world + ctx.rank] = 1
         flags[ctx.rank] = int(not all(math.isfinite(v) for v in values[:n_pre]))
-        dist.all_reduce(flags, group=ctx.group)
+        with released(flags):  # a step's exchange may be a run's last collective (letgo)
+            dist.all_reduce(flags, group=ctx.group)
         exchanged = flags.tolist()
         return s, (exchanged[: ctx.world], exchanged[ctx.world :])
 
@@ -200,7 +202,8 @@ class NonFiniteCheck:
             if not post_local and ctx.options.exchange_flags is ExchangeFlags.ON_FAILURE:
                 return None
             flags = self._local_flags()
-            dist.all_reduce(flags, group=ctx.group)
+            with released(flags):
+                dist.all_reduce(flags, group=ctx.group)
             values = flags.tolist()
         if not any(values):
             return None
@@ -274,7 +277,8 @@ class NonFiniteCheck:
                 continue
             bad = self.replay.recompute(ctx.model.module, got["units"], bool(got["micro"]), got["rng"], s, finite=True)
             verdict[origin] = 0 if bool(bad) else 1
-        dist.all_reduce(verdict, group=ctx.group)
+        with released(verdict):
+            dist.all_reduce(verdict, group=ctx.group)
         faulty = [r for r in pre if int(verdict[r])]
         if faulty:
             self.detected(s, flags, faulty=faulty, overflow_replayed=[r for r in pre if r not in faulty])

@@ -24,6 +24,7 @@ from .consensus import WeightConsensus
 from .context import CheckContext
 from .exchange import recv_payload, send_payload
 from .hook import nonfinite_flag
+from .letgo import released
 from .options import Mode
 from .signature import matches, signature
 from .timing import span, timed
@@ -475,7 +476,8 @@ class RingReplay:
             else:
                 sig = torch.zeros_like(gathered[origin][1])
             wire = sig.to(ctx.wire_device)
-            dist.broadcast(wire, dist.get_global_rank(ctx.group, arbiter), group=ctx.group)
+            with released(wire):  # an arbitration may be a run's last collective (letgo)
+                dist.broadcast(wire, dist.get_global_rank(ctx.group, arbiter), group=ctx.group)
             arb = wire.cpu()
             with_origin = all(same(arb, gathered[origin][0]))
             with_replayer = all(same(arb, gathered[replayer][1]))

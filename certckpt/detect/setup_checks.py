@@ -23,6 +23,7 @@ from certckpt.errors import AuditSetupError
 from .consensus import WeightConsensus
 from .context import CheckContext
 from .exchange import refuse_unshippable
+from .letgo import released
 from .options import AuditOptions, Mode
 from .replay import RingReplay
 
@@ -145,7 +146,8 @@ class SetupChecks:
             [xxhash.xxh3_64_intdigest(desc) & ((1 << 62) - 1)], dtype=torch.int64, device=ctx.wire_device
         )
         allv = [torch.empty_like(mine) for _ in range(ctx.world)]
-        dist.all_gather(allv, mine, group=ctx.group)
+        with released(mine, *allv):
+            dist.all_gather(allv, mine, group=ctx.group)
         values = [int(v) for v in allv]
         if len(set(values)) != 1:
             groups: dict[int, list[int]] = {}

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from .agreement import all_gather_bytes
+from .letgo import released
 from .options import NonfiniteRead
 from .setup_checks import late_detection_note
 from .sharded_context import ShardedContext
@@ -92,7 +93,8 @@ class ShardedNonFiniteCheck:
         flags, pre_bad = _nonfinite_flags(grads, pre_sums)
         mine = torch.tensor([int(flags.any()), int(pre_bad)], dtype=torch.int64, device=ctx.wire_device)
         everyone = [torch.empty_like(mine) for _ in range(ctx.world)]
-        dist.all_gather(everyone, mine, group=ctx.group)
+        with released(mine, *everyone):  # a step's exchange may be a run's last collective (letgo)
+            dist.all_gather(everyone, mine, group=ctx.group)
         rows = [[int(x) for x in f.tolist()] for f in everyone]
         bad = [[n, shard_offsets(g)] for (n, g), b in zip(named, flags.tolist()) if b]
         return self._outcome(s, rows, bad)
@@ -115,7 +117,8 @@ class ShardedNonFiniteCheck:
         )
         mine = self.sentinels.row(pre, post)
         everyone = [torch.empty_like(mine) for _ in range(ctx.world)]
-        dist.all_gather(everyone, mine, group=ctx.group)
+        with released(mine, *everyone):  # a step's exchange may be a run's last collective (letgo)
+            dist.all_gather(everyone, mine, group=ctx.group)
         table = torch.stack(everyone).tolist()  # the step's one host read
         self.table = table
         rows = [[int(r[0] != 0), int(r[1] != 0)] for r in table]
