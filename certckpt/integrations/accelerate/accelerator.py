@@ -15,8 +15,8 @@ pinned by ``tests/integrations/test_integration_accelerate.py``: ``_models``, ``
   the store's latest good checkpoint (trusted, else verified) whose files all verify; the RNG states
   are restored and checked; the run continues on a new branch (``main-r1``...) forked from it.
 - ``prepare``: counts the first optimizer's steps (the checkpoint's step).
-- ``async_save=True``: ``save_state`` returns once the weights and optimizer states are snapshotted
-  into host memory; their files, the manifest and the commit follow on background threads
+- ``async_save=True``: ``save_state`` returns once every state the main process saves is snapshotted
+  into host memory; the files, the manifest and the commit follow on background threads
   (``certckpt.format.pipeline``), one checkpoint in flight. The next ``save_state``, ``load_state``,
   ``end_training`` and ``certckpt_wait()`` wait for it and raise its failure on every process.
 """
@@ -115,9 +115,9 @@ class CertifiedAccelerator(Accelerator):
             ``load_state``).
         ledger: the run store (default: ``ProjectConfiguration.project_dir``, else the parent of the
             first ``save_state`` directory).
-        async_save: ``save_state`` waits only for a snapshot of the weights and optimizer states in
-            host memory (kept and reused: about the size of those files); the files, the manifest
-            and the commit are finished in the background. The checkpoint is committed (and
+        async_save: ``save_state`` waits only for a snapshot, in host memory, of every state the
+            main process saves (kept and reused: about the size of the checkpoint); the files, the
+            manifest and the commit are finished in the background. The checkpoint is committed (and
             ``latest-good`` can name it) only once all of it is durable.
         *args, **kwargs: the Accelerator's own.
 
@@ -348,8 +348,8 @@ class CertifiedAccelerator(Accelerator):
     def _certckpt_write_files(self, directory: str, step: int, known: Any, in_flight: list[SaveFuture]) -> None:
         """Every process its RNG file; the main process the weights and the other states. The files
         are made durable together, under their names when this returns (``durable_together``); with
-        ``async_save`` the weights and optimizer states are snapshotted and their saves left running,
-        their futures appended to ``in_flight`` (waited for here when anything else fails)."""
+        ``async_save`` the main process's states are snapshotted and their saves left running, their
+        futures appended to ``in_flight`` (waited for here when anything else fails)."""
         try:
             self._certckpt_write_all(directory, step, known, in_flight)
         except BaseException:
