@@ -1,12 +1,13 @@
 """A checkpoint directory saved in the background: its large files by ``AsyncSaver``s, then its commit.
 
-The certified Trainer (``async_save=True``) and ``CertifiedAccelerator(async_save=True)`` use it. A
-checkpoint's large files (weight shards, optimizer states) are snapshotted into staging memory and
-written by background savers (``certckpt.AsyncSaver``, one per file name, so each keeps and reuses its
-staging memory from one checkpoint to the next); the caller writes the small files at once and copies
-to host memory what the manifest will hold. A background thread then waits for the large files, writes
-the manifest over every file of the directory (last, as the synchronous path does), commits it to the
-ledger and applies the rotation.
+The certified Trainer (``async_save=True``) and ``CertifiedAccelerator(async_save=True)`` use it. The
+files the caller hands to the pipeline (the Trainer: its weight shards; Accelerate: every file of the
+main process) are snapshotted into staging memory and written by background savers
+(``certckpt.AsyncSaver``, one per file name, so each keeps and reuses its staging memory from one
+checkpoint to the next); the caller writes the other files at once and copies to host memory what the
+manifest will hold. A background thread then waits for the saves, writes the manifest over every file
+of the directory (last, as the synchronous path does), commits it to the ledger and applies the
+rotation.
 
 ``latest-good`` never names a checkpoint in flight: its commit record is written after its manifest
 is durable, and the manifest after every file. A failure in the background is raised by ``wait()``,
@@ -29,7 +30,7 @@ __all__ = ["CheckpointPipeline", "host_copy"]
 
 
 class CheckpointPipeline:
-    """Background savers for the shards and the commit of the checkpoint in flight."""
+    """Background savers for a checkpoint's files, and the commit of the checkpoint in flight."""
 
     def __init__(self) -> None:
         self._savers: dict[str, AsyncSaver] = {}
@@ -45,7 +46,7 @@ class CheckpointPipeline:
 
     @property
     def staging_bytes(self) -> int:
-        """Host memory held for the shards' snapshots (kept between checkpoints)."""
+        """Host memory held for the files' snapshots (kept between checkpoints)."""
         return sum(s.staging_bytes for s in self._savers.values())
 
     @property
