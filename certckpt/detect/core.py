@@ -36,6 +36,7 @@ from certckpt.format.signing import SigningKey, signing_key_for
 from certckpt.trust.fleet import Fleet
 from certckpt.trust.ledger import Ledger, LedgerSink
 
+from . import context
 from .agreement import all_gather_bytes, refuse_together, wire_device_for
 from .context import EventLog, SessionState, StateField
 from .events import EventSink, MemorySink, log_audit_pass, log_trusted, rank_inventory
@@ -281,6 +282,20 @@ class AuditSessionCore:
                 log_trusted(branch=self.branch, steps=[s], audit_step=s, store=self.ledger.store)
             else:
                 self.state.awaiting_trust.append(s)
+
+    def reopen_lineage(self, evidence: CheckpointEvidence) -> None:
+        """The checkpoint ``evidence`` was taken for was never committed (its save failed, perhaps in
+        the background): the next checkpoint's step range and lineage reach back over its steps.
+
+        Without this, the next record would start after a checkpoint that does not exist, and the
+        audits of the failed one's steps would be in no checkpoint's lineage.
+        """
+        earlier = [(a["step"], a["kind"], a["outcome"]) for a in evidence.lineage.get("audits", [])]
+        self.state.lineage = (earlier + self.state.lineage)[: context.MAX_LINEAGE]
+        first = evidence.step_range[0]
+        self.state.last_checkpoint_step = first - 1 if first > 1 else None
+        # nothing of the failed step is committed, so there is nothing to log trusted for it
+        self.state.awaiting_trust = [p for p in self.state.awaiting_trust if p != evidence.step]
 
     def flush(self) -> None:
         """Write the events emitted so far to the sink (rank 0; the ledger's events before a commit)."""

@@ -67,6 +67,32 @@ def test_the_lineage_a_checkpoint_carries_is_capped(kind, rank0_group, monkeypat
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_a_checkpoint_that_was_never_committed_leaves_its_steps_to_the_next_ones_lineage(kind, rank0_group):
+    model, opt, session = _session(kind, consensus_every=1)
+
+    def evidence():  # the sharded session's consensus runs on exactly the state the checkpoint writes
+        return session.checkpoint_evidence() if kind == "ddp" else session.checkpoint_evidence(model.state_dict())
+
+    for _ in range(2):
+        _step(kind, model, opt, session)
+    kept = evidence()  # step 2: committed
+    for _ in range(2):
+        _step(kind, model, opt, session)
+    failed = evidence()  # step 4: its save fails, perhaps in the background
+    assert kept.step_range == [1, 2] and failed.step_range == [3, 4]
+    for _ in range(2):
+        _step(kind, model, opt, session)
+    session.reopen_lineage(failed)
+    after = evidence()  # step 6: reaches back over the failed checkpoint's steps
+    assert after.step_range == [3, 6]
+    steps = [a["step"] for a in after.lineage["audits"]]
+    assert sorted(set(steps)) == [3, 4, 5, 6], after.lineage
+    assert [a for a in after.lineage["audits"] if a["step"] <= 4] == failed.lineage["audits"]
+    assert 4 not in session.state.awaiting_trust  # nothing of step 4 is committed to trust later
+    session.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_signing_key_signs_the_ledger_the_session_writes(kind, rank0_group, tmp_path):
     for cls in (AuditSession, ShardedAuditSession):
         assert "signing_key" in inspect.signature(cls.__init__).parameters

@@ -32,6 +32,7 @@ from certckpt.integrations.accelerate import (
     verify_state_dir,
 )
 from certckpt.integrations.accelerate import accelerator as accelerator_module
+from certckpt.trust.ledger import Ledger
 from certckpt_cli.main import main
 from tests.support import accelerate_cases
 from tests.support.accelerate_cases import ACCUMULATION, batch_for, build, loop, weights_digest
@@ -303,7 +304,34 @@ def test_an_async_checkpoint_that_fails_in_the_background_is_raised_at_the_next_
     assert not os.path.exists(os.path.join(checkpoints, "checkpoint_1", MANIFEST_NAME))
     assert sorted(os.listdir(checkpoints)) == ["checkpoint_0", "checkpoint_1"]  # step 6's not started
     assert _verdicts(project) == {"main@2": "verified"}
-    accelerator.end_training()  # the failure was raised once; nothing is left in flight
+    accelerator.certckpt_wait()  # the failure was raised once; nothing is left in flight
+
+    # Training goes on (the hook fixed): the next save reuses checkpoint_1, whose leftover files (the
+    # pickle among them) are removed first, and its record's step range reaches back over step 4's.
+    accelerator._save_model_state_pre_hook.clear()
+    loop(accelerator, model, opt, sched, audit, max_steps=10, save_every=2, losses=[])
+    accelerator.end_training()
+    assert sorted(os.listdir(checkpoints)) == ["checkpoint_0", "checkpoint_1", "checkpoint_2"]
+    assert set(os.listdir(os.path.join(checkpoints, "checkpoint_1"))) == CERTIFIED
+    records = Ledger(project).snapshot().records
+    assert {c: records[c]["step_range"] for c in records} == {"main@2": [1, 2], "main@8": [3, 8], "main@10": [9, 10]}
+    assert _verdicts(project) == {"main@2": "verified", "main@8": "verified", "main@10": "verified"}
+
+
+def test_a_committed_directory_is_never_cleared_or_written_over(project_copy):
+    from certckpt.errors import CheckpointExistsError
+
+    accelerator, *_ = build(project_copy, total_limit=None, resume=True)  # latest-good: checkpoint_2
+    accelerator.project_configuration.iteration = 1  # names a committed checkpoint's directory
+    target = os.path.join(project_copy, "checkpoints", "checkpoint_1")
+    before = {f: os.path.getmtime(os.path.join(target, f)) for f in os.listdir(target)}
+    with pytest.raises(CheckpointExistsError, match="main@4 is committed there"):
+        accelerator.save_state()
+    os.remove(os.path.join(target, MANIFEST_NAME))  # damaged: its record still points there
+    del before[MANIFEST_NAME]
+    with pytest.raises(CheckpointExistsError, match="main@4 is committed there"):
+        accelerator.save_state()
+    assert {f: os.path.getmtime(os.path.join(target, f)) for f in os.listdir(target)} == before
 
 
 def test_a_fresh_run_into_a_used_store_is_refused(project_copy):

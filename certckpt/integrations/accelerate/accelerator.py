@@ -38,6 +38,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
 from certckpt.errors import (
+    CheckpointExistsError,
     ConfigurationError,
     CorruptCheckpointError,
     UnsupportedObjectError,
@@ -87,11 +88,15 @@ class CertifiedRun:
         branch: the line of training, decided at the first save, load or audited step.
         parent: the checkpoint id this branch resumed from.
         steps: optimizer steps applied so far (the first prepared optimizer's, restored by a load).
-        last_step: the previous checkpoint's step on this branch (the record's step range).
+        last_step: the step of this branch's last committed checkpoint (the next record's step range
+            starts after it; a save that fails, in the background too, leaves it alone).
         resumed_fp: the consensus fingerprint of the checkpoint loaded (the audit proves the
             replicas hold exactly it when it starts).
         audit: the ``AcceleratorAudit`` bound to this accelerator, if any.
         pipeline: with ``async_save=True``, the checkpoint in flight and the savers' staging memory.
+        in_flight: the audit evidence and the save iteration of the checkpoint in flight (every
+            process): when its background commit fails, the audit's lineage is reopened over its
+            steps and the next automatic save takes its number again, as after a synchronous failure.
     """
 
     ledger: Ledger | None
@@ -104,6 +109,7 @@ class CertifiedRun:
     resumed_fp: str | None = None
     audit: Any = None
     pipeline: CheckpointPipeline | None = None
+    in_flight: Any = None
 
 
 class CertifiedAccelerator(Accelerator):
@@ -269,6 +275,10 @@ class CertifiedAccelerator(Accelerator):
         ledger = self.certckpt_ledger(directory)
         run = self.certckpt
         branch = self.certckpt_decide_fresh()
+        automatic = self.project_configuration.automatic_checkpoint_naming
+        self._certckpt_together(
+            lambda: self._certckpt_clear_leftover(directory, ledger, remove=automatic), what="checkpoint"
+        )
         if os.path.exists(os.path.join(directory, MANIFEST_NAME)):
             raise ConfigurationError(
                 f"{directory} holds a certified checkpoint already; certified checkpoints are never overwritten: "
@@ -277,6 +287,19 @@ class CertifiedAccelerator(Accelerator):
         step = self.certified_step
         audit = run.audit
         evidence = audit.checkpoint_evidence() if audit is not None and audit.session is not None else None
+        try:
+            self._certckpt_save(directory, step, branch, evidence)
+        except BaseException:
+            if evidence is not None:  # nothing was committed: the next checkpoint's lineage covers these steps
+                audit.reopen_lineage(evidence)
+            raise
+        self.project_configuration.iteration += 1
+        logger.debug("saved %s at step %d on %s (%s)", directory, step, branch, ledger.store)
+        return directory
+
+    def _certckpt_save(self, directory: str, step: int, branch: str, evidence: Any) -> None:
+        run = self.certckpt
+        audit = run.audit
         known = evidence.known_fingerprints if evidence is not None else None
         in_flight: list[SaveFuture] = []
         self._certckpt_together(
@@ -292,6 +315,7 @@ class CertifiedAccelerator(Accelerator):
             if evidence is not None:
                 _check_weights_match(directory, consensus["fingerprints"])
             self._certckpt_commit(directory, state, step=step, branch=branch, first=first, evidence=evidence)
+            run.last_step = step  # (main process) the next record's range starts after a committed checkpoint
             self._certckpt_rotate()
             self._certckpt_retire_deleted()
 
@@ -308,10 +332,29 @@ class CertifiedAccelerator(Accelerator):
                 run.pipeline.submit(directory, in_flight, commit)
 
         self._certckpt_together(finish, what="checkpoint commit")
-        run.last_step = step
-        self.project_configuration.iteration += 1
-        logger.debug("saved %s at step %d on %s (%s)", directory, step, branch, ledger.store)
-        return directory
+        if run.pipeline is not None:
+            run.in_flight = (evidence, self.project_configuration.iteration)
+
+    def _certckpt_clear_leftover(self, directory: str, ledger: Ledger, *, remove: bool) -> None:
+        """Before a save into ``directory`` (the main process): refused when a committed checkpoint is
+        there (even one whose manifest is gone: committed files are never written over). Under
+        automatic naming (``remove``), a ``checkpoint_<i>`` left by a save that failed before its
+        manifest (in the background too; the iteration did not advance) is garbage, removed so that
+        none of its files is taken into the next checkpoint. One with a manifest is never removed,
+        committed or not (a record missing from the ledger is doubt, and doubt frees no space): it is
+        refused by ``save_state``."""
+        if not self.is_main_process or not os.path.isdir(directory):
+            return
+        here = os.path.abspath(directory)
+        for cid, record in _snapshot(ledger).records.items():
+            if os.path.dirname(os.path.abspath(ledger.url_of(record))) == here:
+                raise CheckpointExistsError(
+                    f"{directory}: {cid} is committed there; committed checkpoints are never written over: save "
+                    "into a new directory"
+                )
+        if remove and not os.path.exists(os.path.join(directory, MANIFEST_NAME)):
+            logger.warning("certckpt: removing %s, left uncommitted by an earlier save", directory)
+            shutil.rmtree(directory)
 
     def _certckpt_together(self, fn: Any, *, what: str) -> Any:
         return together(fn, what=what, device=self.device)
@@ -320,9 +363,20 @@ class CertifiedAccelerator(Accelerator):
         """Wait for the checkpoint in flight (``async_save=True``; call it on every process): when it
         failed, every process raises ``AsyncSaveError`` and latest-good still names the one before.
         ``save_state``, ``load_state`` and ``end_training`` call it first."""
-        pipeline = self.certckpt.pipeline
-        if pipeline is not None:
-            self._certckpt_together(pipeline.wait, what="asynchronous checkpoint")
+        run = self.certckpt
+        if run.pipeline is None:
+            return
+        in_flight, run.in_flight = run.in_flight, None
+        try:
+            self._certckpt_together(run.pipeline.wait, what="asynchronous checkpoint")
+        except BaseException:
+            if in_flight is not None:  # never committed: as a synchronous save that failed
+                evidence, iteration = in_flight
+                if evidence is not None and run.audit is not None:  # its steps join the next lineage
+                    run.audit.reopen_lineage(evidence)
+                # the next automatic save takes its number again (its leftover directory removed first)
+                self.project_configuration.iteration = min(self.project_configuration.iteration, iteration)
+            raise
 
     def end_training(self) -> None:
         """``Accelerator.end_training``, after the checkpoint in flight is committed (``async_save``)."""

@@ -217,6 +217,12 @@ class AcceleratorAudit:
         assert self.session is not None
         return self.session.checkpoint_evidence()
 
+    def reopen_lineage(self, evidence: CheckpointEvidence) -> None:
+        """The checkpoint ``evidence`` was taken for was not committed: the next one's lineage and step
+        range reach back over its steps (``AuditSessionCore.reopen_lineage``)."""
+        if self.session is not None:
+            self.session.reopen_lineage(evidence)
+
     def consensus_fingerprints(self) -> dict[str, str] | None:
         return self.session.consensus_fingerprints() if self.session is not None else None
 
