@@ -181,6 +181,7 @@ class AuditSession(AuditSessionCore):
         # The object the user passed: ``torch.compile(DDP(m))`` trains through the compiled wrapper.
         self.train_model = model if compiled else ddp
         self._saver: AsyncSaver | None = None  # rank 0's background writer, made at the first async_save
+        self._in_flight: CheckpointEvidence | None = None  # the evidence of the async_save in flight (every rank)
         named = [(n, p) for n, p in ddp.module.named_parameters() if p.requires_grad]
         self.param_names = [n for n, _ in named]
         self.params = [p for _, p in named]
@@ -481,12 +482,13 @@ class AuditSession(AuditSessionCore):
         s = self._fingerprint_consensus()
         evidence = self._evidence(s)
         result, error = None, None
-        if self.rank == 0:
+        previous = self._previous_save_failure()  # rank 0: an async_save still in flight ends first
+        if self.rank == 0 and previous is None:
             try:
                 result = self._write(obj, f, evidence, kwargs)
             except Exception as e:
                 error = e
-        self._agree_on_write(error, f, s)
+        self._agree_on_write(previous or error, f, s, previous_failed=previous is not None)
         self.end_lineage(s)
         return result
 
@@ -507,22 +509,40 @@ class AuditSession(AuditSessionCore):
         s = self._fingerprint_consensus()
         evidence = self._evidence(s)
         future, error = None, None
-        if self.rank == 0:
+        previous = self._previous_save_failure()  # rank 0: one save in flight; the previous one ends first
+        if self.rank == 0 and previous is None:
             try:
                 future = self._write_async(obj, f, evidence, kwargs)
             except Exception as e:
                 error = e
-        self._agree_on_write(error, f, s)
+        self._agree_on_write(previous or error, f, s, previous_failed=previous is not None)
         self.end_lineage(s)
+        self._in_flight = evidence  # every rank: reopened should its background save fail
         return future
 
-    def _agree_on_write(self, error: Exception | None, f: Any, s: int) -> None:
+    def _previous_save_failure(self) -> Exception | None:
+        """Rank 0: wait for the ``async_save`` in flight and return its failure nobody has seen (None
+        elsewhere, or when it committed)."""
+        if self.rank != 0 or self._saver is None:
+            return None
+        try:
+            self._saver.wait()
+        except Exception as e:
+            return e
+        return None
+
+    def _agree_on_write(self, error: Exception | None, f: Any, s: int, *, previous_failed: bool = False) -> None:
         """Every rank learns whether rank 0's write succeeded, so all raise (or go on) together
-        instead of the others hanging in the next collective."""
-        status = torch.tensor([0 if error is None else 1], dtype=torch.int64, device=self.wire_device)
+        instead of the others hanging in the next collective. When the ``async_save`` before it failed
+        in the background, every rank reopens that checkpoint's lineage: it was never committed."""
+        code = 2 if previous_failed else 0 if error is None else 1
+        status = torch.tensor([code], dtype=torch.int64, device=self.wire_device)
         # often the last collective before the script ends: gloo's worker drops it first (letgo)
         with released(status):
             dist.broadcast(status, dist.get_global_rank(self.group, 0), group=self.group)
+        in_flight, self._in_flight = self._in_flight, None  # settled either way: rank 0 waited for it
+        if int(status) == 2 and in_flight is not None:
+            self.reopen_lineage(in_flight)
         if error is not None:
             raise error
         if int(status) != 0:
@@ -535,7 +555,6 @@ class AuditSession(AuditSessionCore):
         in the background (the record only once the file is published)."""
         if self._saver is None:
             self._saver = AsyncSaver()
-        self._saver.wait()  # a failure of the previous save is raised here, on every rank (above)
         self.sink.flush()  # the events up to this checkpoint reach the ledger before its commit record
         if self.ledger is not None:
             storage, name = storage_of(str(f))
@@ -553,8 +572,6 @@ class AuditSession(AuditSessionCore):
 
     def _write(self, obj: Any, f: Any, evidence: CheckpointEvidence, kwargs: dict[str, Any]) -> SaveResult:
         """Rank 0's part of ``save``: the file, the events before it, its commit record."""
-        if self._saver is not None:
-            self._saver.wait()  # an async_save still in flight ends first; its unseen failure is raised here
         fields = evidence.record_fields()
         options = {"signing_key": self.signing_key, **kwargs}
         try:

@@ -373,5 +373,11 @@ def test_async_checkpoints_through_the_auditor_on_three_ranks(tmp_path):
         assert {p: rec.tensors[t]["fp"] for p, t in mapping.items()} == out[0][f"consensus{s}"]
         loaded = certckpt.load(path)["model"]  # the weights of that step, not of a later one
         assert all(torch.equal(loaded[k], torch.tensor(v)) for k, v in out[0][f"weights{s}"].items())
+    # nothing was committed before step 15: its record reaches back to step 1, over the failed saves'
+    # steps, and its lineage holds their audits (every 5 steps)
+    first = certckpt.inspect(tmp_path / "main@15.safetensors").record
+    assert first.step_range == [1, 15]
+    assert sorted({a["step"] for a in first.lineage["audits"] if a["kind"] == "replay"}) == [5, 10, 15], first.lineage
+    assert certckpt.inspect(tmp_path / "main@20.safetensors").record.step_range == [16, 20]
     _, latest = certckpt.find_latest_good(str(tmp_path), write_certificates=False)
     assert latest == "main@20"
