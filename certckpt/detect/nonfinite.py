@@ -10,6 +10,7 @@ check object of ``session.AuditSession``, built on its ``context.CheckContext``.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -43,7 +44,9 @@ class NonFiniteCheck:
     def __init__(self, ctx: CheckContext, *, replay: RingReplay, sentinels: SentinelCheck | None = None) -> None:
         self.ctx, self.replay, self.sentinels = ctx, replay, sentinels
         self._pending: tuple[int, tuple[int, torch.Tensor, Any]] | None = None  # a deferred read's step and sums
-        self._early: tuple[int, list[torch.Tensor], Any] | None = None  # an exchange started early: step, out, work
+        # an exchange started early: step, out, work, and the wait for gloo's worker to let go of its
+        # tensors once it is complete (letgo: the last step's exchange may be a run's last collective)
+        self._early: tuple[int, list[torch.Tensor], Any, contextlib.ExitStack] | None = None
         self.table: list[list[float]] | None = None
 
     def exchange_early(self, s: int) -> None:
@@ -61,15 +64,17 @@ class NonFiniteCheck:
         """
         self._settle_early()
         ctx = self.ctx
+        letgo = contextlib.ExitStack()
         if self.sentinels is not None and self.sentinels.active:
-            rows, work = self._start_rows()
-            self._early = (s, rows, work)
+            rows, work = self._start_rows(letgo=letgo)
+            self._early = (s, rows, work, letgo)
             return
         if ctx.options.exchange_flags is not ExchangeFlags.EVERY_STEP:
             return
         flags = self._local_flags()
+        letgo.enter_context(released(flags))
         work = dist.all_reduce(flags, group=ctx.group, async_op=True)
-        self._early = (s, [flags], work)
+        self._early = (s, [flags], work, letgo)
 
     def _settle_early(self) -> tuple[int, list[torch.Tensor]] | None:
         """The early exchange started, once complete: ``(its step, what it exchanged)`` (the summed
@@ -77,8 +82,9 @@ class NonFiniteCheck:
         early, self._early = self._early, None
         if early is None:
             return None
-        s, out, work = early
+        s, out, work, letgo = early
         work.wait()
+        letgo.close()
         return s, out
 
     def must_read_now(self, s: int, *, audit: bool) -> bool:
@@ -197,7 +203,9 @@ class NonFiniteCheck:
             values = early[1][0].tolist()
         else:
             if sentinels:
-                return self._flags_from_rows(self._start_rows(wait=True)[0])
+                with contextlib.ExitStack() as letgo:
+                    rows = self._start_rows(wait=True, letgo=letgo)[0]
+                return self._flags_from_rows(rows)
             post_local = bool(any_nonfinite(hook.post)) if hook.post else False  # the step's one host read
             if not post_local and ctx.options.exchange_flags is ExchangeFlags.ON_FAILURE:
                 return None
@@ -209,7 +217,7 @@ class NonFiniteCheck:
             return None
         return values[: ctx.world], values[ctx.world :]
 
-    def _start_rows(self, *, wait: bool = False) -> tuple[list[torch.Tensor], Any]:
+    def _start_rows(self, *, letgo: contextlib.ExitStack, wait: bool = False) -> tuple[list[torch.Tensor], Any]:
         """All-gather this rank's sentinel row (its flags ride along): ``(every rank's row, the
         work)``, in flight unless ``wait``.
 
@@ -223,6 +231,7 @@ class NonFiniteCheck:
         pre, post = self.sentinels.flags_of(hook.pre, hook.post)
         mine = self.sentinels.row(pre, post)
         rows = [torch.empty_like(mine) for _ in range(ctx.world)]
+        letgo.enter_context(released(mine, *rows))  # closed by the caller once the gather is complete
         work = dist.all_gather(rows, mine, group=ctx.group, async_op=not wait)
         return rows, work
 
