@@ -19,10 +19,15 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["PATIENCE", "released"]
+__all__ = ["PATIENCE", "released", "gave_up"]
 
 PATIENCE = 1.0
 """Seconds :func:`released` waits at most: the worker lets go microseconds after the wait returns."""
+
+gave_up = 0
+"""How many times :func:`released` waited out its patience in this process: never, when every
+holder it waits for is the worker (the tests check it; a holder the caller keeps, such as the work
+object of an asynchronous collective, would cost every call :data:`PATIENCE`)."""
 
 
 @contextlib.contextmanager
@@ -43,7 +48,11 @@ def released(*tensors: torch.Tensor) -> Iterator[None]:
     # private, not in torch's stubs; a torch without it leaves the release to chance, as before
     counts = [(c, c()) for t in tensors if t.device.type == "cpu" and (c := getattr(t, "_use_count", None))]
     yield
+    global gave_up
     deadline = time.monotonic() + PATIENCE
     for use_count, before in counts:
-        while use_count() > before and time.monotonic() < deadline:
+        while use_count() > before:
+            if time.monotonic() >= deadline:
+                gave_up += 1
+                return
             os.sched_yield()  # the worker finishes its last step of the work; it needs no GIL for that

@@ -83,7 +83,9 @@ class NonFiniteCheck:
         if early is None:
             return None
         s, out, work, letgo = early
+        del early
         work.wait()
+        del work  # the work holds its tensors: the wait for the worker's release comes after
         letgo.close()
         return s, out
 

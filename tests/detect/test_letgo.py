@@ -43,3 +43,39 @@ def test_released_does_not_wait_when_the_block_raised():
         kept = t.view(-1)
         raise RuntimeError("collective failed")
     del kept
+
+
+@pytest.mark.parametrize("sentinels", [True, False])
+def test_a_sessions_exchanges_never_wait_out_their_patience(rank0_group, monkeypatch, sentinels):
+    """The early exchange of a step's flags (sentinel rows, or summed flags) is asynchronous: its work
+    object holds the tensors until it is dropped, so a wait for the worker begun while the work is
+    alive would cost every step ``PATIENCE``. Each step here goes through that exchange."""
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from certckpt.detect import AuditSession, Triggers
+    from certckpt.detect.nonfinite import NonFiniteCheck
+
+    settled = []
+    settle = NonFiniteCheck._settle_early
+    monkeypatch.setattr(NonFiniteCheck, "_settle_early", lambda self: settled.append(r := settle(self)) or r)
+    monkeypatch.setattr(letgo, "gave_up", 0)
+    torch.manual_seed(0)
+    m = torch.nn.Linear(4, 2)
+    model, opt = DDP(m), torch.optim.SGD(m.parameters(), lr=0.1)
+    triggers = {} if sentinels else {"triggers": Triggers(enabled=False)}
+    session = AuditSession(
+        model, opt, loss_fn=lambda mod, b: F.mse_loss(mod(b), b[:, :2]), exchange_flags="every-step", **triggers
+    )
+    for _ in range(3):
+        batch = torch.randn(3, 4)
+        session.begin_micro_batch(batch)
+        opt.zero_grad(set_to_none=True)
+        F.mse_loss(model(batch), batch[:, :2]).backward()
+        session.after_backward()  # starts the early exchange
+        assert session.before_update()
+        opt.step()
+        session.after_update()
+    session.close()
+    assert [r is not None for r in settled].count(True) == 3  # every step's exchange was an early one
+    assert letgo.gave_up == 0
