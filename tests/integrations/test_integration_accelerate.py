@@ -318,6 +318,20 @@ def test_an_async_checkpoint_that_fails_in_the_background_is_raised_at_the_next_
     assert _verdicts(project) == {"main@2": "verified", "main@8": "verified", "main@10": "verified"}
 
 
+def test_only_the_directory_of_this_runs_failed_save_is_ever_removed(tmp_path):
+    project = str(tmp_path / "proj")
+    accelerator, *_ = build(project, total_limit=None)
+    stranger = os.path.join(project, "checkpoints", "checkpoint_0")
+    os.makedirs(stranger)
+    with open(os.path.join(stranger, "notes.txt"), "w") as f:
+        f.write("someone's")  # of unknown origin: nothing says it may go
+    accelerator.save_state()
+    with open(os.path.join(stranger, "notes.txt")) as f:
+        assert f.read() == "someone's"
+    report = verify_state_dir(stranger)
+    assert report.ok and "notes.txt" in report.files  # listed in the manifest, as a hook's file would be
+
+
 def test_a_committed_directory_is_never_cleared_or_written_over(project_copy):
     from certckpt.errors import CheckpointExistsError
 

@@ -94,9 +94,12 @@ class CertifiedRun:
             replicas hold exactly it when it starts).
         audit: the ``AcceleratorAudit`` bound to this accelerator, if any.
         pipeline: with ``async_save=True``, the checkpoint in flight and the savers' staging memory.
-        in_flight: the audit evidence and the save iteration of the checkpoint in flight (every
-            process): when its background commit fails, the audit's lineage is reopened over its
-            steps and the next automatic save takes its number again, as after a synchronous failure.
+        in_flight: the audit evidence, the save iteration and the directory of the checkpoint in
+            flight (every process): when its background commit fails, the audit's lineage is
+            reopened over its steps and the next automatic save takes its number again, as after a
+            synchronous failure.
+        failed: the directory of this run's last save that failed before its commit: the one
+            leftover the next automatic save may remove (nothing else is ever removed).
     """
 
     ledger: Ledger | None
@@ -110,6 +113,7 @@ class CertifiedRun:
     audit: Any = None
     pipeline: CheckpointPipeline | None = None
     in_flight: Any = None
+    failed: str | None = None
 
 
 class CertifiedAccelerator(Accelerator):
@@ -275,9 +279,9 @@ class CertifiedAccelerator(Accelerator):
         ledger = self.certckpt_ledger(directory)
         run = self.certckpt
         branch = self.certckpt_decide_fresh()
-        automatic = self.project_configuration.automatic_checkpoint_naming
+        ours = self.project_configuration.automatic_checkpoint_naming and directory == run.failed
         self._certckpt_together(
-            lambda: self._certckpt_clear_leftover(directory, ledger, remove=automatic), what="checkpoint"
+            lambda: self._certckpt_clear_leftover(directory, ledger, remove=ours), what="checkpoint"
         )
         if os.path.exists(os.path.join(directory, MANIFEST_NAME)):
             raise ConfigurationError(
@@ -290,6 +294,7 @@ class CertifiedAccelerator(Accelerator):
         try:
             self._certckpt_save(directory, step, branch, evidence)
         except BaseException:
+            run.failed = directory
             if evidence is not None:  # nothing was committed: the next checkpoint's lineage covers these steps
                 audit.reopen_lineage(evidence)
             raise
@@ -333,16 +338,17 @@ class CertifiedAccelerator(Accelerator):
 
         self._certckpt_together(finish, what="checkpoint commit")
         if run.pipeline is not None:
-            run.in_flight = (evidence, self.project_configuration.iteration)
+            run.in_flight = (evidence, self.project_configuration.iteration, directory)
 
     def _certckpt_clear_leftover(self, directory: str, ledger: Ledger, *, remove: bool) -> None:
         """Before a save into ``directory`` (the main process): refused when a committed checkpoint is
-        there (even one whose manifest is gone: committed files are never written over). Under
-        automatic naming (``remove``), a ``checkpoint_<i>`` left by a save that failed before its
-        manifest (in the background too; the iteration did not advance) is garbage, removed so that
-        none of its files is taken into the next checkpoint. One with a manifest is never removed,
-        committed or not (a record missing from the ledger is doubt, and doubt frees no space): it is
-        refused by ``save_state``."""
+        there (even one whose manifest is gone: committed files are never written over). ``remove``:
+        the ``checkpoint_<i>`` this run's own last save left when it failed before its commit (in the
+        background too; the number is taken again) is removed first, so that none of its files is
+        taken into the next checkpoint (with a manifest too: this run knows its commit failed, and no
+        record points there); never a symbolic link. A directory of unknown origin is never removed
+        (doubt frees no space): the save writes into it, as Accelerate's does, and a pickle found
+        there is refused."""
         if not self.is_main_process or not os.path.isdir(directory):
             return
         here = os.path.abspath(directory)
@@ -352,7 +358,7 @@ class CertifiedAccelerator(Accelerator):
                     f"{directory}: {cid} is committed there; committed checkpoints are never written over: save "
                     "into a new directory"
                 )
-        if remove and not os.path.exists(os.path.join(directory, MANIFEST_NAME)):
+        if remove and not os.path.islink(directory):
             logger.warning("certckpt: removing %s, left uncommitted by an earlier save", directory)
             shutil.rmtree(directory)
 
@@ -371,7 +377,7 @@ class CertifiedAccelerator(Accelerator):
             self._certckpt_together(run.pipeline.wait, what="asynchronous checkpoint")
         except BaseException:
             if in_flight is not None:  # never committed: as a synchronous save that failed
-                evidence, iteration = in_flight
+                evidence, iteration, run.failed = in_flight
                 if evidence is not None and run.audit is not None:  # its steps join the next lineage
                     run.audit.reopen_lineage(evidence)
                 # the next automatic save takes its number again (its leftover directory removed first)
