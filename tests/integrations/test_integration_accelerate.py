@@ -25,7 +25,13 @@ import torch
 from click.testing import CliRunner
 
 from certckpt.detect.launch import free_port, run_ranks
-from certckpt.errors import AuditSetupError, ConfigurationError, CorruptCheckpointError, NotACheckpointError
+from certckpt.errors import (
+    AuditSetupError,
+    CertckptError,
+    ConfigurationError,
+    CorruptCheckpointError,
+    NotACheckpointError,
+)
 from certckpt.integrations.accelerate import (
     MANIFEST_NAME,
     AcceleratorAudit,
@@ -330,6 +336,18 @@ def test_only_the_directory_of_this_runs_failed_save_is_ever_removed(tmp_path):
         assert f.read() == "someone's"
     report = verify_state_dir(stranger)
     assert report.ok and "notes.txt" in report.files  # listed in the manifest, as a hook's file would be
+
+    # A save that fails in a directory it did not create does not make that directory its own.
+    foreign = os.path.join(project, "checkpoints", "checkpoint_1")
+    os.makedirs(foreign)
+    torch.save({"w": torch.ones(1)}, os.path.join(foreign, "theirs.bin"))  # refused: a pickle
+    with pytest.raises(Exception, match="theirs.bin"):
+        accelerator.save_state()
+    assert "theirs.bin" in os.listdir(foreign)
+    with pytest.raises(CertckptError):  # the number is taken again: the directory is still not this run's
+        accelerator.save_state()
+    assert "theirs.bin" in os.listdir(foreign)
+    assert accelerator.certckpt.failed is None
 
 
 def test_a_committed_directory_is_never_cleared_or_written_over(project_copy):

@@ -98,8 +98,8 @@ class CertifiedRun:
             flight (every process): when its background commit fails, the audit's lineage is
             reopened over its steps and the next automatic save takes its number again, as after a
             synchronous failure.
-        failed: the directory of this run's last save that failed before its commit: the one
-            leftover the next automatic save may remove (nothing else is ever removed).
+        failed: the directory this run's last save created and then failed in, before its commit:
+            the one leftover the next automatic save may remove (nothing else is ever removed).
     """
 
     ledger: Ledger | None
@@ -291,18 +291,22 @@ class CertifiedAccelerator(Accelerator):
         step = self.certified_step
         audit = run.audit
         evidence = audit.checkpoint_evidence() if audit is not None and audit.session is not None else None
+        # A directory this save creates is this run's own to remove should the save fail; one that was
+        # there already (a stranger's, or an explicit one) never becomes so by a failed save into it.
+        owned = None if os.path.lexists(directory) else directory
         try:
-            self._certckpt_save(directory, step, branch, evidence)
+            self._certckpt_save(directory, step, branch, evidence, owned=owned)
         except BaseException:
-            run.failed = directory
+            run.failed = owned
             if evidence is not None:  # nothing was committed: the next checkpoint's lineage covers these steps
                 audit.reopen_lineage(evidence)
             raise
+        run.failed = None
         self.project_configuration.iteration += 1
         logger.debug("saved %s at step %d on %s (%s)", directory, step, branch, ledger.store)
         return directory
 
-    def _certckpt_save(self, directory: str, step: int, branch: str, evidence: Any) -> None:
+    def _certckpt_save(self, directory: str, step: int, branch: str, evidence: Any, *, owned: str | None) -> None:
         run = self.certckpt
         audit = run.audit
         known = evidence.known_fingerprints if evidence is not None else None
@@ -338,13 +342,13 @@ class CertifiedAccelerator(Accelerator):
 
         self._certckpt_together(finish, what="checkpoint commit")
         if run.pipeline is not None:
-            run.in_flight = (evidence, self.project_configuration.iteration, directory)
+            run.in_flight = (evidence, self.project_configuration.iteration, owned)
 
     def _certckpt_clear_leftover(self, directory: str, ledger: Ledger, *, remove: bool) -> None:
         """Before a save into ``directory`` (the main process): refused when a committed checkpoint is
         there (even one whose manifest is gone: committed files are never written over). ``remove``:
-        the ``checkpoint_<i>`` this run's own last save left when it failed before its commit (in the
-        background too; the number is taken again) is removed first, so that none of its files is
+        the ``checkpoint_<i>`` this run's own last save created and left when it failed before its
+        commit (in the background too; the number is taken again) is removed first, so that none of its files is
         taken into the next checkpoint (with a manifest too: this run knows its commit failed, and no
         record points there); never a symbolic link. A directory of unknown origin is never removed
         (doubt frees no space): the save writes into it, as Accelerate's does, and a pickle found
