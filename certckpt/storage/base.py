@@ -140,13 +140,21 @@ class Lock:
 class LockRequest:
     """The retention a new object is written with (S3 Object Lock; a store without it has none).
 
+    The request carries a duration, not a date: each object's retain-until date is fixed when that
+    object is written. A date fixed once, before a long promotion, would give the last objects less
+    than was asked for, and one already past by the time of the PUT is refused by the store.
+
     Attributes:
         mode: ``GOVERNANCE`` (a privileged caller may lift it) or ``COMPLIANCE`` (nobody may).
-        retain_until: the store refuses to delete the object before this time (timezone-aware).
+        retain_for: the store refuses to delete the object for this long after it is written.
     """
 
     mode: Literal["GOVERNANCE", "COMPLIANCE"]
-    retain_until: datetime.datetime
+    retain_for: datetime.timedelta
+
+    def until(self, now: datetime.datetime | None = None) -> datetime.datetime:
+        """The retain-until date of an object written ``now`` (default: the current time, UTC)."""
+        return (now or datetime.datetime.now(datetime.timezone.utc)) + self.retain_for
 
 
 @dataclass(frozen=True, slots=True)

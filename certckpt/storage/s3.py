@@ -98,7 +98,8 @@ class S3Storage(FsspecStorage):
         return cast(Info, self.fs.call_s3(method, Bucket=self.bucket, **kwargs))
 
     def _put(self, src: str, path: str, *, create_only: bool, lock: LockRequest | None, extra: Info) -> None:
-        retention = {"ObjectLockMode": lock.mode, "ObjectLockRetainUntilDate": lock.retain_until} if lock else {}
+        # the date is fixed here, at the write, so every object gets the whole retention asked for
+        retention = {"ObjectLockMode": lock.mode, "ObjectLockRetainUntilDate": lock.until()} if lock else {}
         if create_only:
             # If-None-Match: * — the server refuses an existing key; s3fs aborts a failed multipart upload
             try:

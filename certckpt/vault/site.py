@@ -84,8 +84,9 @@ def lock_options(site: VaultSite, *, mode: str, retain_days: float) -> LockReque
         )
     if not retain_days > 0:
         raise ConfigurationError("retain days must be > 0 for Object Lock retention")
-    until = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(days=retain_days)
-    return LockRequest(mode="COMPLIANCE" if mode == "COMPLIANCE" else "GOVERNANCE", retain_until=until)
+    return LockRequest(
+        mode="COMPLIANCE" if mode == "COMPLIANCE" else "GOVERNANCE", retain_for=datetime.timedelta(days=retain_days)
+    )
 
 
 def lock_of(site: VaultSite, url: str) -> dict[str, Any] | None:

@@ -157,11 +157,13 @@ def test_s3_protection_locks_and_versions(s3_server, tmp_path):
     assert (found.object_lock, found.versioned, found.bucket) == (True, True, name)
     src = tmp_path / "f"
     src.write_bytes(b"held")
-    until = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(days=1)
-    storage.publish(str(src), "held.bin", lock=LockRequest(mode="GOVERNANCE", retain_until=until))
+    day = datetime.timedelta(days=1)
+    before = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0)  # stores keep whole seconds
+    storage.publish(str(src), "held.bin", lock=LockRequest(mode="GOVERNANCE", retain_for=day))
+    after = datetime.datetime.now(datetime.timezone.utc)
     lock = storage.lock_of("held.bin")
     assert lock is not None and lock.mode == "GOVERNANCE" and lock.active() and lock.version_id
-    assert abs((lock.retain_until - until).total_seconds()) < 2
+    assert lock.retain_until is not None and before <= lock.retain_until - day <= after  # dated at the write
     assert storage.lock_of("missing.bin") is None
     versions = storage.versions("held.bin")
     assert versions is not None and (versions.versions, versions.delete_markers, versions.deleted) == (1, 0, False)

@@ -83,8 +83,10 @@ def test_prune_deletes_every_version_once_retention_expires_and_never_a_locked_o
     bucket, fs = lock_bucket
     run, vault = copy_run("clean"), f"s3://{bucket}/run1"
     promote(run, vault, ckpts=["main@5"], retain_days=7)
-    promote(run, vault, retain_days=2 / 86400)  # the others: two seconds
-    time.sleep(2.5)
+    short = promote(run, vault, retain_days=2 / 86400)  # the others: two seconds from each one's upload
+    # wait for the event itself, the last of those dates (as the store reported them) going by
+    last = max(datetime.datetime.fromisoformat(p.lock["retain_until"]) for p in short if p.lock)
+    time.sleep(max(0.0, (last - datetime.datetime.now(datetime.timezone.utc)).total_seconds()) + 0.5)
     res = prune(vault, KeepLatest(0), apply=True)
     assert res.deleted == ["main@10", "main@15", "main@20", "main@25"] and res.plan.guarded == {
         "main@30": "latest-good"
