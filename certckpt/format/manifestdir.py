@@ -37,6 +37,7 @@ __all__ = [
     "read_manifest",
     "verify_directory",
     "require_intact",
+    "leftover_problem",
 ]
 
 FilesTable = dict[str, dict[str, Any]]
@@ -253,3 +254,41 @@ def require_intact(report: R, kind: ManifestDir) -> R:
             f"refusing to {kind.action} {report.directory}: {report.problems[0]}{more}; {kind.advice}"
         )
     return report
+
+
+def leftover_problem(directory: str, kind: ManifestDir, *, run: str | None, step: int) -> str | None:
+    """None when ``directory`` is provably what an uncommitted save of ``run`` at ``step`` left
+    (a crash, or a save that failed before its manifest): no manifest, at least one certified file,
+    every certified file of that run and step, no pickle, no subdirectory, no link. Otherwise why not.
+
+    Only such a directory may be removed before a save takes its name again: a directory with a
+    manifest may be committed to a ledger this caller cannot see (a lost or other one), and one of
+    unknown origin is somebody's data. Doubt frees no space. Reads headers only.
+    """
+    if os.path.islink(directory):
+        return "it is a symbolic link"
+    names = sorted(os.listdir(directory))
+    pickles = [n for n in names if kind.pickled and n.endswith(kind.pickled)]
+    if pickles:  # the plainest sign of somebody else's checkpoint: named first
+        return f"it holds {pickles[0]}, a pickle, which certckpt never writes"
+    ours = 0
+    for name in names:
+        path = os.path.join(directory, name)
+        if os.path.islink(path) or not os.path.isfile(path):
+            return f"it holds {name!r}, which is not a plain file"
+        if name.startswith("."):
+            continue  # writers' temp files
+        if name == kind.manifest:
+            return f"it holds {name}, a manifest, which may be committed to a ledger other than this one"
+        if not (kind.certified_only or name.endswith(".safetensors")):
+            continue  # configs, tokenizer files, JSON: written beside the certified files
+        try:
+            record = inspect(path).record
+        except NotACheckpointError:
+            return f"it holds {name}, a file certckpt did not write"
+        except (CorruptCheckpointError, CheckpointNotFoundError):
+            return f"it holds {name}, a certified file that does not read whole"
+        if (record.run, record.step) != (run, step):
+            return f"it holds {name}, written by run {record.run!r} at step {record.step} (not {run!r} at {step})"
+        ours += 1
+    return None if ours else f"it holds no certified file of run {run!r} at step {step}"

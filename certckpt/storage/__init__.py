@@ -21,6 +21,7 @@ from certckpt.errors import (
 )
 
 from .base import (
+    EXISTS,
     LEDGER_DIR,
     VAULT_MARK,
     Entry,
@@ -42,6 +43,7 @@ from .base import (
 from .local import LocalStorage, refuse_special, write_atomic
 
 __all__ = [
+    "EXISTS",
     "LEDGER_DIR",
     "VAULT_MARK",
     "Entry",

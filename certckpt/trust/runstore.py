@@ -59,6 +59,7 @@ __all__ = [
     "find_latest_good",
     "latest_intact_directory",
     "committed_directory",
+    "committed_into",
     "snapshot_or_empty",
     "check_file",
     "open_incident",
@@ -626,6 +627,16 @@ def snapshot_or_empty(ledger: Ledger) -> LedgerSnapshot:
     if "://" not in ledger.store and not os.path.isdir(ledger.store):
         return LedgerSnapshot()
     return ledger.snapshot()
+
+
+def committed_into(ledger: Ledger, directory: str) -> str | None:
+    """The id of a checkpoint ``ledger`` commits inside ``directory`` (by its committed file's
+    location, whatever its branch or its manifest's state now), or None."""
+    here = os.path.abspath(directory)
+    for cid, record in snapshot_or_empty(ledger).records.items():
+        if os.path.dirname(os.path.abspath(ledger.url_of(record))) == here:
+            return cid
+    return None
 
 
 def latest_intact_directory(

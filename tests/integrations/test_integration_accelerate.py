@@ -27,7 +27,7 @@ from click.testing import CliRunner
 from certckpt.detect.launch import free_port, run_ranks
 from certckpt.errors import (
     AuditSetupError,
-    CertckptError,
+    CheckpointExistsError,
     ConfigurationError,
     CorruptCheckpointError,
     NotACheckpointError,
@@ -344,14 +344,37 @@ def test_only_the_directory_of_this_runs_failed_save_is_ever_removed(tmp_path):
     with pytest.raises(Exception, match="theirs.bin"):
         accelerator.save_state()
     assert "theirs.bin" in os.listdir(foreign)
-    with pytest.raises(CertckptError):  # the number is taken again: the directory is still not this run's
+    # the number is taken again: the directory is still not this run's, and the files the first attempt
+    # wrote there are not written over; the refusal says what to do (not the writer's overwrite=True)
+    with pytest.raises(
+        CheckpointExistsError, match="this save did not write; certckpt never writes over it: save into"
+    ):
         accelerator.save_state()
     assert "theirs.bin" in os.listdir(foreign)
     assert accelerator.certckpt.failed is None
 
 
+def test_what_a_killed_save_of_this_run_left_is_removed_by_the_next_process(tmp_path, monkeypatch, caplog):
+    project = str(tmp_path / "proj")
+    accelerator, *_ = build(project, total_limit=None)
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt("killed between the files and the manifest")
+
+    with monkeypatch.context() as m:
+        m.setattr(accelerator_module, "write_manifest", killed)
+        with pytest.raises(KeyboardInterrupt):
+            accelerator.save_state()
+    left = os.path.join(project, "checkpoints", "checkpoint_0")
+    assert os.listdir(left) and MANIFEST_NAME not in os.listdir(left)
+    again, *_ = build(project, total_limit=None)  # a new process: it knows nothing of the last one's save
+    with caplog.at_level("WARNING", logger="certckpt"):
+        again.save_state()
+    assert f"removing {left}, left uncommitted by an earlier save of this run" in caplog.text
+    assert verify_state_dir(left).ok and _verdicts(project) == {"main@0": "verified"}
+
+
 def test_a_committed_directory_is_never_cleared_or_written_over(project_copy):
-    from certckpt.errors import CheckpointExistsError
 
     accelerator, *_ = build(project_copy, total_limit=None, resume=True)  # latest-good: checkpoint_2
     accelerator.project_configuration.iteration = 1  # names a committed checkpoint's directory

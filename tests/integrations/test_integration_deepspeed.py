@@ -213,6 +213,12 @@ def test_loads_of_plain_tampered_or_incomplete_directories_are_refused_on_every_
     assert res["missing"]["error"] == "CorruptCheckpointError"
     assert "zero_pp_rank_2_mp_rank_00_optim_states.pt: missing (the manifest lists it)" in res["missing"]["message"]
     assert res["nothing"] == {"error": None}  # an empty store: nothing to load, as DeepSpeed without `latest`
+    # a save never removes a directory it cannot prove its own: plain DeepSpeed's tag is refused, kept whole
+    assert res["over_plain"]["error"] == "CheckpointExistsError" and res["plain_kept"]
+    assert "not a leftover of this run's own save at step 1" in res["over_plain"]["message"]
+    assert "a file certckpt did not write" in res["over_plain"]["message"]
+    # this run's own leftover at this step is replaced by a whole certified tag
+    assert res["redo"] == {"error": None} and MANIFEST_NAME in res["redo_files"]
     assert res["audit"]["error"] == "AuditSetupError" and "ZeRO-3 partitions the weights" in res["audit"]["message"]
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -27,6 +28,7 @@ import certckpt
 from certckpt.detect.launch import run_ranks
 from certckpt.errors import (
     AuditSetupError,
+    CheckpointExistsError,
     ConfigurationError,
     CorruptCheckpointError,
     NotACheckpointError,
@@ -256,6 +258,84 @@ def test_a_plain_trainer_checkpoint_is_refused_with_its_pickles_named(tmp_path):
 def test_a_fresh_run_into_a_used_store_is_refused(run_copy):
     with pytest.raises(ConfigurationError, match=r"holds checkpoints of branch 'main' already \(newest main@6\)"):
         certified_trainer(run_copy).train()
+
+
+def _crashes_at_step_3(out: str):
+    """A certified Trainer whose process dies at step 3's save, after the weights and RNG files are
+    written and before the manifest: what a killed job leaves."""
+    from certckpt.integrations.transformers import CertifiedTrainer
+
+    class Crashes(CertifiedTrainer):
+        def _save_rng_state(self, output_dir):
+            super()._save_rng_state(output_dir)
+            raise KeyboardInterrupt("killed mid-save")
+
+    with pytest.raises(KeyboardInterrupt):
+        Crashes(model=tiny_gpt2(), args=training_args(out), train_dataset=TokenData()).train()
+    left = os.path.join(out, "checkpoint-3")
+    assert os.path.isfile(os.path.join(left, "model.safetensors"))
+    assert not os.path.exists(os.path.join(left, MANIFEST_NAME))
+    return left
+
+
+def _contents(directory: str) -> dict[str, bytes]:
+    return {n: open(os.path.join(directory, n), "rb").read() for n in sorted(os.listdir(directory))}
+
+
+def test_what_a_crashed_save_of_this_run_left_is_removed_and_the_step_saved_again(tmp_path, caplog):
+    out = str(tmp_path / "out")
+    left = _crashes_at_step_3(out)
+    trainer = certified_trainer(out)  # the same run (its name is the output directory's), from scratch
+    with caplog.at_level("WARNING", logger="certckpt"):
+        trainer.train()
+    assert f"removing {left}, left uncommitted by an earlier save of this run" in caplog.text
+    assert set(os.listdir(left)) == EXPECTED and verify_checkpoint(left).ok
+    assert _verdicts(out) == {"main@3": "verified", "main@6": "verified"}
+
+
+def _plain_checkpoint(out: str) -> str:
+    transformers.Trainer(model=tiny_gpt2(), args=training_args(out, max_steps=3), train_dataset=TokenData()).train()
+    return os.path.join(out, "checkpoint-3")
+
+
+def _committed_elsewhere(out: str, trained: dict) -> str:
+    """checkpoint-3 of a committed run copied beside no ledger (a lost one, or another store's)."""
+    os.makedirs(out)
+    shutil.copytree(os.path.join(trained["out"], "checkpoint-3"), os.path.join(out, "checkpoint-3"))
+    return os.path.join(out, "checkpoint-3")
+
+
+@pytest.mark.parametrize(
+    "make, run, words",
+    [
+        (lambda out, trained: _plain_checkpoint(out), None, "it holds optimizer.pt, a pickle, which certckpt never"),
+        (_committed_elsewhere, None, "a manifest, which may be committed to a ledger other than this one"),
+        (lambda out, trained: _crashes_at_step_3(out), "other", "written by run 'out' at step 3 (not 'other' at 3)"),
+    ],
+    ids=["plain-trainer", "manifest-no-record", "another-run"],
+)
+def test_a_directory_this_run_did_not_leave_is_refused_before_training_and_left_untouched(
+    trained, tmp_path, make, run, words
+):
+    out = str(tmp_path / "out")
+    target = make(out, trained)
+    before = _contents(target)
+    trainer = certified_trainer(out, trainer_kwargs={"run": run} if run else None)
+    with pytest.raises(CheckpointExistsError, match=r"checkpoint-3: not a leftover of this run's own save at step 3 "):
+        trainer.train()
+    with pytest.raises(CheckpointExistsError, match=re.escape(words)):
+        certified_trainer(out, trainer_kwargs={"run": run} if run else None).train()
+    assert trainer.state.global_step == 0  # refused before the first step
+    assert _contents(target) == before
+    assert not os.path.exists(os.path.join(out, "_ledger", "records"))  # nothing committed
+
+
+def test_a_committed_checkpoint_in_the_way_is_refused_whatever_its_branch(run_copy):
+    # the store's branch main was resumed elsewhere; a save at main's step 6 directory is refused
+    trainer = certified_trainer(run_copy)
+    with pytest.raises(CheckpointExistsError, match=r"checkpoint-6: main@6 is committed there"):
+        trainer._certckpt_clear(os.path.join(run_copy, "checkpoint-6"), 6)
+    assert verify_checkpoint(os.path.join(run_copy, "checkpoint-6")).ok
 
 
 def test_resuming_from_an_older_checkpoint_starts_a_branch_that_supersedes_the_rest(tmp_path):

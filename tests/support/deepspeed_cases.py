@@ -176,6 +176,21 @@ def refusals(args: dict[str, Any]) -> dict[str, Any]:
             out[name] = {"error": None}
         except Exception as e:  # the test asserts which error, on every rank
             out[name] = {"error": type(e).__name__, "message": str(e)}
+    # saves into tag directories that exist: plain DeepSpeed's is refused and kept whole; what a save of
+    # this run at this step left (its files, no manifest: a crash) is removed and written again
+    redo = os.path.join(args["out"], "redo")
+    if dist.get_rank() == 0:
+        shutil.copytree(os.path.join(args["out"], "step1"), redo, ignore=shutil.ignore_patterns("certckpt-*"))
+    dist.barrier()
+    plain_before = sorted(os.listdir(os.path.join(args["plain"], "plain")))
+    for name, (directory, tag) in {"over_plain": (args["plain"], "plain"), "redo": (args["out"], "redo")}.items():
+        try:
+            engine.save_checkpoint(directory, tag=tag)
+            out[name] = {"error": None}
+        except Exception as e:  # the test asserts which error, on every rank
+            out[name] = {"error": type(e).__name__, "message": str(e)}
+    out["plain_kept"] = sorted(os.listdir(os.path.join(args["plain"], "plain"))) == plain_before
+    out["redo_files"] = sorted(os.listdir(redo))
     try:
         ZeroAudit(engine, loss_fn=loss_fn)
         out["audit"] = {"error": None}

@@ -51,16 +51,24 @@ from certckpt.format.record import RecordFields
 from certckpt.format.verify import inspect
 from certckpt.format.writer import save_certified
 from certckpt.log import enable as enable_log
+from certckpt.storage import EXISTS
 from certckpt.trust.commit import commit_saved
 from certckpt.trust.gate import rotation_keeps, store_doubt
 from certckpt.trust.ledger import Ledger, ckpt_id_for, is_ckpt_id
 from certckpt.trust.resume import branch_after_loading
-from certckpt.trust.runstore import StoreStatus, certify_store, committed_directory, latest_intact_directory
+from certckpt.trust.runstore import (
+    StoreStatus,
+    certify_store,
+    committed_directory,
+    committed_into,
+    latest_intact_directory,
+)
 from certckpt.trust.runstore import snapshot_or_empty as _snapshot
 
 from .layout import (
     MANIFEST_NAME,
     indexed_name,
+    leftover_problem,
     manifest_of,
     require_intact,
     rng_file_name,
@@ -280,15 +288,15 @@ class CertifiedAccelerator(Accelerator):
         run = self.certckpt
         branch = self.certckpt_decide_fresh()
         ours = self.project_configuration.automatic_checkpoint_naming and directory == run.failed
+        step = self.certified_step
         self._certckpt_together(
-            lambda: self._certckpt_clear_leftover(directory, ledger, remove=ours), what="checkpoint"
+            lambda: self._certckpt_clear_leftover(directory, ledger, step=step, ours=ours), what="checkpoint"
         )
         if os.path.exists(os.path.join(directory, MANIFEST_NAME)):
             raise ConfigurationError(
                 f"{directory} holds a certified checkpoint already; certified checkpoints are never overwritten: "
                 "save into a new directory"
             )
-        step = self.certified_step
         audit = run.audit
         evidence = audit.checkpoint_evidence() if audit is not None and audit.session is not None else None
         # A directory this save creates is this run's own to remove should the save fail; one that was
@@ -296,10 +304,16 @@ class CertifiedAccelerator(Accelerator):
         owned = None if os.path.lexists(directory) else directory
         try:
             self._certckpt_save(directory, step, branch, evidence, owned=owned)
-        except BaseException:
+        except BaseException as e:
             run.failed = owned
             if evidence is not None:  # nothing was committed: the next checkpoint's lineage covers these steps
                 audit.reopen_lineage(evidence)
+            if isinstance(e, CheckpointExistsError) and str(e).endswith(EXISTS):
+                # the writer's advice (overwrite=True) is not one save_state takes: say what is there
+                raise CheckpointExistsError(
+                    f"{str(e)[: -len(EXISTS)]}a file of that name is there already, which this save did not "
+                    "write; certckpt never writes over it: save into a new directory"
+                ) from None
             raise
         run.failed = None
         self.project_configuration.iteration += 1
@@ -344,26 +358,28 @@ class CertifiedAccelerator(Accelerator):
         if run.pipeline is not None:
             run.in_flight = (evidence, self.project_configuration.iteration, owned)
 
-    def _certckpt_clear_leftover(self, directory: str, ledger: Ledger, *, remove: bool) -> None:
+    def _certckpt_clear_leftover(self, directory: str, ledger: Ledger, *, step: int, ours: bool) -> None:
         """Before a save into ``directory`` (the main process): refused when a committed checkpoint is
-        there (even one whose manifest is gone: committed files are never written over). ``remove``:
-        the ``checkpoint_<i>`` this run's own last save created and left when it failed before its
-        commit (in the background too; the number is taken again) is removed first, so that none of its files is
-        taken into the next checkpoint (with a manifest too: this run knows its commit failed, and no
-        record points there); never a symbolic link. A directory of unknown origin is never removed
-        (doubt frees no space): the save writes into it, as Accelerate's does, and a pickle found
-        there is refused."""
+        there (even one whose manifest is gone: committed files are never written over). Removed
+        first, so that none of its files is taken into the next checkpoint: ``ours``, the
+        ``checkpoint_<i>`` this run's own last save created and left when it failed before its
+        commit (in the background too; the number is taken again), with a manifest too (this run
+        knows its commit failed, and no record points there); or a directory that a save of this run
+        at ``step`` provably left (``leftover_problem``: a crash's, no manifest). Never a symbolic
+        link. A directory of unknown origin is never removed (doubt frees no space): the save writes
+        into it, as Accelerate's does; a pickle found there is refused, and so is a file under a name
+        the save writes."""
         if not self.is_main_process or not os.path.isdir(directory):
             return
-        here = os.path.abspath(directory)
-        for cid, record in _snapshot(ledger).records.items():
-            if os.path.dirname(os.path.abspath(ledger.url_of(record))) == here:
-                raise CheckpointExistsError(
-                    f"{directory}: {cid} is committed there; committed checkpoints are never written over: save "
-                    "into a new directory"
-                )
+        remove = ours or leftover_problem(directory, run=self.certckpt.run, step=step) is None
+        cid = committed_into(ledger, directory)
+        if cid is not None:
+            raise CheckpointExistsError(
+                f"{directory}: {cid} is committed there; committed checkpoints are never written over: save "
+                "into a new directory"
+            )
         if remove and not os.path.islink(directory):
-            logger.warning("certckpt: removing %s, left uncommitted by an earlier save", directory)
+            logger.warning("certckpt: removing %s, left uncommitted by an earlier save of this run", directory)
             shutil.rmtree(directory)
 
     def _certckpt_together(self, fn: Any, *, what: str) -> Any:

@@ -25,6 +25,7 @@ from typing import Any
 
 from certckpt.errors import NotACheckpointError
 from certckpt.format.manifestdir import ManifestDir, ManifestDirReport, read_manifest, verify_directory
+from certckpt.format.manifestdir import leftover_problem as _leftover_problem
 from certckpt.format.manifestdir import require_intact as _require
 from certckpt.format.manifestdir import write_manifest as _write
 from certckpt.format.record import RecordFields
@@ -42,6 +43,7 @@ __all__ = [
     "require_intact",
     "manifest_of",
     "plain_accelerate_files",
+    "leftover_problem",
 ]
 
 MANIFEST_NAME = "accelerate_state.safetensors"
@@ -160,6 +162,12 @@ def require_intact(directory: str) -> StateDirReport:
         NotACheckpointError, CheckpointNotFoundError: nothing certified there.
     """
     return _require(verify_state_dir(directory), _DIR)
+
+
+def leftover_problem(directory: str, *, run: str | None, step: int) -> str | None:
+    """None when a ``save_state`` directory is what an uncommitted save of ``run`` at ``step`` left
+    (no manifest, every certified file of that run and step); otherwise why it is not this run's."""
+    return _leftover_problem(directory, _DIR, run=run, step=step)
 
 
 _DIR = ManifestDir(

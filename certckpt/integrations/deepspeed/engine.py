@@ -46,11 +46,21 @@ from certckpt.format.verify import inspect
 from certckpt.format.writer import save_certified
 from certckpt.log import enable as enable_log
 from certckpt.trust.commit import commit_saved
-from certckpt.trust.ledger import Ledger, LedgerSnapshot, ckpt_id_for, is_ckpt_id
+from certckpt.trust.ledger import Ledger, ckpt_id_for, is_ckpt_id
 from certckpt.trust.resume import branch_after_loading, plan_resume
+from certckpt.trust.runstore import committed_into
+from certckpt.trust.runstore import snapshot_or_empty as _snapshot
 
 from .codecs import register_deepspeed_types
-from .layout import CONVERT_HINT, MANIFEST_NAME, is_pickle, manifest_of, require_intact, write_manifest
+from .layout import (
+    CONVERT_HINT,
+    MANIFEST_NAME,
+    is_pickle,
+    leftover_problem,
+    manifest_of,
+    require_intact,
+    write_manifest,
+)
 
 __all__ = ["CertifiedCheckpointEngine", "certify_engine", "Resumed"]
 
@@ -208,10 +218,21 @@ class CertifiedCheckpointEngine(CheckpointEngine):
                     url,
                 )
                 commit_as = None
-            if self._rank() == 0 and os.path.exists(tag_dir):
+            if self._rank() == 0 and os.path.lexists(tag_dir):
                 if os.path.exists(os.path.join(tag_dir, MANIFEST_NAME)):
                     raise CheckpointExistsError(f"{tag_dir}: a certified checkpoint is there already; use another tag")
-                logger.warning("certckpt: removing %s, left uncommitted by an earlier save", tag_dir)
+                # only what a save of this run at this step provably left is removed: a plain DeepSpeed
+                # tag, another run's, one whose manifest was deleted, are somebody's (doubt frees no space)
+                held = committed_into(self.ledger_for(info.save_dir), tag_dir)
+                problem: str | None = f"{held} is committed there" if held is not None else "not a directory"
+                if held is None and os.path.isdir(tag_dir):
+                    problem = leftover_problem(tag_dir, run=self._run_name(info.save_dir), step=step)
+                if problem is not None:
+                    raise CheckpointExistsError(
+                        f"{tag_dir}: not a leftover of this run's own save at step {step} ({problem}), so certckpt "
+                        "neither writes into it nor removes it: use another tag or save directory"
+                    )
+                logger.warning("certckpt: removing %s, left uncommitted by an earlier save of this run", tag_dir)
                 shutil.rmtree(tag_dir)
             return commit_as
 
@@ -371,12 +392,6 @@ def _weights_problem(module: Any, fingerprints: dict[str, str], path: str) -> st
                 " weights changed between the consensus and the write: not committed"
             )
     return None
-
-
-def _snapshot(ledger: Ledger) -> LedgerSnapshot:
-    if "://" not in ledger.store and not os.path.isdir(ledger.store):
-        return LedgerSnapshot()
-    return ledger.snapshot()
 
 
 def _ds_version() -> str:

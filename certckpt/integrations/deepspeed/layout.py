@@ -26,6 +26,7 @@ from typing import Any
 
 from certckpt.errors import NotACheckpointError
 from certckpt.format.manifestdir import ManifestDir, ManifestDirReport, read_manifest, verify_directory
+from certckpt.format.manifestdir import leftover_problem as _leftover_problem
 from certckpt.format.manifestdir import require_intact as _require
 from certckpt.format.manifestdir import write_manifest as _write
 from certckpt.format.record import RecordFields
@@ -41,6 +42,7 @@ __all__ = [
     "verify_checkpoint",
     "require_intact",
     "is_pickle",
+    "leftover_problem",
 ]
 
 MANIFEST_NAME = "certckpt-deepspeed.safetensors"
@@ -131,6 +133,12 @@ def require_intact(directory: str) -> DirectoryReport:
         NotACheckpointError, CheckpointNotFoundError: nothing certified there.
     """
     return _require(verify_checkpoint(directory), _DIR)
+
+
+def leftover_problem(directory: str, *, run: str | None, step: int) -> str | None:
+    """None when a tag directory is what an uncommitted save of ``run`` at ``step`` left (no manifest,
+    every file certified, of that run and step); otherwise why it is not this run's to remove."""
+    return _leftover_problem(directory, _DIR, run=run, step=step)
 
 
 _DIR = ManifestDir(

@@ -29,6 +29,7 @@ from typing import Any
 from certckpt.errors import CorruptCheckpointError, NotACheckpointError
 from certckpt.format.companions import FILES_KEY
 from certckpt.format.manifestdir import ManifestDir, ManifestDirReport, entry_of, read_manifest, verify_directory
+from certckpt.format.manifestdir import leftover_problem as _leftover_problem
 from certckpt.format.manifestdir import require_intact as _require
 from certckpt.format.manifestdir import write_manifest as _write
 from certckpt.format.record import CheckpointRecord, RecordFields
@@ -46,6 +47,7 @@ __all__ = [
     "verify_checkpoint",
     "require_intact",
     "manifest_of",
+    "leftover_problem",
 ]
 
 MANIFEST_NAME = "trainer.safetensors"
@@ -171,6 +173,12 @@ def require_intact(directory: str) -> CheckpointReport:
         NotACheckpointError, CheckpointNotFoundError: nothing certified there.
     """
     return _require(verify_checkpoint(directory), _DIR)
+
+
+def leftover_problem(directory: str, *, run: str | None, step: int) -> str | None:
+    """None when ``checkpoint-N/`` is what an uncommitted save of ``run`` at ``step`` left (no
+    manifest, every certified file of that run and step); otherwise why it is not this run's to remove."""
+    return _leftover_problem(directory, _DIR, run=run, step=step)
 
 
 _DIR = ManifestDir(

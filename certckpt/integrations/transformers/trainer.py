@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,13 +64,20 @@ from certckpt.trust.commit import commit_saved
 from certckpt.trust.gate import rotation_keeps, store_doubt
 from certckpt.trust.ledger import Ledger, ckpt_id_for, is_ckpt_id
 from certckpt.trust.resume import branch_after_loading
-from certckpt.trust.runstore import StoreStatus, certify_store, committed_directory, latest_intact_directory
+from certckpt.trust.runstore import (
+    StoreStatus,
+    certify_store,
+    committed_directory,
+    committed_into,
+    latest_intact_directory,
+)
 from certckpt.trust.runstore import snapshot_or_empty as _snapshot
 
 from .audit import AuditCallback
 from .checkpoint import (
     ARGS_NAME,
     MANIFEST_NAME,
+    leftover_problem,
     manifest_of,
     require_intact,
     rng_file_name,
@@ -193,6 +201,8 @@ class CertifiedTrainerMixin(_TrainerBase):
             CheckpointNotFoundError: ``True`` and the store holds checkpoints, none of them good (a
                 store with none yet starts from scratch).
             ConfigurationError: a fresh run into a store whose branch holds checkpoints already.
+            CheckpointExistsError: a ``checkpoint-<N>/`` this run would save into later holds a
+                committed checkpoint or files of unknown origin (refused before the first step).
         """
         run = self.certckpt
         run.audit = next((c for c in self.callback_handler.callbacks if isinstance(c, AuditCallback)), None)
@@ -211,6 +221,8 @@ class CertifiedTrainerMixin(_TrainerBase):
                 self._certckpt_prepare(chosen["dir"])
 
         self._certckpt_together(prepare, what="resume")
+        # before the branch is recorded: a refused run leaves nothing behind
+        self._certckpt_together(lambda: self._certckpt_check_ahead() if self.args.should_save else None, what="resume")
         if run.parent is not None:
             # Written once every rank has decided: a rank still reading the ledger would otherwise see
             # the new branch taken and name another.
@@ -405,15 +417,51 @@ class CertifiedTrainerMixin(_TrainerBase):
         self._certckpt_commit(output_dir, step, run_dir=self._get_output_dir(trial=trial))
 
     def _certckpt_clear(self, output_dir: str, step: int) -> None:
-        """A directory left by a save that never committed (a crash) is garbage: remove it. A committed
-        one is never written over."""
-        if not os.path.exists(output_dir):
+        """Before a save into ``checkpoint-<step>/`` (the saving rank): a directory that a save of
+        this run at this step left uncommitted (a crash; ``leftover_problem`` says what proves it)
+        is removed, so none of its files is taken into the new checkpoint. Any other is refused, and
+        nothing in it touched: a committed checkpoint is never written over, and a directory of
+        unknown origin (a plain Trainer's, another run's, one whose manifest no record of this
+        ledger commits) is never removed: doubt frees no space."""
+        why = self._certckpt_collision(output_dir, step)
+        if why is not None:
+            raise CheckpointExistsError(why)
+        if os.path.lexists(output_dir):
+            logger.warning("certckpt: removing %s, left uncommitted by an earlier save of this run", output_dir)
+            shutil.rmtree(output_dir)
+
+    def _certckpt_collision(self, output_dir: str, step: int) -> str | None:
+        """Why a save at ``step`` may not take ``output_dir`` (None: free, or this run's leftover)."""
+        if not os.path.lexists(output_dir):
+            return None
+        run = self.certckpt
+        cid = committed_into(run.ledger, output_dir)
+        if cid is not None:
+            return f"{output_dir}: {cid} is committed there; committed checkpoints are never written over"
+        problem: str | None = "not a directory"
+        if os.path.isdir(output_dir):
+            problem = leftover_problem(output_dir, run=run.run, step=step)
+        if problem is None:
+            return None
+        return (
+            f"{output_dir}: not a leftover of this run's own save at step {step} ({problem}), so certckpt neither "
+            "writes into it nor removes it: move it away, or train into another output_dir"
+        )
+
+    def _certckpt_check_ahead(self) -> None:
+        """Before the first step (the saving rank): every ``checkpoint-<N>/`` this branch would save
+        into later is free or this run's leftover, so a collision fails now, not after hours of
+        training at its step."""
+        run_dir = self._get_output_dir(trial=None)
+        start = self.certckpt.last_step or 0
+        if not os.path.isdir(run_dir):
             return
-        cid = ckpt_id_for(self.certckpt.decided_branch(), step)
-        if cid in self.certckpt.ledger.snapshot().records:
-            raise CheckpointExistsError(f"{output_dir}: {cid} is committed already; it is never written over")
-        logger.warning("certckpt: removing %s, left uncommitted by an earlier save", output_dir)
-        shutil.rmtree(output_dir)
+        for name in sorted(os.listdir(run_dir)):
+            found = re.fullmatch(rf"{PREFIX_CHECKPOINT_DIR}-(\d+)", name)
+            if found and int(found.group(1)) > start:
+                why = self._certckpt_collision(os.path.join(run_dir, name), int(found.group(1)))
+                if why is not None:
+                    raise CheckpointExistsError(why)
 
     def _certckpt_commit(self, output_dir: str, step: int, *, run_dir: str | None = None) -> None:
         """Write the manifest and commit the checkpoint (rank 0); every rank raises if that fails.
