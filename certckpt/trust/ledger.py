@@ -31,7 +31,7 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
@@ -77,7 +77,7 @@ __all__ = [
     "Ledger",
     "LedgerSink",
     "LedgerSnapshot",
-    "commit_mismatch",
+    "record_mismatch",
     "ckpt_id_for",
     "is_ckpt_id",
     "LEDGER_DIR",
@@ -126,24 +126,35 @@ def _dumps(doc: Mapping[str, object]) -> bytes:
     return (json.dumps(doc, separators=(",", ":"), sort_keys=True) + "\n").encode("utf-8")
 
 
-def commit_mismatch(held: bytes, doc: Mapping[str, Any], *, dumps: Callable[[Mapping[str, Any]], bytes]) -> str | None:
-    """Why the commit record ``held`` (bytes found under a checkpoint's name) is not the record ``doc``
-    written at another time, or None when it is: every field but ``committed_at`` the same, and the
-    very bytes ``dumps`` (this writer, its key) makes of ``doc`` at the held record's commit time.
-    A retry of a commit whose record was written, and whose chain entry was not, finds such a record."""
+def record_mismatch(
+    held: bytes,
+    doc: Mapping[str, Any],
+    *,
+    time_field: str,
+    dumps: Callable[[Mapping[str, Any]], bytes],
+    free: Collection[str] = (),
+) -> str | None:
+    """Why the record ``held`` (bytes found under a record's name) is not the record ``doc`` written at
+    another time, or None when it is: every field but ``time_field`` (and the ``free`` ones, which
+    only describe the fact: a retirement's reason) the same, and the very bytes ``dumps`` (this
+    writer, its key) makes of the held record's fields. A retry of a write whose record was written,
+    and whose chain entry was not (a commit, a retirement, a keep), finds such a record."""
     try:
         got = json.loads(held)
     except (ValueError, RecursionError):
         return "it is not readable JSON"
     if not isinstance(got, dict):
         return "it is not a JSON object"
-    when = got.get("committed_at")
+    when = got.get(time_field)
     if isinstance(when, bool) or not isinstance(when, (int, float)) or not math.isfinite(when):
-        return "its commit time is not a number"
-    differ = [k for k in sorted((doc.keys() | got.keys()) - {"committed_at", "sig"}) if got.get(k) != doc.get(k)]
+        return f"its {time_field} is not a number"
+    differ = [k for k in sorted((doc.keys() | got.keys()) - {time_field, "sig", *free}) if got.get(k) != doc.get(k)]
     if differ:
         return "; ".join(f"its {k} is {str(got.get(k))[:80]!r}, not {str(doc.get(k))[:80]!r}" for k in differ[:3])
-    if dumps({**doc, "committed_at": when}) != held:
+    kept = {k: got[k] for k in free if k in got}
+    if kept.keys() != {k for k in free if k in doc} or not all(isinstance(v, str) for v in kept.values()):
+        return f"its {', '.join(sorted(free))} are not text"
+    if dumps({**doc, **kept, time_field: when}) != held:
         return "it is signed by another key, or not signed as this writer signs"
     return None
 
@@ -364,6 +375,48 @@ class Ledger:
         self._seal(scope_of(kind, branch), [(kind, name, data)])
         return written
 
+    def _put_completing(
+        self,
+        kind: str,
+        name: str,
+        doc: Mapping[str, Any],
+        *,
+        time_field: str,
+        refusal: str,
+        advice: str = "",
+        free: Collection[str] = (),
+        branch: str | None = None,
+    ) -> bool | None:
+        """``_put`` of a record that states one fact (a commit, a retirement, a keep): True when
+        written; False when the very record was there and sealed; None when an earlier attempt's
+        record was found (written, its chain entry not: the process was killed in between, or its
+        answer lost), the same in every field but ``time_field`` and the ``free`` ones, and sealed
+        now, completing it as it was first written. A record nothing seals counts for nothing, so without this the
+        retry would be refused and the fact never recorded.
+
+        Raises:
+            CheckpointExistsError: another record holds the name (``STORE: refusal (why); a record is
+                never replaced`` + ``advice``); nothing is written or sealed.
+        """
+        data = self._dumps(doc)
+        self.chained()  # a new ledger gets its genesis before its first record
+        try:
+            written = put_once(join(self.root, kind, _record_name(name)), data)
+        except CheckpointExistsError:
+            held = self._read_optional(f"{kind}/{_record_name(name)}")
+            why: str | None = "it cannot be read"
+            if held is not None:
+                why = record_mismatch(held, doc, time_field=time_field, dumps=self._dumps, free=free)
+            if why is not None:
+                raise CheckpointExistsError(
+                    f"{self.store}: {refusal} ({why}); a record is never replaced{advice}"
+                ) from None
+            assert held is not None  # no bytes are no match
+            self._seal(scope_of(kind, branch), [(kind, name, held)])
+            return None
+        self._seal(scope_of(kind, branch), [(kind, name, data)])
+        return written
+
     # --- writing ------------------------------------------------------------------------------
 
     def commit_checkpoint(
@@ -410,24 +463,16 @@ class Ledger:
             "bytes": nbytes,
             "committed_at": time.time(),
         }
-        name = _record_name(f"{cid}.json")
-        data = self._dumps(doc)
-        self.chained()  # a new ledger gets its genesis before its first record
-        try:
-            written = put_once(join(self.root, "checkpoints", name), data)
-        except CheckpointExistsError:
-            # A record is there already. An earlier attempt of this very commit (killed between its
-            # record and its chain entry, or its answer lost) wrote the same description at another
-            # time: sealing those bytes completes it. Anything else is refused, and nothing is replaced.
-            held = self._read_optional(f"checkpoints/{name}")
-            why = "it cannot be read" if held is None else commit_mismatch(held, doc, dumps=self._dumps)
-            if why is not None:
-                raise CheckpointExistsError(
-                    f"{self.store}: {cid} has a commit record already, of another checkpoint ({why}); a record "
-                    "is never replaced: commit this checkpoint under a new step or branch"
-                ) from None
-            assert held is not None  # no bytes are no match
-            self._seal(scope_of("checkpoints", branch), [("checkpoints", name, held)])
+        written = self._put_completing(
+            "checkpoints",
+            f"{cid}.json",
+            doc,
+            time_field="committed_at",
+            refusal=f"{cid} has a commit record already, of another checkpoint",
+            advice=": commit this checkpoint under a new step or branch",
+            branch=branch,
+        )
+        if written is None:
             COMMIT.info(
                 "completed the commit of checkpoint %s (step %d of branch %s) in %s: its record was written by an "
                 "earlier attempt",
@@ -436,9 +481,7 @@ class Ledger:
                 branch,
                 self.store,
             )
-            return cid
-        self._seal(scope_of("checkpoints", branch), [("checkpoints", name, data)])
-        if written:
+        elif written:
             COMMIT.info("committed checkpoint %s (step %d of branch %s) in %s", cid, step, branch, self.store)
         return cid
 
@@ -520,22 +563,41 @@ class Ledger:
         self._seal("cache", written)
 
     def retire(self, ckpt_id: str, *, reason: str, policy: str = "") -> None:
-        """Record that a retention policy deleted this checkpoint's file (written after the delete)."""
-        self._put(
-            "retired",
-            f"{ckpt_id}.json",
-            self._dumps({"ckpt_id": ckpt_id, "reason": reason, "policy": policy, "at": time.time()}),
-        )
+        """Record that a retention policy deleted this checkpoint's file (written after the delete).
+        Run again after a crash between the record and its chain entry (by the same policy or
+        another: the fact is the same, the file is gone), it completes the earlier record as written.
+
+        Raises:
+            CheckpointExistsError: the record there is not this writer's retirement of ``ckpt_id``.
+        """
+        doc = {"ckpt_id": ckpt_id, "reason": reason, "policy": policy, "at": time.time()}
+        refusal = f"{ckpt_id} has a retirement record already, another one"
+        free = ("reason", "policy")
+        self._put_completing("retired", f"{ckpt_id}.json", doc, time_field="at", refusal=refusal, free=free)
+
+    def retire_gone(self, ckpt_id: str, *, reason: str, policy: str = "") -> str | None:
+        """``retire`` for a file that is gone already (a rotation deleted it): the deletion cannot be
+        undone, so a refusal is returned (why, in one line) rather than raised, for the caller to warn
+        and go on. The checkpoint then reads as missing rather than retired: its verdict is lowered,
+        and nothing else follows from it."""
+        try:
+            self.retire(ckpt_id, reason=reason, policy=policy)
+        except CheckpointExistsError as e:
+            return f"{e}; {ckpt_id} reads as missing, not retired"
+        return None
 
     def keep(self, ckpt_id: str, *, url: str, replaced: str, reason: str) -> None:
         """Record that this checkpoint's file now lives at ``url`` (a plain name in the store): a
         rotation was about to replace the name it was committed under (``replaced``), and the file was
-        moved aside instead (written after the move)."""
-        self._put(
-            "kept",
-            f"{ckpt_id}.json",
-            self._dumps({"ckpt_id": ckpt_id, "url": url, "replaced": replaced, "reason": reason, "at": time.time()}),
-        )
+        moved aside instead (written after the move). Run again after a crash between the record and
+        its chain entry, it completes the earlier record when it names the same places.
+
+        Raises:
+            CheckpointExistsError: the record there names another place (``url``, ``replaced``).
+        """
+        doc = {"ckpt_id": ckpt_id, "url": url, "replaced": replaced, "reason": reason, "at": time.time()}
+        refusal = f"{ckpt_id} has a keep record already, another one"
+        self._put_completing("kept", f"{ckpt_id}.json", doc, time_field="at", refusal=refusal, free=("reason",))
 
     def record_drill(self, doc: Mapping[str, object]) -> str:
         name = f"{time.time_ns():020d}-{secrets.token_hex(4)}.json"

@@ -81,10 +81,23 @@ __all__ = [
 SOURCES_DIR = "sources"  # a vault's copy of its source run's genesis record
 # What a vault copies from its run (the rest of a run's records may be absent there).
 MIRRORED_KINDS = frozenset({"checkpoints", "branches", "events", "revocations", "incidents", "placements"})
-# Records that can move a verdict toward trusted (or make a copy count as held).
-# Appeals and clearances set a device's convictions aside: they count only authenticated. Convictions,
-# placements and a fleet's store registrations only add doubt: they count signed or not.
-_FOR_TRUST = ("checkpoints", "holdings", "branches", "drills", "certificates", "appeals", "clearances")
+# Records that can move a verdict toward trusted (or make a copy count as held), or free space.
+# Appeals and clearances set a device's convictions aside: they count only authenticated. A retirement
+# says a checkpoint's file is gone by policy and a keep says where it lives now: what a rotation
+# reads to decide that a name holds no committed file, so an unsealed one would let a rotation write
+# over a checkpoint's file (a crash's unsealed record is completed when the retirement is retried).
+# Convictions, placements and a fleet's store registrations only add doubt: they count signed or not.
+_FOR_TRUST = (
+    "checkpoints",
+    "holdings",
+    "branches",
+    "drills",
+    "certificates",
+    "appeals",
+    "clearances",
+    "retired",
+    "kept",
+)
 BRANCH_KINDS = ("checkpoints", "branches", "placements")  # records sealed by their branch's chain
 _BATCH = 256  # event segments read per request: bounded memory, few round trips
 # Listings again of the chains that look truncated (see read_snapshot). Each can race the writers

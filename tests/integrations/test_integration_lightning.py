@@ -243,6 +243,33 @@ def test_a_file_let_go_between_its_rename_and_its_commit_is_retired_by_a_later_c
     assert not status.problems
 
 
+def test_a_retirement_record_nothing_seals_never_lets_a_save_write_over_the_file_it_names(tmp_path):
+    """A retirement record planted in the ledger (or left unsealed) used to count: the checkpoint it
+    names lost its file's name, and the next save under that name wrote over the file with no gate
+    asked. It counts for nothing now; the save asks the gate, and the retirement it cannot record
+    (the name is taken) keeps the file aside instead of letting it go."""
+    d = tmp_path / "ckpt"
+    first = {"global_step": 5, "epoch": 0, "state_dict": {"w": torch.ones(3)}}
+    CertifiedCheckpointIO().save_checkpoint(first, d / "rolling.ckpt")
+    (d / "_ledger" / "retired").mkdir()
+    planted = {"ckpt_id": "main@5", "reason": "planted", "policy": "x", "at": 1.0}
+    (d / "_ledger" / "retired" / "main@5.json").write_text(json.dumps(planted))
+    status = certify_store(str(d), write_certificates=False)
+    assert "main@5" not in status.snapshot.retired and status.snapshot.available("main@5")
+    assert ("retired/main@5.json", "sealed by no chain entry") in [
+        (r, w.split(" (")[0]) for r, w in status.snapshot.invalid
+    ]
+
+    with pytest.warns(
+        UserWarning, match=r"kept main@5 as .*certckpt-kept-main@5.ckpt: its retirement cannot be recorded"
+    ):
+        CertifiedCheckpointIO().save_checkpoint({**first, "global_step": 10}, d / "rolling.ckpt")
+    status = certify_store(str(d), write_certificates=False)
+    kept = status.snapshot.kept["main@5"]  # the file's new name was recorded, sealed, before the new file took the old
+    assert kept["replaced"] == str(d / "rolling.ckpt") and certckpt.inspect(str(d / "rolling.ckpt")).record.step == 10
+    assert status.certification.verdicts["main@10"].label == "verified"
+
+
 def test_resume_through_the_plugin_trains_like_an_uninterrupted_run(tmp_path):
     whole = _model()
     _trainer(max_epochs=2).fit(whole, _data())

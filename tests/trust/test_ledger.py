@@ -205,9 +205,8 @@ def test_a_relative_file_location_that_climbs_out_of_the_store_is_invalid(tmp_pa
     assert snap.records == {} and "climbs out of the store" in snap.invalid[0][1]
 
 
-def _killed_before_its_chain_entry(led: Ledger, monkeypatch, **commit) -> bytes:
-    """``led.commit_checkpoint(**commit)`` stopped where a crash stops it: its record written, the PUT of
-    its chain entry failed. Returns the record's bytes, nothing seals."""
+def _stopped_before_its_chain_entry(monkeypatch, write) -> None:
+    """``write()`` stopped where a crash stops it: its record written, the PUT of its chain entry failed."""
     import certckpt.trust.ledger as ledger_module
     from certckpt.errors import StorageError
 
@@ -221,8 +220,49 @@ def _killed_before_its_chain_entry(led: Ledger, monkeypatch, **commit) -> bytes:
     with monkeypatch.context() as m:
         m.setattr(ledger_module, "put_once", put_once)
         with pytest.raises(certckpt.StorageError, match="gateway died"):
-            led.commit_checkpoint(**commit)
+            write()
+
+
+def _killed_before_its_chain_entry(led: Ledger, monkeypatch, **commit) -> bytes:
+    """``led.commit_checkpoint(**commit)`` stopped before its chain entry. Returns the record's bytes,
+    which nothing seals."""
+    _stopped_before_its_chain_entry(monkeypatch, lambda: led.commit_checkpoint(**commit))
     return (Path(led.store) / "_ledger" / "checkpoints" / f"{commit['branch']}@{commit['step']}.json").read_bytes()
+
+
+_AFTER_THE_DELETE = {
+    "retired": lambda led, reason, url: led.retire("main@5", reason=reason, policy="trainer"),
+    "kept": lambda led, reason, url: led.keep("main@5", url=url, replaced="main@5.safetensors", reason=reason),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(_AFTER_THE_DELETE))
+def test_a_retirement_or_keep_killed_before_its_chain_entry_counts_for_nothing_until_its_retry_completes_it(
+    tmp_path, monkeypatch, kind
+):
+    # The Trainer's and Accelerate's rotations retire every committed checkpoint whose directory is gone,
+    # on each commit: a record left unsealed by a crash used to make that retry fail, and training with it.
+    store = str(tmp_path / "run")
+    Ledger(store, signing_key=None).commit_checkpoint(branch="main", step=5, location=f"{store}/main@5.safetensors")
+    write = _AFTER_THE_DELETE[kind]
+    url = "certckpt-kept-main@5.safetensors"
+    _stopped_before_its_chain_entry(monkeypatch, lambda: write(Ledger(store, signing_key=None), "rotated", url))
+    path = Path(store) / "_ledger" / kind / "main@5.json"
+    orphan = path.read_bytes()
+    snap = Ledger(store, signing_key=None).snapshot()
+    assert "main@5" not in getattr(snap, kind) and snap.available("main@5")  # meanwhile it counts for nothing
+    assert any(r == f"{kind}/main@5.json" and "sealed by no chain entry" in why for r, why in snap.invalid)
+    if kind == "kept":  # a keep that names another place is another fact: refused, nothing sealed
+        chains = sorted(p.relative_to(tmp_path) for p in (Path(store) / "_ledger" / "chains").rglob("*"))
+        with pytest.raises(certckpt.CheckpointExistsError, match="main@5 has a keep record already, another one .*url"):
+            write(Ledger(store, signing_key=None), "rotated", "elsewhere.safetensors")
+        assert sorted(p.relative_to(tmp_path) for p in (Path(store) / "_ledger" / "chains").rglob("*")) == chains
+    # the retry (its reason worded otherwise: another step's rotation) completes it, as first written
+    write(Ledger(store, signing_key=None), "rotated again, later", url)
+    assert path.read_bytes() == orphan
+    snap = Ledger(store, signing_key=None).snapshot()
+    assert getattr(snap, kind)["main@5"]["at"] == json.loads(orphan)["at"] and snap.breaks == [] and not snap.invalid
+    assert snap.available("main@5") is (kind == "kept")
 
 
 def test_a_commit_killed_before_its_chain_entry_counts_for_nothing_and_running_it_again_completes_it(

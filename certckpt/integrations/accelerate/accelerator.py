@@ -569,7 +569,11 @@ class CertifiedAccelerator(Accelerator):
                 continue
             url = ledger.url_of(rec)
             if "://" not in url and not os.path.exists(url) and not os.path.exists(os.path.dirname(url)):
-                ledger.retire(cid, reason="checkpoint directory deleted (total_limit, or by hand)", policy="accelerate")
+                why = ledger.retire_gone(
+                    cid, reason="checkpoint directory deleted (total_limit, or by hand)", policy="accelerate"
+                )
+                if why is not None:
+                    logger.warning("certckpt: %s", why)
 
     # --- loading ------------------------------------------------------------------------------
 

@@ -32,7 +32,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from certckpt.detect.session import CheckpointEvidence
-from certckpt.errors import ArgumentTypeError, CheckpointNotFoundError, ConfigurationError, NotACheckpointError
+from certckpt.errors import (
+    ArgumentTypeError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    ConfigurationError,
+    NotACheckpointError,
+)
 from certckpt.format.reader import load
 from certckpt.format.record import RecordFields
 from certckpt.format.verify import inspect
@@ -483,7 +489,9 @@ class CertifiedCheckpointIO(*CHECKPOINT_IO_BASES):  # type: ignore[misc]
             fs.rm(p)
         if cid is not None:
             reason = "Lightning removed the file (ModelCheckpoint save_top_k)"
-            store.ledger.retire(cid, reason=reason, policy="lightning")
+            why = store.ledger.retire_gone(cid, reason=reason, policy="lightning")
+            if why is not None:
+                warn_outside(f"certckpt: {why}")
             store.named.pop(_key(url), None)
 
     # --- keeping the latest-good through rotations ---------------------------------------------
@@ -500,7 +508,24 @@ class CertifiedCheckpointIO(*CHECKPOINT_IO_BASES):  # type: ignore[misc]
     def _is_latest_good(self, store: _Store, cid: str) -> bool:
         return self._keep_reason(store, cid) is not None
 
-    def _keep_aside(self, store: _Store, cid: str, url: str) -> None:
+    def _let_go(self, store: _Store, cid: str, url: str, *, reason: str, keep: bool) -> None:
+        """Before a new file takes ``url``: ``cid``, the checkpoint there, is kept aside (``keep``:
+        the gate keeps it) or retired. A retirement the ledger refuses (a record of another writer
+        holds the name) keeps the file aside too: what cannot be recorded as gone is not let go."""
+        if not keep:
+            why = None
+            try:
+                store.ledger.retire(cid, reason=reason, policy="lightning")
+            except CheckpointExistsError as e:
+                why = str(e)
+            if why is None:
+                store.named.pop(_key(url), None)
+                return
+            self._keep_aside(store, cid, url, why=f"its retirement cannot be recorded ({why})")
+            return
+        self._keep_aside(store, cid, url)
+
+    def _keep_aside(self, store: _Store, cid: str, url: str, *, why: str = "it is the run's latest-good") -> None:
         """Lightning is about to write over ``url``, which holds ``cid``, the run's latest-good: the
         file gets a second name in the store first (a hard link on a local disk, a copy on an object
         store), the ledger records where it is now, and only then does the new file take ``url``."""
@@ -534,8 +559,8 @@ class CertifiedCheckpointIO(*CHECKPOINT_IO_BASES):  # type: ignore[misc]
         store.named[_key(kept)] = cid
         store.kept[cid] = kept
         warn_outside(
-            f"certckpt: kept {cid} as {kept}: it is the run's latest-good and Lightning is writing over {url}; it is"
-            " deleted once a newer checkpoint is trusted (until then it costs one more checkpoint of disk)"
+            f"certckpt: kept {cid} as {kept}: {why}, and Lightning is writing over {url}; it is deleted once a"
+            " newer checkpoint is trusted and nothing is in doubt (until then it costs one more checkpoint of disk)"
         )
 
     def _release_kept(self, store: _Store) -> None:
@@ -556,9 +581,11 @@ class CertifiedCheckpointIO(*CHECKPOINT_IO_BASES):  # type: ignore[misc]
                 else:
                     fs, p = _remote(target)
                     fs.rm(p)
-            store.ledger.retire(
+            why = store.ledger.retire_gone(
                 cid, reason=f"kept while it was the latest-good; {latest} is trusted now", policy="lightning"
             )
+            if why is not None:
+                warn_outside(f"certckpt: {why}")
             store.named.pop(_key(kept), None)
             del store.kept[cid]
 
@@ -608,11 +635,8 @@ class CertifiedCheckpointIO(*CHECKPOINT_IO_BASES):  # type: ignore[misc]
         keep = replaces is not None and self._is_latest_good(store, replaces)
         target = resolve(url)
         if target.local is None:
-            if keep and replaces is not None:  # keep implies replaces; said for the type checker
-                self._keep_aside(store, replaces, url)
-            elif replaces is not None:
-                store.ledger.retire(replaces, reason=reason, policy="lightning")
-                store.named.pop(_key(url), None)
+            if replaces is not None:
+                self._let_go(store, replaces, url, reason=reason, keep=keep)
             fs, p = _remote(target)
             fs.rm(p)
             return write(url)
@@ -620,11 +644,8 @@ class CertifiedCheckpointIO(*CHECKPOINT_IO_BASES):  # type: ignore[misc]
         tmp = temp_name(final)
         try:
             result = write(tmp)
-            if keep and replaces is not None:  # keep implies replaces; said for the type checker
-                self._keep_aside(store, replaces, url)
-            elif replaces is not None:
-                store.ledger.retire(replaces, reason=reason, policy="lightning")
-                store.named.pop(_key(url), None)
+            if replaces is not None:
+                self._let_go(store, replaces, url, reason=reason, keep=keep)
             # certckpt's own save never replaces a file a commit record names, retired or not; the
             # ledger now says this one is gone, so the new file takes its name here, atomically.
             os.replace(tmp, final)

@@ -310,6 +310,8 @@ class CertifiedCheckpointManager(CheckpointManager):
         filesystem.rmtree(path)
         cid = self._retiring.pop(path, None)
         if cid is not None:
-            Ledger(self.store).retire(
+            why = Ledger(self.store).retire_gone(
                 cid, reason="TorchTitan removed it (checkpoint.keep_latest_k)", policy="torchtitan"
             )
+            if why is not None:
+                logger.warning("certckpt: %s", why)

@@ -619,11 +619,13 @@ class CertifiedTrainerMixin(_TrainerBase):
                 continue
             url = ledger.url_of(rec)
             if "://" not in url and not os.path.exists(url) and not os.path.exists(os.path.dirname(url)):
-                ledger.retire(
+                why = ledger.retire_gone(
                     cid,
                     reason="checkpoint directory deleted (the Trainer's save_total_limit, or by hand)",
                     policy="trainer",
                 )
+                if why is not None:
+                    logger.warning("certckpt: %s", why)
 
     # --- loading ------------------------------------------------------------------------------
 
