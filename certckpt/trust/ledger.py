@@ -391,8 +391,8 @@ class Ledger:
         written; False when the very record was there and sealed; None when an earlier attempt's
         record was found (written, its chain entry not: the process was killed in between, or its
         answer lost), the same in every field but ``time_field`` and the ``free`` ones, and sealed
-        now, completing it as it was first written. A record nothing seals counts for nothing, so without this the
-        retry would be refused and the fact never recorded.
+        now, completing it as it was first written. A record nothing seals counts for nothing, so
+        without this the retry would be refused and the fact never recorded.
 
         Raises:
             CheckpointExistsError: another record holds the name (``STORE: refusal (why); a record is

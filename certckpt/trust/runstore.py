@@ -60,6 +60,7 @@ __all__ = [
     "latest_intact_directory",
     "committed_directory",
     "committed_into",
+    "taken_problem",
     "snapshot_or_empty",
     "check_file",
     "open_incident",
@@ -637,6 +638,18 @@ def committed_into(ledger: Ledger, directory: str) -> str | None:
         if os.path.dirname(os.path.abspath(ledger.url_of(record))) == here:
             return cid
     return None
+
+
+def taken_problem(ledger: Ledger, directory: str, leftover: Callable[[str], str | None]) -> str | None:
+    """Why a save may not take ``directory`` by removing what is there (None: nothing is there, or
+    ``leftover(directory)`` proves it is the caller's own uncommitted save): a checkpoint ``ledger``
+    commits there, something that is not a directory, or whatever ``leftover`` finds."""
+    if not os.path.lexists(directory):
+        return None
+    cid = committed_into(ledger, directory)
+    if cid is not None:
+        return f"{cid} is committed there"
+    return leftover(directory) if os.path.isdir(directory) and not os.path.islink(directory) else "not a directory"
 
 
 def latest_intact_directory(

@@ -371,13 +371,13 @@ class CertifiedAccelerator(Accelerator):
         the save writes."""
         if not self.is_main_process or not os.path.isdir(directory):
             return
-        remove = ours or leftover_problem(directory, run=self.certckpt.run, step=step) is None
         cid = committed_into(ledger, directory)
         if cid is not None:
             raise CheckpointExistsError(
                 f"{directory}: {cid} is committed there; committed checkpoints are never written over: save "
                 "into a new directory"
             )
+        remove = ours or leftover_problem(directory, run=self.certckpt.run, step=step) is None
         if remove and not os.path.islink(directory):
             logger.warning("certckpt: removing %s, left uncommitted by an earlier save of this run", directory)
             shutil.rmtree(directory)

@@ -48,8 +48,8 @@ from certckpt.log import enable as enable_log
 from certckpt.trust.commit import commit_saved
 from certckpt.trust.ledger import Ledger, ckpt_id_for, is_ckpt_id
 from certckpt.trust.resume import branch_after_loading, plan_resume
-from certckpt.trust.runstore import committed_into
 from certckpt.trust.runstore import snapshot_or_empty as _snapshot
+from certckpt.trust.runstore import taken_problem
 
 from .codecs import register_deepspeed_types
 from .layout import (
@@ -223,10 +223,9 @@ class CertifiedCheckpointEngine(CheckpointEngine):
                     raise CheckpointExistsError(f"{tag_dir}: a certified checkpoint is there already; use another tag")
                 # only what a save of this run at this step provably left is removed: a plain DeepSpeed
                 # tag, another run's, one whose manifest was deleted, are somebody's (doubt frees no space)
-                held = committed_into(self.ledger_for(info.save_dir), tag_dir)
-                problem: str | None = f"{held} is committed there" if held is not None else "not a directory"
-                if held is None and os.path.isdir(tag_dir):
-                    problem = leftover_problem(tag_dir, run=self._run_name(info.save_dir), step=step)
+                run = self._run_name(info.save_dir)
+                ledger = self.ledger_for(info.save_dir)
+                problem = taken_problem(ledger, tag_dir, lambda d: leftover_problem(d, run=run, step=step))
                 if problem is not None:
                     raise CheckpointExistsError(
                         f"{tag_dir}: not a leftover of this run's own save at step {step} ({problem}), so certckpt "

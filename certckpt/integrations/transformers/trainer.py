@@ -68,8 +68,8 @@ from certckpt.trust.runstore import (
     StoreStatus,
     certify_store,
     committed_directory,
-    committed_into,
     latest_intact_directory,
+    taken_problem,
 )
 from certckpt.trust.runstore import snapshot_or_empty as _snapshot
 
@@ -432,15 +432,8 @@ class CertifiedTrainerMixin(_TrainerBase):
 
     def _certckpt_collision(self, output_dir: str, step: int) -> str | None:
         """Why a save at ``step`` may not take ``output_dir`` (None: free, or this run's leftover)."""
-        if not os.path.lexists(output_dir):
-            return None
         run = self.certckpt
-        cid = committed_into(run.ledger, output_dir)
-        if cid is not None:
-            return f"{output_dir}: {cid} is committed there; committed checkpoints are never written over"
-        problem: str | None = "not a directory"
-        if os.path.isdir(output_dir):
-            problem = leftover_problem(output_dir, run=run.run, step=step)
+        problem = taken_problem(run.ledger, output_dir, lambda d: leftover_problem(d, run=run.run, step=step))
         if problem is None:
             return None
         return (
